@@ -1,0 +1,1 @@
+"""Pure algorithm: stdlib + torch only (a test enforces it)."""

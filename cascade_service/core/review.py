@@ -1,0 +1,99 @@
+"""Review rules: how a reviewer judges a draft block it scored in one forward pass.
+
+Speculative sampling (Leviathan et al. 2023; CS Drafting Algorithm 1, review step): walk the block
+left to right, keep draft x with probability min(1, l * target(x) / draft(x)); at the first rejection
+draw the replacement from norm(max(0, target - draft)); if every draft is kept, draw a bonus token from
+the target's next distribution. l is the leniency: 1 at the final target review, >= 1 at inner ones.
+`target_probs` may be any distribution pi the caller built (lossy rules in later work pass their own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .sampling import residual, reviewed_proposal, sample
+from .types import Draft
+
+
+@dataclass
+class Verdict:
+    """What a review decided: `accepted` leading drafts kept, then `token` (replacement or bonus).
+
+    `token_probs` holds the emitted tokens' proposal probabilities and `dists` their full proposal
+    distributions ([accepted + 1, V], sampling mode only) for a reviewer one level up.
+    """
+
+    accepted: int
+    token: int
+    token_probs: list[float]
+    dists: torch.Tensor | None
+
+
+class ReviewRule(Protocol):
+    def review(
+        self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator
+    ) -> Verdict:
+        """target_probs: [len(block) + 1, V]; row i scores block position i, the last row the bonus."""
+        ...
+
+
+class GreedyReview:
+    """Temperature 0: keep a draft while it is the reviewer's argmax.
+
+    Leniency (authors' greedy rule, csd.py/model.py): with l > 1 also keep x when
+    target(x) > draft(x) / l. The final review passes l = 1, so the output is the target's greedy one.
+    """
+
+    def review(
+        self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator
+    ) -> Verdict:
+        k = len(block)
+        best = target_probs.argmax(dim=-1).tolist()  # [k + 1]
+        p_drafted = target_probs[torch.arange(k), block.tokens].tolist() if k else []
+        accepted = 0
+        for i in range(k):
+            x = block.tokens[i]
+            if x != best[i] and not (leniency > 1.0 and p_drafted[i] > block.token_probs[i] / leniency):
+                break
+            accepted += 1
+        token = best[accepted]
+        token_probs = p_drafted[:accepted] + [float(target_probs[accepted, token])]
+        return Verdict(accepted, token, token_probs, None)
+
+
+class SamplingReview:
+    """Temperature > 0: speculative sampling with leniency, reporting true proposal distributions."""
+
+    def review(
+        self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator
+    ) -> Verdict:
+        k = len(block)
+        assert block.dists is not None or k == 0, "sampling review needs the drafts' distributions"
+        accepted = k
+        if k:
+            rows = torch.arange(k)
+            p_x = target_probs[rows, block.tokens]  # [k]
+            q_x = block.dists[rows, block.tokens].clamp_min(1e-30)  # [k]
+            keep = torch.rand(k, generator=generator) < torch.clamp(leniency * p_x / q_x, max=1.0)
+            rejected = (~keep).nonzero()
+            accepted = int(rejected[0]) if len(rejected) else k
+        if accepted < k:
+            token = sample(residual(target_probs[accepted], block.dists[accepted]), generator)
+        else:
+            token = sample(target_probs[k], generator)
+        # Emitted positions 0..accepted: reviewed drafts (the replacement included) follow the
+        # reviewed mixture; a bonus token follows the reviewer's own distribution.
+        n_reviewed = min(accepted + 1, k)
+        dists = reviewed_proposal(target_probs[:n_reviewed], block.dists[:n_reviewed], leniency) if k else target_probs[:0]
+        if accepted == k:
+            dists = torch.cat([dists, target_probs[k : k + 1]])
+        tokens = block.tokens[:accepted] + [token]
+        token_probs = dists[torch.arange(accepted + 1), tokens].tolist()
+        return Verdict(accepted, token, token_probs, dists)
+
+
+def rule_for(greedy: bool) -> ReviewRule:
+    return GreedyReview() if greedy else SamplingReview()

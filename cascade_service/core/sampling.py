@@ -1,0 +1,88 @@
+"""Turning logits into distributions and tokens, the same way for every tier.
+
+Every tier's logits pass through one `SamplingParams`, so the draft and target distributions that
+speculative sampling compares are processed identically (temperature, then top-p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_p 1 keeps the whole distribution."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and self.temperature <= 100.0):
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, V] logits -> [n, V] float32 probabilities.
+
+        Greedy mode returns softmax at temperature 1: decisions use argmax, and greedy leniency compares
+        these probabilities (the authors' rule), so they must not be sharpened.
+        """
+        logits = logits.float()
+        if self.greedy:
+            return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            probs = _top_p(probs, self.top_p)
+        return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    # Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one).
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [n, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a [V] distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, target - draft)), [..., V]: where a rejected draft's replacement is drawn from.
+
+    If the difference has no mass (target == draft where it matters) rejection had probability 0;
+    fall back to the target so the function is total.
+    """
+    diff = (target_probs - draft_probs).clamp_min(0.0)
+    mass = diff.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, diff / mass.clamp_min(1e-30), target_probs)
+
+
+def reviewed_proposal(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, leniency: float
+) -> torch.Tensor:
+    """The true distribution of the token a (lenient) review emits at one position, [..., V].
+
+    A draft x ~ draft is kept with probability min(1, l * target(x) / draft(x)), else replaced by a
+    sample of residual(target, draft). So the emitted token follows
+        min(draft, l * target) + (1 - sum min(draft, l * target)) * residual.
+    With l = 1 this is exactly `target`. With l > 1 it is not, and a reviewer above must judge the
+    block against this mixture, not against the inner reviewer's `target` (notes §7), or the final
+    output stops being distributed as the target model's.
+    """
+    if leniency == 1.0:
+        return target_probs
+    kept = torch.minimum(draft_probs, leniency * target_probs)
+    rejected_mass = (1.0 - kept.sum(dim=-1, keepdim=True)).clamp_min(0.0)
+    return kept + rejected_mass * residual(target_probs, draft_probs)

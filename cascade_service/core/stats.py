@@ -1,0 +1,114 @@
+"""Plain counters for one generation; logging and metrics live at the edges.
+
+SWI, the paper's standardized walltime improvement (§5 of the notes):
+    SWI = n / (target calls + sum_i calls_i * c_i)
+with c_i a drafter's cost relative to the target: parameter-count ratio, or measured step-time ratio.
+MaG costs 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+@dataclass
+class TierCounters:
+    calls: int = 0  # forward passes (MaG: proposals)
+    tokens_processed: int = 0  # tokens fed through the model, cache misses included
+    tokens_out: int = 0  # tokens emitted: drafted as a leaf, or kept + replacement/bonus as a reviewer
+    time_s: float = 0.0
+
+
+@dataclass
+class ReviewCounters:
+    """What one reviewer saw: drafted/accepted tokens, per block position and per contributing drafter."""
+
+    reviews: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_drafter: dict[str, int] = field(default_factory=dict)
+    accepted_by_drafter: dict[str, int] = field(default_factory=dict)
+
+    def record(self, origins: list[str], accepted: int) -> None:
+        self.reviews += 1
+        self.drafted += len(origins)
+        self.accepted += accepted
+        _grow(self.drafted_by_position, len(origins))
+        _grow(self.accepted_by_position, len(origins))
+        for i, origin in enumerate(origins):
+            self.drafted_by_position[i] += 1
+            self.drafted_by_drafter[origin] = self.drafted_by_drafter.get(origin, 0) + 1
+            if i < accepted:
+                self.accepted_by_position[i] += 1
+                self.accepted_by_drafter[origin] = self.accepted_by_drafter.get(origin, 0) + 1
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+
+def _grow(counts: list[int], n: int) -> None:
+    counts.extend([0] * (n - len(counts)))
+
+
+@dataclass
+class CascadeStats:
+    target: str
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+    reviews: dict[str, ReviewCounters] = field(default_factory=dict)
+    generated: int = 0
+    wall_s: float = 0.0
+
+    def tier(self, name: str) -> TierCounters:
+        return self.tiers.setdefault(name, TierCounters())
+
+    def reviewer(self, name: str) -> ReviewCounters:
+        return self.reviews.setdefault(name, ReviewCounters())
+
+    @property
+    def target_calls(self) -> int:
+        return self.tier(self.target).calls
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target call (accepted drafts + the replacement or bonus token)."""
+        return self.generated / self.target_calls if self.target_calls else 0.0
+
+    def swi(self, costs: Mapping[str, float]) -> float:
+        """costs: drafter name -> cost relative to one target call; tiers not listed cost 0 (MaG)."""
+        spent = self.target_calls + sum(
+            counters.calls * costs.get(name, 0.0)
+            for name, counters in self.tiers.items()
+            if name != self.target
+        )
+        return self.generated / spent if spent else 0.0
+
+    def to_dict(self, swi_costs: Mapping[str, Mapping[str, float]] | None = None) -> dict:
+        """JSON-ready summary; swi_costs maps a cost-set name ("params", "measured") to its costs."""
+        target_review = self.reviews.get(self.target, ReviewCounters())
+        return {
+            "generated_tokens": self.generated,
+            "target_calls": self.target_calls,
+            "calls": {name: c.calls for name, c in self.tiers.items()},
+            "tokens_processed": {name: c.tokens_processed for name, c in self.tiers.items()},
+            "tokens_out": {name: c.tokens_out for name, c in self.tiers.items()},
+            "time_s": {name: round(c.time_s, 6) for name, c in self.tiers.items()},
+            "accepted_by_position": list(target_review.accepted_by_position),
+            "drafted_by_position": list(target_review.drafted_by_position),
+            "mean_accepted_length": self.mean_accepted_length,
+            "reviews": {
+                name: {
+                    "reviews": r.reviews,
+                    "drafted": r.drafted,
+                    "accepted": r.accepted,
+                    "acceptance_by_position": r.acceptance_by_position(),
+                    "drafted_by_drafter": dict(r.drafted_by_drafter),
+                    "accepted_by_drafter": dict(r.accepted_by_drafter),
+                }
+                for name, r in self.reviews.items()
+            },
+            "swi": {name: self.swi(costs) for name, costs in (swi_costs or {}).items()},
+            "wall_s": self.wall_s,
+        }
