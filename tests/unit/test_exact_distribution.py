@@ -1,0 +1,93 @@
+"""Sampling exactness: the cascade's output is distributed exactly as the target's (invariant 2).
+
+Toy models over 4 tokens; the target's distribution over 3-token continuations is enumerated and the
+cascade's samples are tested against it (chi-square, alpha ~ 0.001, fixed seeds). The same check is
+shown to reject a one-token bias and a cascade that reviews against the inner reviewer's distribution
+instead of the inner system's true proposal (the leniency pitfall of notes §7).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from cascade_service.core import review as review_module
+from cascade_service.core.cascade import RequestState, build_cascade
+from cascade_service.core.decode import decode
+from cascade_service.core.mag import BigramTable, MaxGram
+from cascade_service.core.sampling import SamplingParams
+from cascade_service.core.schedule import Schedule
+from cascade_service.core.stats import CascadeStats
+
+from .toy import ToyScorer, chi_square_rejects, exact_distribution
+
+VOCAB, LENGTH, SAMPLES = 4, 3, 4000
+PROMPT = [0, 1, 2, 0, 1]
+
+
+def _tiers():
+    target = ToyScorer("target", VOCAB, seed=1)
+    base = ToyScorer("base", VOCAB, seed=2, base=target, noise=1.5)
+    small = ToyScorer("small", VOCAB, seed=3, base=target, noise=3.0)
+    return target, base, small
+
+
+def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES, seed=0):
+    target, base, small = _tiers()
+    models = {"base": base, "small": small}
+    bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
+    schedule = Schedule.parse(k_matrix, drafter_names)
+    counts: Counter = Counter()
+    for i in range(samples):
+        state = RequestState(sampling, torch.Generator().manual_seed(seed * 1_000_003 + i), CascadeStats("target"), VOCAB)
+        drafters = [MaxGram(bigram) if n == "mag" else models[n] for n in drafter_names]
+        system = build_cascade(target, drafters, schedule, leniency, state)
+        out = [t for chunk in decode(system, PROMPT, LENGTH, frozenset(), state.stats) for t in chunk]
+        counts[tuple(out)] += 1
+    return counts, exact_distribution(target, PROMPT, LENGTH, sampling)
+
+
+CASES = {
+    "sd_small": (["small"], [[3]], 1.0),
+    "csd_base_mag_lenient": (["base", "mag"], [[2, 2], [0, 3]], 3.0),
+    "csd_base_small_mag_lenient": (["base", "small", "mag"], [[2, 1, 1], [0, 2, 2], [0, 0, 3]], 2.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["t1", "t0.7_p0.9"])
+def test_cascade_output_distribution_equals_target_distribution(case, sampling):
+    names, k, leniency = CASES[case]
+    counts, expected = _sample_cascade(names, k, leniency, sampling)
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
+
+
+def test_distribution_check_detects_a_one_token_bias():
+    # Power of the check: samples from the target distribution with 0.03 of mass moved onto one token
+    # at the first position must be rejected at the same sample size.
+    sampling = SamplingParams(1.0)
+    target, _, _ = _tiers()
+    expected = exact_distribution(target, PROMPT, LENGTH, sampling)
+    # biased = 0.97 * target + 0.03 * (target conditioned on the first token being 1)
+    first_one = sum(p for seq, p in expected.items() if seq[0] == 1)
+    biased = {seq: 0.97 * p + (0.03 * p / first_one if seq[0] == 1 else 0.0) for seq, p in expected.items()}
+    total = sum(biased.values())
+    keys = list(biased)
+    probs = torch.tensor([biased[k] / total for k in keys])
+    draws = torch.multinomial(probs, SAMPLES, replacement=True, generator=torch.Generator().manual_seed(5))
+    counts = Counter(keys[i] for i in draws.tolist())
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert rejects, f"a 0.03 one-token bias went undetected (chi-square {stat:.1f} <= {crit:.1f})"
+
+
+def test_reviewing_against_inner_reviewer_probs_is_detected(monkeypatch):
+    # The pitfall the design warns about: with leniency > 1, passing the inner reviewer's own
+    # distribution upward (instead of the reviewed mixture) biases the output. The check must see it.
+    monkeypatch.setattr(review_module, "reviewed_proposal", lambda target_probs, draft_probs, leniency: target_probs)
+    names, k, leniency = CASES["csd_base_small_mag_lenient"]
+    counts, expected = _sample_cascade(names, k, 3.0, SamplingParams(1.0))
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert rejects, f"the biased cascade passed (chi-square {stat:.1f} <= {crit:.1f})"

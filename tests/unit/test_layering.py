@@ -1,0 +1,43 @@
+"""Pure core, thin edges (STYLE.md habit 1): each heavy dependency is imported only in its layer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "cascade_service"
+
+# module -> the only subpackages/files allowed to import it
+ALLOWED = {
+    "ray": ("serving/",),
+    "grpc": ("api/", "client/"),
+    "redis": ("sessions/redis_store.py",),
+    "transformers": ("models/",),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_core_imports_only_stdlib_and_torch():
+    import sys
+
+    allowed = set(sys.stdlib_module_names) | {"torch", "cascade_service"}
+    for path in (PACKAGE / "core").rglob("*.py"):
+        outside = _imports(path) - allowed
+        assert not outside, f"{path.relative_to(PACKAGE)} imports {sorted(outside)}: core is stdlib + torch only"
+
+
+def test_heavy_dependencies_stay_in_their_layer():
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for module in _imports(path) & set(ALLOWED):
+            assert rel.startswith(ALLOWED[module]), f"{rel} imports {module}; only {ALLOWED[module]} may"
