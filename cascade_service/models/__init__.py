@@ -1,0 +1,1 @@
+"""Model adapters: the only layer that imports transformers (a test enforces it)."""

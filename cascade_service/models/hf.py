@@ -1,0 +1,206 @@
+"""Hugging Face causal LMs as cascade tiers: a shared loaded model and a per-request KV-cached scorer."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import transformers
+from transformers.utils import logging as hf_logging
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from cascade_service.core.types import Context
+
+_DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "auto": "auto",  # whatever config.json records
+}
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+# 5.x renamed from_pretrained's `torch_dtype` to `dtype` (the old name is deprecated); 4.x knows only it.
+_DTYPE_KWARG = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
+def _parse_dtype(dtype: str) -> torch.dtype | str:
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _parse_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise ValueError(f"unknown device {device!r}; expected cpu, cuda, cuda:N or auto")
+    return torch.device(device)
+
+
+def _local_dir(path: str | Path) -> Path:
+    # A string that is not a local directory is refused rather than treated as a hub id: the service
+    # must never download weights behind the operator's back.
+    local = Path(path).expanduser()
+    if not local.is_dir():
+        raise FileNotFoundError(f"model directory {str(local)!r} does not exist (hub ids are not loaded)")
+    if not (local / "config.json").is_file():
+        raise FileNotFoundError(f"{str(local)!r} has no config.json; not a Hugging Face model directory")
+    return local
+
+
+def _eos_ids(module: PreTrainedModel) -> set[int]:
+    ids: set[int] = set()
+    for cfg in (getattr(module, "generation_config", None), module.config):
+        value = getattr(cfg, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return ids
+
+
+def load_tokenizer(path: str | Path):
+    """Load the tokenizer stored in a local model directory (never from the hub)."""
+    return AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)
+
+
+class HFModel:
+    """One loaded tier, shared read-only across requests; each request gets its own `scorer()`."""
+
+    def __init__(self, module: PreTrainedModel, name: str):
+        self.module = module
+        self.name = name
+        self.config = module.config
+        self.device = next(module.parameters()).device
+        head = module.get_output_embeddings()
+        self.vocab_size: int = head.weight.shape[0] if head is not None else module.config.vocab_size
+        self.num_parameters: int = sum(p.numel() for p in module.parameters())
+        self.eos_token_ids: set[int] = _eos_ids(module)
+        # A prefill of a long prompt would otherwise materialise [S, V] logits only to drop all but n.
+        self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
+        self._step_times: dict[int, float] = {}
+
+    @classmethod
+    def load(
+        cls, path: str | Path, dtype: str = "float32", device: str = "cpu", name: str | None = None
+    ) -> "HFModel":
+        """Load a local Hugging Face model directory in eval mode on `device`.
+
+        dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto".
+        Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
+        """
+        torch_dtype = _parse_dtype(dtype)
+        target = _parse_device(device)
+        local = _local_dir(path)
+        hf_logging.disable_progress_bar()  # a "Loading weights" bar per tier per process is only noise
+        module = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
+        module.eval().to(target)
+        return cls(module, name or local.resolve().name)
+
+    def scorer(self) -> "HFScorer":
+        """A fresh scorer (own KV cache) for one request."""
+        return HFScorer(self)
+
+    def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Plain no-cache forward: [len(tokens), V] float32 logits on the model's device."""
+        with torch.inference_mode():
+            return self._forward(tokens, None, len(tokens))
+
+    def step_time_s(self, context_len: int = 64, repeats: int = 7) -> float:
+        """Median wall time of one single-token decode step over a `context_len`-token KV cache.
+
+        Measured once per context length (after warm-up) and cached on the object.
+        """
+        if context_len < 0 or repeats < 1:
+            raise ValueError(f"need context_len >= 0 and repeats >= 1, got {context_len}, {repeats}")
+        if context_len not in self._step_times:
+            self._step_times[context_len] = self._measure_step(context_len, repeats)
+        return self._step_times[context_len]
+
+    def _measure_step(self, context_len: int, repeats: int) -> float:
+        gen = torch.Generator().manual_seed(0)
+        prefix = torch.randint(0, self.vocab_size, (context_len + 1,), generator=gen).tolist()
+        warmup = 2
+        times = []
+        with torch.inference_mode():
+            cache = DynamicCache()
+            if context_len:
+                self._forward(prefix[:context_len], cache, 1)
+            for i in range(warmup + repeats):
+                self._sync()
+                began = time.perf_counter()
+                self._forward(prefix[context_len:], cache, 1)
+                self._sync()
+                times.append(time.perf_counter() - began)
+                # Drop the step's token so every repeat decodes against the same cache length.
+                cache.crop(-1)
+        return statistics.median(times[warmup:])
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, tokens: Sequence[int], cache: DynamicCache | None, keep: int) -> torch.Tensor:
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, S]
+        extra = {"logits_to_keep": keep} if self._keeps_logits else {}
+        out = self.module(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
+        return out.logits[0, -keep:].float()  # [keep, V]
+
+
+class HFScorer:
+    """Scorer over one HFModel for one request: keeps a KV cache and rolls it back by cropping.
+
+    `logits` returns float32 rows on the model's device (the caller moves them if it needs to).
+    Not thread-safe: one request, one scorer.
+    """
+
+    def __init__(self, model: HFModel):
+        self.name = model.name
+        self.tokens_processed = 0
+        self._model = model
+        self._cache = DynamicCache()
+        self._tokens: list[int] = []  # the tokens whose keys/values the cache holds, in order
+        # self._tokens[:_trusted] are committed tokens of the request (they were below ctx.stable),
+        # which never change, so the prefix match may skip them.
+        self._trusted = 0
+
+    def logits(self, ctx: Context, n: int) -> torch.Tensor:
+        """[n, V] float32 logits; row j predicts the token after `ctx.tokens[:len(ctx) - n + 1 + j]`."""
+        if not 1 <= n <= len(ctx):
+            raise ValueError(f"n must be in [1, {len(ctx)}] for a context of {len(ctx)} tokens, got {n}")
+        # Logits are not cached, so the first requested row's input token is re-fed even if cached.
+        start = min(self._common_prefix(ctx.tokens), len(ctx) - n)
+        self._rollback(start)
+        fed = ctx.tokens[start:]
+        with torch.inference_mode():
+            rows = self._model._forward(fed, self._cache, n)  # [n, V]
+        self._tokens.extend(fed)
+        self.tokens_processed += len(fed)
+        self._trusted = min(max(self._trusted, ctx.stable), len(self._tokens))
+        return rows
+
+    def reset(self) -> None:
+        """Drop the KV cache (frees its memory); the next call re-prefills. Counters are kept."""
+        self._cache = DynamicCache()
+        self._tokens = []
+        self._trusted = 0
+
+    def _common_prefix(self, tokens: list[int]) -> int:
+        # Only the pending tail is compared: O(draft length), not O(sequence length).
+        limit = min(len(self._tokens), len(tokens))
+        i = min(self._trusted, limit)
+        while i < limit and self._tokens[i] == tokens[i]:
+            i += 1
+        return i
+
+    def _rollback(self, length: int) -> None:
+        # Cropping the cache is how a rejected draft is undone; the committed prefix stays cached.
+        if length == 0:
+            self.reset()
+            return
+        # Negative crop = tokens to remove: the form both transformers 4.x and 5.x accept.
+        self._cache.crop(length - self._cache.get_seq_length())
+        del self._tokens[length:]
+        self._trusted = min(self._trusted, length)
