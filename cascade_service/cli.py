@@ -1,0 +1,167 @@
+"""`cascade-service` command line. Subcommands register themselves in `COMMANDS`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, NoReturn, Sequence
+
+from .config import (
+    Config,
+    ConfigError,
+    GenerationConfig,
+    drafter_from_arg,
+    load_config,
+    make_cascade,
+    make_generation,
+    target_from_arg,
+)
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+    def __init__(self, message: str, prog: str = "cascade-service"):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
+        raise UsageError(message, self.prog)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with the cascade, in-process")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="YAML config (see configs/)")
+    src.add_argument("--target", help="target model directory (Hugging Face format)")
+    p.add_argument("--drafter", action="extend", nargs="+", default=[], metavar="DIR_OR_mag",
+                   help="drafters, largest first; 'mag' is the Max-Gram drafter")
+    p.add_argument("--k-matrix", help="K-matrix as JSON, e.g. '[[5,3],[0,8]]' (see README)")
+    p.add_argument("--leniency", type=float, help="leniency of inner reviews (>= 1)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt-file")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--dtype", default="float32", help="with --target: model dtype")
+    p.add_argument("--device", default="cpu", help="with --target: cpu, cuda, cuda:N or auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_generate)
+
+
+def _config_from_args(args: argparse.Namespace) -> Config:
+    if args.config:
+        if args.drafter:
+            raise UsageError("--drafter goes with --target, not with --config")
+        config = load_config(args.config)
+        cascade = config.cascade
+        if args.k_matrix is not None or args.leniency is not None:
+            cascade = make_cascade(
+                cascade.target,
+                cascade.drafters,
+                args.k_matrix if args.k_matrix is not None else cascade.schedule.to_lists(),
+                args.leniency if args.leniency is not None else cascade.leniency,
+            )
+        gen = config.generation
+    else:
+        target = target_from_arg(args.target, args.dtype, args.device)
+        drafters = [drafter_from_arg(d, i, args.dtype, args.device) for i, d in enumerate(args.drafter)]
+        cascade = make_cascade(target, drafters, args.k_matrix, args.leniency if args.leniency is not None else 1.0)
+        gen = GenerationConfig()
+    gen = make_generation(gen, {
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "top_p": args.top_p, "seed": args.seed,
+    })
+    return Config(cascade, gen)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        return Path(args.prompt_file).read_text()
+    except OSError as exc:
+        raise UsageError(f"--prompt-file: cannot read {args.prompt_file}: {exc.strerror}") from None
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from .engine import Engine  # heavy (torch, transformers): only when needed
+
+    config = _config_from_args(args)
+    prompt = _read_prompt(args)
+    if not prompt:
+        raise UsageError("the prompt is empty")
+    engine = Engine(config.cascade)
+    prompt_ids = engine.encode(prompt)
+    result = engine.generate(prompt_ids, config.generation)
+    text = engine.decode_text(result.token_ids)
+    stats = result.stats.to_dict(engine.swi_costs())
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "stats": stats}))
+    else:
+        print(text)
+        print(
+            f"[{stats['generated_tokens']} tokens in {stats['wall_s']:.2f}s, "
+            f"{stats['target_calls']} target calls, mean accepted length "
+            f"{stats['mean_accepted_length']:.2f}, SWI {stats['swi']}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _add_zoo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("zoo", help="build the model zoo (offline)")
+    zoo_sub = p.add_subparsers(dest="zoo_command", required=True, parser_class=_Parser)
+    build = zoo_sub.add_parser("build", help="build a model family into $CASCADE_SERVICE_HOME/zoo/<preset>")
+    build.add_argument("--preset", default="tiny", choices=["tiny"], help="tiny: random weights, seconds")
+    build.add_argument("--out", help="output directory (default: $CASCADE_SERVICE_HOME/zoo/<preset>)")
+    build.set_defaults(run=_run_zoo_build)
+
+
+def _run_zoo_build(args: argparse.Namespace) -> int:
+    from .models.tiny import build_family
+    from .paths import zoo_dir
+
+    paths = build_family(args.out or zoo_dir(args.preset))
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the main job: build the zoo if missing, decode prompts, print speeds")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.set_defaults(run=lambda args: __import__("cascade_service.demo", fromlist=["run_demo"]).run_demo(args.max_new_tokens))
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_zoo, _add_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cascade-service", description="Cascade Speculative Drafting service")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except (UsageError, ConfigError, FileNotFoundError, ValueError) as exc:
+        prog = getattr(exc, "prog", "cascade-service")
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Configuration: one tree of frozen, validated objects, loaded here and nowhere else.
+
+Strings become objects once, here (a drafter named "mag" becomes `MaGConfig`, a K-matrix becomes a
+`Schedule`); every other module receives only its own slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from .core.schedule import Schedule, ScheduleError
+from .paths import expand
+
+MAG = "mag"
+DTYPES = ("float32", "float16", "bfloat16", "auto")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelTierConfig:
+    name: str  # tier name in stats and K-matrix messages
+    path: str  # local Hugging Face directory (config, safetensors, tokenizer)
+    dtype: str = "float32"  # weights and compute dtype
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"
+
+
+@dataclass(frozen=True)
+class MaGConfig:
+    name: str = MAG
+    bigram: str | None = None  # JSON bigram table (zoo build writes one); none: n-gram matches only
+    max_ngram: int = 16  # longest suffix MaG looks up; bounds its per-call work
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    target: ModelTierConfig
+    drafters: tuple[ModelTierConfig | MaGConfig, ...]  # largest first, MaG last
+    schedule: Schedule  # the K-matrix
+    leniency: float = 1.0  # inner reviews only; the target's review is always strict
+
+    @property
+    def tiers(self) -> tuple[ModelTierConfig | MaGConfig, ...]:
+        return (self.target, *self.drafters)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64  # per request
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0  # sampling seed per request
+
+
+@dataclass(frozen=True)
+class Config:
+    cascade: CascadeConfig
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return parse_config(raw, base_dir=path.parent)
+
+
+def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
+    _only(raw, "", {"tiers", "schedule", "generation", "model"})
+    model_defaults = _mapping(raw.get("model", {}), "model")
+    tiers = _mapping(raw.get("tiers"), "tiers")
+    _only(tiers, "tiers.", {"target", "drafters"})
+    target = _model_tier(tiers.get("target"), "tiers.target", "target", model_defaults, base_dir)
+    drafter_list = tiers.get("drafters", [])
+    if not isinstance(drafter_list, list):
+        raise ConfigError("tiers.drafters must be a list")
+    drafters = tuple(
+        _drafter(item, f"tiers.drafters[{i}]", model_defaults, base_dir) for i, item in enumerate(drafter_list)
+    )
+    schedule_raw = _mapping(raw.get("schedule", {}), "schedule")
+    _only(schedule_raw, "schedule.", {"k_matrix", "leniency"})
+    cascade = make_cascade(target, drafters, schedule_raw.get("k_matrix"), schedule_raw.get("leniency", 1.0))
+    gen_raw = _mapping(raw.get("generation", {}), "generation")
+    _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed"})
+    return Config(cascade, make_generation(GenerationConfig(), gen_raw))
+
+
+def make_cascade(
+    target: ModelTierConfig,
+    drafters: Sequence[ModelTierConfig | MaGConfig],
+    k_matrix: Any,
+    leniency: Any,
+) -> CascadeConfig:
+    names = [d.name for d in drafters]
+    if len(set(names) | {target.name}) != len(names) + 1:
+        raise ConfigError(f"tier names must be unique, got target {target.name!r} and drafters {names}")
+    try:
+        if k_matrix is None:
+            schedule = Schedule.default(names)
+        elif isinstance(k_matrix, str):
+            schedule = Schedule.from_json(k_matrix, names)
+        else:
+            schedule = Schedule.parse(k_matrix, names)
+    except ScheduleError as exc:
+        raise ConfigError(f"schedule.k_matrix: {exc}") from None
+    if isinstance(leniency, bool) or not isinstance(leniency, (int, float)) or not leniency >= 1.0:
+        raise ConfigError(f"schedule.leniency must be a number >= 1, got {leniency!r}")
+    return CascadeConfig(target, tuple(drafters), schedule, float(leniency))
+
+
+def make_generation(base: GenerationConfig, overrides: dict[str, Any]) -> GenerationConfig:
+    """Apply overrides (None = keep) with the range checks every entry point shares."""
+    values = {k: v for k, v in overrides.items() if v is not None}
+    gen = replace(base, **values)
+    _check_int(gen.max_new_tokens, "generation.max_new_tokens", 0, 1_000_000)
+    _check_int(gen.seed, "generation.seed", 0, 2**63 - 1)
+    if isinstance(gen.temperature, bool) or not isinstance(gen.temperature, (int, float)) or not 0 <= gen.temperature <= 100:
+        raise ConfigError(f"generation.temperature must be in [0, 100], got {gen.temperature!r}")
+    if isinstance(gen.top_p, bool) or not isinstance(gen.top_p, (int, float)) or not 0 < gen.top_p <= 1:
+        raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p!r}")
+    return replace(gen, temperature=float(gen.temperature), top_p=float(gen.top_p))
+
+
+def drafter_from_arg(arg: str, index: int, dtype: str, device: str) -> ModelTierConfig | MaGConfig:
+    """A command-line drafter: `mag`, or a model directory (named after it)."""
+    if arg == MAG:
+        return MaGConfig()
+    return _model_tier({"path": arg}, f"--drafter[{index}]", Path(arg).name or f"drafter{index}", {"dtype": dtype, "device": device}, Path("."))
+
+
+def target_from_arg(path: str, dtype: str, device: str) -> ModelTierConfig:
+    return _model_tier({"path": path}, "--target", "target", {"dtype": dtype, "device": device}, Path("."))
+
+
+def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTierConfig | MaGConfig:
+    if item == MAG:
+        return MaGConfig()
+    item = _mapping(item, where)
+    if item.get("kind") == MAG or item.get("name") == MAG and "path" not in item:
+        _only(item, where + ".", {"kind", "name", "bigram", "max_ngram"})
+        bigram = item.get("bigram")
+        max_ngram = item.get("max_ngram", 16)
+        _check_int(max_ngram, where + ".max_ngram", 1, 64)
+        return MaGConfig(item.get("name", MAG), _resolve(bigram, base_dir) if bigram else None, max_ngram)
+    return _model_tier(item, where, None, defaults, base_dir)
+
+
+def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:
+    item = _mapping(item, where)
+    _only(item, where + ".", {"name", "path", "dtype", "device", "kind"})
+    if not isinstance(item.get("path"), str) or not item["path"]:
+        raise ConfigError(f"{where}.path must be a local model directory")
+    path = _resolve(item["path"], base_dir)
+    name = item.get("name") or default_name or Path(path).name
+    dtype = item.get("dtype", defaults.get("dtype", "float32"))
+    if dtype not in DTYPES:
+        raise ConfigError(f"{where}.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device = item.get("device", defaults.get("device", "cpu"))
+    if not isinstance(device, str) or not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
+        raise ConfigError(f"{where}.device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    if name == MAG:
+        raise ConfigError(f"{where}.name: 'mag' is reserved for the Max-Gram drafter")
+    return ModelTierConfig(str(name), path, dtype, device)
+
+
+def _resolve(path: str, base_dir: Path) -> str:
+    expanded = Path(expand(path))
+    return str(expanded if expanded.is_absolute() else (base_dir / expanded))
+
+
+def _mapping(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _only(mapping: dict, prefix: str, allowed: set[str]) -> None:
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown field {prefix}{unknown[0]} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _check_int(value: Any, where: str, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")

@@ -1,0 +1,87 @@
+"""The in-process wiring: loaded tiers + the core cascade, one fresh cascade per request.
+
+Models are loaded once and shared; each request gets its own scorers (KV caches), MaG index, RNG and
+counters, so concurrent requests never see each other's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from .config import CascadeConfig, GenerationConfig, MaGConfig
+from .core.cascade import RequestState, build_cascade
+from .core.decode import decode
+from .core.mag import BigramTable, MaxGram
+from .core.sampling import SamplingParams
+from .core.stats import CascadeStats
+from .models.hf import HFModel, load_tokenizer
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    stats: CascadeStats
+
+
+class Engine:
+    """Target + drafters loaded from local directories, ready to generate."""
+
+    def __init__(self, cascade: CascadeConfig):
+        self.cascade = cascade
+        t = cascade.target
+        self.target = HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
+        self.drafters: list[HFModel | MaGConfig] = []
+        self.bigram: BigramTable | None = None
+        for d in cascade.drafters:
+            if isinstance(d, MaGConfig):
+                self.drafters.append(d)
+                self.bigram = BigramTable.load(d.bigram) if d.bigram else None
+            else:
+                model = HFModel.load(d.path, dtype=d.dtype, device=d.device, name=d.name)
+                if model.vocab_size != self.target.vocab_size:
+                    raise ValueError(
+                        f"drafter {d.name!r} has vocabulary size {model.vocab_size}, "
+                        f"target has {self.target.vocab_size}: tiers must share one vocabulary"
+                    )
+                self.drafters.append(model)
+        self.tokenizer = load_tokenizer(t.path)
+        self.eos_ids = frozenset(self.target.eos_token_ids)
+
+    def stream(self, prompt_ids: Sequence[int], gen: GenerationConfig, stats: CascadeStats | None = None) -> Iterator[list[int]]:
+        """Yield committed tokens round by round; `stats` (if given) fills in as it goes."""
+        stats = stats if stats is not None else CascadeStats(self.target.name)
+        state = RequestState(
+            sampling=SamplingParams(gen.temperature, gen.top_p),
+            generator=torch.Generator().manual_seed(gen.seed),
+            stats=stats,
+            vocab_size=self.target.vocab_size,
+            eos_ids=self.eos_ids,
+        )
+        drafters = [
+            MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else d.scorer() for d in self.drafters
+        ]
+        system = build_cascade(self.target.scorer(), drafters, self.cascade.schedule, self.cascade.leniency, state)
+        yield from decode(system, list(prompt_ids), gen.max_new_tokens, self.eos_ids, stats)
+
+    def generate(self, prompt_ids: Sequence[int], gen: GenerationConfig) -> Generation:
+        stats = CascadeStats(self.target.name)
+        tokens = [t for chunk in self.stream(prompt_ids, gen, stats) for t in chunk]
+        return Generation(tokens, stats)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def swi_costs(self) -> dict[str, dict[str, float]]:
+        """Drafter costs relative to the target: parameter ratio and measured step-time ratio."""
+        models = [d for d in self.drafters if isinstance(d, HFModel)]
+        target_step = self.target.step_time_s()
+        return {
+            "params": {m.name: m.num_parameters / self.target.num_parameters for m in models},
+            "measured": {m.name: m.step_time_s() / target_step for m in models},
+        }

@@ -1,0 +1,143 @@
+"""Greedy exactness against an independent oracle (invariant 1).
+
+For every drafter set, K-matrix and leniency, the cascade's greedy output equals plain
+`transformers` `generate(do_sample=False)` of the target, token for token. Drafters include ones
+that agree with the target often (its weights plus noise) and an unrelated one, so both the accept
+and the reject paths run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.core.mag import BigramTable
+from cascade_service.engine import Engine
+from cascade_service.models.tiny import random_prompts
+
+SHORT = random_prompts(1, 3, seed=11)[0]  # shorter than MaG's 16-token match window
+LONG = random_prompts(1, 24, seed=12)[0] * 2  # 48 tokens, repeats itself: MaG finds long matches
+MEDIUM = random_prompts(1, 20, seed=13)[0]
+
+# (drafters, K-matrix); "close"/"mid" are target + noise, "unrelated" is an independent init.
+SETUPS = {
+    "sd_close": (["close"], [[4]]),
+    "sd_unrelated": (["unrelated"], [[3]]),
+    "csd_close_mag": (["close", "mag"], [[4, 2], [0, 6]]),
+    "csd_mid_mag_llama_paper_shape": (["mid", "mag"], [[7, 5], [0, 5]]),  # [[13,10],[0,10]] scaled down
+    "csd_close_mid_mag": (["close", "mid", "mag"], [[4, 2, 0], [0, 2, 6], [0, 0, 6]]),
+    "csd_close_mid_mag_t5_paper_shape": (["close", "mid", "mag"], [[3, 7, 5], [0, 1, 5], [0, 0, 5]]),
+    "csd_close_unrelated_mag": (["close", "unrelated", "mag"], [[3, 3, 2], [0, 3, 4], [0, 0, 4]]),
+}
+
+
+def _oracle(target_dir, prompt, max_new_tokens, eos_id=None):
+    model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_id,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def _engine(family, names, k_matrix, leniency, bigram=None):
+    drafters = [
+        MaGConfig(bigram=bigram) if n == "mag" else ModelTierConfig(n, str(family[n])) for n in names
+    ]
+    cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency)
+    return Engine(cascade)
+
+
+@pytest.fixture(scope="module")
+def oracle_cache(tiny_family):
+    cache = {}
+
+    def get(prompt, n, eos=None):
+        key = (tuple(prompt), n, eos)
+        if key not in cache:
+            cache[key] = _oracle(tiny_family["target"], prompt, n, eos)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def bigram_path(tiny_family, tmp_path_factory):
+    stream = [t for p in random_prompts(50, 40, seed=3) for t in p]
+    path = tmp_path_factory.mktemp("mag") / "bigram.json"
+    BigramTable.from_tokens(stream, 320).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("leniency", [1.0, 1.5, 3.0])
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_greedy_cascade_equals_transformers_generate(tiny_family, oracle_cache, bigram_path, setup, leniency):
+    names, k_matrix = SETUPS[setup]
+    engine = _engine(tiny_family, names, k_matrix, leniency, bigram_path)
+    for prompt in (SHORT, LONG):
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
+        expected = oracle_cache(prompt, 40)
+        assert result.token_ids == expected
+        assert result.stats.target_calls <= len(expected)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13, 31])
+def test_max_new_tokens_reached_inside_a_block_is_exact(tiny_family, oracle_cache, max_new_tokens):
+    names, k_matrix = SETUPS["csd_close_mid_mag"]
+    engine = _engine(tiny_family, names, k_matrix, 1.5)
+    result = engine.generate(MEDIUM, GenerationConfig(max_new_tokens=max_new_tokens))
+    assert result.token_ids == oracle_cache(MEDIUM, max_new_tokens)
+    assert len(result.token_ids) == max_new_tokens
+
+
+@pytest.mark.parametrize("setup", ["sd_close", "csd_close_mag", "csd_close_mid_mag"])
+def test_eos_inside_a_draft_block_stops_exactly_there(tiny_family, oracle_cache, setup):
+    # Use as EOS a token the target emits mid-way through its greedy output, so EOS arrives inside a
+    # multi-token round; the oracle is told the same EOS.
+    free = oracle_cache(LONG, 40)
+    eos = free[9]
+    expected = oracle_cache(LONG, 40, eos)
+    assert expected[-1] == eos and len(expected) < 40
+    names, k_matrix = SETUPS[setup]
+    engine = _engine(tiny_family, names, k_matrix, 1.0)
+    engine.eos_ids = frozenset({eos})
+    chunks = list(engine.stream(LONG, GenerationConfig(max_new_tokens=40)))
+    assert [t for c in chunks for t in c] == expected
+    assert len(chunks[-1]) >= 2, "EOS should have come inside an accepted draft block"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_greedy_cascade_is_exact_on_other_architectures(tiny_family_factory, arch):
+    family = tiny_family_factory(arch)
+    for names, k_matrix in (SETUPS["sd_close"], SETUPS["csd_close_mid_mag"]):
+        engine = _engine(family, names, k_matrix, 2.0)
+        for prompt in (SHORT, LONG):
+            assert engine.generate(prompt, GenerationConfig(max_new_tokens=30)).token_ids == _oracle(
+                family["target"], prompt, 30
+            )
+
+
+def test_kv_caches_never_reprefill_the_prefix(tiny_family, oracle_cache):
+    # Invariant 4: work per token does not grow with the output. The target feeds at most
+    # prompt + generated + drafted tokens; a drafter at most prompt + generated + the tokens it
+    # reviewed + the tokens it emitted. A re-prefill per round would add ~48 tokens per round.
+    names, k_matrix = SETUPS["csd_close_mid_mag"]
+    engine = _engine(tiny_family, names, k_matrix, 1.5)
+    result = engine.generate(LONG, GenerationConfig(max_new_tokens=60))
+    stats = result.stats
+    assert result.token_ids == oracle_cache(LONG, 60)
+    base = len(LONG) + stats.generated
+    target = stats.tiers["target"]
+    assert target.tokens_processed <= base + stats.reviews["target"].drafted
+    for name in ("close", "mid"):
+        tier = stats.tiers[name]
+        reviewed = stats.reviews[name].drafted if name in stats.reviews else 0
+        assert tier.tokens_processed <= base + reviewed + tier.tokens_out, name
+    assert stats.target_calls > 5  # several rounds happened, so a re-prefill would have shown
