@@ -77,10 +77,10 @@ class Schedule:
 
     @classmethod
     def default(cls, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> "Schedule":
-        """A plain vertical cascade: each tier reviews only the next one, 5 tokens (8 from MaG)."""
+        """A plain vertical cascade: each tier reviews only the next one, 5 tokens (10 from MaG, the paper's figure)."""
         n = len(drafters)
         # MaG proposes for free, so a longer block from it costs nothing but target compute.
-        diag = [8 if d in leaf_only else 5 for d in drafters]
+        diag = [10 if d in leaf_only else 5 for d in drafters]
         k = [[diag[c] if r == c else 0 for c in range(n)] for r in range(n)]
         return cls.parse(k, drafters, leaf_only)
 

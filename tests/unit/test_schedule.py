@@ -62,7 +62,7 @@ def test_is_leaf_and_row_reject_tiers_outside_the_cascade():
 
 
 def test_default_is_a_diagonal_with_more_tokens_from_mag():
-    assert Schedule.default(THREE).to_lists() == [[5, 0, 0], [0, 5, 0], [0, 0, 8]]
+    assert Schedule.default(THREE).to_lists() == [[5, 0, 0], [0, 5, 0], [0, 0, 10]]
     assert Schedule.default(["small"]).to_lists() == [[5]]
     assert Schedule.default([]).to_lists() == []
 
@@ -113,7 +113,7 @@ def test_unreachable_row_leaves_its_drafters_unused():
 def test_leaf_only_names_are_configurable():
     with pytest.raises(ScheduleError, match="'ngram' cannot review"):
         Schedule.parse([[5, 5], [0, 5]], ["ngram", "small"], leaf_only={"ngram"})
-    assert Schedule.default(["small", "ngram"], leaf_only={"ngram"}).to_lists() == [[5, 0], [0, 8]]
+    assert Schedule.default(["small", "ngram"], leaf_only={"ngram"}).to_lists() == [[5, 0], [0, 10]]
 
 
 def test_schedule_error_is_a_value_error():
