@@ -137,7 +137,13 @@ def _run_zoo_build(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: build the zoo if missing, decode prompts, print speeds")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.set_defaults(run=lambda args: __import__("cascade_service.demo", fromlist=["run_demo"]).run_demo(args.max_new_tokens))
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo  # heavy imports only when needed
+
+    return run_demo(args.max_new_tokens)
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_zoo, _add_demo]

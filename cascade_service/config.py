@@ -148,7 +148,7 @@ def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTier
     if item == MAG:
         return MaGConfig()
     item = _mapping(item, where)
-    if item.get("kind") == MAG or item.get("name") == MAG and "path" not in item:
+    if item.get("kind") == MAG or (item.get("name") == MAG and "path" not in item):
         _only(item, where + ".", {"kind", "name", "bigram", "max_ngram"})
         bigram = item.get("bigram")
         max_ngram = item.get("max_ngram", 16)
