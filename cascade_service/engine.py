@@ -6,12 +6,13 @@ counters, so concurrent requests never see each other's state.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from .config import CascadeConfig, GenerationConfig, MaGConfig
+from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade
 from .core.cascade import RequestState, build_cascade
 from .core.decode import decode
 from .core.mag import BigramTable, MaxGram
@@ -49,6 +50,21 @@ class Engine:
                 self.drafters.append(model)
         self.tokenizer = load_tokenizer(t.path)
         self.eos_ids = frozenset(self.target.eos_token_ids)
+
+    def variant(self, drafters: Sequence[str], k_matrix: Any = None, leniency: float = 1.0) -> "Engine":
+        """The same loaded models with another drafter subset (by tier name, largest first) and schedule.
+
+        Benchmarks and tuning compare many schedules; reloading weights for each would dominate.
+        """
+        by_name = {d.name: (cfg, d) for cfg, d in zip(self.cascade.drafters, self.drafters)}
+        unknown = [n for n in drafters if n not in by_name]
+        if unknown:
+            raise ValueError(f"unknown drafter {unknown[0]!r}; this config has {sorted(by_name)}")
+        cascade = make_cascade(self.cascade.target, [by_name[n][0] for n in drafters], k_matrix, leniency)
+        twin = copy.copy(self)
+        twin.cascade = cascade
+        twin.drafters = [by_name[n][1] for n in drafters]
+        return twin
 
     def stream(self, prompt_ids: Sequence[int], gen: GenerationConfig, stats: CascadeStats | None = None) -> Iterator[list[int]]:
         """Yield committed tokens round by round; `stats` (if given) fills in as it goes."""
