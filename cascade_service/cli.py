@@ -146,7 +146,24 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(args.max_new_tokens)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_zoo, _add_demo]
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="choose the K-matrix and leniency from measured acceptance and cost")
+    p.add_argument("--config", required=True)
+    p.add_argument("--prompts", required=True, help='JSON lines {"prompt": "..."}')
+    p.add_argument("--out", required=True, help="where to write the tuned config (YAML)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--objective", default="tokens_per_s", help="tokens_per_s, swi_params or swi_measured")
+    p.set_defaults(run=_run_tune)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from .tune import tune
+
+    tune(args.config, args.prompts, args.out, args.max_new_tokens, args.objective)
+    return 0
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_zoo, _add_demo, _add_tune]
 
 
 def build_parser() -> argparse.ArgumentParser:
