@@ -163,7 +163,13 @@ def _run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_zoo, _add_demo, _add_tune]
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from .bench.cli import add_bench_command
+
+    add_bench_command(sub, _Parser)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_zoo, _add_demo, _add_tune, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,149 @@
+"""`cascade-service bench`: our engine and transformers' decoders, measured side by side in one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+from importlib import metadata
+from pathlib import Path
+
+DEFAULT_SD_KS = "1,2,3,4,5,6,7,8"
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser]) -> None:
+    """Register `bench` on the CLI's subparsers.
+
+    parser_class is the CLI's parser class, for nested subcommands (bench has none; `subparsers`
+    already builds parsers of that class).
+    """
+    del parser_class
+    p = subparsers.add_parser("bench", help="benchmark methods side by side in one process (greedy, exact)")
+    p.add_argument("--config", required=True, help="YAML config naming the target and drafter tiers")
+    p.add_argument("--prompts", required=True, help='JSON lines, one {"prompt": "..."} per line')
+    p.add_argument("--methods", required=True,
+                   help="comma-separated: hf-ar, ar, hf-assisted:<tier>, hf-prompt-lookup, sd:<tier>, "
+                        "csd:<tier>+<tier>... (hf-ar, the reference, always runs)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts; tokens/s is their median")
+    p.add_argument("--sd-k-sweep", default=DEFAULT_SD_KS, help="k values tried for each sd: method")
+    p.add_argument("--out", required=True, help="output directory for results.json, results.md and plots")
+    p.set_defaults(run=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    # Heavy imports (torch, transformers, matplotlib) only once the command actually runs.
+    from ..config import load_config
+    from .harness import run_bench, summarize
+    from .methods import parse_methods
+    from .report import markdown, plot_acceptance, plot_speedup
+    from .zoo import Zoo
+
+    _check_range(args.max_new_tokens, "--max-new-tokens", 1, 1_000_000)
+    _check_range(args.repeats, "--repeats", 1, 1000)
+    sd_ks = _int_list(args.sd_k_sweep, "--sd-k-sweep")
+    config = load_config(args.config)
+    texts = read_prompts(args.prompts)
+    methods = parse_methods(args.methods, config.cascade, sd_ks)  # bad names fail before any model loads
+
+    zoo = Zoo(config.cascade)
+    prompts = [zoo.encode(t) for t in texts]
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise ValueError(f"--prompts: prompt {i + 1} encodes to no tokens")
+    logs = run_bench(zoo, methods, prompts, args.max_new_tokens, args.repeats)
+    costs = zoo.swi_costs()  # step times measured after the runs, on warm models
+    results = {
+        "command": _command(args),
+        "config": _config_summary(args.config, config.cascade),
+        "machine": _machine(),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "sd_k_sweep": sd_ks,
+        "prompts": [{"prompt": t, "num_tokens": len(ids)} for t, ids in zip(texts, prompts)],
+        "swi_costs": costs,
+        "methods": summarize(methods, logs, costs),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    table = markdown(results)
+    (out / "results.md").write_text(table)
+    plot_acceptance(results, out / "acceptance_by_position.png")
+    plot_speedup(results, out / "speedup.png")
+    print(table, end="")
+    return 0
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a JSON-lines file of {"prompt": "..."} objects (blank lines skipped)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--prompts: cannot read {path}: {exc.strerror}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--prompts {path} line {number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
+            raise ValueError(f'--prompts {path} line {number}: expected {{"prompt": "<non-empty text>"}}')
+        prompts.append(item["prompt"])
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompts")
+    return prompts
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    for v in values:
+        _check_range(v, flag, 1, 256)
+    return list(dict.fromkeys(values))
+
+
+def _check_range(value: int, flag: str, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"{flag} must be in [{lo}, {hi}], got {value}")
+
+
+def _command(args: argparse.Namespace) -> str:
+    argv = ["cascade-service", "bench", "--config", args.config, "--prompts", args.prompts,
+            "--methods", args.methods, "--max-new-tokens", str(args.max_new_tokens),
+            "--repeats", str(args.repeats), "--sd-k-sweep", args.sd_k_sweep, "--out", args.out]
+    return shlex.join(argv)
+
+
+def _config_summary(path: str, cascade) -> dict:
+    return {
+        "path": str(path),
+        "target": {"name": cascade.target.name, "path": cascade.target.path, "dtype": cascade.target.dtype,
+                   "device": cascade.target.device},
+        "drafters": [{"name": d.name, "path": getattr(d, "path", None)} for d in cascade.drafters],
+        "k_matrix": cascade.schedule.to_lists(),
+        "leniency": cascade.leniency,
+    }
+
+
+def _machine() -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": metadata.version("transformers"),
+    }

@@ -1,0 +1,153 @@
+"""The timing loop and the figures: every runner on the same prompts, interleaved, in one process.
+
+Interleaving (for each repeat, for each prompt, for each runner) spreads machine drift over all
+methods alike; each runner is warmed up once first. SWI is the paper's standardized walltime
+improvement (§5): n / (target calls + sum_i drafter calls_i * cost_i), MaG at cost 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from tqdm import tqdm
+
+from .methods import REFERENCE, Method, Outcome, Runner
+from .zoo import Zoo
+
+
+@dataclass
+class Tally:
+    """Counters summed over every timed run of one runner."""
+
+    generated: int = 0
+    target_calls: int = 0
+    drafter_calls: dict[str, int] = field(default_factory=dict)
+    accepted_by_position: dict[str, list[int]] = field(default_factory=dict)  # reviewer -> counts
+    drafted_by_position: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, outcome: Outcome) -> None:
+        self.generated += len(outcome.token_ids)
+        self.target_calls += outcome.target_calls
+        for name, calls in outcome.drafter_calls.items():
+            self.drafter_calls[name] = self.drafter_calls.get(name, 0) + calls
+        for name, (accepted, drafted) in outcome.reviews.items():
+            _add_into(self.accepted_by_position.setdefault(name, []), accepted)
+            _add_into(self.drafted_by_position.setdefault(name, []), drafted)
+
+    def swi(self, costs: Mapping[str, float]) -> float:
+        spent = self.target_calls + sum(calls * costs.get(name, 0.0) for name, calls in self.drafter_calls.items())
+        return _ratio(self.generated, spent)
+
+    def acceptance_by_position(self) -> dict[str, list[float]]:
+        # A reviewer that never saw a draft (the target alone, `ar`) has no curve.
+        return {
+            name: [_ratio(a, d) for a, d in zip(self.accepted_by_position[name], drafted)]
+            for name, drafted in self.drafted_by_position.items()
+            if drafted
+        }
+
+
+@dataclass
+class RunnerLog:
+    times: list[list[float]] = field(default_factory=list)  # [repeat][prompt] seconds
+    tokens: list[list[list[int]]] = field(default_factory=list)  # [repeat][prompt] generated ids
+    tally: Tally = field(default_factory=Tally)
+
+
+def run_bench(
+    zoo: Zoo, methods: Sequence[Method], prompts: Sequence[list[int]], max_new_tokens: int, repeats: int
+) -> dict[str, RunnerLog]:
+    """Time every runner of every method; returns runner label -> log."""
+    runners = [r for m in methods for r in m.variants]
+    for runner in runners:  # warm-up: first-call allocations and lazy inits stay out of the timings
+        runner.run(zoo, prompts[0], max_new_tokens)
+    logs = {r.label: RunnerLog() for r in runners}
+    bar = tqdm(total=repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=None)
+    for _ in range(repeats):
+        for log in logs.values():
+            log.times.append([])
+            log.tokens.append([])
+        for prompt in prompts:
+            for runner in runners:
+                _timed(runner, zoo, prompt, max_new_tokens, logs[runner.label])
+            bar.update()
+    bar.close()
+    return logs
+
+
+def _timed(runner: Runner, zoo: Zoo, prompt: list[int], max_new_tokens: int, log: RunnerLog) -> None:
+    began = time.perf_counter()
+    outcome = runner.run(zoo, prompt, max_new_tokens)
+    log.times[-1].append(time.perf_counter() - began)
+    log.tokens[-1].append(outcome.token_ids)
+    log.tally.add(outcome)
+
+
+def summarize(
+    methods: Sequence[Method], logs: Mapping[str, RunnerLog], costs: Mapping[str, Mapping[str, float]]
+) -> dict[str, dict]:
+    """results.json's "methods": per method the figures of its fastest variant (plus any sweep)."""
+    reference = logs[REFERENCE].tokens[0]  # [prompt] hf-ar's tokens in the first repeat
+    out: dict[str, dict] = {}
+    for method in methods:
+        variants = [(r, _figures(logs[r.label], reference, costs)) for r in method.variants]
+        best_at = max(range(len(variants)), key=lambda i: variants[i][1]["tokens_per_s"])
+        runner, figures = variants[best_at]
+        figures = {**figures, "setup": runner.describe()}
+        if method.sweep_k:
+            figures["best_k"] = method.sweep_k[best_at]
+            figures["sweep"] = {str(k): f for k, (_, f) in zip(method.sweep_k, variants)}
+        out[method.name] = figures
+    base = out[REFERENCE]["tokens_per_s"]
+    for figures in [*out.values(), *(f for m in out.values() for f in m.get("sweep", {}).values())]:
+        figures["speedup_vs_hf_ar"] = _ratio(figures["tokens_per_s"], base)
+    return out
+
+
+def _figures(log: RunnerLog, reference: list[list[int]], costs: Mapping[str, Mapping[str, float]]) -> dict:
+    tally, n = log.tally, log.tally.generated
+    by_repeat = [_ratio(sum(map(len, toks)), sum(times)) for toks, times in zip(log.tokens, log.times)]
+    figures = {
+        "tokens_per_s": statistics.median(by_repeat),
+        "speedup_vs_hf_ar": 0.0,  # filled in once hf-ar's speed is known
+        "swi_params": tally.swi(costs.get("params", {})),
+        "swi_measured": tally.swi(costs.get("measured", {})),
+        "target_calls_per_token": _ratio(tally.target_calls, n),
+        "mean_accepted_length": _ratio(n, tally.target_calls),
+        # Every repeat of every prompt, not just one: a flaky mismatch must not hide.
+        "identical_to_hf_ar": all(toks == reference for toks in log.tokens),
+        "drafter_calls_per_token": {name: _ratio(calls, n) for name, calls in tally.drafter_calls.items()},
+        "tokens_per_s_by_repeat": by_repeat,
+        "per_prompt": _per_prompt(log, reference),
+    }
+    if acceptance := tally.acceptance_by_position():
+        figures["acceptance_by_position"] = acceptance
+    return figures
+
+
+def _per_prompt(log: RunnerLog, reference: list[list[int]]) -> list[dict]:
+    rows = []
+    for i, expected in enumerate(reference):
+        time_s = statistics.median(times[i] for times in log.times)
+        tokens = len(log.tokens[0][i])
+        rows.append({
+            "generated_tokens": tokens,
+            "time_s": time_s,  # median over repeats
+            "tokens_per_s": _ratio(tokens, time_s),
+            "identical_to_hf_ar": all(toks[i] == expected for toks in log.tokens),
+        })
+    return rows
+
+
+def _add_into(total: list[int], counts: Sequence[int]) -> None:
+    total.extend([0] * (len(counts) - len(total)))
+    for i, c in enumerate(counts):
+        total[i] += c
+
+
+def _ratio(a: float, b: float) -> float:
+    return float(a) / b if b else 0.0

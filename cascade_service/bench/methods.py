@@ -1,0 +1,176 @@
+"""Benchmark methods: strings like `csd:base+mag` become runner objects here, once, against a config.
+
+A `Method` is what the user named; its `variants` are the runners actually timed (one, or one per k
+of an SD sweep, of which the fastest is reported). Every runner is greedy and exact, so each must
+reproduce `hf-ar`'s tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from ..config import CascadeConfig, ConfigError, GenerationConfig, MaGConfig, make_cascade
+from ..core.stats import CascadeStats
+from ..models.hf_baselines import HFRun, hf_assisted, hf_greedy, hf_prompt_lookup
+from .zoo import Zoo
+
+REFERENCE = "hf-ar"
+USAGE = "hf-ar, ar, hf-prompt-lookup, hf-assisted:<tier>, sd:<tier>, csd:<tier>+<tier>+..."
+
+
+@dataclass
+class Outcome:
+    """One generation's tokens and counters, the same figures for our engine and for transformers."""
+
+    token_ids: list[int]
+    target_calls: int
+    drafter_calls: dict[str, int]  # tier -> forward passes (MaG: proposals)
+    # reviewer tier -> (accepted_by_position, drafted_by_position); empty for transformers' methods
+    reviews: dict[str, tuple[list[int], list[int]]]
+
+
+class Runner(Protocol):
+    label: str  # unique among all runners of a bench, e.g. "sd:close@k=3"
+
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+        """Greedy-decode `prompt_ids` (at most max_new_tokens new tokens)."""
+        ...
+
+    def describe(self) -> dict:
+        """What exactly ran (drafters, schedule, ...), for results.json."""
+        ...
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # as written on the command line
+    variants: tuple[Runner, ...]  # the fastest one is reported; all are kept
+    sweep_k: tuple[int, ...] = ()  # k of each variant for an SD sweep, else empty
+
+
+@dataclass(frozen=True)
+class HFGreedy:
+    label: str = REFERENCE
+
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+        return _from_hf(hf_greedy(zoo.target, prompt_ids, max_new_tokens, zoo.eos_ids))
+
+    def describe(self) -> dict:
+        return {"kind": "transformers generate, greedy, target alone"}
+
+
+@dataclass(frozen=True)
+class HFAssisted:
+    label: str
+    assistant: str  # drafter tier name
+
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+        assistant = zoo.model(self.assistant)
+        return _from_hf(hf_assisted(zoo.target, assistant, prompt_ids, max_new_tokens, zoo.eos_ids))
+
+    def describe(self) -> dict:
+        return {"kind": "transformers assisted generation, greedy, default schedule", "assistant": self.assistant}
+
+
+@dataclass(frozen=True)
+class HFPromptLookup:
+    label: str = "hf-prompt-lookup"
+
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+        return _from_hf(hf_prompt_lookup(zoo.target, prompt_ids, max_new_tokens, zoo.eos_ids))
+
+    def describe(self) -> dict:
+        return {"kind": "transformers prompt lookup decoding, greedy, prompt_lookup_num_tokens=10"}
+
+
+@dataclass(frozen=True)
+class EngineRunner:
+    """Our engine over a subset of the config's drafters with its own schedule."""
+
+    label: str
+    cascade: CascadeConfig
+
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+        result = zoo.engine(self.cascade).generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
+        return _from_stats(result.token_ids, result.stats)
+
+    def describe(self) -> dict:
+        return {
+            "kind": "cascade-service engine, greedy",
+            "drafters": [d.name for d in self.cascade.drafters],
+            "k_matrix": self.cascade.schedule.to_lists(),
+            "leniency": self.cascade.leniency,
+        }
+
+
+def _from_hf(run: HFRun) -> Outcome:
+    return Outcome(run.token_ids, run.target_calls, dict(run.drafter_calls), {})
+
+
+def _from_stats(token_ids: list[int], stats: CascadeStats) -> Outcome:
+    drafter_calls = {name: c.calls for name, c in stats.tiers.items() if name != stats.target}
+    reviews = {
+        name: (list(r.accepted_by_position), list(r.drafted_by_position)) for name, r in stats.reviews.items()
+    }
+    return Outcome(token_ids, stats.target_calls, drafter_calls, reviews)
+
+
+def parse_methods(spec: str, config: CascadeConfig, sd_ks: Sequence[int]) -> list[Method]:
+    """Parse a comma-separated method list; hf-ar (the reference) always comes first.
+
+    Raises ValueError naming the offending method.
+    """
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--methods: give at least one method ({USAGE})")
+    methods = [Method(REFERENCE, (HFGreedy(),))]
+    for name in dict.fromkeys(names):  # de-duplicated, order kept
+        if name != REFERENCE:
+            methods.append(_parse_one(name, config, sd_ks))
+    return methods
+
+
+def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int]) -> Method:
+    kind, _, arg = name.partition(":")
+    if name == "ar":
+        return Method(name, (EngineRunner(name, _cascade(name, config, (), None, 1.0)),))
+    if name == "hf-prompt-lookup":
+        return Method(name, (HFPromptLookup(),))
+    if kind == "hf-assisted" and arg:
+        tier = _tiers(name, arg, config)[0]
+        if isinstance(tier, MaGConfig) or "+" in arg:
+            raise ValueError(f"method {name!r}: the assistant must be one model tier of the config")
+        return Method(name, (HFAssisted(name, tier.name),))
+    if kind == "sd" and arg:
+        tiers = _tiers(name, arg, config)
+        if len(tiers) != 1:
+            raise ValueError(f"method {name!r}: sd takes exactly one drafter tier (use csd: for more)")
+        variants = tuple(EngineRunner(f"{name}@k={k}", _cascade(name, config, tiers, [[k]], 1.0)) for k in sd_ks)
+        return Method(name, variants, tuple(sd_ks))
+    if kind == "csd" and arg:
+        tiers = _tiers(name, arg, config)
+        if tiers == config.drafters:  # the config's own cascade: its tuned K-matrix and leniency
+            cascade = _cascade(name, config, tiers, config.schedule.to_lists(), config.leniency)
+        else:  # a subset or reordering: the default schedule (an override file may come later)
+            cascade = _cascade(name, config, tiers, None, 1.0)
+        return Method(name, (EngineRunner(name, cascade),))
+    raise ValueError(f"unknown method {name!r} (expected {USAGE})")
+
+
+def _tiers(name: str, arg: str, config: CascadeConfig) -> tuple:
+    by_name = {d.name: d for d in config.drafters}
+    tiers = []
+    for tier in arg.split("+"):
+        if tier not in by_name:
+            known = ", ".join(by_name) or "none"
+            raise ValueError(f"method {name!r}: {tier!r} is not a drafter tier of the config (drafters: {known})")
+        tiers.append(by_name[tier])
+    return tuple(tiers)
+
+
+def _cascade(name: str, config: CascadeConfig, tiers: Sequence, k_matrix, leniency: float) -> CascadeConfig:
+    try:
+        return make_cascade(config.target, list(tiers), k_matrix, leniency)
+    except ConfigError as exc:
+        raise ValueError(f"method {name!r}: {exc}") from None

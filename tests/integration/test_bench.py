@@ -1,0 +1,154 @@
+"""`cascade-service bench`: every method is greedy and exact, and the outputs have the documented shape.
+
+One bench run over the tiny family (module fixture) feeds most tests; it runs in-process through the
+command's own argparse registration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+
+import pytest
+import yaml
+
+from cascade_service.bench.cli import add_bench_command
+from cascade_service.bench.methods import parse_methods
+from cascade_service.config import load_config
+
+METHODS = ["hf-ar", "ar", "hf-assisted:close", "hf-prompt-lookup", "sd:close", "csd:close+mag", "csd:close+mid+mag"]
+PROMPTS = [
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\n",  # repeats: lookups match
+    "import os\n",
+]
+FIGURES = {
+    "tokens_per_s": float, "speedup_vs_hf_ar": float, "swi_params": float, "swi_measured": float,
+    "target_calls_per_token": float, "mean_accepted_length": float, "identical_to_hf_ar": bool,
+}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="cascade-service")
+    add_bench_command(parser.add_subparsers(dest="command", required=True), argparse.ArgumentParser)
+    args = parser.parse_args(["bench", *argv])
+    return args.run(args)
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_family, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    config = {
+        "tiers": {
+            "target": {"name": "target", "path": str(tiny_family["target"])},
+            "drafters": [
+                {"name": "close", "path": str(tiny_family["close"])},
+                {"name": "mid", "path": str(tiny_family["mid"])},
+                {"kind": "mag"},
+            ],
+        },
+        "schedule": {"k_matrix": [[4, 2, 0], [0, 2, 6], [0, 0, 6]], "leniency": 1.5},
+    }
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return root
+
+
+@pytest.fixture(scope="module")
+def bench_out(inputs):
+    out, stdout = inputs / "out", io.StringIO()
+    with contextlib.redirect_stdout(stdout):  # capsys is function-scoped; this run is shared
+        code = _bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+                      "--methods", ",".join(METHODS), "--max-new-tokens", "16", "--sd-k-sweep", "1,3",
+                      "--repeats", "1", "--out", str(out))
+    assert code == 0
+    return out, stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def results(bench_out):
+    return json.loads((bench_out[0] / "results.json").read_text())
+
+
+def test_results_json_has_the_documented_figures_for_every_method(results):
+    assert list(results["methods"]) == METHODS
+    for method, figures in results["methods"].items():
+        for key, kind in FIGURES.items():
+            assert type(figures[key]) is kind, f"{method}.{key} is {type(figures[key]).__name__}"
+        assert figures["tokens_per_s"] > 0 and figures["mean_accepted_length"] >= 1.0, method
+    for key in ("config", "machine", "max_new_tokens", "prompts", "command"):
+        assert key in results
+    assert results["methods"]["hf-ar"]["speedup_vs_hf_ar"] == 1.0
+
+
+def test_every_greedy_method_reproduces_hf_ar_token_for_token(results):
+    for method, figures in results["methods"].items():
+        assert figures["identical_to_hf_ar"] is True, method
+        assert all(p["identical_to_hf_ar"] for p in figures["per_prompt"]), method
+    for k, figures in results["methods"]["sd:close"]["sweep"].items():
+        assert figures["identical_to_hf_ar"] is True, f"sd:close k={k}"
+
+
+def test_call_counts_agree_between_forward_hooks_and_engine_counters(results):
+    # Autoregressive decoding costs one target forward per token, however it is counted.
+    for method in ("hf-ar", "ar"):
+        figures = results["methods"][method]
+        assert figures["target_calls_per_token"] == 1.0 and figures["swi_params"] == 1.0, method
+    assisted = results["methods"]["hf-assisted:close"]
+    assert assisted["drafter_calls_per_token"]["close"] > 0
+    for method in ("hf-assisted:close", "sd:close", "csd:close+mag", "csd:close+mid+mag"):
+        figures = results["methods"][method]
+        assert figures["mean_accepted_length"] == pytest.approx(1 / figures["target_calls_per_token"]), method
+
+
+def test_sd_keeps_every_swept_k_and_reports_the_fastest(results):
+    sd = results["methods"]["sd:close"]
+    assert set(sd["sweep"]) == {"1", "3"}
+    assert sd["best_k"] in (1, 3)
+    assert sd["tokens_per_s"] == max(f["tokens_per_s"] for f in sd["sweep"].values())
+    assert sd["setup"]["k_matrix"] == [[sd["best_k"]]]
+
+
+def test_csd_uses_the_config_schedule_only_for_the_config_drafters(results):
+    own = results["methods"]["csd:close+mid+mag"]["setup"]
+    assert own["k_matrix"] == [[4, 2, 0], [0, 2, 6], [0, 0, 6]] and own["leniency"] == 1.5
+    subset = results["methods"]["csd:close+mag"]["setup"]
+    assert subset["k_matrix"] == [[5, 0], [0, 10]] and subset["leniency"] == 1.0
+
+
+def test_cascade_methods_report_acceptance_by_position_per_reviewer(results):
+    by_reviewer = results["methods"]["csd:close+mid+mag"]["acceptance_by_position"]
+    assert set(by_reviewer) == {"target", "close", "mid"}
+    assert all(0.0 <= rate <= 1.0 for rates in by_reviewer.values() for rate in rates)
+    assert "acceptance_by_position" not in results["methods"]["ar"]
+
+
+def test_plots_are_png_files(bench_out):
+    for name in ("acceptance_by_position.png", "speedup.png"):
+        data = (bench_out[0] / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000, name
+
+
+def test_results_md_has_a_row_per_method_and_is_printed(bench_out):
+    out, stdout = bench_out
+    table = (out / "results.md").read_text()
+    for method in METHODS:
+        assert sum(line.startswith(f"| `{method}` |") for line in table.splitlines()) == 1, method
+    assert "SD sweep for `sd:close`" in table
+    assert table in stdout
+
+
+def test_hf_ar_always_runs_first_as_the_reference(inputs):
+    config = load_config(inputs / "config.yaml").cascade
+    methods = parse_methods("csd:close+mag,ar", config, [2])
+    assert [m.name for m in methods] == ["hf-ar", "csd:close+mag", "ar"]
+
+
+@pytest.mark.parametrize("method", ["csd:nope", "frob", "hf-assisted:mag", "sd:close+mid", "csd:mag+close"])
+def test_bad_method_names_raise_value_error_naming_the_method(inputs, tmp_path, method):
+    with pytest.raises(ValueError, match=method.replace("+", r"\+")):
+        _bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+               "--methods", f"ar,{method}", "--out", str(tmp_path))
