@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from .config import MAG, GenerationConfig, load_config
 from .core.ewif import best_k
 from .core.schedule import Schedule, ScheduleError
 from .engine import Engine
+from .prompts import read_prompts
 
 OBJECTIVES = ("tokens_per_s", "swi_params", "swi_measured")
 
@@ -43,24 +43,6 @@ class Trial:
 
     def score(self, objective: str) -> float:
         return getattr(self, objective)
-
-
-def load_prompts(path: str | Path) -> list[str]:
-    """JSON lines `{"prompt": "..."}`; a clear error names the bad line."""
-    prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not JSON: {exc.msg}") from None
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
-            raise ValueError(f'{path}:{number}: expected {{"prompt": "<non-empty text>"}}')
-        prompts.append(item["prompt"])
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
 
 
 def measure(engine: Engine, candidate: Candidate, prompts: Sequence[list[int]], max_new_tokens: int,
@@ -150,7 +132,7 @@ def tune(config_path: str, prompts_path: str, out_path: str, max_new_tokens: int
     if not config.cascade.drafters:
         raise ValueError(f"{config_path}: no drafters to tune")
     engine = Engine(config.cascade)
-    prompts = [engine.encode(p) for p in load_prompts(prompts_path)]
+    prompts = [engine.encode(p) for p in read_prompts(prompts_path)]
     costs = engine.swi_costs()
     _log("measuring lone-drafter acceptance (EWIF, Corollary 4.2):")
     drafters = [d.name for d in config.cascade.drafters]

@@ -29,6 +29,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts; tokens/s is their median")
     p.add_argument("--sd-k-sweep", default=DEFAULT_SD_KS, help="k values tried for each sd: method")
+    p.add_argument("--tuned", action="append", default=[], metavar="CONFIG",
+                   help="a config (e.g. from `tune`) whose K-matrix and leniency a csd: method with exactly "
+                        "its drafters uses; repeatable")
     p.add_argument("--out", required=True, help="output directory for results.json, results.md and plots")
     p.set_defaults(run=run_bench_command)
 
@@ -40,13 +43,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from .methods import parse_methods
     from .report import markdown, plot_acceptance, plot_speedup
     from .zoo import Zoo
+    from ..prompts import read_prompts
 
     _check_range(args.max_new_tokens, "--max-new-tokens", 1, 1_000_000)
     _check_range(args.repeats, "--repeats", 1, 1000)
     sd_ks = _int_list(args.sd_k_sweep, "--sd-k-sweep")
     config = load_config(args.config)
     texts = read_prompts(args.prompts)
-    methods = parse_methods(args.methods, config.cascade, sd_ks)  # bad names fail before any model loads
+    tuned = [load_config(path).cascade for path in args.tuned]
+    methods = parse_methods(args.methods, config.cascade, sd_ks, tuned)  # bad names fail before any model loads
 
     zoo = Zoo(config.cascade)
     prompts = [zoo.encode(t) for t in texts]
@@ -75,28 +80,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     plot_speedup(results, out / "speedup.png")
     print(table, end="")
     return 0
-
-
-def read_prompts(path: str) -> list[str]:
-    """Prompts from a JSON-lines file of {"prompt": "..."} objects (blank lines skipped)."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ValueError(f"--prompts: cannot read {path}: {exc.strerror}") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--prompts {path} line {number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
-            raise ValueError(f'--prompts {path} line {number}: expected {{"prompt": "<non-empty text>"}}')
-        prompts.append(item["prompt"])
-    if not prompts:
-        raise ValueError(f"--prompts {path}: no prompts")
-    return prompts
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -116,7 +116,7 @@ def _from_stats(token_ids: list[int], stats: CascadeStats) -> Outcome:
     return Outcome(token_ids, stats.target_calls, drafter_calls, reviews)
 
 
-def parse_methods(spec: str, config: CascadeConfig, sd_ks: Sequence[int]) -> list[Method]:
+def parse_methods(spec: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Sequence[CascadeConfig] = ()) -> list[Method]:
     """Parse a comma-separated method list; hf-ar (the reference) always comes first.
 
     Raises ValueError naming the offending method.
@@ -127,11 +127,11 @@ def parse_methods(spec: str, config: CascadeConfig, sd_ks: Sequence[int]) -> lis
     methods = [Method(REFERENCE, (HFGreedy(),))]
     for name in dict.fromkeys(names):  # de-duplicated, order kept
         if name != REFERENCE:
-            methods.append(_parse_one(name, config, sd_ks))
+            methods.append(_parse_one(name, config, sd_ks, tuned))
     return methods
 
 
-def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int]) -> Method:
+def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Sequence[CascadeConfig]) -> Method:
     kind, _, arg = name.partition(":")
     if name == "ar":
         return Method(name, (EngineRunner(name, _cascade(name, config, (), None, 1.0)),))
@@ -150,9 +150,12 @@ def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int]) -> Method
         return Method(name, variants, tuple(sd_ks))
     if kind == "csd" and arg:
         tiers = _tiers(name, arg, config)
-        if tiers == config.drafters:  # the config's own cascade: its tuned K-matrix and leniency
-            cascade = _cascade(name, config, tiers, config.schedule.to_lists(), config.leniency)
-        else:  # a subset or reordering: the default schedule (an override file may come later)
+        names = [t.name for t in tiers]
+        # The first config with exactly these drafters lends its K-matrix and leniency; else the default.
+        source = next((c for c in (config, *tuned) if [d.name for d in c.drafters] == names), None)
+        if source is not None:
+            cascade = _cascade(name, config, tiers, source.schedule.to_lists(), source.leniency)
+        else:
             cascade = _cascade(name, config, tiers, None, 1.0)
         return Method(name, (EngineRunner(name, cascade),))
     raise ValueError(f"unknown method {name!r} (expected {USAGE})")

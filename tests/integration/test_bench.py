@@ -16,7 +16,7 @@ import yaml
 
 from cascade_service.bench.cli import add_bench_command
 from cascade_service.bench.methods import parse_methods
-from cascade_service.config import load_config
+from cascade_service.config import load_config, make_cascade
 
 METHODS = ["hf-ar", "ar", "hf-assisted:close", "hf-prompt-lookup", "sd:close", "csd:close+mag", "csd:close+mid+mag"]
 PROMPTS = [
@@ -145,6 +145,20 @@ def test_hf_ar_always_runs_first_as_the_reference(inputs):
     config = load_config(inputs / "config.yaml").cascade
     methods = parse_methods("csd:close+mag,ar", config, [2])
     assert [m.name for m in methods] == ["hf-ar", "csd:close+mag", "ar"]
+
+
+def test_csd_takes_its_schedule_from_the_tuned_config_with_exactly_its_drafters(inputs):
+    config = load_config(inputs / "config.yaml").cascade
+    tuned = make_cascade(config.target, [d for d in config.drafters if d.name in ("close", "mag")], [[3, 1], [0, 7]], 2.0)
+    plain, with_tuned = (
+        {m.name: m for m in parse_methods("csd:close+mag,csd:close+mid+mag", config, [2], extra)}
+        for extra in ((), (tuned,))
+    )
+    assert plain["csd:close+mag"].variants[0].cascade.schedule.to_lists() == [[5, 0], [0, 10]]  # default
+    runner = with_tuned["csd:close+mag"].variants[0]
+    assert runner.cascade.schedule.to_lists() == [[3, 1], [0, 7]] and runner.cascade.leniency == 2.0
+    # the config's own drafter set keeps the config's schedule
+    assert with_tuned["csd:close+mid+mag"].variants[0].cascade.schedule == config.schedule
 
 
 @pytest.mark.parametrize("method", ["csd:nope", "frob", "hf-assisted:mag", "sd:close+mid", "csd:mag+close"])
