@@ -68,12 +68,15 @@ def lone_drafter_k(engine: Engine, prompts: Sequence[list[int]], costs: dict[str
     best = {}
     for d in engine.cascade.drafters:
         variant = engine.variant([d.name], [[probe_k if d.name != MAG else 10]])
-        drafted = accepted = 0
+        accepted = rejections = 0
         for ids in prompts:
             review = variant.generate(ids, GenerationConfig(max_new_tokens=48)).stats.reviews.get(engine.target.name)
             if review:
-                drafted, accepted = drafted + review.drafted, accepted + review.accepted
-        alpha = min(accepted / drafted, 0.99) if drafted else 0.0
+                accepted += review.accepted
+                rejections += review.rejections
+        # Per-token acceptance: positions after a rejection are never judged, so accepted / drafted
+        # would undercount; each review is a geometric trial, whose MLE is accepted / (accepted + rejections).
+        alpha = min(accepted / (accepted + rejections), 0.99) if accepted + rejections else 0.0
         best[d.name] = best_k(alpha, costs.get(d.name, 0.0), 12)
         _log(f"  {d.name}: acceptance {alpha:.2f} as a lone drafter, cost {costs.get(d.name, 0.0):.3f} -> k* = {best[d.name]}")
     return best

@@ -27,6 +27,7 @@ class ReviewCounters:
     reviews: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # reviews that rejected a draft (the rest kept their whole block)
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_drafter: dict[str, int] = field(default_factory=dict)
@@ -36,6 +37,7 @@ class ReviewCounters:
         self.reviews += 1
         self.drafted += len(origins)
         self.accepted += accepted
+        self.rejections += accepted < len(origins)
         _grow(self.drafted_by_position, len(origins))
         _grow(self.accepted_by_position, len(origins))
         for i, origin in enumerate(origins):
@@ -103,6 +105,7 @@ class CascadeStats:
                     "reviews": r.reviews,
                     "drafted": r.drafted,
                     "accepted": r.accepted,
+                    "rejections": r.rejections,
                     "acceptance_by_position": r.acceptance_by_position(),
                     "drafted_by_drafter": dict(r.drafted_by_drafter),
                     "accepted_by_drafter": dict(r.accepted_by_drafter),
