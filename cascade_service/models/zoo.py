@@ -1,0 +1,348 @@
+"""The offline model zoo: a Llama family (large, base, small) trained here on the Python standard library.
+
+Offline and deterministic: the corpus is this interpreter's own stdlib sources, the tokenizer and the
+models are trained from seeded initialisations with a fixed thread count, so one machine always builds
+the same weights. A fixed set of stdlib files is held out; the evaluation and tuning prompts come only
+from it. The family resembles real ones where speculative decoding cares: the large model is several
+times slower per decode step than the drafters, and the drafters are distilled to agree with it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import textwrap
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+from cascade_service.core.mag import BigramTable
+from cascade_service.models import train
+from cascade_service.models.hf import HFModel
+from cascade_service.models.tiny import BOS, EOS, PAD
+
+BUILDER_VERSION = 1  # bump when the artefacts a spec produces change
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# Held out of training; prompts come from HELD_OUT_MODULES (real library code, not tests).
+HELD_OUT_DIRS = frozenset({"test", "tests", "idlelib"})
+HELD_OUT_MODULES = (
+    "argparse", "calendar", "csv", "difflib", "fractions", "ftplib", "gettext", "ipaddress",
+    "mailbox", "pprint", "sched", "shlex", "statistics", "tarfile", "textwrap",
+)
+# Left out altogether: not the stdlib, or generated data tables rather than code (codec charmaps,
+# pydoc's topic dump, this build's sysconfig values).
+_NOT_CODE = frozenset({"site-packages", "__pycache__", "encodings", "pydoc_data"})
+_PROMPT_LINES = (2, 4, 80)  # body lines after the docstring (min), lines left to continue (min), lines (max)
+TIERS = ("large", "base", "small")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Llama dimensions of one tier."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int  # grouped-query attention, as in current Llama releases
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class ZooSpec:
+    """Everything that determines a zoo's contents (the cache key, with the corpus hash)."""
+
+    name: str
+    vocab_size: int
+    corpus_chars: int | None  # train on a prefix of the sorted files this long; None = all of them
+    large: Shape
+    base: Shape
+    small: Shape
+    schedule: train.Schedule
+    prompts: int = 24  # prompts.jsonl, for benchmarks
+    tune_prompts: int = 8  # tune_prompts.jsonl, disjoint, for parameter tuning
+    max_prompt_tokens: int = 200
+    eval_prompts: int = 8  # greedy agreement: first prompts of prompts.jsonl ...
+    eval_steps: int = 64  # ... times this many large-model greedy steps
+    eval_windows: int = 8  # teacher-forced agreement: held-out windows of schedule.seq_len tokens
+    seed: int = 0
+
+
+PRESETS = {
+    # ~28M / 6.3M / 2.6M parameters; sized for a 2-core CPU in under 10 minutes (see report.json).
+    "demo": ZooSpec(
+        name="demo", vocab_size=4096, corpus_chars=None,
+        large=Shape(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),
+        base=Shape(hidden=384, layers=2, heads=6, kv_heads=3, intermediate=1024),
+        small=Shape(hidden=256, layers=1, heads=4, kv_heads=2, intermediate=704),
+        schedule=train.Schedule(batch=2, seq_len=256, lm_steps=380, distill_steps=100, lm_lr=1e-3, drafter_lr=2e-3, embed_lr=0.15),
+    ),
+    # Pipeline checks in CI: seconds, and the models learn only a little.
+    "test": ZooSpec(
+        name="test", vocab_size=512, corpus_chars=1_000_000,
+        large=Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=176),
+        base=Shape(hidden=48, layers=1, heads=4, kv_heads=2, intermediate=128),
+        small=Shape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=88),
+        schedule=train.Schedule(batch=4, seq_len=64, lm_steps=60, distill_steps=20, lm_lr=3e-3, drafter_lr=3e-3, threads=1),
+        eval_prompts=2, eval_steps=8, eval_windows=2,
+    ),
+}
+
+
+def _stdlib_sources(root: Path) -> list[Path]:
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _NOT_CODE]  # pruned: site-packages alone is huge
+        found += [Path(folder, f) for f in files if f.endswith(".py") and not f.startswith("_sysconfigdata")]
+    return sorted(found)
+
+
+def _is_held_out(path: Path, root: Path) -> bool:
+    parts = path.relative_to(root).parts
+    return not HELD_OUT_DIRS.isdisjoint(parts[:-1]) or (len(parts) == 1 and path.stem in HELD_OUT_MODULES)
+
+
+def corpus_files(root: Path = STDLIB) -> list[Path]:
+    """Training sources, sorted: stdlib *.py minus the held-out set and the data tables."""
+    return [p for p in _stdlib_sources(root) if not _is_held_out(p, root)]
+
+
+def held_out_modules(root: Path = STDLIB) -> list[Path]:
+    """The held-out top-level modules that exist in this Python, in HELD_OUT_MODULES order."""
+    return [root / f"{m}.py" for m in HELD_OUT_MODULES if (root / f"{m}.py").is_file()]
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _stamp(spec: ZooSpec, files: Sequence[Path]) -> dict:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(STDLIB)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return {
+        "builder": BUILDER_VERSION, "spec": asdict(spec), "corpus_sha256": digest.hexdigest(),
+        "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+    }
+
+
+def build_zoo(preset: str | ZooSpec, out_dir: str | Path, progress: bool = True) -> dict[str, Path]:
+    """Build (or reuse) a zoo in `out_dir`; returns paths of large/base/small, bigram, report, prompts.
+
+    `preset` is a PRESETS name or a ZooSpec. A zoo already there with the same spec, corpus and library
+    versions is returned at once; anything else there is rebuilt.
+    """
+    if isinstance(preset, str) and preset not in PRESETS:
+        raise ValueError(f"unknown zoo preset {preset!r}; expected one of {sorted(PRESETS)}")
+    spec = PRESETS[preset] if isinstance(preset, str) else preset
+    out = Path(out_dir).expanduser()
+    paths = {name: out / name for name in TIERS} | {
+        "bigram": out / "bigram.json", "report": out / "report.json",
+        "prompts": out / "prompts.jsonl", "tune_prompts": out / "tune_prompts.jsonl",
+    }
+    marker = out / "zoo.json"
+    stamp = _stamp(spec, corpus_files() + held_out_modules())
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        return paths
+    marker.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" bars are only noise here
+    try:
+        report = _build(spec, paths, progress)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    paths["report"].write_text(json.dumps(report, indent=1) + "\n")
+    if progress:
+        print(format_report(report), file=sys.stderr)
+    # Written last: a half-built zoo (crash, Ctrl-C) is never mistaken for a complete one.
+    marker.write_text(json.dumps(stamp, indent=1))
+    return paths
+
+
+def _build(spec: ZooSpec, paths: dict[str, Path], progress: bool) -> dict:
+    began = clock = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[phase] = round(now - clock, 2)
+        clock = now
+
+    texts = _training_texts(spec.corpus_chars, progress)
+    tokenizer = train_tokenizer(texts, spec.vocab_size, progress)
+    lap("tokenizer")
+    stream = encode_files(tokenizer, texts, progress)  # [N] with EOS after each file
+    BigramTable.from_tokens(stream, len(tokenizer)).save(paths["bigram"])
+    held = [_read(p) for p in held_out_modules()]
+    picked = extract_prompts(held, tokenizer, spec.prompts + spec.tune_prompts, spec.max_prompt_tokens)
+    tune = set(range(3, len(picked), 4)[: spec.tune_prompts])  # every 4th, spread over the modules
+    _write_prompts(paths["prompts"], [p for i, p in enumerate(picked) if i not in tune])
+    _write_prompts(paths["tune_prompts"], [p for i, p in enumerate(picked) if i in tune])
+    lap("corpus")
+    family = {name: _new_model(getattr(spec, name), tokenizer, spec.seed * 100 + i) for i, name in enumerate(TIERS)}
+    with train.threads(spec.schedule.threads):
+        logs = train.train_family(
+            family["large"], {n: family[n] for n in TIERS[1:]}, stream, spec.schedule, spec.seed, progress
+        )
+    for name, module in family.items():
+        _save(module, tokenizer, paths[name])
+    lap("train")
+    held_stream = encode_files(tokenizer, held, progress=False)
+    tiers = _evaluate(spec, paths, tokenizer, held_stream, [p for i, p in enumerate(picked) if i not in tune])
+    lap("evaluate")
+    for name, log in logs.items():
+        tiers[name]["train"] = log.summary()
+    timings["total"] = round(time.perf_counter() - began, 2)
+    return {
+        "preset": spec.name, "spec": asdict(spec), "build_s": timings,
+        "corpus": {"files": len(texts), "chars": sum(map(len, texts)), "tokens": int(stream.numel()),
+                   "held_out_modules": [p.name for p in held_out_modules()], "held_out_dirs": sorted(HELD_OUT_DIRS)},
+        "vocab_size": len(tokenizer), "tiers": tiers,
+        "agreement_eval": {"prompts": spec.eval_prompts, "greedy_steps": spec.eval_steps,
+                           "windows": spec.eval_windows, "window_tokens": spec.schedule.seq_len},
+    }
+
+
+def _training_texts(limit: int | None, progress: bool) -> list[str]:
+    texts, chars = [], 0
+    for path in tqdm(corpus_files(), desc="read corpus", unit="file", disable=not progress):
+        if limit is not None and chars >= limit:
+            break
+        texts.append(_read(path))
+        chars += len(texts[-1])
+    return texts
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, progress: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (every byte a symbol, so any text round-trips) with <pad>, <s>, </s> as ids 0-2."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    texts = list(texts)
+    bpe.train_from_iterator(tqdm(texts, desc="train tokenizer", unit="file", disable=not progress), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def encode_files(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], progress: bool = True) -> torch.Tensor:
+    """All texts as one token stream, each followed by EOS: [N] int64."""
+    ids: list[int] = []
+    chunk = 32
+    for start in tqdm(range(0, len(texts), chunk), desc="tokenize corpus", unit="chunk", disable=not progress):
+        for enc in tokenizer.backend_tokenizer.encode_batch(list(texts[start : start + chunk])):
+            ids.extend(enc.ids)
+            ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def extract_prompts(sources: Sequence[str], tokenizer, count: int, max_tokens: int) -> list[str]:
+    """`count` function openings (def line, docstring, the first body lines), evenly spread over all
+    documented functions in `sources`, each at most `max_tokens` tokens and with code left to write."""
+    candidates: list[str] = []
+    for source in sources:
+        lines = source.splitlines(keepends=True)
+        nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node in sorted(nodes, key=lambda n: n.lineno):
+            prompt = _function_opening(node, lines, tokenizer, max_tokens)
+            if prompt is not None and prompt not in candidates:
+                candidates.append(prompt)
+    if len(candidates) < count:
+        raise ValueError(f"only {len(candidates)} usable functions in the held-out sources, need {count}")
+    return [candidates[i * len(candidates) // count] for i in range(count)]
+
+
+def _function_opening(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str], tokenizer, max_tokens: int):
+    min_body, min_left, max_lines = _PROMPT_LINES
+    if ast.get_docstring(node) is None or len(node.body) < 2:
+        return None
+    body = lines[node.lineno - 1 : node.end_lineno]  # from the def line (decorators excluded)
+    shortest = node.body[0].end_lineno - node.lineno + 1 + min_body
+    best = None
+    for n in range(shortest, min(len(body) - min_left, max_lines) + 1):
+        text = textwrap.dedent("".join(body[:n]))
+        if len(tokenizer(text).input_ids) > max_tokens:
+            break
+        best = text
+    return best
+
+
+def _write_prompts(path: Path, prompts: Sequence[str]) -> None:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+
+def _new_model(shape: Shape, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def _save(module: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path) -> None:
+    module.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    shutil.rmtree(path, ignore_errors=True)
+    module.save_pretrained(path)
+    tokenizer.save_pretrained(str(path))
+
+
+def _evaluate(spec: ZooSpec, paths: dict[str, Path], tokenizer, held_stream: torch.Tensor, prompts: list[str]) -> dict:
+    loaded = {name: HFModel.load(paths[name], name=name) for name in TIERS}
+    large, drafters = loaded["large"], {n: loaded[n] for n in TIERS[1:]}
+    steps = {n: train.step_times_ms(loaded, n) for n in (1, 2)}  # threads -> tier -> ms
+    prompt_ids = [tokenizer(p).input_ids for p in prompts[: spec.eval_prompts]]
+    span = spec.schedule.seq_len
+    stride = max(1, (held_stream.numel() - span) // spec.eval_windows)
+    windows = [held_stream[i * stride : i * stride + span].tolist() for i in range(spec.eval_windows)]
+    with train.threads(spec.schedule.threads):
+        greedy = train.greedy_agreement(large, drafters, prompt_ids, spec.eval_steps)
+        forced = train.teacher_forced(large, loaded, windows)
+    return {
+        name: {
+            "params": model.num_parameters,
+            "step_ms": {f"threads_{n}": steps[n][name] for n in steps},
+            "step_ratio": {f"threads_{n}": round(steps[n][name] / steps[n]["large"], 3) for n in steps},
+            "greedy_agreement": greedy.get(name, 1.0),
+            **forced[name],
+        }
+        for name, model in loaded.items()
+    }
+
+
+def format_report(report: dict) -> str:
+    """A few lines for a terminal: one row per tier, then the build time."""
+    rows = [f"zoo {report['preset']}: {report['corpus']['tokens']:,} corpus tokens, vocab {report['vocab_size']}",
+            f"{'tier':6} {'params':>8} {'step ms 1t/2t':>14} {'ratio 1t/2t':>12} {'greedy':>7} {'forced':>7} "
+            f"{'loss':>6} {'train loss':>10}"]
+    for name, t in report["tiers"].items():
+        ms, ratio = t["step_ms"], t["step_ratio"]
+        rows.append(
+            f"{name:6} {t['params'] / 1e6:7.2f}M {ms['threads_1']:6.2f}/{ms['threads_2']:<7.2f} "
+            f"{ratio['threads_1']:5.2f}/{ratio['threads_2']:<6.2f} {t['greedy_agreement']:7.3f} "
+            f"{t['teacher_forced_agreement']:7.3f} {t['heldout_loss']:6.3f} {t['train']['final_loss']:10.3f}"
+        )
+    rows.append("build s: " + ", ".join(f"{k} {v:.1f}" for k, v in report["build_s"].items()))
+    return "\n".join(rows)
