@@ -119,16 +119,25 @@ def _add_zoo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("zoo", help="build the model zoo (offline)")
     zoo_sub = p.add_subparsers(dest="zoo_command", required=True, parser_class=_Parser)
     build = zoo_sub.add_parser("build", help="build a model family into $CASCADE_SERVICE_HOME/zoo/<preset>")
-    build.add_argument("--preset", default="tiny", choices=["tiny"], help="tiny: random weights, seconds")
+    build.add_argument("--preset", default="demo", choices=["demo", "test", "tiny"],
+                       help="demo: trained family (<= 10 min); test: trained, tiny (<= 60 s); "
+                            "tiny: random weights (seconds)")
     build.add_argument("--out", help="output directory (default: $CASCADE_SERVICE_HOME/zoo/<preset>)")
     build.set_defaults(run=_run_zoo_build)
 
 
 def _run_zoo_build(args: argparse.Namespace) -> int:
-    from .models.tiny import build_family
     from .paths import zoo_dir
 
-    paths = build_family(args.out or zoo_dir(args.preset))
+    out = args.out or zoo_dir(args.preset)
+    if args.preset == "tiny":
+        from .models.tiny import build_family
+
+        paths = build_family(out)
+    else:
+        from .models.zoo import build_zoo
+
+        paths = build_zoo(args.preset, out)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
@@ -136,14 +145,16 @@ def _run_zoo_build(args: argparse.Namespace) -> int:
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: build the zoo if missing, decode prompts, print speeds")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=4, help="how many held-out prompts to decode")
+    p.add_argument("--preset", default="demo", choices=["demo", "test"], help="which zoo to use")
     p.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo  # heavy imports only when needed
 
-    return run_demo(args.max_new_tokens)
+    return run_demo(args.max_new_tokens, args.prompts, args.preset)
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:

@@ -36,3 +36,13 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def test_zoo_home(tmp_path_factory) -> Path:
+    """A $CASCADE_SERVICE_HOME holding the trained `test` zoo (built once per session, < 60 s)."""
+    from cascade_service.models.zoo import build_zoo
+
+    home = tmp_path_factory.mktemp("cascade-home")
+    build_zoo("test", home / "zoo" / "test", progress=False)
+    return home

@@ -1,0 +1,15 @@
+"""`cascade-service demo`, the README's main job, runs end to end (on the small trained `test` zoo)."""
+
+from __future__ import annotations
+
+from cascade_service.cli import main
+
+
+def test_demo_decodes_held_out_prompts_and_reports_identical_tokens(test_zoo_home, monkeypatch, capsys):
+    monkeypatch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
+    assert main(["demo", "--preset", "test", "--prompts", "2", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("ar (large alone)", "csd base+small+mag"))]
+    assert len(rows) == 2
+    assert all(row.split()[-1] == "True" for row in rows), out  # the cascade's tokens equal the large's
+    assert out.count("--- continuation:") == 2
