@@ -93,10 +93,10 @@ def candidate_grid(drafters: Sequence[str], k_star: dict[str, int]) -> list[Cand
         elif r == 0:
             diag = sorted({max(1, k_star[d] - 2), k_star[d], k_star[d] + 2})
         else:
-            diag = sorted({1, max(1, k_star[d] // 2), k_star[d]})
+            diag = sorted({1, k_star[d]})  # inner rows: a short or an EWIF-length block
         tails = [0, 2 if drafters[r + 1] != MAG else 5] if r + 1 < n else [0]
         row_options.append([(a, b) for a in diag for b in tails])
-    leniencies = [1.0, 1.5, 2.5] if n >= 2 else [1.0]
+    leniencies = [1.0, 2.0] if n >= 2 else [1.0]
     grid = []
     for rows in itertools.product(*row_options):
         k = [[0] * n for _ in range(n)]
@@ -120,7 +120,7 @@ def halving_search(engine: Engine, candidates: list[Candidate], prompts: Sequenc
     for i, (n_prompts, n_tokens) in enumerate(stages):
         trials = [measure(engine, c, prompts[:n_prompts], n_tokens, costs) for c in alive]
         trials.sort(key=lambda t: t.score(objective), reverse=True)
-        keep = max(1, len(trials) // 3) if i < len(stages) - 2 else min(3, len(trials))
+        keep = max(3, len(trials) // 3)  # the best third, never fewer than 3 for the longer stages
         _log(f"  stage {i + 1}: {len(alive)} candidates x {n_prompts} prompts x {n_tokens} tokens; "
              f"best {trials[0].score(objective):.3f} {objective}")
         alive = [t.candidate for t in trials[:keep]]
