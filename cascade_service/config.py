@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from .core.cascade import Lookup
 from .core.schedule import Schedule, ScheduleError
 from .paths import expand
 
@@ -44,6 +45,7 @@ class CascadeConfig:
     drafters: tuple[ModelTierConfig | MaGConfig, ...]  # largest first, MaG last
     schedule: Schedule  # the K-matrix
     leniency: float = 1.0  # inner reviews only; the target's review is always strict
+    lookup: Lookup | None = None  # MaG-first gate at the target (needs MaG among the drafters)
 
     @property
     def tiers(self) -> tuple[ModelTierConfig | MaGConfig, ...]:
@@ -90,8 +92,9 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
         _drafter(item, f"tiers.drafters[{i}]", model_defaults, base_dir) for i, item in enumerate(drafter_list)
     )
     schedule_raw = _mapping(raw.get("schedule", {}), "schedule")
-    _only(schedule_raw, "schedule.", {"k_matrix", "leniency"})
-    cascade = make_cascade(target, drafters, schedule_raw.get("k_matrix"), schedule_raw.get("leniency", 1.0))
+    _only(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup"})
+    cascade = make_cascade(target, drafters, schedule_raw.get("k_matrix"), schedule_raw.get("leniency", 1.0),
+                           _lookup(schedule_raw.get("lookup")))
     gen_raw = _mapping(raw.get("generation", {}), "generation")
     _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed"})
     return Config(cascade, make_generation(GenerationConfig(), gen_raw))
@@ -102,6 +105,7 @@ def make_cascade(
     drafters: Sequence[ModelTierConfig | MaGConfig],
     k_matrix: Any,
     leniency: Any,
+    lookup: Lookup | None = None,
 ) -> CascadeConfig:
     names = [d.name for d in drafters]
     if len(set(names) | {target.name}) != len(names) + 1:
@@ -117,7 +121,19 @@ def make_cascade(
         raise ConfigError(f"schedule.k_matrix: {exc}") from None
     if isinstance(leniency, bool) or not isinstance(leniency, (int, float)) or not leniency >= 1.0:
         raise ConfigError(f"schedule.leniency must be a number >= 1, got {leniency!r}")
-    return CascadeConfig(target, tuple(drafters), schedule, float(leniency))
+    if lookup is not None and not any(isinstance(d, MaGConfig) for d in drafters):
+        raise ConfigError("schedule.lookup needs the MaG drafter (kind: mag) among tiers.drafters")
+    return CascadeConfig(target, tuple(drafters), schedule, float(leniency), lookup)
+
+
+def _lookup(raw: Any) -> Lookup | None:
+    if raw is None:
+        return None
+    _only(_mapping(raw, "schedule.lookup"), "schedule.lookup.", {"min_match", "tokens"})
+    try:
+        return Lookup(**raw)
+    except ValueError as exc:
+        raise ConfigError(f"schedule.{exc}") from None
 
 
 def make_generation(base: GenerationConfig, overrides: dict[str, Any]) -> GenerationConfig:

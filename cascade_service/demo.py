@@ -11,13 +11,15 @@ import statistics
 import time
 
 from .config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+from .core.cascade import Lookup
 from .engine import Engine
 from .paths import zoo_dir
 from .prompts import read_prompts
 
 # Tuned on the zoo's tune prompts (`cascade-service tune`, see README "Benchmark").
-DEMO_K_MATRIX = [[3, 2, 0], [0, 1, 5], [0, 0, 10]]  # = configs/demo.yaml
+DEMO_K_MATRIX = [[3, 0, 0], [0, 1, 0], [0, 0, 4]]  # = configs/demo.yaml
 DEMO_LENIENCY = 2.0
+DEMO_LOOKUP = Lookup(min_match=2, tokens=20)
 
 
 def demo_engine(preset: str = "demo") -> tuple[Engine, list[str]]:
@@ -27,7 +29,7 @@ def demo_engine(preset: str = "demo") -> tuple[Engine, list[str]]:
     target = ModelTierConfig("large", str(zoo["large"]))
     drafters = [ModelTierConfig("base", str(zoo["base"])), ModelTierConfig("small", str(zoo["small"])),
                 MaGConfig(bigram=str(zoo["bigram"]))]
-    engine = Engine(make_cascade(target, drafters, DEMO_K_MATRIX, DEMO_LENIENCY))
+    engine = Engine(make_cascade(target, drafters, DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP))
     return engine, read_prompts(str(zoo["prompts"]))
 
 

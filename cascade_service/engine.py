@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade
-from .core.cascade import RequestState, build_cascade
+from .core.cascade import Lookup, RequestState, build_cascade
 from .core.decode import decode
 from .core.mag import BigramTable, MaxGram
 from .core.sampling import SamplingParams
@@ -51,7 +51,8 @@ class Engine:
         self.tokenizer = load_tokenizer(t.path)
         self.eos_ids = frozenset(self.target.eos_token_ids)
 
-    def variant(self, drafters: Sequence[str], k_matrix: Any = None, leniency: float = 1.0) -> "Engine":
+    def variant(self, drafters: Sequence[str], k_matrix: Any = None, leniency: float = 1.0,
+                lookup: Lookup | None = None) -> "Engine":
         """The same loaded models with another drafter subset (by tier name, largest first) and schedule.
 
         Benchmarks and tuning compare many schedules; reloading weights for each would dominate.
@@ -60,7 +61,7 @@ class Engine:
         unknown = [n for n in drafters if n not in by_name]
         if unknown:
             raise ValueError(f"unknown drafter {unknown[0]!r}; this config has {sorted(by_name)}")
-        cascade = make_cascade(self.cascade.target, [by_name[n][0] for n in drafters], k_matrix, leniency)
+        cascade = make_cascade(self.cascade.target, [by_name[n][0] for n in drafters], k_matrix, leniency, lookup)
         twin = copy.copy(self)
         twin.cascade = cascade
         twin.drafters = [by_name[n][1] for n in drafters]
@@ -79,7 +80,8 @@ class Engine:
         drafters = [
             MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else d.scorer() for d in self.drafters
         ]
-        system = build_cascade(self.target.scorer(), drafters, self.cascade.schedule, self.cascade.leniency, state)
+        system = build_cascade(self.target.scorer(), drafters, self.cascade.schedule, self.cascade.leniency, state,
+                               self.cascade.lookup)
         yield from decode(system, list(prompt_ids), gen.max_new_tokens, self.eos_ids, stats)
 
     def generate(self, prompt_ids: Sequence[int], gen: GenerationConfig) -> Generation:

@@ -19,6 +19,7 @@ from typing import Sequence
 import yaml
 
 from .config import MAG, GenerationConfig, load_config
+from .core.cascade import Lookup
 from .core.ewif import best_k
 from .core.schedule import Schedule, ScheduleError
 from .engine import Engine
@@ -31,6 +32,7 @@ OBJECTIVES = ("tokens_per_s", "swi_params", "swi_measured")
 class Candidate:
     k_matrix: tuple[tuple[int, ...], ...]
     leniency: float
+    lookup: Lookup | None = None
 
 
 @dataclass
@@ -47,7 +49,8 @@ class Trial:
 
 def measure(engine: Engine, candidate: Candidate, prompts: Sequence[list[int]], max_new_tokens: int,
             costs: dict[str, dict[str, float]]) -> Trial:
-    variant = engine.variant([d.name for d in engine.cascade.drafters], candidate.k_matrix, candidate.leniency)
+    variant = engine.variant([d.name for d in engine.cascade.drafters], candidate.k_matrix, candidate.leniency,
+                             candidate.lookup)
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     tokens = seconds = target_calls = 0.0
     swi = {"params": 0.0, "measured": 0.0}
@@ -82,8 +85,14 @@ def lone_drafter_k(engine: Engine, prompts: Sequence[list[int]], costs: dict[str
     return best
 
 
+# MaG-first gate at the target (core.cascade.Lookup): off, prompt-lookup's own 10 tokens, or longer blocks
+# for text that repeats for a long stretch.
+LOOKUPS = (None, Lookup(2, 10), Lookup(2, 20))
+
+
 def candidate_grid(drafters: Sequence[str], k_star: dict[str, int]) -> list[Candidate]:
-    """K-matrices around each drafter's k*: diagonal choices plus an optional tail from the next drafter."""
+    """K-matrices around each drafter's k*: diagonal choices plus an optional tail from the next drafter,
+    each with and without the MaG-first gate when MaG is a drafter."""
     n = len(drafters)
     row_options = []
     for r in range(n):
@@ -108,7 +117,8 @@ def candidate_grid(drafters: Sequence[str], k_star: dict[str, int]) -> list[Cand
             Schedule.parse(k, drafters)
         except ScheduleError:
             continue  # e.g. a drafter that no reachable row uses
-        grid += [Candidate(tuple(map(tuple, k)), lenience) for lenience in leniencies]
+        lookups = LOOKUPS if MAG in drafters else (None,)
+        grid += [Candidate(tuple(map(tuple, k)), lenience, lk) for lenience in leniencies for lk in lookups]
     return grid
 
 
@@ -140,13 +150,15 @@ def tune(config_path: str, prompts_path: str, out_path: str, max_new_tokens: int
     _log("measuring lone-drafter acceptance (EWIF, Corollary 4.2):")
     drafters = [d.name for d in config.cascade.drafters]
     k_star = lone_drafter_k(engine, prompts[:2], costs["measured"])
-    current = Candidate(tuple(map(tuple, config.cascade.schedule.to_lists())), config.cascade.leniency)
+    current = Candidate(tuple(map(tuple, config.cascade.schedule.to_lists())), config.cascade.leniency,
+                        config.cascade.lookup)
     grid = [current, *candidate_grid(drafters, k_star)]
     _log(f"halving grid search over {len(grid)} schedules, objective {objective}:")
     trials = halving_search(engine, grid, prompts, max_new_tokens, objective, costs)
     best = trials[0]
     _write_config(Path(config_path), Path(out_path), best, trials, objective)
-    _log(f"best: K = {[list(r) for r in best.candidate.k_matrix]}, leniency {best.candidate.leniency}: "
+    _log(f"best: K = {[list(r) for r in best.candidate.k_matrix]}, leniency {best.candidate.leniency}, "
+         f"lookup {_lookup_text(best.candidate.lookup)}: "
          f"{best.tokens_per_s:.1f} tok/s, SWI {best.swi_params:.2f} (params) / {best.swi_measured:.2f} (measured)")
     return best
 
@@ -158,13 +170,20 @@ def _write_config(source: Path, out: Path, best: Trial, trials: list[Trial], obj
             if isinstance(tier, dict) and isinstance(tier.get(key), str):
                 tier[key] = _anchored(tier[key], source.parent)
     raw["schedule"] = {"k_matrix": [list(r) for r in best.candidate.k_matrix], "leniency": best.candidate.leniency}
+    if best.candidate.lookup is not None:
+        raw["schedule"]["lookup"] = {"min_match": best.candidate.lookup.min_match, "tokens": best.candidate.lookup.tokens}
     lines = [f"# Tuned by `cascade-service tune` from {source} (objective {objective}); final stage:"]
     for t in trials:
-        lines.append(f"#   K={[list(r) for r in t.candidate.k_matrix]} l={t.candidate.leniency}: "
+        lines.append(f"#   K={[list(r) for r in t.candidate.k_matrix]} l={t.candidate.leniency} "
+                     f"lookup={_lookup_text(t.candidate.lookup)}: "
                      f"{t.tokens_per_s:.1f} tok/s, SWI params {t.swi_params:.2f}, measured {t.swi_measured:.2f}, "
                      f"tokens/target call {t.mean_accepted_length:.2f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n" + yaml.safe_dump(raw, sort_keys=False))
+
+
+def _lookup_text(lookup: Lookup | None) -> str:
+    return "off" if lookup is None else f"{lookup.min_match}-gram/{lookup.tokens}"
 
 
 def _anchored(path: str, base: Path) -> str:

@@ -101,6 +101,7 @@ class EngineRunner:
             "drafters": [d.name for d in self.cascade.drafters],
             "k_matrix": self.cascade.schedule.to_lists(),
             "leniency": self.cascade.leniency,
+            "lookup": None if self.cascade.lookup is None else vars(self.cascade.lookup),
         }
 
 
@@ -154,7 +155,7 @@ def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Se
         # The first config with exactly these drafters lends its K-matrix and leniency; else the default.
         source = next((c for c in (config, *tuned) if [d.name for d in c.drafters] == names), None)
         if source is not None:
-            cascade = _cascade(name, config, tiers, source.schedule.to_lists(), source.leniency)
+            cascade = _cascade(name, config, tiers, source.schedule.to_lists(), source.leniency, source.lookup)
         else:
             cascade = _cascade(name, config, tiers, None, 1.0)
         return Method(name, (EngineRunner(name, cascade),))
@@ -172,8 +173,8 @@ def _tiers(name: str, arg: str, config: CascadeConfig) -> tuple:
     return tuple(tiers)
 
 
-def _cascade(name: str, config: CascadeConfig, tiers: Sequence, k_matrix, leniency: float) -> CascadeConfig:
+def _cascade(name: str, config: CascadeConfig, tiers: Sequence, k_matrix, leniency: float, lookup=None) -> CascadeConfig:
     try:
-        return make_cascade(config.target, list(tiers), k_matrix, leniency)
+        return make_cascade(config.target, list(tiers), k_matrix, leniency, lookup)
     except ConfigError as exc:
         raise ValueError(f"method {name!r}: {exc}") from None

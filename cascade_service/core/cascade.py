@@ -10,16 +10,36 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
 from .mag import MaxGram
-from .review import ReviewRule, rule_for
+from .review import ReviewRule, Verdict, rule_for
 from .sampling import SamplingParams, sample
 from .schedule import Schedule
 from .stats import CascadeStats, TierCounters
 from .types import Context, Draft, Drafter, Scorer
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """MaG-first drafting at the target (ours, not in the paper): the gate of a dynamic horizontal cascade.
+
+    When the sequence's last `min_match` or more tokens occurred earlier, MaG's continuation of that
+    occurrence (at most `tokens` of it) is the target's whole block and the model drafters rest; on
+    no such match the K-matrix schedule runs as usual. Text that repeats itself (code, quoting, edits,
+    a model stuck in a loop) is where a long n-gram match is right almost every time and a model
+    drafter's forward passes are wasted; prompt-lookup decoding is this gate without the fallback.
+    """
+
+    min_match: int = 2
+    tokens: int = 10
+
+    def __post_init__(self) -> None:
+        for field, value in (("min_match", self.min_match), ("tokens", self.tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
+                raise ValueError(f"lookup.{field} must be an integer in [1, 256], got {value!r}")
 
 
 @dataclass
@@ -31,6 +51,55 @@ class RequestState:
     stats: CascadeStats
     vocab_size: int
     eos_ids: frozenset[int] = frozenset()
+
+
+@runtime_checkable
+class BlockTier(Protocol):
+    """A model tier that drafts and reviews whole blocks where it lives, e.g. in another process.
+
+    One call per block instead of one per token or per forward pass, and no full-vocabulary tensors
+    cross unless sampling needs them (ARCHITECTURE invariant 5). `seed` seeds the tier's own RNG for
+    this call; greedy calls ignore it. Each call adds its calls / tokens / time to `counters`.
+    """
+
+    name: str
+
+    def draft_block(self, ctx: Context, k: int, sampling: SamplingParams, seed: int,
+                    eos_ids: frozenset[int], counters: TierCounters) -> Draft: ...
+
+    def review_block(self, ctx: Context, block: Draft, leniency: float, sampling: SamplingParams,
+                     seed: int, counters: TierCounters) -> Verdict: ...
+
+
+def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: SamplingParams,
+                         generator: torch.Generator, eos_ids: frozenset[int], vocab_size: int,
+                         counters: TierCounters) -> Draft:
+    """k tokens from `scorer` alone, one forward pass each; stops after an EOS."""
+    tokens: list[int] = []
+    token_probs: list[float] = []
+    rows: list[torch.Tensor] = []
+    for _ in range(k):
+        probs = sampling.probs(_score(scorer, ctx.extend(tokens), 1, counters))[0]  # [V]
+        token = int(probs.argmax()) if sampling.greedy else sample(probs, generator)
+        tokens.append(token)
+        token_probs.append(float(probs[token]))
+        rows.append(probs)
+        if token in eos_ids:  # nothing after EOS can be kept
+            break
+    dists = None if sampling.greedy else _stack(rows, vocab_size)
+    return Draft(tokens, token_probs, dists, [scorer.name] * len(tokens))
+
+
+def score_and_review(scorer: Scorer, ctx: Context, block: Draft, rule: ReviewRule, leniency: float,
+                     sampling: SamplingParams, generator: torch.Generator, counters: TierCounters) -> Verdict:
+    """Score context + block in ONE forward pass (k + 1 distributions) and review the block."""
+    probs = sampling.probs(_score(scorer, ctx.extend(block.tokens), len(block) + 1, counters))
+    return rule.review(block, probs, leniency, generator)
+
+
+def call_seed(generator: torch.Generator) -> int:
+    """A seed for a BlockTier call, drawn from the request's RNG so a request stays reproducible."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
 
 
 def _score(scorer: Scorer, ctx: Context, n: int, counters: TierCounters) -> torch.Tensor:
@@ -52,21 +121,15 @@ class ModelDrafter:
         self.counters = state.stats.tier(self.name)
 
     def draft(self, ctx: Context, want: int, limit: int) -> Draft:
-        sampling = self.state.sampling
-        tokens: list[int] = []
-        token_probs: list[float] = []
-        rows: list[torch.Tensor] = []
-        for _ in range(min(want, limit)):
-            probs = sampling.probs(_score(self.scorer, ctx.extend(tokens), 1, self.counters))[0]  # [V]
-            token = int(probs.argmax()) if sampling.greedy else sample(probs, self.state.generator)
-            tokens.append(token)
-            token_probs.append(float(probs[token]))
-            rows.append(probs)
-            if token in self.state.eos_ids:  # nothing after EOS can be kept
-                break
-        self.counters.tokens_out += len(tokens)
-        dists = None if sampling.greedy else _stack(rows, self.state.vocab_size)
-        return Draft(tokens, token_probs, dists, [self.name] * len(tokens))
+        st = self.state
+        if isinstance(self.scorer, BlockTier):
+            seed = 0 if st.sampling.greedy else call_seed(st.generator)
+            draft = self.scorer.draft_block(ctx, min(want, limit), st.sampling, seed, st.eos_ids, self.counters)
+        else:
+            draft = draft_autoregressive(self.scorer, ctx, min(want, limit), st.sampling, st.generator,
+                                         st.eos_ids, st.vocab_size, self.counters)
+        self.counters.tokens_out += len(draft)
+        return draft
 
 
 class MaGDrafter:
@@ -85,6 +148,18 @@ class MaGDrafter:
         self.counters.time_s += time.perf_counter() - start
         self.counters.calls += 1
         self.counters.tokens_out += len(tokens)
+        return self._draft(tokens)
+
+    def lookup(self, ctx: Context, k: int, min_match: int) -> Draft:
+        """Only MaG's n-gram continuation, when its match is at least `min_match` long (see `Lookup`)."""
+        start = time.perf_counter()
+        tokens = self.mag.lookup(ctx, k, min_match)
+        self.counters.time_s += time.perf_counter() - start
+        self.counters.calls += 1
+        self.counters.tokens_out += len(tokens)
+        return self._draft(tokens)
+
+    def _draft(self, tokens: list[int]) -> Draft:
         dists = None
         if not self.state.sampling.greedy:
             dists = torch.zeros(len(tokens), self.state.vocab_size)
@@ -114,6 +189,7 @@ class CascadeDrafter:
         self.name = scorer.name
         self.scorer = scorer
         self.drafters = list(drafters)
+        self.lookup: tuple[MaGDrafter, Lookup] | None = None  # set by build_cascade on the target only
         self.rule = rule
         self.leniency = leniency
         self.state = state
@@ -125,16 +201,24 @@ class CascadeDrafter:
         # The block is capped at limit - 1 so that block + replacement/bonus never exceeds `limit`.
         cap = min(sum(quota for _, quota in self.drafters), limit - 1)
         block = Draft(dists=None if self.state.sampling.greedy else torch.zeros(0, self.state.vocab_size))
+        if self.lookup is not None:
+            mag, gate = self.lookup
+            block = block + mag.lookup(ctx, min(gate.tokens, limit - 1), gate.min_match)
         goal = 0
-        for drafter, quota in self.drafters:
+        for drafter, quota in self.drafters if not block else ():
             goal = min(goal + quota, cap)
             while len(block) < goal and not self._ends_in_eos(block):
                 more = drafter.draft(ctx.extend(block.tokens), goal - len(block), cap - len(block))
                 if not more:
                     break
                 block = block + more
-        probs = self.state.sampling.probs(_score(self.scorer, ctx.extend(block.tokens), len(block) + 1, self.counters))
-        verdict = self.rule.review(block, probs, self.leniency, self.state.generator)
+        st = self.state
+        if isinstance(self.scorer, BlockTier):
+            seed = 0 if st.sampling.greedy else call_seed(st.generator)
+            verdict = self.scorer.review_block(ctx, block, self.leniency, st.sampling, seed, self.counters)
+        else:
+            verdict = score_and_review(self.scorer, ctx, block, self.rule, self.leniency, st.sampling,
+                                       st.generator, self.counters)
         self.review_counters.record(block.origins, verdict.accepted)
         tokens = block.tokens[: verdict.accepted] + [verdict.token]
         self.counters.tokens_out += len(tokens)
@@ -154,12 +238,14 @@ def build_cascade(
     schedule: Schedule,
     leniency: float,
     state: RequestState,
+    lookup: Lookup | None = None,
 ) -> CascadeDrafter:
     """The target's system for one request: drafters largest first, wired by the K-matrix.
 
     Row r of the schedule belongs to reviewer T_r (T_0 the target, T_r the r-th drafter); a drafter
     whose row is all zeros, and the last drafter, draft alone. Each tier's system is built once and
-    shared by every row that uses it, so one tier keeps one KV cache per request.
+    shared by every row that uses it, so one tier keeps one KV cache per request. `lookup` gates MaG
+    in front of the target's row (it needs MaG among the drafters).
     """
     if leniency < 1.0:
         raise ValueError(f"leniency must be >= 1, got {leniency}")
@@ -176,4 +262,10 @@ def build_cascade(
             row = [(systems[c + 1], quota) for c, quota in schedule.row(r)] if drafters else []
             # The target's review is always strict (Algorithm 1: "if isFirstCall then l <- 1").
             systems[r] = CascadeDrafter(tier, row, rule, 1.0 if r == 0 else leniency, state)
-    return systems[0]  # type: ignore[return-value]
+    top: CascadeDrafter = systems[0]  # type: ignore[assignment]
+    if lookup is not None:
+        mags = [s for s in systems.values() if isinstance(s, MaGDrafter)]
+        if not mags or not drafters:
+            raise ValueError("lookup needs the MaG drafter among the drafters")
+        top.lookup = (mags[0], lookup)
+    return top

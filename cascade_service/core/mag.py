@@ -180,13 +180,17 @@ class _Trie:
 
     def longest_match(self, seq: _Sequence) -> int | None:
         """Follower position of the earliest occurrence of seq's longest indexed suffix."""
-        node, end = 0, len(seq)
+        return self.match(seq)[0]
+
+    def match(self, seq: _Sequence) -> tuple[int | None, int]:
+        """(follower position, length) of seq's longest indexed suffix; (None, 0) if none."""
+        node, end, length = 0, len(seq), 0
         for n in range(1, min(self.max_ngram, end - 1) + 1):
             nxt = self.child(node, seq[end - n])
             if nxt is None:
                 break  # a longer suffix can't occur if this one doesn't
-            node = nxt
-        return None if node == 0 else self.follower(node)
+            node, length = nxt, n
+        return (None, 0) if node == 0 else (self.follower(node), length)
 
 
 class MaxGram:
@@ -211,19 +215,36 @@ class MaxGram:
 
     def propose(self, ctx: Context, k: int) -> list[int]:
         """Up to k tokens to follow ctx.tokens: n-gram matches first, then bigram fill; may be empty."""
+        seq = self._matched(ctx, k, min_match=1)
+        if seq is None:
+            return []
+        self._fill_from_bigram(seq, k)
+        return seq.extra
+
+    def lookup(self, ctx: Context, k: int, min_match: int) -> list[int]:
+        """Up to k tokens continuing an earlier occurrence of ctx's last `min_match`+ tokens, else [].
+
+        No bigram fill: this is the confident half of MaG, which the target may review directly
+        (`Lookup`), as prompt-lookup decoding does.
+        """
+        seq = self._matched(ctx, k, min_match)
+        return [] if seq is None else seq.extra
+
+    def _matched(self, ctx: Context, k: int, min_match: int) -> _Sequence | None:
         self._commit(ctx)
         if k <= 0:
-            return []
+            return None
         seq = _Sequence(ctx.tokens)
         overlay = _Trie(self.max_ngram, base=self._committed)
         for j in range(max(ctx.stable, 1), len(seq)):
             overlay.add(seq, j)
         try:
+            if overlay.match(seq)[1] < min_match:
+                return seq if min_match <= 1 else None
             self._extend_by_matches(seq, overlay, k)
         finally:
             self._tail_ops += overlay.ops
-        self._fill_from_bigram(seq, k)
-        return seq.extra
+        return seq
 
     def _commit(self, ctx: Context) -> None:
         if not 0 <= ctx.stable <= len(ctx.tokens):

@@ -13,3 +13,13 @@ def test_demo_decodes_held_out_prompts_and_reports_identical_tokens(test_zoo_hom
     assert len(rows) == 2
     assert all(row.split()[-1] == "True" for row in rows), out  # the cascade's tokens equal the large's
     assert out.count("--- continuation:") == 2
+
+
+def test_demo_schedule_is_the_tuned_one_in_configs_demo_yaml():
+    from pathlib import Path
+
+    from cascade_service.config import load_config
+    from cascade_service.demo import DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP
+
+    cascade = load_config(Path(__file__).parents[2] / "configs" / "demo.yaml").cascade
+    assert (cascade.schedule.to_lists(), cascade.leniency, cascade.lookup) == (DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP)

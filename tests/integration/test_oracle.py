@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.core.cascade import Lookup
 from cascade_service.core.mag import BigramTable
 from cascade_service.engine import Engine
 from cascade_service.models.tiny import random_prompts
@@ -47,11 +48,11 @@ def _oracle(target_dir, prompt, max_new_tokens, eos_id=None):
     return out[0, len(prompt):].tolist()
 
 
-def _engine(family, names, k_matrix, leniency, bigram=None):
+def _engine(family, names, k_matrix, leniency, bigram=None, lookup=None):
     drafters = [
         MaGConfig(bigram=bigram) if n == "mag" else ModelTierConfig(n, str(family[n])) for n in names
     ]
-    cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency)
+    cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency, lookup)
     return Engine(cascade)
 
 
@@ -86,6 +87,22 @@ def test_greedy_cascade_equals_transformers_generate(tiny_family, oracle_cache, 
         expected = oracle_cache(prompt, 40)
         assert result.token_ids == expected
         assert result.stats.target_calls <= len(expected)
+
+
+@pytest.mark.parametrize("lookup", [Lookup(1, 3), Lookup(2, 10), Lookup(4, 25)], ids=str)
+@pytest.mark.parametrize("setup", ["csd_close_mid_mag", "csd_unrelated_mag"])
+def test_mag_lookup_gate_at_the_target_is_exact(tiny_family, oracle_cache, bigram_path, setup, lookup):
+    # Row 0 gives MaG nothing, so every MaG token the target reviews came through the gate.
+    names, k_matrix = {"csd_close_mid_mag": SETUPS["csd_close_mid_mag"],
+                       "csd_unrelated_mag": (["unrelated", "mag"], [[3, 0], [0, 4]])}[setup]
+    engine = _engine(tiny_family, names, k_matrix, 2.0, bigram_path, lookup)
+    gated = 0
+    for prompt in (SHORT, LONG, MEDIUM):
+        for n in (7, 40):
+            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
+            assert result.token_ids == oracle_cache(prompt, n)
+            gated += result.stats.reviews["target"].drafted_by_drafter.get("mag", 0)
+    assert gated > 0  # the gate opened: MaG's continuation went to the target unreviewed by "close"
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13, 31])

@@ -9,6 +9,7 @@ import yaml
 from cascade_service.cli import main
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.engine import Engine
+from cascade_service.core.cascade import Lookup
 from cascade_service.tune import candidate_grid
 
 
@@ -17,6 +18,9 @@ def test_grid_holds_only_valid_schedules_around_k_star():
     assert grid and all(c.leniency in (1.0, 2.0) for c in grid)
     assert {c.k_matrix[0][0] for c in grid} == {3, 5, 7}
     assert all(c.k_matrix[2][2] in (4, 10) for c in grid)
+    # every schedule competes with and without the MaG-first gate; without MaG there is no gate
+    assert {c.lookup for c in grid} == {None, Lookup(2, 10), Lookup(2, 20)}
+    assert {c.lookup for c in candidate_grid(["base", "small"], {"base": 5, "small": 3})} == {None}
 
 
 def test_tune_writes_a_loadable_config_with_the_measured_best_schedule(tiny_family, tmp_path, capsys):

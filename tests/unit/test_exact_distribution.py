@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cascade_service.core import review as review_module
-from cascade_service.core.cascade import RequestState, build_cascade
+from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
@@ -34,7 +34,7 @@ def _tiers():
     return target, base, small
 
 
-def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES, seed=0):
+def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES, seed=0, lookup=None):
     target, base, small = _tiers()
     models = {"base": base, "small": small}
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
@@ -43,7 +43,7 @@ def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES
     for i in range(samples):
         state = RequestState(sampling, torch.Generator().manual_seed(seed * 1_000_003 + i), CascadeStats("target"), VOCAB)
         drafters = [MaxGram(bigram) if n == "mag" else models[n] for n in drafter_names]
-        system = build_cascade(target, drafters, schedule, leniency, state)
+        system = build_cascade(target, drafters, schedule, leniency, state, lookup)
         out = [t for chunk in decode(system, PROMPT, LENGTH, frozenset(), state.stats) for t in chunk]
         counts[tuple(out)] += 1
     return counts, exact_distribution(target, PROMPT, LENGTH, sampling)
@@ -51,6 +51,8 @@ def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES
 
 CASES = {
     "sd_small": (["small"], [[3]], 1.0),
+    # PROMPT repeats [0, 1], so the MaG gate opens at the target on the first round and later ones
+    "csd_base_mag_lookup": (["base", "mag"], [[2, 0], [0, 3]], 2.0, Lookup(1, 3)),
     "csd_base_mag_lenient": (["base", "mag"], [[2, 2], [0, 3]], 3.0),
     "csd_base_small_mag_lenient": (["base", "small", "mag"], [[2, 1, 1], [0, 2, 2], [0, 0, 3]], 2.0),
 }
@@ -59,8 +61,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["t1", "t0.7_p0.9"])
 def test_cascade_output_distribution_equals_target_distribution(case, sampling):
-    names, k, leniency = CASES[case]
-    counts, expected = _sample_cascade(names, k, leniency, sampling)
+    names, k, leniency, *lookup = CASES[case]
+    counts, expected = _sample_cascade(names, k, leniency, sampling, lookup=lookup[0] if lookup else None)
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 

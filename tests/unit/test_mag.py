@@ -66,6 +66,21 @@ def test_runs_past_end_of_match_by_matching_its_own_proposals():
     assert MaxGram().propose(committed(tokens), 8) == [3, 1, 2, 3, 1, 2, 3, 1]
 
 
+def test_lookup_needs_a_match_at_least_min_match_long_and_never_fills_from_the_bigram():
+    table = BigramTable(10, [1] * 10)  # would fill every position if lookup used it
+    tokens = [4, 1, 2, 3, 9, 2]  # the suffix [2] matches (length 1), [9, 2] does not
+    assert MaxGram(table).lookup(committed(tokens), 4, min_match=2) == []
+    assert MaxGram(table).lookup(committed(tokens), 4, min_match=1) == [3, 9, 2, 3]
+    assert MaxGram(table).lookup(committed([5, 6, 7, 8]), 4, min_match=1) == []
+    assert MaxGram(table).propose(committed([5, 6, 7, 8]), 2) == [1, 1]
+
+
+def test_lookup_continues_the_longest_match_like_propose():
+    tokens = [4, 1, 2, 3, 1, 2]
+    assert MaxGram().lookup(committed(tokens), 8, min_match=2) == MaxGram().propose(committed(tokens), 8)
+    assert MaxGram().lookup(committed(tokens), 8, min_match=3) == []
+
+
 def test_bigram_fills_when_no_suffix_matches_and_stops_at_a_missing_entry():
     table = BigramTable(10, [-1, -1, -1, 5, -1, 6, 1, -1, -1, -1])
     assert MaxGram(table).propose(committed([9, 8, 3]), 10) == [5, 6, 1]

@@ -1,0 +1,45 @@
+"""Config parsing: every bad value is a ConfigError naming its field; good values become objects."""
+
+import pytest
+
+from cascade_service.config import ConfigError, MaGConfig, parse_config
+from cascade_service.core.cascade import Lookup
+
+
+def _raw(**schedule):
+    return {
+        "tiers": {"target": {"name": "large", "path": "/m/large"},
+                  "drafters": [{"name": "base", "path": "/m/base"}, {"kind": "mag"}]},
+        "schedule": schedule,
+    }
+
+
+def test_lookup_and_schedule_parse_into_objects():
+    config = parse_config(_raw(k_matrix=[[3, 0], [0, 10]], leniency=2, lookup={"min_match": 3, "tokens": 12}))
+    assert config.cascade.lookup == Lookup(3, 12)
+    assert config.cascade.schedule.to_lists() == [[3, 0], [0, 10]]
+    assert config.cascade.leniency == 2.0
+    assert isinstance(config.cascade.drafters[1], MaGConfig)
+    assert parse_config(_raw()).cascade.lookup is None  # off unless asked for
+
+
+@pytest.mark.parametrize("schedule, needle", [
+    ({"lookup": {"min_match": 0}}, "lookup.min_match"),
+    ({"lookup": {"tokens": 1000}}, "lookup.tokens"),
+    ({"lookup": {"tokens": True}}, "lookup.tokens"),
+    ({"lookup": {"min_len": 2}}, "schedule.lookup.min_len"),
+    ({"lookup": [2, 10]}, "schedule.lookup"),
+    ({"leniency": 0.5}, "schedule.leniency"),
+    ({"k_matrix": [[1, 2], [3, 4]]}, "schedule.k_matrix"),
+    ({"beam": 2}, "schedule.beam"),
+])
+def test_bad_schedule_values_name_their_field(schedule, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        parse_config(_raw(**schedule))
+
+
+def test_lookup_without_mag_is_rejected():
+    raw = _raw(lookup={"min_match": 2})
+    raw["tiers"]["drafters"] = [{"name": "base", "path": "/m/base"}]
+    with pytest.raises(ConfigError, match="schedule.lookup needs the MaG drafter"):
+        parse_config(raw)
