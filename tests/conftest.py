@@ -7,6 +7,8 @@ from typing import Callable
 
 import pytest
 
+from .redis_server import RedisServer
+
 
 @pytest.fixture(scope="session")
 def tiny_family_factory(tmp_path_factory) -> Callable[[str], dict[str, Path]]:
@@ -28,6 +30,13 @@ def tiny_family_factory(tmp_path_factory) -> Callable[[str], dict[str, Path]]:
 def tiny_family(tiny_family_factory) -> dict[str, Path]:
     """The llama tiny family: {"target", "close", "mid", "unrelated"} -> local model dir."""
     return tiny_family_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server on a free loopback port for the whole test session (no persistence)."""
+    with RedisServer() as server:
+        yield server
 
 
 def pytest_configure(config):
