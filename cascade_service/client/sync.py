@@ -1,0 +1,263 @@
+"""CascadeClient: the blocking Python SDK for cascade.v1.CascadeService (protos/cascade/v1/cascade.proto).
+
+The result types, request builders and retry policy defined here are shared with aio.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cascade_service.api.v1 import cascade_pb2 as pb
+from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
+from cascade_service.client import errors
+
+# Sleeps between tries of an idempotent call (get_session, health) that failed with UNAVAILABLE:
+# 3 tries in all. Other calls decode or mutate a session, so they are never retried automatically.
+RETRY_DELAYS_S = (0.05, 0.2)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    text: str
+    token_ids: list[int]  # generated tokens only
+    finish_reason: str  # "eos", "length" or "stop"
+    stats: dict  # GenerateStats as a plain dict (proto field names)
+    session_id: str  # echoed when the request named a session
+    session_length: int  # tokens in the session after this request
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str  # text added by this chunk
+    token_ids: list[int]  # tokens added by this chunk
+    finish_reason: str  # set on the last chunk only
+    stats: dict | None  # set on the last chunk only
+    session_length: int  # set on the last chunk of a session request
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    token_ids: list[int]  # the stored prefix
+    version: int  # bumped by every append
+    text: str  # token_ids decoded
+
+
+# ---- shared with aio.py: requests, responses, metadata, channel credentials ----
+
+
+def generate_request(
+    prompt: str | None,
+    *,
+    max_new_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: Sequence[str] | str,
+    session_id: str | None,
+    prompt_token_ids: Sequence[int] | None,
+    verification: str | None,
+    alpha: float | None,
+) -> pb.GenerateRequest:
+    """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
+    stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
+    fields: dict[str, Any] = {
+        "prompt": prompt or "",
+        "prompt_token_ids": list(prompt_token_ids or ()),
+        "session_id": session_id or "",
+        "stop": list(stop),
+    }
+    # proto3 `optional`: passing only the given values keeps HasField() false for the rest, which is
+    # how the server tells "unset" from 0 (temperature 0 = greedy must still be sent).
+    optional = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    fields.update({name: value for name, value in optional.items() if value is not None})
+    if verification is not None:  # alpha alone means nothing: the rule is what reads it
+        fields["verification"] = pb.Verification(rule=verification, alpha=alpha or 0.0)
+    return pb.GenerateRequest(**fields)
+
+
+def create_session_request(
+    prompt: str | None, prompt_token_ids: Sequence[int] | None, session_id: str | None
+) -> pb.CreateSessionRequest:
+    return pb.CreateSessionRequest(
+        session_id=session_id or "", prompt=prompt or "", prompt_token_ids=list(prompt_token_ids or ())
+    )
+
+
+def stats_dict(stats: pb.GenerateStats) -> dict:
+    # int64 counters come back as ints, not the JSON mapping's quoted strings.
+    return json_format.MessageToDict(stats, preserving_proto_field_name=True, unquote_int64_if_possible=True)
+
+
+def result_from(response: pb.GenerateResponse) -> GenerateResult:
+    return GenerateResult(
+        text=response.text,
+        token_ids=list(response.token_ids),
+        finish_reason=response.finish_reason,
+        stats=stats_dict(response.stats),
+        session_id=response.session_id,
+        session_length=response.session_length,
+    )
+
+
+def chunk_from(chunk: pb.GenerateChunk) -> Chunk:
+    return Chunk(
+        text=chunk.text,
+        token_ids=list(chunk.token_ids),
+        finish_reason=chunk.finish_reason,
+        stats=stats_dict(chunk.stats) if chunk.HasField("stats") else None,
+        session_length=chunk.session_length,
+    )
+
+
+def session_from(session: pb.Session) -> SessionInfo:
+    return SessionInfo(
+        session_id=session.session_id, token_ids=list(session.token_ids), version=session.version, text=session.text
+    )
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+def channel_credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials, or None for a plaintext channel."""
+    if root_certificates is not None and not tls:
+        raise ValueError("root_certificates given without tls=True")
+    return grpc.ssl_channel_credentials(root_certificates) if tls else None
+
+
+def is_retryable(e: grpc.RpcError) -> bool:
+    return callable(getattr(e, "code", None)) and e.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ---- the blocking client ----
+
+
+class CascadeClient:
+    """Blocking client for one cascade-service endpoint ("host:port"). Every method raises
+    errors.CascadeError subclasses, never raw grpc errors. Use as a context manager or call close()."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float | None = 60.0,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+    ):
+        credentials = channel_credentials(tls, root_certificates)
+        self._channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+        self._stub = pb_grpc.CascadeServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._timeout_s = timeout_s
+        self._metadata = call_metadata(api_key)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+        session_id: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        verification: str | None = None,
+        alpha: float | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerateResult:
+        """Decode to the end. With session_id, continue that session and append prompt + output to it."""
+        request = generate_request(
+            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha,
+        )
+        return result_from(self._call(self._stub.Generate, request, timeout_s))
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | str = (),
+        session_id: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        verification: str | None = None,
+        alpha: float | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[Chunk]:
+        """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
+        carries finish_reason and stats. The call starts on the first next(); leaving early cancels it."""
+        request = generate_request(
+            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha,
+        )
+        call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
+        try:
+            for chunk in call:
+                yield chunk_from(chunk)
+        except grpc.RpcError as e:  # raised at any point of the stream, the first chunk or mid-way
+            raise errors.from_rpc_error(e) from e
+        finally:
+            call.cancel()  # a consumer that stops early frees the server's decode; no-op once finished
+
+    def create_session(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        session_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> SessionInfo:
+        """A new session, optionally named and seeded with a prefix (text or token ids)."""
+        request = create_session_request(prompt, prompt_token_ids, session_id)
+        return session_from(self._call(self._stub.CreateSession, request, timeout_s))
+
+    def get_session(self, session_id: str, *, timeout_s: float | None = None) -> SessionInfo:
+        request = pb.GetSessionRequest(session_id=session_id)
+        return session_from(self._call(self._stub.GetSession, request, timeout_s, idempotent=True))
+
+    def delete_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """True if the session existed and was deleted."""
+        request = pb.DeleteSessionRequest(session_id=session_id)
+        return self._call(self._stub.DeleteSession, request, timeout_s).deleted
+
+    def health(self, *, timeout_s: float | None = None) -> str:
+        """The server's overall status from grpc.health.v1: "SERVING" or "NOT_SERVING"."""
+        request = health_pb2.HealthCheckRequest(service="")
+        response = self._call(self._health.Check, request, timeout_s, idempotent=True)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> CascadeClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _deadline(self, timeout_s: float | None) -> float | None:
+        return self._timeout_s if timeout_s is None else timeout_s
+
+    def _call(self, rpc: Callable, request, timeout_s: float | None, *, idempotent: bool = False):
+        # Each try gets the full deadline: a retry follows a fast UNAVAILABLE, not a slow call.
+        delays = RETRY_DELAYS_S if idempotent else ()
+        for attempt in range(len(delays) + 1):
+            try:
+                return rpc(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
+            except grpc.RpcError as e:
+                if attempt < len(delays) and is_retryable(e):
+                    time.sleep(delays[attempt])
+                    continue
+                raise errors.from_rpc_error(e) from e
