@@ -17,8 +17,10 @@ from .core.cascade import Lookup, RequestState, build_cascade
 from .core.decode import decode
 from .core.mag import BigramTable, MaxGram
 from .core.sampling import SamplingParams
+from .coordinator import Coordinator, Tokenizer
 from .core.stats import CascadeStats
 from .models.hf import HFModel, load_tokenizer
+from .sessions import SessionStore
 
 
 @dataclass
@@ -95,11 +97,22 @@ class Engine:
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def coordinator(self, store: SessionStore, defaults: GenerationConfig | None = None) -> Coordinator:
+        """A Coordinator over these loaded models, in this process (the standalone gRPC server, tests)."""
+        models = {self.target.name: self.target, **{d.name: d for d in self.drafters if isinstance(d, HFModel)}}
+        return Coordinator(
+            self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
+            tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,
+            defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs())
+
+    def param_costs(self) -> dict[str, float]:
+        return {m.name: m.num_parameters / self.target.num_parameters for m in self.drafters if isinstance(m, HFModel)}
+
     def swi_costs(self) -> dict[str, dict[str, float]]:
         """Drafter costs relative to the target: parameter ratio and measured step-time ratio."""
         models = [d for d in self.drafters if isinstance(d, HFModel)]
         target_step = self.target.step_time_s()
         return {
-            "params": {m.name: m.num_parameters / self.target.num_parameters for m in models},
+            "params": self.param_costs(),
             "measured": {m.name: m.step_time_s() / target_step for m in models},
         }

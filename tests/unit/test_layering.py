@@ -11,6 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cascade_service"
 ALLOWED = {
     "ray": ("serving/",),
     "grpc": ("api/", "client/"),
+    "grpc_health": ("api/", "client/"),
+    "grpc_reflection": ("api/",),
     "redis": ("sessions/redis_store.py",),
     "transformers": ("models/",),
 }

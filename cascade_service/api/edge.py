@@ -1,0 +1,134 @@
+"""The gRPC edge in front of a remote coordinator: bound to the address we choose, forwarding bytes.
+
+`cascade-service serve` runs this in its own process on loopback and forwards each call, as serialized
+protobuf bytes, to the coordinator deployment through a `Backend` (a Ray Serve handle; see
+`serving.app.HandleBackend`). Ray Serve's own gRPC proxy listens on every interface with no way to
+choose, so it is used on clusters (deploy/serve_config.yaml) and not for the local default. The edge
+also serves standard health checking and reflection, and turns a client's cancel into a cancel of the
+remote call.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Any, Iterator, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from .server import add_health_and_reflection
+from .servicer import SERVICE_NAME
+from .v1 import cascade_pb2 as pb
+from .v1 import cascade_pb2_grpc
+
+Reply = tuple[str, str, bytes]  # (status code name, details, serialized response)
+
+# method -> (request type, response type)
+UNARY = {
+    "Generate": (pb.GenerateRequest, pb.GenerateResponse),
+    "CreateSession": (pb.CreateSessionRequest, pb.Session),
+    "GetSession": (pb.GetSessionRequest, pb.Session),
+    "DeleteSession": (pb.DeleteSessionRequest, pb.DeleteSessionResponse),
+}
+STREAMING = {"GenerateStream": (pb.GenerateRequest, pb.GenerateChunk)}
+
+
+def request_type(method: str) -> Any:
+    """The request message class of an RPC (functions, unlike the dicts, pickle by reference)."""
+    return {**UNARY, **STREAMING}[method][0]
+
+
+class Backend(Protocol):
+    def call(self, method: str, request: bytes, timeout_s: float | None) -> Reply: ...
+
+    def stream(self, method: str, request: bytes, timeout_s: float | None) -> Iterator[Reply]:
+        """Replies in order; closing the iterator cancels the remote call."""
+        ...
+
+
+class RecordingContext:
+    """A servicer context for calls that arrive as bytes: records the status the servicer sets."""
+
+    def __init__(self) -> None:
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+
+def _finish(context: grpc.ServicerContext, code_name: str, details: str) -> bool:
+    if code_name == "OK":
+        return False
+    context.abort(grpc.StatusCode[code_name], details)
+    return True
+
+
+class ForwardingServicer(cascade_pb2_grpc.CascadeServiceServicer):
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    def _unary(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+        code, details, body = self.backend.call(method, request.SerializeToString(), context.time_remaining())
+        _finish(context, code, details)
+        return UNARY[method][1].FromString(body)
+
+    def Generate(self, request, context):  # noqa: N802
+        return self._unary("Generate", request, context)
+
+    def CreateSession(self, request, context):  # noqa: N802
+        return self._unary("CreateSession", request, context)
+
+    def GetSession(self, request, context):  # noqa: N802
+        return self._unary("GetSession", request, context)
+
+    def DeleteSession(self, request, context):  # noqa: N802
+        return self._unary("DeleteSession", request, context)
+
+    def GenerateStream(self, request, context):  # noqa: N802
+        replies = self.backend.stream("GenerateStream", request.SerializeToString(), context.time_remaining())
+        context.add_callback(lambda: getattr(replies, "close", lambda: None)())  # client gone: cancel remotely
+        try:
+            for code, details, body in replies:
+                if _finish(context, code, details):
+                    return
+                yield pb.GenerateChunk.FromString(body)
+        finally:
+            getattr(replies, "close", lambda: None)()
+
+
+def start_edge(backend: Backend, host: str = "127.0.0.1", port: int = 0, workers: int = 32) -> tuple[grpc.Server, int, Any]:
+    """Serve CascadeService + health + reflection on host:port; returns (server, port, health servicer)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    cascade_pb2_grpc.add_CascadeServiceServicer_to_server(ForwardingServicer(backend), server)
+    checker = add_health_and_reflection(server, serving=False)  # SERVING once the app answers
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    server.start()
+    return server, bound, checker
+
+
+def set_serving(checker: Any, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        checker.set(name, status)
+
+
+def health_request() -> Any:
+    return health_pb2.HealthCheckRequest()
+
+
+def health_response(serving: bool) -> Any:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    return health_pb2.HealthCheckResponse(status=status)
+
+
+def is_serving(reply: Any) -> bool:
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,41 @@
+"""A standalone gRPC server (no Ray): the CascadeService servicer, health checking and reflection.
+
+The embedded wiring for one process; `serving.app` is the Ray Serve wiring of the same servicer.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ..coordinator import Coordinator
+from .servicer import SERVICE_NAME, CascadeServicer
+from .v1 import cascade_pb2, cascade_pb2_grpc
+
+
+def add_health_and_reflection(server: grpc.Server, serving: bool) -> health.HealthServicer:
+    """grpc.health.v1 (overall and per service) and server reflection; returns the health servicer."""
+    checker = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        checker.set(name, status)
+    names = (cascade_pb2.DESCRIPTOR.services_by_name["CascadeService"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return checker
+
+
+def start_server(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0, workers: int = 8) -> tuple[grpc.Server, int]:
+    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    cascade_pb2_grpc.add_CascadeServiceServicer_to_server(CascadeServicer(coordinator), server)
+    add_health_and_reflection(server, serving=True)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    server.start()
+    return server, bound

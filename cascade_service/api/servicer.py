@@ -1,0 +1,142 @@
+"""The gRPC edge: proto <-> coordinator, and every error -> a status code with a message naming the field.
+
+One servicer serves both wirings: a plain `grpc.server` (`api.server`) and Ray Serve's gRPC proxy
+(`serving.app` calls these methods from its ingress). Both contexts support `set_code` /
+`set_details`, so errors are reported that way and an empty message is returned, never raised: an
+exception would reach the client as INTERNAL.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import grpc
+
+from ..coordinator import Chunk, Coordinator
+from ..core.stats import CascadeStats
+from ..sessions import SessionConflict, SessionExists, SessionNotFound, StoreUnavailable
+from .v1 import cascade_pb2 as pb
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "cascade.v1.CascadeService"
+
+
+class Unavailable(Exception):
+    """A tier could not be reached (replica died, deployment restarting): retryable."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client sees for an exception raised while serving."""
+    if isinstance(exc, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND, f"session_id: {exc}"
+    if isinstance(exc, SessionExists):
+        return grpc.StatusCode.ALREADY_EXISTS, f"session_id: {exc}"
+    if isinstance(exc, SessionConflict):
+        return grpc.StatusCode.ABORTED, f"session_id: the session changed during this request; retry ({exc})"
+    if isinstance(exc, (StoreUnavailable, Unavailable)):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.exception("internal error while serving a request", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+
+
+class CascadeServicer:
+    """cascade.v1.CascadeService over a Coordinator (sync methods: the decode loop blocks)."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+
+    def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
+        try:
+            params = self._params(request)
+            result = self.coordinator.generate(params)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
+            return _fail(context, exc, pb.GenerateResponse())
+        return pb.GenerateResponse(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason or "",
+                                   stats=self.stats(result.stats), session_id=request.session_id,
+                                   session_length=result.session_length)
+
+    def GenerateStream(self, request: pb.GenerateRequest, context: Any) -> Iterator[pb.GenerateChunk]:
+        try:
+            params = self._params(request)
+            for chunk in self.coordinator.stream(params):
+                yield self.chunk(chunk)
+        except Exception as exc:  # noqa: BLE001
+            _fail(context, exc, None)
+
+    def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.Session:
+        try:
+            record = self.coordinator.create_session(request.session_id, request.prompt, list(request.prompt_token_ids),
+                                                     owner=_owner(context))
+        except Exception as exc:  # noqa: BLE001
+            return _fail(context, exc, pb.Session())
+        return self._session(record)
+
+    def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.Session:
+        try:
+            _require_id(request.session_id)
+            record = self.coordinator.store.get(request.session_id)
+        except Exception as exc:  # noqa: BLE001
+            return _fail(context, exc, pb.Session())
+        return self._session(record)
+
+    def DeleteSession(self, request: pb.DeleteSessionRequest, context: Any) -> pb.DeleteSessionResponse:
+        try:
+            _require_id(request.session_id)
+            deleted = self.coordinator.store.delete(request.session_id)
+        except Exception as exc:  # noqa: BLE001
+            return _fail(context, exc, pb.DeleteSessionResponse())
+        return pb.DeleteSessionResponse(deleted=deleted)
+
+    # --- conversions -------------------------------------------------------------------------------
+
+    def _params(self, request: pb.GenerateRequest):
+        return self.coordinator.params(
+            prompt=request.prompt, prompt_ids=list(request.prompt_token_ids), session_id=request.session_id,
+            max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
+            temperature=request.temperature if request.HasField("temperature") else None,
+            top_p=request.top_p if request.HasField("top_p") else None,
+            seed=request.seed if request.HasField("seed") else None,
+            stop=list(request.stop), verification=request.verification.rule if request.HasField("verification") else "",
+        )
+
+    def chunk(self, chunk: Chunk) -> pb.GenerateChunk:
+        return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason or "",
+                                stats=self.stats(chunk.stats) if chunk.stats else None,
+                                session_length=chunk.session_length)
+
+    def stats(self, stats: CascadeStats | None) -> pb.GenerateStats:
+        if stats is None:
+            return pb.GenerateStats()
+        review = stats.reviews.get(stats.target)
+        return pb.GenerateStats(
+            generated_tokens=stats.generated, target_calls=stats.target_calls,
+            tiers={name: pb.TierStats(calls=c.calls, tokens_processed=c.tokens_processed, time_s=c.time_s)
+                   for name, c in stats.tiers.items()},
+            accepted_by_position=list(review.accepted_by_position) if review else [],
+            drafted_by_position=list(review.drafted_by_position) if review else [],
+            mean_accepted_length=stats.mean_accepted_length, wall_s=stats.wall_s,
+            swi_params=stats.swi(self.coordinator.param_costs),
+        )
+
+    def _session(self, record) -> pb.Session:
+        return pb.Session(session_id=record.session_id, token_ids=list(record.token_ids), version=record.version,
+                          text=self.coordinator.tokenizer.decode(list(record.token_ids)))
+
+
+def _require_id(session_id: str) -> None:
+    if not session_id:
+        raise ValueError("session_id: required")
+
+
+def _owner(context: Any) -> str:
+    return ""  # API keys arrive with issue 6; until then every session is anonymous
+
+
+def _fail(context: Any, exc: BaseException, empty):
+    code, details = status_for(exc)
+    context.set_code(code)
+    context.set_details(details)
+    return empty

@@ -1,0 +1,225 @@
+"""The coordinator: session -> cascade -> stream of tokens -> stats. Knows only protocols.
+
+One wiring-independent object runs requests: the tiers come from a factory (in-process scorers, or
+`serving.remote.RemoteTier`s over Ray Serve), sessions from any `SessionStore`. The gRPC edge
+(`api/servicer.py`) and the Ray Serve ingress (`serving/app.py`) both call it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .config import CascadeConfig, GenerationConfig, MaGConfig
+from .core.cascade import RequestState, build_cascade
+from .core.decode import decode
+from .core.mag import BigramTable, MaxGram
+from .core.sampling import SamplingParams
+from .core.stats import CascadeStats
+from .sessions import SessionStore, check_session_id
+
+MAX_PROMPT_TOKENS = 32_768
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+VERIFICATION_RULES = ("exact",)  # lossy rules arrive with issue 5
+
+TierFactory = Callable[[str], dict[str, Any]]  # request id -> {tier name: Scorer or BlockTier}
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """A validated request; every bad value was turned into a ValueError naming its field."""
+
+    prompt_ids: tuple[int, ...]
+    gen: GenerationConfig
+    session_id: str | None = None
+    stop: tuple[str, ...] = ()
+    verification: str = "exact"
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # on the last chunk: "eos", "length" or "stop"
+    stats: CascadeStats | None = None  # on the last chunk
+    session_length: int = 0  # on the last chunk of a session request
+
+
+@dataclass
+class Tokenizer:
+    """What the coordinator needs of a tokenizer (a `transformers` tokenizer fits)."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+
+
+@dataclass
+class Coordinator:
+    cascade: CascadeConfig
+    tokenizer: Tokenizer
+    vocab_size: int
+    eos_ids: frozenset[int]
+    tiers: TierFactory
+    store: SessionStore
+    defaults: GenerationConfig = field(default_factory=GenerationConfig)
+    bigram: BigramTable | None = None
+    release: Callable[[dict[str, Any]], None] = lambda tiers: None  # frees a finished request's tier state
+    param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def params(self, *, prompt: str = "", prompt_ids: Sequence[int] = (), session_id: str = "",
+               max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+               seed: int | None = None, stop: Sequence[str] = (), verification: str = "") -> GenerateParams:
+        """Validate one request's fields (ValueError names the field) and apply the server defaults."""
+        if prompt and prompt_ids:
+            raise ValueError("prompt: give prompt or prompt_token_ids, not both")
+        ids = list(prompt_ids) if prompt_ids else (self.tokenizer.encode(prompt) if prompt else [])
+        bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > MAX_PROMPT_TOKENS:
+            raise ValueError(f"prompt: {len(ids)} tokens, more than the limit {MAX_PROMPT_TOKENS}")
+        if session_id:
+            check_session_id(session_id)
+        elif not ids:
+            raise ValueError("prompt: empty (give prompt, prompt_token_ids or a session_id with history)")
+        if max_new_tokens is not None and not 1 <= max_new_tokens <= 4096:
+            raise ValueError(f"max_new_tokens must be in [1, 4096], got {max_new_tokens}")
+        if temperature is not None and not 0.0 <= temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {temperature}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
+        rule = verification or "exact"
+        if rule not in VERIFICATION_RULES:
+            raise ValueError(f"verification.rule: unknown rule {rule!r} (known: {', '.join(VERIFICATION_RULES)})")
+        overrides = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+        gen = GenerationConfig(**{k: (v if v is not None else getattr(self.defaults, k)) for k, v in overrides.items()})
+        return GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop), rule)
+
+    def stream(self, params: GenerateParams) -> Iterator[Chunk]:
+        """Yield text/token chunks as target rounds finish; the last one has finish_reason and stats."""
+        record = self.store.get(params.session_id) if params.session_id else None
+        context = list(record.token_ids if record else ()) + list(params.prompt_ids)
+        if not context:
+            raise ValueError("prompt: empty (the session has no history yet)")
+        request_id = uuid.uuid4().hex
+        stats = CascadeStats(self.cascade.target.name)
+        tiers = self.tiers(request_id)
+        text = _TextStream(self.tokenizer.decode, params.stop)
+        out: list[int] = []
+        new: list[int] = []
+        finish = "length"
+        try:
+            for new in self._decode(tiers, context, params.gen, stats):
+                cut = text.feed(new)
+                if cut is not None:
+                    new, finish = new[:cut], "stop"
+                elif new and new[-1] in self.eos_ids:
+                    finish = "eos"
+                out += new
+                if finish != "length":
+                    break  # this round's tokens go out with the last chunk
+                delta = text.take(final=False)
+                if new or delta:
+                    yield Chunk(new, delta)
+                new = []
+        finally:
+            self.release(tiers)
+        stats.generated = len(out)
+        session_length = 0
+        if record is not None:
+            updated = self.store.append(record.session_id, list(params.prompt_ids) + out, record.version)
+            session_length = len(updated.token_ids)
+        yield Chunk(new, text.take(final=True), finish, stats, session_length)
+
+    def generate(self, params: GenerateParams) -> Chunk:
+        tokens: list[int] = []
+        texts: list[str] = []
+        last = Chunk([], "")
+        for chunk in self.stream(params):
+            tokens += chunk.token_ids
+            texts.append(chunk.text)
+            last = chunk
+        return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length)
+
+    def _decode(self, tiers: dict[str, Any], context: list[int], gen: GenerationConfig, stats: CascadeStats):
+        state = RequestState(SamplingParams(gen.temperature, gen.top_p), torch.Generator().manual_seed(gen.seed),
+                             stats, self.vocab_size, self.eos_ids)
+        drafters = [MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else tiers[d.name]
+                    for d in self.cascade.drafters]
+        system = build_cascade(tiers[self.cascade.target.name], drafters, self.cascade.schedule,
+                               self.cascade.leniency, state, self.cascade.lookup)
+        yield from decode(system, context, gen.max_new_tokens, self.eos_ids, stats)
+
+    # --- sessions ----------------------------------------------------------------------------------
+
+    def create_session(self, session_id: str = "", prompt: str = "", prompt_ids: Sequence[int] = (), owner: str = ""):
+        if prompt and prompt_ids:
+            raise ValueError("prompt: give prompt or prompt_token_ids, not both")
+        ids = list(prompt_ids) if prompt_ids else (self.tokenizer.encode(prompt) if prompt else [])
+        bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if session_id:
+            check_session_id(session_id)
+        return self.store.create(ids, session_id or None, owner)
+
+
+class _TextStream:
+    """Incremental detokenization with stop strings; emitted text is never taken back.
+
+    While streaming, the last (longest stop string - 1) characters are held back, since a stop string
+    may still complete there, and so is a trailing U+FFFD (a multi-byte character split across tokens).
+    On a stop, the kept tokens end with the one that completed the stop string, and the text ends just
+    before the stop string (the convention of vLLM and the OpenAI API).
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]):
+        self.decode = decode
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of self.text already emitted
+        self.stopped_at: int | None = None
+
+    def feed(self, new: Sequence[int]) -> int | None:
+        """Add a round's tokens; if a stop string completed, return how many of them to keep."""
+        base = len(self.tokens)
+        self.tokens += new
+        self.text = self.decode(self.tokens)
+        # A stop string cannot start before `sent`: at least len(stop) - 1 characters were held back.
+        found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+        if not found:
+            return None
+        for n in range(base + 1, len(self.tokens) + 1):  # the first token that completes a stop string
+            text = self.decode(self.tokens[:n])
+            hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
+            if hits:
+                self.tokens, self.text, self.stopped_at = self.tokens[:n], text, min(hits)
+                return n - base
+        self.stopped_at = min(found)  # decoding is not prefix-stable here; keep every token
+        return len(new)
+
+    def take(self, final: bool) -> str:
+        """The text not emitted yet that is safe to emit now."""
+        if self.stopped_at is not None:
+            end = self.stopped_at
+        elif final:
+            end = len(self.text)
+        else:
+            end = len(self.text) - self.hold
+            while end > self.sent and self.text[end - 1] == "\ufffd":
+                end -= 1
+        end = max(end, self.sent)
+        delta, self.sent = self.text[self.sent:end], end
+        return delta

@@ -1,0 +1,124 @@
+"""The gRPC edge without Ray: a real grpc.server on loopback, the real client SDK, tiny models.
+
+Greedy output through the API equals `transformers` greedy `generate()` of the target (the oracle);
+streaming yields the same tokens; sessions continue from their stored prefix; every bad field is
+INVALID_ARGUMENT (or NOT_FOUND) with a message naming it; health checking and reflection answer.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cascade_service.api.server import start_server
+from cascade_service.client import CascadeClient, errors
+from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.core.cascade import Lookup
+from cascade_service.engine import Engine
+from cascade_service.models.tiny import random_prompts
+from cascade_service.sessions import MemoryStore
+
+from .test_oracle import _oracle
+
+PROMPT = random_prompts(1, 12, seed=21)[0]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_family):
+    drafters = [ModelTierConfig("close", str(tiny_family["close"])), ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()]
+    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])), drafters,
+                           [[4, 2, 0], [0, 2, 6], [0, 0, 6]], 1.5, Lookup(2, 10))
+    return Engine(cascade)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    server, port = start_server(engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=24)))
+    with CascadeClient(f"127.0.0.1:{port}", timeout_s=60) as c:
+        yield c
+    server.stop(0)
+
+
+def test_greedy_generate_equals_transformers_and_streaming_yields_the_same(tiny_family, client):
+    expected = _oracle(tiny_family["target"], PROMPT, 30)
+    result = client.generate(prompt_token_ids=PROMPT, max_new_tokens=30)
+    assert result.token_ids == expected
+    assert result.finish_reason == "length"
+    assert result.stats["generated_tokens"] == 30 and result.stats["target_calls"] <= 30
+    assert sum(result.stats["accepted_by_position"]) >= 0 and result.stats["mean_accepted_length"] >= 1.0
+    chunks = list(client.stream(prompt_token_ids=PROMPT, max_new_tokens=30))
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert "".join(c.text for c in chunks) == result.text
+    assert chunks[-1].finish_reason == "length" and chunks[-1].stats is not None
+    assert client.generate(prompt_token_ids=PROMPT).token_ids == expected[:24]  # the server's default length
+
+
+def test_a_session_continues_from_its_stored_prefix(tiny_family, client):
+    session = client.create_session(prompt_token_ids=PROMPT[:5])
+    first = client.generate(prompt_token_ids=PROMPT[5:], session_id=session.session_id, max_new_tokens=8)
+    assert first.token_ids == _oracle(tiny_family["target"], PROMPT, 8)
+    assert first.session_length == len(PROMPT) + 8
+    more = [7, 8, 9]
+    second = client.generate(prompt_token_ids=more, session_id=session.session_id, max_new_tokens=8)
+    history = PROMPT + first.token_ids + more
+    assert second.token_ids == _oracle(tiny_family["target"], history, 8)
+    stored = client.get_session(session.session_id)
+    assert stored.token_ids == history + second.token_ids and stored.version == 2
+    assert client.delete_session(session.session_id) is True
+    with pytest.raises(errors.NotFound, match="session_id"):
+        client.get_session(session.session_id)
+
+
+def test_stop_strings_end_the_output_before_the_stop(engine, client):
+    full = client.generate(prompt_token_ids=PROMPT, max_new_tokens=30)
+    stop = full.text[10:13]
+    assert stop and stop in full.text
+    cut = client.generate(prompt_token_ids=PROMPT, max_new_tokens=30, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert full.token_ids[: len(cut.token_ids)] == cut.token_ids
+    assert stop in engine.decode_text(cut.token_ids) and stop not in engine.decode_text(cut.token_ids[:-1])
+    streamed = list(client.stream(prompt_token_ids=PROMPT, max_new_tokens=30, stop=[stop]))
+    assert "".join(c.text for c in streamed) == cut.text
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt_token_ids": [1, 2, 10**6]}, "prompt_token_ids"),
+    ({"prompt": "x", "prompt_token_ids": [1]}, "prompt"),
+    ({"prompt_token_ids": [1, 2], "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt_token_ids": [1, 2], "max_new_tokens": 10**6}, "max_new_tokens"),
+    ({"prompt_token_ids": [1, 2], "temperature": -1.0}, "temperature"),
+    ({"prompt_token_ids": [1, 2], "top_p": 0.0}, "top_p"),
+    ({"prompt_token_ids": [1, 2], "top_p": 1.5}, "top_p"),
+    ({"prompt_token_ids": [1, 2], "stop": [""]}, "stop"),
+    ({"prompt_token_ids": [1, 2], "verification": "telepathy"}, "verification.rule"),
+    ({"prompt_token_ids": [1, 2], "session_id": "bad id!"}, "session_id"),
+])
+def test_bad_fields_are_invalid_argument_naming_the_field(client, kwargs, field):
+    with pytest.raises(errors.InvalidArgument, match=field.replace(".", r"\.")):
+        client.generate(**kwargs)
+    with pytest.raises(errors.InvalidArgument, match=field.replace(".", r"\.")):
+        list(client.stream(**kwargs))
+
+
+def test_unknown_session_is_not_found_and_the_server_keeps_answering(tiny_family, client):
+    with pytest.raises(errors.NotFound, match="session_id"):
+        client.generate(prompt_token_ids=[1, 2], session_id="no-such-session")
+    with pytest.raises(errors.InvalidArgument, match="session_id"):
+        client.get_session("")
+    assert client.generate(prompt_token_ids=PROMPT, max_new_tokens=5).token_ids == _oracle(tiny_family["target"], PROMPT, 5)
+
+
+def test_health_and_reflection(client, engine):
+    assert client.health() == "SERVING"
+    server, port = start_server(engine.coordinator(MemoryStore()))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"cascade.v1.CascadeService", "grpc.health.v1.Health"} <= names
+    finally:
+        server.stop(0)
