@@ -180,7 +180,110 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_bench_command(sub, _Parser)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_generate, _add_zoo, _add_demo, _add_tune, _add_bench]
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the cascade over gRPC: local Ray, one deployment per tier")
+    p.add_argument("--config", required=True)
+    p.add_argument("--grpc-port", type=int, default=None, help="default: the config's serving.grpc_port (9000)")
+    p.add_argument("--redis-url", default=None, help="keep sessions in Redis (default: in-cluster memory)")
+    p.add_argument("--host", default="127.0.0.1", help="loopback only until API keys exist (issue 6)")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        raise UsageError(f"--host {args.host}: only loopback addresses are served until API keys are required")
+    config = load_config(args.config)
+    port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
+    from .serving.app import LocalService
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    service = LocalService(args.config, port, args.redis_url, args.host)
+    try:
+        address = service.start()
+        print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)
+        stop.wait()
+    finally:
+        print("stopping", file=sys.stderr, flush=True)
+        service.stop()
+    return 0
+
+
+def _add_client(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("client", help="talk to a running service over gRPC")
+    client_sub = p.add_subparsers(dest="client_command", required=True, parser_class=_Parser)
+    for name, help_text in (("generate", "one request, printed when done"), ("stream", "print text as it arrives")):
+        c = client_sub.add_parser(name, help=help_text)
+        c.add_argument("--target", required=True, help="HOST:PORT of the service")
+        source = c.add_mutually_exclusive_group(required=True)
+        source.add_argument("--prompt")
+        source.add_argument("--prompt-file")
+        c.add_argument("--max-new-tokens", type=int)
+        c.add_argument("--temperature", type=float)
+        c.add_argument("--top-p", type=float)
+        c.add_argument("--seed", type=int)
+        c.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+        c.add_argument("--session-id")
+        c.add_argument("--timeout-s", type=float, default=120.0)
+        c.add_argument("--json", action="store_true", help="print one JSON object (generate) or one per chunk")
+        c.set_defaults(run=_run_client)
+    for name in ("create", "get", "delete"):
+        c = client_sub.add_parser(f"session-{name}", help=f"{name} a session")
+        c.add_argument("--target", required=True)
+        c.add_argument("--session-id", required=name != "create")
+        if name == "create":
+            c.add_argument("--prompt", default="")
+        c.set_defaults(run=_run_client)
+
+
+def _run_client(args: argparse.Namespace) -> int:
+    from .client import CascadeClient, errors
+
+    command = args.client_command
+    try:
+        with CascadeClient(args.target, timeout_s=getattr(args, "timeout_s", 120.0)) as client:
+            if command.startswith("session-"):
+                if command == "session-delete":
+                    print(json.dumps({"deleted": client.delete_session(args.session_id)}))
+                    return 0
+                info = (client.create_session(prompt=args.prompt or None, session_id=args.session_id)
+                        if command == "session-create" else client.get_session(args.session_id))
+                print(json.dumps({"session_id": info.session_id, "version": info.version,
+                                  "token_ids": list(info.token_ids), "text": info.text}))
+                return 0
+            request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, stop=args.stop, session_id=args.session_id)
+            prompt = _read_prompt(args)
+            if command == "generate":
+                r = client.generate(prompt, **request)
+                if args.json:
+                    print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                                      "stats": r.stats, "session_length": r.session_length}))
+                else:
+                    print(r.text)
+                return 0
+            for chunk in client.stream(prompt, **request):
+                if args.json:
+                    print(json.dumps({"text": chunk.text, "token_ids": chunk.token_ids,
+                                      "finish_reason": chunk.finish_reason, "stats": chunk.stats}), flush=True)
+                else:
+                    print(chunk.text, end="", flush=True)
+            if not args.json:
+                print()
+            return 0
+    except errors.CascadeError as exc:
+        print(f"cascade-service client: {exc.code.name}: {exc.details}", file=sys.stderr)
+        return 1
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_generate, _add_zoo, _add_demo, _add_tune, _add_bench, _add_serve, _add_client]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,10 +60,31 @@ class GenerationConfig:
     seed: int = 0  # sampling seed per request
 
 
+DEPLOYMENT_OPTIONS = {"num_replicas", "ray_actor_options", "autoscaling_config", "max_ongoing_requests",
+                      "max_queued_requests"}
+MAG_PLACEMENTS = ("coordinator", "smallest-tier")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """How `cascade-service serve` places and scales the tiers (Ray Serve); ignored in-process."""
+
+    grpc_port: int = 9000
+    redis_url: str | None = None  # None: sessions in an in-cluster actor (survives app restarts, not Ray's)
+    session_namespace: str = "cascade"
+    session_ttl_s: int = 7 * 24 * 3600
+    mag_placement: str = "coordinator"  # or "smallest-tier": MaG runs inside the smallest model tier's replica
+    torch_threads: int | None = None  # per tier replica; None: torch's default
+    # deployment name ("coordinator", "tier-<name>") -> Ray Serve options: num_replicas,
+    # ray_actor_options (num_cpus, num_gpus, accelerator_type, resources), autoscaling_config, ...
+    deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Config:
     cascade: CascadeConfig
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
 
 
 def load_config(path: str | Path) -> Config:
@@ -80,7 +101,7 @@ def load_config(path: str | Path) -> Config:
 
 
 def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
-    _only(raw, "", {"tiers", "schedule", "generation", "model"})
+    _only(raw, "", {"tiers", "schedule", "generation", "model", "serving"})
     model_defaults = _mapping(raw.get("model", {}), "model")
     tiers = _mapping(raw.get("tiers"), "tiers")
     _only(tiers, "tiers.", {"target", "drafters"})
@@ -97,7 +118,31 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
                            _lookup(schedule_raw.get("lookup")))
     gen_raw = _mapping(raw.get("generation", {}), "generation")
     _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed"})
-    return Config(cascade, make_generation(GenerationConfig(), gen_raw))
+    serving = _serving(_mapping(raw.get("serving", {}), "serving"), cascade)
+    return Config(cascade, make_generation(GenerationConfig(), gen_raw), serving)
+
+
+def _serving(raw: dict[str, Any], cascade: CascadeConfig) -> ServingConfig:
+    _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "mag_placement",
+                            "torch_threads", "deployments"})
+    serving = ServingConfig(**{k: v for k, v in raw.items() if k != "deployments"})
+    _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
+    _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
+    if serving.torch_threads is not None:
+        _check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
+    if serving.redis_url is not None and not (isinstance(serving.redis_url, str) and serving.redis_url.startswith(("redis://", "rediss://", "unix://"))):
+        raise ConfigError(f"serving.redis_url must be a redis://, rediss:// or unix:// URL, got {serving.redis_url!r}")
+    if not isinstance(serving.session_namespace, str) or not serving.session_namespace or ":" in serving.session_namespace:
+        raise ConfigError(f"serving.session_namespace must be a non-empty string without ':', got {serving.session_namespace!r}")
+    if serving.mag_placement not in MAG_PLACEMENTS:
+        raise ConfigError(f"serving.mag_placement must be one of {', '.join(MAG_PLACEMENTS)}, got {serving.mag_placement!r}")
+    names = {"coordinator"} | {f"tier-{t.name}" for t in cascade.tiers if isinstance(t, ModelTierConfig)}
+    deployments = _mapping(raw.get("deployments", {}), "serving.deployments")
+    for name, options in deployments.items():
+        if name not in names:
+            raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
+        _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
+    return replace(serving, deployments={k: dict(v) for k, v in deployments.items()})
 
 
 def make_cascade(

@@ -43,3 +43,19 @@ def test_lookup_without_mag_is_rejected():
     raw["tiers"]["drafters"] = [{"name": "base", "path": "/m/base"}]
     with pytest.raises(ConfigError, match="schedule.lookup needs the MaG drafter"):
         parse_config(raw)
+
+
+def test_serving_section_parses_and_names_bad_fields():
+    raw = _raw()
+    raw["serving"] = {"grpc_port": 9100, "redis_url": "redis://127.0.0.1:6379/0", "torch_threads": 1,
+                      "deployments": {"tier-large": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}}}
+    serving = parse_config(raw).serving
+    assert serving.grpc_port == 9100 and serving.deployments["tier-large"]["num_replicas"] == 2
+    for bad, needle in [({"grpc_port": 0}, "serving.grpc_port"), ({"redis_url": "http://x"}, "serving.redis_url"),
+                        ({"mag_placement": "moon"}, "serving.mag_placement"),
+                        ({"deployments": {"tier-huge": {}}}, "serving.deployments.tier-huge"),
+                        ({"deployments": {"coordinator": {"replicas": 2}}}, "serving.deployments.coordinator.replicas"),
+                        ({"session_namespace": "a:b"}, "serving.session_namespace"), ({"port": 1}, "serving.port")]:
+        raw["serving"] = bad
+        with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+            parse_config(raw)

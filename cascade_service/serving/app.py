@@ -1,0 +1,433 @@
+"""The Ray Serve application: one deployment per model tier, a coordinator/ingress, the app builder.
+
+    tier-<name>   TierDeployment: a TierServer (model + per-request KV caches); drafts/reviews blocks
+    coordinator   CoordinatorDeployment: the gRPC ingress; runs core's cascade over RemoteTiers and
+                  hosts MaG; sessions in Redis or in an in-cluster actor
+
+Ray Serve's gRPC proxy calls the coordinator's methods by RPC name (Generate, GenerateStream, ...).
+Each deployment takes its Ray Serve options (replicas, autoscaling, ray_actor_options with num_gpus /
+accelerator_type / custom resources) from the config's `serving.deployments`, so tiers scale and
+place independently; a Serve config file (deploy/serve_config.yaml) may override them again by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from ..api.edge import (RecordingContext, Reply, health_request, health_response, is_serving, request_type,
+                        set_serving, start_edge)
+from ..api.servicer import CascadeServicer, Unavailable
+from ..config import Config, ModelTierConfig, ServingConfig, load_config
+from ..coordinator import Coordinator, Tokenizer
+from ..core.mag import BigramTable
+from ..models.hf import load_tokenizer
+from ..sessions import MemoryStore, SessionStore
+from .remote import RemoteTier
+from .tier import TierServer
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "cascade"
+COORDINATOR = "coordinator"
+SESSION_ACTOR = "cascade-sessions"  # detached: outlives app restarts (not a Ray cluster restart)
+RAY_NAMESPACE = "cascade-service"
+GRPC_SERVICER_FUNCTIONS = [
+    "cascade_service.api.v1.cascade_pb2_grpc.add_CascadeServiceServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+# Local default: tiers take turns within a request, so a fraction of a CPU each lets the whole app
+# fit a 2-core machine; a cluster config gives real resources per deployment.
+LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25}
+
+
+def tier_deployment_name(tier: str) -> str:
+    return f"tier-{tier}"
+
+
+@serve.deployment
+class TierDeployment:
+    """One model tier's replica."""
+
+    def __init__(self, tier: dict[str, Any], torch_threads: int | None = None):
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        self.server = TierServer(ModelTierConfig(**tier))
+
+    def info(self) -> dict[str, Any]:
+        return self.server.info()
+
+    def draft(self, message: dict[str, Any]) -> dict[str, Any]:
+        return self.server.draft(message)
+
+    def review(self, message: dict[str, Any]) -> dict[str, Any]:
+        return self.server.review(message)
+
+    def release(self, message: dict[str, Any]) -> bool:
+        return self.server.release(message["request_id"])
+
+    def cached_requests(self) -> int:
+        return self.server.cached_requests()
+
+
+@ray.remote
+class SessionActor:
+    """The embedded session store, kept in a detached actor so the coordinator can restart."""
+
+    def __init__(self, ttl_s: float | None):
+        self.store = MemoryStore(ttl_s)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.store, method)(*args)
+
+
+class ActorStore:
+    """SessionStore over SessionActor (errors re-raised as the store's own exception types)."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(self.actor.call.remote(method, *args), timeout=30)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+        except ray.exceptions.RayError as exc:
+            from ..sessions import StoreUnavailable
+
+            raise StoreUnavailable(f"session actor unavailable: {exc}") from None
+
+    def create(self, token_ids=(), session_id=None, owner=""):
+        return self._call("create", list(token_ids), session_id, owner)
+
+    def get(self, session_id):
+        return self._call("get", session_id)
+
+    def append(self, session_id, token_ids, expected_version):
+        return self._call("append", session_id, list(token_ids), expected_version)
+
+    def delete(self, session_id):
+        return self._call("delete", session_id)
+
+    def ping(self):
+        return self._call("ping")
+
+
+def _session_store(serving: ServingConfig) -> SessionStore:
+    if serving.redis_url:
+        from ..sessions.redis_store import RedisStore
+
+        return RedisStore(serving.redis_url, namespace=serving.session_namespace, ttl_s=serving.session_ttl_s)
+    actor = SessionActor.options(name=SESSION_ACTOR, namespace=RAY_NAMESPACE, lifetime="detached",
+                                 get_if_exists=True, num_cpus=0).remote(serving.session_ttl_s)
+    return ActorStore(actor)
+
+
+@serve.deployment
+class CoordinatorDeployment:
+    """The ingress: gRPC methods of cascade.v1.CascadeService (+ grpc.health.v1.Health/Check)."""
+
+    def __init__(self, config_path: str, tiers: dict[str, DeploymentHandle], redis_url: str | None = None):
+        self.config: Config = load_config(config_path)
+        if redis_url:  # the command line's --redis-url wins over the config's serving.redis_url
+            self.config = replace(self.config, serving=replace(self.config.serving, redis_url=redis_url))
+        self.handles = tiers
+        self._servicer: CascadeServicer | None = None
+        self._ready = threading.Lock()
+
+    def _build(self) -> CascadeServicer:
+        # Called from a worker thread: asking the tiers for their facts blocks on them.
+        with self._ready:
+            if self._servicer is None:
+                cascade = self.config.cascade
+                info = {name: h.info.remote().result() for name, h in self.handles.items()}
+                target = info[cascade.target.name]
+                tokenizer = load_tokenizer(cascade.target.path)
+                mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
+                coordinator = Coordinator(
+                    cascade, Tokenizer(lambda text: list(tokenizer(text)["input_ids"]),
+                                       lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)),
+                    target["vocab_size"], frozenset(target["eos_token_ids"]), tiers=self._remote_tiers,
+                    store=_session_store(self.config.serving), defaults=self.config.generation,
+                    bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
+                    release=_release, param_costs={n: i["num_parameters"] / target["num_parameters"]
+                                                   for n, i in info.items() if n != cascade.target.name})
+                self._servicer = CascadeServicer(coordinator)
+            return self._servicer
+
+    def _remote_tiers(self, request_id: str) -> dict[str, RemoteTier]:
+        return {name: RemoteTier(name, request_id, _invoker(name, handle)) for name, handle in self.handles.items()}
+
+    async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
+        def run() -> Any:
+            return getattr(self._build(), method)(request, grpc_context)
+
+        return await asyncio.to_thread(run)
+
+    async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
+        return await self._unary("Generate", request, grpc_context)
+
+    async def GenerateStream(self, request, grpc_context) -> AsyncIterator[Any]:  # noqa: N802
+        def chunks() -> Iterator[Any]:
+            return self._build().GenerateStream(request, grpc_context)
+
+        async for chunk in _in_thread(chunks):
+            yield chunk
+
+    async def CreateSession(self, request, grpc_context):  # noqa: N802
+        return await self._unary("CreateSession", request, grpc_context)
+
+    async def GetSession(self, request, grpc_context):  # noqa: N802
+        return await self._unary("GetSession", request, grpc_context)
+
+    async def DeleteSession(self, request, grpc_context):  # noqa: N802
+        return await self._unary("DeleteSession", request, grpc_context)
+
+    async def rpc(self, method: str, body: bytes) -> Reply:
+        """A unary call arriving as bytes from our own gRPC edge (api/edge.py)."""
+        def run() -> Reply:
+            context = RecordingContext()
+            response = getattr(self._build(), method)(request_type(method).FromString(body), context)
+            return context.code.name, context.details, response.SerializeToString()
+
+        return await asyncio.to_thread(run)
+
+    async def rpc_stream(self, method: str, body: bytes) -> AsyncIterator[Reply]:
+        context = RecordingContext()
+
+        def chunks() -> Iterator[Any]:
+            return getattr(self._build(), method)(request_type(method).FromString(body), context)
+
+        async for chunk in _in_thread(chunks):
+            yield "OK", "", chunk.SerializeToString()
+        if context.code.name != "OK":
+            yield context.code.name, context.details, b""
+
+    async def Check(self, request, grpc_context=None):  # noqa: N802 - grpc.health.v1.Health/Check
+        try:
+            await asyncio.to_thread(self._build)
+            return health_response(True)
+        except Exception:  # noqa: BLE001 - a tier that cannot answer means not serving
+            log.exception("health check failed")
+            return health_response(False)
+
+
+def _invoker(name: str, handle: DeploymentHandle):
+    def invoke(method: str, message: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return getattr(handle, method).remote(message).result()
+        except ray.exceptions.RayError as exc:
+            raise Unavailable(f"tier {name!r} unavailable ({type(exc).__name__}); retry the request") from exc
+        except Exception as exc:  # Serve's own errors (no replica, shutting down) are not RayErrors
+            if type(exc).__module__.startswith("ray."):
+                raise Unavailable(f"tier {name!r} unavailable ({type(exc).__name__}); retry the request") from exc
+            raise
+
+    return invoke
+
+
+def _release(tiers: dict[str, Any]) -> None:
+    for tier in tiers.values():
+        try:
+            tier.release()
+        except Exception:  # noqa: BLE001 - a cache we cannot free is evicted by the replica's LRU anyway
+            log.warning("could not release tier %s for request %s", tier.name, tier.request_id)
+
+
+async def _in_thread(make: Any) -> AsyncIterator[Any]:
+    """Iterate a blocking iterator in a worker thread without blocking the replica's event loop."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+    done = object()
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for item in make():
+                if stop.is_set():
+                    break
+                asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the loop side
+            asyncio.run_coroutine_threadsafe(queue.put(exc), loop).result()
+        finally:
+            asyncio.run_coroutine_threadsafe(queue.put(done), loop).result()
+
+    worker = loop.run_in_executor(None, pump)
+    try:
+        while (item := await queue.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()  # a cancelled stream stops the decode loop at its next round
+        while not worker.done():
+            try:
+                queue.get_nowait()
+            except asyncio.QueueEmpty:
+                await asyncio.sleep(0.01)
+
+
+def app_builder(args: dict[str, Any]):
+    """`serve run cascade_service.serving.app:app_builder config=PATH`; also used by `cascade-service serve`.
+
+    args: config (path to a cascade-service YAML config), redis_url (optional: overrides serving.redis_url),
+    local (optional bool: fractional CPUs per deployment so the app fits one small machine).
+    """
+    path = str(Path(args["config"]).resolve())
+    config = load_config(path)
+    serving = config.serving
+    local = bool(args.get("local", False))
+    handles = {}
+    for tier in config.cascade.tiers:
+        if not isinstance(tier, ModelTierConfig):
+            continue
+        name = tier_deployment_name(tier.name)
+        options = _options(serving, name, local)
+        handles[tier.name] = TierDeployment.options(name=name, **options).bind(
+            {"name": tier.name, "path": tier.path, "dtype": tier.dtype, "device": tier.device}, serving.torch_threads)
+    return CoordinatorDeployment.options(name=COORDINATOR, **_options(serving, COORDINATOR, local)).bind(
+        path, handles, args.get("redis_url"))
+
+
+def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
+    options = {k: v for k, v in serving.deployments.get(name, {}).items()}
+    if local:
+        options.setdefault("ray_actor_options", dict(LOCAL_ACTOR_OPTIONS))
+    return options
+
+
+class HandleBackend:
+    """The edge's `Backend`: calls the coordinator deployment through a Ray Serve handle."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self.handle = handle
+
+    def call(self, method: str, body: bytes, timeout_s: float | None) -> Reply:
+        response = self.handle.rpc.remote(method, body)
+        try:
+            return response.result(timeout_s=timeout_s)
+        except TimeoutError:
+            response.cancel()
+            return "DEADLINE_EXCEEDED", f"{method}: deadline exceeded", b""
+        except Exception as exc:  # noqa: BLE001 - Ray / Serve errors: the coordinator is not reachable
+            return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
+
+    def stream(self, method: str, body: bytes, timeout_s: float | None) -> Iterator[Reply]:
+        return _ReplyStream(self.handle.options(stream=True).rpc_stream.remote(method, body))
+
+
+class _ReplyStream:
+    """Iterates a streaming Serve response; close() cancels it (the coordinator stops decoding)."""
+
+    def __init__(self, generator: Any):
+        self.generator = generator
+        self.closed = False
+
+    def __iter__(self) -> "_ReplyStream":
+        return self
+
+    def __next__(self) -> Reply:
+        if self.closed:
+            raise StopIteration
+        try:
+            return next(self.generator)
+        except StopIteration:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self.closed = True
+            return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.generator.cancel()
+
+
+class LocalService:
+    """The embedded wiring: local Ray, the Serve app, and our gRPC edge on loopback.
+
+    `start()` joins a running Ray (RAY_ADDRESS or an initialized driver) or starts a local one, deploys
+    the app with fractional CPUs per deployment, and serves gRPC on host:port (port 0 picks one).
+    """
+
+    def __init__(self, config_path: str, port: int = 0, redis_url: str | None = None, host: str = "127.0.0.1",
+                 num_cpus: int | None = None):
+        self.config_path = str(Path(config_path).resolve())
+        self.port = port
+        self.redis_url = redis_url
+        self.host = host
+        self.num_cpus = num_cpus
+        self.started_ray = False
+        self.server = None
+        self.checker = None
+        self.handle: DeploymentHandle | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> str:
+        load_config(self.config_path)  # a bad config fails here, before Ray starts
+        if not ray.is_initialized():
+            ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, num_cpus=self.num_cpus,
+                     log_to_driver=False, logging_level=logging.WARNING)
+            self.started_ray = True
+        # No Serve proxies: our edge is the only listener (Ray's gRPC proxy would bind every interface).
+        serve.start(proxy_location="Disabled")
+        self.deploy()
+        self.server, self.port, self.checker = start_edge(HandleBackend(self._handle()), self.host, self.port)
+        self.wait_ready()
+        return self.address
+
+    def deploy(self) -> None:
+        app = app_builder({"config": self.config_path, "redis_url": self.redis_url, "local": True})
+        self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
+
+    def restart_app(self) -> None:
+        """Delete and redeploy the whole app (every tier and the coordinator); the edge stays up."""
+        if self.checker is not None:
+            set_serving(self.checker, False)
+        serve.delete(APP_NAME)
+        self.deploy()
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        reply = self._handle().Check.remote(health_request()).result(timeout_s=timeout_s)
+        if not is_serving(reply):
+            raise RuntimeError("the cascade app started but a tier does not answer; see the Ray logs")
+        if self.checker is not None:
+            set_serving(self.checker, True)
+
+    def _handle(self) -> DeploymentHandle:
+        # Always the current app's ingress: after a restart the old handle's deployment is gone.
+        return serve.get_app_handle(APP_NAME)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=2).wait()
+            self.server = None
+        try:
+            serve.delete(APP_NAME)
+        except Exception:  # noqa: BLE001 - stopping is best effort
+            pass
+        if self.started_ray:
+            serve.shutdown()
+            ray.shutdown()
+            self.started_ray = False
+
+    def __enter__(self) -> "LocalService":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

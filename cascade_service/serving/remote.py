@@ -1,0 +1,73 @@
+"""The coordinator's side of a remote tier: a `BlockTier` that sends whole blocks over a transport.
+
+`invoke(method, message) -> reply` is the only thing it knows about the transport (a Ray Serve
+deployment handle in `serving.app`, a direct call in tests), so the cascade in `core/` runs unchanged
+against remote tiers. Each call carries the full context: the replica that answers may not be the one
+that answered last round, and the context lets it rebuild its KV cache (see `serving.tier`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..core.review import Verdict
+from ..core.sampling import SamplingParams
+from ..core.stats import TierCounters
+from ..core.types import Context, Draft
+
+Invoke = Callable[[str, dict[str, Any]], dict[str, Any]]
+
+
+class RemoteTier:
+    """One request's view of a remote model tier (implements `core.cascade.BlockTier`)."""
+
+    def __init__(self, name: str, request_id: str, invoke: Invoke):
+        self.name = name
+        self.request_id = request_id
+        self.invoke = invoke
+        self.hops = 0
+        self.hop_s = 0.0  # wall time of calls, transport included
+
+    def draft_block(self, ctx: Context, k: int, sampling: SamplingParams, seed: int,
+                    eos_ids: frozenset[int], counters: TierCounters) -> Draft:
+        reply = self._call("draft", {**self._base(ctx, sampling, seed), "k": k, "eos_ids": sorted(eos_ids)}, counters)
+        tokens = [int(t) for t in reply["tokens"]]
+        return Draft(tokens, [float(p) for p in reply["token_probs"]], _tensor(reply["dists"]), [self.name] * len(tokens))
+
+    def review_block(self, ctx: Context, block: Draft, leniency: float, sampling: SamplingParams,
+                     seed: int, counters: TierCounters) -> Verdict:
+        message = {**self._base(ctx, sampling, seed), "leniency": leniency, "block": {
+            "tokens": block.tokens, "token_probs": block.token_probs, "dists": _array(block.dists)}}
+        reply = self._call("review", message, counters)
+        return Verdict(int(reply["accepted"]), int(reply["token"]), [float(p) for p in reply["token_probs"]],
+                       _tensor(reply["dists"]))
+
+    def release(self) -> None:
+        self.invoke("release", {"request_id": self.request_id})
+
+    def _base(self, ctx: Context, sampling: SamplingParams, seed: int) -> dict[str, Any]:
+        return {"request_id": self.request_id, "tokens": ctx.tokens, "stable": ctx.stable,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
+
+    def _call(self, method: str, message: dict[str, Any], counters: TierCounters) -> dict[str, Any]:
+        start = time.perf_counter()
+        reply = self.invoke(method, message)
+        elapsed = time.perf_counter() - start
+        self.hops += 1
+        self.hop_s += elapsed
+        counters.calls += int(reply["calls"])
+        counters.tokens_processed += int(reply["tokens_processed"])
+        counters.time_s += elapsed
+        return reply
+
+
+def _array(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().to(torch.float32).cpu().numpy()
+
+
+def _tensor(a: Any) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(np.asarray(a, dtype=np.float32))

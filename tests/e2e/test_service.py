@@ -1,0 +1,109 @@
+"""The real service: the Ray Serve app on local Ray, gRPC over loopback, sessions in a real Redis.
+
+Greedy output through the service equals `transformers` greedy `generate()` (the oracle) and the
+in-process engine; streaming yields the same tokens; sessions live in Redis; the whole app (every
+tier and the coordinator) is restarted mid-conversation and the session continues with nothing lost;
+tier replicas free a request's KV cache when it ends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import yaml
+
+from cascade_service.client import CascadeClient, errors
+from cascade_service.config import GenerationConfig, load_config
+from cascade_service.engine import Engine
+from cascade_service.models.tiny import random_prompts
+from cascade_service.serving.app import APP_NAME, LocalService, tier_deployment_name
+
+from ..integration.test_oracle import _oracle
+
+PROMPTS = random_prompts(3, 10, seed=31)
+K = [[4, 2, 0], [0, 2, 6], [0, 0, 6]]
+
+
+@pytest.fixture(scope="module")
+def config_path(tiny_family, tmp_path_factory, redis_server):
+    raw = {
+        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
+                  "drafters": [{"name": "close", "path": str(tiny_family["close"])},
+                               {"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
+        "schedule": {"k_matrix": K, "leniency": 1.5, "lookup": {"min_match": 2, "tokens": 10}},
+        "generation": {"max_new_tokens": 16},
+        "serving": {"redis_url": redis_server.url, "session_namespace": "e2e", "torch_threads": 1},
+    }
+    path = tmp_path_factory.mktemp("e2e") / "service.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def service(config_path):
+    svc = LocalService(str(config_path), port=0, num_cpus=4)
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture()
+def client(service):
+    with CascadeClient(service.address, timeout_s=120) as c:
+        yield c
+
+
+def test_greedy_output_through_the_service_equals_the_oracle_and_in_process(tiny_family, config_path, client):
+    engine = Engine(load_config(config_path).cascade)
+    for prompt in PROMPTS:
+        expected = _oracle(tiny_family["target"], prompt, 24)
+        result = client.generate(prompt_token_ids=prompt, max_new_tokens=24)
+        assert result.token_ids == expected
+        assert result.token_ids == engine.generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
+        stats = result.stats
+        assert stats["target_calls"] < 24 and set(stats["tiers"]) >= {"target", "close", "mid"}
+        streamed = list(client.stream(prompt_token_ids=prompt, max_new_tokens=24))
+        assert [t for c in streamed for t in c.token_ids] == expected
+        assert "".join(c.text for c in streamed) == result.text
+
+
+def test_sessions_live_in_redis_and_survive_an_app_restart(tiny_family, service, client, redis_server):
+    prompt = PROMPTS[0]
+    session = client.create_session(prompt_token_ids=prompt[:4])
+    first = client.generate(prompt_token_ids=prompt[4:], session_id=session.session_id, max_new_tokens=6)
+    assert first.token_ids == _oracle(tiny_family["target"], prompt, 6)
+    keys = redis.Redis.from_url(redis_server.url).keys("e2e:session:*")
+    assert f"e2e:session:{session.session_id}".encode() in keys
+
+    service.restart_app()  # every tier replica and the coordinator are new processes now
+
+    more = [5, 6, 7]
+    second = client.generate(prompt_token_ids=more, session_id=session.session_id, max_new_tokens=6)
+    history = prompt + first.token_ids + more
+    assert second.token_ids == _oracle(tiny_family["target"], history, 6)
+    stored = client.get_session(session.session_id)
+    assert list(stored.token_ids) == history + second.token_ids and stored.version == 2
+
+
+def test_bad_input_is_invalid_argument_and_the_service_keeps_answering(tiny_family, client):
+    with pytest.raises(errors.InvalidArgument, match="max_new_tokens"):
+        client.generate(prompt_token_ids=PROMPTS[1], max_new_tokens=0)
+    with pytest.raises(errors.InvalidArgument, match="top_p"):
+        list(client.stream(prompt_token_ids=PROMPTS[1], top_p=2.0))
+    with pytest.raises(errors.NotFound, match="session_id"):
+        client.generate(prompt_token_ids=PROMPTS[1], session_id="missing")
+    assert client.generate(prompt_token_ids=PROMPTS[1], max_new_tokens=5).token_ids == _oracle(tiny_family["target"], PROMPTS[1], 5)
+
+
+def test_tiers_free_each_requests_kv_cache_when_it_ends(client):
+    from ray import serve
+
+    client.generate(prompt_token_ids=PROMPTS[2], max_new_tokens=8)
+    list(client.stream(prompt_token_ids=PROMPTS[2], max_new_tokens=8))
+    for tier in ("target", "close", "mid"):
+        handle = serve.get_deployment_handle(tier_deployment_name(tier), app_name=APP_NAME)
+        assert handle.cached_requests.remote().result() == 0
+
+
+def test_health_is_serving(client):
+    assert client.health() == "SERVING"
