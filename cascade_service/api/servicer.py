@@ -113,7 +113,7 @@ class CascadeServicer:
         review = stats.reviews.get(stats.target)
         return pb.GenerateStats(
             generated_tokens=stats.generated, target_calls=stats.target_calls,
-            tiers={name: pb.TierStats(calls=c.calls, tokens_processed=c.tokens_processed, time_s=c.time_s)
+            tiers={name: pb.TierStats(calls=c.calls, tokens_processed=c.tokens_processed, time_s=c.time_s, hops=c.hops)
                    for name, c in stats.tiers.items()},
             accepted_by_position=list(review.accepted_by_position) if review else [],
             drafted_by_position=list(review.drafted_by_position) if review else [],

@@ -18,6 +18,7 @@ class TierCounters:
     tokens_processed: int = 0  # tokens fed through the model, cache misses included
     tokens_out: int = 0  # tokens emitted: drafted as a leaf, or kept + replacement/bonus as a reviewer
     time_s: float = 0.0
+    hops: int = 0  # calls that crossed a process boundary (remote tiers: one per block)
 
 
 @dataclass
@@ -97,6 +98,7 @@ class CascadeStats:
             "tokens_processed": {name: c.tokens_processed for name, c in self.tiers.items()},
             "tokens_out": {name: c.tokens_out for name, c in self.tiers.items()},
             "time_s": {name: round(c.time_s, 6) for name, c in self.tiers.items()},
+            "hops": {name: c.hops for name, c in self.tiers.items()},
             "accepted_by_position": list(target_review.accepted_by_position),
             "drafted_by_position": list(target_review.drafted_by_position),
             "mean_accepted_length": self.mean_accepted_length,

@@ -59,6 +59,7 @@ class RemoteTier:
         elapsed = time.perf_counter() - start
         self.hops += 1
         self.hop_s += elapsed
+        counters.hops += 1
         counters.calls += int(reply["calls"])
         counters.tokens_processed += int(reply["tokens_processed"])
         counters.time_s += elapsed

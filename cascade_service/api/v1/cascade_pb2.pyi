@@ -37,14 +37,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("calls", "tokens_processed", "time_s")
+    __slots__ = ("calls", "tokens_processed", "time_s", "hops")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
     calls: int
     tokens_processed: int
     time_s: float
-    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ...) -> None: ...
+    hops: int
+    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params")
