@@ -62,7 +62,6 @@ class GenerationConfig:
 
 DEPLOYMENT_OPTIONS = {"num_replicas", "ray_actor_options", "autoscaling_config", "max_ongoing_requests",
                       "max_queued_requests"}
-MAG_PLACEMENTS = ("coordinator", "smallest-tier")
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,10 @@ class ServingConfig:
     redis_url: str | None = None  # None: sessions in an in-cluster actor (survives app restarts, not Ray's)
     session_namespace: str = "cascade"
     session_ttl_s: int = 7 * 24 * 3600
-    mag_placement: str = "coordinator"  # or "smallest-tier": MaG runs inside the smallest model tier's replica
+    # Model tiers hosted inside the coordinator's replica instead of their own deployment: their calls
+    # cost no hop, but they scale with the coordinator. MaG always runs in the coordinator (it is a
+    # dict lookup), so colocating the smallest tier puts MaG beside it.
+    colocate: tuple[str, ...] = ()
     torch_threads: int | None = None  # per tier replica; None: torch's default
     # deployment name ("coordinator", "tier-<name>") -> Ray Serve options: num_replicas,
     # ray_actor_options (num_cpus, num_gpus, accelerator_type, resources), autoscaling_config, ...
@@ -123,9 +125,9 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
 
 
 def _serving(raw: dict[str, Any], cascade: CascadeConfig) -> ServingConfig:
-    _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "mag_placement",
+    _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
                             "torch_threads", "deployments"})
-    serving = ServingConfig(**{k: v for k, v in raw.items() if k != "deployments"})
+    serving = ServingConfig(**{k: v for k, v in raw.items() if k not in ("deployments", "colocate")})
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
     if serving.torch_threads is not None:
@@ -134,15 +136,17 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig) -> ServingConfig:
         raise ConfigError(f"serving.redis_url must be a redis://, rediss:// or unix:// URL, got {serving.redis_url!r}")
     if not isinstance(serving.session_namespace, str) or not serving.session_namespace or ":" in serving.session_namespace:
         raise ConfigError(f"serving.session_namespace must be a non-empty string without ':', got {serving.session_namespace!r}")
-    if serving.mag_placement not in MAG_PLACEMENTS:
-        raise ConfigError(f"serving.mag_placement must be one of {', '.join(MAG_PLACEMENTS)}, got {serving.mag_placement!r}")
-    names = {"coordinator"} | {f"tier-{t.name}" for t in cascade.tiers if isinstance(t, ModelTierConfig)}
+    model_tiers = [t.name for t in cascade.tiers if isinstance(t, ModelTierConfig)]
+    colocate = raw.get("colocate", [])
+    if not isinstance(colocate, list) or any(name not in model_tiers for name in colocate):
+        raise ConfigError(f"serving.colocate must list model tiers ({', '.join(model_tiers)}), got {colocate!r}")
+    names = {"coordinator"} | {f"tier-{name}" for name in model_tiers if name not in colocate}
     deployments = _mapping(raw.get("deployments", {}), "serving.deployments")
     for name, options in deployments.items():
         if name not in names:
             raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
         _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
-    return replace(serving, deployments={k: dict(v) for k, v in deployments.items()})
+    return replace(serving, colocate=tuple(colocate), deployments={k: dict(v) for k, v in deployments.items()})
 
 
 def make_cascade(

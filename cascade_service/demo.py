@@ -1,16 +1,22 @@
 """`cascade-service demo`: the main job on embedded defaults.
 
-Builds the demo zoo if it is missing (offline, <= 10 minutes on 2 cores; instant afterwards), then
-decodes held-out prompts with the large model alone and with the cascade, side by side in one
-process, and prints the outputs and a speed table.
+Builds the demo zoo if it is missing (offline, <= 10 minutes on 2 cores; instant afterwards), starts
+the service on embedded defaults (local Ray, a Serve deployment per tier, in-cluster session store,
+gRPC on loopback), and decodes held-out prompts three ways, interleaved: the large model alone and the
+cascade in-process, and the cascade through the client SDK. Prints the outputs, a speed table and the
+service's orchestration overhead per target round.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from .config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+import yaml
+
+from .config import GenerationConfig, load_config
 from .core.cascade import Lookup
 from .engine import Engine
 from .paths import zoo_dir
@@ -20,42 +26,96 @@ from .prompts import read_prompts
 DEMO_K_MATRIX = [[3, 0, 0], [0, 1, 0], [0, 0, 4]]  # = configs/demo.yaml
 DEMO_LENIENCY = 2.0
 DEMO_LOOKUP = Lookup(min_match=2, tokens=20)
+# One machine: the target beside the coordinator (its review then costs no hop), drafters in their own
+# deployments. `--colocate none` gives every tier its own deployment. README "The service" has both.
+DEMO_COLOCATE = ("large",)
 
 
-def demo_engine(preset: str = "demo") -> tuple[Engine, list[str]]:
+def demo_config(preset: str = "demo", colocate: tuple[str, ...] = DEMO_COLOCATE) -> Path:
+    """Build the zoo if missing and write the demo's config beside it (absolute paths, tuned schedule)."""
     from .models.zoo import build_zoo
 
     zoo = build_zoo(preset, zoo_dir(preset))
-    target = ModelTierConfig("large", str(zoo["large"]))
-    drafters = [ModelTierConfig("base", str(zoo["base"])), ModelTierConfig("small", str(zoo["small"])),
-                MaGConfig(bigram=str(zoo["bigram"]))]
-    engine = Engine(make_cascade(target, drafters, DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP))
-    return engine, read_prompts(str(zoo["prompts"]))
+    raw = {
+        "tiers": {"target": {"name": "large", "path": str(zoo["large"])},
+                  "drafters": [{"name": "base", "path": str(zoo["base"])}, {"name": "small", "path": str(zoo["small"])},
+                               {"kind": "mag", "bigram": str(zoo["bigram"])}]},
+        "schedule": {"k_matrix": DEMO_K_MATRIX, "leniency": DEMO_LENIENCY,
+                     "lookup": {"min_match": DEMO_LOOKUP.min_match, "tokens": DEMO_LOOKUP.tokens}},
+        "serving": {"colocate": list(colocate)},
+    }
+    path = Path(zoo_dir(preset)) / f"demo-service-{'-'.join(colocate) or 'separate'}.yaml"
+    path.write_text("# Written by `cascade-service demo`.\n" + yaml.safe_dump(raw, sort_keys=False))
+    return path
 
 
-def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo") -> int:
+def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo",
+             colocate: tuple[str, ...] = DEMO_COLOCATE) -> int:
+    """Decode held-out prompts three ways, interleaved: large alone and the cascade in-process, and
+    the cascade through the service (Ray Serve tiers, gRPC edge, client SDK)."""
+    from .client import CascadeClient
+    from .models.zoo import build_zoo
+    from .serving.app import LocalService
+
     print(f"loading the {preset} zoo (built on first use: up to 10 minutes, offline)", flush=True)
-    cascade, texts = demo_engine(preset)
-    methods = {"ar (large alone)": cascade.variant([]), "csd base+small+mag": cascade}
-    gen = GenerationConfig(max_new_tokens=max_new_tokens)
-    speeds: dict[str, list[float]] = {name: [] for name in methods}
-    outputs: dict[str, list[list[int]]] = {name: [] for name in methods}
-    calls: dict[str, list[float]] = {name: [] for name in methods}
-    for text in texts[:prompts]:
-        ids = cascade.encode(text)
-        for name, engine in methods.items():  # interleaved: machine drift hits both alike
-            start = time.perf_counter()
-            result = engine.generate(ids, gen)
-            speeds[name].append(len(result.token_ids) / (time.perf_counter() - start))
-            outputs[name].append(result.token_ids)
-            calls[name].append(result.stats.target_calls / max(1, result.stats.generated))
-    reference = next(iter(methods))
-    for text, ids in zip(texts[:prompts], outputs["csd base+small+mag"]):
-        print(f"\n--- prompt (tail): ...{text[-120:]!r}\n--- continuation: {cascade.decode_text(ids)!r}")
-    base = statistics.median(speeds[reference])
-    print(f"\n{'method':<22} {'tok/s (median)':>14} {'speedup':>8} {'target calls/tok':>17} {'same tokens':>12}")
-    for name in methods:
-        speed = statistics.median(speeds[name])
-        same = outputs[name] == outputs[reference]
-        print(f"{name:<22} {speed:>14.1f} {speed / base:>7.2f}x {statistics.mean(calls[name]):>17.3f} {str(same):>12}")
+    config_path = demo_config(preset, colocate)
+    texts = read_prompts(str(build_zoo(preset, zoo_dir(preset))["prompts"]))[:prompts]
+    cascade = Engine(load_config(config_path).cascade)
+    alone = cascade.variant([])
+    layout = f"{', '.join(colocate)} beside the coordinator, " if colocate else ""
+    print(f"starting the service: local Ray, Serve deployments ({layout}a deployment per other tier), "
+          "gRPC on loopback", flush=True)
+    with LocalService(str(config_path)) as service, CascadeClient(service.address, timeout_s=600) as client:
+        print(f"service up at {service.address}", flush=True)
+        gen = GenerationConfig(max_new_tokens=max_new_tokens)
+        runs = {"ar (large alone)": lambda ids: _local(alone, ids, gen),
+                "csd in-process": lambda ids: _local(cascade, ids, gen),
+                "csd via service": lambda ids: _remote(client, ids, max_new_tokens)}
+        ids_all = [cascade.encode(t) for t in texts]
+        for run in runs.values():  # warm-up: first calls pay for lazy initialisation everywhere
+            run(ids_all[0][:8])
+        results: dict[str, list[_Run]] = {name: [] for name in runs}
+        for ids in ids_all:
+            for name, run in runs.items():  # interleaved: machine drift hits all alike
+                results[name].append(run(ids))
+    for text, run in zip(texts, results["csd via service"]):
+        print(f"\n--- prompt (tail): ...{text[-120:]!r}\n--- continuation: {cascade.decode_text(run.tokens)!r}")
+    _print_table(results)
     return 0
+
+
+@dataclass
+class _Run:
+    tokens: list[int]
+    seconds: float
+    target_calls: int
+    hops: int
+
+
+def _local(engine: Engine, ids: list[int], gen: GenerationConfig) -> _Run:
+    start = time.perf_counter()
+    result = engine.generate(ids, gen)
+    return _Run(result.token_ids, time.perf_counter() - start, result.stats.target_calls, 0)
+
+
+def _remote(client, ids: list[int], max_new_tokens: int) -> _Run:
+    start = time.perf_counter()
+    result = client.generate(prompt_token_ids=ids, max_new_tokens=max_new_tokens)
+    seconds = time.perf_counter() - start
+    hops = sum(int(t.get("hops", 0)) for t in result.stats["tiers"].values())
+    return _Run(result.token_ids, seconds, int(result.stats["target_calls"]), hops)
+
+
+def _print_table(results: dict[str, list[_Run]]) -> None:
+    reference, local, remote = "ar (large alone)", "csd in-process", "csd via service"
+    speed = {name: statistics.median(len(run.tokens) / run.seconds for run in runs) for name, runs in results.items()}
+    print(f"\n{'method':<18} {'tok/s (median)':>14} {'vs ar':>7} {'target calls/tok':>17} {'same tokens as ar':>18}")
+    for name, runs in results.items():
+        calls = sum(r.target_calls for r in runs) / max(1, sum(len(r.tokens) for r in runs))
+        same = [r.tokens for r in runs] == [r.tokens for r in results[reference]]
+        print(f"{name:<18} {speed[name]:>14.1f} {speed[name] / speed[reference]:>6.2f}x {calls:>17.3f} {str(same):>18}")
+    rounds = sum(r.target_calls for r in results[remote])
+    extra = sum(r.seconds for r in results[remote]) - sum(r.seconds for r in results[local])
+    hops = sum(r.hops for r in results[remote])
+    print(f"\nservice / in-process throughput: {speed[remote] / speed[local]:.2f}x; orchestration overhead "
+          f"{1000 * extra / max(1, rounds):.2f} ms per target round ({hops / max(1, rounds):.2f} tier hops per round)")

@@ -29,7 +29,7 @@ from ..api.servicer import CascadeServicer, Unavailable
 from ..config import Config, ModelTierConfig, ServingConfig, load_config
 from ..coordinator import Coordinator, Tokenizer
 from ..core.mag import BigramTable
-from ..models.hf import load_tokenizer
+from ..models.hf import HFModel, load_tokenizer
 from ..sessions import MemoryStore, SessionStore
 from .remote import RemoteTier
 from .tier import TierServer
@@ -45,8 +45,10 @@ GRPC_SERVICER_FUNCTIONS = [
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 # Local default: tiers take turns within a request, so a fraction of a CPU each lets the whole app
-# fit a 2-core machine; a cluster config gives real resources per deployment.
-LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25}
+# fit a 2-core machine; a cluster config gives real resources per deployment. Passive OpenMP waits:
+# an idle tier's torch threads would otherwise spin for a while after each forward pass, taking the
+# cores the next tier in the round needs.
+LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
 
 
 def tier_deployment_name(tier: str) -> str:
@@ -142,6 +144,7 @@ class CoordinatorDeployment:
         if redis_url:  # the command line's --redis-url wins over the config's serving.redis_url
             self.config = replace(self.config, serving=replace(self.config.serving, redis_url=redis_url))
         self.handles = tiers
+        self.local: dict[str, Any] = {}  # colocated model tiers, loaded with the servicer
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
 
@@ -149,8 +152,16 @@ class CoordinatorDeployment:
         # Called from a worker thread: asking the tiers for their facts blocks on them.
         with self._ready:
             if self._servicer is None:
-                cascade = self.config.cascade
+                serving, cascade = self.config.serving, self.config.cascade
+                if serving.torch_threads and serving.colocate:
+                    import torch
+
+                    torch.set_num_threads(serving.torch_threads)
+                self.local = {t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
+                              for t in cascade.tiers if isinstance(t, ModelTierConfig) and t.name in serving.colocate}
                 info = {name: h.info.remote().result() for name, h in self.handles.items()}
+                info |= {name: {"vocab_size": m.vocab_size, "num_parameters": m.num_parameters,
+                                "eos_token_ids": sorted(m.eos_token_ids)} for name, m in self.local.items()}
                 target = info[cascade.target.name]
                 tokenizer = load_tokenizer(cascade.target.path)
                 mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
@@ -165,8 +176,9 @@ class CoordinatorDeployment:
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 
-    def _remote_tiers(self, request_id: str) -> dict[str, RemoteTier]:
-        return {name: RemoteTier(name, request_id, _invoker(name, handle)) for name, handle in self.handles.items()}
+    def _remote_tiers(self, request_id: str) -> dict[str, Any]:
+        tiers: dict[str, Any] = {name: model.scorer() for name, model in self.local.items()}  # colocated: no hop
+        return tiers | {name: RemoteTier(name, request_id, _invoker(name, handle)) for name, handle in self.handles.items()}
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
         def run() -> Any:
@@ -224,6 +236,9 @@ class CoordinatorDeployment:
 
 def _invoker(name: str, handle: DeploymentHandle):
     def invoke(method: str, message: dict[str, Any]) -> dict[str, Any]:
+        if method == "release":  # fire and forget: nothing waits on a cache being freed (LRU backs it up)
+            handle.release.remote(message)
+            return {}
         try:
             return getattr(handle, method).remote(message).result()
         except ray.exceptions.RayError as exc:
@@ -238,6 +253,8 @@ def _invoker(name: str, handle: DeploymentHandle):
 
 def _release(tiers: dict[str, Any]) -> None:
     for tier in tiers.values():
+        if not isinstance(tier, RemoteTier):
+            continue  # a colocated scorer's cache goes with the object
         try:
             tier.release()
         except Exception:  # noqa: BLE001 - a cache we cannot free is evicted by the replica's LRU anyway
@@ -289,7 +306,7 @@ def app_builder(args: dict[str, Any]):
     local = bool(args.get("local", False))
     handles = {}
     for tier in config.cascade.tiers:
-        if not isinstance(tier, ModelTierConfig):
+        if not isinstance(tier, ModelTierConfig) or tier.name in serving.colocate:
             continue
         name = tier_deployment_name(tier.name)
         options = _options(serving, name, local)

@@ -1,4 +1,5 @@
-"""`cascade-service demo`, the README's main job, runs end to end (on the small trained `test` zoo)."""
+"""`cascade-service demo`, the README's main job, runs end to end (on the small trained `test` zoo):
+the zoo, the service on local Ray, requests through the client SDK, the speed table."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ def test_demo_decodes_held_out_prompts_and_reports_identical_tokens(test_zoo_hom
     monkeypatch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
     assert main(["demo", "--preset", "test", "--prompts", "2", "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith(("ar (large alone)", "csd base+small+mag"))]
-    assert len(rows) == 2
-    assert all(row.split()[-1] == "True" for row in rows), out  # the cascade's tokens equal the large's
+    rows = [line for line in out.splitlines() if line.startswith(("ar (large alone)", "csd in-process", "csd via service"))]
+    assert len(rows) == 3
+    assert all(row.split()[-1] == "True" for row in rows), out  # in-process and served tokens equal the large's
     assert out.count("--- continuation:") == 2
+    assert "ms per target round" in out and "tier hops per round" in out
 
 
 def test_demo_schedule_is_the_tuned_one_in_configs_demo_yaml():

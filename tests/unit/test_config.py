@@ -52,7 +52,8 @@ def test_serving_section_parses_and_names_bad_fields():
     serving = parse_config(raw).serving
     assert serving.grpc_port == 9100 and serving.deployments["tier-large"]["num_replicas"] == 2
     for bad, needle in [({"grpc_port": 0}, "serving.grpc_port"), ({"redis_url": "http://x"}, "serving.redis_url"),
-                        ({"mag_placement": "moon"}, "serving.mag_placement"),
+                        ({"colocate": ["moon"]}, "serving.colocate"), ({"colocate": "large"}, "serving.colocate"),
+                        ({"colocate": ["large"], "deployments": {"tier-large": {}}}, "serving.deployments.tier-large"),
                         ({"deployments": {"tier-huge": {}}}, "serving.deployments.tier-huge"),
                         ({"deployments": {"coordinator": {"replicas": 2}}}, "serving.deployments.coordinator.replicas"),
                         ({"session_namespace": "a:b"}, "serving.session_namespace"), ({"port": 1}, "serving.port")]:

@@ -218,3 +218,17 @@ def test_grpc_servicer_functions_are_import_paths(source):
 def test_health_servicer_function_imports():
     module, attr = _split_import_path(HEALTH_SERVICER)
     assert callable(getattr(importlib.import_module(module), attr))
+
+
+@pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
+def test_the_app_config_named_in_args_loads_and_builds_exactly_these_deployments(source, monkeypatch):
+    from cascade_service.config import load_config
+    from cascade_service.serving.app import COORDINATOR, tier_deployment_name
+
+    monkeypatch.setenv("CASCADE_SERVICE_HOME", "/models")
+    args = _app(_serve_configs()[source])["args"]
+    assert args["config"].startswith("/app/configs/")
+    config = load_config(Path(__file__).parents[2] / "configs" / args["config"].removeprefix("/app/configs/"))
+    built = {COORDINATOR} | {tier_deployment_name(t.name) for t in config.cascade.tiers
+                             if hasattr(t, "path") and t.name not in config.serving.colocate}
+    assert built == set(_deployments(_serve_configs()[source]))
