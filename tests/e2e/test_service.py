@@ -107,3 +107,35 @@ def test_tiers_free_each_requests_kv_cache_when_it_ends(client):
 
 def test_health_is_serving(client):
     assert client.health() == "SERVING"
+
+
+def test_embedded_session_store_survives_an_app_restart_and_colocated_target_is_exact(tiny_family, tmp_path):
+    # No Redis: sessions live in a detached Ray actor, which outlives the app; the target runs inside
+    # the coordinator's replica (serving.colocate), the drafters in their own deployments.
+    raw = {
+        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
+                  "drafters": [{"name": "close", "path": str(tiny_family["close"])}, {"kind": "mag"}]},
+        "schedule": {"k_matrix": [[4, 0], [0, 6]], "lookup": {"min_match": 2, "tokens": 10}},
+        "serving": {"colocate": ["target"]},
+    }
+    path = tmp_path / "embedded.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    from ray import serve
+
+    serve.delete(APP_NAME)  # the module's app shares this Ray; replace it
+    svc = LocalService(str(path), port=0)
+    svc.start()
+    try:
+        with CascadeClient(svc.address, timeout_s=120) as client:
+            prompt = PROMPTS[1]
+            session = client.create_session(prompt_token_ids=prompt)
+            first = client.generate(session_id=session.session_id, max_new_tokens=6)
+            assert first.token_ids == _oracle(tiny_family["target"], prompt, 6)
+            assert first.stats["tiers"]["target"].get("hops", 0) == 0 and first.stats["tiers"]["close"]["hops"] > 0
+            svc.restart_app()
+            second = client.generate(session_id=session.session_id, max_new_tokens=6)
+            assert second.token_ids == _oracle(tiny_family["target"], prompt + first.token_ids, 6)
+            assert client.get_session(session.session_id).version == 2
+    finally:
+        svc.server.stop(0)
+        serve.delete(APP_NAME)
