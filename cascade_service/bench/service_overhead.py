@@ -1,0 +1,90 @@
+"""Where the service's time goes: per-tier time in-process vs through the service, per hop.
+
+    python -m cascade_service.bench.service_overhead [--colocate large,base] [--prompts 6] [--max-new-tokens 64]
+
+Runs the demo zoo's cascade in-process and through a local service (`serving.app.LocalService`),
+interleaved per prompt, and prints wall time for both and, per tier, calls, time and the extra
+milliseconds per hop. It also times a trivial Serve handle call from the driver: the transport floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import yaml
+
+from ..client import CascadeClient
+from ..config import GenerationConfig, load_config
+from ..demo import demo_config
+from ..engine import Engine
+from ..models.zoo import build_zoo
+from ..paths import zoo_dir
+from ..prompts import read_prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--colocate", default="none", help="tiers in the coordinator's replica, or 'none'")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    colocate = () if args.colocate == "none" else tuple(args.colocate.split(","))
+    from ray import serve
+
+    from ..serving.app import APP_NAME, LocalService, tier_deployment_name
+
+    path = demo_config("demo", colocate)
+    engine = Engine(load_config(path).cascade)
+    texts = read_prompts(str(build_zoo("demo", zoo_dir("demo"))["prompts"]))[: args.prompts]
+    ids = [engine.encode(t) for t in texts]
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    local: dict[str, list[float]] = {}
+    remote: dict[str, list[float]] = {}
+    wall = {"in-process": 0.0, "service": 0.0}
+    with LocalService(str(path)) as service, CascadeClient(service.address, timeout_s=600) as client:
+        client.generate(prompt_token_ids=ids[0][:8], max_new_tokens=8)
+        engine.generate(ids[0][:8], GenerationConfig(max_new_tokens=8))
+        for x in ids:
+            start = time.perf_counter()
+            mine = engine.generate(x, gen)
+            wall["in-process"] += time.perf_counter() - start
+            start = time.perf_counter()
+            served = client.generate(prompt_token_ids=x, max_new_tokens=args.max_new_tokens)
+            wall["service"] += time.perf_counter() - start
+            assert served.token_ids == mine.token_ids, "service and in-process disagree"
+            for name, c in mine.stats.tiers.items():
+                row = local.setdefault(name, [0, 0.0])
+                row[0] += c.calls
+                row[1] += c.time_s
+            for name, c in served.stats["tiers"].items():
+                row = remote.setdefault(name, [0, 0.0, 0])
+                row[0] += int(c.get("calls", 0))
+                row[1] += float(c.get("time_s", 0.0))
+                row[2] += int(c.get("hops", 0))
+        remote_tiers = [n for n in local if n in remote and remote[n][2]]
+        floor = []
+        if remote_tiers:
+            handle = serve.get_deployment_handle(tier_deployment_name(remote_tiers[0]), app_name=APP_NAME)
+            for _ in range(55):
+                start = time.perf_counter()
+                handle.cached_requests.remote().result()
+                floor.append(time.perf_counter() - start)
+    print(f"colocated: {', '.join(colocate) or 'none'}; wall in-process {wall['in-process']:.3f} s, "
+          f"service {wall['service']:.3f} s, service / in-process throughput {wall['in-process'] / wall['service']:.2f}x")
+    for name in local:
+        calls, t_local = local[name]
+        _, t_remote, hops = remote.get(name, [0, 0.0, 0])
+        extra = f"{1000 * (t_remote - t_local) / hops:.1f} ms extra per hop" if hops else "no hops"
+        print(f"  {name:<6} calls {calls:>4}  in-process {t_local:.3f} s  service {t_remote:.3f} s  hops {hops:>4}  {extra}")
+    if floor:
+        floor = sorted(floor[5:])
+        print(f"trivial Serve handle call from the driver: median {1000 * statistics.median(floor):.1f} ms, "
+              f"p90 {1000 * floor[int(0.9 * len(floor))]:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
