@@ -148,16 +148,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=4, help="how many held-out prompts to decode")
     p.add_argument("--preset", default="demo", choices=["demo", "test"], help="which zoo to use")
-    p.add_argument("--colocate", default="large",
-                   help="model tiers hosted in the coordinator's replica, comma-separated, or 'none'")
+    p.add_argument("--layout", default="embedded", choices=["embedded", "separate"],
+                   help="embedded: large in the coordinator, base+small one deployment; separate: one per tier")
     p.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo  # heavy imports only when needed
 
-    colocate = () if args.colocate in ("", "none") else tuple(n.strip() for n in args.colocate.split(","))
-    return run_demo(args.max_new_tokens, args.prompts, args.preset, colocate)
+    return run_demo(args.max_new_tokens, args.prompts, args.preset, args.layout)
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:

@@ -76,6 +76,9 @@ class ServingConfig:
     # cost no hop, but they scale with the coordinator. MaG always runs in the coordinator (it is a
     # dict lookup), so colocating the smallest tier puts MaG beside it.
     colocate: tuple[str, ...] = ()
+    # Model tiers that share one deployment (`tier-<a>-<b>`). A member whose whole sub-cascade (the
+    # tiers below it in the K-matrix, MaG included) lies in its group runs it there in one call.
+    groups: tuple[tuple[str, ...], ...] = ()
     torch_threads: int | None = None  # per tier replica; None: torch's default
     # deployment name ("coordinator", "tier-<name>") -> Ray Serve options: num_replicas,
     # ray_actor_options (num_cpus, num_gpus, accelerator_type, resources), autoscaling_config, ...
@@ -126,8 +129,8 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
 
 def _serving(raw: dict[str, Any], cascade: CascadeConfig) -> ServingConfig:
     _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
-                            "torch_threads", "deployments"})
-    serving = ServingConfig(**{k: v for k, v in raw.items() if k not in ("deployments", "colocate")})
+                            "groups", "torch_threads", "deployments"})
+    serving = ServingConfig(**{k: v for k, v in raw.items() if k not in ("deployments", "colocate", "groups")})
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
     if serving.torch_threads is not None:
@@ -140,13 +143,31 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig) -> ServingConfig:
     colocate = raw.get("colocate", [])
     if not isinstance(colocate, list) or any(name not in model_tiers for name in colocate):
         raise ConfigError(f"serving.colocate must list model tiers ({', '.join(model_tiers)}), got {colocate!r}")
-    names = {"coordinator"} | {f"tier-{name}" for name in model_tiers if name not in colocate}
+    groups = raw.get("groups", [])
+    grouped = [name for group in groups for name in group] if isinstance(groups, list) and all(
+        isinstance(g, list) and g for g in groups) else None
+    if grouped is None or len(set(grouped)) != len(grouped) or any(
+            n not in model_tiers or n in colocate for n in grouped):
+        raise ConfigError(f"serving.groups must be disjoint non-empty lists of model tiers not in serving.colocate, "
+                          f"got {groups!r}")
+    names = {"coordinator"} | {deployment_name(group) for group in tier_groups(model_tiers, colocate, groups)}
     deployments = _mapping(raw.get("deployments", {}), "serving.deployments")
     for name, options in deployments.items():
         if name not in names:
             raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
         _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
-    return replace(serving, colocate=tuple(colocate), deployments={k: dict(v) for k, v in deployments.items()})
+    return replace(serving, colocate=tuple(colocate), groups=tuple(tuple(g) for g in groups),
+                   deployments={k: dict(v) for k, v in deployments.items()})
+
+
+def tier_groups(model_tiers: Sequence[str], colocate: Sequence[str], groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """The tier deployments: each configured group, then every other non-colocated model tier alone."""
+    grouped = {name for group in groups for name in group}
+    return [tuple(g) for g in groups] + [(n,) for n in model_tiers if n not in grouped and n not in colocate]
+
+
+def deployment_name(group: Sequence[str]) -> str:
+    return "tier-" + "-".join(group)
 
 
 def make_cascade(

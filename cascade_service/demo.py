@@ -26,12 +26,14 @@ from .prompts import read_prompts
 DEMO_K_MATRIX = [[3, 0, 0], [0, 1, 0], [0, 0, 4]]  # = configs/demo.yaml
 DEMO_LENIENCY = 2.0
 DEMO_LOOKUP = Lookup(min_match=2, tokens=20)
-# One machine: the target beside the coordinator (its review then costs no hop), drafters in their own
-# deployments. `--colocate none` gives every tier its own deployment. README "The service" has both.
-DEMO_COLOCATE = ("large",)
+# Service layouts (README "The service" measures each). "embedded", for one machine: large inside the
+# coordinator's replica (its reviews cost no hop) and base + small sharing a deployment, where base's
+# whole sub-cascade (base reviewing small reviewing MaG) runs in one call. "separate": a deployment
+# per tier, as on a cluster.
+LAYOUTS = {"embedded": {"colocate": ["large"], "groups": [["base", "small"]]}, "separate": {}}
 
 
-def demo_config(preset: str = "demo", colocate: tuple[str, ...] = DEMO_COLOCATE) -> Path:
+def demo_config(preset: str = "demo", layout: str = "embedded") -> Path:
     """Build the zoo if missing and write the demo's config beside it (absolute paths, tuned schedule)."""
     from .models.zoo import build_zoo
 
@@ -42,15 +44,14 @@ def demo_config(preset: str = "demo", colocate: tuple[str, ...] = DEMO_COLOCATE)
                                {"kind": "mag", "bigram": str(zoo["bigram"])}]},
         "schedule": {"k_matrix": DEMO_K_MATRIX, "leniency": DEMO_LENIENCY,
                      "lookup": {"min_match": DEMO_LOOKUP.min_match, "tokens": DEMO_LOOKUP.tokens}},
-        "serving": {"colocate": list(colocate)},
+        "serving": LAYOUTS[layout],
     }
-    path = Path(zoo_dir(preset)) / f"demo-service-{'-'.join(colocate) or 'separate'}.yaml"
+    path = Path(zoo_dir(preset)) / f"demo-service-{layout}.yaml"
     path.write_text("# Written by `cascade-service demo`.\n" + yaml.safe_dump(raw, sort_keys=False))
     return path
 
 
-def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo",
-             colocate: tuple[str, ...] = DEMO_COLOCATE) -> int:
+def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", layout: str = "embedded") -> int:
     """Decode held-out prompts three ways, interleaved: large alone and the cascade in-process, and
     the cascade through the service (Ray Serve tiers, gRPC edge, client SDK)."""
     from .client import CascadeClient
@@ -58,13 +59,12 @@ def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo",
     from .serving.app import LocalService
 
     print(f"loading the {preset} zoo (built on first use: up to 10 minutes, offline)", flush=True)
-    config_path = demo_config(preset, colocate)
+    config_path = demo_config(preset, layout)
     texts = read_prompts(str(build_zoo(preset, zoo_dir(preset))["prompts"]))[:prompts]
     cascade = Engine(load_config(config_path).cascade)
     alone = cascade.variant([])
-    layout = f"{', '.join(colocate)} beside the coordinator, " if colocate else ""
-    print(f"starting the service: local Ray, Serve deployments ({layout}a deployment per other tier), "
-          "gRPC on loopback", flush=True)
+    print(f"starting the service ({layout} layout: {LAYOUTS[layout] or 'a deployment per tier'}): local Ray, "
+          "Ray Serve, gRPC on loopback", flush=True)
     with LocalService(str(config_path)) as service, CascadeClient(service.address, timeout_s=600) as client:
         print(f"service up at {service.address}", flush=True)
         gen = GenerationConfig(max_new_tokens=max_new_tokens)

@@ -1,6 +1,6 @@
 """Where the service's time goes: per-tier time in-process vs through the service, per hop.
 
-    python -m cascade_service.bench.service_overhead [--colocate large,base] [--prompts 6] [--max-new-tokens 64]
+    python -m cascade_service.bench.service_overhead [--layout embedded|separate|colocated] [--prompts 6] [--max-new-tokens 64]
 
 Runs the demo zoo's cascade in-process and through a local service (`serving.app.LocalService`),
 interleaved per prompt, and prints wall time for both and, per tier, calls, time and the extra
@@ -18,7 +18,7 @@ import yaml
 
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
-from ..demo import demo_config
+from ..demo import LAYOUTS, demo_config
 from ..engine import Engine
 from ..models.zoo import build_zoo
 from ..paths import zoo_dir
@@ -27,16 +27,16 @@ from ..prompts import read_prompts
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--colocate", default="none", help="tiers in the coordinator's replica, or 'none'")
+    parser.add_argument("--layout", default="separate", choices=["embedded", "separate", "colocated"],
+                        help="the demo's layouts, or every tier inside the coordinator (colocated)")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    colocate = () if args.colocate == "none" else tuple(args.colocate.split(","))
-    from ray import serve
+    from ..serving.app import LocalService
 
-    from ..serving.app import APP_NAME, LocalService, tier_deployment_name
-
-    path = demo_config("demo", colocate)
+    if args.layout == "colocated":
+        LAYOUTS["colocated"] = {"colocate": ["large", "base", "small"]}
+    path = demo_config("demo", args.layout)
     engine = Engine(load_config(path).cascade)
     texts = read_prompts(str(build_zoo("demo", zoo_dir("demo"))["prompts"]))[: args.prompts]
     ids = [engine.encode(t) for t in texts]
@@ -65,14 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                 row[1] += float(c.get("time_s", 0.0))
                 row[2] += int(c.get("hops", 0))
         remote_tiers = [n for n in local if n in remote and remote[n][2]]
-        floor = []
-        if remote_tiers:
-            handle = serve.get_deployment_handle(tier_deployment_name(remote_tiers[0]), app_name=APP_NAME)
-            for _ in range(55):
-                start = time.perf_counter()
-                handle.cached_requests.remote().result()
-                floor.append(time.perf_counter() - start)
-    print(f"colocated: {', '.join(colocate) or 'none'}; wall in-process {wall['in-process']:.3f} s, "
+        floor = service.trivial_call_latencies(remote_tiers[0], 55)[5:] if remote_tiers else []
+    print(f"layout {args.layout}: wall in-process {wall['in-process']:.3f} s, "
           f"service {wall['service']:.3f} s, service / in-process throughput {wall['in-process'] / wall['service']:.2f}x")
     for name in local:
         calls, t_local = local[name]
@@ -80,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = f"{1000 * (t_remote - t_local) / hops:.1f} ms extra per hop" if hops else "no hops"
         print(f"  {name:<6} calls {calls:>4}  in-process {t_local:.3f} s  service {t_remote:.3f} s  hops {hops:>4}  {extra}")
     if floor:
-        floor = sorted(floor[5:])
+        floor = sorted(floor)
         print(f"trivial Serve handle call from the driver: median {1000 * statistics.median(floor):.1f} ms, "
               f"p90 {1000 * floor[int(0.9 * len(floor))]:.1f} ms")
     return 0

@@ -71,6 +71,34 @@ class BlockTier(Protocol):
                      seed: int, counters: TierCounters) -> Verdict: ...
 
 
+@runtime_checkable
+class SystemTier(Protocol):
+    """A drafter tier whose whole system (it reviewing the tiers below it) runs where it lives.
+
+    One call per draft of that system instead of one per block of each tier in it; the counters of
+    the tiers inside are added to `stats`.
+    """
+
+    name: str
+
+    def system_draft(self, ctx: Context, want: int, limit: int, sampling: SamplingParams, seed: int,
+                     eos_ids: frozenset[int], stats: CascadeStats) -> Draft: ...
+
+
+class SystemDrafter:
+    """The cascade's view of a `SystemTier`: a drafter like any other."""
+
+    def __init__(self, tier: SystemTier, state: RequestState):
+        self.name = tier.name
+        self.tier = tier
+        self.state = state
+
+    def draft(self, ctx: Context, want: int, limit: int) -> Draft:
+        st = self.state
+        seed = 0 if st.sampling.greedy else call_seed(st.generator)
+        return self.tier.system_draft(ctx, want, limit, st.sampling, seed, st.eos_ids, st.stats)
+
+
 def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: SamplingParams,
                          generator: torch.Generator, eos_ids: frozenset[int], vocab_size: int,
                          counters: TierCounters) -> Draft:
@@ -239,13 +267,16 @@ def build_cascade(
     leniency: float,
     state: RequestState,
     lookup: Lookup | None = None,
+    strict_top: bool = True,
 ) -> CascadeDrafter:
     """The target's system for one request: drafters largest first, wired by the K-matrix.
 
     Row r of the schedule belongs to reviewer T_r (T_0 the target, T_r the r-th drafter); a drafter
     whose row is all zeros, and the last drafter, draft alone. Each tier's system is built once and
     shared by every row that uses it, so one tier keeps one KV cache per request. `lookup` gates MaG
-    in front of the target's row (it needs MaG among the drafters).
+    in front of the target's row (it needs MaG among the drafters). `strict_top=False` builds an
+    inner tier's system (reviewing with `leniency`), e.g. a sub-cascade run inside a tier's replica.
+    A drafter given as a `SystemTier` stands for its whole system.
     """
     if leniency < 1.0:
         raise ValueError(f"leniency must be >= 1, got {leniency}")
@@ -256,12 +287,14 @@ def build_cascade(
         tier = tiers[r]
         if isinstance(tier, MaxGram):
             systems[r] = MaGDrafter(tier, state)
+        elif r > 0 and isinstance(tier, SystemTier):
+            systems[r] = SystemDrafter(tier, state)
         elif r > 0 and schedule.is_leaf(r):
             systems[r] = ModelDrafter(tier, state)
         else:
             row = [(systems[c + 1], quota) for c, quota in schedule.row(r)] if drafters else []
             # The target's review is always strict (Algorithm 1: "if isFirstCall then l <- 1").
-            systems[r] = CascadeDrafter(tier, row, rule, 1.0 if r == 0 else leniency, state)
+            systems[r] = CascadeDrafter(tier, row, rule, 1.0 if r == 0 and strict_top else leniency, state)
     top: CascadeDrafter = systems[0]  # type: ignore[assignment]
     if lookup is not None:
         mags = [s for s in systems.values() if isinstance(s, MaGDrafter)]

@@ -117,3 +117,37 @@ class CascadeStats:
             "swi": {name: self.swi(costs) for name, costs in (swi_costs or {}).items()},
             "wall_s": self.wall_s,
         }
+
+
+def stats_delta(stats: CascadeStats) -> dict:
+    """The counters of a partial run (e.g. a sub-cascade run in another process), as plain values."""
+    return {
+        "tiers": {n: [c.calls, c.tokens_processed, c.tokens_out, c.time_s, c.hops] for n, c in stats.tiers.items()},
+        "reviews": {n: [r.reviews, r.drafted, r.accepted, r.rejections, list(r.drafted_by_position),
+                        list(r.accepted_by_position), dict(r.drafted_by_drafter), dict(r.accepted_by_drafter)]
+                    for n, r in stats.reviews.items()},
+    }
+
+
+def absorb(stats: CascadeStats, delta: dict) -> None:
+    """Add a `stats_delta` into `stats`."""
+    for name, (calls, processed, out, time_s, hops) in delta["tiers"].items():
+        c = stats.tier(name)
+        c.calls += int(calls)
+        c.tokens_processed += int(processed)
+        c.tokens_out += int(out)
+        c.time_s += float(time_s)
+        c.hops += int(hops)
+    for name, (reviews, drafted, accepted, rejections, d_pos, a_pos, d_by, a_by) in delta["reviews"].items():
+        r = stats.reviewer(name)
+        r.reviews += int(reviews)
+        r.drafted += int(drafted)
+        r.accepted += int(accepted)
+        r.rejections += int(rejections)
+        for mine, theirs in ((r.drafted_by_position, d_pos), (r.accepted_by_position, a_pos)):
+            _grow(mine, len(theirs))
+            for i, v in enumerate(theirs):
+                mine[i] += int(v)
+        for mine, theirs in ((r.drafted_by_drafter, d_by), (r.accepted_by_drafter, a_by)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + int(v)

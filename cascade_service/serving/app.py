@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
@@ -26,13 +27,14 @@ from ray.serve.handle import DeploymentHandle
 from ..api.edge import (RecordingContext, Reply, health_request, health_response, is_serving, request_type,
                         set_serving, start_edge)
 from ..api.servicer import CascadeServicer, Unavailable
-from ..config import Config, ModelTierConfig, ServingConfig, load_config
+from ..config import (MAG, Config, MaGConfig, ModelTierConfig, ServingConfig, deployment_name, load_config,
+                      tier_groups)
 from ..coordinator import Coordinator, Tokenizer
 from ..core.mag import BigramTable
 from ..models.hf import HFModel, load_tokenizer
 from ..sessions import MemoryStore, SessionStore
-from .remote import RemoteTier
-from .tier import TierServer
+from .remote import RemoteSystem, RemoteTier
+from .tier import TierGroup
 
 log = logging.getLogger(__name__)
 
@@ -52,34 +54,39 @@ LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {"OMP_WAIT_
 
 
 def tier_deployment_name(tier: str) -> str:
-    return f"tier-{tier}"
+    """The deployment of a tier that is not in a group."""
+    return deployment_name((tier,))
 
 
 @serve.deployment
 class TierDeployment:
-    """One model tier's replica."""
+    """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them."""
 
-    def __init__(self, tier: dict[str, Any], torch_threads: int | None = None):
+    def __init__(self, tiers: list[dict[str, Any]], mag: dict[str, Any] | None = None, torch_threads: int | None = None):
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
-        self.server = TierServer(ModelTierConfig(**tier))
+        mag = mag or {}
+        self.group = TierGroup([ModelTierConfig(**t) for t in tiers], mag.get("bigram"), mag.get("max_ngram", 16))
 
     def info(self) -> dict[str, Any]:
-        return self.server.info()
+        return self.group.info()
 
     def draft(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self.server.draft(message)
+        return self.group.draft(message)
 
     def review(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self.server.review(message)
+        return self.group.review(message)
+
+    def system(self, message: dict[str, Any]) -> dict[str, Any]:
+        return self.group.system(message)
 
     def release(self, message: dict[str, Any]) -> bool:
-        return self.server.release(message["request_id"])
+        return self.group.release(message["request_id"])
 
     def cached_requests(self) -> int:
-        return self.server.cached_requests()
+        return self.group.cached_requests()
 
 
 @ray.remote
@@ -145,6 +152,7 @@ class CoordinatorDeployment:
             self.config = replace(self.config, serving=replace(self.config.serving, redis_url=redis_url))
         self.handles = tiers
         self.local: dict[str, Any] = {}  # colocated model tiers, loaded with the servicer
+        self.systems: dict[str, dict[str, Any]] = {}  # group members that run their sub-cascade remotely
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
 
@@ -159,7 +167,10 @@ class CoordinatorDeployment:
                     torch.set_num_threads(serving.torch_threads)
                 self.local = {t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
                               for t in cascade.tiers if isinstance(t, ModelTierConfig) and t.name in serving.colocate}
-                info = {name: h.info.remote().result() for name, h in self.handles.items()}
+                info: dict[str, Any] = {}
+                for handle in {id(h): h for h in self.handles.values()}.values():
+                    info |= handle.info.remote().result()
+                self.systems = _system_heads(cascade, serving)
                 info |= {name: {"vocab_size": m.vocab_size, "num_parameters": m.num_parameters,
                                 "eos_token_ids": sorted(m.eos_token_ids)} for name, m in self.local.items()}
                 target = info[cascade.target.name]
@@ -178,7 +189,12 @@ class CoordinatorDeployment:
 
     def _remote_tiers(self, request_id: str) -> dict[str, Any]:
         tiers: dict[str, Any] = {name: model.scorer() for name, model in self.local.items()}  # colocated: no hop
-        return tiers | {name: RemoteTier(name, request_id, _invoker(name, handle)) for name, handle in self.handles.items()}
+        for name, handle in self.handles.items():
+            if name in self.systems:
+                tiers[name] = RemoteSystem(name, request_id, _invoker(name, handle), **self.systems[name])
+            else:
+                tiers[name] = RemoteTier(name, request_id, _invoker(name, handle))
+        return tiers
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
         def run() -> Any:
@@ -232,6 +248,30 @@ class CoordinatorDeployment:
         except Exception:  # noqa: BLE001 - a tier that cannot answer means not serving
             log.exception("health check failed")
             return health_response(False)
+
+
+def _system_heads(cascade, serving: ServingConfig) -> dict[str, dict[str, Any]]:
+    """Group members whose whole sub-cascade lies in their group (+ MaG): {name: RemoteSystem kwargs}."""
+    names = [t.name for t in cascade.tiers]
+    k = cascade.schedule.to_lists()
+    heads = {}
+    for group in serving.groups:
+        for name in group:
+            h = names.index(name)
+            below = set(names[h + 1:])
+            if h == 0 or cascade.schedule.is_leaf(h) or not below <= set(group) | {MAG}:
+                continue
+            reach, todo = set(), [h]
+            while todo:  # every tier the sub-cascade reaches from h
+                r = todo.pop()
+                for c, _ in (cascade.schedule.row(r) if r < len(k) else []):
+                    if c + 1 not in reach:
+                        reach.add(c + 1)
+                        todo.append(c + 1)
+            if {names[i] for i in reach} == below:
+                heads[name] = {"tiers": names[h:], "k_matrix": [row[h:] for row in k[h:]],
+                               "leniency": cascade.leniency}
+    return heads
 
 
 def _invoker(name: str, handle: DeploymentHandle):
@@ -304,14 +344,16 @@ def app_builder(args: dict[str, Any]):
     config = load_config(path)
     serving = config.serving
     local = bool(args.get("local", False))
+    by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
+    mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
+    mag_args = {"bigram": mag.bigram, "max_ngram": mag.max_ngram} if mag else None
     handles = {}
-    for tier in config.cascade.tiers:
-        if not isinstance(tier, ModelTierConfig) or tier.name in serving.colocate:
-            continue
-        name = tier_deployment_name(tier.name)
-        options = _options(serving, name, local)
-        handles[tier.name] = TierDeployment.options(name=name, **options).bind(
-            {"name": tier.name, "path": tier.path, "dtype": tier.dtype, "device": tier.device}, serving.torch_threads)
+    for group in tier_groups(list(by_name), serving.colocate, serving.groups):
+        name = deployment_name(group)
+        handle = TierDeployment.options(name=name, **_options(serving, name, local)).bind(
+            [{"name": n, "path": by_name[n].path, "dtype": by_name[n].dtype, "device": by_name[n].device} for n in group],
+            mag_args if len(group) > 1 else None, serving.torch_threads)
+        handles |= {n: handle for n in group}
     return CoordinatorDeployment.options(name=COORDINATOR, **_options(serving, COORDINATOR, local)).bind(
         path, handles, args.get("redis_url"))
 
@@ -424,6 +466,20 @@ class LocalService:
             raise RuntimeError("the cascade app started but a tier does not answer; see the Ray logs")
         if self.checker is not None:
             set_serving(self.checker, True)
+
+    def trivial_call_latencies(self, tier: str, n: int) -> list[float]:
+        """Seconds per no-op call to a tier's deployment from this process: the transport's floor."""
+        config = load_config(self.config_path)
+        models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig)]
+        name = next(deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups)
+                    if tier in g)
+        handle = serve.get_deployment_handle(name, app_name=APP_NAME)
+        seconds = []
+        for _ in range(n):
+            start = time.perf_counter()
+            handle.cached_requests.remote().result()
+            seconds.append(time.perf_counter() - start)
+        return seconds
 
     def _handle(self) -> DeploymentHandle:
         # Always the current app's ingress: after a restart the old handle's deployment is gone.

@@ -16,7 +16,7 @@ import torch
 
 from ..core.review import Verdict
 from ..core.sampling import SamplingParams
-from ..core.stats import TierCounters
+from ..core.stats import CascadeStats, TierCounters, absorb
 from ..core.types import Context, Draft
 
 Invoke = Callable[[str, dict[str, Any]], dict[str, Any]]
@@ -50,7 +50,7 @@ class RemoteTier:
         self.invoke("release", {"request_id": self.request_id})
 
     def _base(self, ctx: Context, sampling: SamplingParams, seed: int) -> dict[str, Any]:
-        return {"request_id": self.request_id, "tokens": ctx.tokens, "stable": ctx.stable,
+        return {"tier": self.name, "request_id": self.request_id, "tokens": ctx.tokens, "stable": ctx.stable,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
 
     def _call(self, method: str, message: dict[str, Any], counters: TierCounters) -> dict[str, Any]:
@@ -64,6 +64,31 @@ class RemoteTier:
         counters.tokens_processed += int(reply["tokens_processed"])
         counters.time_s += elapsed
         return reply
+
+
+class RemoteSystem(RemoteTier):
+    """A drafter tier whose sub-cascade runs in its replica (implements `core.cascade.SystemTier`).
+
+    `tiers` names the sub-cascade (this tier first, then every tier below it, "mag" last if used) and
+    `k_matrix` is its part of the K-matrix; the replica hosts all of them.
+    """
+
+    def __init__(self, name: str, request_id: str, invoke: Invoke, tiers: list[str], k_matrix: list[list[int]],
+                 leniency: float):
+        super().__init__(name, request_id, invoke)
+        self.sub = {"tiers": tiers, "k_matrix": k_matrix, "leniency": leniency}
+
+    def system_draft(self, ctx: Context, want: int, limit: int, sampling: SamplingParams, seed: int,
+                     eos_ids: frozenset[int], stats: CascadeStats) -> Draft:
+        start = time.perf_counter()
+        reply = self.invoke("system", {**self._base(ctx, sampling, seed), **self.sub, "want": want, "limit": limit,
+                                       "eos_ids": sorted(eos_ids)})
+        self.hops += 1
+        self.hop_s += time.perf_counter() - start
+        absorb(stats, reply["stats"])
+        stats.tier(self.name).hops += 1
+        tokens = [int(t) for t in reply["tokens"]]
+        return Draft(tokens, [float(p) for p in reply["token_probs"]], _tensor(reply["dists"]), [self.name] * len(tokens))
 
 
 def _array(t: torch.Tensor | None) -> np.ndarray | None:

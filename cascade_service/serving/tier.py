@@ -20,13 +20,16 @@ import numpy as np
 import torch
 
 from ..config import ModelTierConfig
-from ..core.cascade import draft_autoregressive, score_and_review
+from ..core.cascade import RequestState, build_cascade, draft_autoregressive, score_and_review
+from ..core.mag import BigramTable, MaxGram
+from ..core.schedule import Schedule
 from ..core.review import rule_for
 from ..core.sampling import SamplingParams
-from ..core.stats import TierCounters
+from ..core.stats import CascadeStats, TierCounters, stats_delta
 from ..core.types import Context, Draft
 from ..models.hf import HFModel, HFScorer
 
+MAG_NAME = "mag"
 MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used request's cache is dropped
 
 
@@ -48,7 +51,7 @@ class TierServer:
     def draft(self, msg: dict[str, Any]) -> dict[str, Any]:
         """msg: request_id, tokens, stable, k, temperature, top_p, seed, eos_ids -> a Draft as a dict."""
         ctx, sampling, generator = _context(msg), _sampling(msg), _generator(msg)
-        scorer, counters = self._scorer(msg["request_id"]), TierCounters()
+        scorer, counters = self.scorer(msg["request_id"]), TierCounters()
         before = scorer.tokens_processed
         draft = draft_autoregressive(scorer, ctx, int(msg["k"]), sampling, generator,
                                      frozenset(msg.get("eos_ids", ())), self.model.vocab_size, counters)
@@ -61,7 +64,7 @@ class TierServer:
         block = msg["block"]
         dists = None if block.get("dists") is None else torch.from_numpy(np.asarray(block["dists"]))
         draft = Draft(list(block["tokens"]), list(block["token_probs"]), dists, [""] * len(block["tokens"]))
-        scorer, counters = self._scorer(msg["request_id"]), TierCounters()
+        scorer, counters = self.scorer(msg["request_id"]), TierCounters()
         before = scorer.tokens_processed
         verdict = score_and_review(scorer, ctx, draft, rule_for(sampling.greedy), float(msg["leniency"]),
                                    sampling, generator, counters)
@@ -77,7 +80,8 @@ class TierServer:
         with self._lock:
             return len(self._scorers)
 
-    def _scorer(self, request_id: str) -> HFScorer:
+    def scorer(self, request_id: str) -> HFScorer:
+        """This request's scorer (KV cache), made fresh on a miss."""
         with self._lock:
             scorer = self._scorers.pop(request_id, None)
             if scorer is None:
@@ -108,3 +112,62 @@ def _array(t: torch.Tensor | None) -> np.ndarray | None:
 
 def _usage(counters: TierCounters, processed: int) -> dict[str, Any]:
     return {"calls": counters.calls, "tokens_processed": processed, "time_s": counters.time_s}
+
+
+class TierGroup:
+    """The model tiers one replica hosts (usually one), plus MaG when a member runs its sub-cascade.
+
+    `system` runs a member's whole system (it reviewing the members and MaG below it) for one draft,
+    in this process: one call where separate deployments would need one per block of each tier.
+    """
+
+    def __init__(self, tiers: list[ModelTierConfig], bigram: str | None = None, max_ngram: int = 16,
+                 max_cached_requests: int = MAX_CACHED_REQUESTS):
+        self.servers = {t.name: TierServer(t, max_cached_requests) for t in tiers}
+        self.bigram = BigramTable.load(bigram) if bigram else None
+        self.max_ngram = max_ngram
+        self.max_cached = max_cached_requests
+        self._mags: OrderedDict[str, MaxGram] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        return {name: server.info() for name, server in self.servers.items()}
+
+    def draft(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.servers[msg["tier"]].draft(msg)
+
+    def review(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.servers[msg["tier"]].review(msg)
+
+    def release(self, request_id: str) -> bool:
+        with self._lock:
+            had_mag = self._mags.pop(request_id, None) is not None
+        return any([server.release(request_id) for server in self.servers.values()]) or had_mag
+
+    def cached_requests(self) -> int:
+        with self._lock:
+            mags = len(self._mags)
+        return sum(server.cached_requests() for server in self.servers.values()) + mags
+
+    def system(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """msg: request_id, tokens, stable, want, limit, sampling, seed, eos_ids, and the sub-cascade:
+        `tiers` (the member first, then the tiers below it, "mag" last if used), `k_matrix`, `leniency`."""
+        names = list(msg["tiers"])
+        sampling, request_id = _sampling(msg), msg["request_id"]
+        stats = CascadeStats(names[0])
+        state = RequestState(sampling, _generator(msg), stats, self.servers[names[0]].model.vocab_size,
+                             frozenset(msg.get("eos_ids", ())))
+        tiers = [self._mag(request_id) if n == MAG_NAME else self.servers[n].scorer(request_id) for n in names]
+        schedule = Schedule.parse(msg["k_matrix"], names[1:])
+        system = build_cascade(tiers[0], tiers[1:], schedule, float(msg["leniency"]), state, strict_top=False)
+        draft = system.draft(_context(msg), int(msg["want"]), int(msg["limit"]))
+        return {"tokens": draft.tokens, "token_probs": draft.token_probs, "dists": _array(draft.dists),
+                "stats": stats_delta(stats)}
+
+    def _mag(self, request_id: str) -> MaxGram:
+        with self._lock:
+            mag = self._mags.pop(request_id, None) or MaxGram(self.bigram, self.max_ngram)
+            self._mags[request_id] = mag
+            while len(self._mags) > self.max_cached:
+                self._mags.popitem(last=False)
+            return mag

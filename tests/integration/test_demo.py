@@ -21,7 +21,11 @@ def test_demo_schedule_is_the_tuned_one_in_configs_demo_yaml():
     from pathlib import Path
 
     from cascade_service.config import load_config
-    from cascade_service.demo import DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP
+    from cascade_service.demo import DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP, LAYOUTS
 
-    cascade = load_config(Path(__file__).parents[2] / "configs" / "demo.yaml").cascade
+    config = load_config(Path(__file__).parents[2] / "configs" / "demo.yaml")
+    cascade = config.cascade
     assert (cascade.schedule.to_lists(), cascade.leniency, cascade.lookup) == (DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP)
+    embedded = LAYOUTS["embedded"]
+    assert config.serving.colocate == tuple(embedded["colocate"])
+    assert config.serving.groups == tuple(map(tuple, embedded["groups"]))

@@ -70,3 +70,49 @@ def test_remote_sampling_is_reproducible_per_seed(tiny_family):
     runs = [coordinator.generate(coordinator.params(prompt_ids=PROMPTS[0], max_new_tokens=12, temperature=1.0, seed=s)).token_ids
             for s in (7, 7, 8)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_family, tmp_path):
+    from cascade_service.config import ServingConfig
+    from cascade_service.core.mag import BigramTable
+    from cascade_service.serving.app import _system_heads
+    from cascade_service.serving.remote import RemoteSystem
+    from cascade_service.serving.tier import TierGroup
+
+    tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}
+    bigram = tmp_path / "bigram.json"
+    BigramTable.from_tokens([t for p in random_prompts(20, 30, seed=3) for t in p], 320).save(bigram)
+    # target reviews close's system; close reviews mid's; mid reviews MaG: close's whole sub-cascade
+    # lies in the group {close, mid} + MaG, so one call drafts close's contribution
+    cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig(bigram=str(bigram))],
+                           [[4, 0, 0], [0, 2, 0], [0, 0, 5]], 2.0)
+    heads = _system_heads(cascade, ServingConfig(groups=(("close", "mid"),)))
+    assert heads == {"close": {"tiers": ["close", "mid", "mag"], "k_matrix": [[2, 0], [0, 5]], "leniency": 2.0},
+                     "mid": {"tiers": ["mid", "mag"], "k_matrix": [[5]], "leniency": 2.0}}
+    assert _system_heads(make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
+                                      [[4, 2, 0], [0, 2, 0], [0, 0, 5]], 2.0), ServingConfig(groups=(("close",),))) == {}
+    target, group = TierGroup([tiers["target"]]), TierGroup([tiers["close"], tiers["mid"]], str(bigram))
+    calls: list[str] = []
+
+    def via(server):
+        def invoke(method, message):
+            calls.append(method)
+            return getattr(server, method)(message["request_id"] if method == "release" else message)
+        return invoke
+
+    tok = load_tokenizer(str(tiny_family["target"]))
+    coordinator = Coordinator(
+        cascade, Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
+        target.servers["target"].model.vocab_size, frozenset(target.servers["target"].model.eos_token_ids),
+        tiers=lambda rid: {"target": RemoteTier("target", rid, via(target)),
+                           "close": RemoteSystem("close", rid, via(group), **heads["close"]),
+                           "mid": RemoteTier("mid", rid, via(group))},
+        store=MemoryStore(), bigram=BigramTable.load(bigram), release=lambda ts: [t.release() for t in ts.values()])
+    for prompt in PROMPTS:
+        result = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=20))
+        assert result.token_ids == _oracle(tiny_family["target"], prompt, 20)
+        stats = result.stats
+        assert stats.tiers["close"].hops > 0 and stats.tiers["mid"].hops == 0  # mid ran inside close's call
+        assert stats.tiers["mid"].calls > 0 and stats.reviews["close"].reviews > 0  # its counters came back
+    assert set(calls) == {"review", "system", "release"}
+    assert target.cached_requests() == group.cached_requests() == 0

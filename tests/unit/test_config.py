@@ -50,10 +50,14 @@ def test_serving_section_parses_and_names_bad_fields():
     raw["serving"] = {"grpc_port": 9100, "redis_url": "redis://127.0.0.1:6379/0", "torch_threads": 1,
                       "deployments": {"tier-large": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}}}
     serving = parse_config(raw).serving
+    grouped = parse_config({**raw, "serving": {"groups": [["large", "base"]], "deployments": {"tier-large-base": {}}}})
+    assert grouped.serving.groups == (("large", "base"),)
     assert serving.grpc_port == 9100 and serving.deployments["tier-large"]["num_replicas"] == 2
     for bad, needle in [({"grpc_port": 0}, "serving.grpc_port"), ({"redis_url": "http://x"}, "serving.redis_url"),
                         ({"colocate": ["moon"]}, "serving.colocate"), ({"colocate": "large"}, "serving.colocate"),
                         ({"colocate": ["large"], "deployments": {"tier-large": {}}}, "serving.deployments.tier-large"),
+                        ({"groups": [["base"], ["base"]]}, "serving.groups"), ({"groups": [["mag"]]}, "serving.groups"),
+                        ({"groups": [["large", "base"]], "deployments": {"tier-base": {}}}, "serving.deployments.tier-base"),
                         ({"deployments": {"tier-huge": {}}}, "serving.deployments.tier-huge"),
                         ({"deployments": {"coordinator": {"replicas": 2}}}, "serving.deployments.coordinator.replicas"),
                         ({"session_namespace": "a:b"}, "serving.session_namespace"), ({"port": 1}, "serving.port")]:

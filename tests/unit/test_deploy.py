@@ -222,13 +222,13 @@ def test_health_servicer_function_imports():
 
 @pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
 def test_the_app_config_named_in_args_loads_and_builds_exactly_these_deployments(source, monkeypatch):
-    from cascade_service.config import load_config
-    from cascade_service.serving.app import COORDINATOR, tier_deployment_name
+    from cascade_service.config import ModelTierConfig, deployment_name, load_config, tier_groups
+    from cascade_service.serving.app import COORDINATOR
 
     monkeypatch.setenv("CASCADE_SERVICE_HOME", "/models")
     args = _app(_serve_configs()[source])["args"]
     assert args["config"].startswith("/app/configs/")
     config = load_config(Path(__file__).parents[2] / "configs" / args["config"].removeprefix("/app/configs/"))
-    built = {COORDINATOR} | {tier_deployment_name(t.name) for t in config.cascade.tiers
-                             if hasattr(t, "path") and t.name not in config.serving.colocate}
+    models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig)]
+    built = {COORDINATOR} | {deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups)}
     assert built == set(_deployments(_serve_configs()[source]))
