@@ -49,8 +49,12 @@ GRPC_SERVICER_FUNCTIONS = [
 # Local default: tiers take turns within a request, so a fraction of a CPU each lets the whole app
 # fit a 2-core machine; a cluster config gives real resources per deployment. Passive OpenMP waits:
 # an idle tier's torch threads would otherwise spin for a while after each forward pass, taking the
-# cores the next tier in the round needs.
-LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+# cores the next tier in the round needs. User code on the replica's own loop and sync methods run
+# inline: each handoff between threads costs a context switch per hop, and a tier replica does one
+# forward pass at a time anyway.
+LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {
+    "OMP_WAIT_POLICY": "PASSIVE", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "0"}}}
 
 
 def tier_deployment_name(tier: str) -> str:

@@ -139,3 +139,22 @@ def test_embedded_session_store_survives_an_app_restart_and_colocated_target_is_
     finally:
         svc.server.stop(0)
         serve.delete(APP_NAME)
+
+
+def test_the_methods_rays_grpc_proxy_calls_answer(tiny_family, service):
+    # On a cluster Ray Serve's gRPC proxy calls the coordinator's methods by RPC name with the request
+    # message and a grpc_context (the proxy itself binds every interface, so it is not started here).
+    from ray import serve
+
+    from cascade_service.api.edge import RecordingContext
+    from cascade_service.api.v1 import cascade_pb2 as pb
+
+    handle = serve.get_app_handle(APP_NAME)
+    context = RecordingContext()
+    reply = handle.Generate.remote(pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=5),
+                                   grpc_context=context).result()
+    assert list(reply.token_ids) == _oracle(tiny_family["target"], PROMPTS[0], 5)
+    chunks = list(handle.options(stream=True).GenerateStream.remote(
+        pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=5), grpc_context=RecordingContext()))
+    assert [t for c in chunks for t in c.token_ids] == list(reply.token_ids)
+    assert handle.Check.remote(None).result().status == 1  # grpc.health.v1 SERVING
