@@ -76,12 +76,7 @@ class Coordinator:
                max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                seed: int | None = None, stop: Sequence[str] = (), verification: str = "") -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
-        if prompt and prompt_ids:
-            raise ValueError("prompt: give prompt or prompt_token_ids, not both")
-        ids = list(prompt_ids) if prompt_ids else (self.tokenizer.encode(prompt) if prompt else [])
-        bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        ids = self._prompt_ids(prompt, prompt_ids)
         if len(ids) > MAX_PROMPT_TOKENS:
             raise ValueError(f"prompt: {len(ids)} tokens, more than the limit {MAX_PROMPT_TOKENS}")
         if session_id:
@@ -160,15 +155,19 @@ class Coordinator:
                                self.cascade.leniency, state, self.cascade.lookup)
         yield from decode(system, context, gen.max_new_tokens, self.eos_ids, stats)
 
-    # --- sessions ----------------------------------------------------------------------------------
-
-    def create_session(self, session_id: str = "", prompt: str = "", prompt_ids: Sequence[int] = (), owner: str = ""):
+    def _prompt_ids(self, prompt: str, prompt_ids: Sequence[int]) -> list[int]:
         if prompt and prompt_ids:
             raise ValueError("prompt: give prompt or prompt_token_ids, not both")
         ids = list(prompt_ids) if prompt_ids else (self.tokenizer.encode(prompt) if prompt else [])
         bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    # --- sessions ----------------------------------------------------------------------------------
+
+    def create_session(self, session_id: str = "", prompt: str = "", prompt_ids: Sequence[int] = (), owner: str = ""):
+        ids = self._prompt_ids(prompt, prompt_ids)
         if session_id:
             check_session_id(session_id)
         return self.store.create(ids, session_id or None, owner)
