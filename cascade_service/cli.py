@@ -201,7 +201,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
     if not 0 <= port <= 65535:
         raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
-    from .serving.app import LocalService
+    from .serving.local import LocalService
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

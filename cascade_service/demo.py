@@ -56,7 +56,7 @@ def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", l
     the cascade through the service (Ray Serve tiers, gRPC edge, client SDK)."""
     from .client import CascadeClient
     from .models.zoo import build_zoo
-    from .serving.app import LocalService
+    from .serving.local import LocalService
 
     print(f"loading the {preset} zoo (built on first use: up to 10 minutes, offline)", flush=True)
     config_path = demo_config(preset, layout)

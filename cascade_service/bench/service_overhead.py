@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
-import yaml
 
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
@@ -32,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    from ..serving.app import LocalService
+    from ..serving.local import LocalService
 
     if args.layout == "colocated":
         LAYOUTS["colocated"] = {"colocate": ["large", "base", "small"]}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
@@ -24,24 +23,21 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ..api.edge import (RecordingContext, Reply, health_request, health_response, is_serving, request_type,
-                        set_serving, start_edge)
+from ..api.edge import RecordingContext, Reply, health_response, request_type
 from ..api.servicer import CascadeServicer, Unavailable
 from ..config import (MAG, Config, MaGConfig, ModelTierConfig, ServingConfig, deployment_name, load_config,
                       tier_groups)
 from ..coordinator import Coordinator, Tokenizer
 from ..core.mag import BigramTable
 from ..models.hf import HFModel, load_tokenizer
-from ..sessions import MemoryStore, SessionStore
 from .remote import RemoteSystem, RemoteTier
+from .session_actor import session_store
 from .tier import TierGroup
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "cascade"
 COORDINATOR = "coordinator"
-SESSION_ACTOR = "cascade-sessions"  # detached: outlives app restarts (not a Ray cluster restart)
-RAY_NAMESPACE = "cascade-service"
 GRPC_SERVICER_FUNCTIONS = [
     "cascade_service.api.v1.cascade_pb2_grpc.add_CascadeServiceServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -93,59 +89,6 @@ class TierDeployment:
         return self.group.cached_requests()
 
 
-@ray.remote
-class SessionActor:
-    """The embedded session store, kept in a detached actor so the coordinator can restart."""
-
-    def __init__(self, ttl_s: float | None):
-        self.store = MemoryStore(ttl_s)
-
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.store, method)(*args)
-
-
-class ActorStore:
-    """SessionStore over SessionActor (errors re-raised as the store's own exception types)."""
-
-    def __init__(self, actor: Any):
-        self.actor = actor
-
-    def _call(self, method: str, *args: Any) -> Any:
-        try:
-            return ray.get(self.actor.call.remote(method, *args), timeout=30)
-        except ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
-        except ray.exceptions.RayError as exc:
-            from ..sessions import StoreUnavailable
-
-            raise StoreUnavailable(f"session actor unavailable: {exc}") from None
-
-    def create(self, token_ids=(), session_id=None, owner=""):
-        return self._call("create", list(token_ids), session_id, owner)
-
-    def get(self, session_id):
-        return self._call("get", session_id)
-
-    def append(self, session_id, token_ids, expected_version):
-        return self._call("append", session_id, list(token_ids), expected_version)
-
-    def delete(self, session_id):
-        return self._call("delete", session_id)
-
-    def ping(self):
-        return self._call("ping")
-
-
-def _session_store(serving: ServingConfig) -> SessionStore:
-    if serving.redis_url:
-        from ..sessions.redis_store import RedisStore
-
-        return RedisStore(serving.redis_url, namespace=serving.session_namespace, ttl_s=serving.session_ttl_s)
-    actor = SessionActor.options(name=SESSION_ACTOR, namespace=RAY_NAMESPACE, lifetime="detached",
-                                 get_if_exists=True, num_cpus=0).remote(serving.session_ttl_s)
-    return ActorStore(actor)
-
-
 @serve.deployment
 class CoordinatorDeployment:
     """The ingress: gRPC methods of cascade.v1.CascadeService (+ grpc.health.v1.Health/Check)."""
@@ -184,7 +127,7 @@ class CoordinatorDeployment:
                     cascade, Tokenizer(lambda text: list(tokenizer(text)["input_ids"]),
                                        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)),
                     target["vocab_size"], frozenset(target["eos_token_ids"]), tiers=self._remote_tiers,
-                    store=_session_store(self.config.serving), defaults=self.config.generation,
+                    store=session_store(self.config.serving), defaults=self.config.generation,
                     bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
                     release=_release, param_costs={n: i["num_parameters"] / target["num_parameters"]
                                                    for n, i in info.items() if n != cascade.target.name})
@@ -297,8 +240,8 @@ def _invoker(name: str, handle: DeploymentHandle):
 
 def _release(tiers: dict[str, Any]) -> None:
     for tier in tiers.values():
-        if not isinstance(tier, RemoteTier):
-            continue  # a colocated scorer's cache goes with the object
+        if not isinstance(tier, RemoteTier) or not tier.hops:
+            continue  # a colocated scorer's cache goes with the object; an uncalled tier holds none
         try:
             tier.release()
         except Exception:  # noqa: BLE001 - a cache we cannot free is evicted by the replica's LRU anyway
@@ -367,144 +310,3 @@ def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
     if local:
         options.setdefault("ray_actor_options", dict(LOCAL_ACTOR_OPTIONS))
     return options
-
-
-class HandleBackend:
-    """The edge's `Backend`: calls the coordinator deployment through a Ray Serve handle."""
-
-    def __init__(self, handle: DeploymentHandle):
-        self.handle = handle
-
-    def call(self, method: str, body: bytes, timeout_s: float | None) -> Reply:
-        response = self.handle.rpc.remote(method, body)
-        try:
-            return response.result(timeout_s=timeout_s)
-        except TimeoutError:
-            response.cancel()
-            return "DEADLINE_EXCEEDED", f"{method}: deadline exceeded", b""
-        except Exception as exc:  # noqa: BLE001 - Ray / Serve errors: the coordinator is not reachable
-            return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
-
-    def stream(self, method: str, body: bytes, timeout_s: float | None) -> Iterator[Reply]:
-        return _ReplyStream(self.handle.options(stream=True).rpc_stream.remote(method, body))
-
-
-class _ReplyStream:
-    """Iterates a streaming Serve response; close() cancels it (the coordinator stops decoding)."""
-
-    def __init__(self, generator: Any):
-        self.generator = generator
-        self.closed = False
-
-    def __iter__(self) -> "_ReplyStream":
-        return self
-
-    def __next__(self) -> Reply:
-        if self.closed:
-            raise StopIteration
-        try:
-            return next(self.generator)
-        except StopIteration:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            self.closed = True
-            return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.generator.cancel()
-
-
-class LocalService:
-    """The embedded wiring: local Ray, the Serve app, and our gRPC edge on loopback.
-
-    `start()` joins a running Ray (RAY_ADDRESS or an initialized driver) or starts a local one, deploys
-    the app with fractional CPUs per deployment, and serves gRPC on host:port (port 0 picks one).
-    """
-
-    def __init__(self, config_path: str, port: int = 0, redis_url: str | None = None, host: str = "127.0.0.1",
-                 num_cpus: int | None = None):
-        self.config_path = str(Path(config_path).resolve())
-        self.port = port
-        self.redis_url = redis_url
-        self.host = host
-        self.num_cpus = num_cpus
-        self.started_ray = False
-        self.server = None
-        self.checker = None
-        self.handle: DeploymentHandle | None = None
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def start(self) -> str:
-        load_config(self.config_path)  # a bad config fails here, before Ray starts
-        if not ray.is_initialized():
-            ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, num_cpus=self.num_cpus,
-                     log_to_driver=False, logging_level=logging.WARNING)
-            self.started_ray = True
-        # No Serve proxies: our edge is the only listener (Ray's gRPC proxy would bind every interface).
-        serve.start(proxy_location="Disabled")
-        self.deploy()
-        self.server, self.port, self.checker = start_edge(HandleBackend(self._handle()), self.host, self.port)
-        self.wait_ready()
-        return self.address
-
-    def deploy(self) -> None:
-        app = app_builder({"config": self.config_path, "redis_url": self.redis_url, "local": True})
-        self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
-
-    def restart_app(self) -> None:
-        """Delete and redeploy the whole app (every tier and the coordinator); the edge stays up."""
-        if self.checker is not None:
-            set_serving(self.checker, False)
-        serve.delete(APP_NAME)
-        self.deploy()
-        self.wait_ready()
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        reply = self._handle().Check.remote(health_request()).result(timeout_s=timeout_s)
-        if not is_serving(reply):
-            raise RuntimeError("the cascade app started but a tier does not answer; see the Ray logs")
-        if self.checker is not None:
-            set_serving(self.checker, True)
-
-    def trivial_call_latencies(self, tier: str, n: int) -> list[float]:
-        """Seconds per no-op call to a tier's deployment from this process: the transport's floor."""
-        config = load_config(self.config_path)
-        models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig)]
-        name = next(deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups)
-                    if tier in g)
-        handle = serve.get_deployment_handle(name, app_name=APP_NAME)
-        seconds = []
-        for _ in range(n):
-            start = time.perf_counter()
-            handle.cached_requests.remote().result()
-            seconds.append(time.perf_counter() - start)
-        return seconds
-
-    def _handle(self) -> DeploymentHandle:
-        # Always the current app's ingress: after a restart the old handle's deployment is gone.
-        return serve.get_app_handle(APP_NAME)
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(grace=2).wait()
-            self.server = None
-        try:
-            serve.delete(APP_NAME)
-        except Exception:  # noqa: BLE001 - stopping is best effort
-            pass
-        if self.started_ray:
-            serve.shutdown()
-            ray.shutdown()
-            self.started_ray = False
-
-    def __enter__(self) -> "LocalService":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()

@@ -12,7 +12,6 @@ costs one prefill and never changes a token.
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from typing import Any
 

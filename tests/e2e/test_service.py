@@ -16,7 +16,8 @@ from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.engine import Engine
 from cascade_service.models.tiny import random_prompts
-from cascade_service.serving.app import APP_NAME, LocalService, tier_deployment_name
+from cascade_service.serving.app import APP_NAME, tier_deployment_name
+from cascade_service.serving.local import LocalService
 
 from ..integration.test_oracle import _oracle
 
@@ -109,6 +110,26 @@ def test_health_is_serving(client):
     assert client.health() == "SERVING"
 
 
+def test_the_methods_rays_grpc_proxy_calls_answer(tiny_family, service):
+    # On a cluster Ray Serve's gRPC proxy calls the coordinator's methods by RPC name with the request
+    # message and a grpc_context (the proxy itself binds every interface, so it is not started here).
+    from ray import serve
+
+    from cascade_service.api.edge import RecordingContext
+    from cascade_service.api.v1 import cascade_pb2 as pb
+
+    handle = serve.get_app_handle(APP_NAME)
+    context = RecordingContext()
+    reply = handle.Generate.remote(pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=5),
+                                   grpc_context=context).result()
+    assert list(reply.token_ids) == _oracle(tiny_family["target"], PROMPTS[0], 5)
+    chunks = list(handle.options(stream=True).GenerateStream.remote(
+        pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=5), grpc_context=RecordingContext()))
+    assert [t for c in chunks for t in c.token_ids] == list(reply.token_ids)
+    assert handle.Check.remote(None).result().status == 1  # grpc.health.v1 SERVING
+
+
+# Last in this module: it replaces the module's app with its own.
 def test_embedded_session_store_survives_an_app_restart_and_colocated_target_is_exact(tiny_family, tmp_path):
     # No Redis: sessions live in a detached Ray actor, which outlives the app; the target runs inside
     # the coordinator's replica (serving.colocate), the drafters in their own deployments.
@@ -139,22 +160,3 @@ def test_embedded_session_store_survives_an_app_restart_and_colocated_target_is_
     finally:
         svc.server.stop(0)
         serve.delete(APP_NAME)
-
-
-def test_the_methods_rays_grpc_proxy_calls_answer(tiny_family, service):
-    # On a cluster Ray Serve's gRPC proxy calls the coordinator's methods by RPC name with the request
-    # message and a grpc_context (the proxy itself binds every interface, so it is not started here).
-    from ray import serve
-
-    from cascade_service.api.edge import RecordingContext
-    from cascade_service.api.v1 import cascade_pb2 as pb
-
-    handle = serve.get_app_handle(APP_NAME)
-    context = RecordingContext()
-    reply = handle.Generate.remote(pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=5),
-                                   grpc_context=context).result()
-    assert list(reply.token_ids) == _oracle(tiny_family["target"], PROMPTS[0], 5)
-    chunks = list(handle.options(stream=True).GenerateStream.remote(
-        pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=5), grpc_context=RecordingContext()))
-    assert [t for c in chunks for t in c.token_ids] == list(reply.token_ids)
-    assert handle.Check.remote(None).result().status == 1  # grpc.health.v1 SERVING

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.coordinator import Coordinator, Tokenizer
 from cascade_service.core.cascade import Lookup
 from cascade_service.models.hf import load_tokenizer
