@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[1] += float(c.get("time_s", 0.0))
                 row[2] += int(c.get("hops", 0))
         remote_tiers = [n for n in local if n in remote and remote[n][2]]
-        floor = service.trivial_call_latencies(remote_tiers[0], 55)[5:] if remote_tiers else []
+        # alternated, twice each: drift hits both transports alike
+        floors = [(kind, service.trivial_call_latencies(remote_tiers[0], 55, by_reference=kind == "object refs")[5:])
+                  for kind in ("object refs", "direct", "object refs", "direct")] if remote_tiers else []
     print(f"layout {args.layout}: wall in-process {wall['in-process']:.3f} s, "
           f"service {wall['service']:.3f} s, service / in-process throughput {wall['in-process'] / wall['service']:.2f}x")
     for name in local:
@@ -71,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         _, t_remote, hops = remote.get(name, [0, 0.0, 0])
         extra = f"{1000 * (t_remote - t_local) / hops:.1f} ms extra per hop" if hops else "no hops"
         print(f"  {name:<6} calls {calls:>4}  in-process {t_local:.3f} s  service {t_remote:.3f} s  hops {hops:>4}  {extra}")
-    if floor:
+    for kind, floor in floors:
         floor = sorted(floor)
-        print(f"trivial Serve handle call from the driver: median {1000 * statistics.median(floor):.1f} ms, "
+        print(f"trivial Serve handle call from the driver ({kind}): median {1000 * statistics.median(floor):.1f} ms, "
               f"p90 {1000 * floor[int(0.9 * len(floor))]:.1f} ms")
     return 0
 

@@ -222,6 +222,9 @@ def _system_heads(cascade, serving: ServingConfig) -> dict[str, dict[str, Any]]:
 
 
 def _invoker(name: str, handle: DeploymentHandle):
+    # Serve's direct gRPC transport instead of Ray object references: measured here, a no-op call
+    # takes 4.0 ms instead of 8.0 ms (median), and a round makes one or two such calls per tier.
+    handle = handle.options(_by_reference=False)
     def invoke(method: str, message: dict[str, Any]) -> dict[str, Any]:
         if method == "release":  # fire and forget: nothing waits on a cache being freed (LRU backs it up)
             handle.release.remote(message)

@@ -21,7 +21,7 @@ class HandleBackend:
     """The edge's `Backend`: calls the coordinator deployment through a Ray Serve handle."""
 
     def __init__(self, handle: DeploymentHandle):
-        self.handle = handle
+        self.handle = handle.options(_by_reference=False)  # Serve's direct transport: half the latency
 
     def call(self, method: str, body: bytes, timeout_s: float | None) -> Reply:
         response = self.handle.rpc.remote(method, body)
@@ -119,13 +119,14 @@ class LocalService:
         if self.checker is not None:
             set_serving(self.checker, True)
 
-    def trivial_call_latencies(self, tier: str, n: int) -> list[float]:
-        """Seconds per no-op call to a tier's deployment from this process: the transport's floor."""
+    def trivial_call_latencies(self, tier: str, n: int, by_reference: bool = False) -> list[float]:
+        """Seconds per no-op call to a tier's deployment from this process: the transport's floor
+        (by_reference=True: Ray object references, Serve's default; False: its direct transport, ours)."""
         config = load_config(self.config_path)
         models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig)]
         name = next(deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups)
                     if tier in g)
-        handle = serve.get_deployment_handle(name, app_name=APP_NAME)
+        handle = serve.get_deployment_handle(name, app_name=APP_NAME).options(_by_reference=by_reference)
         seconds = []
         for _ in range(n):
             start = time.perf_counter()
