@@ -148,6 +148,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=4, help="how many held-out prompts to decode")
     p.add_argument("--preset", default="demo", choices=["demo", "test"], help="which zoo to use")
+    p.add_argument("--passes", type=int, default=3, help="timed passes over the prompts (after one warm-up)")
     p.add_argument("--layout", default="embedded", choices=["embedded", "separate"],
                    help="embedded: large in the coordinator, base+small one deployment; separate: one per tier")
     p.set_defaults(run=_run_demo)
@@ -156,7 +157,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo  # heavy imports only when needed
 
-    return run_demo(args.max_new_tokens, args.prompts, args.preset, args.layout)
+    return run_demo(args.max_new_tokens, args.prompts, args.preset, args.layout, args.passes)
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:
@@ -188,6 +189,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-port", type=int, default=None, help="default: the config's serving.grpc_port (9000)")
     p.add_argument("--redis-url", default=None, help="keep sessions in Redis (default: in-cluster memory)")
     p.add_argument("--host", default="127.0.0.1", help="loopback only until API keys exist (issue 6)")
+    p.add_argument("--frontend", default="edge", choices=["edge", "ray"],
+                   help="edge: our gRPC server forwards to the coordinator (default); ray: Ray Serve's gRPC proxy")
     p.set_defaults(run=_run_serve)
 
 
@@ -206,7 +209,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    service = LocalService(args.config, port, args.redis_url, args.host)
+    service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend)
     try:
         address = service.start()
         print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)

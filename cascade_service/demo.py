@@ -2,8 +2,9 @@
 
 Builds the demo zoo if it is missing (offline, <= 10 minutes on 2 cores; instant afterwards), starts
 the service on embedded defaults (local Ray, a Serve deployment per tier, in-cluster session store,
-gRPC on loopback), and decodes held-out prompts three ways, interleaved: the large model alone and the
-cascade in-process, and the cascade through the client SDK. Prints the outputs, a speed table and the
+gRPC on loopback), and decodes held-out prompts three ways, interleaved, over several passes: the large
+model alone and the cascade in-process (both in a child process of their own), and the cascade through
+the client SDK. Prints the outputs, a speed table, the service / in-process throughput per pass and the
 service's orchestration overhead per target round.
 """
 
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import GenerationConfig, load_config
+from .config import load_config
 from .core.cascade import Lookup
-from .engine import Engine
+from .models.hf import load_tokenizer
 from .paths import zoo_dir
 from .prompts import read_prompts
 
@@ -51,9 +52,11 @@ def demo_config(preset: str = "demo", layout: str = "embedded") -> Path:
     return path
 
 
-def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", layout: str = "embedded") -> int:
-    """Decode held-out prompts three ways, interleaved: large alone and the cascade in-process, and
-    the cascade through the service (Ray Serve tiers, gRPC edge, client SDK)."""
+def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", layout: str = "embedded",
+             passes: int = 3) -> int:
+    """Decode held-out prompts three ways: large alone and the cascade in-process (in a child process
+    of their own), and the cascade through the service (Ray Serve tiers, gRPC edge, client SDK)."""
+    from .bench.inprocess import InProcessWorker
     from .client import CascadeClient
     from .models.zoo import build_zoo
     from .serving.local import LocalService
@@ -61,25 +64,30 @@ def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", l
     print(f"loading the {preset} zoo (built on first use: up to 10 minutes, offline)", flush=True)
     config_path = demo_config(preset, layout)
     texts = read_prompts(str(build_zoo(preset, zoo_dir(preset))["prompts"]))[:prompts]
-    cascade = Engine(load_config(config_path).cascade)
-    alone = cascade.variant([])
+    tokenizer = load_tokenizer(load_config(config_path).cascade.target.path)  # the models load elsewhere
     print(f"starting the service ({layout} layout: {LAYOUTS[layout] or 'a deployment per tier'}): local Ray, "
           "Ray Serve, gRPC on loopback", flush=True)
-    with LocalService(str(config_path)) as service, CascadeClient(service.address, timeout_s=600) as client:
+    # The in-process runs live in a child process: timed in this (Ray driver) process they would share
+    # the CPU with Ray's threads and the gRPC edge, an unfair and unstable baseline on a small machine.
+    with InProcessWorker(str(config_path)) as worker, LocalService(str(config_path)) as service, \
+            CascadeClient(service.address, timeout_s=600) as client:
         print(f"service up at {service.address}", flush=True)
-        gen = GenerationConfig(max_new_tokens=max_new_tokens)
-        runs = {"ar (large alone)": lambda ids: _local(alone, ids, gen),
-                "csd in-process": lambda ids: _local(cascade, ids, gen),
+        runs = {"ar (large alone)": lambda ids: _local(worker, "ar", ids, max_new_tokens),
+                "csd in-process": lambda ids: _local(worker, "csd", ids, max_new_tokens),
                 "csd via service": lambda ids: _remote(client, ids, max_new_tokens)}
-        ids_all = [cascade.encode(t) for t in texts]
-        for run in runs.values():  # warm-up: first calls pay for lazy initialisation everywhere
-            run(ids_all[0][:8])
-        results: dict[str, list[_Run]] = {name: [] for name in runs}
-        for ids in ids_all:
-            for name, run in runs.items():  # interleaved: machine drift hits all alike
-                results[name].append(run(ids))
-    for text, run in zip(texts, results["csd via service"]):
-        print(f"\n--- prompt (tail): ...{text[-120:]!r}\n--- continuation: {cascade.decode_text(run.tokens)!r}")
+        ids_all = [list(tokenizer(t)["input_ids"]) for t in texts]
+        for run in runs.values():  # equal warm-up: every path decodes the first prompt once, untimed
+            run(ids_all[0])
+        results: list[dict[str, list[_Run]]] = []
+        names = list(runs)
+        for p in range(passes):
+            results.append({name: [] for name in names})
+            order = names[p % len(names):] + names[:p % len(names)]  # rotated: no path always goes first
+            for ids in ids_all:
+                for name in order:  # interleaved: machine drift hits all alike
+                    results[p][name].append(runs[name](ids))
+    for text, run in zip(texts, results[0]["csd via service"]):
+        print(f"\n--- prompt (tail): ...{text[-120:]!r}\n--- continuation: {tokenizer.decode(run.tokens, skip_special_tokens=True)!r}")
     _print_table(results)
     return 0
 
@@ -92,10 +100,9 @@ class _Run:
     hops: int
 
 
-def _local(engine: Engine, ids: list[int], gen: GenerationConfig) -> _Run:
-    start = time.perf_counter()
-    result = engine.generate(ids, gen)
-    return _Run(result.token_ids, time.perf_counter() - start, result.stats.target_calls, 0)
+def _local(worker, variant: str, ids: list[int], max_new_tokens: int) -> _Run:
+    reply = worker.generate(variant, ids, max_new_tokens)
+    return _Run(reply["tokens"], reply["seconds"], reply["target_calls"], 0)
 
 
 def _remote(client, ids: list[int], max_new_tokens: int) -> _Run:
@@ -106,8 +113,13 @@ def _remote(client, ids: list[int], max_new_tokens: int) -> _Run:
     return _Run(result.token_ids, seconds, int(result.stats["target_calls"]), hops)
 
 
-def _print_table(results: dict[str, list[_Run]]) -> None:
+def _throughput(runs: list[_Run]) -> float:
+    return sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)  # all tokens / all seconds
+
+
+def _print_table(passes: list[dict[str, list[_Run]]]) -> None:
     reference, local, remote = "ar (large alone)", "csd in-process", "csd via service"
+    results = {name: [run for p in passes for run in p[name]] for name in passes[0]}
     speed = {name: statistics.median(len(run.tokens) / run.seconds for run in runs) for name, runs in results.items()}
     print(f"\n{'method':<18} {'tok/s (median)':>14} {'vs ar':>7} {'target calls/tok':>17} {'same tokens as ar':>18}")
     for name, runs in results.items():
@@ -117,8 +129,9 @@ def _print_table(results: dict[str, list[_Run]]) -> None:
     rounds = sum(r.target_calls for r in results[remote])
     extra = sum(r.seconds for r in results[remote]) - sum(r.seconds for r in results[local])
     hops = sum(r.hops for r in results[remote])
-    # Throughput: all tokens over all seconds (the table's medians are per request).
-    throughput = {name: sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs) for name, runs in results.items()}
-    print(f"\nservice / in-process throughput (all tokens / all seconds): {throughput[remote]:.1f} / "
-          f"{throughput[local]:.1f} tok/s = {throughput[remote] / throughput[local]:.2f}x; orchestration overhead "
-          f"{1000 * extra / max(1, rounds):.2f} ms per target round ({hops / max(1, rounds):.2f} tier hops per round)")
+    ratios = [_throughput(p[remote]) / _throughput(p[local]) for p in passes]
+    print(f"\nservice / in-process throughput (all tokens / all seconds), per pass: "
+          f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x "
+          f"({_throughput(results[remote]):.1f} / {_throughput(results[local]):.1f} tok/s over all passes)")
+    print(f"orchestration overhead {1000 * extra / max(1, rounds):.2f} ms per target round "
+          f"({hops / max(1, rounds):.2f} tier hops per round)")

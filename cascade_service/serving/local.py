@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,7 +14,8 @@ from ray.serve.handle import DeploymentHandle
 
 from ..api.edge import Reply, health_request, is_serving, set_serving, start_edge
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
-from .app import APP_NAME, app_builder
+from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
+from .loopback import loopback_ray
 from .session_actor import RAY_NAMESPACE
 
 
@@ -64,20 +66,29 @@ class _ReplyStream:
             self.generator.cancel()
 
 
-class LocalService:
-    """The embedded wiring: local Ray, the Serve app, and our gRPC edge on loopback.
+FRONTENDS = ("edge", "ray")
 
-    `start()` joins a running Ray (RAY_ADDRESS or an initialized driver) or starts a local one, deploys
-    the app with fractional CPUs per deployment, and serves gRPC on host:port (port 0 picks one).
+
+class LocalService:
+    """The embedded wiring: local Ray, the Serve app, and gRPC on loopback.
+
+    `start()` joins a running Ray (RAY_ADDRESS or an initialized driver) or starts a local one on
+    loopback (`loopback.py`), deploys the app with fractional CPUs per deployment, and serves gRPC on
+    host:port (port 0 picks one). frontend "edge": our gRPC edge forwards to the coordinator through a
+    handle (the default: no Serve proxy runs at all). "ray": Ray Serve's own gRPC proxy calls the
+    coordinator's methods by name, as on a cluster (`deploy/serve_config.yaml`).
     """
 
     def __init__(self, config_path: str, port: int = 0, redis_url: str | None = None, host: str = "127.0.0.1",
-                 num_cpus: int | None = None):
+                 num_cpus: int | None = None, frontend: str = "edge"):
+        if frontend not in FRONTENDS:
+            raise ValueError(f"frontend must be one of {FRONTENDS}, got {frontend!r}")
         self.config_path = str(Path(config_path).resolve())
         self.port = port
         self.redis_url = redis_url
         self.host = host
         self.num_cpus = num_cpus
+        self.frontend = frontend
         self.started_ray = False
         self.server = None
         self.checker = None
@@ -90,10 +101,20 @@ class LocalService:
     def start(self) -> str:
         load_config(self.config_path)  # a bad config fails here, before Ray starts
         if not ray.is_initialized():
+            runtime_env = loopback_ray()
             ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, num_cpus=self.num_cpus,
-                     log_to_driver=False, logging_level=logging.WARNING)
+                     log_to_driver=False, logging_level=logging.WARNING, runtime_env=runtime_env)
             self.started_ray = True
-        # No Serve proxies: our edge is the only listener (Ray's gRPC proxy would bind every interface).
+        if self.frontend == "ray":
+            self.port = self.port or _free_port(self.host)
+            # Serve's HTTP proxy comes with its gRPC proxy; it gets a loopback port of its own.
+            serve.start(proxy_location="HeadOnly", http_options={"host": self.host, "port": _free_port(self.host)},
+                        grpc_options={"port": self.port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+            self.deploy()
+            self.wait_ready()
+            _wait_for_proxy(self.address)
+            return self.address
+        # No Serve proxies: our edge is the only listener.
         serve.start(proxy_location="Disabled")
         self.deploy()
         self.server, self.port, self.checker = start_edge(HandleBackend(self._handle()), self.host, self.port)
@@ -102,7 +123,9 @@ class LocalService:
 
     def deploy(self) -> None:
         app = app_builder({"config": self.config_path, "redis_url": self.redis_url, "local": True})
-        self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
+        # Serve's proxies route only to an app with a route prefix; without them, none is needed.
+        route = "/" if self.frontend == "ray" else None
+        self.handle = serve.run(app, name=APP_NAME, route_prefix=route)
 
     def restart_app(self) -> None:
         """Delete and redeploy the whole app (every tier and the coordinator); the edge stays up."""
@@ -157,3 +180,26 @@ class LocalService:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for_proxy(address: str, timeout_s: float = 120.0) -> None:
+    """Until Serve's gRPC proxy answers a health check (it starts after the app is ready)."""
+    from ..client import CascadeClient, errors
+
+    deadline = time.monotonic() + timeout_s
+    with CascadeClient(address, timeout_s=5) as client:
+        while True:
+            try:
+                if client.health() == "SERVING":
+                    return
+            except errors.CascadeError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray Serve's gRPC proxy at {address} did not answer within {timeout_s:.0f} s")
+            time.sleep(0.5)
