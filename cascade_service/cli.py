@@ -16,6 +16,7 @@ from .config import (
     load_config,
     make_cascade,
     make_generation,
+    make_verification,
     target_from_arg,
 )
 
@@ -49,6 +50,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--verify", metavar="RULE",
+                   help="final-verifier rule: exact (default), lossy, chow, diff, opt, token-v1, token-v2, "
+                        "token-v3, fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv (README: Lossy verification)")
+    p.add_argument("--alpha", type=float, help="the rule's knob (fuzzy: the threshold T); default: strict (exact)")
+    p.add_argument("--beta", help="lossy only: residual scale >= 1 - alpha (default 1), or 'tuned'")
     p.add_argument("--dtype", default="float32", help="with --target: model dtype")
     p.add_argument("--device", default="cpu", help="with --target: cpu, cuda, cuda:N or auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -67,6 +73,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
                 cascade.drafters,
                 args.k_matrix if args.k_matrix is not None else cascade.schedule.to_lists(),
                 args.leniency if args.leniency is not None else cascade.leniency,
+                cascade.lookup,
             )
         gen = config.generation
     else:
@@ -76,9 +83,28 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         gen = GenerationConfig()
     gen = make_generation(gen, {
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "top_p": args.top_p, "seed": args.seed,
+        "top_p": args.top_p, "seed": args.seed, "verification": _verification_from_args(args),
     })
     return Config(cascade, gen)
+
+
+def _verification_from_args(args: argparse.Namespace):
+    """--verify/--alpha/--beta -> a Verification, or None to keep the config's."""
+    if args.verify is None:
+        if args.alpha is not None or args.beta is not None:
+            raise UsageError("--alpha and --beta go with --verify RULE")
+        return None
+    raw: dict = {"rule": args.verify, "alpha": args.alpha}
+    if args.beta is not None:
+        try:
+            raw["beta"] = args.beta if args.beta == "tuned" else float(args.beta)
+        except ValueError:
+            raise UsageError(f"--beta must be a number or 'tuned', got {args.beta!r}") from None
+    try:
+        return make_verification(raw, "--verify")
+    except ConfigError as exc:
+        raise UsageError(str(exc).replace("--verify.alpha", "--alpha").replace("--verify.beta", "--beta")
+                         .replace("--verify.rule", "--verify")) from None
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -109,7 +135,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(
             f"[{stats['generated_tokens']} tokens in {stats['wall_s']:.2f}s, "
             f"{stats['target_calls']} target calls, mean accepted length "
-            f"{stats['mean_accepted_length']:.2f}, SWI {stats['swi']}]",
+            f"{stats['mean_accepted_length']:.2f}, SWI {stats['swi']}; verification {stats['verification']}: "
+            f"{stats['off_target_tokens']} off-target tokens, TV deviation {stats['tv_deviation']:.3f}]",
             file=sys.stderr,
         )
     return 0

@@ -12,8 +12,13 @@ from typing import Any, Sequence
 
 import yaml
 
-from .core.cascade import Lookup
+import torch
+
+from .core.cascade import Lookup, RequestState
+from .core.sampling import SamplingParams
 from .core.schedule import Schedule, ScheduleError
+from .core.stats import CascadeStats
+from .core.verify import EXACT, Verification
 from .paths import expand
 
 MAG = "mag"
@@ -58,6 +63,15 @@ class GenerationConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0  # sampling seed per request
+    verification: Verification = EXACT  # the final verifier's rule (core.verify); exact by default
+
+
+def request_state(gen: GenerationConfig, stats: CascadeStats, vocab_size: int, eos_ids: frozenset[int]) -> RequestState:
+    """The shared state of one request's cascade, from its generation settings."""
+    v = gen.verification
+    stats.verification = v.describe()
+    sampling = SamplingParams(gen.temperature, gen.top_p, rows=v.needs_rows)
+    return RequestState(sampling, torch.Generator().manual_seed(gen.seed), stats, vocab_size, eos_ids, v)
 
 
 DEPLOYMENT_OPTIONS = {"num_replicas", "ray_actor_options", "autoscaling_config", "max_ongoing_requests",
@@ -122,7 +136,9 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
     cascade = make_cascade(target, drafters, schedule_raw.get("k_matrix"), schedule_raw.get("leniency", 1.0),
                            _lookup(schedule_raw.get("lookup")))
     gen_raw = _mapping(raw.get("generation", {}), "generation")
-    _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed"})
+    _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed", "verification"})
+    if "verification" in gen_raw:
+        gen_raw = {**gen_raw, "verification": make_verification(gen_raw["verification"], "generation.verification")}
     serving = _serving(_mapping(raw.get("serving", {}), "serving"), cascade)
     return Config(cascade, make_generation(GenerationConfig(), gen_raw), serving)
 
@@ -217,6 +233,17 @@ def make_generation(base: GenerationConfig, overrides: dict[str, Any]) -> Genera
     if isinstance(gen.top_p, bool) or not isinstance(gen.top_p, (int, float)) or not 0 < gen.top_p <= 1:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p!r}")
     return replace(gen, temperature=float(gen.temperature), top_p=float(gen.top_p))
+
+
+def make_verification(raw: Any, where: str = "verification") -> Verification:
+    """{rule, alpha, beta} (beta: a number, or "tuned") -> Verification; errors name `where`."""
+    raw = _mapping(raw, where)
+    _only(raw, where + ".", {"rule", "alpha", "beta"})
+    beta = raw.get("beta", 1.0)
+    try:
+        return Verification(raw.get("rule", "exact"), raw.get("alpha"), None if beta == "tuned" else beta)
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("verification.", where + ".", 1)) from None
 
 
 def drafter_from_arg(arg: str, index: int, dtype: str, device: str) -> ModelTierConfig | MaGConfig:

@@ -11,20 +11,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-import torch
-
-from .config import CascadeConfig, GenerationConfig, MaGConfig
-from .core.cascade import RequestState, build_cascade
+from .config import CascadeConfig, GenerationConfig, MaGConfig, request_state
+from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.mag import BigramTable, MaxGram
-from .core.sampling import SamplingParams
 from .core.stats import CascadeStats
+from .core.verify import Verification
 from .sessions import SessionStore, check_session_id
 
 MAX_PROMPT_TOKENS = 32_768
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-VERIFICATION_RULES = ("exact",)  # lossy rules arrive with issue 5
 
 TierFactory = Callable[[str], dict[str, Any]]  # request id -> {tier name: Scorer or BlockTier}
 
@@ -37,7 +34,6 @@ class GenerateParams:
     gen: GenerationConfig
     session_id: str | None = None
     stop: tuple[str, ...] = ()
-    verification: str = "exact"
 
 
 @dataclass
@@ -74,7 +70,8 @@ class Coordinator:
 
     def params(self, *, prompt: str = "", prompt_ids: Sequence[int] = (), session_id: str = "",
                max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               seed: int | None = None, stop: Sequence[str] = (), verification: str = "") -> GenerateParams:
+               seed: int | None = None, stop: Sequence[str] = (),
+               verification: Verification | None = None) -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
         ids = self._prompt_ids(prompt, prompt_ids)
         if len(ids) > MAX_PROMPT_TOKENS:
@@ -93,12 +90,10 @@ class Coordinator:
             raise ValueError(f"seed must be in [0, 2**63), got {seed}")
         if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
-        rule = verification or "exact"
-        if rule not in VERIFICATION_RULES:
-            raise ValueError(f"verification.rule: unknown rule {rule!r} (known: {', '.join(VERIFICATION_RULES)})")
-        overrides = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+        overrides = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                     "verification": verification}
         gen = GenerationConfig(**{k: (v if v is not None else getattr(self.defaults, k)) for k, v in overrides.items()})
-        return GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop), rule)
+        return GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop))
 
     def stream(self, params: GenerateParams) -> Iterator[Chunk]:
         """Yield text/token chunks as target rounds finish; the last one has finish_reason and stats."""
@@ -147,8 +142,7 @@ class Coordinator:
         return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length)
 
     def _decode(self, tiers: dict[str, Any], context: list[int], gen: GenerationConfig, stats: CascadeStats):
-        state = RequestState(SamplingParams(gen.temperature, gen.top_p), torch.Generator().manual_seed(gen.seed),
-                             stats, self.vocab_size, self.eos_ids)
+        state = request_state(gen, stats, self.vocab_size, self.eos_ids)
         drafters = [MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else tiers[d.name]
                     for d in self.cascade.drafters]
         system = build_cascade(tiers[self.cascade.target.name], drafters, self.cascade.schedule,

@@ -10,13 +10,10 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-import torch
-
-from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade
-from .core.cascade import Lookup, RequestState, build_cascade
+from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade, request_state
+from .core.cascade import Lookup, build_cascade
 from .core.decode import decode
 from .core.mag import BigramTable, MaxGram
-from .core.sampling import SamplingParams
 from .coordinator import Coordinator, Tokenizer
 from .core.stats import CascadeStats
 from .models.hf import HFModel, load_tokenizer
@@ -72,13 +69,7 @@ class Engine:
     def stream(self, prompt_ids: Sequence[int], gen: GenerationConfig, stats: CascadeStats | None = None) -> Iterator[list[int]]:
         """Yield committed tokens round by round; `stats` (if given) fills in as it goes."""
         stats = stats if stats is not None else CascadeStats(self.target.name)
-        state = RequestState(
-            sampling=SamplingParams(gen.temperature, gen.top_p),
-            generator=torch.Generator().manual_seed(gen.seed),
-            stats=stats,
-            vocab_size=self.target.vocab_size,
-            eos_ids=self.eos_ids,
-        )
+        state = request_state(gen, stats, self.target.vocab_size, self.eos_ids)
         drafters = [
             MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else d.scorer() for d in self.drafters
         ]

@@ -15,6 +15,7 @@ import grpc
 
 from ..coordinator import Chunk, Coordinator
 from ..core.stats import CascadeStats
+from ..core.verify import Verification
 from ..sessions import SessionConflict, SessionExists, SessionNotFound, StoreUnavailable
 from .v1 import cascade_pb2 as pb
 
@@ -99,7 +100,7 @@ class CascadeServicer:
             temperature=request.temperature if request.HasField("temperature") else None,
             top_p=request.top_p if request.HasField("top_p") else None,
             seed=request.seed if request.HasField("seed") else None,
-            stop=list(request.stop), verification=request.verification.rule if request.HasField("verification") else "",
+            stop=list(request.stop), verification=_verification(request),
         )
 
     def chunk(self, chunk: Chunk) -> pb.GenerateChunk:
@@ -118,12 +119,24 @@ class CascadeServicer:
             accepted_by_position=list(review.accepted_by_position) if review else [],
             drafted_by_position=list(review.drafted_by_position) if review else [],
             mean_accepted_length=stats.mean_accepted_length, wall_s=stats.wall_s,
-            swi_params=stats.swi(self.coordinator.param_costs),
+            swi_params=stats.swi(self.coordinator.param_costs), verification=stats.verification,
+            off_target_tokens=stats.off_target_tokens, tv_deviation=stats.tv_deviation,
         )
 
     def _session(self, record) -> pb.Session:
         return pb.Session(session_id=record.session_id, token_ids=list(record.token_ids), version=record.version,
                           text=self.coordinator.tokenizer.decode(list(record.token_ids)))
+
+
+def _verification(request: pb.GenerateRequest) -> Verification | None:
+    """The request's final-verifier rule; a bad one raises ValueError naming the verification field."""
+    if not request.HasField("verification"):
+        return None
+    v = request.verification
+    if v.tune_beta and v.HasField("beta"):
+        raise ValueError("verification.beta: give beta or tune_beta, not both")
+    beta = None if v.tune_beta else (v.beta if v.HasField("beta") else 1.0)
+    return Verification(v.rule or "exact", v.alpha if v.HasField("alpha") else None, beta)
 
 
 def _require_id(session_id: str) -> None:

@@ -61,12 +61,13 @@ class AsyncCascadeClient:
         prompt_token_ids: Sequence[int] | None = None,
         verification: str | None = None,
         alpha: float | None = None,
+        beta: float | str | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
         request = generate_request(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha,
+            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
         )
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
 
@@ -83,13 +84,14 @@ class AsyncCascadeClient:
         prompt_token_ids: Sequence[int] | None = None,
         verification: str | None = None,
         alpha: float | None = None,
+        beta: float | str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens (`async for`);
         the last chunk carries finish_reason and stats. Leaving the loop early cancels the call."""
         request = generate_request(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha,
+            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

@@ -64,6 +64,7 @@ def generate_request(
     prompt_token_ids: Sequence[int] | None,
     verification: str | None,
     alpha: float | None,
+    beta: float | str | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
     stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
@@ -78,7 +79,14 @@ def generate_request(
     optional = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
     fields.update({name: value for name, value in optional.items() if value is not None})
     if verification is not None:  # alpha alone means nothing: the rule is what reads it
-        fields["verification"] = pb.Verification(rule=verification, alpha=alpha or 0.0)
+        rule: dict[str, Any] = {"rule": verification}
+        if alpha is not None:
+            rule["alpha"] = alpha
+        if beta == "tuned":  # lossy's beta tuned per position
+            rule["tune_beta"] = True
+        elif beta is not None:
+            rule["beta"] = beta
+        fields["verification"] = pb.Verification(**rule)
     return pb.GenerateRequest(**fields)
 
 
@@ -172,12 +180,13 @@ class CascadeClient:
         prompt_token_ids: Sequence[int] | None = None,
         verification: str | None = None,
         alpha: float | None = None,
+        beta: float | str | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
         request = generate_request(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha,
+            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
         )
         return result_from(self._call(self._stub.Generate, request, timeout_s))
 
@@ -194,13 +203,14 @@ class CascadeClient:
         prompt_token_ids: Sequence[int] | None = None,
         verification: str | None = None,
         alpha: float | None = None,
+        beta: float | str | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
         carries finish_reason and stats. The call starts on the first next(); leaving early cancels it."""
         request = generate_request(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha,
+            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

@@ -20,6 +20,7 @@ from .sampling import SamplingParams, sample
 from .schedule import Schedule
 from .stats import CascadeStats, TierCounters
 from .types import Context, Draft, Drafter, Scorer
+from .verify import EXACT, Verification, final_rule
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RequestState:
     stats: CascadeStats
     vocab_size: int
     eos_ids: frozenset[int] = frozenset()
+    verification: Verification = EXACT  # the final verifier's rule (core.verify)
 
 
 @runtime_checkable
@@ -68,7 +70,9 @@ class BlockTier(Protocol):
                     eos_ids: frozenset[int], counters: TierCounters) -> Draft: ...
 
     def review_block(self, ctx: Context, block: Draft, leniency: float, sampling: SamplingParams,
-                     seed: int, counters: TierCounters) -> Verdict: ...
+                     seed: int, counters: TierCounters, verification: Verification | None = None) -> Verdict:
+        """`verification`: the final verifier's rule when this tier is the target (None: exact)."""
+        ...
 
 
 @runtime_checkable
@@ -114,7 +118,7 @@ def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: Samplin
         rows.append(probs)
         if token in eos_ids:  # nothing after EOS can be kept
             break
-    dists = None if sampling.greedy else _stack(rows, vocab_size)
+    dists = _stack(rows, vocab_size) if sampling.carries_rows else None
     return Draft(tokens, token_probs, dists, [scorer.name] * len(tokens))
 
 
@@ -189,7 +193,7 @@ class MaGDrafter:
 
     def _draft(self, tokens: list[int]) -> Draft:
         dists = None
-        if not self.state.sampling.greedy:
+        if self.state.sampling.carries_rows:
             dists = torch.zeros(len(tokens), self.state.vocab_size)
             dists[torch.arange(len(tokens)), tokens] = 1.0
         return Draft(tokens, [1.0] * len(tokens), dists, [self.name] * len(tokens))
@@ -221,6 +225,7 @@ class CascadeDrafter:
         self.rule = rule
         self.leniency = leniency
         self.state = state
+        self.final = False  # the target's review: build_cascade sets it; it applies the request's rule
         self.counters = state.stats.tier(self.name)
         self.review_counters = state.stats.reviewer(self.name)
 
@@ -228,7 +233,7 @@ class CascadeDrafter:
         # `want` is ignored: this reviewer's block size comes from its own K-matrix row (paper §3.3).
         # The block is capped at limit - 1 so that block + replacement/bonus never exceeds `limit`.
         cap = min(sum(quota for _, quota in self.drafters), limit - 1)
-        block = Draft(dists=None if self.state.sampling.greedy else torch.zeros(0, self.state.vocab_size))
+        block = Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
         if self.lookup is not None:
             mag, gate = self.lookup
             block = block + mag.lookup(ctx, min(gate.tokens, limit - 1), gate.min_match)
@@ -243,11 +248,16 @@ class CascadeDrafter:
         st = self.state
         if isinstance(self.scorer, BlockTier):
             seed = 0 if st.sampling.greedy else call_seed(st.generator)
-            verdict = self.scorer.review_block(ctx, block, self.leniency, st.sampling, seed, self.counters)
+            verify = st.verification if self.final and st.verification.rule != "exact" else None
+            verdict = self.scorer.review_block(ctx, block, self.leniency, st.sampling, seed, self.counters,
+                                               **({"verification": verify} if verify else {}))
         else:
             verdict = score_and_review(self.scorer, ctx, block, self.rule, self.leniency, st.sampling,
                                        st.generator, self.counters)
         self.review_counters.record(block.origins, verdict.accepted)
+        if self.final:
+            st.stats.off_target_tokens += verdict.off_target
+            st.stats.tv_deviation += verdict.tv
         tokens = block.tokens[: verdict.accepted] + [verdict.token]
         self.counters.tokens_out += len(tokens)
         return Draft(tokens, verdict.token_probs, verdict.dists, [self.name] * len(tokens))
@@ -293,8 +303,12 @@ def build_cascade(
             systems[r] = ModelDrafter(tier, state)
         else:
             row = [(systems[c + 1], quota) for c, quota in schedule.row(r)] if drafters else []
-            # The target's review is always strict (Algorithm 1: "if isFirstCall then l <- 1").
-            systems[r] = CascadeDrafter(tier, row, rule, 1.0 if r == 0 and strict_top else leniency, state)
+            # The target's review is always strict (Algorithm 1: "if isFirstCall then l <- 1"); a lossy
+            # final rule, if the request asked for one, is the only exception (core.verify).
+            final = r == 0 and strict_top
+            own = final_rule(state.sampling.greedy, state.verification) if final else rule
+            systems[r] = CascadeDrafter(tier, row, own, 1.0 if final else leniency, state)
+            systems[r].final = final
     top: CascadeDrafter = systems[0]  # type: ignore[assignment]
     if lookup is not None:
         mags = [s for s in systems.values() if isinstance(s, MaGDrafter)]

@@ -23,13 +23,17 @@ class Verdict:
     """What a review decided: `accepted` leading drafts kept, then `token` (replacement or bonus).
 
     `token_probs` holds the emitted tokens' proposal probabilities and `dists` their full proposal
-    distributions ([accepted + 1, V], sampling mode only) for a reviewer one level up.
+    distributions ([accepted + 1, V]; sampling mode, or greedy drafts that carry rows) for a reviewer
+    one level up. `off_target` and `tv` account a lossy final review (core.verify): emitted tokens
+    drawn from a distribution other than the reviewer's, and the summed total-variation deviation.
     """
 
     accepted: int
     token: int
     token_probs: list[float]
     dists: torch.Tensor | None
+    off_target: int = 0
+    tv: float = 0.0
 
 
 class ReviewRule(Protocol):
@@ -61,7 +65,9 @@ class GreedyReview:
             accepted += 1
         token = best[accepted]
         token_probs = p_drafted[:accepted] + [float(target_probs[accepted, token])]
-        return Verdict(accepted, token, token_probs, None)
+        # Drafts that carry rows (SamplingParams.rows) get this reviewer's rows for the level above.
+        dists = None if block.dists is None else target_probs[: accepted + 1]
+        return Verdict(accepted, token, token_probs, dists)
 
 
 class SamplingReview:

@@ -13,10 +13,15 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_p 1 keeps the whole distribution."""
+    """temperature 0 means greedy; top_p 1 keeps the whole distribution.
+
+    `rows`: greedy drafts carry their full distributions too (a final-verifier rule that compares
+    whole distributions needs them, core.verify); sampling drafts always do.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
+    rows: bool = False
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and self.temperature <= 100.0):
@@ -27,6 +32,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def carries_rows(self) -> bool:
+        return self.rows or not self.greedy
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[n, V] logits -> [n, V] float32 probabilities.

@@ -63,6 +63,9 @@ class CascadeStats:
     reviews: dict[str, ReviewCounters] = field(default_factory=dict)
     generated: int = 0
     wall_s: float = 0.0
+    verification: str = "exact"  # the final verifier's rule, as Verification.describe() writes it
+    off_target_tokens: int = 0  # emitted tokens drawn from a distribution other than the target's
+    tv_deviation: float = 0.0  # summed expected total-variation distance from the target's distributions
 
     def tier(self, name: str) -> TierCounters:
         return self.tiers.setdefault(name, TierCounters())
@@ -116,6 +119,9 @@ class CascadeStats:
             },
             "swi": {name: self.swi(costs) for name, costs in (swi_costs or {}).items()},
             "wall_s": self.wall_s,
+            "verification": self.verification,
+            "off_target_tokens": self.off_target_tokens,
+            "tv_deviation": round(self.tv_deviation, 6),
         }
 
 

@@ -18,6 +18,7 @@ from ..core.review import Verdict
 from ..core.sampling import SamplingParams
 from ..core.stats import CascadeStats, TierCounters, absorb
 from ..core.types import Context, Draft
+from ..core.verify import Verification
 
 Invoke = Callable[[str, dict[str, Any]], dict[str, Any]]
 
@@ -39,19 +40,22 @@ class RemoteTier:
         return Draft(tokens, [float(p) for p in reply["token_probs"]], _tensor(reply["dists"]), [self.name] * len(tokens))
 
     def review_block(self, ctx: Context, block: Draft, leniency: float, sampling: SamplingParams,
-                     seed: int, counters: TierCounters) -> Verdict:
+                     seed: int, counters: TierCounters, verification: Verification | None = None) -> Verdict:
         message = {**self._base(ctx, sampling, seed), "leniency": leniency, "block": {
             "tokens": block.tokens, "token_probs": block.token_probs, "dists": _array(block.dists)}}
+        if verification is not None:
+            message["verification"] = {"rule": verification.rule, "alpha": verification.alpha,
+                                       "beta": verification.beta}
         reply = self._call("review", message, counters)
         return Verdict(int(reply["accepted"]), int(reply["token"]), [float(p) for p in reply["token_probs"]],
-                       _tensor(reply["dists"]))
+                       _tensor(reply["dists"]), int(reply.get("off_target", 0)), float(reply.get("tv", 0.0)))
 
     def release(self) -> None:
         self.invoke("release", {"request_id": self.request_id})
 
     def _base(self, ctx: Context, sampling: SamplingParams, seed: int) -> dict[str, Any]:
         return {"tier": self.name, "request_id": self.request_id, "tokens": ctx.tokens, "stable": ctx.stable,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": seed}
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "rows": sampling.rows, "seed": seed}
 
     def _call(self, method: str, message: dict[str, Any], counters: TierCounters) -> dict[str, Any]:
         start = time.perf_counter()

@@ -23,6 +23,7 @@ from ..core.cascade import RequestState, build_cascade, draft_autoregressive, sc
 from ..core.mag import BigramTable, MaxGram
 from ..core.schedule import Schedule
 from ..core.review import rule_for
+from ..core.verify import Verification, final_rule
 from ..core.sampling import SamplingParams
 from ..core.stats import CascadeStats, TierCounters, stats_delta
 from ..core.types import Context, Draft
@@ -65,10 +66,12 @@ class TierServer:
         draft = Draft(list(block["tokens"]), list(block["token_probs"]), dists, [""] * len(block["tokens"]))
         scorer, counters = self.scorer(msg["request_id"]), TierCounters()
         before = scorer.tokens_processed
-        verdict = score_and_review(scorer, ctx, draft, rule_for(sampling.greedy), float(msg["leniency"]),
-                                   sampling, generator, counters)
+        verify = msg.get("verification")  # the target's review of a request with a lossy rule
+        rule = final_rule(sampling.greedy, Verification(**verify)) if verify else rule_for(sampling.greedy)
+        verdict = score_and_review(scorer, ctx, draft, rule, float(msg["leniency"]), sampling, generator, counters)
         return {"accepted": verdict.accepted, "token": verdict.token, "token_probs": verdict.token_probs,
-                "dists": _array(verdict.dists), **_usage(counters, scorer.tokens_processed - before)}
+                "dists": _array(verdict.dists), "off_target": verdict.off_target, "tv": verdict.tv,
+                **_usage(counters, scorer.tokens_processed - before)}
 
     def release(self, request_id: str) -> bool:
         """Drop a finished request's KV cache; True if this replica held one."""
@@ -98,7 +101,7 @@ def _context(msg: dict[str, Any]) -> Context:
 
 
 def _sampling(msg: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(float(msg.get("temperature", 0.0)), float(msg.get("top_p", 1.0)))
+    return SamplingParams(float(msg.get("temperature", 0.0)), float(msg.get("top_p", 1.0)), bool(msg.get("rows", False)))
 
 
 def _generator(msg: dict[str, Any]) -> torch.Generator:

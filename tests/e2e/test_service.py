@@ -18,6 +18,7 @@ import yaml
 
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, load_config
+from cascade_service.core.verify import Verification
 from cascade_service.engine import Engine
 from cascade_service.models.tiny import random_prompts
 from cascade_service.serving.app import APP_NAME, tier_deployment_name
@@ -70,6 +71,22 @@ def test_greedy_output_through_the_service_equals_the_oracle_and_in_process(tiny
         streamed = list(client.stream(prompt_token_ids=prompt, max_new_tokens=24))
         assert [t for c in streamed for t in c.token_ids] == expected
         assert "".join(c.text for c in streamed) == result.text
+
+
+def test_lossy_rules_through_the_service_equal_in_process(config_path, client):
+    # The target is a deployment of its own here: its review applies the request's rule remotely, and
+    # fuzzy rules make greedy drafts carry their rows across deployments.
+    engine = Engine(load_config(config_path).cascade)
+    for rule, alpha in (("token-v3", 0.5), ("fuzzy-tv", 0.6), ("lossy", 0.3)):
+        mine = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, verification=Verification(rule, alpha)))
+        served = client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24, verification=rule, alpha=alpha)
+        assert served.token_ids == mine.token_ids, rule
+        assert served.stats["verification"] == mine.stats.verification
+        assert int(served.stats.get("off_target_tokens", 0)) == mine.stats.off_target_tokens
+    with pytest.raises(errors.InvalidArgument, match="verification.alpha"):
+        client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=4, verification="token-v3", alpha=3.0)
+    with pytest.raises(errors.InvalidArgument, match="verification.rule"):
+        client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=4, verification="nope")
 
 
 def test_sessions_live_in_redis_and_survive_an_app_restart(tiny_family, service, client, redis_server):

@@ -7,12 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Verification(_message.Message):
-    __slots__ = ("rule", "alpha")
+    __slots__ = ("rule", "alpha", "beta", "tune_beta")
     RULE_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    TUNE_BETA_FIELD_NUMBER: _ClassVar[int]
     rule: str
     alpha: float
-    def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ...) -> None: ...
+    beta: float
+    tune_beta: bool
+    def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., tune_beta: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "session_id", "max_new_tokens", "temperature", "top_p", "seed", "stop", "verification")
@@ -49,7 +53,7 @@ class TierStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params")
+    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation")
     class TiersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +69,9 @@ class GenerateStats(_message.Message):
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     SWI_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    OFF_TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TV_DEVIATION_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     target_calls: int
     tiers: _containers.MessageMap[str, TierStats]
@@ -73,7 +80,10 @@ class GenerateStats(_message.Message):
     mean_accepted_length: float
     wall_s: float
     swi_params: float
-    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ...) -> None: ...
+    verification: str
+    off_target_tokens: int
+    tv_deviation: float
+    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_id", "session_length")

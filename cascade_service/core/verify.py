@@ -1,0 +1,294 @@
+"""Final-verifier rules: exact review, or a lossy one chosen per request, with the loss accounted.
+
+Only the target's review (the final verifier) may be lossy; inner reviews keep their own rules.
+Every rule is "speculative sampling against a target distribution pi" (Narasimhan et al.,
+Algorithm 4): keep draft x with probability min(1, pi(x) / q(x)), replace a rejected one from
+norm(max(0, pi - q)). Rules differ in pi (notes: speculative-cascades.md §3-4):
+
+- exact     pi = p.
+- lossy     pi = max(min(q, p / (1 - alpha)), p / beta): lossy speculative sampling (Tran-Thien;
+            DistillSpec). beta = 1 (the common heuristic) or tuned per position so that pi sums to 1
+            (notes §2.2). alpha in [0, 1); alpha = 0 is exact.
+- chow, diff, opt: pi = p where the rule defers, else q (speculative cascades, Eq. 2, 5, 10):
+            chow defers when max q < 1 - alpha, diff when max q < max p - alpha, opt when
+            max q <= max p - alpha * TV(p, q).
+- token-v1, token-v2, token-v3: token-specific deferral (Eq. 11-15): tokens v with r(v) = 1 are
+            unacceptable; pi(v) = q(v) (1 - r(v)) + p(v) * sum_u r(u) q(u). r(v) is
+            q(v) < max p - alpha (v1), p(v) < max p - alpha (v2), p(v) < (1 - alpha) max p (v3).
+  For all six, alpha in [-1, 1]; alpha = -1 defers everywhere, i.e. exact (for opt because
+  max q - max p <= TV(p, q) always, hence "<=").
+- fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv: fuzzy speculative decoding (Holsman et al.; notes
+  fuzzy-speculative-decoding.md §3-4): keep x iff Div(p, q) < T, deterministically; at the first
+  failing position sample from p itself. alpha carries T >= 0; T = 0 keeps nothing, i.e. exact.
+  js is the textbook Jensen-Shannon divergence in nats (<= ln 2; the paper's code computes another,
+  unbounded quantity, so its thresholds do not transfer), kl is KL(p || q), kl-rev KL(q || p), tv
+  total variation.
+
+Where the notes leave choices, ours:
+- Rules read the distributions the review uses: temperature and top-p applied (greedy: softmax at
+  temperature 1). The bonus token comes from p, since q at the bonus position is never computed.
+- A point-mass proposal (MaG's, or a model at probability 1.0) carries no confidence; rules that read
+  q's confidence (chow, diff, opt, token-v1) judge such a position exactly.
+- Greedy forms (temperature 0), from one-hot q~ and p~ as the notes prescribe (§10.20): a draft x
+  equal to argmax p is kept under every rule; otherwise it is kept iff the rule would not defer:
+  chow q(x) >= 1 - alpha; diff q(x) >= max p - alpha; opt q(x) > max p - alpha (Lemma 9: opt = diff
+  under greedy, up to ties); token-v1 q(x) >= max p - alpha; token-v2 p(x) >= max p - alpha;
+  token-v3 p(x) >= (1 - alpha) max p (Leviathan et al.'s lossy greedy rule); fuzzy Div(p, q) < T
+  on raw rows; lossy reduces to exact (pi~ is p's one-hot). A kept non-argmax token is a token
+  from a distribution other than the target's; a rejected one is replaced by argmax p.
+
+Accounting (the loss made visible): per emitted position, the distribution o the token was drawn
+from is compared with p: `off_target` counts positions with o != p and `tv` sums TV(o, p), the
+expected total-variation deviation. Greedy: o is the emitted token's one-hot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .review import ReviewRule, Verdict, rule_for
+from .sampling import residual, sample
+from .types import Draft
+
+CASCADE_RULES = ("chow", "diff", "opt", "token-v1", "token-v2", "token-v3")
+FUZZY_RULES = ("fuzzy-js", "fuzzy-kl", "fuzzy-kl-rev", "fuzzy-tv")
+RULES = ("exact", "lossy", *CASCADE_RULES, *FUZZY_RULES)
+# The knob's range and its strict end (where the rule is exact), per rule.
+ALPHA_RANGE = {"exact": (0.0, 0.0), "lossy": (0.0, 1.0), **{r: (-1.0, 1.0) for r in CASCADE_RULES},
+               **{r: (0.0, math.inf) for r in FUZZY_RULES}}
+STRICT_ALPHA = {"exact": 0.0, "lossy": 0.0, **{r: -1.0 for r in CASCADE_RULES}, **{r: 0.0 for r in FUZZY_RULES}}
+_CONFIDENCE_RULES = ("chow", "diff", "opt", "token-v1")  # rules that read q's confidence
+_TINY = 1e-30
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The final verifier's rule for one request. `alpha` is the rule's knob (None: its strict end,
+    i.e. exact output); `beta` is lossy's residual scale (>= 1 - alpha; None: tuned per position)."""
+
+    rule: str = "exact"
+    alpha: float | None = None
+    beta: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"verification.rule must be one of {', '.join(RULES)}; got {self.rule!r}")
+        alpha = self.knob
+        low, high = ALPHA_RANGE[self.rule]
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or math.isnan(alpha):
+            raise ValueError(f"verification.alpha must be a number, got {self.alpha!r}")
+        upper_ok = alpha < high if self.rule == "lossy" else alpha <= high
+        if not (low <= alpha and upper_ok):
+            bracket = ")" if self.rule == "lossy" else "]"
+            raise ValueError(f"verification.alpha for rule {self.rule!r} must be in [{low:g}, {high:g}{bracket}, "
+                             f"got {alpha!r}")
+        if self.rule == "lossy" and self.beta is not None:
+            if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or \
+                    not (self.beta >= 1.0 - alpha and math.isfinite(self.beta)):
+                raise ValueError(f"verification.beta must be a finite number >= 1 - alpha = {1.0 - alpha:g}, "
+                                 f"got {self.beta!r}")
+
+    @property
+    def knob(self) -> float:
+        return STRICT_ALPHA[self.rule] if self.alpha is None else self.alpha
+
+    @property
+    def exact(self) -> bool:
+        """True when this request's output is exactly the target's (the rule is at its strict end;
+        lossy's also needs beta 1 or tuned, since a larger beta shrinks the residual)."""
+        if self.rule == "lossy" and self.beta not in (None, 1.0):
+            return False
+        return self.knob == STRICT_ALPHA[self.rule]
+
+    @property
+    def needs_rows(self) -> bool:
+        """Fuzzy rules compare whole distributions, so greedy drafts must carry their rows."""
+        return self.rule in FUZZY_RULES
+
+    def describe(self) -> str:
+        if self.rule == "exact":
+            return "exact"
+        beta = "" if self.rule != "lossy" else (", beta tuned" if self.beta is None else f", beta {self.beta:g}")
+        return f"{self.rule} (alpha {self.knob:g}{beta})"
+
+
+EXACT = Verification()
+
+
+def divergence(kind: str, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Div(p, q) over the last axis for fuzzy acceptance: "js" (nats), "kl" KL(p||q), "kl-rev"
+    KL(q||p), "tv". Zero-probability entries contribute 0 (0 log 0 = 0); KL to a distribution that
+    misses p's support is +inf, which a threshold rejects."""
+    if kind == "tv":
+        return 0.5 * (p - q).abs().sum(-1)
+    if kind == "kl":
+        return _kl(p, q)
+    if kind == "kl-rev":
+        return _kl(q, p)
+    if kind == "js":
+        m = 0.5 * (p + q)
+        return 0.5 * _kl(p, m) + 0.5 * _kl(q, m)
+    raise ValueError(f"unknown divergence {kind!r}")
+
+
+def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        terms = torch.where(a > 0, a * (a.clamp_min(_TINY).log() - b.clamp_min(0).log()), torch.zeros_like(a))
+    return terms.sum(-1)
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Total variation, sum(max(0, a - b)) over the last axis (= half the L1 distance)."""
+    return (a - b).clamp_min(0).sum(-1)
+
+
+def tuned_beta(q: torch.Tensor, p: torch.Tensor, alpha: float, iterations: int = 60) -> float:
+    """beta >= 1 - alpha with sum max(0, q - p/(1-alpha)) = sum max(0, p/beta - q) (notes §2.2),
+    which makes lossy's pi a distribution. The right side falls from >= the left side at beta =
+    1 - alpha to 0 as beta grows, so bisection on log beta finds it."""
+    scale = 1.0 - alpha
+    rejected = float((q - p / scale).clamp_min(0).sum())
+    if rejected <= 0.0:
+        return 1.0 if scale <= 1.0 else scale  # nothing to refill: any beta in range gives the same output
+    low, high = math.log(scale), math.log(scale) + 1.0
+    while float((p / math.exp(high) - q).clamp_min(0).sum()) > rejected and high < 200.0:
+        high += 2.0 * (high - low)
+    for _ in range(iterations):
+        mid = 0.5 * (low + high)
+        if float((p / math.exp(mid) - q).clamp_min(0).sum()) > rejected:
+            low = mid
+        else:
+            high = mid
+    return math.exp(0.5 * (low + high))
+
+
+def target_distribution(v: Verification, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """pi for one position, [V], from the proposal q and the target's p (not for fuzzy rules)."""
+    alpha = v.knob
+    if v.rule == "exact":
+        return p
+    if v.rule == "lossy":
+        beta = tuned_beta(q, p, alpha) if v.beta is None else v.beta
+        return torch.maximum(torch.minimum(q, p / (1.0 - alpha)), p / beta)
+    point_mass = bool(q.max() >= 1.0)
+    if v.rule in _CONFIDENCE_RULES and point_mass:
+        return p  # no confidence information in a point mass: judge it exactly
+    q_max, p_max = float(q.max()), float(p.max())
+    if v.rule in ("chow", "diff", "opt"):
+        if v.rule == "chow":
+            defer = q_max < 1.0 - alpha
+        elif v.rule == "diff":
+            defer = q_max < p_max - alpha
+        else:
+            defer = q_max <= p_max - alpha * float(tv(p, q))
+        return p if defer else q
+    if v.rule == "token-v1":
+        unacceptable = q < p_max - alpha
+    elif v.rule == "token-v2":
+        unacceptable = p < p_max - alpha
+    else:
+        unacceptable = p < (1.0 - alpha) * p_max
+    eta = float((q * unacceptable).sum())
+    return torch.where(unacceptable, torch.zeros_like(q), q) + eta * p
+
+
+def output_distribution(pi: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What speculative sampling against pi with proposal q actually emits at a position:
+    min(q, pi) + (1 - sum min(q, pi)) * norm(max(0, pi - q)); equal to pi when pi sums to 1."""
+    kept = torch.minimum(q, pi)
+    return kept + (1.0 - kept.sum()).clamp_min(0.0) * residual(pi, q)
+
+
+class VerifyReview:
+    """The final verifier's ReviewRule for a lossy `Verification` (exact uses core.review's rules)."""
+
+    def __init__(self, verification: Verification, greedy: bool):
+        self.v = verification
+        self.greedy = greedy
+
+    def review(self, block: Draft, target_probs: torch.Tensor, leniency: float,
+               generator: torch.Generator) -> Verdict:
+        if self.greedy:
+            return self._greedy(block, target_probs)
+        return self._sampling(block, target_probs, generator)
+
+    def _greedy(self, block: Draft, p: torch.Tensor) -> Verdict:
+        k, v, alpha = len(block), self.v, self.v.knob
+        best = p.argmax(dim=-1).tolist()
+        p_max = p.max(dim=-1).values.tolist()
+        accepted = off = 0
+        for i in range(k):
+            x = block.tokens[i]
+            if x != best[i]:
+                if not self._keep_greedy(v, alpha, x, float(block.token_probs[i]), p[i], p_max[i],
+                                         None if block.dists is None else block.dists[i]):
+                    break
+                off += 1
+            accepted += 1
+        token = best[accepted]
+        probs = [float(p[i, block.tokens[i]]) for i in range(accepted)] + [float(p[accepted, token])]
+        return Verdict(accepted, token, probs, None, off_target=off, tv=float(off))
+
+    @staticmethod
+    def _keep_greedy(v: Verification, alpha: float, x: int, q_x: float, p: torch.Tensor, p_max: float,
+                     q_row: torch.Tensor | None) -> bool:
+        if v.rule in FUZZY_RULES:
+            if q_row is None:
+                raise ValueError("fuzzy rules need the drafts' distributions (Verification.needs_rows)")
+            return float(divergence(v.rule[len("fuzzy-"):], p, q_row)) < alpha
+        if v.rule in ("exact", "lossy"):
+            return False
+        if v.rule in _CONFIDENCE_RULES and q_x >= 1.0:
+            return False  # a point mass carries no confidence
+        p_x = float(p[x])
+        if v.rule == "chow":
+            return q_x >= 1.0 - alpha
+        if v.rule == "diff":
+            return q_x >= p_max - alpha
+        if v.rule == "opt":
+            return q_x > p_max - alpha  # defers on <=, see the module docstring
+        if v.rule == "token-v1":
+            return q_x >= p_max - alpha
+        if v.rule == "token-v2":
+            return p_x >= p_max - alpha
+        return p_x >= (1.0 - alpha) * p_max  # token-v3
+
+    def _sampling(self, block: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
+        k, v = len(block), self.v
+        assert block.dists is not None or k == 0, "sampling review needs the drafts' distributions"
+        fuzzy = v.rule in FUZZY_RULES
+        accepted, token, off, deviation = k, None, 0, 0.0
+        for i in range(k):
+            q_i, p_i, x = block.dists[i], p[i], block.tokens[i]
+            if fuzzy:
+                keep = float(divergence(v.rule[len("fuzzy-"):], p_i, q_i)) < v.knob
+                out = q_i if keep else p_i
+                replacement = None if keep else p_i
+            else:
+                pi = target_distribution(v, q_i, p_i)
+                ratio = float(pi[x]) / max(float(q_i[x]), _TINY)
+                keep = float(torch.rand((), generator=generator)) < min(1.0, ratio)
+                out = output_distribution(pi, q_i)
+                replacement = None if keep else residual(pi, q_i)
+            gap = float(tv(out, p_i))
+            if gap > 1e-6:
+                off += 1
+                deviation += gap
+            if not keep:
+                accepted, token = i, sample(replacement, generator)
+                break
+        if token is None:
+            token = sample(p[k], generator)  # the bonus comes from p (q at k is never computed)
+        tokens = block.tokens[:accepted] + [token]
+        probs = [float(p[i, t]) for i, t in enumerate(tokens)]
+        return Verdict(accepted, token, probs, None, off_target=off, tv=deviation)
+
+
+def final_rule(greedy: bool, verification: Verification | None) -> ReviewRule:
+    """The target's ReviewRule: core.review's exact rules unless this request asked for a lossy one."""
+    if verification is None or verification.rule == "exact":
+        return rule_for(greedy)
+    return VerifyReview(verification, greedy)
