@@ -50,15 +50,28 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
-    p.add_argument("--verify", metavar="RULE",
-                   help="final-verifier rule: exact (default), lossy, chow, diff, opt, token-v1, token-v2, "
-                        "token-v3, fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv (README: Lossy verification)")
-    p.add_argument("--alpha", type=float, help="the rule's knob (fuzzy: the threshold T); default: strict (exact)")
-    p.add_argument("--beta", help="lossy only: residual scale >= 1 - alpha (default 1), or 'tuned'")
+    _add_verify_arguments(p)
     p.add_argument("--dtype", default="float32", help="with --target: model dtype")
     p.add_argument("--device", default="cpu", help="with --target: cpu, cuda, cuda:N or auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_run_generate)
+
+
+def _add_verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify", metavar="RULE",
+                   help="final-verifier rule: exact (default), lossy, chow, diff, opt, token-v1, token-v2, "
+                        "token-v3, fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv (README: Lossy verification)")
+    p.add_argument("--alpha", type=float, help="the rule's knob (fuzzy: the threshold T); default: strict (exact)")
+    p.add_argument("--beta", type=_beta, help="lossy only: residual scale >= 1 - alpha (default 1), or 'tuned'")
+
+
+def _beta(text: str) -> float | str:
+    if text == "tuned":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or 'tuned', got {text!r}") from None
 
 
 def _config_from_args(args: argparse.Namespace) -> Config:
@@ -96,10 +109,7 @@ def _verification_from_args(args: argparse.Namespace):
         return None
     raw: dict = {"rule": args.verify, "alpha": args.alpha}
     if args.beta is not None:
-        try:
-            raw["beta"] = args.beta if args.beta == "tuned" else float(args.beta)
-        except ValueError:
-            raise UsageError(f"--beta must be a number or 'tuned', got {args.beta!r}") from None
+        raw["beta"] = args.beta
     try:
         return make_verification(raw, "--verify")
     except ConfigError as exc:
@@ -262,6 +272,7 @@ def _add_client(sub: argparse._SubParsersAction) -> None:
         c.add_argument("--seed", type=int)
         c.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         c.add_argument("--session-id")
+        _add_verify_arguments(c)
         c.add_argument("--timeout-s", type=float, default=120.0)
         c.add_argument("--json", action="store_true", help="print one JSON object (generate) or one per chunk")
         c.set_defaults(run=_run_client)
@@ -289,8 +300,11 @@ def _run_client(args: argparse.Namespace) -> int:
                 print(json.dumps({"session_id": info.session_id, "version": info.version,
                                   "token_ids": list(info.token_ids), "text": info.text}))
                 return 0
+            if args.verify is None and (args.alpha is not None or args.beta is not None):
+                raise UsageError("--alpha and --beta go with --verify RULE")
             request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, stop=args.stop, session_id=args.session_id)
+                           seed=args.seed, stop=args.stop, session_id=args.session_id, verification=args.verify,
+                           alpha=args.alpha, beta=args.beta)
             prompt = _read_prompt(args)
             if command == "generate":
                 r = client.generate(prompt, **request)

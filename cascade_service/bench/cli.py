@@ -20,12 +20,20 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     already builds parsers of that class).
     """
     del parser_class
-    p = subparsers.add_parser("bench", help="benchmark methods side by side in one process (greedy, exact)")
+    p = subparsers.add_parser("bench", help="benchmark methods side by side in one process (greedy, exact); "
+                                             "--lossy: cost-quality curves of the final-verifier rules")
     p.add_argument("--config", required=True, help="YAML config naming the target and drafter tiers")
     p.add_argument("--prompts", required=True, help='JSON lines, one {"prompt": "..."} per line')
-    p.add_argument("--methods", required=True,
+    p.add_argument("--methods",
                    help="comma-separated: hf-ar, ar, hf-assisted:<tier>, hf-prompt-lookup, sd:<tier>, "
-                        "csd:<tier>+<tier>... (hf-ar, the reference, always runs)")
+                        "csd:<tier>+<tier>... (hf-ar, the reference, always runs); not with --lossy")
+    p.add_argument("--lossy", action="store_true",
+                   help="sweep every final-verifier rule over its knob with the config's cascade (writes "
+                        "lossy.json and lossy_curves.png)")
+    p.add_argument("--rules", help="with --lossy: comma-separated rules (default: all; 'lossy-tuned' is lossy "
+                                   "with beta tuned)")
+    p.add_argument("--temperature", type=float, default=1.0, help="with --lossy: sampling temperature")
+    p.add_argument("--seeds", default="0,1", help="with --lossy: sampling seeds per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts; tokens/s is their median")
     p.add_argument("--sd-k-sweep", default=DEFAULT_SD_KS, help="k values tried for each sd: method")
@@ -37,6 +45,10 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.lossy:
+        return _run_lossy(args)
+    if not args.methods:
+        raise ValueError("--methods is required (or --lossy)")
     # Heavy imports (torch, transformers, matplotlib) only once the command actually runs.
     from ..config import load_config
     from .harness import run_bench, summarize
@@ -79,6 +91,31 @@ def run_bench_command(args: argparse.Namespace) -> int:
     plot_acceptance(results, out / "acceptance_by_position.png")
     plot_speedup(results, out / "speedup.png")
     print(table, end="")
+    return 0
+
+
+def _run_lossy(args: argparse.Namespace) -> int:
+    from ..config import load_config
+    from ..engine import Engine
+    from ..prompts import read_prompts
+    from . import lossy
+
+    if args.methods:
+        raise ValueError("--methods goes without --lossy")
+    _check_range(args.max_new_tokens, "--max-new-tokens", 1, 1_000_000)
+    if not 0 <= args.temperature <= 100:
+        raise ValueError(f"--temperature must be in [0, 100], got {args.temperature}")
+    rules = [r for r in (args.rules or ",".join(lossy.GRIDS)).split(",") if r]
+    unknown = [r for r in rules if r not in lossy.GRIDS]
+    if unknown:
+        raise ValueError(f"--rules: unknown rule {unknown[0]!r} (known: {', '.join(lossy.GRIDS)})")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    engine = Engine(load_config(args.config).cascade)
+    prompts = [engine.encode(t) for t in read_prompts(args.prompts)]
+    command = shlex.join(["cascade-service", "bench", "--lossy", "--config", args.config, "--prompts", args.prompts,
+                          "--rules", ",".join(rules), "--temperature", str(args.temperature), "--seeds", args.seeds,
+                          "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
+    lossy.run(engine, prompts, rules, args.max_new_tokens, args.temperature, seeds, Path(args.out), command)
     return 0
 
 
