@@ -17,6 +17,8 @@ from .config import (
     make_cascade,
     make_generation,
     make_verification,
+    make_adaptive,
+    MaGConfig,
     target_from_arg,
 )
 
@@ -51,6 +53,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     _add_verify_arguments(p)
+    p.add_argument("--adaptive-length", choices=["specdec", "confidence"],
+                   help="stop draft blocks early: SpecDec++ (needs --head) or the confidence baseline")
+    p.add_argument("--head", help="with --adaptive-length specdec: directory from `cascade-service train-head`")
+    p.add_argument("--stop-threshold", type=float,
+                   help="specdec: stop when P(a rejection) > h; confidence: when max q < h; in (0, 1)")
+    p.add_argument("--adaptive-tier", help="the drafter that stops early (default: the last model drafter that "
+                                           "drafts alone); its K-matrix quota stays the cap")
     p.add_argument("--dtype", default="float32", help="with --target: model dtype")
     p.add_argument("--device", default="cpu", help="with --target: cpu, cuda, cuda:N or auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -98,7 +107,32 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_p": args.top_p, "seed": args.seed, "verification": _verification_from_args(args),
     })
-    return Config(cascade, gen)
+    return Config(_with_adaptive(cascade, args), gen)
+
+
+def _with_adaptive(cascade, args: argparse.Namespace):
+    """--adaptive-length/--head/--stop-threshold/--adaptive-tier -> the cascade's schedule.adaptive."""
+    if args.adaptive_length is None:
+        if args.head or args.stop_threshold is not None or args.adaptive_tier:
+            raise UsageError("--head, --stop-threshold and --adaptive-tier go with --adaptive-length")
+        return cascade
+    if args.stop_threshold is None:
+        raise UsageError("--adaptive-length needs --stop-threshold")
+    tier = args.adaptive_tier
+    if tier is None:
+        alone = [d.name for r, d in enumerate(cascade.drafters, 1)
+                 if not isinstance(d, MaGConfig) and cascade.schedule.is_leaf(r)]
+        if not alone:
+            raise UsageError("--adaptive-length: no model drafter drafts alone in this cascade")
+        tier = alone[-1]
+    raw = {tier: {"rule": args.adaptive_length, "threshold": args.stop_threshold, "head": args.head}}
+    try:
+        adaptive = make_adaptive(raw, Path("."), "--adaptive-length")
+    except ConfigError as exc:
+        message = str(exc).replace(f"--adaptive-length.{tier}.threshold", "--stop-threshold")
+        raise UsageError(message.replace(f"--adaptive-length.{tier}.head", "--head")) from None
+    return make_cascade(cascade.target, cascade.drafters, cascade.schedule.to_lists(), cascade.leniency,
+                        cascade.lookup, adaptive)
 
 
 def _verification_from_args(args: argparse.Namespace):
@@ -212,6 +246,20 @@ def _run_tune(args: argparse.Namespace) -> int:
 
     tune(args.config, args.prompts, args.out, args.max_new_tokens, args.objective)
     return 0
+
+
+def _add_train_head(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a zoo drafter (offline)")
+    from .models.train_head import add_arguments  # argparse types only; training imports stay lazy
+
+    add_arguments(p)
+    p.set_defaults(run=_run_train_head)
+
+
+def _run_train_head(args: argparse.Namespace) -> int:
+    from .models.train_head import run
+
+    return run(args)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -329,7 +377,7 @@ def _run_client(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_generate, _add_zoo, _add_demo, _add_tune, _add_bench, _add_serve, _add_client]
+    _add_generate, _add_zoo, _add_demo, _add_tune, _add_train_head, _add_bench, _add_serve, _add_client]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ import yaml
 
 import torch
 
+from .core.adaptive import AdaptiveLength, StopperFactory
 from .core.cascade import Lookup, RequestState
 from .core.sampling import SamplingParams
 from .core.schedule import Schedule, ScheduleError
@@ -51,6 +52,8 @@ class CascadeConfig:
     schedule: Schedule  # the K-matrix
     leniency: float = 1.0  # inner reviews only; the target's review is always strict
     lookup: Lookup | None = None  # MaG-first gate at the target (needs MaG among the drafters)
+    # Adaptive draft length (SpecDec++ or the confidence baseline) per tier that drafts alone.
+    adaptive: dict[str, AdaptiveLength] = field(default_factory=dict)
 
     @property
     def tiers(self) -> tuple[ModelTierConfig | MaGConfig, ...]:
@@ -66,12 +69,15 @@ class GenerationConfig:
     verification: Verification = EXACT  # the final verifier's rule (core.verify); exact by default
 
 
-def request_state(gen: GenerationConfig, stats: CascadeStats, vocab_size: int, eos_ids: frozenset[int]) -> RequestState:
+def request_state(gen: GenerationConfig, stats: CascadeStats, vocab_size: int, eos_ids: frozenset[int],
+                  adaptive: dict[str, AdaptiveLength] | None = None,
+                  make_stopper: StopperFactory | None = None) -> RequestState:
     """The shared state of one request's cascade, from its generation settings."""
     v = gen.verification
     stats.verification = v.describe()
     sampling = SamplingParams(gen.temperature, gen.top_p, rows=v.needs_rows)
-    return RequestState(sampling, torch.Generator().manual_seed(gen.seed), stats, vocab_size, eos_ids, v)
+    return RequestState(sampling, torch.Generator().manual_seed(gen.seed), stats, vocab_size, eos_ids, v,
+                        dict(adaptive or {}), make_stopper)
 
 
 DEPLOYMENT_OPTIONS = {"num_replicas", "ray_actor_options", "autoscaling_config", "max_ongoing_requests",
@@ -132,9 +138,9 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
         _drafter(item, f"tiers.drafters[{i}]", model_defaults, base_dir) for i, item in enumerate(drafter_list)
     )
     schedule_raw = _mapping(raw.get("schedule", {}), "schedule")
-    _only(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup"})
+    _only(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup", "adaptive"})
     cascade = make_cascade(target, drafters, schedule_raw.get("k_matrix"), schedule_raw.get("leniency", 1.0),
-                           _lookup(schedule_raw.get("lookup")))
+                           _lookup(schedule_raw.get("lookup")), make_adaptive(schedule_raw.get("adaptive", {}), base_dir))
     gen_raw = _mapping(raw.get("generation", {}), "generation")
     _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed", "verification"})
     if "verification" in gen_raw:
@@ -192,6 +198,7 @@ def make_cascade(
     k_matrix: Any,
     leniency: Any,
     lookup: Lookup | None = None,
+    adaptive: dict[str, AdaptiveLength] | None = None,
 ) -> CascadeConfig:
     names = [d.name for d in drafters]
     if len(set(names) | {target.name}) != len(names) + 1:
@@ -209,7 +216,32 @@ def make_cascade(
         raise ConfigError(f"schedule.leniency must be a number >= 1, got {leniency!r}")
     if lookup is not None and not any(isinstance(d, MaGConfig) for d in drafters):
         raise ConfigError("schedule.lookup needs the MaG drafter (kind: mag) among tiers.drafters")
-    return CascadeConfig(target, tuple(drafters), schedule, float(leniency), lookup)
+    for tier in adaptive or {}:
+        r = names.index(tier) + 1 if tier in names else 0
+        if not r or isinstance(drafters[r - 1], MaGConfig):
+            raise ConfigError(f"schedule.adaptive.{tier}: not a model drafter (drafters: {names})")
+        if not schedule.is_leaf(r):
+            raise ConfigError(f"schedule.adaptive.{tier}: this tier reviews (its K-matrix row is not zero); only a "
+                              "tier that drafts alone can stop its blocks early")
+    return CascadeConfig(target, tuple(drafters), schedule, float(leniency), lookup, dict(adaptive or {}))
+
+
+def make_adaptive(raw: Any, base_dir: Path = Path("."), where: str = "schedule.adaptive") -> dict[str, AdaptiveLength]:
+    """{tier: {rule, threshold, head}} -> AdaptiveLength per tier; errors name the field."""
+    out = {}
+    for tier, spec in _mapping(raw, where).items():
+        spec = _mapping(spec, f"{where}.{tier}")
+        _only(spec, f"{where}.{tier}.", {"rule", "threshold", "head"})
+        head = spec.get("head")
+        if head is not None:
+            if not isinstance(head, str) or not head:
+                raise ConfigError(f"{where}.{tier}.head must be a directory written by `cascade-service train-head`")
+            head = _resolve(head, base_dir)
+        try:
+            out[str(tier)] = AdaptiveLength(spec.get("rule", ""), spec.get("threshold", 0.0), head)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}.{tier}.{exc}") from None
+    return out
 
 
 def _lookup(raw: Any) -> Lookup | None:

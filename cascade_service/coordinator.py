@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from .config import CascadeConfig, GenerationConfig, MaGConfig, request_state
+from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.mag import BigramTable, MaxGram
@@ -65,6 +66,7 @@ class Coordinator:
     bigram: BigramTable | None = None
     release: Callable[[dict[str, Any]], None] = lambda tiers: None  # frees a finished request's tier state
     param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
+    make_stopper: StopperFactory | None = None  # adaptive draft length of tiers local to this process
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -142,7 +144,7 @@ class Coordinator:
         return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length)
 
     def _decode(self, tiers: dict[str, Any], context: list[int], gen: GenerationConfig, stats: CascadeStats):
-        state = request_state(gen, stats, self.vocab_size, self.eos_ids)
+        state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
         drafters = [MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else tiers[d.name]
                     for d in self.cascade.drafters]
         system = build_cascade(tiers[self.cascade.target.name], drafters, self.cascade.schedule,

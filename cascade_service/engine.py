@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade, request_state
+from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
 from .core.decode import decode
 from .core.mag import BigramTable, MaxGram
 from .coordinator import Coordinator, Tokenizer
 from .core.stats import CascadeStats
+from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
 from .sessions import SessionStore
 
@@ -49,9 +51,20 @@ class Engine:
                 self.drafters.append(model)
         self.tokenizer = load_tokenizer(t.path)
         self.eos_ids = frozenset(self.target.eos_token_ids)
+        self.heads = HeadCache(self.target.device)
+        self._check_heads(cascade)
+
+    def _check_heads(self, cascade: CascadeConfig) -> None:
+        """Load every acceptance head now: a missing or mismatched head fails here, not mid-request."""
+        models = {d.name: d for d in self.drafters if isinstance(d, HFModel)}
+        for tier, spec in cascade.adaptive.items():
+            self.heads.stopper(spec, models[tier].config.hidden_size)
+
+    def make_stopper(self, spec: AdaptiveLength) -> DraftStopper:
+        return self.heads.stopper(spec)
 
     def variant(self, drafters: Sequence[str], k_matrix: Any = None, leniency: float = 1.0,
-                lookup: Lookup | None = None) -> "Engine":
+                lookup: Lookup | None = None, adaptive: dict[str, AdaptiveLength] | None = None) -> "Engine":
         """The same loaded models with another drafter subset (by tier name, largest first) and schedule.
 
         Benchmarks and tuning compare many schedules; reloading weights for each would dominate.
@@ -60,16 +73,18 @@ class Engine:
         unknown = [n for n in drafters if n not in by_name]
         if unknown:
             raise ValueError(f"unknown drafter {unknown[0]!r}; this config has {sorted(by_name)}")
-        cascade = make_cascade(self.cascade.target, [by_name[n][0] for n in drafters], k_matrix, leniency, lookup)
+        cascade = make_cascade(self.cascade.target, [by_name[n][0] for n in drafters], k_matrix, leniency, lookup,
+                               adaptive)
         twin = copy.copy(self)
         twin.cascade = cascade
         twin.drafters = [by_name[n][1] for n in drafters]
+        twin._check_heads(cascade)
         return twin
 
     def stream(self, prompt_ids: Sequence[int], gen: GenerationConfig, stats: CascadeStats | None = None) -> Iterator[list[int]]:
         """Yield committed tokens round by round; `stats` (if given) fills in as it goes."""
         stats = stats if stats is not None else CascadeStats(self.target.name)
-        state = request_state(gen, stats, self.target.vocab_size, self.eos_ids)
+        state = request_state(gen, stats, self.target.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
         drafters = [
             MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else d.scorer() for d in self.drafters
         ]
@@ -94,7 +109,8 @@ class Engine:
         return Coordinator(
             self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
             tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,
-            defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs())
+            defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs(),
+            make_stopper=self.make_stopper)
 
     def param_costs(self) -> dict[str, float]:
         return {m.name: m.num_parameters / self.target.num_parameters for m in self.drafters if isinstance(m, HFModel)}

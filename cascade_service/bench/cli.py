@@ -34,6 +34,13 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
                                    "with beta tuned)")
     p.add_argument("--temperature", type=float, default=1.0, help="with --lossy: sampling temperature")
     p.add_argument("--seeds", default="0,1", help="with --lossy: sampling seeds per prompt")
+    p.add_argument("--adaptive", action="store_true",
+                   help="SpecDec++ and confidence stopping against fixed draft lengths, one drafter (writes adaptive.json)")
+    p.add_argument("--drafter", help="with --adaptive: the drafter tier (default: the config's last model drafter)")
+    p.add_argument("--head", help="with --adaptive: acceptance head directory (`cascade-service train-head`)")
+    p.add_argument("--max-k", type=int, default=16, help="with --adaptive: the cap on adaptive blocks")
+    p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9", help="with --adaptive: SpecDec++ h values")
+    p.add_argument("--confidence", default="0.2,0.4,0.6,0.8", help="with --adaptive: confidence h values")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts; tokens/s is their median")
     p.add_argument("--sd-k-sweep", default=DEFAULT_SD_KS, help="k values tried for each sd: method")
@@ -45,10 +52,14 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.lossy and args.adaptive:
+        raise ValueError("--lossy and --adaptive are separate benchmarks: pick one")
     if args.lossy:
         return _run_lossy(args)
+    if args.adaptive:
+        return _run_adaptive(args)
     if not args.methods:
-        raise ValueError("--methods is required (or --lossy)")
+        raise ValueError("--methods is required (or --lossy, or --adaptive)")
     # Heavy imports (torch, transformers, matplotlib) only once the command actually runs.
     from ..config import load_config
     from .harness import run_bench, summarize
@@ -117,6 +128,47 @@ def _run_lossy(args: argparse.Namespace) -> int:
                           "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
     lossy.run(engine, prompts, rules, args.max_new_tokens, args.temperature, seeds, Path(args.out), command)
     return 0
+
+
+def _run_adaptive(args: argparse.Namespace) -> int:
+    from ..config import MaGConfig, load_config
+    from ..engine import Engine
+    from ..prompts import read_prompts
+    from . import adaptive
+
+    if args.methods:
+        raise ValueError("--methods goes without --adaptive")
+    _check_range(args.max_new_tokens, "--max-new-tokens", 1, 1_000_000)
+    _check_range(args.repeats, "--repeats", 1, 1000)
+    _check_range(args.max_k, "--max-k", 1, 256)
+    config = load_config(args.config)
+    models = [d.name for d in config.cascade.drafters if not isinstance(d, MaGConfig)]
+    drafter = args.drafter or (models[-1] if models else None)
+    if drafter not in models:
+        raise ValueError(f"--drafter must be one of the config's model drafters {models}, got {drafter!r}")
+    ks = _int_list(args.sd_k_sweep, "--sd-k-sweep")
+    specdec_hs = _float_list(args.thresholds, "--thresholds")
+    confidence_hs = _float_list(args.confidence, "--confidence")
+    table = adaptive.methods(drafter, ks, args.max_k, args.head, specdec_hs, confidence_hs)
+    engine = Engine(config.cascade)
+    prompts = [engine.encode(t) for t in read_prompts(args.prompts)]
+    command = shlex.join(["cascade-service", "bench", "--adaptive", "--config", args.config, "--prompts", args.prompts,
+                          "--drafter", drafter, *(["--head", args.head] if args.head else []),
+                          "--sd-k-sweep", args.sd_k_sweep, "--max-k", str(args.max_k), "--thresholds",
+                          args.thresholds, "--confidence", args.confidence, "--max-new-tokens",
+                          str(args.max_new_tokens), "--repeats", str(args.repeats), "--out", args.out])
+    adaptive.run(engine, drafter, prompts, table, args.max_new_tokens, args.repeats, Path(args.out), command)
+    return 0
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if any(not 0 < v < 1 for v in values):
+        raise ValueError(f"{flag}: every threshold must be in (0, 1), got {text!r}")
+    return values
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -9,11 +9,12 @@ of the recursion anywhere.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .mag import MaxGram
 from .review import ReviewRule, Verdict, rule_for
 from .sampling import SamplingParams, sample
@@ -38,9 +39,9 @@ class Lookup:
     tokens: int = 10
 
     def __post_init__(self) -> None:
-        for field, value in (("min_match", self.min_match), ("tokens", self.tokens)):
+        for name, value in (("min_match", self.min_match), ("tokens", self.tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
-                raise ValueError(f"lookup.{field} must be an integer in [1, 256], got {value!r}")
+                raise ValueError(f"lookup.{name} must be an integer in [1, 256], got {value!r}")
 
 
 @dataclass
@@ -53,6 +54,10 @@ class RequestState:
     vocab_size: int
     eos_ids: frozenset[int] = frozenset()
     verification: Verification = EXACT  # the final verifier's rule (core.verify)
+    # Adaptive draft length per tier that drafts alone (core.adaptive): local tiers get a stopper
+    # from `make_stopper`; remote ones get the spec and build their own, where the hidden states are.
+    adaptive: dict[str, AdaptiveLength] = field(default_factory=dict)
+    make_stopper: StopperFactory | None = None
 
 
 @runtime_checkable
@@ -67,7 +72,9 @@ class BlockTier(Protocol):
     name: str
 
     def draft_block(self, ctx: Context, k: int, sampling: SamplingParams, seed: int,
-                    eos_ids: frozenset[int], counters: TierCounters) -> Draft: ...
+                    eos_ids: frozenset[int], counters: TierCounters, adaptive: AdaptiveLength | None = None) -> Draft:
+        """`adaptive`: stop the block early by this rule (core.adaptive), run where the model is."""
+        ...
 
     def review_block(self, ctx: Context, block: Draft, leniency: float, sampling: SamplingParams,
                      seed: int, counters: TierCounters, verification: Verification | None = None) -> Verdict:
@@ -86,7 +93,10 @@ class SystemTier(Protocol):
     name: str
 
     def system_draft(self, ctx: Context, want: int, limit: int, sampling: SamplingParams, seed: int,
-                     eos_ids: frozenset[int], stats: CascadeStats) -> Draft: ...
+                     eos_ids: frozenset[int], stats: CascadeStats,
+                     adaptive: dict[str, AdaptiveLength] | None = None) -> Draft:
+        """`adaptive`: the request's adaptive draft lengths, for the tiers inside this system."""
+        ...
 
 
 class SystemDrafter:
@@ -100,16 +110,22 @@ class SystemDrafter:
     def draft(self, ctx: Context, want: int, limit: int) -> Draft:
         st = self.state
         seed = 0 if st.sampling.greedy else call_seed(st.generator)
-        return self.tier.system_draft(ctx, want, limit, st.sampling, seed, st.eos_ids, st.stats)
+        extra = {"adaptive": st.adaptive} if st.adaptive else {}
+        return self.tier.system_draft(ctx, want, limit, st.sampling, seed, st.eos_ids, st.stats, **extra)
 
 
 def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: SamplingParams,
                          generator: torch.Generator, eos_ids: frozenset[int], vocab_size: int,
-                         counters: TierCounters) -> Draft:
-    """k tokens from `scorer` alone, one forward pass each; stops after an EOS."""
+                         counters: TierCounters, stopper: DraftStopper | None = None) -> Draft:
+    """Up to k tokens from `scorer` alone, one forward pass each; stops after an EOS, or earlier when
+    `stopper` (adaptive draft length) says so."""
     tokens: list[int] = []
     token_probs: list[float] = []
     rows: list[torch.Tensor] = []
+    needs_hidden = stopper is not None and stopper.needs_hidden
+    if stopper is not None:
+        stopper.start()
+        scorer.keep_hidden = needs_hidden  # type: ignore[attr-defined] - HFScorer's option
     for _ in range(k):
         probs = sampling.probs(_score(scorer, ctx.extend(tokens), 1, counters))[0]  # [V]
         token = int(probs.argmax()) if sampling.greedy else sample(probs, generator)
@@ -117,6 +133,10 @@ def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: Samplin
         token_probs.append(float(probs[token]))
         rows.append(probs)
         if token in eos_ids:  # nothing after EOS can be kept
+            break
+        # The hidden state of the pass that drafted this token sits at the previous token's position.
+        hidden = scorer.last_hidden[-1] if needs_hidden else None  # type: ignore[attr-defined]
+        if stopper is not None and len(tokens) < k and stopper.should_stop(token, probs, hidden):
             break
     dists = _stack(rows, vocab_size) if sampling.carries_rows else None
     return Draft(tokens, token_probs, dists, [scorer.name] * len(tokens))
@@ -151,15 +171,23 @@ class ModelDrafter:
         self.scorer = scorer
         self.state = state
         self.counters = state.stats.tier(self.name)
+        self.adaptive = state.adaptive.get(self.name)
+        self.stopper: DraftStopper | None = None
+        if self.adaptive is not None and not isinstance(scorer, BlockTier):
+            if state.make_stopper is None:
+                raise ValueError(f"adaptive draft length for {self.name!r} needs a stopper factory in this wiring")
+            self.stopper = state.make_stopper(self.adaptive)
 
     def draft(self, ctx: Context, want: int, limit: int) -> Draft:
         st = self.state
         if isinstance(self.scorer, BlockTier):
             seed = 0 if st.sampling.greedy else call_seed(st.generator)
-            draft = self.scorer.draft_block(ctx, min(want, limit), st.sampling, seed, st.eos_ids, self.counters)
+            extra = {"adaptive": self.adaptive} if self.adaptive else {}
+            draft = self.scorer.draft_block(ctx, min(want, limit), st.sampling, seed, st.eos_ids, self.counters,
+                                            **extra)
         else:
             draft = draft_autoregressive(self.scorer, ctx, min(want, limit), st.sampling, st.generator,
-                                         st.eos_ids, st.vocab_size, self.counters)
+                                         st.eos_ids, st.vocab_size, self.counters, self.stopper)
         self.counters.tokens_out += len(draft)
         return draft
 
@@ -241,10 +269,13 @@ class CascadeDrafter:
         for drafter, quota in self.drafters if not block else ():
             goal = min(goal + quota, cap)
             while len(block) < goal and not self._ends_in_eos(block):
-                more = drafter.draft(ctx.extend(block.tokens), goal - len(block), cap - len(block))
+                asked = goal - len(block)
+                more = drafter.draft(ctx.extend(block.tokens), asked, cap - len(block))
                 if not more:
                     break
                 block = block + more
+                if len(more) < asked and getattr(drafter, "adaptive", None) is not None:
+                    break  # its stopping rule ended its part of the block: the next drafter takes over
         st = self.state
         if isinstance(self.scorer, BlockTier):
             seed = 0 if st.sampling.greedy else call_seed(st.generator)

@@ -142,11 +142,18 @@ class HFModel:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _forward(self, tokens: Sequence[int], cache: DynamicCache | None, keep: int) -> torch.Tensor:
+    def _forward(self, tokens: Sequence[int], cache: DynamicCache | None, keep: int,
+                 with_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, S]
         extra = {"logits_to_keep": keep} if self._keeps_logits else {}
+        if with_hidden:
+            extra["output_hidden_states"] = True
         out = self.module(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
-        return out.logits[0, -keep:].float()  # [keep, V]
+        logits = out.logits[0, -keep:].float()  # [keep, V]
+        if not with_hidden:
+            return logits
+        # hidden_states[-1] is the final-norm output, i.e. what the LM head consumed.
+        return logits, out.hidden_states[-1][0, -keep:].float()  # [keep, V], [keep, H]
 
 
 class HFScorer:
@@ -154,7 +161,12 @@ class HFScorer:
 
     `logits` returns float32 rows on the model's device (the caller moves them if it needs to).
     Not thread-safe: one request, one scorer.
+    With `keep_hidden` set, each `logits` call also leaves the model's final hidden states of the
+    same rows in `last_hidden` ([n, H] float32; SpecDec++'s acceptance head reads them).
     """
+
+    keep_hidden: bool = False
+    last_hidden: torch.Tensor | None = None
 
     def __init__(self, model: HFModel):
         self.name = model.name
@@ -175,7 +187,10 @@ class HFScorer:
         self._rollback(start)
         fed = ctx.tokens[start:]
         with torch.inference_mode():
-            rows = self._model._forward(fed, self._cache, n)  # [n, V]
+            if self.keep_hidden:
+                rows, self.last_hidden = self._model._forward(fed, self._cache, n, with_hidden=True)  # [n, V], [n, H]
+            else:
+                rows = self._model._forward(fed, self._cache, n)  # [n, V]
         self._tokens.extend(fed)
         self.tokens_processed += len(fed)
         self._trusted = min(max(self._trusted, ctx.stable), len(self._tokens))

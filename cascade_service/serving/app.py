@@ -29,6 +29,7 @@ from ..config import (MAG, Config, MaGConfig, ModelTierConfig, ServingConfig, de
                       tier_groups)
 from ..coordinator import Coordinator, Tokenizer
 from ..core.mag import BigramTable
+from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
 from .remote import RemoteSystem, RemoteTier
 from .session_actor import session_store
@@ -130,7 +131,8 @@ class CoordinatorDeployment:
                     store=session_store(self.config.serving), defaults=self.config.generation,
                     bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
                     release=_release, param_costs={n: i["num_parameters"] / target["num_parameters"]
-                                                   for n, i in info.items() if n != cascade.target.name})
+                                                   for n, i in info.items() if n != cascade.target.name},
+                    make_stopper=HeadCache().stopper)  # adaptive draft length of colocated tiers
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..core.adaptive import AdaptiveLength
 from ..core.review import Verdict
 from ..core.sampling import SamplingParams
 from ..core.stats import CascadeStats, TierCounters, absorb
@@ -34,8 +35,11 @@ class RemoteTier:
         self.hop_s = 0.0  # wall time of calls, transport included
 
     def draft_block(self, ctx: Context, k: int, sampling: SamplingParams, seed: int,
-                    eos_ids: frozenset[int], counters: TierCounters) -> Draft:
-        reply = self._call("draft", {**self._base(ctx, sampling, seed), "k": k, "eos_ids": sorted(eos_ids)}, counters)
+                    eos_ids: frozenset[int], counters: TierCounters, adaptive: AdaptiveLength | None = None) -> Draft:
+        message = {**self._base(ctx, sampling, seed), "k": k, "eos_ids": sorted(eos_ids)}
+        if adaptive is not None:  # the stopper runs in the replica, beside the hidden states it reads
+            message["adaptive"] = adaptive.to_dict()
+        reply = self._call("draft", message, counters)
         tokens = [int(t) for t in reply["tokens"]]
         return Draft(tokens, [float(p) for p in reply["token_probs"]], _tensor(reply["dists"]), [self.name] * len(tokens))
 
@@ -83,10 +87,15 @@ class RemoteSystem(RemoteTier):
         self.sub = {"tiers": tiers, "k_matrix": k_matrix, "leniency": leniency}
 
     def system_draft(self, ctx: Context, want: int, limit: int, sampling: SamplingParams, seed: int,
-                     eos_ids: frozenset[int], stats: CascadeStats) -> Draft:
+                     eos_ids: frozenset[int], stats: CascadeStats,
+                     adaptive: dict[str, AdaptiveLength] | None = None) -> Draft:
         start = time.perf_counter()
-        reply = self.invoke("system", {**self._base(ctx, sampling, seed), **self.sub, "want": want, "limit": limit,
-                                       "eos_ids": sorted(eos_ids)})
+        message = {**self._base(ctx, sampling, seed), **self.sub, "want": want, "limit": limit,
+                   "eos_ids": sorted(eos_ids)}
+        inside = {t: a.to_dict() for t, a in (adaptive or {}).items() if t in self.sub["tiers"]}
+        if inside:
+            message["adaptive"] = inside
+        reply = self.invoke("system", message)
         self.hops += 1
         self.hop_s += time.perf_counter() - start
         absorb(stats, reply["stats"])

@@ -22,11 +22,13 @@ from ..config import ModelTierConfig
 from ..core.cascade import RequestState, build_cascade, draft_autoregressive, score_and_review
 from ..core.mag import BigramTable, MaxGram
 from ..core.schedule import Schedule
+from ..core.adaptive import AdaptiveLength
 from ..core.review import rule_for
 from ..core.verify import Verification, final_rule
 from ..core.sampling import SamplingParams
 from ..core.stats import CascadeStats, TierCounters, stats_delta
 from ..core.types import Context, Draft
+from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
 
 MAG_NAME = "mag"
@@ -43,6 +45,7 @@ class TierServer:
         self._scorers: OrderedDict[str, HFScorer] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_misses = 0
+        self.heads = HeadCache(self.model.device)  # acceptance heads for adaptive draft length
 
     def info(self) -> dict[str, Any]:
         return {"name": self.tier.name, "vocab_size": self.model.vocab_size,
@@ -53,8 +56,11 @@ class TierServer:
         ctx, sampling, generator = _context(msg), _sampling(msg), _generator(msg)
         scorer, counters = self.scorer(msg["request_id"]), TierCounters()
         before = scorer.tokens_processed
+        stopper = None
+        if msg.get("adaptive"):
+            stopper = self.heads.stopper(AdaptiveLength(**msg["adaptive"]), self.model.config.hidden_size)
         draft = draft_autoregressive(scorer, ctx, int(msg["k"]), sampling, generator,
-                                     frozenset(msg.get("eos_ids", ())), self.model.vocab_size, counters)
+                                     frozenset(msg.get("eos_ids", ())), self.model.vocab_size, counters, stopper)
         return {"tokens": draft.tokens, "token_probs": draft.token_probs, "dists": _array(draft.dists),
                 **_usage(counters, scorer.tokens_processed - before)}
 
@@ -126,6 +132,7 @@ class TierGroup:
     def __init__(self, tiers: list[ModelTierConfig], bigram: str | None = None, max_ngram: int = 16,
                  max_cached_requests: int = MAX_CACHED_REQUESTS):
         self.servers = {t.name: TierServer(t, max_cached_requests) for t in tiers}
+        self.heads = HeadCache()
         self.bigram = BigramTable.load(bigram) if bigram else None
         self.max_ngram = max_ngram
         self.max_cached = max_cached_requests
@@ -157,8 +164,9 @@ class TierGroup:
         names = list(msg["tiers"])
         sampling, request_id = _sampling(msg), msg["request_id"]
         stats = CascadeStats(names[0])
+        adaptive = {t: AdaptiveLength(**a) for t, a in msg.get("adaptive", {}).items()}
         state = RequestState(sampling, _generator(msg), stats, self.servers[names[0]].model.vocab_size,
-                             frozenset(msg.get("eos_ids", ())))
+                             frozenset(msg.get("eos_ids", ())), adaptive=adaptive, make_stopper=self.heads.stopper)
         tiers = [self._mag(request_id) if n == MAG_NAME else self.servers[n].scorer(request_id) for n in names]
         schedule = Schedule.parse(msg["k_matrix"], names[1:])
         system = build_cascade(tiers[0], tiers[1:], schedule, float(msg["leniency"]), state, strict_top=False)

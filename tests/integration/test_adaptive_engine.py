@@ -1,0 +1,118 @@
+"""Adaptive draft length in the real cascade: it changes how long blocks are, never the output.
+
+- Greedy output with SpecDec++ or confidence stopping equals `transformers` greedy `generate()`.
+- The stopping rule runs: a head that predicts rejection everywhere cuts blocks to two tokens (the
+  rule's minimum), and a confident threshold of 0.999 cuts every block to one token.
+- Through the service, with the drafter in its own deployment, the stopper runs in the replica and
+  the output equals in-process.
+- Config and CLI errors name the field / flag.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from cascade_service.cli import main
+from cascade_service.config import ConfigError, GenerationConfig, MaGConfig, ModelTierConfig, load_config, make_cascade
+from cascade_service.core.adaptive import AdaptiveLength
+from cascade_service.engine import Engine
+from cascade_service.models.acceptance_head import AcceptanceHead
+from cascade_service.models.tiny import random_prompts
+
+from .test_oracle import _oracle
+
+PROMPTS = random_prompts(2, 10, seed=51)
+N = 20
+
+
+def _head(tmp_path, hidden: int, bias: float) -> str:
+    """A head whose prediction is sigmoid(bias) everywhere (zero weights): a controllable rule."""
+    head = AcceptanceHead(hidden, depth=1)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.zero_()
+        head.out.bias.fill_(bias)
+    path = tmp_path / f"head-{bias}"
+    head.save(path)
+    return str(path)
+
+
+def _engine(family, k, adaptive=None):
+    drafters = [ModelTierConfig("mid", str(family["mid"]))]
+    cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k, 1.0, None, adaptive)
+    return Engine(cascade)
+
+
+def test_adaptive_stopping_keeps_greedy_output_exact(tiny_family, tmp_path):
+    hidden = Engine(make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)).target.config.hidden_size
+    settings = {"specdec": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, 0.5)),
+                "confidence": AdaptiveLength("confidence", 0.3)}
+    for name, spec in settings.items():
+        engine = _engine(tiny_family, [[8]], {"mid": spec})  # sd:mid, at most 8 drafts
+        for prompt in PROMPTS:
+            assert engine.generate(prompt, GenerationConfig(max_new_tokens=N)).token_ids == \
+                _oracle(tiny_family["target"], prompt, N), name
+
+
+def test_the_stopping_rule_sets_the_block_length(tiny_family, tmp_path):
+    hidden = Engine(make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)).target.config.hidden_size
+    fixed = _engine(tiny_family, [[8]])
+    pessimist = _engine(tiny_family, [[8]], {"mid": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, -5.0))})
+    confident = _engine(tiny_family, [[8]], {"mid": AdaptiveLength("confidence", 0.999)})
+    gen = GenerationConfig(max_new_tokens=N)
+    stats = {name: e.generate(PROMPTS[0], gen).stats for name, e in
+             (("fixed", fixed), ("pessimist", pessimist), ("confident", confident))}
+    drafted = {name: s.reviews["target"].drafted / s.reviews["target"].reviews for name, s in stats.items()}
+    assert drafted["fixed"] > 6  # 8 per block but the last
+    assert 1.5 < drafted["pessimist"] <= 2.0  # P(reject) > 0.5 from the second token on: blocks of 2
+    assert drafted["confident"] <= 1.0 + 1e-9  # max q < 0.999 on every token: blocks of 1
+
+
+def test_adaptive_through_the_service_equals_in_process(tiny_family, tmp_path):
+    from cascade_service.client import CascadeClient
+    from cascade_service.serving.local import LocalService
+
+    hidden = Engine(make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)).target.config.hidden_size
+    raw = {"tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
+                     "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}]},
+           "schedule": {"k_matrix": [[8]],
+                        "adaptive": {"mid": {"rule": "specdec", "threshold": 0.5, "head": _head(tmp_path, hidden, -5.0)}}},
+           "serving": {"torch_threads": 1}}
+    path = tmp_path / "adaptive.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    engine = Engine(load_config(path).cascade)
+    with LocalService(str(path), num_cpus=4) as service, CascadeClient(service.address, timeout_s=120) as client:
+        for prompt in PROMPTS:
+            mine = engine.generate(prompt, GenerationConfig(max_new_tokens=N))
+            served = client.generate(prompt_token_ids=prompt, max_new_tokens=N)
+            assert served.token_ids == mine.token_ids == _oracle(tiny_family["target"], prompt, N)
+            assert served.stats["target_calls"] == mine.stats.target_calls  # same (short) blocks remotely
+
+
+def test_adaptive_config_and_cli_errors_name_the_field(tiny_family, tmp_path, capsys):
+    drafters = [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()]
+    target = ModelTierConfig("target", str(tiny_family["target"]))
+    with pytest.raises(ConfigError, match="schedule.adaptive.mid: this tier reviews"):
+        make_cascade(target, drafters, [[4, 0], [0, 4]], 1.0, None, {"mid": AdaptiveLength("confidence", 0.5)})
+    with pytest.raises(ConfigError, match="schedule.adaptive.mag: not a model drafter"):
+        make_cascade(target, drafters, [[4, 2], [0, 4]], 1.0, None, {"mag": AdaptiveLength("confidence", 0.5)})
+    with pytest.raises(ValueError, match="threshold must be in"):
+        AdaptiveLength("confidence", 1.5)
+    with pytest.raises(ValueError, match="head"):
+        AdaptiveLength("specdec", 0.5)
+    args = ["generate", "--target", str(tiny_family["target"]), "--drafter", str(tiny_family["mid"]),
+            "--k-matrix", "[[6]]", "--prompt", "abc", "--max-new-tokens", "8", "--json"]
+    assert main(args + ["--adaptive-length", "confidence", "--stop-threshold", "0.4"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"]
+    for bad, flag in ((["--adaptive-length", "confidence"], "--stop-threshold"),
+                      (["--adaptive-length", "confidence", "--stop-threshold", "2"], "--stop-threshold"),
+                      (["--adaptive-length", "specdec", "--stop-threshold", "0.5"], "--head"),
+                      (["--stop-threshold", "0.5"], "--adaptive-length"),
+                      (["--adaptive-length", "specdec", "--stop-threshold", "0.5", "--head", str(tmp_path / "none")],
+                       "acceptance head")):
+        assert main(args + bad) == 2, bad
+        assert flag in capsys.readouterr().err
