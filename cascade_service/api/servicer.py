@@ -121,6 +121,7 @@ class CascadeServicer:
             mean_accepted_length=stats.mean_accepted_length, wall_s=stats.wall_s,
             swi_params=stats.swi(self.coordinator.param_costs), verification=stats.verification,
             off_target_tokens=stats.off_target_tokens, tv_deviation=stats.tv_deviation,
+            loglik_loss=stats.loglik_loss,
         )
 
     def _session(self, record) -> pb.Session:

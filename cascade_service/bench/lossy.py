@@ -1,13 +1,18 @@
 """`cascade-service bench --lossy`: cost-quality curves of the final-verifier rules over their knobs.
 
 For every rule and knob value the same cascade decodes the same held-out prompts with the same seeds.
-Cost: target calls per token (deterministic given the outputs) and tokens/s. Quality, both from the
-target model run afterwards on the produced text (teacher-forced, untimed):
-- agreement: the share of generated tokens equal to the target's argmax after the same prefix, i.e.
-  agreement with the target's greedy choice at every step;
-- log-likelihood: the target's mean log-probability (temperature 1) per generated token.
-The exact rule is the reference; "quality loss" is its log-likelihood minus a rule's. For two rules
-the speed at equal quality loss is read off their curves (best speed at no more than that loss).
+Cost: target calls per token and tokens/s. Quality, from core.verify's exact per-position accounting
+(o: the distribution an emitted token was actually drawn from, p: the target's):
+- quality loss = the expected total-variation deviation TV(o, p) per token: how far the output's
+  distribution is from the target's. It is the curves' y axis and the basis of "equal quality loss";
+- the expected change of the target's log-likelihood per token, E_p[log p] - E_o[log p]. It is no
+  basis for "equal loss": a rule that keeps the target's likeliest drafts RAISES the likelihood above
+  the target's own samples (negative values), so it rewards sharpening, not fidelity;
+- from the target model run afterwards on the produced text (teacher-forced, untimed; noisy, kept
+  for reference): agreement, the share of generated tokens equal to the target's argmax after the
+  same prefix, and the target's mean log-probability (temperature 1) per generated token.
+For two rules the speed at equal quality loss is read off their curves (the best speed at no more
+than that loss).
 """
 
 from __future__ import annotations
@@ -58,8 +63,19 @@ class Point:
     target_calls: int
     off_target: int
     tv: float
+    ll_loss: float
     agreement: float
     loglik: float
+
+    @property
+    def loss(self) -> float:
+        """Quality loss: expected TV deviation from the target's distributions, per token."""
+        return self.tv / self.tokens if self.tokens else 0.0
+
+    @property
+    def ll_change(self) -> float:
+        """Expected drop of the target's log-likelihood per token (nats; negative: a rise)."""
+        return self.ll_loss / self.tokens if self.tokens else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,7 +91,7 @@ def run_point(engine: Engine, rule: str, alpha: float, prompts: Sequence[list[in
     """Decode every prompt with every seed under one rule setting; score the outputs with the target."""
     v = Verification("exact") if rule == "exact" else verification_for(rule, alpha)
     tokens = calls = off = 0
-    seconds = tv = 0.0
+    seconds = tv = ll_loss = 0.0
     agree = 0
     loglik = 0.0
     for prompt in prompts:
@@ -89,10 +105,11 @@ def run_point(engine: Engine, rule: str, alpha: float, prompts: Sequence[list[in
             calls += result.stats.target_calls
             off += result.stats.off_target_tokens
             tv += result.stats.tv_deviation
+            ll_loss += result.stats.loglik_loss
             a, ll = _score(engine, prompt, out)
             agree += a
             loglik += ll
-    return Point(rule, alpha, tokens, seconds, calls, off, tv, agree / max(1, tokens), loglik / max(1, tokens))
+    return Point(rule, alpha, tokens, seconds, calls, off, tv, ll_loss, agree / max(1, tokens), loglik / max(1, tokens))
 
 
 def _score(engine: Engine, prompt: list[int], out: list[int]) -> tuple[int, float]:
@@ -106,31 +123,40 @@ def _score(engine: Engine, prompt: list[int], out: list[int]) -> tuple[int, floa
     return agree, float(logp[torch.arange(len(out)), ids].sum())
 
 
-def frontier(points: Sequence[Point], reference: Point) -> list[tuple[float, float]]:
-    """(quality loss, best tokens/s at no more than that loss) for one rule, sorted by loss."""
-    pairs = sorted((max(0.0, reference.loglik - p.loglik), p.tokens_per_s) for p in points)
+def frontier(points: Sequence[Point], speed=lambda p: p.tokens_per_s) -> list[tuple[float, float]]:
+    """(quality loss, best speed at no more than that loss) for one rule, sorted by loss."""
+    pairs = sorted((max(0.0, p.loss), speed(p)) for p in points)
     best, out = 0.0, []
-    for loss, speed in pairs:
-        best = max(best, speed)
+    for loss, value in pairs:
+        best = max(best, value)
         out.append((loss, best))
     return out
 
 
 def speed_at(front: list[tuple[float, float]], loss: float) -> float | None:
     """The best speed a rule reaches at quality loss <= `loss` (None: none of its points is that good)."""
-    eligible = [speed for l, speed in front if l <= loss + 1e-12]
+    eligible = [value for l, value in front if l <= loss + 1e-12]
     return max(eligible) if eligible else None
 
 
-def compare(points: dict[str, list[Point]], reference: Point, fast: str, slow: str) -> list[dict]:
-    """Speed ratio fast/slow at each quality-loss level the slow rule's points reach."""
-    f_front, s_front = frontier(points[fast], reference), frontier(points[slow], reference)
+SPEEDS = {"tok_s": lambda p: p.tokens_per_s, "tokens_per_target_call": lambda p: 1.0 / p.calls_per_token}
+
+
+def compare(points: dict[str, list[Point]], fast: str, slow: str) -> list[dict]:
+    """Speed ratios fast/slow (tokens/s, and tokens per target call) at each quality-loss level the
+    slow rule's points reach."""
     rows = []
-    for loss, slow_speed in s_front:
-        fast_speed = speed_at(f_front, loss)
-        if fast_speed is not None and slow_speed > 0:
-            rows.append({"quality_loss": round(loss, 4), f"{slow}_tok_s": round(slow_speed, 1),
-                         f"{fast}_tok_s": round(fast_speed, 1), "ratio": round(fast_speed / slow_speed, 3)})
+    for loss, _ in frontier(points[slow]):
+        row: dict = {"quality_loss": round(loss, 5)}
+        for name, speed in SPEEDS.items():
+            slow_speed = speed_at(frontier(points[slow], speed), loss)
+            fast_speed = speed_at(frontier(points[fast], speed), loss)
+            if fast_speed is None or not slow_speed:
+                break
+            row[f"{slow}_{name}"], row[f"{fast}_{name}"] = round(slow_speed, 3), round(fast_speed, 3)
+            row[f"ratio_{name}"] = round(fast_speed / slow_speed, 3)
+        else:
+            rows.append(row)
     return rows
 
 
@@ -143,18 +169,19 @@ def plot(points: dict[str, list[Point]], reference: Point, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     for rule, pts in points.items():
         style = "-o" if rule in ("token-v3", "lossy") else "--."
-        axes[0].plot([p.calls_per_token for p in pts], [p.loglik for p in pts], style, label=rule)
-        axes[1].plot([p.tokens_per_s for p in pts], [p.loglik for p in pts], style, label=rule)
-        axes[2].plot([p.tokens_per_s for p in pts], [p.agreement for p in pts], style, label=rule)
-    for ax, (x, y) in zip(axes, (("target calls per token", "target log-likelihood per token"),
-                                 ("tokens/s", "target log-likelihood per token"),
-                                 ("tokens/s", "agreement with the target's greedy choice"))):
-        ax.axhline(reference.loglik if "log" in y else reference.agreement, color="k", lw=0.8, ls=":")
+        axes[0].plot([p.calls_per_token for p in pts], [p.loss for p in pts], style, label=rule)
+        axes[1].plot([p.tokens_per_s for p in pts], [p.loss for p in pts], style, label=rule)
+        axes[2].plot([p.tokens_per_s for p in pts], [p.ll_change for p in pts], style, label=rule)
+    for ax, (x, y) in zip(axes, (("target calls per token", "quality loss: expected TV deviation per token"),
+                                 ("tokens/s", "quality loss: expected TV deviation per token"),
+                                 ("tokens/s", "expected log-likelihood drop per token (nats)"))):
+        ax.axhline(0.0, color="k", lw=0.8, ls=":")
+        ax.plot([reference.calls_per_token if ax is axes[0] else reference.tokens_per_s], [0.0], "k*", ms=10)
         ax.set_xlabel(x)
         ax.set_ylabel(y)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("final-verifier rules: cost vs quality (dotted: exact)")
+    fig.suptitle(f"final-verifier rules: cost vs quality loss (star: exact, {reference.tokens_per_s:.0f} tok/s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -177,9 +204,10 @@ def run(engine: Engine, prompts: Sequence[list[int]], rules: Sequence[str], max_
         "rules": {rule: [_row(p) for p in pts] for rule, pts in points.items()},
     }
     if "token-v3" in points and "lossy" in points:
-        rows = compare(points, reference, "token-v3", "lossy")
-        results["token_v3_vs_lossy"] = {"rows": rows,
-                                        "median_ratio": statistics.median(r["ratio"] for r in rows) if rows else None}
+        rows = compare(points, "token-v3", "lossy")
+        results["token_v3_vs_lossy"] = {"rows": rows, **{
+            f"median_ratio_{name}": statistics.median(r[f"ratio_{name}"] for r in rows) if rows else None
+            for name in SPEEDS}}
     (out / "lossy.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(points, reference, out / "lossy_curves.png")
     print(markdown(results), end="")
@@ -189,26 +217,33 @@ def run(engine: Engine, prompts: Sequence[list[int]], rules: Sequence[str], max_
 def _row(p: Point) -> dict:
     return {"rule": p.rule, "alpha": p.alpha, "tokens": p.tokens, "tokens_per_s": round(p.tokens_per_s, 2),
             "target_calls_per_token": round(p.calls_per_token, 4), "off_target_tokens": p.off_target,
-            "tv_deviation": round(p.tv, 3), "agreement": round(p.agreement, 4), "loglik": round(p.loglik, 4)}
+            "tv_deviation": round(p.tv, 3), "tv_per_token": round(p.loss, 5),
+            "loglik_drop_per_token": round(p.ll_change, 5), "agreement": round(p.agreement, 4),
+            "loglik": round(p.loglik, 4)}
 
 
 def markdown(results: dict) -> str:
     ex = results["exact"]
     lines = [f"exact: {ex['tokens_per_s']:.1f} tok/s, {ex['target_calls_per_token']:.3f} target calls/token, "
              f"agreement {ex['agreement']:.3f}, log-lik {ex['loglik']:.3f}", "",
-             "| rule | alpha | tok/s | target calls/tok | off-target | TV dev | agreement | log-lik | loss |",
+             "| rule | alpha | tok/s | target calls/tok | off-target tokens | TV dev/tok (quality loss) "
+             "| expected log-lik drop/tok | agreement (sampled) | log-lik (sampled) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for rule, rows in results["rules"].items():
         for r in rows:
             lines.append(f"| {rule} | {r['alpha']:g} | {r['tokens_per_s']:.1f} | {r['target_calls_per_token']:.3f} | "
-                         f"{r['off_target_tokens']} | {r['tv_deviation']:.1f} | {r['agreement']:.3f} | "
-                         f"{r['loglik']:.3f} | {ex['loglik'] - r['loglik']:+.3f} |")
+                         f"{r['off_target_tokens']} | {r['tv_per_token']:.3f} | "
+                         f"{r['loglik_drop_per_token']:+.3f} | {r['agreement']:.3f} | {r['loglik']:.3f} |")
     cmp_ = results.get("token_v3_vs_lossy")
     if cmp_:
         lines += ["", "token-v3 vs lossy (beta 1) at equal quality loss:", "",
-                  "| quality loss <= | lossy tok/s | token-v3 tok/s | ratio |", "|---|---|---|---|"]
-        lines += [f"| {r['quality_loss']:.3f} | {r['lossy_tok_s']:.1f} | {r['token-v3_tok_s']:.1f} | {r['ratio']:.2f}x |"
+                  "| TV dev/tok <= | lossy tok/s | token-v3 tok/s | ratio | lossy tok/call | token-v3 tok/call "
+                  "| ratio |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['quality_loss']:.4f} | {r['lossy_tok_s']:.1f} | {r['token-v3_tok_s']:.1f} | "
+                  f"{r['ratio_tok_s']:.2f}x | {r['lossy_tokens_per_target_call']:.2f} | "
+                  f"{r['token-v3_tokens_per_target_call']:.2f} | {r['ratio_tokens_per_target_call']:.2f}x |"
                   for r in cmp_["rows"]]
-        if cmp_["median_ratio"] is not None:
-            lines.append(f"\nmedian ratio {cmp_['median_ratio']:.2f}x (goal >= 1.2x)")
+        if cmp_["rows"]:
+            lines.append(f"\nmedian ratio: {cmp_['median_ratio_tok_s']:.2f}x in tokens/s, "
+                         f"{cmp_['median_ratio_tokens_per_target_call']:.2f}x in tokens per target call (goal >= 1.2x)")
     return "\n".join(lines) + "\n"

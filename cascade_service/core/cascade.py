@@ -289,6 +289,7 @@ class CascadeDrafter:
         if self.final:
             st.stats.off_target_tokens += verdict.off_target
             st.stats.tv_deviation += verdict.tv
+            st.stats.loglik_loss += verdict.ll_loss
         tokens = block.tokens[: verdict.accepted] + [verdict.token]
         self.counters.tokens_out += len(tokens)
         return Draft(tokens, verdict.token_probs, verdict.dists, [self.name] * len(tokens))

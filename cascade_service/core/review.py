@@ -34,6 +34,7 @@ class Verdict:
     dists: torch.Tensor | None
     off_target: int = 0
     tv: float = 0.0
+    ll_loss: float = 0.0  # expected drop in the reviewer's log-likelihood (core.verify)
 
 
 class ReviewRule(Protocol):

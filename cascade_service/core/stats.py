@@ -66,6 +66,7 @@ class CascadeStats:
     verification: str = "exact"  # the final verifier's rule, as Verification.describe() writes it
     off_target_tokens: int = 0  # emitted tokens drawn from a distribution other than the target's
     tv_deviation: float = 0.0  # summed expected total-variation distance from the target's distributions
+    loglik_loss: float = 0.0  # summed expected drop of the target's log-likelihood (nats)
 
     def tier(self, name: str) -> TierCounters:
         return self.tiers.setdefault(name, TierCounters())
@@ -122,6 +123,7 @@ class CascadeStats:
             "verification": self.verification,
             "off_target_tokens": self.off_target_tokens,
             "tv_deviation": round(self.tv_deviation, 6),
+            "loglik_loss": round(self.loglik_loss, 6),
         }
 
 

@@ -38,8 +38,11 @@ Where the notes leave choices, ours:
   from a distribution other than the target's; a rejected one is replaced by argmax p.
 
 Accounting (the loss made visible): per emitted position, the distribution o the token was drawn
-from is compared with p: `off_target` counts positions with o != p and `tv` sums TV(o, p), the
-expected total-variation deviation. Greedy: o is the emitted token's one-hot.
+from is compared with p: `off_target` counts positions with o != p, `tv` sums TV(o, p), the
+expected total-variation deviation, and `ll_loss` sums E_p[log p] - E_o[log p], the expected drop
+in the target's log-likelihood (negative where o favours tokens the target likes more than its own
+sample does). Greedy: o is the emitted token's one-hot and p's is its argmax's. These expectations
+are exact per position, so they measure a rule's loss with far less noise than scoring samples.
 """
 
 from __future__ import annotations
@@ -220,6 +223,7 @@ class VerifyReview:
         best = p.argmax(dim=-1).tolist()
         p_max = p.max(dim=-1).values.tolist()
         accepted = off = 0
+        loss = 0.0
         for i in range(k):
             x = block.tokens[i]
             if x != best[i]:
@@ -227,10 +231,11 @@ class VerifyReview:
                                          None if block.dists is None else block.dists[i]):
                     break
                 off += 1
+                loss += math.log(p_max[i]) - math.log(max(float(p[i, x]), _TINY))
             accepted += 1
         token = best[accepted]
         probs = [float(p[i, block.tokens[i]]) for i in range(accepted)] + [float(p[accepted, token])]
-        return Verdict(accepted, token, probs, None, off_target=off, tv=float(off))
+        return Verdict(accepted, token, probs, None, off_target=off, tv=float(off), ll_loss=loss)
 
     @staticmethod
     def _keep_greedy(v: Verification, alpha: float, x: int, q_x: float, p: torch.Tensor, p_max: float,
@@ -260,7 +265,7 @@ class VerifyReview:
         k, v = len(block), self.v
         assert block.dists is not None or k == 0, "sampling review needs the drafts' distributions"
         fuzzy = v.rule in FUZZY_RULES
-        accepted, token, off, deviation = k, None, 0, 0.0
+        accepted, token, off, deviation, loss = k, None, 0, 0.0, 0.0
         for i in range(k):
             q_i, p_i, x = block.dists[i], p[i], block.tokens[i]
             if fuzzy:
@@ -277,6 +282,7 @@ class VerifyReview:
             if gap > 1e-6:
                 off += 1
                 deviation += gap
+                loss += float(((p_i - out) * p_i.clamp_min(_TINY).log()).sum())
             if not keep:
                 accepted, token = i, sample(replacement, generator)
                 break
@@ -284,7 +290,7 @@ class VerifyReview:
             token = sample(p[k], generator)  # the bonus comes from p (q at k is never computed)
         tokens = block.tokens[:accepted] + [token]
         probs = [float(p[i, t]) for i, t in enumerate(tokens)]
-        return Verdict(accepted, token, probs, None, off_target=off, tv=deviation)
+        return Verdict(accepted, token, probs, None, off_target=off, tv=deviation, ll_loss=loss)
 
 
 def final_rule(greedy: bool, verification: Verification | None) -> ReviewRule:

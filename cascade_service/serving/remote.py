@@ -52,7 +52,8 @@ class RemoteTier:
                                        "beta": verification.beta}
         reply = self._call("review", message, counters)
         return Verdict(int(reply["accepted"]), int(reply["token"]), [float(p) for p in reply["token_probs"]],
-                       _tensor(reply["dists"]), int(reply.get("off_target", 0)), float(reply.get("tv", 0.0)))
+                       _tensor(reply["dists"]), int(reply.get("off_target", 0)), float(reply.get("tv", 0.0)),
+                       float(reply.get("ll_loss", 0.0)))
 
     def release(self) -> None:
         self.invoke("release", {"request_id": self.request_id})

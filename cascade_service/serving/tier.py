@@ -77,6 +77,7 @@ class TierServer:
         verdict = score_and_review(scorer, ctx, draft, rule, float(msg["leniency"]), sampling, generator, counters)
         return {"accepted": verdict.accepted, "token": verdict.token, "token_probs": verdict.token_probs,
                 "dists": _array(verdict.dists), "off_target": verdict.off_target, "tv": verdict.tv,
+                "ll_loss": verdict.ll_loss,
                 **_usage(counters, scorer.tokens_processed - before)}
 
     def release(self, request_id: str) -> bool:

@@ -1,4 +1,5 @@
-"""`cascade-service bench`: every method is greedy and exact, and the outputs have the documented shape.
+"""`cascade-service bench`: every method is greedy and exact, and the outputs have the documented shape;
+`--lossy` accounts each rule's deviation and `--adaptive` stays exact while it changes block lengths.
 
 One bench run over the tiny family (module fixture) feeds most tests; it runs in-process through the
 command's own argparse registration.
@@ -14,9 +15,11 @@ import json
 import pytest
 import yaml
 
+from cascade_service.bench import lossy
 from cascade_service.bench.cli import add_bench_command
 from cascade_service.bench.methods import parse_methods
 from cascade_service.config import load_config, make_cascade
+from cascade_service.models.acceptance_head import AcceptanceHead
 
 METHODS = ["hf-ar", "ar", "hf-assisted:close", "hf-prompt-lookup", "sd:close", "csd:close+mag", "csd:close+mid+mag"]
 PROMPTS = [
@@ -166,3 +169,55 @@ def test_bad_method_names_raise_value_error_naming_the_method(inputs, tmp_path, 
     with pytest.raises(ValueError, match=method.replace("+", r"\+")):
         _bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
                "--methods", f"ar,{method}", "--out", str(tmp_path))
+
+
+# --- bench --lossy and --adaptive (issue 5) ---------------------------------------------------------
+
+def test_bench_lossy_writes_curves_and_accounts_the_deviation(inputs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(lossy.GRIDS, "token-v3", (-1.0, 0.9))
+    monkeypatch.setitem(lossy.GRIDS, "lossy", (0.0, 0.9))
+    out = tmp_path / "lossy"
+    assert _bench("--lossy", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+                  "--rules", "token-v3,lossy", "--temperature", "1.0", "--seeds", "0", "--max-new-tokens", "12",
+                  "--out", str(out)) == 0
+    results = json.loads((out / "lossy.json").read_text())
+    assert results["exact"]["tv_per_token"] == 0.0 and results["exact"]["off_target_tokens"] == 0
+    for rule in ("token-v3", "lossy"):
+        strict, loose = results["rules"][rule]
+        assert strict["off_target_tokens"] == 0 and strict["tv_per_token"] == 0.0
+        assert loose["off_target_tokens"] > 0 and loose["tv_per_token"] > 0.0
+        assert loose["target_calls_per_token"] <= strict["target_calls_per_token"]
+    assert results["token_v3_vs_lossy"]["rows"]  # at least the zero-loss level
+    assert (out / "lossy_curves.png").read_bytes()[:8] == PNG_MAGIC
+    assert "token-v3 vs lossy" in capsys.readouterr().out
+
+
+def test_bench_adaptive_is_exact_and_summarises_against_the_best_fixed_k(inputs, tiny_family, tmp_path):
+    from cascade_service.models.hf import HFModel
+
+    hidden = HFModel.load(tiny_family["mid"]).config.hidden_size
+    head = AcceptanceHead(hidden, depth=1)
+    head.save(tmp_path / "head")
+    out = tmp_path / "adaptive"
+    assert _bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+                  "--drafter", "mid", "--head", str(tmp_path / "head"), "--sd-k-sweep", "1,3", "--max-k", "6",
+                  "--thresholds", "0.5", "--confidence", "0.4", "--max-new-tokens", "10", "--repeats", "1",
+                  "--out", str(out)) == 0
+    results = json.loads((out / "adaptive.json").read_text())
+    assert set(results["methods"]) == {"fixed K=1", "fixed K=3", "specdec h=0.5", "confidence h=0.4"}
+    assert all(m["identical"] for m in results["methods"].values())
+    assert results["best_fixed"] in ("fixed K=1", "fixed K=3")
+    assert set(results["summary"]) == {"specdec", "confidence"}
+    assert results["methods"]["fixed K=1"]["mean_block"] <= 1.0
+
+
+def test_bench_modes_reject_mixed_flags(inputs):
+    base = ["--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"), "--out", "/tmp/x"]
+    with pytest.raises(ValueError, match="pick one"):
+        _bench("--lossy", "--adaptive", *base)
+    with pytest.raises(ValueError, match="--rules"):
+        _bench("--lossy", "--rules", "token-v9", *base)
+    with pytest.raises(ValueError, match="--methods is required"):
+        _bench(*base)
+    with pytest.raises(ValueError, match="--drafter"):
+        _bench("--adaptive", "--drafter", "mag", *base)

@@ -23,7 +23,7 @@ from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
 from cascade_service.core.types import Draft
-from cascade_service.core.verify import (CASCADE_RULES, FUZZY_RULES, RULES, STRICT_ALPHA, Verification, VerifyReview,
+from cascade_service.core.verify import (FUZZY_RULES, RULES, STRICT_ALPHA, Verification, VerifyReview,
                                          divergence, target_distribution, tuned_beta)
 
 from .toy import ToyScorer, chi_square_rejects, exact_distribution

@@ -53,7 +53,7 @@ class TierStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation")
+    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss")
     class TiersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GenerateStats(_message.Message):
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     OFF_TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TV_DEVIATION_FIELD_NUMBER: _ClassVar[int]
+    LOGLIK_LOSS_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     target_calls: int
     tiers: _containers.MessageMap[str, TierStats]
@@ -83,7 +84,8 @@ class GenerateStats(_message.Message):
     verification: str
     off_target_tokens: int
     tv_deviation: float
-    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ...) -> None: ...
+    loglik_loss: float
+    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_id", "session_length")
