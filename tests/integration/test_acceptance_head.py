@@ -184,11 +184,11 @@ def test_stopper_with_a_head_reads_the_hidden_state_of_the_previous_candidate(mo
 
 
 def test_train_head_cli_on_the_test_zoo_writes_a_loadable_head(test_zoo_home, tmp_path, monkeypatch, capsys):
+    from cascade_service.cli import main
+
     monkeypatch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
-    parser = argparse.ArgumentParser()
-    th.add_arguments(parser)
     out = tmp_path / "head"
-    assert th.run(parser.parse_args(["--preset", "test", "--drafter", "small", "--out", str(out), "--steps", "30"])) == 0
+    assert main(["train-head", "--preset", "test", "--drafter", "small", "--out", str(out), "--steps", "30"]) == 0
     head = AcceptanceHead.load(out)
     small = HFModel.load(test_zoo_home / "zoo" / "test" / "small")
     assert head.hidden_size == small.config.hidden_size and head.depth == 3
