@@ -22,8 +22,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     del parser_class
     p = subparsers.add_parser("bench", help="benchmark methods side by side in one process (greedy, exact); "
                                              "--lossy: cost-quality curves of the final-verifier rules")
-    p.add_argument("--config", required=True, help="YAML config naming the target and drafter tiers")
-    p.add_argument("--prompts", required=True, help='JSON lines, one {"prompt": "..."} per line')
+    p.add_argument("--config", help="YAML config naming the target and drafter tiers (not with --load)")
+    p.add_argument("--prompts", help='JSON lines, one {"prompt": "..."} per line (--load: optional)')
     p.add_argument("--methods",
                    help="comma-separated: hf-ar, ar, hf-assisted:<tier>, hf-prompt-lookup, sd:<tier>, "
                         "csd:<tier>+<tier>... (hf-ar, the reference, always runs); not with --lossy")
@@ -34,6 +34,13 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
                                    "with beta tuned)")
     p.add_argument("--temperature", type=float, default=1.0, help="with --lossy: sampling temperature")
     p.add_argument("--seeds", default="0,1", help="with --lossy: sampling seeds per prompt")
+    p.add_argument("--load", action="store_true",
+                   help="concurrent clients against a running service (--target): latency, throughput, errors, "
+                        "server memory (writes load.json)")
+    p.add_argument("--target", help="with --load: HOST:PORT of a running service on this machine")
+    p.add_argument("--concurrency", default="1,4,16", help="with --load: comma-separated client counts")
+    p.add_argument("--duration", type=float, default=20.0, help="with --load: seconds per concurrency level")
+    p.add_argument("--api-key", help="with --load: the API key to send")
     p.add_argument("--adaptive", action="store_true",
                    help="SpecDec++ and confidence stopping against fixed draft lengths, one drafter (writes adaptive.json)")
     p.add_argument("--drafter", help="with --adaptive: the drafter tier (default: the config's last model drafter)")
@@ -52,8 +59,12 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    if args.lossy and args.adaptive:
-        raise ValueError("--lossy and --adaptive are separate benchmarks: pick one")
+    if sum(map(bool, (args.lossy, args.adaptive, args.load))) > 1:
+        raise ValueError("--lossy, --adaptive and --load are separate benchmarks: pick one")
+    if args.load:
+        return _run_load(args)
+    if not args.config or not args.prompts:
+        raise ValueError("--config and --prompts are required (except with --load)")
     if args.lossy:
         return _run_lossy(args)
     if args.adaptive:
@@ -127,6 +138,29 @@ def _run_lossy(args: argparse.Namespace) -> int:
                           "--rules", ",".join(rules), "--temperature", str(args.temperature), "--seeds", args.seeds,
                           "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
     lossy.run(engine, prompts, rules, args.max_new_tokens, args.temperature, seeds, Path(args.out), command)
+    return 0
+
+
+def _run_load(args: argparse.Namespace) -> int:
+    from ..prompts import read_prompts
+    from . import load
+
+    if not args.target or ":" not in args.target:
+        raise ValueError("--load needs --target HOST:PORT of a running service")
+    host = args.target.rsplit(":", 1)[0].strip("[]")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"--target: load tests run on loopback only, got {host!r}")
+    concurrencies = _int_list(args.concurrency, "--concurrency")
+    if not 0 < args.duration <= 3600:
+        raise ValueError(f"--duration must be in (0, 3600] seconds, got {args.duration}")
+    _check_range(args.max_new_tokens, "--max-new-tokens", 1, 4096)
+    prompts = read_prompts(args.prompts) if args.prompts else list(load.DEFAULT_PROMPTS)
+    command = shlex.join(["cascade-service", "bench", "--load", "--target", args.target, "--concurrency",
+                          args.concurrency, "--duration", str(args.duration), "--max-new-tokens",
+                          str(args.max_new_tokens), *(["--prompts", args.prompts] if args.prompts else []),
+                          "--out", args.out])
+    load.run(args.target, concurrencies, args.duration, prompts, args.max_new_tokens, Path(args.out), command,
+             api_key=args.api_key)
     return 0
 
 

@@ -1,0 +1,156 @@
+"""`cascade-service bench --load`: concurrent clients against a running service on loopback.
+
+N client threads (one gRPC channel each) send Generate requests back to back for S seconds, per
+concurrency level. Per level: completed requests, tokens/s over the level's wall time, p50 / p99
+request latency, errors by status code. Around the whole run: the resident memory (RSS) of the
+server's process tree, read from /proc when the target is on this machine (the process that listens
+on the target port and its descendants: the `serve` process with Ray's workers and replicas). A
+KV-cache leak shows as growth that does not come back after the load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_PROMPTS = ("def main():\n", "import os\n\n\nclass Config:\n", "for i in range(10):\n    print(i)\n")
+
+
+@dataclass
+class Level:
+    concurrency: int
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    tokens: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        lat = sorted(self.latencies)
+        return {"concurrency": self.concurrency, "requests": len(lat), "tokens": self.tokens,
+                "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0,
+                "p50_s": round(statistics.median(lat), 4) if lat else None,
+                "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 4) if lat else None,
+                "errors": sum(self.errors.values()), "errors_by_code": dict(self.errors)}
+
+
+def run_level(target: str, concurrency: int, duration_s: float, prompts: Sequence[str], max_new_tokens: int,
+              api_key: str | None, timeout_s: float) -> Level:
+    from ..client import CascadeClient, errors
+
+    level = Level(concurrency)
+    lock = threading.Lock()
+    deadline = time.monotonic() + duration_s
+
+    def worker(index: int) -> None:
+        with CascadeClient(target, timeout_s=timeout_s, api_key=api_key) as client:
+            i = index
+            while time.monotonic() < deadline:
+                prompt = prompts[i % len(prompts)]
+                i += concurrency
+                start = time.perf_counter()
+                try:
+                    result = client.generate(prompt, max_new_tokens=max_new_tokens)
+                except errors.CascadeError as exc:
+                    with lock:
+                        level.errors[exc.code] = level.errors.get(exc.code, 0) + 1
+                    continue
+                elapsed = time.perf_counter() - start
+                with lock:
+                    level.latencies.append(elapsed)
+                    level.tokens += len(result.token_ids)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    level.seconds = time.perf_counter() - start  # includes the requests in flight at the deadline
+    return level
+
+
+def listener_tree_rss(port: int) -> int | None:
+    """RSS bytes of the process listening on `port` here and its descendants; None if not found."""
+    proc = Path("/proc")
+    inodes = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A" and int(cols[1].split(":")[1], 16) == port:
+                inodes.add(cols[9])
+    owner = None
+    for pid_dir in proc.glob("[0-9]*"):
+        try:
+            for fd in (pid_dir / "fd").iterdir():
+                try:
+                    link = os.readlink(fd)
+                except OSError:  # closed meanwhile
+                    continue
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    owner = int(pid_dir.name)
+                    break
+        except OSError:
+            continue
+        if owner is not None:
+            break
+    if owner is None:
+        return None
+    parents: dict[int, int] = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, grew = {owner}, True
+    while grew:
+        children = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= children
+        grew = bool(children)
+    total = 0
+    for pid in tree:
+        try:
+            for line in (proc / str(pid) / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def run(target: str, concurrencies: Sequence[int], duration_s: float, prompts: Sequence[str], max_new_tokens: int,
+        out: Path, command: str, api_key: str | None = None, timeout_s: float = 120.0) -> dict:
+    port = int(target.rsplit(":", 1)[1])
+    rss_before = listener_tree_rss(port)
+    run_level(target, 1, min(2.0, duration_s), prompts, max_new_tokens, api_key, timeout_s)  # warm-up
+    rss_warm = listener_tree_rss(port)
+    levels = []
+    for n in concurrencies:
+        level = run_level(target, n, duration_s, prompts, max_new_tokens, api_key, timeout_s).summary()
+        levels.append(level)
+        print(f"concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} tok/s, "
+              f"p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}", flush=True)
+    time.sleep(2.0)  # let releases of finished requests land
+    rss_after = listener_tree_rss(port)
+    memory = {"rss_before_mb": _mb(rss_before), "rss_after_warmup_mb": _mb(rss_warm), "rss_after_mb": _mb(rss_after),
+              "growth_after_warmup_mb": _mb(rss_after - rss_warm) if rss_after and rss_warm else None}
+    results = {"command": command, "target": target, "duration_s": duration_s, "max_new_tokens": max_new_tokens,
+               "levels": levels, "memory": memory}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "load.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"server RSS: {memory['rss_after_warmup_mb']} MB after warm-up, {memory['rss_after_mb']} MB after the load "
+          f"(growth {memory['growth_after_warmup_mb']} MB)")
+    return results
+
+
+def _mb(value: int | None) -> float | None:
+    return None if value is None else round(value / 2**20, 1)

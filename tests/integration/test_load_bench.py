@@ -1,0 +1,47 @@
+"""`cascade-service bench --load` against a real gRPC server on loopback (tiny models, in this process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cascade_service.api.server import start_server
+from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.engine import Engine
+from cascade_service.sessions import MemoryStore
+
+from .test_bench import _bench
+
+
+@pytest.fixture(scope="module")
+def address(tiny_family):
+    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
+                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    server, port = start_server(Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8)))
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_load_levels_report_latency_throughput_errors_and_server_memory(address, tmp_path, capsys):
+    out = tmp_path / "load"
+    assert _bench("--load", "--target", address, "--concurrency", "1,3", "--duration", "1.5",
+                  "--max-new-tokens", "6", "--out", str(out)) == 0
+    results = json.loads((out / "load.json").read_text())
+    assert [level["concurrency"] for level in results["levels"]] == [1, 3]
+    for level in results["levels"]:
+        assert level["requests"] > 0 and level["errors"] == 0
+        assert 0 < level["p50_s"] <= level["p99_s"] and level["tokens_per_s"] > 0
+        assert level["tokens"] <= 6 * level["requests"]
+    memory = results["memory"]  # the listener is this test process: its RSS is found and positive
+    assert memory["rss_after_warmup_mb"] > 0 and memory["rss_after_mb"] > 0
+    assert "concurrency   3" in capsys.readouterr().out
+
+
+def test_load_refuses_non_loopback_targets_and_bad_values(tmp_path):
+    with pytest.raises(ValueError, match="loopback"):
+        _bench("--load", "--target", "10.0.0.1:9000", "--out", str(tmp_path))
+    with pytest.raises(ValueError, match="--duration"):
+        _bench("--load", "--target", "127.0.0.1:9000", "--duration", "0", "--out", str(tmp_path))
+    with pytest.raises(ValueError, match="--target"):
+        _bench("--load", "--out", str(tmp_path))
