@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from .config import (
     Config,
@@ -273,7 +273,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--grpc-port", type=int, default=None, help="default: the config's serving.grpc_port (9000)")
     p.add_argument("--redis-url", default=None, help="keep sessions in Redis (default: in-cluster memory)")
-    p.add_argument("--host", default="127.0.0.1", help="loopback only until API keys exist (issue 6)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="default loopback; any other address needs --api-keys and --tls-cert/--tls-key")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="require one of these API keys (one per line, 'KEY [name]', '#' comments); "
+                        "default: the config's serving.api_keys_file")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert")
     p.add_argument("--frontend", default="edge", choices=["edge", "ray"],
                    help="edge: our gRPC server forwards to the coordinator (default); ray: Ray Serve's gRPC proxy")
     p.set_defaults(run=_run_serve)
@@ -283,9 +289,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        raise UsageError(f"--host {args.host}: only loopback addresses are served until API keys are required")
     config = load_config(args.config)
+    api_keys, tls = serve_access(args, config)
     port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
     if not 0 <= port <= 65535:
         raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
@@ -294,7 +299,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend)
+    service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,
+                           api_keys=api_keys, tls=tls)
     try:
         address = service.start()
         print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)
@@ -305,12 +311,40 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
+    """(API keys, TLS files) for `serve`, from the flags or else the config; UsageError where they are
+    unusable, and for a non-loopback --host unless both keys and TLS are on."""
+    from .api.auth import TlsFiles, is_loopback, load_api_keys
+
+    serving = config.serving
+    keys_file = args.api_keys or serving.api_keys_file
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together")
+    cert, key = (args.tls_cert, args.tls_key) if args.tls_cert else (serving.tls_cert_file, serving.tls_key_file)
+    tls = TlsFiles(cert, key) if cert else None
+    if not is_loopback(args.host) and (keys_file is None or tls is None):
+        missing = " and ".join(flag for flag, value in (("--api-keys", keys_file), ("--tls-cert/--tls-key", tls))
+                               if value is None)
+        raise UsageError(f"--host {args.host}: a non-loopback address is served only with API keys and TLS "
+                         f"(missing {missing}, or serving.api_keys_file / serving.tls_cert_file in the config)")
+    if (keys_file or tls) and args.frontend != "edge":
+        raise UsageError("--api-keys and TLS need --frontend edge (TLS and the keys file are served by the edge)")
+    try:
+        api_keys = load_api_keys(keys_file) if keys_file else None
+        if tls is not None:
+            tls.credentials()  # unreadable files fail here, before Ray starts
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return api_keys, tls
+
+
 def _add_client(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("client", help="talk to a running service over gRPC")
     client_sub = p.add_subparsers(dest="client_command", required=True, parser_class=_Parser)
     for name, help_text in (("generate", "one request, printed when done"), ("stream", "print text as it arrives")):
         c = client_sub.add_parser(name, help=help_text)
         c.add_argument("--target", required=True, help="HOST:PORT of the service")
+        _add_client_access(c)
         source = c.add_mutually_exclusive_group(required=True)
         source.add_argument("--prompt")
         source.add_argument("--prompt-file")
@@ -327,10 +361,17 @@ def _add_client(sub: argparse._SubParsersAction) -> None:
     for name in ("create", "get", "delete"):
         c = client_sub.add_parser(f"session-{name}", help=f"{name} a session")
         c.add_argument("--target", required=True)
+        _add_client_access(c)
         c.add_argument("--session-id", required=name != "create")
         if name == "create":
             c.add_argument("--prompt", default="")
         c.set_defaults(run=_run_client)
+
+
+def _add_client_access(c: argparse.ArgumentParser) -> None:
+    # The API key comes from the environment only: a flag would show it in `ps` and shell history.
+    c.add_argument("--tls", action="store_true", help="connect with TLS (the API key: $CASCADE_API_KEY)")
+    c.add_argument("--root-cert", default=None, metavar="FILE", help="PEM root certificates for --tls")
 
 
 def _run_client(args: argparse.Namespace) -> int:
@@ -338,7 +379,14 @@ def _run_client(args: argparse.Namespace) -> int:
 
     command = args.client_command
     try:
-        with CascadeClient(args.target, timeout_s=getattr(args, "timeout_s", 120.0)) as client:
+        import os
+
+        if args.root_cert and not args.tls:
+            raise UsageError("--root-cert goes with --tls")
+        roots = Path(args.root_cert).read_bytes() if args.root_cert else None
+        with CascadeClient(args.target, timeout_s=getattr(args, "timeout_s", 120.0),
+                           api_key=os.environ.get("CASCADE_API_KEY") or None, tls=args.tls,
+                           root_certificates=roots) as client:
             if command.startswith("session-"):
                 if command == "session-delete":
                     print(json.dumps({"deleted": client.delete_session(args.session_id)}))

@@ -53,7 +53,7 @@ class CascadeConfig:
     leniency: float = 1.0  # inner reviews only; the target's review is always strict
     lookup: Lookup | None = None  # MaG-first gate at the target (needs MaG among the drafters)
     # Adaptive draft length (SpecDec++ or the confidence baseline) per tier that drafts alone.
-    adaptive: dict[str, AdaptiveLength] = field(default_factory=dict)
+    adaptive: dict[str, AdaptiveLength] = field(default_factory=dict, hash=False)  # dicts do not hash
 
     @property
     def tiers(self) -> tuple[ModelTierConfig | MaGConfig, ...]:
@@ -103,6 +103,10 @@ class ServingConfig:
     # deployment name ("coordinator", "tier-<name>") -> Ray Serve options: num_replicas,
     # ray_actor_options (num_cpus, num_gpus, accelerator_type, resources), autoscaling_config, ...
     deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Access control of the gRPC edge (api/auth.py); relative paths are relative to the config file.
+    api_keys_file: str | None = None  # one key per line (`KEY [name]`, `#` comments); None: no keys
+    tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file: serve TLS
+    tls_key_file: str | None = None  # PEM private key
 
 
 @dataclass(frozen=True)
@@ -145,13 +149,14 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
     _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed", "verification"})
     if "verification" in gen_raw:
         gen_raw = {**gen_raw, "verification": make_verification(gen_raw["verification"], "generation.verification")}
-    serving = _serving(_mapping(raw.get("serving", {}), "serving"), cascade)
+    serving = _serving(_mapping(raw.get("serving", {}), "serving"), cascade, base_dir)
     return Config(cascade, make_generation(GenerationConfig(), gen_raw), serving)
 
 
-def _serving(raw: dict[str, Any], cascade: CascadeConfig) -> ServingConfig:
+def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
     _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
-                            "groups", "torch_threads", "deployments"})
+                            "groups", "torch_threads", "deployments", "api_keys_file", "tls_cert_file",
+                            "tls_key_file"})
     serving = ServingConfig(**{k: v for k, v in raw.items() if k not in ("deployments", "colocate", "groups")})
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
@@ -161,6 +166,14 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig) -> ServingConfig:
         raise ConfigError(f"serving.redis_url must be a redis://, rediss:// or unix:// URL, got {serving.redis_url!r}")
     if not isinstance(serving.session_namespace, str) or not serving.session_namespace or ":" in serving.session_namespace:
         raise ConfigError(f"serving.session_namespace must be a non-empty string without ':', got {serving.session_namespace!r}")
+    files = {}
+    for name in ("api_keys_file", "tls_cert_file", "tls_key_file"):
+        value = getattr(serving, name)
+        if value is not None and not (isinstance(value, str) and value):
+            raise ConfigError(f"serving.{name} must be a file path (a string), got {value!r}")
+        files[name] = None if value is None else _resolve(value, base_dir)
+    if (files["tls_cert_file"] is None) != (files["tls_key_file"] is None):
+        raise ConfigError("serving.tls_cert_file and serving.tls_key_file go together")
     model_tiers = [t.name for t in cascade.tiers if isinstance(t, ModelTierConfig)]
     colocate = raw.get("colocate", [])
     if not isinstance(colocate, list) or any(name not in model_tiers for name in colocate):
@@ -179,7 +192,7 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig) -> ServingConfig:
             raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
         _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
     return replace(serving, colocate=tuple(colocate), groups=tuple(tuple(g) for g in groups),
-                   deployments={k: dict(v) for k, v in deployments.items()})
+                   deployments={k: dict(v) for k, v in deployments.items()}, **files)
 
 
 def tier_groups(model_tiers: Sequence[str], colocate: Sequence[str], groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:

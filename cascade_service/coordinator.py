@@ -18,7 +18,7 @@ from .core.decode import decode
 from .core.mag import BigramTable, MaxGram
 from .core.stats import CascadeStats
 from .core.verify import Verification
-from .sessions import SessionStore, check_session_id
+from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 
 MAX_PROMPT_TOKENS = 32_768
 MAX_STOP_STRINGS = 16
@@ -35,6 +35,7 @@ class GenerateParams:
     gen: GenerationConfig
     session_id: str | None = None
     stop: tuple[str, ...] = ()
+    owner: str = ""  # the caller's owner id (api.auth); a session is used only by its owner
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Coordinator:
     def params(self, *, prompt: str = "", prompt_ids: Sequence[int] = (), session_id: str = "",
                max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                seed: int | None = None, stop: Sequence[str] = (),
-               verification: Verification | None = None) -> GenerateParams:
+               verification: Verification | None = None, owner: str = "") -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
         ids = self._prompt_ids(prompt, prompt_ids)
         if len(ids) > MAX_PROMPT_TOKENS:
@@ -95,11 +96,11 @@ class Coordinator:
         overrides = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                      "verification": verification}
         gen = GenerationConfig(**{k: (v if v is not None else getattr(self.defaults, k)) for k, v in overrides.items()})
-        return GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop))
+        return GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop), owner)
 
     def stream(self, params: GenerateParams) -> Iterator[Chunk]:
         """Yield text/token chunks as target rounds finish; the last one has finish_reason and stats."""
-        record = self.store.get(params.session_id) if params.session_id else None
+        record = check_access(self.store.get(params.session_id), params.owner) if params.session_id else None
         context = list(record.token_ids if record else ()) + list(params.prompt_ids)
         if not context:
             raise ValueError("prompt: empty (the session has no history yet)")
@@ -167,6 +168,20 @@ class Coordinator:
         if session_id:
             check_session_id(session_id)
         return self.store.create(ids, session_id or None, owner)
+
+    def get_session(self, session_id: str, owner: str = ""):
+        """The session, if `owner` owns it (SessionForbidden otherwise)."""
+        check_session_id(session_id)
+        return check_access(self.store.get(session_id), owner)
+
+    def delete_session(self, session_id: str, owner: str = "") -> bool:
+        """Delete the session if `owner` owns it; False if there was none."""
+        check_session_id(session_id)
+        try:
+            check_access(self.store.get(session_id), owner)
+        except SessionNotFound:
+            return False
+        return self.store.delete(session_id)
 
 
 class _TextStream:

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Protocol
 import grpc
 from grpc_health.v1 import health_pb2
 
+from .auth import ApiKeys, TlsFiles, bind, interceptors, owner_of
 from .server import add_health_and_reflection
 from .servicer import SERVICE_NAME
 from .v1 import cascade_pb2 as pb
@@ -39,19 +40,25 @@ def request_type(method: str) -> Any:
 
 
 class Backend(Protocol):
-    def call(self, method: str, request: bytes, timeout_s: float | None) -> Reply: ...
+    """`owner`: the caller's owner id (`api.auth.owner_of`), checked against a session's owner remotely."""
 
-    def stream(self, method: str, request: bytes, timeout_s: float | None) -> Iterator[Reply]:
+    def call(self, method: str, request: bytes, timeout_s: float | None, owner: str = "") -> Reply: ...
+
+    def stream(self, method: str, request: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
         """Replies in order; closing the iterator cancels the remote call."""
         ...
 
 
 class RecordingContext:
-    """A servicer context for calls that arrive as bytes: records the status the servicer sets."""
+    """A servicer context for calls that arrive as bytes: records the status the servicer sets.
 
-    def __init__(self) -> None:
+    `owner`: the caller's owner id, authenticated by the edge that forwarded the call (`api.auth`).
+    """
+
+    def __init__(self, owner: str = "") -> None:
         self.code = grpc.StatusCode.OK
         self.details = ""
+        self.cascade_owner = owner  # api.auth.OWNER_ATTR
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self.code = code
@@ -75,7 +82,8 @@ class ForwardingServicer(cascade_pb2_grpc.CascadeServiceServicer):
         self.backend = backend
 
     def _unary(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
-        code, details, body = self.backend.call(method, request.SerializeToString(), context.time_remaining())
+        code, details, body = self.backend.call(method, request.SerializeToString(), context.time_remaining(),
+                                                owner_of(context))
         _finish(context, code, details)
         return UNARY[method][1].FromString(body)
 
@@ -92,7 +100,8 @@ class ForwardingServicer(cascade_pb2_grpc.CascadeServiceServicer):
         return self._unary("DeleteSession", request, context)
 
     def GenerateStream(self, request, context):  # noqa: N802
-        replies = self.backend.stream("GenerateStream", request.SerializeToString(), context.time_remaining())
+        replies = self.backend.stream("GenerateStream", request.SerializeToString(), context.time_remaining(),
+                                      owner_of(context))
         context.add_callback(lambda: getattr(replies, "close", lambda: None)())  # client gone: cancel remotely
         try:
             for code, details, body in replies:
@@ -103,14 +112,16 @@ class ForwardingServicer(cascade_pb2_grpc.CascadeServiceServicer):
             getattr(replies, "close", lambda: None)()
 
 
-def start_edge(backend: Backend, host: str = "127.0.0.1", port: int = 0, workers: int = 32) -> tuple[grpc.Server, int, Any]:
-    """Serve CascadeService + health + reflection on host:port; returns (server, port, health servicer)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+def start_edge(backend: Backend, host: str = "127.0.0.1", port: int = 0, workers: int = 32,
+               api_keys: ApiKeys | None = None, tls: TlsFiles | None = None) -> tuple[grpc.Server, int, Any]:
+    """Serve CascadeService + health + reflection on host:port; returns (server, port, health servicer).
+
+    api_keys: when given, every CascadeService call needs one of them (`api.auth`); tls: serve TLS.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors(api_keys))
     cascade_pb2_grpc.add_CascadeServiceServicer_to_server(ForwardingServicer(backend), server)
     checker = add_health_and_reflection(server, serving=False)  # SERVING once the app answers
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+    bound = bind(server, host, port, tls)
     server.start()
     return server, bound, checker
 

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..coordinator import Coordinator
+from .auth import ApiKeys, TlsFiles, bind, interceptors
 from .servicer import SERVICE_NAME, CascadeServicer
 from .v1 import cascade_pb2, cascade_pb2_grpc
 
@@ -29,13 +30,15 @@ def add_health_and_reflection(server: grpc.Server, serving: bool) -> health.Heal
     return checker
 
 
-def start_server(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0, workers: int = 8) -> tuple[grpc.Server, int]:
-    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+def start_server(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0, workers: int = 8,
+                 api_keys: ApiKeys | None = None, tls: TlsFiles | None = None) -> tuple[grpc.Server, int]:
+    """Start serving; returns the server and the bound port (port 0 picks a free one).
+
+    api_keys: when given, every CascadeService call needs one of them (`api.auth`); tls: serve TLS.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors(api_keys))
     cascade_pb2_grpc.add_CascadeServiceServicer_to_server(CascadeServicer(coordinator), server)
     add_health_and_reflection(server, serving=True)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+    bound = bind(server, host, port, tls)
     server.start()
     return server, bound

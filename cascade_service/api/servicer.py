@@ -16,7 +16,8 @@ import grpc
 from ..coordinator import Chunk, Coordinator
 from ..core.stats import CascadeStats
 from ..core.verify import Verification
-from ..sessions import SessionConflict, SessionExists, SessionNotFound, StoreUnavailable
+from ..sessions import SessionConflict, SessionExists, SessionForbidden, SessionNotFound, StoreUnavailable
+from .auth import owner_of
 from .v1 import cascade_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client sees for an exception raised while serving."""
     if isinstance(exc, SessionNotFound):
         return grpc.StatusCode.NOT_FOUND, f"session_id: {exc}"
+    if isinstance(exc, SessionForbidden):
+        return grpc.StatusCode.PERMISSION_DENIED, f"session_id: {exc}"
     if isinstance(exc, SessionExists):
         return grpc.StatusCode.ALREADY_EXISTS, f"session_id: {exc}"
     if isinstance(exc, SessionConflict):
@@ -51,7 +54,7 @@ class CascadeServicer:
 
     def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
         try:
-            params = self._params(request)
+            params = self._params(request, context)
             result = self.coordinator.generate(params)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
             return _fail(context, exc, pb.GenerateResponse())
@@ -61,7 +64,7 @@ class CascadeServicer:
 
     def GenerateStream(self, request: pb.GenerateRequest, context: Any) -> Iterator[pb.GenerateChunk]:
         try:
-            params = self._params(request)
+            params = self._params(request, context)
             for chunk in self.coordinator.stream(params):
                 yield self.chunk(chunk)
         except Exception as exc:  # noqa: BLE001
@@ -70,7 +73,7 @@ class CascadeServicer:
     def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.Session:
         try:
             record = self.coordinator.create_session(request.session_id, request.prompt, list(request.prompt_token_ids),
-                                                     owner=_owner(context))
+                                                     owner=owner_of(context))
         except Exception as exc:  # noqa: BLE001
             return _fail(context, exc, pb.Session())
         return self._session(record)
@@ -78,7 +81,7 @@ class CascadeServicer:
     def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.Session:
         try:
             _require_id(request.session_id)
-            record = self.coordinator.store.get(request.session_id)
+            record = self.coordinator.get_session(request.session_id, owner_of(context))
         except Exception as exc:  # noqa: BLE001
             return _fail(context, exc, pb.Session())
         return self._session(record)
@@ -86,21 +89,21 @@ class CascadeServicer:
     def DeleteSession(self, request: pb.DeleteSessionRequest, context: Any) -> pb.DeleteSessionResponse:
         try:
             _require_id(request.session_id)
-            deleted = self.coordinator.store.delete(request.session_id)
+            deleted = self.coordinator.delete_session(request.session_id, owner_of(context))
         except Exception as exc:  # noqa: BLE001
             return _fail(context, exc, pb.DeleteSessionResponse())
         return pb.DeleteSessionResponse(deleted=deleted)
 
     # --- conversions -------------------------------------------------------------------------------
 
-    def _params(self, request: pb.GenerateRequest):
+    def _params(self, request: pb.GenerateRequest, context: Any):
         return self.coordinator.params(
             prompt=request.prompt, prompt_ids=list(request.prompt_token_ids), session_id=request.session_id,
             max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             temperature=request.temperature if request.HasField("temperature") else None,
             top_p=request.top_p if request.HasField("top_p") else None,
             seed=request.seed if request.HasField("seed") else None,
-            stop=list(request.stop), verification=_verification(request),
+            stop=list(request.stop), verification=_verification(request), owner=owner_of(context),
         )
 
     def chunk(self, chunk: Chunk) -> pb.GenerateChunk:
@@ -143,10 +146,6 @@ def _verification(request: pb.GenerateRequest) -> Verification | None:
 def _require_id(session_id: str) -> None:
     if not session_id:
         raise ValueError("session_id: required")
-
-
-def _owner(context: Any) -> str:
-    return ""  # API keys arrive with issue 6; until then every session is anonymous
 
 
 def _fail(context: Any, exc: BaseException, empty):

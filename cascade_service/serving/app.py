@@ -23,7 +23,8 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ..api.edge import RecordingContext, Reply, health_response, request_type
+from ..api.auth import authenticate_context, load_api_keys
+from ..api.edge import UNARY, RecordingContext, Reply, health_response, request_type
 from ..api.servicer import CascadeServicer, Unavailable
 from ..config import (MAG, Config, MaGConfig, ModelTierConfig, ServingConfig, deployment_name, load_config,
                       tier_groups)
@@ -99,6 +100,10 @@ class CoordinatorDeployment:
         if redis_url:  # the command line's --redis-url wins over the config's serving.redis_url
             self.config = replace(self.config, serving=replace(self.config.serving, redis_url=redis_url))
         self.handles = tiers
+        # Ray Serve's gRPC proxy (a cluster's front end) runs no interceptor: its calls are checked here
+        # with the same api.auth code the edge uses. Calls from our edge (rpc, rpc_stream) were checked there.
+        keys_file = self.config.serving.api_keys_file
+        self.api_keys = load_api_keys(keys_file) if keys_file else None
         self.local: dict[str, Any] = {}  # colocated model tiers, loaded with the servicer
         self.systems: dict[str, dict[str, Any]] = {}  # group members that run their sub-cascade remotely
         self._servicer: CascadeServicer | None = None
@@ -146,8 +151,12 @@ class CoordinatorDeployment:
         return tiers
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
+        context = authenticate_context(self.api_keys, grpc_context)
+        if context is None:  # UNAUTHENTICATED is set on grpc_context
+            return UNARY[method][1]()
+
         def run() -> Any:
-            return getattr(self._build(), method)(request, grpc_context)
+            return getattr(self._build(), method)(request, context)
 
         return await asyncio.to_thread(run)
 
@@ -155,8 +164,12 @@ class CoordinatorDeployment:
         return await self._unary("Generate", request, grpc_context)
 
     async def GenerateStream(self, request, grpc_context) -> AsyncIterator[Any]:  # noqa: N802
+        context = authenticate_context(self.api_keys, grpc_context)
+        if context is None:
+            return
+
         def chunks() -> Iterator[Any]:
-            return self._build().GenerateStream(request, grpc_context)
+            return self._build().GenerateStream(request, context)
 
         async for chunk in _in_thread(chunks):
             yield chunk
@@ -170,17 +183,21 @@ class CoordinatorDeployment:
     async def DeleteSession(self, request, grpc_context):  # noqa: N802
         return await self._unary("DeleteSession", request, grpc_context)
 
-    async def rpc(self, method: str, body: bytes) -> Reply:
-        """A unary call arriving as bytes from our own gRPC edge (api/edge.py)."""
+    async def rpc(self, method: str, body: bytes, owner: str = "") -> Reply:
+        """A unary call arriving as bytes from our own gRPC edge (api/edge.py).
+
+        `owner`: the caller's owner id, from the API key the edge checked (api/auth.py); only the edge
+        holds a handle to this deployment, so it is trusted here.
+        """
         def run() -> Reply:
-            context = RecordingContext()
+            context = RecordingContext(owner)
             response = getattr(self._build(), method)(request_type(method).FromString(body), context)
             return context.code.name, context.details, response.SerializeToString()
 
         return await asyncio.to_thread(run)
 
-    async def rpc_stream(self, method: str, body: bytes) -> AsyncIterator[Reply]:
-        context = RecordingContext()
+    async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
+        context = RecordingContext(owner)
 
         def chunks() -> Iterator[Any]:
             return getattr(self._build(), method)(request_type(method).FromString(body), context)

@@ -12,6 +12,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from ..api.auth import ApiKeys, TlsFiles
 from ..api.edge import Reply, health_request, is_serving, set_serving, start_edge
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
@@ -25,8 +26,8 @@ class HandleBackend:
     def __init__(self, handle: DeploymentHandle):
         self.handle = handle.options(_by_reference=False)  # Serve's direct transport: half the latency
 
-    def call(self, method: str, body: bytes, timeout_s: float | None) -> Reply:
-        response = self.handle.rpc.remote(method, body)
+    def call(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> Reply:
+        response = self.handle.rpc.remote(method, body, owner)
         try:
             return response.result(timeout_s=timeout_s)
         except TimeoutError:
@@ -35,8 +36,8 @@ class HandleBackend:
         except Exception as exc:  # noqa: BLE001 - Ray / Serve errors: the coordinator is not reachable
             return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
 
-    def stream(self, method: str, body: bytes, timeout_s: float | None) -> Iterator[Reply]:
-        return _ReplyStream(self.handle.options(stream=True).rpc_stream.remote(method, body))
+    def stream(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
+        return _ReplyStream(self.handle.options(stream=True).rpc_stream.remote(method, body, owner))
 
 
 class _ReplyStream:
@@ -80,15 +81,20 @@ class LocalService:
     """
 
     def __init__(self, config_path: str, port: int = 0, redis_url: str | None = None, host: str = "127.0.0.1",
-                 num_cpus: int | None = None, frontend: str = "edge"):
+                 num_cpus: int | None = None, frontend: str = "edge", api_keys: ApiKeys | None = None,
+                 tls: TlsFiles | None = None):
         if frontend not in FRONTENDS:
             raise ValueError(f"frontend must be one of {FRONTENDS}, got {frontend!r}")
+        if frontend == "ray" and (api_keys is not None or tls is not None):
+            raise ValueError("API keys and TLS are served by the edge only: use frontend 'edge'")
         self.config_path = str(Path(config_path).resolve())
         self.port = port
         self.redis_url = redis_url
         self.host = host
         self.num_cpus = num_cpus
         self.frontend = frontend
+        self.api_keys = api_keys
+        self.tls = tls
         self.started_ray = False
         self.server = None
         self.checker = None
@@ -117,7 +123,8 @@ class LocalService:
         # No Serve proxies: our edge is the only listener.
         serve.start(proxy_location="Disabled")
         self.deploy()
-        self.server, self.port, self.checker = start_edge(HandleBackend(self._handle()), self.host, self.port)
+        self.server, self.port, self.checker = start_edge(HandleBackend(self._handle()), self.host, self.port,
+                                                         api_keys=self.api_keys, tls=self.tls)
         self.wait_ready()
         return self.address
 

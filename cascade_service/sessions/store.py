@@ -8,6 +8,7 @@ one session can never interleave their tokens.
 
 from __future__ import annotations
 
+import hmac
 import operator
 import re
 import secrets
@@ -50,6 +51,25 @@ class SessionConflict(SessionError):
 
 class StoreUnavailable(SessionError):
     """The backend is down or unreachable (connection refused, timeout, ...)."""
+
+
+class SessionForbidden(SessionError):
+    """The session belongs to another caller (another API key, or anonymous vs. a key)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} belongs to another API key")
+        self.session_id = session_id
+
+
+def check_access(record: SessionRecord, owner: str) -> SessionRecord:
+    """`record` if `owner` (the caller's owner id, "" when anonymous) owns it; SessionForbidden otherwise.
+
+    Sessions are their creator's: one created without a key (owner "") stays open to every anonymous
+    caller, which is every caller of a server without keys; one created with a key only to that key.
+    """
+    if not hmac.compare_digest(record.owner.encode(), owner.encode()):
+        raise SessionForbidden(record.session_id)
+    return record
 
 
 def check_session_id(session_id: str) -> None:

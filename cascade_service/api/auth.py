@@ -1,0 +1,228 @@
+"""Access control for the gRPC endpoint: API keys, the caller's identity, and TLS credentials.
+
+Keys arrive as gRPC metadata `authorization: Bearer <key>` (the client SDK sends it when given
+`api_key=`). `AuthInterceptor` checks them once for every CascadeService call, on the standalone server
+(`api.server`) and on the edge (`api.edge`); health checking and reflection stay open for probes.
+
+Identity. An interceptor cannot hand values to a handler, so on success it wraps the handler's behavior
+and passes the servicer a context proxy that carries the caller's owner id (`owner_of(context)` reads
+it). The owner id is a hash of the key (`owner_id`), never the key, so it can be stored with a session
+and travel to the coordinator (the edge passes it along with the request bytes; see
+`serving.app.CoordinatorDeployment.rpc`). Without keys configured there is no interceptor and every
+caller's owner is "" (anonymous). Keys are compared in constant time and never logged or echoed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import grpc
+
+OWNER_ATTR = "cascade_owner"
+# Open without a key, so load balancers can probe and tools can list the services.
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                 "/grpc.reflection.v1.ServerReflection/")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def owner_id(key: str) -> str:
+    """The id a key's sessions are stored under: 128 bits of its SHA-256, hex (never the key itself)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: bytes
+    name: str
+    owner: str
+
+
+class ApiKeys:
+    """The keys a server accepts. `check(key)` compares against every key in constant time per key."""
+
+    def __init__(self, keys: Iterable[tuple[str, str]]):
+        self._keys: list[ApiKey] = []
+        for key, name in keys:
+            if not key or any(c.isspace() for c in key) or not key.isprintable():
+                raise ValueError(f"api key {name or '?'}: a key must be non-empty printable text without spaces")
+            self._keys.append(ApiKey(key.encode(), name, owner_id(key)))
+        if not self._keys:
+            raise ValueError("no API keys given")
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __repr__(self) -> str:  # never the keys
+        return f"ApiKeys({len(self._keys)} keys)"
+
+    def check(self, key: str | None) -> ApiKey | None:
+        """The matching key, or None. Every configured key is compared (hmac.compare_digest), no early exit."""
+        if not key:
+            return None
+        given = key.encode()
+        found = None
+        for candidate in self._keys:
+            if hmac.compare_digest(candidate.key, given) and found is None:
+                found = candidate
+        return found
+
+
+def load_api_keys(path: str | Path) -> ApiKeys:
+    """Keys from a file: one per line, optionally followed by a name (`KEY name`); `#` starts a comment."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"api keys file {path}: cannot read ({type(exc).__name__})") from None
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, _, name = line.partition(" ")
+        name = name.strip() or f"line {number}"
+        keys.append((key, name))
+    if not keys:
+        raise ValueError(f"api keys file {path}: no keys in it")
+    try:
+        return ApiKeys(keys)
+    except ValueError as exc:
+        raise ValueError(f"api keys file {path}: {exc}") from None
+
+
+def bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    """The key of an `authorization: Bearer <key>` metadata entry, or None."""
+    for name, value in metadata or ():
+        if name.lower() != "authorization":
+            continue
+        value = value.decode() if isinstance(value, bytes) else str(value)
+        scheme, _, key = value.partition(" ")
+        if scheme.lower() == "bearer" and key.strip():
+            return key.strip()
+    return None
+
+
+def authenticate(keys: ApiKeys, metadata: Iterable[tuple[str, Any]] | None) -> tuple[str | None, str]:
+    """(the caller's owner id, "") for a known key in `metadata`; (None, why) otherwise (never the key)."""
+    given = bearer(metadata)
+    match = keys.check(given)
+    if match is not None:
+        return match.owner, ""
+    if given is None:
+        return None, "missing API key: send metadata 'authorization: Bearer <key>'"
+    return None, "unknown API key"
+
+
+def with_owner(context: Any, owner: str) -> Any:
+    """`context` carrying the authenticated caller's owner id (read back by `owner_of`)."""
+    return _OwnerContext(context, owner)
+
+
+def authenticate_context(keys: ApiKeys | None, context: Any) -> Any | None:
+    """For servers without an interceptor (Ray Serve's gRPC proxy): `context` carrying the caller's owner
+    id, or None after setting UNAUTHENTICATED on it. Without keys, `context` as it is (anonymous)."""
+    if keys is None:
+        return context
+    owner, message = authenticate(keys, context.invocation_metadata() if context is not None else ())
+    if owner is None:
+        if context is not None:
+            context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            context.set_details(message)
+        return None
+    return with_owner(context, owner)
+
+
+def owner_of(context: Any) -> str:
+    """The caller's owner id as set by AuthInterceptor (or a RecordingContext); "" when anonymous."""
+    return getattr(context, OWNER_ATTR, "") or ""
+
+
+class _OwnerContext:
+    """A servicer context that carries the authenticated caller's owner id; all else is delegated."""
+
+    def __init__(self, context: Any, owner: str):
+        self._context = context
+        setattr(self, OWNER_ATTR, owner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """UNAUTHENTICATED for a missing or unknown key; otherwise the handler runs with the caller's owner."""
+
+    def __init__(self, keys: ApiKeys):
+        self.keys = keys
+
+    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
+            return handler
+        owner, message = authenticate(self.keys, handler_call_details.invocation_metadata)
+        if owner is None:
+            return _replace(handler, _deny(message, handler.response_streaming))
+        return _replace(handler, _with_owner(handler, owner))
+
+
+def _deny(message: str, streaming: bool) -> Callable:
+    def deny(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def deny_stream(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    return deny_stream if streaming else deny
+
+
+def _with_owner(handler: grpc.RpcMethodHandler, owner: str) -> Callable:
+    behavior = _behavior(handler)
+    return lambda request, context: behavior(request, with_owner(context, owner))
+
+
+def _behavior(handler: grpc.RpcMethodHandler) -> Callable:
+    return (handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
+
+
+def _replace(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[(handler.request_streaming, handler.response_streaming)](
+        behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+def interceptors(keys: ApiKeys | None) -> list[grpc.ServerInterceptor]:
+    return [AuthInterceptor(keys)] if keys is not None else []
+
+
+# --- TLS ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert_file: str
+    key_file: str
+
+    def credentials(self) -> grpc.ServerCredentials:
+        try:
+            cert, key = Path(self.cert_file).read_bytes(), Path(self.key_file).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"TLS: cannot read {exc.filename} ({type(exc).__name__})") from None
+        return grpc.ssl_server_credentials([(key, cert)])
+
+
+def bind(server: grpc.Server, host: str, port: int, tls: TlsFiles | None) -> int:
+    """Add the listening port (TLS when given); returns the bound port. OSError when it cannot bind."""
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"could not bind {address}")
+    return bound
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS
