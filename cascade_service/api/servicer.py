@@ -28,6 +28,10 @@ class Unavailable(Exception):
     """A tier could not be reached (replica died, deployment restarting): retryable."""
 
 
+class Overloaded(Exception):
+    """A deployment's bounded queue is full (the wiring raises it): RESOURCE_EXHAUSTED, retry later."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client sees for an exception raised while serving."""
     if isinstance(exc, SessionNotFound):
@@ -38,6 +42,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.ALREADY_EXISTS, f"session_id: {exc}"
     if isinstance(exc, SessionConflict):
         return grpc.StatusCode.ABORTED, f"session_id: the session changed during this request; retry ({exc})"
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, (StoreUnavailable, Unavailable)):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, ValueError):

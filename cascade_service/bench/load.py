@@ -58,7 +58,8 @@ def run_level(target: str, concurrency: int, duration_s: float, prompts: Sequenc
                     result = client.generate(prompt, max_new_tokens=max_new_tokens)
                 except errors.CascadeError as exc:
                     with lock:
-                        level.errors[exc.code] = level.errors.get(exc.code, 0) + 1
+                        name = getattr(exc.code, "name", str(exc.code))
+                        level.errors[name] = level.errors.get(name, 0) + 1
                     continue
                 elapsed = time.perf_counter() - start
                 with lock:

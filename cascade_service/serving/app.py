@@ -21,11 +21,12 @@ from typing import Any, AsyncIterator, Iterator
 
 import ray
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import authenticate_context, load_api_keys
 from ..api.edge import UNARY, RecordingContext, Reply, health_response, request_type
-from ..api.servicer import CascadeServicer, Unavailable
+from ..api.servicer import CascadeServicer, Overloaded, Unavailable
 from ..config import (MAG, Config, MaGConfig, ModelTierConfig, ServingConfig, deployment_name, load_config,
                       tier_groups)
 from ..coordinator import Coordinator, Tokenizer
@@ -53,6 +54,9 @@ GRPC_SERVICER_FUNCTIONS = [
 LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {
     "OMP_WAIT_POLICY": "PASSIVE", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "0"}}}
+
+
+DEFAULT_MAX_QUEUED = 64  # per deployment handle; `serving.deployments.<name>.max_queued_requests` overrides
 
 
 def tier_deployment_name(tier: str) -> str:
@@ -250,6 +254,8 @@ def _invoker(name: str, handle: DeploymentHandle):
             return {}
         try:
             return getattr(handle, method).remote(message).result()
+        except BackPressureError as exc:
+            raise Overloaded(f"tier {name!r} is at its queue limit; retry later") from exc
         except ray.exceptions.RayError as exc:
             raise Unavailable(f"tier {name!r} unavailable ({type(exc).__name__}); retry the request") from exc
         except Exception as exc:  # Serve's own errors (no replica, shutting down) are not RayErrors
@@ -329,6 +335,10 @@ def app_builder(args: dict[str, Any]):
 
 def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
     options = {k: v for k, v in serving.deployments.get(name, {}).items()}
+    # Bounded queues: a replica works on max_ongoing_requests at once and holds at most
+    # max_queued_requests more per caller; past that, callers get RESOURCE_EXHAUSTED instead of
+    # memory growing without bound (Serve's own default queue is unbounded).
+    options.setdefault("max_queued_requests", DEFAULT_MAX_QUEUED)
     if local:
         options.setdefault("ray_actor_options", dict(LOCAL_ACTOR_OPTIONS))
     return options

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import ray
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import ApiKeys, TlsFiles
@@ -33,6 +34,8 @@ class HandleBackend:
         except TimeoutError:
             response.cancel()
             return "DEADLINE_EXCEEDED", f"{method}: deadline exceeded", b""
+        except BackPressureError:
+            return "RESOURCE_EXHAUSTED", "the coordinator is at its queue limit; retry later", b""
         except Exception as exc:  # noqa: BLE001 - Ray / Serve errors: the coordinator is not reachable
             return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
 
@@ -57,6 +60,9 @@ class _ReplyStream:
             return next(self.generator)
         except StopIteration:
             raise
+        except BackPressureError:
+            self.closed = True
+            return "RESOURCE_EXHAUSTED", "the coordinator is at its queue limit; retry later", b""
         except Exception as exc:  # noqa: BLE001
             self.closed = True
             return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""

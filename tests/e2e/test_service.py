@@ -38,7 +38,10 @@ def config_path(tiny_family, tmp_path_factory, redis_server):
                                {"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
         "schedule": {"k_matrix": K, "leniency": 1.5, "lookup": {"min_match": 2, "tokens": 10}},
         "generation": {"max_new_tokens": 16},
-        "serving": {"redis_url": redis_server.url, "session_namespace": "e2e", "torch_threads": 1},
+        # A tight coordinator queue (one at work, one waiting) for the overload test; the other tests
+        # send one request at a time.
+        "serving": {"redis_url": redis_server.url, "session_namespace": "e2e", "torch_threads": 1,
+                    "deployments": {"coordinator": {"max_ongoing_requests": 1, "max_queued_requests": 1}}},
     }
     path = tmp_path_factory.mktemp("e2e") / "service.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -87,6 +90,37 @@ def test_lossy_rules_through_the_service_equal_in_process(config_path, client):
         client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=4, verification="token-v3", alpha=3.0)
     with pytest.raises(errors.InvalidArgument, match="verification.rule"):
         client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=4, verification="nope")
+
+
+def test_overload_gets_resource_exhausted_and_admitted_requests_stay_exact(tiny_family, service):
+    import threading
+
+    prompt = PROMPTS[1]
+    expected = _oracle(tiny_family["target"], prompt, 24)
+    outcomes: list[object] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        with CascadeClient(service.address, timeout_s=120) as c:
+            try:
+                result = c.generate(prompt_token_ids=prompt, max_new_tokens=24).token_ids
+            except errors.CascadeError as exc:
+                result = exc.code.name
+        with lock:
+            outcomes.append(result)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    exhausted = [o for o in outcomes if o == "RESOURCE_EXHAUSTED"]
+    served = [o for o in outcomes if isinstance(o, list)]
+    assert len(exhausted) + len(served) == 8, outcomes  # nothing else: no UNAVAILABLE, no hang
+    assert exhausted and served, outcomes
+    assert all(tokens == expected for tokens in served)
+    with CascadeClient(service.address, timeout_s=120) as c:  # and afterwards it answers again
+        assert c.generate(prompt_token_ids=prompt, max_new_tokens=24).token_ids == expected
 
 
 def test_sessions_live_in_redis_and_survive_an_app_restart(tiny_family, service, client, redis_server):
