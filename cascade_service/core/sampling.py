@@ -46,10 +46,20 @@ class SamplingParams:
         logits = logits.float()
         if self.greedy:
             return torch.softmax(logits, dim=-1)
-        probs = torch.softmax(logits / self.temperature, dim=-1)
+        probs = torch.softmax(sharpen(logits, self.temperature), dim=-1)
         if self.top_p < 1.0:
             probs = _top_p(probs, self.top_p)
         return probs
+
+
+def sharpen(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, shifted so each row's maximum is 0 (softmax is shift-invariant).
+
+    The shift keeps a tiny temperature finite: dividing raw logits by 1e-38 overflows to +inf and
+    softmax turns inf - inf into NaN, while shifted logits go to 0 at the maximum and -inf elsewhere,
+    which is the greedy limit the temperature approaches.
+    """
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

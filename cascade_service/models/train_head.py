@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from cascade_service.core.sampling import sharpen
 from cascade_service.models.acceptance_head import AcceptanceHead
 
 _WARMUP = 0.03  # fraction of steps with a linear ramp (official code: warmup_ratio 0.03, then cosine)
@@ -97,7 +98,7 @@ def log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature == 0.0:
         top = logits.max(dim=-1, keepdim=True).values
         return torch.where(logits == top, 0.0, -math.inf)
-    return torch.log_softmax(logits / temperature, dim=-1)
+    return torch.log_softmax(sharpen(logits, temperature), dim=-1)
 
 
 def _draw(logp: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -93,3 +93,19 @@ def test_reviewing_against_inner_reviewer_probs_is_detected(monkeypatch):
     counts, expected = _sample_cascade(names, k, 3.0, SamplingParams(1.0))
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert rejects, f"the biased cascade passed (chi-square {stat:.1f} <= {crit:.1f})"
+
+
+@pytest.mark.parametrize("temperature", [5.3e-39, 1e-30, 1e-6])
+def test_a_vanishing_temperature_samples_the_greedy_continuation(temperature):
+    # Found by the API fuzzer: logits / 5e-39 overflowed to inf and softmax returned NaN, which
+    # crashed multinomial. The limit T -> 0 is greedy, so every sample must be the argmax path.
+    sampling = SamplingParams(temperature)
+    probs = sampling.probs(torch.tensor([[1.0, 3.0, 2.0, 3.0], [-4.0, 0.0, 9.0, 1.0]]))
+    assert torch.isfinite(probs).all()
+    assert probs.tolist() == [[0.0, 0.5, 0.0, 0.5], [0.0, 0.0, 1.0, 0.0]]
+    counts, _ = _sample_cascade(["base", "mag"], [[2, 2], [0, 3]], 1.0, sampling, samples=20)
+    target = _tiers()[0]
+    greedy = list(PROMPT)
+    for _ in range(LENGTH):
+        greedy.append(int(target.row(greedy).argmax()))
+    assert counts == Counter({tuple(greedy[len(PROMPT):]): 20})
