@@ -27,6 +27,14 @@ MAX_STOP_CHARS = 256
 TierFactory = Callable[[str], dict[str, Any]]  # request id -> {tier name: Scorer or BlockTier}
 
 
+class Cancelled(Exception):
+    """The caller went away (it cancelled, or its deadline passed): the request stopped between rounds."""
+
+
+def _never() -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class GenerateParams:
     """A validated request; every bad value was turned into a ValueError naming its field."""
@@ -98,8 +106,13 @@ class Coordinator:
         gen = GenerationConfig(**{k: (v if v is not None else getattr(self.defaults, k)) for k, v in overrides.items()})
         return GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop), owner)
 
-    def stream(self, params: GenerateParams) -> Iterator[Chunk]:
-        """Yield text/token chunks as target rounds finish; the last one has finish_reason and stats."""
+    def stream(self, params: GenerateParams, cancelled: Callable[[], bool] = _never) -> Iterator[Chunk]:
+        """Yield text/token chunks as target rounds finish; the last one has finish_reason and stats.
+
+        `cancelled` is asked after every target round: once it says True the decode stops there, every
+        tier frees the request's KV cache, the session is left as it was, and Cancelled is raised. So a
+        client that hangs up or runs out of time costs at most the round already under way.
+        """
         record = check_access(self.store.get(params.session_id), params.owner) if params.session_id else None
         context = list(record.token_ids if record else ()) + list(params.prompt_ids)
         if not context:
@@ -113,6 +126,8 @@ class Coordinator:
         finish = "length"
         try:
             for new in self._decode(tiers, context, params.gen, stats):
+                if cancelled():
+                    raise Cancelled(f"the request was cancelled after {len(out)} tokens")
                 cut = text.feed(new)
                 if cut is not None:
                     new, finish = new[:cut], "stop"
@@ -134,11 +149,11 @@ class Coordinator:
             session_length = len(updated.token_ids)
         yield Chunk(new, text.take(final=True), finish, stats, session_length)
 
-    def generate(self, params: GenerateParams) -> Chunk:
+    def generate(self, params: GenerateParams, cancelled: Callable[[], bool] = _never) -> Chunk:
         tokens: list[int] = []
         texts: list[str] = []
         last = Chunk([], "")
-        for chunk in self.stream(params):
+        for chunk in self.stream(params, cancelled):
             tokens += chunk.token_ids
             texts.append(chunk.text)
             last = chunk

@@ -11,7 +11,7 @@ remote call.
 from __future__ import annotations
 
 from concurrent import futures
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -42,7 +42,11 @@ def request_type(method: str) -> Any:
 class Backend(Protocol):
     """`owner`: the caller's owner id (`api.auth.owner_of`), checked against a session's owner remotely."""
 
-    def call(self, method: str, request: bytes, timeout_s: float | None, owner: str = "") -> Reply: ...
+    def call(self, method: str, request: bytes, timeout_s: float | None, owner: str = "",
+             on_end: Callable[[Callable[[], None]], bool] | None = None) -> Reply:
+        """`on_end(cancel)` registers `cancel` to run when the client's call ends (a gRPC context's
+        `add_callback`): a client that hangs up cancels the remote call."""
+        ...
 
     def stream(self, method: str, request: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
         """Replies in order; closing the iterator cancels the remote call."""
@@ -70,6 +74,13 @@ class RecordingContext:
         return ()
 
 
+def _time_left(context: grpc.ServicerContext) -> float | None:
+    """Seconds to the client's deadline; None without one (gRPC then reports about 1e308 seconds,
+    which overflows any timer it is handed to)."""
+    left = context.time_remaining()
+    return None if left is None or left > 10**7 else max(left, 0.0)
+
+
 def _finish(context: grpc.ServicerContext, code_name: str, details: str) -> bool:
     if code_name == "OK":
         return False
@@ -82,8 +93,8 @@ class ForwardingServicer(cascade_pb2_grpc.CascadeServiceServicer):
         self.backend = backend
 
     def _unary(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
-        code, details, body = self.backend.call(method, request.SerializeToString(), context.time_remaining(),
-                                                owner_of(context))
+        code, details, body = self.backend.call(method, request.SerializeToString(), _time_left(context),
+                                                owner_of(context), context.add_callback)
         _finish(context, code, details)
         return UNARY[method][1].FromString(body)
 
@@ -100,7 +111,7 @@ class ForwardingServicer(cascade_pb2_grpc.CascadeServiceServicer):
         return self._unary("DeleteSession", request, context)
 
     def GenerateStream(self, request, context):  # noqa: N802
-        replies = self.backend.stream("GenerateStream", request.SerializeToString(), context.time_remaining(),
+        replies = self.backend.stream("GenerateStream", request.SerializeToString(), _time_left(context),
                                       owner_of(context))
         context.add_callback(lambda: getattr(replies, "close", lambda: None)())  # client gone: cancel remotely
         try:

@@ -9,11 +9,11 @@ exception would reach the client as INTERNAL.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
-from ..coordinator import Chunk, Coordinator
+from ..coordinator import Cancelled, Chunk, Coordinator
 from ..core.stats import CascadeStats
 from ..core.verify import Verification
 from ..sessions import SessionConflict, SessionExists, SessionForbidden, SessionNotFound, StoreUnavailable
@@ -42,6 +42,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.ALREADY_EXISTS, f"session_id: {exc}"
     if isinstance(exc, SessionConflict):
         return grpc.StatusCode.ABORTED, f"session_id: the session changed during this request; retry ({exc})"
+    if isinstance(exc, Cancelled):
+        return grpc.StatusCode.CANCELLED, str(exc)
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, (StoreUnavailable, Unavailable)):
@@ -58,20 +60,23 @@ class CascadeServicer:
     def __init__(self, coordinator: Coordinator):
         self.coordinator = coordinator
 
-    def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
+    def Generate(self, request: pb.GenerateRequest, context: Any,
+                 cancelled: Callable[[], bool] | None = None) -> pb.GenerateResponse:
+        """`cancelled`: says when the caller has gone; by default the gRPC context's `is_active`."""
         try:
             params = self._params(request, context)
-            result = self.coordinator.generate(params)
+            result = self.coordinator.generate(params, cancelled or _gone(context))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
             return _fail(context, exc, pb.GenerateResponse())
         return pb.GenerateResponse(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason or "",
                                    stats=self.stats(result.stats), session_id=request.session_id,
                                    session_length=result.session_length)
 
-    def GenerateStream(self, request: pb.GenerateRequest, context: Any) -> Iterator[pb.GenerateChunk]:
+    def GenerateStream(self, request: pb.GenerateRequest, context: Any,
+                       cancelled: Callable[[], bool] | None = None) -> Iterator[pb.GenerateChunk]:
         try:
             params = self._params(request, context)
-            for chunk in self.coordinator.stream(params):
+            for chunk in self.coordinator.stream(params, cancelled or _gone(context)):
                 yield self.chunk(chunk)
         except Exception as exc:  # noqa: BLE001
             _fail(context, exc, None)
@@ -159,3 +164,15 @@ def _fail(context: Any, exc: BaseException, empty):
     context.set_code(code)
     context.set_details(details)
     return empty
+
+
+def _gone(context: Any) -> Callable[[], bool]:
+    """Whether the caller has gone (cancelled, or past its deadline), from a gRPC server context.
+
+    A context without `is_active` (one that records a forwarded call) never says so; its caller passes
+    its own `cancelled` instead.
+    """
+    is_active = getattr(context, "is_active", None)
+    if not callable(is_active):
+        return lambda: False
+    return lambda: not is_active()

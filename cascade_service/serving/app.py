@@ -17,7 +17,7 @@ import logging
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import ray
 from ray import serve
@@ -94,6 +94,9 @@ class TierDeployment:
     def cached_requests(self) -> int:
         return self.group.cached_requests()
 
+    def counters(self) -> dict[str, int]:
+        return self.group.counters()
+
 
 @serve.deployment
 class CoordinatorDeployment:
@@ -159,10 +162,7 @@ class CoordinatorDeployment:
         if context is None:  # UNAUTHENTICATED is set on grpc_context
             return UNARY[method][1]()
 
-        def run() -> Any:
-            return getattr(self._build(), method)(request, context)
-
-        return await asyncio.to_thread(run)
+        return await _cancellable(lambda cancelled: _serve(self._build(), method, request, context, cancelled))
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         return await self._unary("Generate", request, grpc_context)
@@ -172,8 +172,8 @@ class CoordinatorDeployment:
         if context is None:
             return
 
-        def chunks() -> Iterator[Any]:
-            return self._build().GenerateStream(request, context)
+        def chunks(cancelled) -> Iterator[Any]:
+            return self._build().GenerateStream(request, context, cancelled)
 
         async for chunk in _in_thread(chunks):
             yield chunk
@@ -193,18 +193,18 @@ class CoordinatorDeployment:
         `owner`: the caller's owner id, from the API key the edge checked (api/auth.py); only the edge
         holds a handle to this deployment, so it is trusted here.
         """
-        def run() -> Reply:
+        def run(cancelled) -> Reply:
             context = RecordingContext(owner)
-            response = getattr(self._build(), method)(request_type(method).FromString(body), context)
+            response = _serve(self._build(), method, request_type(method).FromString(body), context, cancelled)
             return context.code.name, context.details, response.SerializeToString()
 
-        return await asyncio.to_thread(run)
+        return await _cancellable(run)
 
     async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
         context = RecordingContext(owner)
 
-        def chunks() -> Iterator[Any]:
-            return getattr(self._build(), method)(request_type(method).FromString(body), context)
+        def chunks(cancelled) -> Iterator[Any]:
+            return _serve(self._build(), method, request_type(method).FromString(body), context, cancelled)
 
         async for chunk in _in_thread(chunks):
             yield "OK", "", chunk.SerializeToString()
@@ -276,8 +276,28 @@ def _release(tiers: dict[str, Any]) -> None:
             log.warning("could not release tier %s for request %s", tier.name, tier.request_id)
 
 
+def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any, cancelled: Callable[[], bool]) -> Any:
+    """Call a servicer method; the decoding ones also learn when their caller has gone."""
+    if method in ("Generate", "GenerateStream"):
+        return getattr(servicer, method)(request, context, cancelled)
+    return getattr(servicer, method)(request, context)
+
+
+async def _cancellable(run: Callable[[Callable[[], bool]], Any]) -> Any:
+    """run(cancelled) in a worker thread. When Serve cancels this call (the caller hung up or its
+    deadline passed), the thread cannot be interrupted, so `cancelled` turns True and the decode stops
+    at its next round, freeing the tiers' KV caches, instead of running to max_new_tokens unseen."""
+    gone = threading.Event()
+    try:
+        return await asyncio.to_thread(run, gone.is_set)
+    except asyncio.CancelledError:
+        gone.set()
+        raise
+
+
 async def _in_thread(make: Any) -> AsyncIterator[Any]:
-    """Iterate a blocking iterator in a worker thread without blocking the replica's event loop."""
+    """Iterate make(cancelled), a blocking iterator, in a worker thread without blocking the replica's
+    event loop; once the consumer stops (finished, or Serve cancelled the stream) `cancelled` is True."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue(maxsize=64)
     done = object()
@@ -285,7 +305,7 @@ async def _in_thread(make: Any) -> AsyncIterator[Any]:
 
     def pump() -> None:
         try:
-            for item in make():
+            for item in make(stop.is_set):
                 if stop.is_set():
                     break
                 asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()

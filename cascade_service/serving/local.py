@@ -6,11 +6,11 @@ import logging
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import ray
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import ApiKeys, TlsFiles
@@ -27,13 +27,20 @@ class HandleBackend:
     def __init__(self, handle: DeploymentHandle):
         self.handle = handle.options(_by_reference=False)  # Serve's direct transport: half the latency
 
-    def call(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> Reply:
+    def call(self, method: str, body: bytes, timeout_s: float | None, owner: str = "",
+             on_end: Callable[[Callable[[], None]], bool] | None = None) -> Reply:
         response = self.handle.rpc.remote(method, body, owner)
+        # A client that hangs up cancels the coordinator's call, which stops decoding at its next round
+        # (after a normal end, cancelling a finished response does nothing).
+        if on_end is not None and not on_end(response.cancel):
+            response.cancel()  # the client was already gone
         try:
             return response.result(timeout_s=timeout_s)
         except TimeoutError:
             response.cancel()
             return "DEADLINE_EXCEEDED", f"{method}: deadline exceeded", b""
+        except RequestCancelledError:
+            return "CANCELLED", f"{method}: cancelled by the client", b""
         except BackPressureError:
             return "RESOURCE_EXHAUSTED", "the coordinator is at its queue limit; retry later", b""
         except Exception as exc:  # noqa: BLE001 - Ray / Serve errors: the coordinator is not reachable

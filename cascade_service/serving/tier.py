@@ -139,15 +139,27 @@ class TierGroup:
         self.max_cached = max_cached_requests
         self._mags: OrderedDict[str, MaxGram] = OrderedDict()
         self._lock = threading.Lock()
+        self.calls = 0  # block calls served (draft, review, system): shows whether work goes on
+
+    def counters(self) -> dict[str, int]:
+        """What an operator watches: calls served, requests holding a KV cache, cache misses."""
+        return {"calls": self.calls, "cached_requests": self.cached_requests(),
+                "cache_misses": sum(server.cache_misses for server in self.servers.values())}
 
     def info(self) -> dict[str, Any]:
         return {name: server.info() for name, server in self.servers.items()}
 
     def draft(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._count()
         return self.servers[msg["tier"]].draft(msg)
 
     def review(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._count()
         return self.servers[msg["tier"]].review(msg)
+
+    def _count(self) -> None:
+        with self._lock:
+            self.calls += 1
 
     def release(self, request_id: str) -> bool:
         with self._lock:
@@ -162,6 +174,7 @@ class TierGroup:
     def system(self, msg: dict[str, Any]) -> dict[str, Any]:
         """msg: request_id, tokens, stable, want, limit, sampling, seed, eos_ids, and the sub-cascade:
         `tiers` (the member first, then the tiers below it, "mag" last if used), `k_matrix`, `leniency`."""
+        self._count()
         names = list(msg["tiers"])
         sampling, request_id = _sampling(msg), msg["request_id"]
         stats = CascadeStats(names[0])

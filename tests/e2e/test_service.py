@@ -161,6 +161,84 @@ def test_tiers_free_each_requests_kv_cache_when_it_ends(client):
         assert handle.cached_requests.remote().result() == 0
 
 
+def test_a_plain_grpc_call_without_a_deadline_is_served(tiny_family, service):
+    # Our client always sets a deadline; a bare gRPC client need not (the edge once turned "no deadline",
+    # which gRPC reports as ~1e308 s left, into a timer that overflowed: UNAVAILABLE).
+    import grpc
+
+    from cascade_service.api.v1 import cascade_pb2 as pb
+    from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(service.address) as channel:
+        stub = pb_grpc.CascadeServiceStub(channel)
+        reply = stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=6))
+        streamed = [t for c in stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=6))
+                    for t in c.token_ids]
+    assert list(reply.token_ids) == streamed == _oracle(tiny_family["target"], PROMPTS[1], 6)
+
+
+def _tier_counters() -> dict[str, dict[str, int]]:
+    from ray import serve
+
+    return {tier: serve.get_deployment_handle(tier_deployment_name(tier), app_name=APP_NAME).counters.remote().result()
+            for tier in ("target", "close", "mid")}
+
+
+def _calls() -> int:
+    return sum(c["calls"] for c in _tier_counters().values())
+
+
+def _wait_until_no_tier_holds_a_cache(timeout_s: float = 30.0) -> float:
+    import time
+
+    start = time.monotonic()
+    while any(c["cached_requests"] for c in _tier_counters().values()):
+        assert time.monotonic() - start < timeout_s, _tier_counters()
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+# A full decode of this many tokens takes over a thousand tier calls (at most 13 tokens a target round,
+# each round at least two calls); a cancel that reaches the tiers stops it after the round under way.
+LONG = 4096
+AFTER_CANCEL_CALLS = 12  # at most the round under way: target review + close + mid drafts, with slack
+
+
+@pytest.mark.parametrize("how", ["deadline", "unary-cancel", "stream-cancel"])
+def test_a_client_deadline_or_cancel_stops_the_tiers_work_and_frees_their_caches(service, client, how):
+    import time
+
+    import grpc
+
+    from cascade_service.api.v1 import cascade_pb2 as pb
+    from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
+
+    before = _calls()
+    if how == "unary-cancel":  # a client that hangs up on a unary call (no deadline)
+        with grpc.insecure_channel(service.address) as channel:
+            call = pb_grpc.CascadeServiceStub(channel).Generate.future(
+                pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG))
+            time.sleep(1.5)
+            assert call.cancel(), call.exception() or len(call.result().token_ids)
+    elif how == "deadline":
+        with pytest.raises(errors.DeadlineExceeded):
+            client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG, timeout_s=1.5)
+    else:
+        chunks = client.stream(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG)
+        next(chunks)
+        time.sleep(1.0)  # the decode is well under way
+        chunks.close()
+    at_cancel = _calls()
+    assert at_cancel - before >= 3, "the request never reached the tiers"
+    _wait_until_no_tier_holds_a_cache()
+    time.sleep(1.0)  # work that went on would show up here
+    after = _calls()
+    print(f"{how}: {at_cancel - before} tier calls before the cancel, {after - at_cancel} after")
+    assert after - at_cancel <= AFTER_CANCEL_CALLS
+    assert client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=8).token_ids == \
+        client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=16).token_ids[:8]
+
+
 def test_health_is_serving(client):
     assert client.health() == "SERVING"
 

@@ -192,7 +192,7 @@ class FakeBackend:
         self.servicer = CascadeServicer(coordinator)
         self.owners: list[str] = []
 
-    def call(self, method, body, timeout_s, owner=""):
+    def call(self, method, body, timeout_s, owner="", on_end=None):
         from cascade_service.api.edge import request_type
 
         self.owners.append(owner)
