@@ -1,14 +1,19 @@
-"""A tier replica killed mid-generation (issue 6): never wrong tokens.
+"""A replica killed mid-generation (issue 6): never wrong tokens, no session lost.
 
-The request either completes with exactly the target's tokens (Serve restarts the replica, which
-rebuilds the request's KV cache from the context on its first call) or fails with UNAVAILABLE; and
-after the replica is back, the service gives the oracle's output again.
+A tier replica: the request either completes with exactly the target's tokens (Serve restarts the
+replica, which rebuilds the request's KV cache from the context on its first call) or fails with
+UNAVAILABLE; after the replica is back, the service gives the oracle's output again.
+
+The coordinator replica: the request in flight fails with UNAVAILABLE (or completes), the session in
+Redis holds exactly the tokens of the turns that completed, and the conversation continues on the
+restarted coordinator with the oracle's tokens.
 """
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import ray
 import yaml
 
@@ -19,28 +24,49 @@ from cascade_service.serving.local import LocalService
 from ..integration.test_oracle import _oracle
 
 
-def _replicas(tier: str) -> list[tuple[str, str]]:
+def _replicas(deployment: str) -> list[tuple[str, str]]:
     return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if "SERVE_REPLICA" in a["name"] and f"tier-{tier}" in a["name"]]
+            if "SERVE_REPLICA" in a["name"] and f"#{deployment}#" in a["name"]]
 
 
-def test_killing_a_tier_replica_mid_generation_never_gives_wrong_tokens(tiny_family, tmp_path):
+def _kill(deployment: str) -> None:
+    victims = _replicas(deployment)
+    assert victims, ray.util.list_named_actors(all_namespaces=True)
+    for name, namespace in victims:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=False)
+
+
+def _when_back(call, timeout_s: float = 120.0):
+    """call() once the service answers again (Serve brings a killed replica back)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except errors.Unavailable:
+            assert time.monotonic() < deadline, "the service did not come back"
+            time.sleep(1.0)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_family, tmp_path_factory, redis_server):
     raw = {"tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
                      "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
            "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5},
-           "serving": {"torch_threads": 1}}
-    path = tmp_path / "fault.yaml"
+           "serving": {"torch_threads": 1, "redis_url": redis_server.url, "session_namespace": "fault"}}
+    path = tmp_path_factory.mktemp("fault") / "fault.yaml"
     path.write_text(yaml.safe_dump(raw))
+    with LocalService(str(path), num_cpus=4) as svc:
+        yield svc
+
+
+def test_killing_a_tier_replica_mid_generation_never_gives_wrong_tokens(tiny_family, service):
     prompt = random_prompts(1, 10, seed=93)[0]
     expected = _oracle(tiny_family["target"], prompt, 2000)
-    with LocalService(str(path), num_cpus=4) as service, CascadeClient(service.address, timeout_s=180) as client:
-        victims = _replicas("mid")
-        assert victims, ray.util.list_named_actors(all_namespaces=True)
+    with CascadeClient(service.address, timeout_s=180) as client:
         outcome = None
         stream = client.stream(prompt_token_ids=prompt, max_new_tokens=2000)
         tokens = list(next(stream).token_ids)  # the decode is under way
-        for name, namespace in victims:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=False)
+        _kill("tier-mid")
         killed_at = len(tokens)
         try:
             for chunk in stream:
@@ -54,12 +80,30 @@ def test_killing_a_tier_replica_mid_generation_never_gives_wrong_tokens(tiny_fam
             assert tokens == expected  # rebuilt from the context: exactly the target's tokens
         else:
             assert tokens == expected[:len(tokens)]  # what was streamed before the failure is right
-        deadline = time.monotonic() + 120
-        while True:  # Serve brings the replica back; then the service is exact again
-            try:
-                again = client.generate(prompt_token_ids=prompt, max_new_tokens=40).token_ids
-                break
-            except errors.Unavailable:
-                assert time.monotonic() < deadline, "the tier did not come back"
-                time.sleep(1.0)
+        again = _when_back(lambda: client.generate(prompt_token_ids=prompt, max_new_tokens=40).token_ids)
         assert again == expected[:40]
+
+
+def test_a_session_survives_a_coordinator_restart_mid_generation(tiny_family, service):
+    prompt = random_prompts(1, 10, seed=94)[0]
+    with CascadeClient(service.address, timeout_s=180) as client:
+        session = client.create_session(prompt_token_ids=prompt)
+        first = client.generate(session_id=session.session_id, max_new_tokens=10).token_ids
+        stream = client.stream(session_id=session.session_id, max_new_tokens=2000)
+        streamed = list(next(stream).token_ids)  # the second turn is under way
+        _kill("coordinator")
+        try:
+            for chunk in stream:
+                streamed += chunk.token_ids
+            outcome = "completed"
+        except errors.Unavailable:
+            outcome = "unavailable"
+        print(f"outcome after killing the coordinator: {outcome}; {len(streamed)} tokens streamed")
+        held = _when_back(lambda: client.get_session(session.session_id)).token_ids
+        turns = [first] + ([streamed] if outcome == "completed" else [])
+        # Redis holds exactly the completed turns: none lost, none half-written.
+        assert held == prompt + [t for turn in turns for t in turn]
+        more = _when_back(lambda: client.generate(session_id=session.session_id, max_new_tokens=12))
+        assert more.session_length == len(held) + 12
+    expected = _oracle(tiny_family["target"], prompt, len(held) - len(prompt) + 12)
+    assert held[len(prompt):] + more.token_ids == expected
