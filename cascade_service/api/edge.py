@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from .auth import ApiKeys, TlsFiles, bind, interceptors, owner_of
-from .server import add_health_and_reflection
+from .server import MAX_QUEUED_RPCS, add_health_and_reflection
 from .servicer import SERVICE_NAME
 from .v1 import cascade_pb2 as pb
 from .v1 import cascade_pb2_grpc
@@ -124,12 +124,15 @@ class ForwardingServicer(cascade_pb2_grpc.CascadeServiceServicer):
 
 
 def start_edge(backend: Backend, host: str = "127.0.0.1", port: int = 0, workers: int = 32,
-               api_keys: ApiKeys | None = None, tls: TlsFiles | None = None) -> tuple[grpc.Server, int, Any]:
+               api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
+               max_queued: int = MAX_QUEUED_RPCS) -> tuple[grpc.Server, int, Any]:
     """Serve CascadeService + health + reflection on host:port; returns (server, port, health servicer).
 
     api_keys: when given, every CascadeService call needs one of them (`api.auth`); tls: serve TLS.
+    workers calls run at once and max_queued more wait; past that a call gets RESOURCE_EXHAUSTED.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors(api_keys))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors(api_keys),
+                         maximum_concurrent_rpcs=workers + max_queued)
     cascade_pb2_grpc.add_CascadeServiceServicer_to_server(ForwardingServicer(backend), server)
     checker = add_health_and_reflection(server, serving=False)  # SERVING once the app answers
     bound = bind(server, host, port, tls)
