@@ -81,6 +81,23 @@ class HFModel:
         # A prefill of a long prompt would otherwise materialise [S, V] logits only to drop all but n.
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
         self._step_times: dict[int, float] = {}
+        self.batcher = None  # a ForwardBatcher once enable_batching() ran: concurrent scorers share passes
+
+    def enable_batching(self, max_batch: int = 64) -> None:
+        """From now on, concurrent requests' forward passes run as batched passes (models.batching).
+
+        Only worth it when several requests decode at once; a lone request takes the unbatched path.
+        """
+        from .batching import ForwardBatcher
+
+        if self.batcher is None:
+            self.batcher = ForwardBatcher(self, max_batch)
+
+    def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
+        """A cached forward pass for one request: through the batcher when batching is on."""
+        if self.batcher is not None:
+            return self.batcher.forward(tokens, cache, keep, with_hidden)
+        return self._forward(tokens, cache, keep, with_hidden=with_hidden)
 
     @classmethod
     def load(
@@ -188,9 +205,9 @@ class HFScorer:
         fed = ctx.tokens[start:]
         with torch.inference_mode():
             if self.keep_hidden:
-                rows, self.last_hidden = self._model._forward(fed, self._cache, n, with_hidden=True)  # [n, V], [n, H]
+                rows, self.last_hidden = self._model.forward(fed, self._cache, n, with_hidden=True)  # [n, V], [n, H]
             else:
-                rows = self._model._forward(fed, self._cache, n)  # [n, V]
+                rows = self._model.forward(fed, self._cache, n)  # [n, V]
         self._tokens.extend(fed)
         self.tokens_processed += len(fed)
         self._trusted = min(max(self._trusted, ctx.stable), len(self._tokens))

@@ -1,0 +1,169 @@
+"""Continuous batching of one model's forward passes across concurrent requests (issue 7).
+
+Each request keeps its own KV cache (an `HFScorer` and its `DynamicCache`). A request thread that needs
+a forward pass hands it to the model's `ForwardBatcher` and waits; one worker thread runs whatever is
+pending as one batched pass, so a request joins or leaves between passes without waiting for the
+others, and the batch is simply what arrived while the previous pass ran (no timer: an idle model
+starts a lone request at once).
+
+A batched pass over ragged requests: row i has L_i cached tokens and s_i new ones.
+    past   left-padded to L = max L_i: [pad x (L - L_i)] [cache_i]   (pads masked out)
+    input  right-padded to S = max s_i: [new_i] [pad x (S - s_i)]     (after the real tokens, so no real
+                                                                       query sees them: causality)
+    positions L_i + j, so rotary / absolute positions are each request's own.
+Every query sees at least its own key, so no attention row is fully masked. Afterwards each request's
+cache gets the keys/values of its s_i real new tokens appended, and its logits rows are gathered from
+the positions it asked for. A batch of one takes the plain single-request path unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from transformers import DynamicCache
+
+if TYPE_CHECKING:
+    from .hf import HFModel
+
+
+@dataclass
+class _Pass:
+    """One request's forward pass waiting for a batch."""
+
+    fed: list[int]
+    cache: DynamicCache
+    keep: int
+    with_hidden: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: BaseException | None = None
+
+
+class ForwardBatcher:
+    """Runs concurrent `HFModel` forward passes as batched passes on one worker thread.
+
+    max_batch: at most this many requests in one pass (the rest wait for the next one).
+    `batch_sizes` counts the passes run at each batch size (what a load test reads).
+    """
+
+    def __init__(self, model: "HFModel", max_batch: int = 64):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model = model
+        self.max_batch = max_batch
+        self.batch_sizes: dict[int, int] = {}
+        self._pending: list[_Pass] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name=f"batcher-{model.name}", daemon=True)
+        self._worker.start()
+
+    def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
+        """Like `HFModel._forward(tokens, cache, keep, with_hidden)`, batched with concurrent callers."""
+        item = _Pass(list(tokens), cache, keep, with_hidden)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"the batcher of {self.model.name} is closed")
+            self._pending.append(item)
+            self._cond.notify()
+        item.done.wait()
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._worker.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._pending:
+                    return
+                batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
+            self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+            try:
+                with torch.inference_mode():
+                    results = forward_batch(self.model, batch)
+                for item, result in zip(batch, results):
+                    item.result = result
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
+                for item in batch:
+                    item.error = exc
+            for item in batch:
+                item.done.set()
+
+
+def forward_batch(model: "HFModel", batch: list[_Pass]) -> list[object]:
+    """One forward pass for several requests' (tokens, cache, keep); see the module docstring."""
+    if len(batch) == 1:
+        one = batch[0]
+        return [model._forward(one.fed, one.cache, one.keep, with_hidden=one.with_hidden)]
+    device = model.device
+    past = [item.cache.get_seq_length() for item in batch]
+    news = [len(item.fed) for item in batch]
+    width, steps = max(past), max(news)
+    ids = torch.zeros((len(batch), steps), dtype=torch.long, device=device)
+    mask = torch.ones((len(batch), width + steps), dtype=torch.long, device=device)
+    positions = torch.empty((len(batch), steps), dtype=torch.long, device=device)
+    for i, item in enumerate(batch):
+        ids[i, :news[i]] = torch.tensor(item.fed, dtype=torch.long, device=device)
+        mask[i, :width - past[i]] = 0
+        positions[i] = torch.arange(past[i], past[i] + steps, device=device)
+    packed = _pack([item.cache for item in batch], past, width, model)
+    # Only the rows some request asked for go through the LM head (a prefill asks for one of many).
+    wanted = sorted({j for item, s in zip(batch, news) for j in range(s - item.keep, s)})
+    index = {j: k for k, j in enumerate(wanted)}
+    out = model.module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=packed,
+                       use_cache=True, logits_to_keep=torch.tensor(wanted, device=device),
+                       output_hidden_states=any(item.with_hidden for item in batch))
+    results: list[object] = []
+    for i, (item, s) in enumerate(zip(batch, news)):
+        rows = [index[j] for j in range(s - item.keep, s)]
+        logits = out.logits[i, rows].float()  # [keep, V]
+        _append(item.cache, packed, i, width, s)
+        if item.with_hidden:
+            results.append((logits, out.hidden_states[-1][i, s - item.keep:s].float()))
+        else:
+            results.append(logits)
+    return results
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, each [1, kv_heads, len, head_dim]; empty for a fresh cache."""
+    if hasattr(cache, "layers"):  # transformers 5.x
+        return [(layer.keys, layer.values) for layer in cache.layers if getattr(layer, "keys", None) is not None
+                and layer.keys.numel()]
+    return list(zip(cache.key_cache, cache.value_cache))  # 4.x
+
+
+def _pack(caches: list[DynamicCache], past: list[int], width: int, model: "HFModel") -> DynamicCache:
+    packed = DynamicCache()
+    if width == 0:
+        return packed
+    layers = [_layers(c) for c in caches]
+    template = next(kv for kv, n in zip(layers, past) if n)
+    for layer, (k0, v0) in enumerate(template):
+        keys = k0.new_zeros((len(caches), k0.shape[1], width, k0.shape[3]))
+        values = v0.new_zeros((len(caches), v0.shape[1], width, v0.shape[3]))
+        for i, n in enumerate(past):
+            if n:
+                k, v = layers[i][layer]
+                keys[i, :, width - n:] = k[0]
+                values[i, :, width - n:] = v[0]
+        packed.update(keys, values, layer)
+    return packed
+
+
+def _append(cache: DynamicCache, packed: DynamicCache, row: int, width: int, new: int) -> None:
+    # The packed cache now holds width + S positions per row; this row's real new ones follow `width`.
+    for layer, (keys, values) in enumerate(_layers(packed)):
+        cache.update(keys[row:row + 1, :, width:width + new].clone(), values[row:row + 1, :, width:width + new].clone(),
+                     layer)
