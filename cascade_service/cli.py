@@ -280,8 +280,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "default: the config's serving.api_keys_file")
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert")
-    p.add_argument("--frontend", default="edge", choices=["edge", "ray"],
-                   help="edge: our gRPC server forwards to the coordinator (default); ray: Ray Serve's gRPC proxy")
+    p.add_argument("--frontend", default="edge", choices=["edge", "ray", "standalone"],
+                   help="edge: our gRPC server forwards to the coordinator (default); ray: Ray Serve's gRPC proxy; "
+                        "standalone: one process, no Ray, every tier batching concurrent requests")
+    p.add_argument("--plain", action="store_true",
+                   help="with --frontend standalone: the target alone, no speculation (a baseline)")
     p.set_defaults(run=_run_serve)
 
 
@@ -294,11 +297,25 @@ def _run_serve(args: argparse.Namespace) -> int:
     port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
     if not 0 <= port <= 65535:
         raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
-    from .serving.local import LocalService
-
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if args.frontend == "standalone":
+        from .standalone import start_standalone
+
+        standalone = start_standalone(config, args.host, port, args.redis_url, api_keys, tls, plain=args.plain)
+        try:
+            print(f"serving cascade.v1.CascadeService on {args.host}:{standalone.port} "
+                  f"(standalone{', plain' if args.plain else ''}; Ctrl-C stops)", flush=True)
+            stop.wait()
+        finally:
+            print("stopping", file=sys.stderr, flush=True)
+            standalone.stop(1.0)
+        return 0
+    if args.plain:
+        raise UsageError("--plain goes with --frontend standalone")
+    from .serving.local import LocalService
+
     service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,
                            api_keys=api_keys, tls=tls)
     try:
@@ -327,8 +344,8 @@ def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
                                if value is None)
         raise UsageError(f"--host {args.host}: a non-loopback address is served only with API keys and TLS "
                          f"(missing {missing}, or serving.api_keys_file / serving.tls_cert_file in the config)")
-    if (keys_file or tls) and args.frontend != "edge":
-        raise UsageError("--api-keys and TLS need --frontend edge (TLS and the keys file are served by the edge)")
+    if (keys_file or tls) and args.frontend == "ray":
+        raise UsageError("--api-keys and TLS need --frontend edge or standalone (Ray's proxy serves neither)")
     try:
         api_keys = load_api_keys(keys_file) if keys_file else None
         if tls is not None:

@@ -112,6 +112,10 @@ class Engine:
             defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs(),
             make_stopper=self.make_stopper)
 
+    def models(self) -> list[HFModel]:
+        """The loaded model tiers, target first."""
+        return [self.target] + [d for d in self.drafters if isinstance(d, HFModel)]
+
     def param_costs(self) -> dict[str, float]:
         return {m.name: m.num_parameters / self.target.num_parameters for m in self.drafters if isinstance(m, HFModel)}
 

@@ -22,7 +22,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     del parser_class
     p = subparsers.add_parser("bench", help="benchmark methods side by side in one process (greedy, exact); "
                                              "--lossy: cost-quality curves of the final-verifier rules")
-    p.add_argument("--config", help="YAML config naming the target and drafter tiers (not with --load)")
+    p.add_argument("--config", help="YAML config naming the target and drafter tiers (with --load: start the "
+                                    "cascade and plain decoding standalone and compare them)")
     p.add_argument("--prompts", help='JSON lines, one {"prompt": "..."} per line (--load: optional)')
     p.add_argument("--methods",
                    help="comma-separated: hf-ar, ar, hf-assisted:<tier>, hf-prompt-lookup, sd:<tier>, "
@@ -35,8 +36,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     p.add_argument("--temperature", type=float, default=1.0, help="with --lossy: sampling temperature")
     p.add_argument("--seeds", default="0,1", help="with --lossy: sampling seeds per prompt")
     p.add_argument("--load", action="store_true",
-                   help="concurrent clients against a running service (--target): latency, throughput, errors, "
-                        "server memory (writes load.json)")
+                   help="concurrent clients against a running service (--target; reports server memory too) or "
+                        "against the cascade and plain decoding started from --config: latency, throughput, "
+                        "errors (writes load.json)")
     p.add_argument("--target", help="with --load: HOST:PORT of a running service on this machine")
     p.add_argument("--concurrency", default="1,4,16", help="with --load: comma-separated client counts")
     p.add_argument("--duration", type=float, default=20.0, help="with --load: seconds per concurrency level")
@@ -145,20 +147,30 @@ def _run_load(args: argparse.Namespace) -> int:
     from ..prompts import read_prompts
     from . import load
 
-    if not args.target or ":" not in args.target:
-        raise ValueError("--load needs --target HOST:PORT of a running service")
-    host = args.target.rsplit(":", 1)[0].strip("[]")
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        raise ValueError(f"--target: load tests run on loopback only, got {host!r}")
+    if bool(args.target) == bool(args.config):
+        raise ValueError("--load needs either --target HOST:PORT of a running service or --config PATH "
+                         "(then it starts the cascade and plain decoding itself and compares them)")
     concurrencies = _int_list(args.concurrency, "--concurrency")
     if not 0 < args.duration <= 3600:
         raise ValueError(f"--duration must be in (0, 3600] seconds, got {args.duration}")
     _check_range(args.max_new_tokens, "--max-new-tokens", 1, 4096)
     prompts = read_prompts(args.prompts) if args.prompts else list(load.DEFAULT_PROMPTS)
-    command = shlex.join(["cascade-service", "bench", "--load", "--target", args.target, "--concurrency",
-                          args.concurrency, "--duration", str(args.duration), "--max-new-tokens",
-                          str(args.max_new_tokens), *(["--prompts", args.prompts] if args.prompts else []),
-                          "--out", args.out])
+    source = ["--config", args.config] if args.config else ["--target", args.target]
+    command = shlex.join(["cascade-service", "bench", "--load", *source, "--concurrency", args.concurrency,
+                          "--duration", str(args.duration), "--max-new-tokens", str(args.max_new_tokens),
+                          *(["--prompts", args.prompts] if args.prompts else []), "--out", args.out])
+    if args.config:
+        from ..config import load_config
+
+        load_config(args.config)  # a bad config fails here, not in two server processes
+        load.run_modes(args.config, concurrencies, args.duration, prompts, args.max_new_tokens, Path(args.out),
+                       command)
+        return 0
+    if ":" not in args.target:
+        raise ValueError("--target: expected HOST:PORT")
+    host = args.target.rsplit(":", 1)[0].strip("[]")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"--target: load tests run on loopback only, got {host!r}")
     load.run(args.target, concurrencies, args.duration, prompts, args.max_new_tokens, Path(args.out), command,
              api_key=args.api_key)
     return 0

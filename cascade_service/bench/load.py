@@ -155,3 +155,100 @@ def run(target: str, concurrencies: Sequence[int], duration_s: float, prompts: S
 
 def _mb(value: int | None) -> float | None:
     return None if value is None else round(value / 2**20, 1)
+
+
+MODES = ("cascade", "plain")
+
+
+def run_modes(config_path: str, concurrencies: Sequence[int], duration_s: float, prompts: Sequence[str],
+              max_new_tokens: int, out: Path, command: str, timeout_s: float = 300.0) -> dict:
+    """The cascade against plain decoding of its target, under load, in one run.
+
+    Starts two standalone servers (`serve --frontend standalone`, with and without `--plain`) on
+    loopback, each in its own process, and alternates between them level by level (cascade, plain,
+    next level...) so drift on a noisy machine hits both alike; the idle one waits on a condition.
+    Writes load.json: {"runs": [{"mode", "concurrency", "tokens_per_s", "p50_s", "p99_s", "errors", ...}]}.
+    """
+    servers = {mode: _ServerProcess(config_path, plain=mode == "plain") for mode in MODES}
+    runs = []
+    try:
+        targets = {mode: server.wait_ready() for mode, server in servers.items()}
+        for mode, target in targets.items():  # warm-up: first passes, allocator, thread pools
+            run_level(target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s)
+        for n in concurrencies:
+            for mode, target in targets.items():
+                level = run_level(target, n, duration_s, prompts, max_new_tokens, None, timeout_s).summary()
+                runs.append({"mode": mode, **level})
+                print(f"{mode:>7} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
+                      f"tok/s, p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    results = {"command": command, "config": config_path, "duration_s": duration_s, "max_new_tokens": max_new_tokens,
+               "runs": runs, "summary": _scaling(runs)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "load.json").write_text(json.dumps(results, indent=1) + "\n")
+    for line in _scaling_lines(results["summary"]):
+        print(line)
+    return results
+
+
+def _scaling(runs: list[dict]) -> dict:
+    """Per mode, throughput relative to its own single stream; per level, cascade / plain."""
+    by = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in runs}
+    levels = sorted({r["concurrency"] for r in runs})
+    summary: dict = {"cascade_over_plain": {}, "over_single_stream": {}}
+    for n in levels:
+        if by.get(("plain", n)):
+            summary["cascade_over_plain"][str(n)] = round(by[("cascade", n)] / by[("plain", n)], 3)
+    for mode in MODES:
+        base = by.get((mode, 1))
+        if base:
+            summary["over_single_stream"][mode] = {str(n): round(by[(mode, n)] / base, 2) for n in levels}
+    return summary
+
+
+def _scaling_lines(summary: dict) -> list[str]:
+    lines = [f"cascade / plain at {n} streams: {r:.2f}x" for n, r in summary["cascade_over_plain"].items()]
+    for mode, ratios in summary["over_single_stream"].items():
+        lines.append(f"{mode}: throughput / single stream: " + ", ".join(f"{n}: {r:.2f}x" for n, r in ratios.items()))
+    return lines
+
+
+class _ServerProcess:
+    """`cascade-service serve --frontend standalone` in a child process on a free loopback port."""
+
+    def __init__(self, config_path: str, plain: bool):
+        import subprocess
+        import sys
+
+        args = [sys.executable, "-m", "cascade_service.cli", "serve", "--frontend", "standalone", "--config",
+                config_path, "--grpc-port", "0", *(["--plain"] if plain else [])]
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> str:
+        # The server prints "serving ... on HOST:PORT (...)" once it listens; the port was chosen by it.
+        import select
+
+        deadline = time.monotonic() + timeout_s
+        assert self.process.stdout is not None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.process.returncode} before serving")
+            ready, _, _ = select.select([self.process.stdout], [], [], 1.0)
+            if ready:
+                line = self.process.stdout.readline()
+                if line.startswith("serving "):
+                    return line.split(" on ", 1)[1].split()[0]
+        raise TimeoutError(f"the server did not start within {timeout_s} s")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - a server that ignores SIGINT is killed
+                self.process.kill()
+                self.process.wait()

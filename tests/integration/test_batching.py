@@ -82,3 +82,36 @@ def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family):
         assert out == _oracle(tiny_family["target"], prompt, budget)
     shared = {size: n for size, n in engine.target.batcher.batch_sizes.items() if size > 1}
     assert sum(shared.values()) >= 5, engine.target.batcher.batch_sizes  # the passes were really batched
+
+
+def test_the_standalone_server_batches_concurrent_grpc_requests_exactly(tiny_family):
+    from cascade_service.client import CascadeClient
+    from cascade_service.config import Config
+    from cascade_service.standalone import start_standalone
+
+    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
+                           [ModelTierConfig("close", str(tiny_family["close"])),
+                            ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+                           [[4, 2, 0], [0, 2, 6], [0, 0, 6]], 1.5)
+    served = start_standalone(Config(cascade))
+    prompts = [p[:3 + 2 * i] for i, p in enumerate(random_prompts(8, 20, seed=8))]
+    budgets = [40 - 4 * i for i in range(8)]
+    outputs: list[list[int] | None] = [None] * 8
+    start = threading.Barrier(8)
+
+    def run(i: int) -> None:
+        with CascadeClient(f"127.0.0.1:{served.port}", timeout_s=120) as client:
+            start.wait()
+            outputs[i] = client.generate(prompt_token_ids=prompts[i], max_new_tokens=budgets[i]).token_ids
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for prompt, budget, out in zip(prompts, budgets, outputs):
+            assert out == _oracle(tiny_family["target"], prompt, budget)
+        assert any(size > 1 for model in served.engine.models() for size in model.batcher.batch_sizes)
+    finally:
+        served.stop()

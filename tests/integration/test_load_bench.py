@@ -45,3 +45,31 @@ def test_load_refuses_non_loopback_targets_and_bad_values(tmp_path):
         _bench("--load", "--target", "127.0.0.1:9000", "--duration", "0", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--target"):
         _bench("--load", "--out", str(tmp_path))
+
+
+def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family, tmp_path, capsys):
+    import yaml
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
+                  "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
+        "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5}, "serving": {"torch_threads": 1}}))
+    out = tmp_path / "load"
+    assert _bench("--load", "--config", str(config), "--concurrency", "1,3", "--duration", "1.5",
+                  "--max-new-tokens", "6", "--out", str(out)) == 0
+    results = json.loads((out / "load.json").read_text())
+    runs = results["runs"]
+    assert [(r["mode"], r["concurrency"]) for r in runs] == [("cascade", 1), ("plain", 1), ("cascade", 3), ("plain", 3)]
+    for run in runs:
+        assert set(run) >= {"mode", "concurrency", "tokens_per_s", "p50_s", "p99_s", "errors"}
+        assert run["requests"] > 0 and run["errors"] == 0 and run["tokens_per_s"] > 0
+        assert 0 < run["p50_s"] <= run["p99_s"]
+    ratio = results["summary"]["cascade_over_plain"]["3"]
+    assert ratio == round(runs[2]["tokens_per_s"] / runs[3]["tokens_per_s"], 3)
+    assert "cascade / plain at 3 streams" in capsys.readouterr().out
+
+
+def test_load_takes_a_target_or_a_config_not_both(tmp_path):
+    with pytest.raises(ValueError, match="either --target"):
+        _bench("--load", "--target", "127.0.0.1:9000", "--config", "c.yaml", "--out", str(tmp_path))

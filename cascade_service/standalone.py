@@ -1,0 +1,67 @@
+"""One process, no Ray: the engine's models with continuous batching, the coordinator and a gRPC server.
+
+`cascade-service serve --frontend standalone` runs this: one machine (one GPU, or the CPU) serving many
+concurrent requests, each tier batching their forward passes (models/batching.py). The Ray Serve app
+(serving/) is the wiring for tiers on separate GPUs and independent scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .api.auth import ApiKeys, TlsFiles
+from .api.server import MAX_QUEUED_RPCS, start_server
+from .config import Config, make_cascade
+from .coordinator import Coordinator
+from .engine import Engine
+from .sessions import MemoryStore, SessionStore
+
+DEFAULT_MAX_STREAMS = 64  # requests decoding at once; more wait (up to MAX_QUEUED_RPCS), then RESOURCE_EXHAUSTED
+
+
+@dataclass
+class Standalone:
+    server: Any  # grpc.Server
+    port: int
+    engine: Engine
+    coordinator: Coordinator
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.server.stop(grace_s).wait()
+        for model in self.engine.models():
+            if model.batcher is not None:
+                model.batcher.close()
+
+
+def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, redis_url: str | None = None,
+                     api_keys: ApiKeys | None = None, tls: TlsFiles | None = None, plain: bool = False,
+                     max_streams: int = DEFAULT_MAX_STREAMS, max_batch: int = 64) -> Standalone:
+    """Load the config's tiers, turn on batching, serve gRPC on host:port (0 picks a free port).
+
+    plain: serve the target alone, no speculation (the baseline a load test compares against).
+    """
+    cascade = config.cascade
+    if plain:
+        cascade = make_cascade(cascade.target, [], None, 1.0)
+    if config.serving.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.serving.torch_threads)
+    engine = Engine(cascade)
+    for model in engine.models():
+        model.enable_batching(max_batch)
+    coordinator = engine.coordinator(_store(config, redis_url), config.generation)
+    server, bound = start_server(coordinator, host, port, workers=max_streams, api_keys=api_keys, tls=tls,
+                                 max_queued=MAX_QUEUED_RPCS)
+    return Standalone(server, bound, engine, coordinator)
+
+
+def _store(config: Config, redis_url: str | None) -> SessionStore:
+    url = redis_url or config.serving.redis_url
+    if url:
+        from .sessions.redis_store import RedisStore
+
+        return RedisStore(url, namespace=config.serving.session_namespace, ttl_s=config.serving.session_ttl_s)
+    return MemoryStore(ttl_s=config.serving.session_ttl_s)
+
