@@ -15,6 +15,7 @@ from .config import CascadeConfig, GenerationConfig, MaGConfig, request_state
 from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
+from .core.load import DraftBudget
 from .core.mag import BigramTable, MaxGram
 from .core.stats import CascadeStats
 from .core.verify import Verification
@@ -76,6 +77,7 @@ class Coordinator:
     release: Callable[[dict[str, Any]], None] = lambda tiers: None  # frees a finished request's tier state
     param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
     make_stopper: StopperFactory | None = None  # adaptive draft length of tiers local to this process
+    budgets: Callable[[], DraftBudget] | None = None  # load-adaptive speculation (core.load); None: fixed K
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -161,6 +163,7 @@ class Coordinator:
 
     def _decode(self, tiers: dict[str, Any], context: list[int], gen: GenerationConfig, stats: CascadeStats):
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
+        state.budget = self.budgets() if self.budgets is not None else None
         drafters = [MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else tiers[d.name]
                     for d in self.cascade.drafters]
         system = build_cascade(tiers[self.cascade.target.name], drafters, self.cascade.schedule,

@@ -14,6 +14,7 @@ from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade, re
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
 from .core.decode import decode
+from .core.load import LoadModel
 from .core.mag import BigramTable, MaxGram
 from .coordinator import Coordinator, Tokenizer
 from .core.stats import CascadeStats
@@ -103,14 +104,32 @@ class Engine:
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def coordinator(self, store: SessionStore, defaults: GenerationConfig | None = None) -> Coordinator:
-        """A Coordinator over these loaded models, in this process (the standalone gRPC server, tests)."""
+    def coordinator(self, store: SessionStore, defaults: GenerationConfig | None = None,
+                    adapt_to_load: bool = False) -> Coordinator:
+        """A Coordinator over these loaded models, in this process (the standalone gRPC server, tests).
+
+        adapt_to_load: choose each round's draft budget from measured acceptance and the target's
+        batched passes (core.load); needs batching on the target (`HFModel.enable_batching`).
+        """
         models = {self.target.name: self.target, **{d.name: d for d in self.drafters if isinstance(d, HFModel)}}
+        budgets = None
+        if adapt_to_load:
+            if self.target.batcher is None:
+                raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
+            load = LoadModel(self.target.batcher.timer, max(self.param_costs().values(), default=0.0))
+            block = self.max_block()
+            budgets = lambda: load.budget(block)  # noqa: E731 - one per request
         return Coordinator(
             self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
             tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,
             defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs(),
-            make_stopper=self.make_stopper)
+            make_stopper=self.make_stopper, budgets=budgets)
+
+    def max_block(self) -> int:
+        """The most drafts the target reviews in one round under this schedule (MaG lookup included)."""
+        rows = self.cascade.schedule.to_lists()
+        lookup = self.cascade.lookup.tokens if self.cascade.lookup is not None else 0
+        return max(sum(rows[0]) if rows else 0, lookup)
 
     def models(self) -> list[HFModel]:
         """The loaded model tiers, target first."""

@@ -36,10 +36,13 @@ class Standalone:
 
 def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, redis_url: str | None = None,
                      api_keys: ApiKeys | None = None, tls: TlsFiles | None = None, plain: bool = False,
-                     max_streams: int = DEFAULT_MAX_STREAMS, max_batch: int = 64) -> Standalone:
+                     max_streams: int = DEFAULT_MAX_STREAMS, max_batch: int = 64,
+                     adapt_to_load: bool = True) -> Standalone:
     """Load the config's tiers, turn on batching, serve gRPC on host:port (0 picks a free port).
 
     plain: serve the target alone, no speculation (the baseline a load test compares against).
+    adapt_to_load: each request's draft budget follows measured acceptance and the current batch
+    (core.load); False drafts exactly as the K-matrix says.
     """
     cascade = config.cascade
     if plain:
@@ -51,7 +54,8 @@ def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, red
     engine = Engine(cascade)
     for model in engine.models():
         model.enable_batching(max_batch)
-    coordinator = engine.coordinator(_store(config, redis_url), config.generation)
+    coordinator = engine.coordinator(_store(config, redis_url), config.generation,
+                                     adapt_to_load=adapt_to_load and not plain)
     server, bound = start_server(coordinator, host, port, workers=max_streams, api_keys=api_keys, tls=tls,
                                  max_queued=MAX_QUEUED_RPCS)
     return Standalone(server, bound, engine, coordinator)

@@ -15,6 +15,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
+from .load import DraftBudget
 from .mag import MaxGram
 from .review import ReviewRule, Verdict, rule_for
 from .sampling import SamplingParams, sample
@@ -58,6 +59,9 @@ class RequestState:
     # from `make_stopper`; remote ones get the spec and build their own, where the hidden states are.
     adaptive: dict[str, AdaptiveLength] = field(default_factory=dict)
     make_stopper: StopperFactory | None = None
+    # Load-adaptive speculation (core.load): caps each round's block at the target from measured
+    # acceptance and the current batch; None drafts as the K-matrix says.
+    budget: DraftBudget | None = None
 
 
 @runtime_checkable
@@ -261,10 +265,15 @@ class CascadeDrafter:
         # `want` is ignored: this reviewer's block size comes from its own K-matrix row (paper §3.3).
         # The block is capped at limit - 1 so that block + replacement/bonus never exceeds `limit`.
         cap = min(sum(quota for _, quota in self.drafters), limit - 1)
+        lookup_cap = limit - 1
+        budget = self.state.budget if self.final else None
+        if budget is not None:
+            allowed = budget()
+            cap, lookup_cap = min(cap, allowed), min(lookup_cap, allowed)
         block = Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
-        if self.lookup is not None:
+        if self.lookup is not None and lookup_cap > 0:
             mag, gate = self.lookup
-            block = block + mag.lookup(ctx, min(gate.tokens, limit - 1), gate.min_match)
+            block = block + mag.lookup(ctx, min(gate.tokens, lookup_cap), gate.min_match)
         goal = 0
         for drafter, quota in self.drafters if not block else ():
             goal = min(goal + quota, cap)
@@ -286,6 +295,8 @@ class CascadeDrafter:
             verdict = score_and_review(self.scorer, ctx, block, self.rule, self.leniency, st.sampling,
                                        st.generator, self.counters)
         self.review_counters.record(block.origins, verdict.accepted)
+        if budget is not None and block:
+            budget.observe(len(block), verdict.accepted)
         if self.final:
             st.stats.off_target_tokens += verdict.off_target
             st.stats.tv_deviation += verdict.tv

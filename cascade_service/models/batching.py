@@ -19,11 +19,14 @@ the positions it asked for. A batch of one takes the plain single-request path u
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers import DynamicCache
+
+from cascade_service.core.load import PassTimer
 
 if TYPE_CHECKING:
     from .hf import HFModel
@@ -46,7 +49,8 @@ class ForwardBatcher:
     """Runs concurrent `HFModel` forward passes as batched passes on one worker thread.
 
     max_batch: at most this many requests in one pass (the rest wait for the next one).
-    `batch_sizes` counts the passes run at each batch size (what a load test reads).
+    `batch_sizes` counts the passes run at each batch size (what a load test reads); `timer` holds the
+    recent passes' sizes and times, from which load-adaptive speculation (core.load) fits a pass's cost.
     """
 
     def __init__(self, model: "HFModel", max_batch: int = 64):
@@ -55,6 +59,7 @@ class ForwardBatcher:
         self.model = model
         self.max_batch = max_batch
         self.batch_sizes: dict[int, int] = {}
+        self.timer = PassTimer()
         self._pending: list[_Pass] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -90,8 +95,11 @@ class ForwardBatcher:
                 batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
             self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
             try:
+                began = time.perf_counter()
                 with torch.inference_mode():
                     results = forward_batch(self.model, batch)
+                self.model._sync()
+                self.timer.record(len(batch), sum(len(item.fed) for item in batch), time.perf_counter() - began)
                 for item, result in zip(batch, results):
                     item.result = result
             except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller

@@ -115,3 +115,66 @@ def test_the_standalone_server_batches_concurrent_grpc_requests_exactly(tiny_fam
         assert any(size > 1 for model in served.engine.models() for size in model.batcher.batch_sizes)
     finally:
         served.stop()
+
+
+class _CyclingBudget:
+    """A draft budget that goes through every cap from plain decoding (0) to beyond the schedule."""
+
+    def __init__(self):
+        self.calls = 0
+        self.observed: list[tuple[int, int]] = []
+
+    def __call__(self) -> int:
+        self.calls += 1
+        return [0, 1, 3, 0, 2, 9][self.calls % 6]
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.observed.append((drafted, accepted))
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
+    from cascade_service.core.cascade import Lookup
+    from cascade_service.sessions import MemoryStore
+
+    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
+                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5,
+                           Lookup(2, 6) if lookup else None)
+    coordinator = Engine(cascade).coordinator(MemoryStore())
+    budgets: list[_CyclingBudget] = []
+    coordinator.budgets = lambda: budgets.append(_CyclingBudget()) or budgets[-1]
+    for prompt in random_prompts(3, 12, seed=44):
+        prompt = prompt[:6] * 2  # repeats, so the MaG lookup finds matches
+        out = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=30)).token_ids
+        assert out == _oracle(tiny_family["target"], prompt, 30)
+    assert all(b.calls > 6 for b in budgets)
+    assert all(drafted <= 9 for b in budgets for drafted, _ in b.observed)  # a round drafts within its cap
+
+
+def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
+    from cascade_service.sessions import MemoryStore
+
+    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
+                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    engine = Engine(cascade)
+    for model in engine.models():
+        model.enable_batching()
+    coordinator = engine.coordinator(MemoryStore(), adapt_to_load=True)
+    made = []
+    make = coordinator.budgets
+    coordinator.budgets = lambda: made.append(make()) or made[-1]
+    prompts = random_prompts(8, 10, seed=45)
+    outputs: list[list[int] | None] = [None] * 8
+
+    def run(i: int) -> None:
+        outputs[i] = coordinator.generate(coordinator.params(prompt_ids=prompts[i], max_new_tokens=60)).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for prompt, out in zip(prompts, outputs):
+        assert out == _oracle(tiny_family["target"], prompt, 60)
+    assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
+    assert len(made) == 8 and all(b.chosen for b in made)
