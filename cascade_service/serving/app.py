@@ -1,6 +1,7 @@
 """The Ray Serve application: one deployment per model tier, a coordinator/ingress, the app builder.
 
     tier-<name>   TierDeployment: a TierServer (model + per-request KV caches); drafts/reviews blocks
+                  for many requests at once, their forward passes batched
     coordinator   CoordinatorDeployment: the gRPC ingress; runs core's cascade over RemoteTiers and
                   hosts MaG; sessions in Redis or in an in-cluster actor
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -49,14 +51,19 @@ GRPC_SERVICER_FUNCTIONS = [
 # fit a 2-core machine; a cluster config gives real resources per deployment. Passive OpenMP waits:
 # an idle tier's torch threads would otherwise spin for a while after each forward pass, taking the
 # cores the next tier in the round needs. User code on the replica's own loop and sync methods run
-# inline: each handoff between threads costs a context switch per hop, and a tier replica does one
-# forward pass at a time anyway.
+# inline: each handoff between threads costs a context switch per hop, and the sync methods left
+# (info, counters, release) return at once; what blocks (a tier's block calls, the coordinator's
+# decodes) goes to the replica's own thread pool, so the loop stays free to take concurrent calls.
 LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {
     "OMP_WAIT_POLICY": "PASSIVE", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "0"}}}
 
 
 DEFAULT_MAX_QUEUED = 64  # per deployment handle; `serving.deployments.<name>.max_queued_requests` overrides
+# Calls a replica works on at once (Serve's own default is 5): a tier batches concurrent requests'
+# forward passes and a coordinator's requests mostly wait on tiers, so both gain from many.
+# `serving.deployments.<name>.max_ongoing_requests` overrides it.
+DEFAULT_MAX_ONGOING = 64
 
 
 def tier_deployment_name(tier: str) -> str:
@@ -66,27 +73,41 @@ def tier_deployment_name(tier: str) -> str:
 
 @serve.deployment
 class TierDeployment:
-    """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them."""
+    """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them.
 
-    def __init__(self, tiers: list[dict[str, Any]], mag: dict[str, Any] | None = None, torch_threads: int | None = None):
+    Block calls (draft, review, system) block on forward passes, so each runs on a thread of the
+    replica's own pool, one per call Serve lets in (max_ongoing); every model batches the forward
+    passes of those concurrent calls, so requests decoding at once share passes.
+    """
+
+    def __init__(self, tiers: list[dict[str, Any]], mag: dict[str, Any] | None = None, torch_threads: int | None = None,
+                 max_ongoing: int = DEFAULT_MAX_ONGOING):
         if torch_threads:
             import torch
 
             torch.set_num_threads(torch_threads)
         mag = mag or {}
         self.group = TierGroup([ModelTierConfig(**t) for t in tiers], mag.get("bigram"), mag.get("max_ngram", 16))
+        for server in self.group.servers.values():
+            server.model.enable_batching()
+        self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
 
     def info(self) -> dict[str, Any]:
         return self.group.info()
 
-    def draft(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self.group.draft(message)
+    async def draft(self, message: dict[str, Any]) -> dict[str, Any]:
+        return await self._blocking(self.group.draft, message)
 
-    def review(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self.group.review(message)
+    async def review(self, message: dict[str, Any]) -> dict[str, Any]:
+        return await self._blocking(self.group.review, message)
 
-    def system(self, message: dict[str, Any]) -> dict[str, Any]:
-        return self.group.system(message)
+    async def system(self, message: dict[str, Any]) -> dict[str, Any]:
+        return await self._blocking(self.group.system, message)
+
+    async def _blocking(self, call: Callable[[dict[str, Any]], Any], message: dict[str, Any]) -> Any:
+        # A caller that cancels stops a call still queued here; one under way runs to its end (a thread
+        # cannot be interrupted), which is one block: short.
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call, message)
 
     def release(self, message: dict[str, Any]) -> bool:
         return self.group.release(message["request_id"])
@@ -102,7 +123,8 @@ class TierDeployment:
 class CoordinatorDeployment:
     """The ingress: gRPC methods of cascade.v1.CascadeService (+ grpc.health.v1.Health/Check)."""
 
-    def __init__(self, config_path: str, tiers: dict[str, DeploymentHandle], redis_url: str | None = None):
+    def __init__(self, config_path: str, tiers: dict[str, DeploymentHandle], redis_url: str | None = None,
+                 max_ongoing: int = DEFAULT_MAX_ONGOING):
         self.config: Config = load_config(config_path)
         if redis_url:  # the command line's --redis-url wins over the config's serving.redis_url
             self.config = replace(self.config, serving=replace(self.config.serving, redis_url=redis_url))
@@ -115,6 +137,9 @@ class CoordinatorDeployment:
         self.systems: dict[str, dict[str, Any]] = {}  # group members that run their sub-cascade remotely
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
+        # A decode holds its thread for the whole request: one thread per call Serve lets in, where the
+        # loop's default executor has min(32, cpus + 4) and would queue requests Serve admitted.
+        self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="decode")
 
     def _build(self) -> CascadeServicer:
         # Called from a worker thread: asking the tiers for their facts blocks on them.
@@ -127,6 +152,8 @@ class CoordinatorDeployment:
                     torch.set_num_threads(serving.torch_threads)
                 self.local = {t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
                               for t in cascade.tiers if isinstance(t, ModelTierConfig) and t.name in serving.colocate}
+                for model in self.local.values():  # concurrent requests share a colocated tier's passes
+                    model.enable_batching()
                 info: dict[str, Any] = {}
                 for handle in {id(h): h for h in self.handles.values()}.values():
                     info |= handle.info.remote().result()
@@ -162,7 +189,8 @@ class CoordinatorDeployment:
         if context is None:  # UNAUTHENTICATED is set on grpc_context
             return UNARY[method][1]()
 
-        return await _cancellable(lambda cancelled: _serve(self._build(), method, request, context, cancelled))
+        return await _cancellable(
+            self.pool, lambda cancelled: _serve(self._build(), method, request, context, cancelled))
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         return await self._unary("Generate", request, grpc_context)
@@ -175,7 +203,7 @@ class CoordinatorDeployment:
         def chunks(cancelled) -> Iterator[Any]:
             return self._build().GenerateStream(request, context, cancelled)
 
-        async for chunk in _in_thread(chunks):
+        async for chunk in _in_thread(self.pool, chunks):
             yield chunk
 
     async def CreateSession(self, request, grpc_context):  # noqa: N802
@@ -198,7 +226,7 @@ class CoordinatorDeployment:
             response = _serve(self._build(), method, request_type(method).FromString(body), context, cancelled)
             return context.code.name, context.details, response.SerializeToString()
 
-        return await _cancellable(run)
+        return await _cancellable(self.pool, run)
 
     async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
         context = RecordingContext(owner)
@@ -206,14 +234,14 @@ class CoordinatorDeployment:
         def chunks(cancelled) -> Iterator[Any]:
             return _serve(self._build(), method, request_type(method).FromString(body), context, cancelled)
 
-        async for chunk in _in_thread(chunks):
+        async for chunk in _in_thread(self.pool, chunks):
             yield "OK", "", chunk.SerializeToString()
         if context.code.name != "OK":
             yield context.code.name, context.details, b""
 
     async def Check(self, request, grpc_context=None):  # noqa: N802 - grpc.health.v1.Health/Check
         try:
-            await asyncio.to_thread(self._build)
+            await asyncio.get_running_loop().run_in_executor(self.pool, self._build)
             return health_response(True)
         except Exception:  # noqa: BLE001 - a tier that cannot answer means not serving
             log.exception("health check failed")
@@ -283,21 +311,22 @@ def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any, c
     return getattr(servicer, method)(request, context)
 
 
-async def _cancellable(run: Callable[[Callable[[], bool]], Any]) -> Any:
-    """run(cancelled) in a worker thread. When Serve cancels this call (the caller hung up or its
+async def _cancellable(executor: Executor, run: Callable[[Callable[[], bool]], Any]) -> Any:
+    """run(cancelled) on a thread of `executor`. When Serve cancels this call (the caller hung up or its
     deadline passed), the thread cannot be interrupted, so `cancelled` turns True and the decode stops
     at its next round, freeing the tiers' KV caches, instead of running to max_new_tokens unseen."""
     gone = threading.Event()
     try:
-        return await asyncio.to_thread(run, gone.is_set)
+        return await asyncio.get_running_loop().run_in_executor(executor, run, gone.is_set)
     except asyncio.CancelledError:
         gone.set()
         raise
 
 
-async def _in_thread(make: Any) -> AsyncIterator[Any]:
-    """Iterate make(cancelled), a blocking iterator, in a worker thread without blocking the replica's
-    event loop; once the consumer stops (finished, or Serve cancelled the stream) `cancelled` is True."""
+async def _in_thread(executor: Executor, make: Any) -> AsyncIterator[Any]:
+    """Iterate make(cancelled), a blocking iterator, on a thread of `executor` without blocking the
+    replica's event loop; once the consumer stops (finished, or Serve cancelled the stream) `cancelled`
+    is True."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue(maxsize=64)
     done = object()
@@ -314,7 +343,7 @@ async def _in_thread(make: Any) -> AsyncIterator[Any]:
         finally:
             asyncio.run_coroutine_threadsafe(queue.put(done), loop).result()
 
-    worker = loop.run_in_executor(None, pump)
+    worker = loop.run_in_executor(executor, pump)
     try:
         while (item := await queue.get()) is not done:
             if isinstance(item, BaseException):
@@ -345,19 +374,24 @@ def app_builder(args: dict[str, Any]):
     handles = {}
     for group in tier_groups(list(by_name), serving.colocate, serving.groups):
         name = deployment_name(group)
-        handle = TierDeployment.options(name=name, **_options(serving, name, local)).bind(
+        options = _options(serving, name, local)
+        handle = TierDeployment.options(name=name, **options).bind(
             [{"name": n, "path": by_name[n].path, "dtype": by_name[n].dtype, "device": by_name[n].device} for n in group],
-            mag_args if len(group) > 1 else None, serving.torch_threads)
+            mag_args if len(group) > 1 else None, serving.torch_threads, options["max_ongoing_requests"])
         handles |= {n: handle for n in group}
-    return CoordinatorDeployment.options(name=COORDINATOR, **_options(serving, COORDINATOR, local)).bind(
-        path, handles, args.get("redis_url"))
+    options = _options(serving, COORDINATOR, local)
+    return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(
+        path, handles, args.get("redis_url"), options["max_ongoing_requests"])
 
 
 def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
     options = {k: v for k, v in serving.deployments.get(name, {}).items()}
     # Bounded queues: a replica works on max_ongoing_requests at once and holds at most
     # max_queued_requests more per caller; past that, callers get RESOURCE_EXHAUSTED instead of
-    # memory growing without bound (Serve's own default queue is unbounded).
+    # memory growing without bound (Serve's own default queue is unbounded). The replica sizes its
+    # thread pool from max_ongoing_requests as set here; a Serve config file that sets it again leaves
+    # the pool as it is (its threads start only as calls need them, so a larger pool costs nothing).
+    options.setdefault("max_ongoing_requests", DEFAULT_MAX_ONGOING)
     options.setdefault("max_queued_requests", DEFAULT_MAX_QUEUED)
     if local:
         options.setdefault("ray_actor_options", dict(LOCAL_ACTOR_OPTIONS))

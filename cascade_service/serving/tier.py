@@ -36,7 +36,8 @@ MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used requ
 
 
 class TierServer:
-    """One model tier serving block calls; thread-safe per request id."""
+    """One model tier serving block calls. Calls for different request ids may run concurrently (each
+    request has its own scorer, the shared state is locked); one request's calls come one at a time."""
 
     def __init__(self, tier: ModelTierConfig, max_cached_requests: int = MAX_CACHED_REQUESTS):
         self.tier = tier
@@ -123,6 +124,13 @@ def _usage(counters: TierCounters, processed: int) -> dict[str, Any]:
     return {"calls": counters.calls, "tokens_processed": processed, "time_s": counters.time_s}
 
 
+def _batched_passes(model: HFModel) -> int:
+    if model.batcher is None:
+        return 0
+    sizes = dict(model.batcher.batch_sizes)  # a copy: the batcher's worker thread adds to it meanwhile
+    return sum(passes for size, passes in sizes.items() if size > 1)
+
+
 class TierGroup:
     """The model tiers one replica hosts (usually one), plus MaG when a member runs its sub-cascade.
 
@@ -142,9 +150,11 @@ class TierGroup:
         self.calls = 0  # block calls served (draft, review, system): shows whether work goes on
 
     def counters(self) -> dict[str, int]:
-        """What an operator watches: calls served, requests holding a KV cache, cache misses."""
+        """What an operator watches: calls served, requests holding a KV cache, cache misses, and the
+        forward passes that concurrent requests shared (batch size > 1; 0 while batching is off)."""
         return {"calls": self.calls, "cached_requests": self.cached_requests(),
-                "cache_misses": sum(server.cache_misses for server in self.servers.values())}
+                "cache_misses": sum(server.cache_misses for server in self.servers.values()),
+                "batched_passes": sum(_batched_passes(server.model) for server in self.servers.values())}
 
     def info(self) -> dict[str, Any]:
         return {name: server.info() for name, server in self.servers.items()}
