@@ -178,3 +178,20 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
         assert out == _oracle(tiny_family["target"], prompt, 60)
     assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
     assert len(made) == 8 and all(b.chosen for b in made)
+
+
+def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
+    from cascade_service.models.batching import PAD_WASTE, take_batch
+
+    def passes(*lengths):
+        return [_Pass([0] * n, DynamicCache(), 1, False) for n in lengths]
+
+    pending = passes(1, 100, 1, 2, 1, 98)
+    batch = take_batch(pending, max_batch=64)
+    assert batch[0] is pending[0] and [len(p.fed) for p in batch] == [1, 1, 1]  # the prefills wait
+    assert len(batch) * max(len(p.fed) for p in batch) <= PAD_WASTE * sum(len(p.fed) for p in batch)
+    rest = [p for p in pending if all(p is not b for b in batch)]
+    # the oldest first, with its like; a short pass fits in beside two long ones (300 <= 1.5 * 200)
+    assert [len(p.fed) for p in take_batch(rest, 64)] == [100, 98, 2]
+    assert take_batch(passes(2, 1, 1, 1), 64)[0].fed == [0, 0] and len(take_batch(passes(2, 1, 1, 1), 64)) == 4
+    assert len(take_batch(passes(*[1] * 10), max_batch=4)) == 4
