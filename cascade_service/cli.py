@@ -285,9 +285,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "standalone: one process, no Ray, every tier batching concurrent requests")
     p.add_argument("--plain", action="store_true",
                    help="with --frontend standalone: the target alone, no speculation (a baseline)")
-    p.add_argument("--fixed-k", action="store_true",
-                   help="with --frontend standalone: draft as the K-matrix says instead of adapting each request's "
-                        "draft length to its acceptance and the current load")
+    p.add_argument("--adapt-to-load", action="store_true",
+                   help="with --frontend standalone: choose each request's draft budget per round from its measured "
+                        "acceptance and the current load instead of the K-matrix (measured slower on the CPU demo)")
     p.set_defaults(run=_run_serve)
 
 
@@ -307,7 +307,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         from .standalone import start_standalone
 
         standalone = start_standalone(config, args.host, port, args.redis_url, api_keys, tls, plain=args.plain,
-                                      adapt_to_load=not args.fixed_k)
+                                      adapt_to_load=args.adapt_to_load)
         try:
             print(f"serving cascade.v1.CascadeService on {args.host}:{standalone.port} "
                   f"(standalone{', plain' if args.plain else ''}; Ctrl-C stops)", flush=True)
@@ -316,8 +316,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             print("stopping", file=sys.stderr, flush=True)
             standalone.stop(1.0)
         return 0
-    if args.plain or args.fixed_k:
-        raise UsageError("--plain and --fixed-k go with --frontend standalone")
+    if args.plain or args.adapt_to_load:
+        raise UsageError("--plain and --adapt-to-load go with --frontend standalone")
     from .serving.local import LocalService
 
     service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,

@@ -37,12 +37,13 @@ class Standalone:
 def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, redis_url: str | None = None,
                      api_keys: ApiKeys | None = None, tls: TlsFiles | None = None, plain: bool = False,
                      max_streams: int = DEFAULT_MAX_STREAMS, max_batch: int = 64,
-                     adapt_to_load: bool = True) -> Standalone:
+                     adapt_to_load: bool = False) -> Standalone:
     """Load the config's tiers, turn on batching, serve gRPC on host:port (0 picks a free port).
 
     plain: serve the target alone, no speculation (the baseline a load test compares against).
     adapt_to_load: each request's draft budget follows measured acceptance and the current batch
-    (core.load); False drafts exactly as the K-matrix says.
+    (core.load) instead of the K-matrix; off by default, since on the CPU demo it measured slower
+    (README "Throughput under concurrency").
     """
     cascade = config.cascade
     if plain:

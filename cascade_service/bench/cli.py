@@ -43,6 +43,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     p.add_argument("--concurrency", default="1,4,16", help="with --load: comma-separated client counts")
     p.add_argument("--duration", type=float, default=20.0, help="with --load: seconds per concurrency level")
     p.add_argument("--api-key", help="with --load: the API key to send")
+    p.add_argument("--modes", default="cascade,plain",
+                   help="with --load --config: what to serve and compare: cascade (the K-matrix as configured), "
+                        "plain (the target alone), cascade-adaptive (draft budgets that follow acceptance and load)")
     p.add_argument("--adaptive", action="store_true",
                    help="SpecDec++ and confidence stopping against fixed draft lengths, one drafter (writes adaptive.json)")
     p.add_argument("--drafter", help="with --adaptive: the drafter tier (default: the config's last model drafter)")
@@ -162,9 +165,13 @@ def _run_load(args: argparse.Namespace) -> int:
     if args.config:
         from ..config import load_config
 
-        load_config(args.config)  # a bad config fails here, not in two server processes
+        load_config(args.config)  # a bad config fails here, not in the server processes
+        modes = [m for m in args.modes.split(",") if m]
+        unknown = [m for m in modes if m not in load.MODES]
+        if unknown or not modes:
+            raise ValueError(f"--modes: expected some of {', '.join(load.MODES)}, got {args.modes!r}")
         load.run_modes(args.config, concurrencies, args.duration, prompts, args.max_new_tokens, Path(args.out),
-                       command)
+                       command + (f" --modes {args.modes}" if args.modes != "cascade,plain" else ""), modes=modes)
         return 0
     if ":" not in args.target:
         raise ValueError("--target: expected HOST:PORT")

@@ -157,11 +157,12 @@ def _mb(value: int | None) -> float | None:
     return None if value is None else round(value / 2**20, 1)
 
 
-MODES = ("cascade", "plain")
+MODES = ("cascade", "plain", "cascade-adaptive")  # served as: the K-matrix, --plain, --adapt-to-load
 
 
 def run_modes(config_path: str, concurrencies: Sequence[int], duration_s: float, prompts: Sequence[str],
-              max_new_tokens: int, out: Path, command: str, timeout_s: float = 300.0) -> dict:
+              max_new_tokens: int, out: Path, command: str, timeout_s: float = 300.0,
+              modes: Sequence[str] = MODES[:2]) -> dict:
     """The cascade against plain decoding of its target, under load, in one run.
 
     Starts two standalone servers (`serve --frontend standalone`, with and without `--plain`) on
@@ -169,7 +170,7 @@ def run_modes(config_path: str, concurrencies: Sequence[int], duration_s: float,
     next level...) so drift on a noisy machine hits both alike; the idle one waits on a condition.
     Writes load.json: {"runs": [{"mode", "concurrency", "tokens_per_s", "p50_s", "p99_s", "errors", ...}]}.
     """
-    servers = {mode: _ServerProcess(config_path, plain=mode == "plain") for mode in MODES}
+    servers = {mode: _ServerProcess(config_path, mode) for mode in modes}
     runs = []
     try:
         targets = {mode: server.wait_ready() for mode, server in servers.items()}
@@ -194,13 +195,16 @@ def run_modes(config_path: str, concurrencies: Sequence[int], duration_s: float,
 
 
 def _scaling(runs: list[dict]) -> dict:
-    """Per mode, throughput relative to its own single stream; per level, cascade / plain."""
+    """Per mode, throughput relative to its own single stream; per level, each cascade mode / plain."""
     by = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in runs}
     levels = sorted({r["concurrency"] for r in runs})
     summary: dict = {"cascade_over_plain": {}, "over_single_stream": {}}
     for n in levels:
-        if by.get(("plain", n)):
+        if by.get(("plain", n)) and ("cascade", n) in by:
             summary["cascade_over_plain"][str(n)] = round(by[("cascade", n)] / by[("plain", n)], 3)
+        if by.get(("plain", n)) and ("cascade-adaptive", n) in by:
+            summary.setdefault("adaptive_over_plain", {})[str(n)] = round(by[("cascade-adaptive", n)] / by[("plain", n)],
+                                                                          3)
     for mode in MODES:
         base = by.get((mode, 1))
         if base:
@@ -210,6 +214,8 @@ def _scaling(runs: list[dict]) -> dict:
 
 def _scaling_lines(summary: dict) -> list[str]:
     lines = [f"cascade / plain at {n} streams: {r:.2f}x" for n, r in summary["cascade_over_plain"].items()]
+    lines += [f"cascade adapting to load / plain at {n} streams: {r:.2f}x"
+              for n, r in summary.get("adaptive_over_plain", {}).items()]
     for mode, ratios in summary["over_single_stream"].items():
         lines.append(f"{mode}: throughput / single stream: " + ", ".join(f"{n}: {r:.2f}x" for n, r in ratios.items()))
     return lines
@@ -218,12 +224,13 @@ def _scaling_lines(summary: dict) -> list[str]:
 class _ServerProcess:
     """`cascade-service serve --frontend standalone` in a child process on a free loopback port."""
 
-    def __init__(self, config_path: str, plain: bool):
+    def __init__(self, config_path: str, mode: str):
         import subprocess
         import sys
 
+        flags = {"cascade": [], "plain": ["--plain"], "cascade-adaptive": ["--adapt-to-load"]}[mode]
         args = [sys.executable, "-m", "cascade_service.cli", "serve", "--frontend", "standalone", "--config",
-                config_path, "--grpc-port", "0", *(["--plain"] if plain else [])]
+                config_path, "--grpc-port", "0", *flags]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
 
     def wait_ready(self, timeout_s: float = 600.0) -> str:
