@@ -36,6 +36,16 @@ def _kill(deployment: str) -> None:
         ray.kill(ray.get_actor(name, namespace=namespace), no_restart=False)
 
 
+def _drain(stream, tokens: list[int]) -> str:
+    """Read the rest of a stream into `tokens`: "completed", or "unavailable" if it broke off."""
+    try:
+        for chunk in stream:
+            tokens += chunk.token_ids
+    except errors.Unavailable:
+        return "unavailable"
+    return "completed"
+
+
 def _when_back(call, timeout_s: float = 120.0):
     """call() once the service answers again (Serve brings a killed replica back)."""
     deadline = time.monotonic() + timeout_s
@@ -63,17 +73,11 @@ def test_killing_a_tier_replica_mid_generation_never_gives_wrong_tokens(tiny_fam
     prompt = random_prompts(1, 10, seed=93)[0]
     expected = _oracle(tiny_family["target"], prompt, 2000)
     with CascadeClient(service.address, timeout_s=180) as client:
-        outcome = None
         stream = client.stream(prompt_token_ids=prompt, max_new_tokens=2000)
         tokens = list(next(stream).token_ids)  # the decode is under way
         _kill("tier-mid")
         killed_at = len(tokens)
-        try:
-            for chunk in stream:
-                tokens += chunk.token_ids
-            outcome = "completed"
-        except errors.Unavailable:
-            outcome = "unavailable"
+        outcome = _drain(stream, tokens)
         print(f"outcome after the kill: {outcome}; killed after {killed_at} of {len(tokens)} tokens")
         assert killed_at < 1000  # the kill landed early in a long decode, not after it
         if outcome == "completed":
@@ -92,12 +96,7 @@ def test_a_session_survives_a_coordinator_restart_mid_generation(tiny_family, se
         stream = client.stream(session_id=session.session_id, max_new_tokens=2000)
         streamed = list(next(stream).token_ids)  # the second turn is under way
         _kill("coordinator")
-        try:
-            for chunk in stream:
-                streamed += chunk.token_ids
-            outcome = "completed"
-        except errors.Unavailable:
-            outcome = "unavailable"
+        outcome = _drain(stream, streamed)
         print(f"outcome after killing the coordinator: {outcome}; {len(streamed)} tokens streamed")
         held = _when_back(lambda: client.get_session(session.session_id)).token_ids
         turns = [first] + ([streamed] if outcome == "completed" else [])

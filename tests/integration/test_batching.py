@@ -23,6 +23,15 @@ from cascade_service.models.tiny import random_prompts
 from .test_oracle import _oracle
 
 
+def _concurrently(n: int, run) -> None:
+    """run(0) ... run(n - 1), each in its own thread, all at once; returns when all are done."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, arch):
     model = HFModel.load(tiny_family_factory(arch)["target"])
@@ -73,11 +82,7 @@ def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family):
         start.wait()
         outputs[i] = engine.generate(prompts[i], GenerationConfig(max_new_tokens=budgets[i])).token_ids
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(10)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _concurrently(10, run)
     for prompt, budget, out in zip(prompts, budgets, outputs):
         assert out == _oracle(tiny_family["target"], prompt, budget)
     shared = {size: n for size, n in engine.target.batcher.batch_sizes.items() if size > 1}
@@ -105,11 +110,7 @@ def test_the_standalone_server_batches_concurrent_grpc_requests_exactly(tiny_fam
             outputs[i] = client.generate(prompt_token_ids=prompts[i], max_new_tokens=budgets[i]).token_ids
 
     try:
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _concurrently(8, run)
         for prompt, budget, out in zip(prompts, budgets, outputs):
             assert out == _oracle(tiny_family["target"], prompt, budget)
         assert any(size > 1 for model in served.engine.models() for size in model.batcher.batch_sizes)
@@ -169,11 +170,7 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     def run(i: int) -> None:
         outputs[i] = coordinator.generate(coordinator.params(prompt_ids=prompts[i], max_new_tokens=60)).token_ids
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _concurrently(8, run)
     for prompt, out in zip(prompts, outputs):
         assert out == _oracle(tiny_family["target"], prompt, 60)
     assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
