@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Callable, Sequence
 
+from .cli_parser import Parser, UsageError
+from .cli_serve import add_serve_command
 from .config import (
     Config,
     ConfigError,
@@ -21,19 +23,6 @@ from .config import (
     MaGConfig,
     target_from_arg,
 )
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2."""
-
-    def __init__(self, message: str, prog: str = "cascade-service"):
-        super().__init__(message)
-        self.prog = prog
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
-        raise UsageError(message, self.prog)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -188,7 +177,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _add_zoo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("zoo", help="build the model zoo (offline)")
-    zoo_sub = p.add_subparsers(dest="zoo_command", required=True, parser_class=_Parser)
+    zoo_sub = p.add_subparsers(dest="zoo_command", required=True, parser_class=Parser)
     build = zoo_sub.add_parser("build", help="build a model family into $CASCADE_SERVICE_HOME/zoo/<preset>")
     build.add_argument("--preset", default="demo", choices=["demo", "test", "tiny"],
                        help="demo: trained family (<= 10 min); test: trained, tiny (<= 60 s); "
@@ -265,103 +254,12 @@ def _run_train_head(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from .bench.cli import add_bench_command
 
-    add_bench_command(sub, _Parser)
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the cascade over gRPC: local Ray, one deployment per tier")
-    p.add_argument("--config", required=True)
-    p.add_argument("--grpc-port", type=int, default=None, help="default: the config's serving.grpc_port (9000)")
-    p.add_argument("--redis-url", default=None, help="keep sessions in Redis (default: in-cluster memory)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="default loopback; any other address needs --api-keys and --tls-cert/--tls-key")
-    p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="require one of these API keys (one per line, 'KEY [name]', '#' comments); "
-                        "default: the config's serving.api_keys_file")
-    p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
-    p.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert")
-    p.add_argument("--frontend", default="edge", choices=["edge", "ray", "standalone"],
-                   help="edge: our gRPC server forwards to the coordinator (default); ray: Ray Serve's gRPC proxy; "
-                        "standalone: one process, no Ray, every tier batching concurrent requests")
-    p.add_argument("--plain", action="store_true",
-                   help="with --frontend standalone: the target alone, no speculation (a baseline)")
-    p.add_argument("--adapt-to-load", action="store_true",
-                   help="with --frontend standalone: choose each request's draft budget per round from its measured "
-                        "acceptance and the current load instead of the K-matrix (measured slower on the CPU demo)")
-    p.set_defaults(run=_run_serve)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
-    config = load_config(args.config)
-    api_keys, tls = serve_access(args, config)
-    port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    if args.frontend == "standalone":
-        from .standalone import start_standalone
-
-        standalone = start_standalone(config, args.host, port, args.redis_url, api_keys, tls, plain=args.plain,
-                                      adapt_to_load=args.adapt_to_load)
-        try:
-            print(f"serving cascade.v1.CascadeService on {args.host}:{standalone.port} "
-                  f"(standalone{', plain' if args.plain else ''}; Ctrl-C stops)", flush=True)
-            stop.wait()
-        finally:
-            print("stopping", file=sys.stderr, flush=True)
-            standalone.stop(1.0)
-        return 0
-    if args.plain or args.adapt_to_load:
-        raise UsageError("--plain and --adapt-to-load go with --frontend standalone")
-    from .serving.local import LocalService
-
-    service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,
-                           api_keys=api_keys, tls=tls)
-    try:
-        address = service.start()
-        print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)
-        stop.wait()
-    finally:
-        print("stopping", file=sys.stderr, flush=True)
-        service.stop()
-    return 0
-
-
-def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
-    """(API keys, TLS files) for `serve`, from the flags or else the config; UsageError where they are
-    unusable, and for a non-loopback --host unless both keys and TLS are on."""
-    from .api.auth import TlsFiles, is_loopback, load_api_keys
-
-    serving = config.serving
-    keys_file = args.api_keys or serving.api_keys_file
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise UsageError("--tls-cert and --tls-key go together")
-    cert, key = (args.tls_cert, args.tls_key) if args.tls_cert else (serving.tls_cert_file, serving.tls_key_file)
-    tls = TlsFiles(cert, key) if cert else None
-    if not is_loopback(args.host) and (keys_file is None or tls is None):
-        missing = " and ".join(flag for flag, value in (("--api-keys", keys_file), ("--tls-cert/--tls-key", tls))
-                               if value is None)
-        raise UsageError(f"--host {args.host}: a non-loopback address is served only with API keys and TLS "
-                         f"(missing {missing}, or serving.api_keys_file / serving.tls_cert_file in the config)")
-    if (keys_file or tls) and args.frontend == "ray":
-        raise UsageError("--api-keys and TLS need --frontend edge or standalone (Ray's proxy serves neither)")
-    try:
-        api_keys = load_api_keys(keys_file) if keys_file else None
-        if tls is not None:
-            tls.credentials()  # unreadable files fail here, before Ray starts
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return api_keys, tls
+    add_bench_command(sub, Parser)
 
 
 def _add_client(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("client", help="talk to a running service over gRPC")
-    client_sub = p.add_subparsers(dest="client_command", required=True, parser_class=_Parser)
+    client_sub = p.add_subparsers(dest="client_command", required=True, parser_class=Parser)
     for name, help_text in (("generate", "one request, printed when done"), ("stream", "print text as it arrives")):
         c = client_sub.add_parser(name, help=help_text)
         c.add_argument("--target", required=True, help="HOST:PORT of the service")
@@ -446,12 +344,12 @@ def _run_client(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_generate, _add_zoo, _add_demo, _add_tune, _add_train_head, _add_bench, _add_serve, _add_client]
+    _add_generate, _add_zoo, _add_demo, _add_tune, _add_train_head, _add_bench, add_serve_command, _add_client]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="cascade-service", description="Cascade Speculative Drafting service")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="cascade-service", description="Cascade Speculative Drafting service")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in COMMANDS:
         add(sub)
     return parser

@@ -20,7 +20,8 @@ from cascade_service.api.edge import RecordingContext, start_edge
 from cascade_service.api.server import start_server
 from cascade_service.api.servicer import CascadeServicer
 from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.cli import UsageError, main, serve_access
+from cascade_service.cli import UsageError, main
+from cascade_service.cli_serve import serve_access
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, load_config, make_cascade
 from cascade_service.core.cascade import Lookup

@@ -1,5 +1,6 @@
-"""The client SDK against a fake CascadeService on 127.0.0.1: every method sync and async, optional
-fields left unset, status codes -> exception classes, deadlines, api key metadata, and retries."""
+"""The client SDK against a fake CascadeService on 127.0.0.1: every method, optional fields left unset,
+status codes -> exception classes, deadlines, api key metadata, and retries. The fake serves both the
+sync client (here) and the async one (test_client_async.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
-from cascade_service.client import AsyncCascadeClient, CascadeClient, Chunk, GenerateResult, SessionInfo, errors
+from cascade_service.client import CascadeClient, Chunk, GenerateResult, SessionInfo, errors
 
 API_KEY = "sekret"
 OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "verification")
@@ -416,88 +417,3 @@ def test_tls_client_builds_a_secure_channel_and_maps_its_failures():
     # No TLS server here: this checks the secure channel is built and a failed connect is mapped.
     with CascadeClient(closed_port_target(), tls=True, timeout_s=2.0) as client, pytest.raises(errors.Unavailable):
         client.generate("x")
-
-
-# ---- async client --------------------------------------------------------------------------------
-
-
-def test_async_every_method_against_a_grpc_aio_server():
-    async def scenario(target, state):
-        async with AsyncCascadeClient(target, api_key=API_KEY) as client:
-            result = await client.generate("def f():", session_id="s-9")
-            assert (result.text, result.token_ids, result.session_id) == ("echo:def f():", [7, 8, 9], "s-9")
-            assert result.stats["tiers"]["target"]["calls"] == 2
-            chunks = [c async for c in client.stream("hi")]
-            assert [c.text for c in chunks] == ["a", "b", "c"] and chunks[-1].finish_reason == "length"
-            assert chunks[0].stats is None and chunks[-1].stats["generated_tokens"] == 3
-            created = await client.create_session(prompt="ab", session_id="s-a")
-            assert created == SessionInfo("s-a", [97, 98], 1, "ab")
-            assert await client.get_session("s-a") == created
-            assert await client.delete_session("s-a") is True
-            assert await client.delete_session("s-a") is False
-            assert await client.health() == "SERVING"
-
-    state = run_async(scenario, api_key=API_KEY)
-    assert [m["authorization"] for m in state.metadata] == [f"Bearer {API_KEY}"] * 6
-    assert [f for f in OPTIONAL_FIELDS if state.requests[0].HasField(f)] == []
-
-
-def test_async_given_optional_arguments_are_sent():
-    async def scenario(target, state):
-        async with AsyncCascadeClient(target) as client:
-            await client.generate("x", max_new_tokens=8, temperature=0.0, top_p=1.0, seed=3, verification="exact")
-
-    request = run_async(scenario).requests[-1]
-    assert all(request.HasField(f) for f in OPTIONAL_FIELDS)
-    assert (request.max_new_tokens, request.temperature, request.seed, request.verification.rule) == (8, 0, 3, "exact")
-
-
-def test_async_each_status_code_raises_its_exception_class():
-    async def scenario(target, state):
-        async with AsyncCascadeClient(target) as client:
-            for code_name, cls in STATUS_CASES:
-                with pytest.raises(errors.CascadeError) as info:
-                    await client.generate(f"fail:{code_name}")
-                assert_maps(info.value, code_name, cls)
-
-    run_async(scenario)
-
-
-def test_async_deadline_and_mid_stream_errors_are_mapped():
-    async def scenario(target, state):
-        async with AsyncCascadeClient(target, timeout_s=0.05) as client:
-            with pytest.raises(errors.DeadlineExceeded):
-                await client.generate("sleep:0.5")
-            with pytest.raises(errors.DeadlineExceeded):
-                [c async for c in client.stream("sleep:0.5")]
-            seen = []
-            with pytest.raises(errors.Internal):
-                async for chunk in client.stream("midstream:INTERNAL", timeout_s=5.0):
-                    seen.append(chunk.text)
-            assert seen == ["a"]
-        async with AsyncCascadeClient(target) as client:
-            with pytest.raises(errors.Unauthenticated):
-                [c async for c in client.stream("fail:UNAUTHENTICATED")]
-
-    run_async(scenario)
-
-
-def test_async_get_session_retries_unavailable_but_generate_does_not():
-    async def scenario(target, state):
-        state.sessions["s"] = pb.Session(session_id="s", version=2)
-        async with AsyncCascadeClient(target) as client:
-            assert (await client.get_session("s")).version == 2
-            with pytest.raises(errors.Unavailable):
-                await client.generate("fail:UNAVAILABLE")
-
-    state = run_async(scenario, get_session_failures=2)
-    assert state.calls == {"GetSession": 3, "Generate": 1}
-
-
-def test_async_unreachable_server_raises_unavailable():
-    async def scenario(target, state):
-        async with AsyncCascadeClient(closed_port_target(), timeout_s=5.0) as client:
-            with pytest.raises(errors.Unavailable):
-                await client.health()
-
-    run_async(scenario)

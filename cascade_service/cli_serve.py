@@ -1,0 +1,102 @@
+"""`cascade-service serve`: the gRPC service on local Ray (edge or Ray's proxy) or standalone, and who
+may reach it (API keys, TLS, loopback)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .cli_parser import UsageError
+from .config import load_config
+
+
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the cascade over gRPC: local Ray, one deployment per tier")
+    p.add_argument("--config", required=True)
+    p.add_argument("--grpc-port", type=int, default=None, help="default: the config's serving.grpc_port (9000)")
+    p.add_argument("--redis-url", default=None, help="keep sessions in Redis (default: in-cluster memory)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="default loopback; any other address needs --api-keys and --tls-cert/--tls-key")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="require one of these API keys (one per line, 'KEY [name]', '#' comments); "
+                        "default: the config's serving.api_keys_file")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert")
+    p.add_argument("--frontend", default="edge", choices=["edge", "ray", "standalone"],
+                   help="edge: our gRPC server forwards to the coordinator (default); ray: Ray Serve's gRPC proxy; "
+                        "standalone: one process, no Ray, every tier batching concurrent requests")
+    p.add_argument("--plain", action="store_true",
+                   help="with --frontend standalone: the target alone, no speculation (a baseline)")
+    p.add_argument("--adapt-to-load", action="store_true",
+                   help="with --frontend standalone: choose each request's draft budget per round from its measured "
+                        "acceptance and the current load instead of the K-matrix (measured slower on the CPU demo)")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    config = load_config(args.config)
+    api_keys, tls = serve_access(args, config)
+    port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.frontend == "standalone":
+        from .standalone import start_standalone
+
+        standalone = start_standalone(config, args.host, port, args.redis_url, api_keys, tls, plain=args.plain,
+                                      adapt_to_load=args.adapt_to_load)
+        try:
+            print(f"serving cascade.v1.CascadeService on {args.host}:{standalone.port} "
+                  f"(standalone{', plain' if args.plain else ''}; Ctrl-C stops)", flush=True)
+            stop.wait()
+        finally:
+            print("stopping", file=sys.stderr, flush=True)
+            standalone.stop(1.0)
+        return 0
+    if args.plain or args.adapt_to_load:
+        raise UsageError("--plain and --adapt-to-load go with --frontend standalone")
+    from .serving.local import LocalService
+
+    service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,
+                           api_keys=api_keys, tls=tls)
+    try:
+        address = service.start()
+        print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)
+        stop.wait()
+    finally:
+        print("stopping", file=sys.stderr, flush=True)
+        service.stop()
+    return 0
+
+
+def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
+    """(API keys, TLS files) for `serve`, from the flags or else the config; UsageError where they are
+    unusable, and for a non-loopback --host unless both keys and TLS are on."""
+    from .api.auth import TlsFiles, is_loopback, load_api_keys
+
+    serving = config.serving
+    keys_file = args.api_keys or serving.api_keys_file
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together")
+    cert, key = (args.tls_cert, args.tls_key) if args.tls_cert else (serving.tls_cert_file, serving.tls_key_file)
+    tls = TlsFiles(cert, key) if cert else None
+    if not is_loopback(args.host) and (keys_file is None or tls is None):
+        missing = " and ".join(flag for flag, value in (("--api-keys", keys_file), ("--tls-cert/--tls-key", tls))
+                               if value is None)
+        raise UsageError(f"--host {args.host}: a non-loopback address is served only with API keys and TLS "
+                         f"(missing {missing}, or serving.api_keys_file / serving.tls_cert_file in the config)")
+    if (keys_file or tls) and args.frontend == "ray":
+        raise UsageError("--api-keys and TLS need --frontend edge or standalone (Ray's proxy serves neither)")
+    try:
+        api_keys = load_api_keys(keys_file) if keys_file else None
+        if tls is not None:
+            tls.credentials()  # unreadable files fail here, before Ray starts
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return api_keys, tls
