@@ -116,9 +116,7 @@ class Engine:
         if adapt_to_load:
             if self.target.batcher is None:
                 raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
-            load = LoadModel(self.target.batcher.timer, max(self.param_costs().values(), default=0.0))
-            block = self.max_block()
-            budgets = lambda: load.budget(block)  # noqa: E731 - one per request
+            budgets = LoadModel(self.target.batcher.timer, self.max_block()).budget  # one per request
         return Coordinator(
             self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
             tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
-from .load import DraftBudget
+from .load import DraftBudget, charged
 from .mag import MaxGram
 from .review import ReviewRule, Verdict, rule_for
 from .sampling import SamplingParams, sample
@@ -265,17 +265,20 @@ class CascadeDrafter:
         # `want` is ignored: this reviewer's block size comes from its own K-matrix row (paper §3.3).
         # The block is capped at limit - 1 so that block + replacement/bonus never exceeds `limit`.
         cap = min(sum(quota for _, quota in self.drafters), limit - 1)
-        lookup_cap = limit - 1
         budget = self.state.budget if self.final else None
-        if budget is not None:
-            allowed = budget()
-            cap, lookup_cap = min(cap, allowed), min(lookup_cap, allowed)
         block = Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
-        if self.lookup is not None and lookup_cap > 0:
+        started, compute = time.perf_counter(), charged()
+        looked_up = False
+        if self.lookup is not None and limit > 1:
             mag, gate = self.lookup
-            block = block + mag.lookup(ctx, min(gate.tokens, lookup_cap), gate.min_match)
+            block = block + mag.lookup(ctx, min(gate.tokens, limit - 1), gate.min_match)
+            looked_up = bool(block)
+            if looked_up and budget is not None:  # the lookup is already spent: the budget only trims it
+                block = block.head(budget("lookup", len(block)))
+        if not looked_up and budget is not None and cap > 0:
+            cap = budget("model", cap)
         goal = 0
-        for drafter, quota in self.drafters if not block else ():
+        for drafter, quota in self.drafters if not looked_up else ():
             goal = min(goal + quota, cap)
             while len(block) < goal and not self._ends_in_eos(block):
                 asked = goal - len(block)
@@ -285,6 +288,9 @@ class CascadeDrafter:
                 block = block + more
                 if len(more) < asked and getattr(drafter, "adaptive", None) is not None:
                     break  # its stopping rule ended its part of the block: the next drafter takes over
+        # Drafting's cost: its share of the drafters' batched passes; wall time where none was charged
+        # (unbatched or remote drafters).
+        drafting_s = charged() - compute or time.perf_counter() - started
         st = self.state
         if isinstance(self.scorer, BlockTier):
             seed = 0 if st.sampling.greedy else call_seed(st.generator)
@@ -295,8 +301,8 @@ class CascadeDrafter:
             verdict = score_and_review(self.scorer, ctx, block, self.rule, self.leniency, st.sampling,
                                        st.generator, self.counters)
         self.review_counters.record(block.origins, verdict.accepted)
-        if budget is not None and block:
-            budget.observe(len(block), verdict.accepted)
+        if budget is not None:
+            budget.observe(len(block), verdict.accepted, drafting_s)
         if self.final:
             st.stats.off_target_tokens += verdict.off_target
             st.stats.tv_deviation += verdict.tv

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from transformers import DynamicCache
 
-from cascade_service.core.load import PassTimer
+from cascade_service.core.load import PassTimer, charge
 
 if TYPE_CHECKING:
     from .hf import HFModel
@@ -43,6 +43,7 @@ class _Pass:
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
+    charged: float = 0.0  # this row's share of the pass's seconds (core.load.charge)
 
 
 class ForwardBatcher:
@@ -86,6 +87,7 @@ class ForwardBatcher:
         if alone:
             self._execute([item])
         item.done.wait()
+        charge(item.charged)
         if item.error is not None:
             raise item.error
         return item.result
@@ -116,9 +118,11 @@ class ForwardBatcher:
             with torch.inference_mode():
                 results = forward_batch(self.model, batch)
             self.model._sync()
-            self.timer.record(len(batch), sum(len(item.fed) for item in batch), time.perf_counter() - began)
-            for item, result in zip(batch, results):
-                item.result = result
+            seconds = time.perf_counter() - began
+            tokens = [len(item.fed) for item in batch]
+            self.timer.record(len(batch), sum(tokens), seconds)
+            for item, result, share in zip(batch, results, self.timer.shares(tokens, seconds)):
+                item.result, item.charged = result, share
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
             for item in batch:
                 item.error = exc

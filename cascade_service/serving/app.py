@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import ray
 from ray import serve
@@ -35,6 +35,7 @@ from ..coordinator import Coordinator, Tokenizer
 from ..core.mag import BigramTable
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
+from .bridge import Offloaded, await_, in_bridge, iterate_bridged, run_bridged
 from .remote import RemoteSystem, RemoteTier
 from .session_actor import session_store
 from .tier import TierGroup
@@ -137,9 +138,10 @@ class CoordinatorDeployment:
         self.systems: dict[str, dict[str, Any]] = {}  # group members that run their sub-cascade remotely
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
-        # A decode holds its thread for the whole request: one thread per call Serve lets in, where the
-        # loop's default executor has min(32, cpus + 4) and would queue requests Serve admitted.
-        self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="decode")
+        # Decodes run on the event loop (serving/bridge.py); this pool runs what blocks a thread: a
+        # colocated tier's forward passes, the session store's calls, building the servicer. One thread
+        # per call Serve lets in, so those never queue behind the loop's small default executor.
+        self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="coordinator-io")
 
     def _build(self) -> CascadeServicer:
         # Called from a worker thread: asking the tiers for their facts blocks on them.
@@ -167,7 +169,7 @@ class CoordinatorDeployment:
                     cascade, Tokenizer(lambda text: list(tokenizer(text)["input_ids"]),
                                        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)),
                     target["vocab_size"], frozenset(target["eos_token_ids"]), tiers=self._remote_tiers,
-                    store=session_store(self.config.serving), defaults=self.config.generation,
+                    store=Offloaded(session_store(self.config.serving), self.pool), defaults=self.config.generation,
                     bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
                     release=_release, param_costs={n: i["num_parameters"] / target["num_parameters"]
                                                    for n, i in info.items() if n != cascade.target.name},
@@ -176,7 +178,8 @@ class CoordinatorDeployment:
             return self._servicer
 
     def _remote_tiers(self, request_id: str) -> dict[str, Any]:
-        tiers: dict[str, Any] = {name: model.scorer() for name, model in self.local.items()}  # colocated: no hop
+        # Colocated: no hop, but their forward passes block, so a bridged decode awaits them on the pool.
+        tiers: dict[str, Any] = {name: Offloaded(model.scorer(), self.pool) for name, model in self.local.items()}
         for name, handle in self.handles.items():
             if name in self.systems:
                 tiers[name] = RemoteSystem(name, request_id, _invoker(name, handle), **self.systems[name])
@@ -189,8 +192,7 @@ class CoordinatorDeployment:
         if context is None:  # UNAUTHENTICATED is set on grpc_context
             return UNARY[method][1]()
 
-        return await _cancellable(
-            self.pool, lambda cancelled: _serve(self._build(), method, request, context, cancelled))
+        return await run_bridged(_serve, await self._servicer_ready(), method, request, context)
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         return await self._unary("Generate", request, grpc_context)
@@ -200,10 +202,8 @@ class CoordinatorDeployment:
         if context is None:
             return
 
-        def chunks(cancelled) -> Iterator[Any]:
-            return self._build().GenerateStream(request, context, cancelled)
-
-        async for chunk in _in_thread(self.pool, chunks):
+        servicer = await self._servicer_ready()
+        async for chunk in iterate_bridged(lambda: servicer.GenerateStream(request, context)):
             yield chunk
 
     async def CreateSession(self, request, grpc_context):  # noqa: N802
@@ -221,27 +221,32 @@ class CoordinatorDeployment:
         `owner`: the caller's owner id, from the API key the edge checked (api/auth.py); only the edge
         holds a handle to this deployment, so it is trusted here.
         """
-        def run(cancelled) -> Reply:
+        servicer = await self._servicer_ready()
+
+        def run() -> Reply:
             context = RecordingContext(owner)
-            response = _serve(self._build(), method, request_type(method).FromString(body), context, cancelled)
+            response = _serve(servicer, method, request_type(method).FromString(body), context)
             return context.code.name, context.details, response.SerializeToString()
 
-        return await _cancellable(self.pool, run)
+        return await run_bridged(run)
 
     async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
         context = RecordingContext(owner)
-
-        def chunks(cancelled) -> Iterator[Any]:
-            return _serve(self._build(), method, request_type(method).FromString(body), context, cancelled)
-
-        async for chunk in _in_thread(self.pool, chunks):
+        servicer = await self._servicer_ready()
+        chunks = lambda: _serve(servicer, method, request_type(method).FromString(body), context)  # noqa: E731
+        async for chunk in iterate_bridged(chunks):
             yield "OK", "", chunk.SerializeToString()
         if context.code.name != "OK":
             yield context.code.name, context.details, b""
 
+    async def _servicer_ready(self) -> CascadeServicer:
+        if self._servicer is not None:
+            return self._servicer
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._build)
+
     async def Check(self, request, grpc_context=None):  # noqa: N802 - grpc.health.v1.Health/Check
         try:
-            await asyncio.get_running_loop().run_in_executor(self.pool, self._build)
+            await self._servicer_ready()
             return health_response(True)
         except Exception:  # noqa: BLE001 - a tier that cannot answer means not serving
             log.exception("health check failed")
@@ -281,7 +286,9 @@ def _invoker(name: str, handle: DeploymentHandle):
             handle.release.remote(message)
             return {}
         try:
-            return getattr(handle, method).remote(message).result()
+            response = getattr(handle, method).remote(message)
+            # On the coordinator a decode is bridged onto the event loop, where it must await the reply.
+            return await_(response) if in_bridge() else response.result()
         except BackPressureError as exc:
             raise Overloaded(f"tier {name!r} is at its queue limit; retry later") from exc
         except ray.exceptions.RayError as exc:
@@ -304,58 +311,11 @@ def _release(tiers: dict[str, Any]) -> None:
             log.warning("could not release tier %s for request %s", tier.name, tier.request_id)
 
 
-def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any, cancelled: Callable[[], bool]) -> Any:
-    """Call a servicer method; the decoding ones also learn when their caller has gone."""
-    if method in ("Generate", "GenerateStream"):
-        return getattr(servicer, method)(request, context, cancelled)
+def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any) -> Any:
+    """Call a servicer method in a bridged decode. A caller that hangs up or runs out of time has
+    Serve cancel this call: the CancelledError is raised inside the decode at the await it waits on,
+    its finally blocks free the tiers' KV caches, and the session is left as it was."""
     return getattr(servicer, method)(request, context)
-
-
-async def _cancellable(executor: Executor, run: Callable[[Callable[[], bool]], Any]) -> Any:
-    """run(cancelled) on a thread of `executor`. When Serve cancels this call (the caller hung up or its
-    deadline passed), the thread cannot be interrupted, so `cancelled` turns True and the decode stops
-    at its next round, freeing the tiers' KV caches, instead of running to max_new_tokens unseen."""
-    gone = threading.Event()
-    try:
-        return await asyncio.get_running_loop().run_in_executor(executor, run, gone.is_set)
-    except asyncio.CancelledError:
-        gone.set()
-        raise
-
-
-async def _in_thread(executor: Executor, make: Any) -> AsyncIterator[Any]:
-    """Iterate make(cancelled), a blocking iterator, on a thread of `executor` without blocking the
-    replica's event loop; once the consumer stops (finished, or Serve cancelled the stream) `cancelled`
-    is True."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue(maxsize=64)
-    done = object()
-    stop = threading.Event()
-
-    def pump() -> None:
-        try:
-            for item in make(stop.is_set):
-                if stop.is_set():
-                    break
-                asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the loop side
-            asyncio.run_coroutine_threadsafe(queue.put(exc), loop).result()
-        finally:
-            asyncio.run_coroutine_threadsafe(queue.put(done), loop).result()
-
-    worker = loop.run_in_executor(executor, pump)
-    try:
-        while (item := await queue.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()  # a cancelled stream stops the decode loop at its next round
-        while not worker.done():
-            try:
-                queue.get_nowait()
-            except asyncio.QueueEmpty:
-                await asyncio.sleep(0.01)
 
 
 def app_builder(args: dict[str, Any]):

@@ -124,12 +124,14 @@ class _CyclingBudget:
     def __init__(self):
         self.calls = 0
         self.observed: list[tuple[int, int]] = []
+        self.sources: set[str] = set()
 
-    def __call__(self) -> int:
+    def __call__(self, source: str, offered: int) -> int:
         self.calls += 1
-        return [0, 1, 3, 0, 2, 9][self.calls % 6]
+        self.sources.add(source)
+        return min(offered, [0, 1, 3, 0, 2, 9][self.calls % 6])
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, draft_s: float) -> None:
         self.observed.append((drafted, accepted))
 
 
@@ -150,6 +152,7 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
         assert out == _oracle(tiny_family["target"], prompt, 30)
     assert all(b.calls > 6 for b in budgets)
     assert all(drafted <= 9 for b in budgets for drafted, _ in b.observed)  # a round drafts within its cap
+    assert set().union(*(b.sources for b in budgets)) == ({"lookup", "model"} if lookup else {"model"})
 
 
 def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):

@@ -14,6 +14,7 @@ ALLOWED = {
     "grpc_health": ("api/", "client/"),
     "grpc_reflection": ("api/",),
     "redis": ("sessions/redis_store.py",),
+    "greenlet": ("serving/bridge.py",),
     "transformers": ("models/",),
 }
 

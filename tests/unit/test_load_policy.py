@@ -34,47 +34,115 @@ def test_expected_tokens_is_the_geometric_sum():
 
 
 def test_speculate_fully_when_passes_cost_mostly_their_fixed_part():
-    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0001, batch=1), draft_ratio=0.1)
-    assert model.best_block(0.8, 6) == 6
+    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0001, batch=1), max_block=6)
+    assert model.best_block(0.8, 6, draft_s_per_token=0.002) == 6
 
 
 def test_stop_speculating_when_the_batch_makes_passes_compute_bound():
     # 64 requests share the fixed part; each verified token costs as much as the shared part: drafts
     # that are rejected half the time no longer pay.
-    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), draft_ratio=0.1)
-    assert model.best_block(0.5, 6) == 0
-    assert 0 < model.best_block(0.95, 6) < 6  # very good drafts still pay, but fewer of them
+    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=6)
+    assert model.best_block(0.5, 6, draft_s_per_token=0.0001) == 0
+    assert 0 < model.best_block(0.95, 6, draft_s_per_token=0.0001) < 6  # very good drafts still pay, fewer
 
 
 def test_a_per_request_cost_that_batching_cannot_share_keeps_speculation_paying():
     # The same load as above, but each row costs 5 ms of its own (a CPU's per-row bookkeeping).
-    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64, per_request_s=0.005), draft_ratio=0.1)
-    assert model.best_block(0.5, 6) > 0
+    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64, per_request_s=0.005), max_block=6)
+    assert model.best_block(0.5, 6, draft_s_per_token=0.0001) > 0
 
 
-def test_low_acceptance_drafts_less_even_when_idle():
-    model = LoadModel(_timer(fixed_s=0.010, per_token_s=0.001, batch=1), draft_ratio=0.3)
-    assert model.best_block(0.2, 8) < model.best_block(0.9, 8)
+def test_low_acceptance_or_dear_drafting_drafts_less_even_when_idle():
+    model = LoadModel(_timer(fixed_s=0.010, per_token_s=0.001, batch=1), max_block=8)
+    assert model.best_block(0.2, 8, 0.003) < model.best_block(0.9, 8, 0.003)
+    assert model.best_block(0.9, 8, draft_s_per_token=0.05) < model.best_block(0.9, 8, draft_s_per_token=0.0)
 
 
 def test_without_measurements_the_schedule_is_used_as_configured():
-    assert LoadModel(PassTimer(), draft_ratio=0.5).best_block(0.1, 5) == 5
+    assert LoadModel(PassTimer(), max_block=5).best_block(0.1, 5, draft_s_per_token=1.0) == 5
 
 
 def test_a_budget_learns_from_its_rounds_and_keeps_exploring_long_blocks():
-    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0001, batch=1), draft_ratio=0.0)
-    budget = DraftBudget(idle, max_block=6)
-    assert budget.acceptance == 0.5 and budget.expected(3) == pytest.approx(expected_tokens(0.5, 3))
+    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0001, batch=1), max_block=6)
+    budget = idle.budget()
+    assert budget.expected("lookup", 3) == pytest.approx(expected_tokens(DraftBudget.NEUTRAL, 3))
     for _ in range(20):
-        k = budget()
+        k = budget("lookup", 6)
         budget.observe(drafted=k, accepted=k)  # whole blocks accepted
     assert budget.chosen == [6] * 20
-    assert budget.expected(6) == 7.0 and budget.expected(2) == 3.0  # measured: min(accepted, k) + 1
-    for _ in range(40):  # now every draft fails
-        k = budget()
-        if k:
-            budget.observe(drafted=k, accepted=0)
-    assert budget.expected(4) == 1.0 and budget.chosen[-1] == 0
-    budget.model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), draft_ratio=0.1)
-    caps = [budget() for _ in range(32)]
+    assert budget.expected("lookup", 6) == pytest.approx(7.0) and budget.expected("lookup", 2) == pytest.approx(3.0)
+    for _ in range(60):  # now every draft fails
+        k = budget("lookup", 6)
+        budget.observe(drafted=k, accepted=0)
+    assert budget.expected("lookup", 4) < 1.5
+    assert budget.chosen[-1] == 6  # idle: a pass costs mostly its fixed part, so even rare hits pay
+    budget.model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=6)
+    budget.model.WARMUP = 0
+    caps = [budget("lookup", 6) for _ in range(32)]
     assert caps.count(0) == 30 and caps.count(6) == 2  # plain decoding, one full block in 16 to re-check
+
+
+def _traffic(model: LoadModel, source: str, offered: int, accepted: int, requests: int = 8, rounds: int = 6) -> None:
+    for _ in range(requests):
+        budget = model.budget()
+        for _ in range(rounds):
+            k = budget(source, offered)
+            budget.observe(drafted=k, accepted=min(k, accepted))
+
+
+def test_a_new_request_starts_from_what_every_request_measured():
+    # The slowdown this fixes: each request began at a neutral prior (E(k) <= 2), drafted 1, 2, 3...
+    # tokens while it learned, and a 64-token request ended before it drafted a whole lookup block.
+    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0004, batch=1), max_block=20)
+    _traffic(idle, "lookup", 20, accepted=20)
+    assert idle.budget()("lookup", 20) == 20  # a new request drafts the whole block at once
+    busy = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=20)
+    _traffic(busy, "lookup", 20, accepted=0)
+    assert busy.budget()("lookup", 20) == 0  # ... or none, where every request's lookups failed
+
+
+def test_the_first_rounds_draft_as_configured_so_every_block_length_is_measured():
+    busy = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=8)
+    budget = busy.budget()
+    caps = []
+    for _ in range(busy.WARMUP):
+        caps.append(budget("model", 8))
+        budget.observe(drafted=caps[-1], accepted=8)
+    assert caps == [8] * busy.WARMUP
+    assert busy.population("model", 8)[0] > 0  # evidence on the longest block, too
+    assert busy.budget()("lookup", 8) == 8  # each source warms up on its own
+
+
+def test_a_lookup_is_never_charged_drafting_cost_but_model_drafts_are():
+    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0004, batch=1), max_block=8)
+    for _ in range(40):
+        budget = idle.budget()
+        for source in ("lookup", "model"):
+            budget(source, 8)
+            budget.observe(drafted=8, accepted=8, draft_s=0.5)  # 60 ms of compute per drafted token
+    assert idle.draft_cost("model") == pytest.approx(0.5 / 8)
+    budget = idle.budget()
+    assert budget("lookup", 8) == 8  # found already: trimming it saves nothing
+    assert budget("model", 8) == 0  # drafting costs more than the tokens it wins
+
+
+def test_a_pass_is_charged_to_its_rows_by_the_fitted_cost():
+    timer = _timer(fixed_s=0.010, per_token_s=0.001, batch=4, per_request_s=0.0)
+    shares = timer.shares([1, 9], 0.030)
+    assert sum(shares) == pytest.approx(0.030)
+    assert shares[0] == pytest.approx(0.030 * 0.006 / 0.020)  # 5 ms of the fixed part + 1 ms of tokens
+    assert PassTimer().shares([1, 3], 0.004) == pytest.approx([0.001, 0.003])  # no fit: by tokens
+
+
+def test_the_compute_clock_is_per_thread():
+    import threading
+
+    from cascade_service.core.load import charge, charged
+
+    start = charged()
+    charge(0.25)
+    seen = []
+    other = threading.Thread(target=lambda: (charge(1.0), seen.append(charged())))
+    other.start()
+    other.join()
+    assert charged() - start == pytest.approx(0.25) and seen == [pytest.approx(1.0)]
