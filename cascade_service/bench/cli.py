@@ -33,7 +33,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
                         "lossy.json and lossy_curves.png)")
     p.add_argument("--rules", help="with --lossy: comma-separated rules (default: all; 'lossy-tuned' is lossy "
                                    "with beta tuned)")
-    p.add_argument("--temperature", type=float, default=1.0, help="with --lossy: sampling temperature")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="with --lossy: sampling temperature (default 1.0); with --load: the requests' temperature "
+                        "(default: the server's)")
     p.add_argument("--seeds", default="0,1", help="with --lossy: sampling seeds per prompt")
     p.add_argument("--load", action="store_true",
                    help="concurrent clients against a running service (--target; reports server memory too) or "
@@ -130,8 +132,8 @@ def _run_lossy(args: argparse.Namespace) -> int:
     if args.methods:
         raise ValueError("--methods goes without --lossy")
     _check_range(args.max_new_tokens, "--max-new-tokens", 1, 1_000_000)
-    if not 0 <= args.temperature <= 100:
-        raise ValueError(f"--temperature must be in [0, 100], got {args.temperature}")
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    _check_temperature(args.temperature)
     rules = [r for r in (args.rules or ",".join(lossy.GRIDS)).split(",") if r]
     unknown = [r for r in rules if r not in lossy.GRIDS]
     if unknown:
@@ -157,11 +159,15 @@ def _run_load(args: argparse.Namespace) -> int:
     if not 0 < args.duration <= 3600:
         raise ValueError(f"--duration must be in (0, 3600] seconds, got {args.duration}")
     _check_range(args.max_new_tokens, "--max-new-tokens", 1, 4096)
+    if args.temperature is not None:
+        _check_temperature(args.temperature)
     prompts = read_prompts(args.prompts) if args.prompts else list(load.DEFAULT_PROMPTS)
     source = ["--config", args.config] if args.config else ["--target", args.target]
     command = shlex.join(["cascade-service", "bench", "--load", *source, "--concurrency", args.concurrency,
                           "--duration", str(args.duration), "--max-new-tokens", str(args.max_new_tokens),
-                          *(["--prompts", args.prompts] if args.prompts else []), "--out", args.out])
+                          *(["--prompts", args.prompts] if args.prompts else []),
+                          *(["--temperature", str(args.temperature)] if args.temperature is not None else []),
+                          "--out", args.out])
     if args.config:
         from ..config import load_config
 
@@ -171,7 +177,8 @@ def _run_load(args: argparse.Namespace) -> int:
         if unknown or not modes:
             raise ValueError(f"--modes: expected some of {', '.join(load.MODES)}, got {args.modes!r}")
         load.run_modes(args.config, concurrencies, args.duration, prompts, args.max_new_tokens, Path(args.out),
-                       command + (f" --modes {args.modes}" if args.modes != "cascade,plain" else ""), modes=modes)
+                       command + (f" --modes {args.modes}" if args.modes != "cascade,plain" else ""), modes=modes,
+                       temperature=args.temperature)
         return 0
     if ":" not in args.target:
         raise ValueError("--target: expected HOST:PORT")
@@ -179,7 +186,7 @@ def _run_load(args: argparse.Namespace) -> int:
     if host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"--target: load tests run on loopback only, got {host!r}")
     load.run(args.target, concurrencies, args.duration, prompts, args.max_new_tokens, Path(args.out), command,
-             api_key=args.api_key)
+             api_key=args.api_key, temperature=args.temperature)
     return 0
 
 
@@ -272,3 +279,8 @@ def _machine() -> dict:
         "torch": torch.__version__,
         "transformers": metadata.version("transformers"),
     }
+
+
+def _check_temperature(value: float) -> None:
+    if not 0 <= value <= 100:
+        raise ValueError(f"--temperature must be in [0, 100], got {value}")

@@ -40,11 +40,12 @@ class Level:
 
 
 def run_level(target: str, concurrency: int, duration_s: float, prompts: Sequence[str], max_new_tokens: int,
-              api_key: str | None, timeout_s: float) -> Level:
+              api_key: str | None, timeout_s: float, temperature: float | None = None) -> Level:
     from ..client import CascadeClient, errors
 
     level = Level(concurrency)
     lock = threading.Lock()
+    sampling = {} if temperature is None else {"temperature": temperature}  # None: the server's default
     deadline = time.monotonic() + duration_s
 
     def worker(index: int) -> None:
@@ -55,7 +56,7 @@ def run_level(target: str, concurrency: int, duration_s: float, prompts: Sequenc
                 i += concurrency
                 start = time.perf_counter()
                 try:
-                    result = client.generate(prompt, max_new_tokens=max_new_tokens)
+                    result = client.generate(prompt, max_new_tokens=max_new_tokens, **sampling)
                 except errors.CascadeError as exc:
                     with lock:
                         name = getattr(exc.code, "name", str(exc.code))
@@ -129,14 +130,15 @@ def listener_tree_rss(port: int) -> int | None:
 
 
 def run(target: str, concurrencies: Sequence[int], duration_s: float, prompts: Sequence[str], max_new_tokens: int,
-        out: Path, command: str, api_key: str | None = None, timeout_s: float = 120.0) -> dict:
+        out: Path, command: str, api_key: str | None = None, timeout_s: float = 120.0,
+        temperature: float | None = None) -> dict:
     port = int(target.rsplit(":", 1)[1])
     rss_before = listener_tree_rss(port)
-    run_level(target, 1, min(2.0, duration_s), prompts, max_new_tokens, api_key, timeout_s)  # warm-up
+    run_level(target, 1, min(2.0, duration_s), prompts, max_new_tokens, api_key, timeout_s, temperature)  # warm-up
     rss_warm = listener_tree_rss(port)
     levels = []
     for n in concurrencies:
-        level = run_level(target, n, duration_s, prompts, max_new_tokens, api_key, timeout_s).summary()
+        level = run_level(target, n, duration_s, prompts, max_new_tokens, api_key, timeout_s, temperature).summary()
         levels.append(level)
         print(f"concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} tok/s, "
               f"p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}", flush=True)
@@ -162,7 +164,7 @@ MODES = ("cascade", "plain", "cascade-adaptive")  # served as: the K-matrix, --p
 
 def run_modes(config_path: str, concurrencies: Sequence[int], duration_s: float, prompts: Sequence[str],
               max_new_tokens: int, out: Path, command: str, timeout_s: float = 300.0,
-              modes: Sequence[str] = MODES[:2]) -> dict:
+              modes: Sequence[str] = MODES[:2], temperature: float | None = None) -> dict:
     """The cascade against plain decoding of its target, under load, in one run.
 
     Starts two standalone servers (`serve --frontend standalone`, with and without `--plain`) on
@@ -175,10 +177,11 @@ def run_modes(config_path: str, concurrencies: Sequence[int], duration_s: float,
     try:
         targets = {mode: server.wait_ready() for mode, server in servers.items()}
         for mode, target in targets.items():  # warm-up: first passes, allocator, thread pools
-            run_level(target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s)
+            run_level(target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s,
+                      temperature)
         for n in concurrencies:
             for mode, target in targets.items():
-                level = run_level(target, n, duration_s, prompts, max_new_tokens, None, timeout_s).summary()
+                level = run_level(target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature).summary()
                 runs.append({"mode": mode, **level})
                 print(f"{mode:>7} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
                       f"tok/s, p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}", flush=True)

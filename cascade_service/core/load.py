@@ -8,11 +8,13 @@ here its terms are measured instead of assumed. For a round with at most k draft
 
     E(k)    = tokens the round yields: 1 + the mean of min(accepted, k) over recent rounds that
               offered at least k drafts (this request's, weighted against every request's)
-    cost(k) = S + c (k + 1) + g k,   S = F / B + q
+    cost(k) = row(k + 1) + g k
 
 where a target pass over B requests and T tokens takes F + q B + c T seconds (fitted from the target's
-recent batched passes), B is the mean batch at the target, and g is the measured drafting time per
-drafted token. Only F is shared by batching: on a CPU the per-request part q (each row's cache and
+recent batched passes), row(n) is what a row of n new tokens adds to the passes it would meet: joined
+to a recent pass where the batcher would join it (F / (B + 1) + q + c * padded length), alone where
+not (F + q + c n), averaged over recent passes (PassTimer.row_seconds); g is the measured drafting
+compute per drafted token. Only F is shared by batching: on a CPU the per-request part q (each row's cache and
 bookkeeping) is large, and then speculation keeps paying under load. The budget is the k in
 [0, offered] that maximizes E(k) / cost(k); k = 0 is plain decoding for that round.
 
@@ -37,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 SOURCES = ("lookup", "model")
+PAD_WASTE = 1.5  # a batched pass processes at most this many padded positions per real one (models/batching.py)
 
 _charged = threading.local()
 
@@ -77,13 +80,17 @@ class PassTimer:
     """
 
     REFIT = 8
+    TABLE = 32  # row lengths priced at each fit (longer ones on demand)
 
     def __init__(self, window: int = 256, min_passes: int = 16):
         self._passes: deque[tuple[int, int, float]] = deque(maxlen=window)  # (requests, tokens, seconds)
+        self._shapes: deque[tuple[int, int, int]] = deque(maxlen=window)  # (longest row, requests, tokens)
         self._lock = threading.Lock()
         self.min_passes = min_passes
         self._recorded = 0
-        self._fitted: tuple[int, PassCost | None, float] = (-1, None, 1.0)  # (at _recorded, cost, batch)
+        # (at _recorded, cost, mean batch, {n: a row of n tokens' expected seconds}): replaced whole, so
+        # the many readers per pass need no lock
+        self._fitted: tuple[int, PassCost | None, float, dict[int, float]] = (-1, None, 1.0, {})
 
     def shares(self, tokens: Sequence[int], seconds: float) -> list[float]:
         """Split a pass's `seconds` among its rows by the fitted cost: fixed part evenly, the rest by
@@ -97,13 +104,33 @@ class PassTimer:
         total = sum(weights)
         return [seconds * w / total if total > 0 else seconds / len(tokens) for w in weights]
 
-    def record(self, requests: int, tokens: int, seconds: float) -> None:
+    def record(self, requests: int, tokens: int, seconds: float, longest: int | None = None) -> None:
+        """A pass over `requests` rows, `tokens` new tokens in all, the longest row `longest` of them."""
         with self._lock:
             self._passes.append((requests, tokens, seconds))
+            self._shapes.append((longest if longest is not None else -(-tokens // max(requests, 1)), requests, tokens))
             self._recorded += 1
 
     def batch(self) -> float:
+        """Mean requests per recent pass."""
         return self._fit()[2]
+
+    def row_seconds(self, n: int) -> float | None:
+        """What a row of n new tokens is expected to cost a pass: its share of the fixed part, its own
+        part and its positions, padding included. Averaged over the recent passes, each one priced as
+        the batcher would have treated the row: joined to it where `take_batch` allows (the fixed part
+        shared by one more row, the row padded to the pass's longest), otherwise alone. So a one-token
+        plain step is cheap among one-token steps, dear beside twenty-token verifications it must be
+        padded to or cannot join. None before a cost is fitted."""
+        fitted = self._fit()
+        if fitted[1] is None:
+            return None
+        seconds = fitted[3].get(n)
+        if seconds is None:
+            with self._lock:
+                shapes = list(self._shapes)
+            seconds = _row_seconds(fitted[1], shapes, n)
+        return seconds
 
     def cost(self) -> PassCost | None:
         """The fitted cost, or None before enough passes of at least two token counts were seen.
@@ -113,16 +140,39 @@ class PassTimer:
         """
         return self._fit()[1]
 
-    def _fit(self) -> tuple[int, PassCost | None, float]:
+    def _fit(self) -> tuple[int, PassCost | None, float, dict[int, float]]:
+        fitted = self._fitted
+        if fitted[0] >= 0 and self._recorded - fitted[0] < self.REFIT:
+            return fitted
         with self._lock:
-            if self._fitted[0] >= 0 and self._recorded - self._fitted[0] < self.REFIT:
-                return self._fitted
-            passes, recorded = list(self._passes), self._recorded
+            passes, shapes, recorded = list(self._passes), list(self._shapes), self._recorded
         batch = sum(r for r, _, _ in passes) / len(passes) if passes else 1.0
-        fitted = (recorded, _least_squares(passes, self.min_passes), batch)
-        with self._lock:
-            self._fitted = fitted
+        cost = _least_squares(passes, self.min_passes)
+        table = {}
+        if cost is not None:
+            table = {n: _row_seconds(cost, shapes, n) for n in range(1, self.TABLE + 1)}
+        fitted = (recorded, cost, batch, table)
+        self._fitted = fitted
         return fitted
+
+
+def _row_seconds(cost: PassCost, shapes: list[tuple[int, int, int]], n: int) -> float:
+    """A row of n tokens' expected cost over recent passes (see PassTimer.row_seconds); `shapes` holds
+    (longest row, requests, tokens) per pass."""
+    alone = cost.fixed_s + cost.per_request_s + cost.per_token_s * n
+    if not shapes:
+        return alone
+    total = 0.0
+    for longest, requests, tokens in shapes:
+        # The pass less one average row is what the other requests would bring (a pass of one row
+        # was this request's own: there is nobody to share with).
+        others, their_tokens = requests - 1, tokens - tokens / requests
+        width = max(longest, n)
+        if others > 0 and (others + 1) * width <= PAD_WASTE * (their_tokens + n):  # take_batch would join
+            total += cost.fixed_s / (others + 1) + cost.per_request_s + cost.per_token_s * width
+        else:
+            total += alone
+    return total / len(shapes)
 
 
 def _least_squares(passes: list[tuple[int, int, float]], min_passes: int) -> PassCost | None:
@@ -143,23 +193,23 @@ class Evidence:
     """
 
     def __init__(self, size: int, decay: float):
-        self.weight = [0.0] * (size + 1)
-        self.accepted = [0.0] * (size + 1)
+        # (weights, accepted sums), replaced whole by `add`: readers need no lock, writers one
+        self.table = ([0.0] * (size + 1), [0.0] * (size + 1))
         self.decay = decay
 
     def add(self, cap: int, accepted: int) -> None:
         d = self.decay
-        self.weight = [w * d for w in self.weight]
-        self.accepted = [a * d for a in self.accepted]
-        for k in range(min(cap, len(self.weight) - 1) + 1):
-            self.weight[k] += 1.0
-            self.accepted[k] += min(accepted, k)
+        weights, sums = self.table
+        reach = min(cap, len(weights) - 1)
+        self.table = ([w * d + (1.0 if k <= reach else 0.0) for k, w in enumerate(weights)],
+                      [a * d + (min(accepted, k) if k <= reach else 0.0) for k, a in enumerate(sums)])
 
     def at(self, k: int) -> tuple[float, float]:
         """(weight, mean of min(accepted, k)); weight 0 where no round offered k drafts."""
-        if k >= len(self.weight) or self.weight[k] <= 0.0:
+        weights, sums = self.table
+        if k >= len(weights) or weights[k] <= 0.0:
             return 0.0, 0.0
-        return self.weight[k], self.accepted[k] / self.weight[k]
+        return weights[k], sums[k] / weights[k]
 
 
 class LoadModel:
@@ -188,8 +238,7 @@ class LoadModel:
         return self._observed[source] < self.WARMUP
 
     def population(self, source: str, k: int) -> tuple[float, float]:
-        with self._lock:
-            return self._population[source].at(k)
+        return self._population[source].at(k)
 
     def explore_now(self) -> bool:
         """True for one round in DraftBudget.EXPLORE across all requests (short requests explore too)."""
@@ -217,10 +266,9 @@ class LoadModel:
         cost = self.timer.cost()
         if cost is None:  # nothing measured yet: speculate as configured
             return offered
-        shared = cost.fixed_s / max(self.timer.batch(), 1.0) + cost.per_request_s
         best, best_rate = 0, 0.0
         for k in range(offered + 1):
-            seconds = shared + cost.per_token_s * (k + 1) + draft_s_per_token * k
+            seconds = self.timer.row_seconds(k + 1) + draft_s_per_token * k
             rate = expected(k) / seconds if seconds > 0 else float("inf")
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate

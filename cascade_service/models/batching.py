@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from transformers import DynamicCache
 
-from cascade_service.core.load import PassTimer, charge
+from cascade_service.core.load import PAD_WASTE, PassTimer, charge
 
 if TYPE_CHECKING:
     from .hf import HFModel
@@ -120,7 +120,7 @@ class ForwardBatcher:
             self.model._sync()
             seconds = time.perf_counter() - began
             tokens = [len(item.fed) for item in batch]
-            self.timer.record(len(batch), sum(tokens), seconds)
+            self.timer.record(len(batch), sum(tokens), seconds, max(tokens))
             for item, result, share in zip(batch, results, self.timer.shares(tokens, seconds)):
                 item.result, item.charged = result, share
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
@@ -132,9 +132,6 @@ class ForwardBatcher:
                 self._cond.notify_all()  # the worker takes what arrived meanwhile
             for item in batch:
                 item.done.set()
-
-
-PAD_WASTE = 1.5  # a batch may process at most this many padded positions per real one
 
 
 def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:

@@ -45,6 +45,27 @@ def test_load_refuses_non_loopback_targets_and_bad_values(tmp_path):
         _bench("--load", "--target", "127.0.0.1:9000", "--duration", "0", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--target"):
         _bench("--load", "--out", str(tmp_path))
+    with pytest.raises(ValueError, match="--temperature"):
+        _bench("--load", "--target", "127.0.0.1:9000", "--temperature", "-1", "--out", str(tmp_path))
+
+
+def test_load_requests_carry_the_temperature_asked_for(address, tmp_path, monkeypatch):
+    from cascade_service.client import CascadeClient
+
+    sent = []
+    generate = CascadeClient.generate
+
+    def recording(self, prompt, **kwargs):
+        sent.append(kwargs.get("temperature"))
+        return generate(self, prompt, **kwargs)
+
+    monkeypatch.setattr(CascadeClient, "generate", recording)
+    out = tmp_path / "load"
+    assert _bench("--load", "--target", address, "--concurrency", "2", "--duration", "0.5", "--max-new-tokens", "4",
+                  "--temperature", "0.7", "--out", str(out)) == 0
+    results = json.loads((out / "load.json").read_text())
+    assert sent and set(sent) == {0.7} and results["levels"][0]["errors"] == 0
+    assert "--temperature 0.7" in results["command"]
 
 
 def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family, tmp_path, capsys):

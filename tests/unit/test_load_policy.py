@@ -7,10 +7,14 @@ import pytest
 from cascade_service.core.load import DraftBudget, LoadModel, PassTimer, expected_tokens
 
 
-def _timer(fixed_s: float, per_token_s: float, batch: int, per_request_s: float = 0.0) -> PassTimer:
+def _timer(fixed_s: float, per_token_s: float, batch: int, per_request_s: float = 0.0,
+           rows: tuple[int, ...] = (1, 1, 2, 1)) -> PassTimer:
+    """Passes of `batch` requests (one of `batch - 1`, so the per-request part can be fitted), every row
+    of a pass as long as the next entry of `rows`."""
     timer = PassTimer(min_passes=4)
-    for rows, tokens in ((batch, batch), (batch, 2 * batch), (batch - 1 or 1, 4 * batch), (batch, 8 * batch)):
-        timer.record(rows, tokens, fixed_s + per_request_s * rows + per_token_s * tokens)
+    shapes = [(batch, n) for n in rows] + [(batch - 1 or 1, 4)]
+    for requests, n in shapes:
+        timer.record(requests, requests * n, fixed_s + per_request_s * requests + per_token_s * requests * n, n)
     return timer
 
 
@@ -39,17 +43,16 @@ def test_speculate_fully_when_passes_cost_mostly_their_fixed_part():
 
 
 def test_stop_speculating_when_the_batch_makes_passes_compute_bound():
-    # 64 requests share the fixed part; each verified token costs as much as the shared part: drafts
-    # that are rejected half the time no longer pay.
+    # 64 requests share the fixed part and step one token at a time: a row with drafts would be too
+    # long to join their passes (the batcher's padding rule) and would pay a pass of its own.
     model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=6)
     assert model.best_block(0.5, 6, draft_s_per_token=0.0001) == 0
-    assert 0 < model.best_block(0.95, 6, draft_s_per_token=0.0001) < 6  # very good drafts still pay, fewer
-
-
-def test_a_per_request_cost_that_batching_cannot_share_keeps_speculation_paying():
-    # The same load as above, but each row costs 5 ms of its own (a CPU's per-row bookkeeping).
-    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64, per_request_s=0.005), max_block=6)
-    assert model.best_block(0.5, 6, draft_s_per_token=0.0001) > 0
+    assert model.best_block(0.95, 6, draft_s_per_token=0.0001) == 0
+    # The same load, but the others verify 4-token rows: a plain step would be padded to 4 anyway, so
+    # good drafts pay, up to the longest row that still joins their passes.
+    drafting = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64, rows=(4, 4, 4, 4)), max_block=6)
+    assert 3 <= drafting.best_block(0.95, 6, draft_s_per_token=0.0001) <= 5  # 6 drafts no longer join
+    assert drafting.timer.row_seconds(1) == pytest.approx(drafting.timer.row_seconds(4))
 
 
 def test_low_acceptance_or_dear_drafting_drafts_less_even_when_idle():
@@ -146,3 +149,27 @@ def test_the_compute_clock_is_per_thread():
     other.start()
     other.join()
     assert charged() - start == pytest.approx(0.25) and seen == [pytest.approx(1.0)]
+
+
+def test_a_row_is_priced_as_the_batcher_would_treat_it():
+    # The slowdown this fixes: priced at the mean batch, short blocks looked cheap, though the batcher
+    # does not put a one-token step into a pass of twenty-token rows (measured: 0.82x the K-matrix).
+    timer = PassTimer(min_passes=4)
+    fixed, per_token = 0.020, 0.0005
+    for requests, n in ((16, 21), (15, 21), (16, 21), (1, 1)) * 4:
+        timer.record(requests, requests * n, fixed + per_token * requests * n, n)
+    cost = timer.cost()
+    assert cost.fixed_s == pytest.approx(fixed) and cost.per_token_s == pytest.approx(per_token)
+    # Each pass less one average row is what the others bring; the batcher would join a row of n
+    # tokens to 16 (or 15) rows of 21 and pad it to 21 (16 x 21 <= 1.5 x (15 x 21 + n)); the one-row
+    # pass was this request's own, so there the row runs alone.
+    def priced(n: int) -> float:
+        joined = 2 * (fixed / 16) + fixed / 15 + 3 * per_token * max(n, 21)
+        return (joined + fixed + per_token * n) / 4
+
+    assert timer.row_seconds(1) == pytest.approx(priced(1))
+    assert timer.row_seconds(21) == pytest.approx(priced(21))
+    assert timer.row_seconds(21) - timer.row_seconds(1) == pytest.approx(5 * per_token)  # padding: nearly free
+    assert timer.row_seconds(1) > 5 * (fixed / timer.batch() + per_token)  # the mean batch's price was far off
+    model = LoadModel(timer, max_block=20)
+    assert model.best_block(0.6, 20) >= 5  # drafting is nearly free: a plain step is padded to 21 anyway
