@@ -32,6 +32,7 @@ cautious start would only ever learn about short blocks.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -44,19 +45,26 @@ PAD_WASTE = 1.5  # a batched pass processes at most this many padded positions p
 _charged = threading.local()
 
 
-def charge(seconds: float) -> None:
-    """Add to the calling thread's compute clock: its share of a (batched) forward pass it waited for."""
+def charge(seconds: float, inline_cpu_s: float = 0.0) -> None:
+    """Add to the calling thread's compute clock its share of a (batched) forward pass it waited for.
+
+    inline_cpu_s: CPU time this thread spent running that pass itself (a lone caller's inline pass),
+    which the share already counts.
+    """
     _charged.seconds = getattr(_charged, "seconds", 0.0) + seconds
+    _charged.inline = getattr(_charged, "inline", 0.0) + inline_cpu_s
 
 
 def charged() -> float:
-    """The calling thread's compute clock: seconds of forward passes charged to it so far.
+    """The calling thread's compute clock: its shares of the forward passes it took part in, plus the
+    CPU time it spent outside them (the cascade's own work: MaG, reviews, sampling).
 
-    A request decodes in one thread, so the difference over a round is the compute its drafting took,
+    A request decodes in one thread, so the difference over a round's drafting is what drafting cost:
     its share of each batched pass rather than the wall time it waited (which counts other requests'
-    work as its own and would make drafting look dear exactly when the machine is busy).
+    work as its own and would make drafting look dear exactly when the machine is busy), and the
+    Python around the passes, which on a CPU is not small.
     """
-    return getattr(_charged, "seconds", 0.0)
+    return getattr(_charged, "seconds", 0.0) + time.thread_time() - getattr(_charged, "inline", 0.0)
 
 
 @dataclass(frozen=True)

@@ -84,10 +84,13 @@ class ForwardBatcher:
             else:
                 self._pending.append(item)
                 self._cond.notify_all()
+        inline_cpu = 0.0
         if alone:
+            cpu = time.thread_time()
             self._execute([item])
+            inline_cpu = time.thread_time() - cpu
         item.done.wait()
-        charge(item.charged)
+        charge(item.charged, inline_cpu)
         if item.error is not None:
             raise item.error
         return item.result

@@ -148,7 +148,8 @@ def test_the_compute_clock_is_per_thread():
     other = threading.Thread(target=lambda: (charge(1.0), seen.append(charged())))
     other.start()
     other.join()
-    assert charged() - start == pytest.approx(0.25) and seen == [pytest.approx(1.0)]
+    # (plus the threads' own CPU time between the calls: microseconds)
+    assert charged() - start == pytest.approx(0.25, abs=0.01) and seen == [pytest.approx(1.0, abs=0.01)]
 
 
 def test_a_row_is_priced_as_the_batcher_would_treat_it():
