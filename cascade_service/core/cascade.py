@@ -267,7 +267,7 @@ class CascadeDrafter:
         cap = min(sum(quota for _, quota in self.drafters), limit - 1)
         budget = self.state.budget if self.final else None
         block = Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
-        started, compute = time.perf_counter(), charged()
+        compute = charged()
         looked_up = False
         if self.lookup is not None and limit > 1:
             mag, gate = self.lookup
@@ -288,9 +288,9 @@ class CascadeDrafter:
                 block = block + more
                 if len(more) < asked and getattr(drafter, "adaptive", None) is not None:
                     break  # its stopping rule ended its part of the block: the next drafter takes over
-        # Drafting's cost: its share of the drafters' batched passes; wall time where none was charged
-        # (unbatched or remote drafters).
-        drafting_s = charged() - compute or time.perf_counter() - started
+        # Drafting's cost: this request's share of the drafters' batched passes and its thread's own CPU
+        # (core.load.charged). Remote drafters' work is not in it: load adaptation is for in-process tiers.
+        drafting_s = charged() - compute
         st = self.state
         if isinstance(self.scorer, BlockTier):
             seed = 0 if st.sampling.greedy else call_seed(st.generator)

@@ -83,7 +83,7 @@ class PassCost:
 class PassTimer:
     """Recent (requests, tokens, seconds) of one model's passes, fitted to a PassCost by least squares.
 
-    `batch` is the mean number of requests per pass over the same window. Thread-safe; the fit is
+    `row_seconds` prices a row of a given length against the same window. Thread-safe; the fit is
     redone at most every REFIT passes (a round asks for it, and rounds outnumber passes).
     """
 
@@ -91,14 +91,14 @@ class PassTimer:
     TABLE = 32  # row lengths priced at each fit (longer ones on demand)
 
     def __init__(self, window: int = 256, min_passes: int = 16):
-        self._passes: deque[tuple[int, int, float]] = deque(maxlen=window)  # (requests, tokens, seconds)
-        self._shapes: deque[tuple[int, int, int]] = deque(maxlen=window)  # (longest row, requests, tokens)
+        # (requests, new tokens in all, seconds, the longest row's new tokens)
+        self._passes: deque[tuple[int, int, float, int]] = deque(maxlen=window)
         self._lock = threading.Lock()
         self.min_passes = min_passes
         self._recorded = 0
-        # (at _recorded, cost, mean batch, {n: a row of n tokens' expected seconds}): replaced whole, so
-        # the many readers per pass need no lock
-        self._fitted: tuple[int, PassCost | None, float, dict[int, float]] = (-1, None, 1.0, {})
+        # (at _recorded, cost, {n: a row of n tokens' expected seconds}): replaced whole, so the many
+        # readers per pass need no lock
+        self._fitted: tuple[int, PassCost | None, dict[int, float]] = (-1, None, {})
 
     def shares(self, tokens: Sequence[int], seconds: float) -> list[float]:
         """Split a pass's `seconds` among its rows by the fitted cost: fixed part evenly, the rest by
@@ -115,13 +115,9 @@ class PassTimer:
     def record(self, requests: int, tokens: int, seconds: float, longest: int | None = None) -> None:
         """A pass over `requests` rows, `tokens` new tokens in all, the longest row `longest` of them."""
         with self._lock:
-            self._passes.append((requests, tokens, seconds))
-            self._shapes.append((longest if longest is not None else -(-tokens // max(requests, 1)), requests, tokens))
+            longest = longest if longest is not None else -(-tokens // max(requests, 1))
+            self._passes.append((requests, tokens, seconds, longest))
             self._recorded += 1
-
-    def batch(self) -> float:
-        """Mean requests per recent pass."""
-        return self._fit()[2]
 
     def row_seconds(self, n: int) -> float | None:
         """What a row of n new tokens is expected to cost a pass: its share of the fixed part, its own
@@ -133,11 +129,11 @@ class PassTimer:
         fitted = self._fit()
         if fitted[1] is None:
             return None
-        seconds = fitted[3].get(n)
+        seconds = fitted[2].get(n)
         if seconds is None:
             with self._lock:
-                shapes = list(self._shapes)
-            seconds = _row_seconds(fitted[1], shapes, n)
+                passes = list(self._passes)
+            seconds = _row_seconds(fitted[1], passes, n)
         return seconds
 
     def cost(self) -> PassCost | None:
@@ -148,30 +144,26 @@ class PassTimer:
         """
         return self._fit()[1]
 
-    def _fit(self) -> tuple[int, PassCost | None, float, dict[int, float]]:
+    def _fit(self) -> tuple[int, PassCost | None, dict[int, float]]:
         fitted = self._fitted
         if fitted[0] >= 0 and self._recorded - fitted[0] < self.REFIT:
             return fitted
         with self._lock:
-            passes, shapes, recorded = list(self._passes), list(self._shapes), self._recorded
-        batch = sum(r for r, _, _ in passes) / len(passes) if passes else 1.0
+            passes, recorded = list(self._passes), self._recorded
         cost = _least_squares(passes, self.min_passes)
-        table = {}
-        if cost is not None:
-            table = {n: _row_seconds(cost, shapes, n) for n in range(1, self.TABLE + 1)}
-        fitted = (recorded, cost, batch, table)
+        table = {n: _row_seconds(cost, passes, n) for n in range(1, self.TABLE + 1)} if cost is not None else {}
+        fitted = (recorded, cost, table)
         self._fitted = fitted
         return fitted
 
 
-def _row_seconds(cost: PassCost, shapes: list[tuple[int, int, int]], n: int) -> float:
-    """A row of n tokens' expected cost over recent passes (see PassTimer.row_seconds); `shapes` holds
-    (longest row, requests, tokens) per pass."""
+def _row_seconds(cost: PassCost, passes: list[tuple[int, int, float, int]], n: int) -> float:
+    """A row of n tokens' expected cost over recent passes (see PassTimer.row_seconds)."""
     alone = cost.fixed_s + cost.per_request_s + cost.per_token_s * n
-    if not shapes:
+    if not passes:
         return alone
     total = 0.0
-    for longest, requests, tokens in shapes:
+    for requests, tokens, _, longest in passes:
         # The pass less one average row is what the other requests would bring (a pass of one row
         # was this request's own: there is nobody to share with).
         others, their_tokens = requests - 1, tokens - tokens / requests
@@ -180,16 +172,16 @@ def _row_seconds(cost: PassCost, shapes: list[tuple[int, int, int]], n: int) -> 
             total += cost.fixed_s / (others + 1) + cost.per_request_s + cost.per_token_s * width
         else:
             total += alone
-    return total / len(shapes)
+    return total / len(passes)
 
 
-def _least_squares(passes: list[tuple[int, int, float]], min_passes: int) -> PassCost | None:
-    if len(passes) < min_passes or len({t for _, t, _ in passes}) < 2:
+def _least_squares(passes: list[tuple[int, int, float, int]], min_passes: int) -> PassCost | None:
+    if len(passes) < min_passes or len({t for _, t, _, _ in passes}) < 2:
         return None
-    rows_vary = len({r for r, _, _ in passes}) > 1
-    x = torch.tensor([[1.0, float(r), float(t)] if rows_vary else [1.0, float(t)] for r, t, _ in passes],
+    rows_vary = len({r for r, _, _, _ in passes}) > 1
+    x = torch.tensor([[1.0, float(r), float(t)] if rows_vary else [1.0, float(t)] for r, t, _, _ in passes],
                      dtype=torch.float64)
-    y = torch.tensor([[s] for _, _, s in passes], dtype=torch.float64)
+    y = torch.tensor([[s] for _, _, s, _ in passes], dtype=torch.float64)
     coef = [max(float(c), 0.0) for c in torch.linalg.lstsq(x, y).solution.flatten()]
     return PassCost(coef[0], coef[1], coef[2]) if rows_vary else PassCost(coef[0], 0.0, coef[1])
 
