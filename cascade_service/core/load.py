@@ -14,8 +14,8 @@ where a target pass over B requests and T tokens takes F + q B + c T seconds (fi
 recent batched passes), row(n) is what a row of n new tokens adds to the passes it would meet: joined
 to a recent pass where the batcher would join it (F / (B + 1) + q + c * padded length), alone where
 not (F + q + c n), averaged over recent passes (PassTimer.row_seconds); g is the measured drafting
-compute per drafted token. Only F is shared by batching: on a CPU the per-request part q (each row's cache and
-bookkeeping) is large, and then speculation keeps paying under load. The budget is the k in
+compute per drafted token. Only F is shared by batching: on a CPU the per-request part q (each row's
+cache and bookkeeping) is large, and then speculation keeps paying under load. The budget is the k in
 [0, offered] that maximizes E(k) / cost(k); k = 0 is plain decoding for that round.
 
 A round's drafts come from one of two sources, judged apart since they behave apart:
@@ -130,10 +130,10 @@ class PassTimer:
         if fitted[1] is None:
             return None
         seconds = fitted[2].get(n)
-        if seconds is None:
+        if seconds is None:  # longer than the table: priced once per fit, then kept beside it
             with self._lock:
                 passes = list(self._passes)
-            seconds = _row_seconds(fitted[1], passes, n)
+            seconds = fitted[2][n] = _row_seconds(fitted[1], passes, n)
         return seconds
 
     def cost(self) -> PassCost | None:
@@ -213,7 +213,7 @@ class Evidence:
 
 
 class LoadModel:
-    """What every request's budget consults: the target's pass cost and batch size, the measured
+    """What every request's budget consults: the target's pass cost and how its passes batch, the measured
     drafting cost, and every request's recent rounds (the prior a new request starts from)."""
 
     POPULATION_DECAY = 1.0 - 1.0 / 256  # every request's rounds: half-weight after ~180 rounds
@@ -249,9 +249,9 @@ class LoadModel:
     def draft_cost(self, source: str) -> float:
         return self._draft_s_per_token[source]
 
-    def observe(self, source: str, cap: int, accepted: int, drafted: int, draft_s: float) -> None:
+    def observe(self, source: str, drafted: int, accepted: int, draft_s: float) -> None:
         with self._lock:
-            self._population[source].add(cap, accepted)
+            self._population[source].add(drafted, accepted)
             self._observed[source] += 1
             if drafted > 0:
                 old, new = self._draft_s_per_token[source], draft_s / drafted
@@ -282,9 +282,9 @@ class DraftBudget:
     E(k) blends this request's rounds (decayed, DECAY per round) with every request's (PRIOR_WEIGHT
     rounds' worth): blocks are not geometric (a MaG lookup that copies the prompt is accepted whole or
     not at all), so measured means beat a per-token acceptance; the geometric model with a neutral
-    acceptance fills in for k no round has offered yet. One round in EXPLORE (counted over all requests)
-    that would draft less drafts all it is offered, so evidence on long blocks keeps coming while the load keeps the budget
-    short.
+    acceptance fills in for k no round has offered yet. One round in EXPLORE (counted over all
+    requests) that would draft less drafts all it is offered, so evidence on long blocks keeps coming
+    while the load keeps the budget short.
     """
 
     DECAY = 0.9  # per round: the estimate follows the text as it changes (half-weight after ~7 rounds)
@@ -296,7 +296,7 @@ class DraftBudget:
         self.model = model
         self.own = {s: Evidence(model.max_block, self.DECAY) for s in SOURCES}
         self.chosen: list[int] = []  # the cap of each round (what a benchmark reads)
-        self._round: tuple[str, int] | None = None
+        self._source: str | None = None  # of the round asked for and not yet observed
 
     def expected(self, source: str, k: int) -> float:
         weight, mean = self.own[source].at(k)
@@ -314,25 +314,24 @@ class DraftBudget:
         offered = max(0, min(offered, self.model.max_block))
         if self.model.warming_up(source):  # nothing to go on yet: speculate as configured
             self.chosen.append(offered)
-            self._round = (source, offered)
+            self._source = source
             return offered
         draft_cost = 0.0 if source == "lookup" else self.model.draft_cost(source)
         k = self.model.best_block(lambda k: self.expected(source, k), offered, draft_cost)
         if k < offered and self.model.explore_now():
             k = offered
         self.chosen.append(k)
-        self._round = (source, k)
+        self._source = source
         return k
 
     def observe(self, drafted: int, accepted: int, draft_s: float = 0.0) -> None:
         """The round's review: `drafted` tokens reached the target (fewer than the cap where a drafter
         stopped early), `accepted` of them kept; `draft_s` seconds were spent drafting them."""
-        if self._round is None:
+        source, self._source = self._source, None
+        if source is None:
             return
-        source, _ = self._round
-        self._round = None
         self.own[source].add(drafted, accepted)
-        self.model.observe(source, drafted, accepted, drafted, draft_s)
+        self.model.observe(source, drafted, accepted, draft_s)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

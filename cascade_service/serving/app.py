@@ -53,8 +53,9 @@ GRPC_SERVICER_FUNCTIONS = [
 # an idle tier's torch threads would otherwise spin for a while after each forward pass, taking the
 # cores the next tier in the round needs. User code on the replica's own loop and sync methods run
 # inline: each handoff between threads costs a context switch per hop, and the sync methods left
-# (info, counters, release) return at once; what blocks (a tier's block calls, the coordinator's
-# decodes) goes to the replica's own thread pool, so the loop stays free to take concurrent calls.
+# (info, counters, release) return at once; what blocks (a tier's block calls; on the coordinator, a
+# colocated tier's passes and the session store) goes to the replica's own thread pool, so the loop
+# stays free to take concurrent calls. The coordinator's decodes run on the loop (serving/bridge.py).
 LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {
     "OMP_WAIT_POLICY": "PASSIVE", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "0"}}}
