@@ -29,8 +29,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plain", action="store_true",
                    help="with --frontend standalone: the target alone, no speculation (a baseline)")
     p.add_argument("--adapt-to-load", action="store_true",
-                   help="with --frontend standalone: choose each request's draft budget per round from its measured "
-                        "acceptance and the current load instead of the K-matrix (measured slower on the CPU demo)")
+                   help="with --frontend standalone: choose each round's drafting from measured acceptance and what "
+                        "the load makes of each way of drafting, instead of the fixed K-matrix (config: "
+                        "serving.adapt_to_load, which the Ray app reads)")
     p.set_defaults(run=_run_serve)
 
 
@@ -60,7 +61,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             standalone.stop(1.0)
         return 0
     if args.plain or args.adapt_to_load:
-        raise UsageError("--plain and --adapt-to-load go with --frontend standalone")
+        raise UsageError("--plain and --adapt-to-load go with --frontend standalone (the Ray app reads "
+                         "serving.adapt_to_load from the config)")
     from .serving.local import LocalService
 
     service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,

@@ -59,6 +59,12 @@ class CascadeConfig:
     def tiers(self) -> tuple[ModelTierConfig | MaGConfig, ...]:
         return (self.target, *self.drafters)
 
+    def max_block(self) -> int:
+        """The most drafts the target reviews in one round under this schedule (MaG lookup included)."""
+        rows = self.schedule.to_lists()
+        lookup = self.lookup.tokens if self.lookup is not None else 0
+        return max(sum(rows[0]) if rows else 0, lookup)
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -107,6 +113,10 @@ class ServingConfig:
     api_keys_file: str | None = None  # one key per line (`KEY [name]`, `#` comments); None: no keys
     tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file: serve TLS
     tls_key_file: str | None = None  # PEM private key
+    # Speculation that adapts to load (core.load): each round's drafting is chosen from measured
+    # acceptance and what the load makes of each way of drafting. The standalone server's
+    # --adapt-to-load turns it on too.
+    adapt_to_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,12 +166,14 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
 def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
     _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
                             "groups", "torch_threads", "deployments", "api_keys_file", "tls_cert_file",
-                            "tls_key_file"})
+                            "tls_key_file", "adapt_to_load"})
     serving = ServingConfig(**{k: v for k, v in raw.items() if k not in ("deployments", "colocate", "groups")})
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
     if serving.torch_threads is not None:
         _check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
+    if not isinstance(serving.adapt_to_load, bool):
+        raise ConfigError(f"serving.adapt_to_load must be true or false, got {serving.adapt_to_load!r}")
     if serving.redis_url is not None and not (isinstance(serving.redis_url, str) and serving.redis_url.startswith(("redis://", "rediss://", "unix://"))):
         raise ConfigError(f"serving.redis_url must be a redis://, rediss:// or unix:// URL, got {serving.redis_url!r}")
     if not isinstance(serving.session_namespace, str) or not serving.session_namespace or ":" in serving.session_namespace:

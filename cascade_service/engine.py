@@ -116,18 +116,12 @@ class Engine:
         if adapt_to_load:
             if self.target.batcher is None:
                 raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
-            budgets = LoadModel(self.target.batcher.timer, self.max_block()).budget  # one per request
+            budgets = LoadModel(self.target.batcher.timer, self.cascade.max_block()).budget  # one per request
         return Coordinator(
             self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
             tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,
             defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs(),
             make_stopper=self.make_stopper, budgets=budgets)
-
-    def max_block(self) -> int:
-        """The most drafts the target reviews in one round under this schedule (MaG lookup included)."""
-        rows = self.cascade.schedule.to_lists()
-        lookup = self.cascade.lookup.tokens if self.cascade.lookup is not None else 0
-        return max(sum(rows[0]) if rows else 0, lookup)
 
     def models(self) -> list[HFModel]:
         """The loaded model tiers, target first."""

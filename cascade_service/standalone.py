@@ -41,9 +41,9 @@ def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, red
     """Load the config's tiers, turn on batching, serve gRPC on host:port (0 picks a free port).
 
     plain: serve the target alone, no speculation (the baseline a load test compares against).
-    adapt_to_load: each request's draft budget follows measured acceptance and the current batch
-    (core.load) instead of the K-matrix; off by default, since on the CPU demo it measured slower
-    (README "Throughput under concurrency").
+    adapt_to_load: each round's drafting follows measured acceptance and what the load makes of each way
+    of drafting (core.load) instead of the fixed K-matrix; also on where the config's
+    serving.adapt_to_load is.
     """
     cascade = config.cascade
     if plain:
@@ -56,7 +56,7 @@ def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, red
     for model in engine.models():
         model.enable_batching(max_batch)
     coordinator = engine.coordinator(_store(config, redis_url), config.generation,
-                                     adapt_to_load=adapt_to_load and not plain)
+                                     adapt_to_load=(adapt_to_load or config.serving.adapt_to_load) and not plain)
     server, bound = start_server(coordinator, host, port, workers=max_streams, api_keys=api_keys, tls=tls,
                                  max_queued=MAX_QUEUED_RPCS)
     return Standalone(server, bound, engine, coordinator)

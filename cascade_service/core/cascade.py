@@ -267,6 +267,8 @@ class CascadeDrafter:
         cap = min(sum(quota for _, quota in self.drafters), limit - 1)
         budget = self.state.budget if self.final else None
         block = Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
+        if budget is not None:
+            budget.begin()  # the round's time runs from here: the lookup and the drafting are part of it
         compute = charged()
         looked_up = False
         if self.lookup is not None and limit > 1:

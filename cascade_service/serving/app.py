@@ -32,6 +32,7 @@ from ..api.servicer import CascadeServicer, Overloaded, Unavailable
 from ..config import (MAG, Config, MaGConfig, ModelTierConfig, ServingConfig, deployment_name, load_config,
                       tier_groups)
 from ..coordinator import Coordinator, Tokenizer
+from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
@@ -174,7 +175,8 @@ class CoordinatorDeployment:
                     bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
                     release=_release, param_costs={n: i["num_parameters"] / target["num_parameters"]
                                                    for n, i in info.items() if n != cascade.target.name},
-                    make_stopper=HeadCache().stopper)  # adaptive draft length of colocated tiers
+                    make_stopper=HeadCache().stopper,  # adaptive draft length of colocated tiers
+                    budgets=_load_budgets(cascade) if serving.adapt_to_load else None)
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 
@@ -357,3 +359,14 @@ def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
     if local:
         options.setdefault("ray_actor_options", dict(LOCAL_ACTOR_OPTIONS))
     return options
+
+
+def _load_budgets(cascade: Any) -> Callable[[], DraftBudget]:
+    """Load-adaptive speculation for the coordinator's requests (core.load), without the "budget" arm.
+
+    Its cost model needs the target's batched passes and each request's share of the drafters' ones,
+    which live in other replicas here; the trial of the other arms only needs each round's wall time,
+    which the coordinator sees (every tier's reply and queueing included).
+    """
+    return LoadModel(PassTimer(), cascade.max_block(), arms=("full", "lookup", "plain")).budget
+

@@ -123,8 +123,12 @@ class _CyclingBudget:
 
     def __init__(self):
         self.calls = 0
+        self.begun = 0
         self.observed: list[tuple[int, int]] = []
         self.sources: set[str] = set()
+
+    def begin(self) -> None:
+        self.begun += 1
 
     def __call__(self, source: str, offered: int) -> int:
         self.calls += 1
@@ -151,6 +155,7 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
         out = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=30)).token_ids
         assert out == _oracle(tiny_family["target"], prompt, 30)
     assert all(b.calls > 6 for b in budgets)
+    assert all(b.begun == len(b.observed) for b in budgets)  # every round begun is reviewed
     assert all(drafted <= 9 for b in budgets for drafted, _ in b.observed)  # a round drafts within its cap
     assert set().union(*(b.sources for b in budgets)) == ({"lookup", "model"} if lookup else {"model"})
 
