@@ -29,8 +29,8 @@ from ray.serve.handle import DeploymentHandle
 from ..api.auth import authenticate_context, load_api_keys
 from ..api.edge import UNARY, RecordingContext, Reply, health_response, request_type
 from ..api.servicer import CascadeServicer, Overloaded, Unavailable
-from ..config import (MAG, Config, MaGConfig, ModelTierConfig, ServingConfig, deployment_name, load_config,
-                      tier_groups)
+from ..config import (MAG, CascadeConfig, Config, MaGConfig, ModelTierConfig, ServingConfig, deployment_name,
+                      load_config, tier_groups)
 from ..coordinator import Coordinator, Tokenizer
 from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
@@ -361,7 +361,7 @@ def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
     return options
 
 
-def _load_budgets(cascade: Any) -> Callable[[], DraftBudget]:
+def _load_budgets(cascade: CascadeConfig) -> Callable[[], DraftBudget]:
     """Load-adaptive speculation for the coordinator's requests (core.load), without the "budget" arm.
 
     Its cost model needs the target's batched passes and each request's share of the drafters' ones,

@@ -29,7 +29,9 @@ def service(tiny_family, tmp_path_factory):
     raw = {"tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
                      "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
            "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5},
-           "serving": {"torch_threads": 1}}
+           # adapt_to_load: the coordinator's trial switches arms (the K-matrix, lookups, plain) under
+           # these requests, and none of it may change a token
+           "serving": {"torch_threads": 1, "adapt_to_load": True}}
     path = tmp_path_factory.mktemp("batched") / "batched.yaml"
     path.write_text(yaml.safe_dump(raw))
     with LocalService(str(path), num_cpus=4) as svc:

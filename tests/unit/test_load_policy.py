@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from cascade_service.core.load import ARMS, ArmTrial, DraftBudget, LoadModel, PassTimer, expected_tokens
+from cascade_service.core.load import DraftBudget, LoadModel, PassTimer, expected_tokens
+from cascade_service.core.trial import ARMS, ArmTrial
 
 
 BUDGET = ("budget",)  # the cost model alone decides (no trial of arms)

@@ -1,0 +1,190 @@
+"""Which way of drafting the load rewards, found by experiment (issue 7): a trial of arms.
+
+core.load's cost model chooses each request's draft budget from what it can price. ArmTrial decides
+between that and the blunter choices (the fixed K-matrix, MaG lookups only, no drafts) by measuring
+what each does to the requests' speed at the current load.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+ARMS = ("full", "budget", "lookup", "plain")
+"""How much a round may draft, tried against each other by ArmTrial:
+- "full": all the schedule offers (the fixed K-matrix and lookup);
+- "budget": each request's DraftBudget cap from E(k) / cost(k);
+- "lookup": MaG lookups only (budgeted), no model drafts;
+- "plain": no drafts at all (plain decoding of the target)."""
+
+
+@dataclass
+class _Epoch:
+    """The rounds of one epoch that started once its window was open."""
+
+    arm: str
+    level: int
+    window: float | None = None  # when rounds began to count (None: rounds of the arm before are in flight)
+    closed: bool = False
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    pending: int = 0  # rounds started in it and not finished
+
+
+@dataclass(frozen=True)
+class Round:
+    """A round as the trial knows it: pass it back to ArmTrial.end_round."""
+
+    epoch: int
+    arm: str
+    started: float
+
+
+class ArmTrial:
+    """Which arm the next rounds use, chosen by how fast requests decode under each arm at this load.
+
+    The cost model behind DraftBudget prices what it can see: the target's passes and each request's
+    share of the drafters' passes. It cannot see all that drafting costs the others on a shared machine
+    (drafter passes competing with target passes for the same cores, caches and memory bandwidth): on
+    the 2-core demo host, sampling at temperature 1 with 16 streams, it priced a round of model drafts
+    at about a plain step's worth when plain decoding was 20-25% faster. So whether to speculate, and
+    with what, is settled by experiment, on what the load makes of it.
+
+    Time runs in epochs; every round that starts in an epoch uses its arm. A round's measure is its
+    wall time (from the start of the target's draft to its review), which includes waiting for the
+    others' passes: that is where the cost the model misses shows. An epoch's window opens once the
+    rounds of earlier epochs have finished (or after SETTLE_S), so its rounds share passes only with
+    rounds of its own arm; rounds started in the window count, and the epoch closes once it has run
+    EPOCH_S and counted MIN_ROUNDS (and as many as rounds in flight). Its sample, taken when its last
+    round ends, is tokens committed per second of round time at its load level (log2 of rounds in
+    flight, smoothed); one whose level moved is dropped. Per-request speed while decoding rather than
+    tokens per wall second, since in a closed loop the two move together and the first does not dip
+    when a wave of new requests is being prefilled.
+
+    Each level tries every arm once, then uses the best (the median of its last RECENT samples); one epoch in EXPLORE
+    re-measures another arm, the least recently measured, except that one measured at under half the
+    best is re-measured only every FAR_EXPLORE-th time, so that a change in traffic is noticed.
+    """
+
+    EPOCH_S = 2.0
+    SETTLE_S = 3.0
+    MIN_ROUNDS = 8
+    EXPLORE = 8
+    FAR_EXPLORE = 4
+    RECENT = 5  # an arm's estimate is the median of its last samples: an epoch that fell on a wave of
+    # new requests (their prefills hold the passes) reads far low, and a mean would follow it
+    LOAD_SMOOTHING = 0.05  # EWMA of rounds in flight, per round started
+    STALE = 8  # epochs after which an epoch's unfinished rounds are written off (no round lasts this long)
+
+    def __init__(self, arms: Sequence[str] = ARMS, clock: Callable[[], float] = time.monotonic):
+        if not arms:
+            raise ValueError("arms must not be empty")
+        self.arms = tuple(arms)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._epochs: dict[int, _Epoch] = {0: _Epoch(self.arms[0], 0)}  # current and still-pending ones
+        self._started = clock()
+        self._load = 1.0
+        # level -> arm -> (median of its last RECENT samples, samples, index of the last sample)
+        self.estimates: dict[int, dict[str, tuple[float, int, int]]] = {}
+        self._recent: dict[tuple[int, str], deque[float]] = {}
+        self._samples: dict[int, int] = {}  # level -> samples taken
+        self._choices: dict[int, int] = {}  # level -> arms chosen there once all were measured
+        self._explorations: dict[int, int] = {}
+
+    def level(self) -> int:
+        """The load level: log2 of the rounds in flight (smoothed), rounded."""
+        return max(0, round(math.log2(max(self._load, 1.0))))
+
+    def start_round(self) -> Round:
+        with self._lock:
+            now = self.clock()
+            in_flight = sum(e.pending for e in self._epochs.values())
+            self._load += self.LOAD_SMOOTHING * (in_flight + 1 - self._load)
+            self._advance(now)
+            self._epochs[self._epoch].pending += 1
+            return Round(self._epoch, self._epochs[self._epoch].arm, now)
+
+    def end_round(self, round_: Round, tokens: int) -> None:
+        """`round_` committed `tokens` tokens."""
+        with self._lock:
+            now = self.clock()
+            epoch = self._epochs.get(round_.epoch)
+            if epoch is not None:
+                epoch.pending -= 1
+                if epoch.window is not None and round_.started >= epoch.window:
+                    epoch.tokens += tokens
+                    epoch.seconds += now - round_.started
+                    epoch.rounds += 1
+                if epoch.closed and epoch.pending <= 0:
+                    self._finish(round_.epoch)
+            self._advance(now)
+
+    def _advance(self, now: float) -> None:
+        current = self._epochs[self._epoch]
+        if current.window is None:
+            settled = not any(e.pending > 0 for i, e in self._epochs.items() if i < self._epoch)
+            if settled or now - self._started >= self.SETTLE_S:
+                current.window = now
+                current.level = self.level()
+            return
+        if now - current.window < self.EPOCH_S or current.rounds < max(self.MIN_ROUNDS, round(self._load)):
+            return
+        current.closed = True
+        level = self.level()
+        if level != current.level:
+            current.level = -1  # the load moved under it: not a sample of either level
+        if current.pending <= 0:
+            self._finish(self._epoch)
+        for stale in [i for i in self._epochs if i < self._epoch - self.STALE]:
+            self._finish(stale)  # its unfinished rounds never will: what finished is its sample
+        self._epoch += 1
+        self._epochs[self._epoch] = _Epoch(self._choose(level), level)
+        self._started = now
+
+    def _finish(self, index: int) -> None:
+        epoch = self._epochs.pop(index)
+        if epoch.rounds == 0 or epoch.seconds <= 0.0:
+            return
+        if epoch.level < 0:
+            return
+        rate = epoch.tokens / epoch.seconds
+        arms = self.estimates.setdefault(epoch.level, {})
+        index = self._samples.get(epoch.level, 0)
+        self._samples[epoch.level] = index + 1
+        recent = self._recent.setdefault((epoch.level, epoch.arm), deque(maxlen=self.RECENT))
+        recent.append(rate)
+        old = arms.get(epoch.arm)
+        arms[epoch.arm] = (statistics.median(recent), (old[1] if old else 0) + 1, index)
+
+    def _choose(self, level: int) -> str:
+        arms = self.estimates.get(level, {})
+        pending = {e.arm for e in self._epochs.values() if not e.closed or e.pending > 0}
+        untried = [a for a in self.arms if a not in arms and a not in pending]
+        if untried:
+            return untried[0]
+        measured = [a for a in self.arms if a in arms]
+        if not measured:  # every arm is in flight, none measured yet
+            return self.arms[0]
+        best = max(measured, key=lambda a: arms[a][0])
+        choice = self._choices[level] = self._choices.get(level, 0) + 1
+        if choice % self.EXPLORE != 0 or len(measured) == 1:
+            return best
+        explorations = self._explorations[level] = self._explorations.get(level, 0) + 1
+        others = [a for a in measured if a != best]
+        near = [a for a in others if arms[a][0] >= 0.5 * arms[best][0]]
+        if not near or explorations % self.FAR_EXPLORE == 0:
+            near = others
+        return min(near, key=lambda a: arms[a][2])  # the least recently measured
+
+    def best(self, level: int) -> str | None:
+        """The arm in use at `level` once every arm was measured there (what a report prints)."""
+        arms = self.estimates.get(level, {})
+        return max(arms, key=lambda a: arms[a][0]) if len(arms) == len(self.arms) else None
