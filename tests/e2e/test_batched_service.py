@@ -29,8 +29,8 @@ def service(tiny_family, tmp_path_factory):
     raw = {"tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
                      "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
            "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5},
-           # adapt_to_load: the coordinator's trial switches arms (the K-matrix, lookups, plain) under
-           # these requests, and none of it may change a token
+           # adapt_to_load: the coordinator's trial of arms (the K-matrix, lookups, plain) runs under
+           # these requests; whichever arm a round gets, no token may change
            "serving": {"torch_threads": 1, "adapt_to_load": True}}
     path = tmp_path_factory.mktemp("batched") / "batched.yaml"
     path.write_text(yaml.safe_dump(raw))
