@@ -67,9 +67,10 @@ class ArmTrial:
     tokens per wall second, since in a closed loop the two move together and the first does not dip
     when a wave of new requests is being prefilled.
 
-    Each level tries every arm once, then uses the best (the median of its last RECENT samples); one epoch in EXPLORE
-    re-measures another arm, the least recently measured, except that one measured at under half the
-    best is re-measured only every FAR_EXPLORE-th time, so that a change in traffic is noticed.
+    Each level tries every arm once, then uses the best (the median of its last RECENT samples); one
+    epoch in EXPLORE re-measures another arm, the least recently measured, except that one measured at
+    under half the best is re-measured only every FAR_EXPLORE-th time, so that a change in traffic is
+    noticed.
     """
 
     EPOCH_S = 2.0
@@ -151,9 +152,7 @@ class ArmTrial:
 
     def _finish(self, index: int) -> None:
         epoch = self._epochs.pop(index)
-        if epoch.rounds == 0 or epoch.seconds <= 0.0:
-            return
-        if epoch.level < 0:
+        if epoch.rounds == 0 or epoch.seconds <= 0.0 or epoch.level < 0:  # nothing counted, or no level
             return
         rate = epoch.tokens / epoch.seconds
         arms = self.estimates.setdefault(epoch.level, {})
@@ -185,6 +184,6 @@ class ArmTrial:
         return min(near, key=lambda a: arms[a][2])  # the least recently measured
 
     def best(self, level: int) -> str | None:
-        """The arm in use at `level` once every arm was measured there (what a report prints)."""
+        """The arm in use at `level`; None until every arm was measured there."""
         arms = self.estimates.get(level, {})
         return max(arms, key=lambda a: arms[a][0]) if len(arms) == len(self.arms) else None
