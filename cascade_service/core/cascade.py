@@ -269,7 +269,7 @@ class CascadeDrafter:
         block = Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
         if budget is not None:
             budget.begin()  # the round's time runs from here: the lookup and the drafting are part of it
-        compute = charged()
+            compute = charged()
         looked_up = False
         if self.lookup is not None and limit > 1:
             mag, gate = self.lookup
@@ -292,7 +292,7 @@ class CascadeDrafter:
                     break  # its stopping rule ended its part of the block: the next drafter takes over
         # Drafting's cost: this request's share of the drafters' batched passes and its thread's own CPU
         # (core.load.charged). Remote drafters' work is not in it: load adaptation is for in-process tiers.
-        drafting_s = charged() - compute
+        drafting_s = charged() - compute if budget is not None else 0.0
         st = self.state
         if isinstance(self.scorer, BlockTier):
             seed = 0 if st.sampling.greedy else call_seed(st.generator)
