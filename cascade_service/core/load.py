@@ -314,7 +314,6 @@ class DraftBudget:
         self.chosen: list[int] = []  # the cap of each round (what a benchmark reads)
         self._source: str | None = None  # of the round asked for and not yet observed
         self._round: Round | None = None  # the trial's round under way
-        self._learn = False  # whether that round is evidence on E(k) (not when the arm drafted nothing)
 
     def begin(self) -> None:
         """A round starts (the target's draft is asked for): its arm is fixed and its time runs."""
@@ -339,8 +338,7 @@ class DraftBudget:
             self.begin()
         arm = self._round.arm
         self._source = source
-        self._learn = arm == "full" or arm == "budget" or (arm == "lookup" and source == "lookup")
-        if not self._learn:
+        if not _drafts(arm, source):
             k = 0
         elif arm == "full" or self.model.warming_up(source):  # nothing to go on yet: speculate as configured
             k = offered
@@ -359,9 +357,15 @@ class DraftBudget:
         round_, self._round = self._round, None
         if round_ is not None:
             self.model.trial.end_round(round_, accepted + 1)
-        if source is not None and self._learn:
+        # A round its arm kept from drafting is no evidence on E(k), nor part of the warm-up.
+        if source is not None and round_ is not None and _drafts(round_.arm, source):
             self.own[source].add(drafted, accepted)
             self.model.observe(source, drafted, accepted, draft_s)
+
+
+def _drafts(arm: str, source: str) -> bool:
+    """Whether `arm` lets `source` draft ("plain" lets nothing, "lookup" only the MaG lookup)."""
+    return arm in ("full", "budget") or (arm == "lookup" and source == "lookup")
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
