@@ -19,6 +19,7 @@ from .core.cascade import Lookup, RequestState
 from .core.sampling import SamplingParams
 from .core.schedule import Schedule, ScheduleError
 from .core.stats import CascadeStats
+from .core.trial import ARMS
 from .core.verify import EXACT, Verification
 from .paths import expand
 
@@ -117,6 +118,10 @@ class ServingConfig:
     # acceptance and what the load makes of each way of drafting. The standalone server's
     # --adapt-to-load turns it on too.
     adapt_to_load: bool = False
+    # The ways of drafting its trial chooses between, wherever speculation adapts to load (core.trial.ARMS);
+    # None: every one the frontend can run. E.g. [full, budget] on a pool where drafting always pays, to
+    # spare the trial its exploring; one arm alone: that arm, no trial.
+    load_arms: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,11 +168,23 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
     return Config(cascade, make_generation(GenerationConfig(), gen_raw), serving)
 
 
+def _load_arms(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or len(set(map(str, value))) != len(value) \
+            or any(arm not in ARMS for arm in value):
+        raise ConfigError(f"serving.load_arms must be a non-empty list of distinct arms among {list(ARMS)}, "
+                          f"got {value!r}")
+    return tuple(value)
+
+
 def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
     _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
                             "groups", "torch_threads", "deployments", "api_keys_file", "tls_cert_file",
-                            "tls_key_file", "adapt_to_load"})
-    serving = ServingConfig(**{k: v for k, v in raw.items() if k not in ("deployments", "colocate", "groups")})
+                            "tls_key_file", "adapt_to_load", "load_arms"})
+    serving = ServingConfig(**{k: v for k, v in raw.items()
+                               if k not in ("deployments", "colocate", "groups", "load_arms")},
+                            load_arms=_load_arms(raw.get("load_arms")))
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
     if serving.torch_threads is not None:

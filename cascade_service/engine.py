@@ -15,6 +15,7 @@ from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
 from .core.decode import decode
 from .core.load import LoadModel
+from .core.trial import ARMS
 from .core.mag import BigramTable, MaxGram
 from .coordinator import Coordinator, Tokenizer
 from .core.stats import CascadeStats
@@ -105,18 +106,19 @@ class Engine:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def coordinator(self, store: SessionStore, defaults: GenerationConfig | None = None,
-                    adapt_to_load: bool = False) -> Coordinator:
+                    adapt_to_load: bool = False, arms: Sequence[str] | None = None) -> Coordinator:
         """A Coordinator over these loaded models, in this process (the standalone gRPC server, tests).
 
         adapt_to_load: choose each round's draft budget from measured acceptance and the target's
         batched passes (core.load); needs batching on the target (`HFModel.enable_batching`).
+        arms: the ways of drafting its trial chooses between (core.trial.ARMS, all of them when None).
         """
         models = {self.target.name: self.target, **{d.name: d for d in self.drafters if isinstance(d, HFModel)}}
         budgets = None
         if adapt_to_load:
             if self.target.batcher is None:
                 raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
-            budgets = LoadModel(self.target.batcher.timer, self.cascade.max_block()).budget  # one per request
+            budgets = LoadModel(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS).budget  # per request
         return Coordinator(
             self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
             tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,

@@ -56,7 +56,8 @@ def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, red
     for model in engine.models():
         model.enable_batching(max_batch)
     coordinator = engine.coordinator(_store(config, redis_url), config.generation,
-                                     adapt_to_load=(adapt_to_load or config.serving.adapt_to_load) and not plain)
+                                     adapt_to_load=(adapt_to_load or config.serving.adapt_to_load) and not plain,
+                                     arms=config.serving.load_arms)
     server, bound = start_server(coordinator, host, port, workers=max_streams, api_keys=api_keys, tls=tls,
                                  max_queued=MAX_QUEUED_RPCS)
     return Standalone(server, bound, engine, coordinator)

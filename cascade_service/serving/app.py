@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import ray
 from ray import serve
@@ -29,8 +29,8 @@ from ray.serve.handle import DeploymentHandle
 from ..api.auth import authenticate_context, load_api_keys
 from ..api.edge import UNARY, RecordingContext, Reply, health_response, request_type
 from ..api.servicer import CascadeServicer, Overloaded, Unavailable
-from ..config import (MAG, CascadeConfig, Config, MaGConfig, ModelTierConfig, ServingConfig, deployment_name,
-                      load_config, tier_groups)
+from ..config import (MAG, CascadeConfig, Config, ConfigError, MaGConfig, ModelTierConfig, ServingConfig,
+                      deployment_name, load_config, tier_groups)
 from ..coordinator import Coordinator, Tokenizer
 from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
@@ -176,7 +176,7 @@ class CoordinatorDeployment:
                     release=_release, param_costs={n: i["num_parameters"] / target["num_parameters"]
                                                    for n, i in info.items() if n != cascade.target.name},
                     make_stopper=HeadCache().stopper,  # adaptive draft length of colocated tiers
-                    budgets=_load_budgets(cascade) if serving.adapt_to_load else None)
+                    budgets=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None)
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 
@@ -330,6 +330,8 @@ def app_builder(args: dict[str, Any]):
     path = str(Path(args["config"]).resolve())
     config = load_config(path)
     serving = config.serving
+    if serving.adapt_to_load:
+        _load_budgets(config.cascade, serving.load_arms)  # a bad serving.load_arms fails here, not at a request
     local = bool(args.get("local", False))
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
     mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
@@ -361,12 +363,19 @@ def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
     return options
 
 
-def _load_budgets(cascade: CascadeConfig) -> Callable[[], DraftBudget]:
+RAY_ARMS = ("full", "lookup", "plain")
+
+
+def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> Callable[[], DraftBudget]:
     """Load-adaptive speculation for the coordinator's requests (core.load), without the "budget" arm.
 
     Its cost model needs the target's batched passes and each request's share of the drafters' ones,
     which live in other replicas here; the trial of the other arms only needs each round's wall time,
     which the coordinator sees (every tier's reply and queueing included).
+    arms: serving.load_arms (None: RAY_ARMS).
     """
-    return LoadModel(PassTimer(), cascade.max_block(), arms=("full", "lookup", "plain")).budget
+    if arms is not None and "budget" in arms:
+        raise ConfigError("serving.load_arms: the Ray app cannot run the 'budget' arm (its cost model needs "
+                          f"the tiers' passes in the coordinator's process); choose among {list(RAY_ARMS)}")
+    return LoadModel(PassTimer(), cascade.max_block(), arms=arms or RAY_ARMS).budget
 

@@ -48,10 +48,11 @@ def test_lookup_without_mag_is_rejected():
 def test_serving_section_parses_and_names_bad_fields():
     raw = _raw()
     raw["serving"] = {"grpc_port": 9100, "redis_url": "redis://127.0.0.1:6379/0", "torch_threads": 1,
-                      "adapt_to_load": True,
+                      "adapt_to_load": True, "load_arms": ["plain", "lookup"],
                       "deployments": {"tier-large": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}}}
     serving = parse_config(raw).serving
     assert serving.adapt_to_load and not parse_config(_raw()).serving.adapt_to_load
+    assert serving.load_arms == ("plain", "lookup") and parse_config(_raw()).serving.load_arms is None
     grouped = parse_config({**raw, "serving": {"groups": [["large", "base"]], "deployments": {"tier-large-base": {}}}})
     assert grouped.serving.groups == (("large", "base"),)
     assert serving.grpc_port == 9100 and serving.deployments["tier-large"]["num_replicas"] == 2
@@ -63,7 +64,10 @@ def test_serving_section_parses_and_names_bad_fields():
                         ({"deployments": {"tier-huge": {}}}, "serving.deployments.tier-huge"),
                         ({"deployments": {"coordinator": {"replicas": 2}}}, "serving.deployments.coordinator.replicas"),
                         ({"session_namespace": "a:b"}, "serving.session_namespace"), ({"port": 1}, "serving.port"),
-                        ({"adapt_to_load": "yes"}, "serving.adapt_to_load")]:
+                        ({"adapt_to_load": "yes"}, "serving.adapt_to_load"),
+                        ({"load_arms": []}, "serving.load_arms"), ({"load_arms": "plain"}, "serving.load_arms"),
+                        ({"load_arms": ["plain", "plain"]}, "serving.load_arms"),
+                        ({"load_arms": ["greedy"]}, "serving.load_arms")]:
         raw["serving"] = bad
         with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
             parse_config(raw)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from cascade_service.config import ConfigError
 from cascade_service.core.load import DraftBudget, LoadModel, PassTimer, expected_tokens
 from cascade_service.core.trial import ARMS, ArmTrial
 
@@ -309,3 +310,7 @@ def test_the_ray_coordinator_tries_every_arm_but_the_cost_model():
     budget = _load_budgets(cascade)()
     # The coordinator cannot charge remote drafters' passes, so the cost model's arm is left out.
     assert budget.model.trial.arms == ("full", "lookup", "plain") and budget.model.max_block == 12
+    # serving.load_arms narrows them, and cannot bring the cost model back in.
+    assert _load_budgets(cascade, ("plain", "lookup"))().model.trial.arms == ("plain", "lookup")
+    with pytest.raises(ConfigError, match=r"serving\.load_arms: the Ray app cannot run the 'budget' arm"):
+        _load_budgets(cascade, ("full", "budget"))
