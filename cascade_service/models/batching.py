@@ -54,6 +54,8 @@ class ForwardBatcher:
     recent passes' sizes and times, from which load-adaptive speculation (core.load) fits a pass's cost.
     """
 
+    GATHER = 0.25  # at most this share of a pass's time is spent waiting for its requests to come back
+
     def __init__(self, model: "HFModel", max_batch: int = 64):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -65,6 +67,11 @@ class ForwardBatcher:
         self._cond = threading.Condition()
         self._busy = False  # a pass is running (on the worker, or inline in a lone caller's thread)
         self._closed = False
+        # Requests come back from a pass one by one (each samples, reviews, commits in its own thread
+        # first); the next pass waits for those of the last two passes until _gather_until (_ready).
+        self._expected = 1
+        self._gather_until = 0.0
+        self._last_rows: set[int] = set()  # the caches (one per request) of the last pass
         self._worker = threading.Thread(target=self._run, name=f"batcher-{model.name}", daemon=True)
         self._worker.start()
 
@@ -78,7 +85,8 @@ class ForwardBatcher:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the batcher of {self.model.name} is closed")
-            alone = not self._busy and not self._pending
+            alone = not self._busy and not self._pending and (self._expected <= 1
+                                                               or time.perf_counter() >= self._gather_until)
             if alone:
                 self._busy = True
             else:
@@ -104,14 +112,33 @@ class ForwardBatcher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while (self._busy or not self._pending) and not self._closed:
-                    self._cond.wait()
+                while not self._closed:
+                    wait = self._ready()
+                    if wait == 0.0:
+                        break
+                    self._cond.wait(wait)
                 if self._closed and not self._pending:
                     return
                 batch = take_batch(self._pending, self.max_batch)
                 self._pending = [item for item in self._pending if all(item is not b for b in batch)]
                 self._busy = True
             self._execute(batch)
+
+    def _ready(self) -> float | None:
+        """0 when the worker should take a batch now, else how long to wait (None: until notified).
+
+        Without the gather, the first request back from a pass would find the model idle and run
+        alone while the others were still on their way: at 16 streams, plain decoding alternated
+        passes of 1 and 15 rows, and the lone pass cost a third of a full one. So a pass waits for as
+        many requests as the last two passes had between them (two: requests split over two passes
+        are brought back together; one that left is waited for once), for at most GATHER of the last
+        pass's time.
+        """
+        if self._busy or not self._pending:
+            return None
+        if len(self._pending) >= min(self._expected, self.max_batch):
+            return 0.0
+        return max(0.0, self._gather_until - time.perf_counter())
 
     def _execute(self, batch: list[_Pass]) -> None:
         """Run one pass (the caller holds `_busy`), hand out the results, then free the model."""
@@ -132,6 +159,9 @@ class ForwardBatcher:
         finally:
             with self._cond:
                 self._busy = False
+                rows = {id(item.cache) for item in batch}
+                self._expected, self._last_rows = len(rows | self._last_rows), rows
+                self._gather_until = time.perf_counter() + self.GATHER * (time.perf_counter() - began)
                 self._cond.notify_all()  # the worker takes what arrived meanwhile
             for item in batch:
                 item.done.set()

@@ -9,6 +9,7 @@ greedy output of concurrent requests of different lengths equals plain `transfor
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -183,6 +184,8 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
         assert out == _oracle(tiny_family["target"], prompt, 60)
     assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
     assert len(made) == 8 and all(b.chosen for b in made)
+    narrowed = engine.coordinator(MemoryStore(), adapt_to_load=True, arms=("plain", "lookup"))  # serving.load_arms
+    assert narrowed.budgets().model.trial.arms == ("plain", "lookup")
 
 
 def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
@@ -200,3 +203,35 @@ def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
     assert [len(p.fed) for p in take_batch(rest, 64)] == [100, 98, 2]
     assert [len(p.fed) for p in take_batch(passes(2, 1, 1, 1), 64)] == [2, 1, 1]  # 4 rows of 2 > 1.5 * 5
     assert len(take_batch(passes(*[1] * 10), max_batch=4)) == 4
+
+
+@pytest.mark.parametrize("gather", [0.0, 0.25])
+def test_a_pass_waits_for_the_requests_of_the_last_one_to_come_back(monkeypatch, gather):
+    """Requests come back from a pass one by one (each samples and reviews in its own thread first).
+    Without the gather the first one back finds the model idle and runs alone, the others after it:
+    passes alternate 1 and R - 1 rows. With it, they wait for each other (within GATHER of a pass)."""
+    import types
+
+    from cascade_service.models import batching
+
+    monkeypatch.setattr(batching, "forward_batch", lambda model, batch: time.sleep(0.08) or [None] * len(batch))
+    monkeypatch.setattr(batching.ForwardBatcher, "GATHER", gather)
+    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
+    rows, steps = 6, 8
+
+    def request(i: int) -> None:
+        time.sleep(0.002 * i)
+        for _ in range(steps):
+            batcher.forward([1], DynamicCache(), 1)
+            time.sleep(0.002 * i)  # its own work between passes: 0 to 10 ms, within 25% of a pass
+
+    try:
+        _concurrently(rows, request)
+    finally:
+        batcher.close()
+    sizes = batcher.batch_sizes
+    assert sum(n * size for size, n in sizes.items()) == rows * steps
+    if gather:
+        assert sizes.get(rows, 0) >= steps - 2, sizes  # all together, but for the start
+    else:
+        assert sizes.get(1, 0) >= steps - 2 and sizes.get(rows, 0) <= 2, sizes
