@@ -171,8 +171,9 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
 def _load_arms(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or not value or len(set(map(str, value))) != len(value) \
-            or any(arm not in ARMS for arm in value):
+    # membership first: then every item is a string, and the set of them can be built
+    if not isinstance(value, list) or not value or any(arm not in ARMS for arm in value) \
+            or len(set(value)) != len(value):
         raise ConfigError(f"serving.load_arms must be a non-empty list of distinct arms among {list(ARMS)}, "
                           f"got {value!r}")
     return tuple(value)

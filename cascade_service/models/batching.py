@@ -161,7 +161,8 @@ class ForwardBatcher:
                 self._busy = False
                 rows = {id(item.cache) for item in batch}
                 self._expected, self._last_rows = len(rows | self._last_rows), rows
-                self._gather_until = time.perf_counter() + self.GATHER * (time.perf_counter() - began)
+                now = time.perf_counter()
+                self._gather_until = now + self.GATHER * (now - began)
                 self._cond.notify_all()  # the worker takes what arrived meanwhile
             for item in batch:
                 item.done.set()
