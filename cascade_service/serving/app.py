@@ -331,7 +331,7 @@ def app_builder(args: dict[str, Any]):
     config = load_config(path)
     serving = config.serving
     if serving.adapt_to_load:
-        _load_budgets(config.cascade, serving.load_arms)  # a bad serving.load_arms fails here, not at a request
+        _ray_arms(serving.load_arms)  # a bad serving.load_arms fails here, not at the first request
     local = bool(args.get("local", False))
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
     mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
@@ -374,8 +374,13 @@ def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> 
     which the coordinator sees (every tier's reply and queueing included).
     arms: serving.load_arms (None: RAY_ARMS).
     """
+    return LoadModel(PassTimer(), cascade.max_block(), arms=_ray_arms(arms)).budget
+
+
+def _ray_arms(arms: Sequence[str] | None) -> tuple[str, ...]:
+    """serving.load_arms as the Ray app runs them: RAY_ARMS when None; the "budget" arm is refused."""
     if arms is not None and "budget" in arms:
         raise ConfigError("serving.load_arms: the Ray app cannot run the 'budget' arm (its cost model needs "
                           f"the tiers' passes in the coordinator's process); choose among {list(RAY_ARMS)}")
-    return LoadModel(PassTimer(), cascade.max_block(), arms=arms or RAY_ARMS).budget
+    return tuple(arms) if arms else RAY_ARMS
 
