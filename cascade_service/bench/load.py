@@ -11,13 +11,14 @@ KV-cache leak shows as growth that does not come back after the load.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+from .. import procfs
 
 DEFAULT_PROMPTS = ("def main():\n", "import os\n\n\nclass Config:\n", "for i in range(10):\n    print(i)\n")
 
@@ -79,54 +80,8 @@ def run_level(target: str, concurrency: int, duration_s: float, prompts: Sequenc
 
 def listener_tree_rss(port: int) -> int | None:
     """RSS bytes of the process listening on `port` here and its descendants; None if not found."""
-    proc = Path("/proc")
-    inodes = set()
-    for name in ("tcp", "tcp6"):
-        try:
-            lines = (proc / "net" / name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if cols[3] == "0A" and int(cols[1].split(":")[1], 16) == port:
-                inodes.add(cols[9])
-    owner = None
-    for pid_dir in proc.glob("[0-9]*"):
-        try:
-            for fd in (pid_dir / "fd").iterdir():
-                try:
-                    link = os.readlink(fd)
-                except OSError:  # closed meanwhile
-                    continue
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    owner = int(pid_dir.name)
-                    break
-        except OSError:
-            continue
-        if owner is not None:
-            break
-    if owner is None:
-        return None
-    parents: dict[int, int] = {}
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    tree, grew = {owner}, True
-    while grew:
-        children = {pid for pid, ppid in parents.items() if ppid in tree} - tree
-        tree |= children
-        grew = bool(children)
-    total = 0
-    for pid in tree:
-        try:
-            for line in (proc / str(pid) / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
+    owner = procfs.listener_of(port)
+    return None if owner is None else procfs.rss_bytes(procfs.descendants(owner))
 
 
 def run(target: str, concurrencies: Sequence[int], duration_s: float, prompts: Sequence[str], max_new_tokens: int,

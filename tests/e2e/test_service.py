@@ -8,14 +8,13 @@ tier replicas free a request's KV cache when it ends.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-from pathlib import Path
 
 import pytest
 import redis
 import yaml
 
+from cascade_service import procfs
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.core.verify import Verification
@@ -266,68 +265,16 @@ def test_the_methods_rays_grpc_proxy_calls_answer(tiny_family, service):
 def test_every_listener_of_the_local_service_binds_loopback(service, client):
     """Ray, Serve replicas and our edge: no socket of this process tree listens beyond 127.0.0.1."""
     assert client.health() == "SERVING"
-    listeners = _listeners_of_descendants(os.getpid())
+    listeners = procfs.listeners(procfs.descendants(os.getpid()))
     assert any(port == service.port for _, port, _ in listeners)  # the edge is seen, so the probe works
     assert len({pid for _, _, pid in listeners}) >= 4  # GCS, raylet, replicas: Ray's processes are seen too
-    exposed = [(str(host), port, _command(pid)) for host, port, pid in listeners if not _is_loopback(host)]
+    exposed = [(str(host), port, procfs.command(pid)) for host, port, pid in listeners if not _is_loopback(host)]
     assert not exposed, f"listening beyond loopback: {exposed}"
 
 
-def _is_loopback(host: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+def _is_loopback(host: procfs.Address) -> bool:
     mapped = getattr(host, "ipv4_mapped", None)  # gRPC's [::ffff:127.0.0.1]
     return host.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
-def _listeners_of_descendants(root: int) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, int]]:
-    """(host, port, pid) of every listening TCP socket owned by root or its descendants, from /proc."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    tree, grew = {root}, True
-    while grew:
-        children = {pid for pid, ppid in parents.items() if ppid in tree} - tree
-        tree |= children
-        grew = bool(children)
-    sockets = {}  # inode -> (host, port)
-    for name in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] != "0A":  # TCP_LISTEN
-                continue
-            host_hex, port_hex = cols[1].split(":")
-            sockets[cols[9]] = (_host(host_hex), int(port_hex, 16))
-    found = []
-    for pid in tree:
-        try:
-            fds = list(Path(f"/proc/{pid}/fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(fd)
-            except OSError:  # closed meanwhile (the listing's own descriptor, for one)
-                continue
-            if link.startswith("socket:[") and link[8:-1] in sockets:
-                found.append((*sockets[link[8:-1]], pid))
-    return found
-
-
-def _host(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    raw = bytes.fromhex(hex_addr)
-    # /proc/net prints each 32-bit word in host (little-endian) order
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(words)
-
-
-def _command(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80]
-    except OSError:
-        return "?"
 
 
 def test_embedded_session_store_survives_an_app_restart_and_colocated_target_is_exact(tiny_family, tmp_path):

@@ -1,0 +1,111 @@
+"""Process trees and their listening sockets, read from Linux's /proc.
+
+What the load benchmark measures (the resident memory of the server's processes, found by the port
+it listens on) and what the service tests check (no process of the service listens beyond
+loopback). Processes come and go while /proc is read: each one that vanishes is skipped.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+PROC = Path("/proc")
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def descendants(root: int) -> set[int]:
+    """`root` and every process below it."""
+    parents: dict[int, int] = {}
+    for stat in PROC.glob("[0-9]*/stat"):
+        try:
+            # the command name in parentheses may hold spaces: the parent pid is after its ")"
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, grew = {root}, True
+    while grew:
+        children = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= children
+        grew = bool(children)
+    return tree
+
+
+def listening_sockets() -> dict[str, tuple[Address, int]]:
+    """socket inode -> (host, port) of every TCP socket listening on this machine."""
+    sockets = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = (PROC / "net" / name).read_text().splitlines()[1:]
+        except OSError:  # no IPv6 here
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] != "0A":  # TCP_LISTEN
+                continue
+            host_hex, port_hex = cols[1].split(":")
+            sockets[cols[9]] = (_host(host_hex), int(port_hex, 16))
+    return sockets
+
+
+def socket_inodes(pid: int) -> list[str]:
+    """The inodes of the sockets `pid` holds open ([] if it is gone or not ours to read)."""
+    try:
+        fds = list((PROC / str(pid) / "fd").iterdir())
+    except OSError:
+        return []
+    inodes = []
+    for fd in fds:
+        try:
+            link = os.readlink(fd)
+        except OSError:  # closed meanwhile (the listing's own descriptor, for one)
+            continue
+        if link.startswith("socket:["):
+            inodes.append(link[8:-1])
+    return inodes
+
+
+def listeners(pids: set[int]) -> list[tuple[Address, int, int]]:
+    """(host, port, pid) of every listening TCP socket held by one of `pids`."""
+    sockets = listening_sockets()
+    return [(*sockets[inode], pid) for pid in pids for inode in socket_inodes(pid) if inode in sockets]
+
+
+def listener_of(port: int) -> int | None:
+    """The pid of a process listening on TCP `port` here; None if there is none."""
+    inodes = {inode for inode, (_, p) in listening_sockets().items() if p == port}
+    if not inodes:
+        return None
+    for pid_dir in PROC.glob("[0-9]*"):
+        if inodes.intersection(socket_inodes(int(pid_dir.name))):
+            return int(pid_dir.name)
+    return None
+
+
+def rss_bytes(pids: set[int]) -> int:
+    """The resident memory of `pids` together, in bytes."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in (PROC / str(pid) / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def command(pid: int) -> str:
+    """The start of `pid`'s command line, for messages ("?" if it is gone)."""
+    try:
+        return (PROC / str(pid) / "cmdline").read_text().replace("\0", " ")[:80]
+    except OSError:
+        return "?"
+
+
+def _host(hex_addr: str) -> Address:
+    raw = bytes.fromhex(hex_addr)
+    # /proc/net prints each 32-bit word in host (little-endian) order
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
