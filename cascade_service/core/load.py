@@ -96,7 +96,6 @@ class PassTimer:
     """
 
     REFIT = 8
-    TABLE = 32  # row lengths priced at each fit (longer ones on demand)
 
     def __init__(self, window: int = 256, min_passes: int = 16):
         # (requests, new tokens in all, seconds, the longest row's new tokens)
@@ -104,9 +103,9 @@ class PassTimer:
         self._lock = threading.Lock()
         self.min_passes = min_passes
         self._recorded = 0
-        # (at _recorded, cost, {n: a row of n tokens' expected seconds}): replaced whole, so the many
-        # readers per pass need no lock
-        self._fitted: tuple[int, PassCost | None, dict[int, float]] = (-1, None, {})
+        # (at _recorded, cost, {n: a row of n tokens' expected seconds}, the passes fitted): replaced
+        # whole, so the many readers per pass need no lock
+        self._fitted: tuple[int, PassCost | None, dict[int, float], list] = (-1, None, {}, [])
 
     def shares(self, tokens: Sequence[int], seconds: float) -> list[float]:
         """Split a pass's `seconds` among its rows by the fitted cost: fixed part evenly, the rest by
@@ -138,10 +137,8 @@ class PassTimer:
         if fitted[1] is None:
             return None
         seconds = fitted[2].get(n)
-        if seconds is None:  # longer than the table: priced once per fit, then kept beside it
-            with self._lock:
-                passes = list(self._passes)
-            seconds = fitted[2][n] = _row_seconds(fitted[1], passes, n)
+        if seconds is None:  # priced on demand, once per fit: most fits are only read by `shares`
+            seconds = fitted[2][n] = _row_seconds(fitted[1], fitted[3], n)
         return seconds
 
     def cost(self) -> PassCost | None:
@@ -152,15 +149,13 @@ class PassTimer:
         """
         return self._fit()[1]
 
-    def _fit(self) -> tuple[int, PassCost | None, dict[int, float]]:
+    def _fit(self) -> tuple[int, PassCost | None, dict[int, float], list]:
         fitted = self._fitted
         if fitted[0] >= 0 and self._recorded - fitted[0] < self.REFIT:
             return fitted
         with self._lock:
             passes, recorded = list(self._passes), self._recorded
-        cost = _least_squares(passes, self.min_passes)
-        table = {n: _row_seconds(cost, passes, n) for n in range(1, self.TABLE + 1)} if cost is not None else {}
-        fitted = (recorded, cost, table)
+        fitted = (recorded, _least_squares(passes, self.min_passes), {}, passes)
         self._fitted = fitted
         return fitted
 
