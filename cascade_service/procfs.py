@@ -96,6 +96,17 @@ def rss_bytes(pids: set[int]) -> int:
     return total
 
 
+def beyond_loopback(root: int) -> list[tuple[str, int, str]]:
+    """(host, port, command) of every listening TCP socket of `root`'s tree not bound to loopback."""
+    return [(str(host), port, command(pid)) for host, port, pid in listeners(descendants(root))
+            if not is_loopback(host)]
+
+
+def is_loopback(host: Address) -> bool:
+    mapped = getattr(host, "ipv4_mapped", None)  # gRPC's dual-stack [::ffff:127.0.0.1]
+    return host.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
 def command(pid: int) -> str:
     """The start of `pid`'s command line, for messages ("?" if it is gone)."""
     try:

@@ -13,12 +13,12 @@ import os
 import pytest
 import yaml
 
+from cascade_service import procfs
 from cascade_service.client import CascadeClient, errors
 from cascade_service.models.tiny import random_prompts
 from cascade_service.serving.local import LocalService
 
 from ..integration.test_oracle import _oracle
-from .test_service import _command, _is_loopback, _listeners_of_descendants
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_status_codes_and_sessions_through_rays_grpc_proxy(tiny_family, proxied)
 
 
 def test_rays_proxy_and_every_other_listener_bind_loopback(proxied):
-    listeners = _listeners_of_descendants(os.getpid())
+    listeners = procfs.listeners(procfs.descendants(os.getpid()))
     assert any(port == proxied.port for _, port, _ in listeners)  # the proxy's port is seen
-    exposed = [(str(host), port, _command(pid)) for host, port, pid in listeners if not _is_loopback(host)]
+    exposed = procfs.beyond_loopback(os.getpid())
     assert not exposed, f"listening beyond loopback: {exposed}"

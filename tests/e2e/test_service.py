@@ -268,13 +268,8 @@ def test_every_listener_of_the_local_service_binds_loopback(service, client):
     listeners = procfs.listeners(procfs.descendants(os.getpid()))
     assert any(port == service.port for _, port, _ in listeners)  # the edge is seen, so the probe works
     assert len({pid for _, _, pid in listeners}) >= 4  # GCS, raylet, replicas: Ray's processes are seen too
-    exposed = [(str(host), port, procfs.command(pid)) for host, port, pid in listeners if not _is_loopback(host)]
+    exposed = procfs.beyond_loopback(os.getpid())
     assert not exposed, f"listening beyond loopback: {exposed}"
-
-
-def _is_loopback(host: procfs.Address) -> bool:
-    mapped = getattr(host, "ipv4_mapped", None)  # gRPC's [::ffff:127.0.0.1]
-    return host.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def test_embedded_session_store_survives_an_app_restart_and_colocated_target_is_exact(tiny_family, tmp_path):
