@@ -96,10 +96,9 @@ def rss_bytes(pids: set[int]) -> int:
     return total
 
 
-def beyond_loopback(root: int) -> list[tuple[str, int, str]]:
-    """(host, port, command) of every listening TCP socket of `root`'s tree not bound to loopback."""
-    return [(str(host), port, command(pid)) for host, port, pid in listeners(descendants(root))
-            if not is_loopback(host)]
+def beyond_loopback(found: list[tuple[Address, int, int]]) -> list[tuple[str, int, str]]:
+    """(host, port, command) of each of `found` (what `listeners` returns) not bound to loopback."""
+    return [(str(host), port, command(pid)) for host, port, pid in found if not is_loopback(host)]
 
 
 def is_loopback(host: Address) -> bool:

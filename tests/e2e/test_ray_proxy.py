@@ -65,5 +65,5 @@ def test_status_codes_and_sessions_through_rays_grpc_proxy(tiny_family, proxied)
 def test_rays_proxy_and_every_other_listener_bind_loopback(proxied):
     listeners = procfs.listeners(procfs.descendants(os.getpid()))
     assert any(port == proxied.port for _, port, _ in listeners)  # the proxy's port is seen
-    exposed = procfs.beyond_loopback(os.getpid())
+    exposed = procfs.beyond_loopback(listeners)
     assert not exposed, f"listening beyond loopback: {exposed}"

@@ -268,7 +268,7 @@ def test_every_listener_of_the_local_service_binds_loopback(service, client):
     listeners = procfs.listeners(procfs.descendants(os.getpid()))
     assert any(port == service.port for _, port, _ in listeners)  # the edge is seen, so the probe works
     assert len({pid for _, _, pid in listeners}) >= 4  # GCS, raylet, replicas: Ray's processes are seen too
-    exposed = procfs.beyond_loopback(os.getpid())
+    exposed = procfs.beyond_loopback(listeners)
     assert not exposed, f"listening beyond loopback: {exposed}"
 
 
