@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -22,6 +23,7 @@ from .config import (
     make_adaptive,
     MaGConfig,
     target_from_arg,
+    with_stop_threshold,
 )
 
 
@@ -96,15 +98,22 @@ def _config_from_args(args: argparse.Namespace) -> Config:
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "top_p": args.top_p, "seed": args.seed, "verification": _verification_from_args(args),
     })
-    return Config(_with_adaptive(cascade, args), gen)
+    cascade = _with_adaptive(cascade, args)
+    if args.adaptive_length is None and args.stop_threshold is not None:
+        try:  # the request's SpecDec++ threshold, at every tier the config gave an acceptance head
+            with_stop_threshold(cascade.adaptive, args.stop_threshold)
+        except ValueError as exc:
+            raise UsageError(f"--{exc}".replace("--stop_threshold", "--stop-threshold")) from None
+        gen = replace(gen, stop_threshold=args.stop_threshold)
+    return Config(cascade, gen)
 
 
 def _with_adaptive(cascade, args: argparse.Namespace):
     """--adaptive-length/--head/--stop-threshold/--adaptive-tier -> the cascade's schedule.adaptive."""
     if args.adaptive_length is None:
-        if args.head or args.stop_threshold is not None or args.adaptive_tier:
-            raise UsageError("--head, --stop-threshold and --adaptive-tier go with --adaptive-length")
-        return cascade
+        if args.head or args.adaptive_tier:
+            raise UsageError("--head and --adaptive-tier go with --adaptive-length")
+        return cascade  # --stop-threshold alone is the request's threshold (GenerationConfig.stop_threshold)
     if args.stop_threshold is None:
         raise UsageError("--adaptive-length needs --stop-threshold")
     tier = args.adaptive_tier
@@ -274,6 +283,8 @@ def _add_client(sub: argparse._SubParsersAction) -> None:
         c.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         c.add_argument("--session-id")
         _add_verify_arguments(c)
+        c.add_argument("--stop-threshold", type=float,
+                       help="SpecDec++ threshold h in (0, 1) for this request, at every tier with an acceptance head")
         c.add_argument("--timeout-s", type=float, default=120.0)
         c.add_argument("--json", action="store_true", help="print one JSON object (generate) or one per chunk")
         c.set_defaults(run=_run_client)
@@ -319,7 +330,7 @@ def _run_client(args: argparse.Namespace) -> int:
                 raise UsageError("--alpha and --beta go with --verify RULE")
             request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, stop=args.stop, session_id=args.session_id, verification=args.verify,
-                           alpha=args.alpha, beta=args.beta)
+                           alpha=args.alpha, beta=args.beta, stop_threshold=args.stop_threshold)
             prompt = _read_prompt(args)
             if command == "generate":
                 r = client.generate(prompt, **request)

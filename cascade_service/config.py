@@ -74,6 +74,9 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int = 0  # sampling seed per request
     verification: Verification = EXACT  # the final verifier's rule (core.verify); exact by default
+    # SpecDec++'s stopping threshold h in (0, 1) for this request, at every tier with an acceptance
+    # head (schedule.adaptive, rule specdec); None keeps each tier's configured threshold.
+    stop_threshold: float | None = None
 
 
 def request_state(gen: GenerationConfig, stats: CascadeStats, vocab_size: int, eos_ids: frozenset[int],
@@ -84,7 +87,24 @@ def request_state(gen: GenerationConfig, stats: CascadeStats, vocab_size: int, e
     stats.verification = v.describe()
     sampling = SamplingParams(gen.temperature, gen.top_p, rows=v.needs_rows)
     return RequestState(sampling, torch.Generator().manual_seed(gen.seed), stats, vocab_size, eos_ids, v,
-                        dict(adaptive or {}), make_stopper)
+                        with_stop_threshold(adaptive or {}, gen.stop_threshold), make_stopper)
+
+
+def with_stop_threshold(adaptive: dict[str, AdaptiveLength], threshold: float | None) -> dict[str, AdaptiveLength]:
+    """The tiers' adaptive draft lengths with a request's SpecDec++ threshold applied.
+
+    Raises ValueError naming `stop_threshold` when it is out of (0, 1) or no tier has an acceptance
+    head to apply it to: a request must not believe it changed something that does not exist.
+    """
+    if threshold is None:
+        return dict(adaptive)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold < 1.0:
+        raise ValueError(f"stop_threshold must be in (0, 1), got {threshold!r}")
+    if not any(spec.rule == "specdec" for spec in adaptive.values()):
+        raise ValueError("stop_threshold: no tier of this cascade has an acceptance head "
+                         "(schedule.adaptive with rule specdec)")
+    return {tier: replace(spec, threshold=float(threshold)) if spec.rule == "specdec" else spec
+            for tier, spec in adaptive.items()}
 
 
 DEPLOYMENT_OPTIONS = {"num_replicas", "ray_actor_options", "autoscaling_config", "max_ongoing_requests",
@@ -263,9 +283,9 @@ def make_cascade(
         r = names.index(tier) + 1 if tier in names else 0
         if not r or isinstance(drafters[r - 1], MaGConfig):
             raise ConfigError(f"schedule.adaptive.{tier}: not a model drafter (drafters: {names})")
-        if not schedule.is_leaf(r):
-            raise ConfigError(f"schedule.adaptive.{tier}: this tier reviews (its K-matrix row is not zero); only a "
-                              "tier that drafts alone can stop its blocks early")
+        if not schedule.is_leaf(r) and adaptive[tier].rule != "specdec":  # type: ignore[index]
+            raise ConfigError(f"schedule.adaptive.{tier}: this tier reviews (its K-matrix row is not zero); a "
+                              "reviewing tier stops its part early only by SpecDec++ (rule: specdec, with a head)")
     return CascadeConfig(target, tuple(drafters), schedule, float(leniency), lookup, dict(adaptive or {}))
 
 

@@ -11,7 +11,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from .config import CascadeConfig, GenerationConfig, MaGConfig, request_state
+from .config import (
+    CascadeConfig,
+    GenerationConfig,
+    MaGConfig,
+    request_state,
+    with_stop_threshold,
+)
 from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
@@ -84,7 +90,8 @@ class Coordinator:
     def params(self, *, prompt: str = "", prompt_ids: Sequence[int] = (), session_id: str = "",
                max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                seed: int | None = None, stop: Sequence[str] = (),
-               verification: Verification | None = None, owner: str = "") -> GenerateParams:
+               verification: Verification | None = None, stop_threshold: float | None = None,
+               owner: str = "") -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
         ids = self._prompt_ids(prompt, prompt_ids)
         if len(ids) > MAX_PROMPT_TOKENS:
@@ -103,8 +110,9 @@ class Coordinator:
             raise ValueError(f"seed must be in [0, 2**63), got {seed}")
         if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
+        with_stop_threshold(self.cascade.adaptive, stop_threshold)  # a bad or pointless one fails here
         overrides = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                     "verification": verification}
+                     "verification": verification, "stop_threshold": stop_threshold}
         gen = GenerationConfig(**{k: (v if v is not None else getattr(self.defaults, k)) for k, v in overrides.items()})
         return GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop), owner)
 

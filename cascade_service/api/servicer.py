@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from ..coordinator import Cancelled, Chunk, Coordinator
-from ..core.stats import CascadeStats
+from ..core.stats import CascadeStats, TierCounters
 from ..core.verify import Verification
 from ..sessions import SessionConflict, SessionExists, SessionForbidden, SessionNotFound, StoreUnavailable
 from .auth import owner_of
@@ -114,7 +114,9 @@ class CascadeServicer:
             temperature=request.temperature if request.HasField("temperature") else None,
             top_p=request.top_p if request.HasField("top_p") else None,
             seed=request.seed if request.HasField("seed") else None,
-            stop=list(request.stop), verification=_verification(request), owner=owner_of(context),
+            stop=list(request.stop), verification=_verification(request),
+            stop_threshold=request.stop_threshold if request.HasField("stop_threshold") else None,
+            owner=owner_of(context),
         )
 
     def chunk(self, chunk: Chunk) -> pb.GenerateChunk:
@@ -128,8 +130,9 @@ class CascadeServicer:
         review = stats.reviews.get(stats.target)
         return pb.GenerateStats(
             generated_tokens=stats.generated, target_calls=stats.target_calls,
-            tiers={name: pb.TierStats(calls=c.calls, tokens_processed=c.tokens_processed, time_s=c.time_s, hops=c.hops)
-                   for name, c in stats.tiers.items()},
+            tiers={name: pb.TierStats(calls=t["calls"], drafted=t["drafted"], accepted=t["accepted"],
+                                      **_tier_costs(stats.tiers.get(name)))
+                   for name, t in stats.per_tier().items()},
             accepted_by_position=list(review.accepted_by_position) if review else [],
             drafted_by_position=list(review.drafted_by_position) if review else [],
             mean_accepted_length=stats.mean_accepted_length, wall_s=stats.wall_s,
@@ -141,6 +144,10 @@ class CascadeServicer:
     def _session(self, record) -> pb.Session:
         return pb.Session(session_id=record.session_id, token_ids=list(record.token_ids), version=record.version,
                           text=self.coordinator.tokenizer.decode(list(record.token_ids)))
+
+
+def _tier_costs(c: TierCounters | None) -> dict[str, Any]:
+    return {} if c is None else {"tokens_processed": c.tokens_processed, "time_s": c.time_s, "hops": c.hops}
 
 
 def _verification(request: pb.GenerateRequest) -> Verification | None:

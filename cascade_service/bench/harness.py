@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 from tqdm import tqdm
 
-from .methods import REFERENCE, Method, Outcome, Runner
+from .methods import REFERENCE, Method, Outcome, Runner, drafted_label
 from .zoo import Zoo
 
 
@@ -28,10 +28,15 @@ class Tally:
     drafter_calls: dict[str, int] = field(default_factory=dict)
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)  # reviewer -> counts
     drafted_by_position: dict[str, list[int]] = field(default_factory=dict)
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> calls / drafted / accepted
 
     def add(self, outcome: Outcome) -> None:
         self.generated += len(outcome.token_ids)
         self.target_calls += outcome.target_calls
+        for name, counts in outcome.tiers.items():
+            mine = self.tiers.setdefault(name, dict.fromkeys(counts, 0))
+            for key, value in counts.items():
+                mine[key] += value
         for name, calls in outcome.drafter_calls.items():
             self.drafter_calls[name] = self.drafter_calls.get(name, 0) + calls
         for name, (accepted, drafted) in outcome.reviews.items():
@@ -101,6 +106,10 @@ def summarize(
         if method.sweep_k:
             figures["best_k"] = method.sweep_k[best_at]
             figures["sweep"] = {str(k): f for k, (_, f) in zip(method.sweep_k, variants)}
+        # Labels come from the counters of the run, in the order the method named its tiers.
+        order = {tier: i for i, tier in enumerate(method.name.partition(":")[2].split("+"))}
+        ranked = dict(sorted(figures.get("tiers", {}).items(), key=lambda kv: order.get(kv[0], len(order))))
+        figures["label"] = drafted_label(method.name, ranked)
         out[method.name] = figures
     base = out[REFERENCE]["tokens_per_s"]
     for figures in [*out.values(), *(f for m in out.values() for f in m.get("sweep", {}).values())]:
@@ -121,6 +130,7 @@ def _figures(log: RunnerLog, reference: list[list[int]], costs: Mapping[str, Map
         # Every repeat of every prompt, not just one: a flaky mismatch must not hide.
         "identical_to_hf_ar": all(toks == reference for toks in log.tokens),
         "drafter_calls_per_token": {name: _ratio(calls, n) for name, calls in tally.drafter_calls.items()},
+        "tiers": tally.tiers,  # per tier: calls, drafted and accepted tokens, summed over every run
         "tokens_per_s_by_repeat": by_repeat,
         "per_prompt": _per_prompt(log, reference),
     }

@@ -7,7 +7,7 @@ reproduce `hf-ar`'s tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from ..config import CascadeConfig, ConfigError, GenerationConfig, MaGConfig, make_cascade
@@ -28,6 +28,8 @@ class Outcome:
     drafter_calls: dict[str, int]  # tier -> forward passes (MaG: proposals)
     # reviewer tier -> (accepted_by_position, drafted_by_position); empty for transformers' methods
     reviews: dict[str, tuple[list[int], list[int]]]
+    # tier -> {"calls", "drafted", "accepted"} (CascadeStats.per_tier); empty for transformers' methods
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Runner(Protocol):
@@ -114,7 +116,21 @@ def _from_stats(token_ids: list[int], stats: CascadeStats) -> Outcome:
     reviews = {
         name: (list(r.accepted_by_position), list(r.drafted_by_position)) for name, r in stats.reviews.items()
     }
-    return Outcome(token_ids, stats.target_calls, drafter_calls, reviews)
+    return Outcome(token_ids, stats.target_calls, drafter_calls, reviews, stats.per_tier())
+
+
+def drafted_label(name: str, tiers: dict[str, dict[str, int]]) -> str:
+    """The method's label as the counters tell it: `kind:` and only the tiers that drafted in the run.
+
+    A K-matrix entry that never runs, or a drafter the lookup gate always pre-empts, then shows
+    in the label instead of being credited (`mag_lookup` is MaG through the gate, `mag` inside the
+    K-matrix). Methods without our counters (transformers') keep their name.
+    """
+    kind, sep, _ = name.partition(":")
+    drafting = [tier for tier, t in tiers.items() if t["drafted"] > 0]  # the target drafts nothing
+    if not sep or not tiers:
+        return name
+    return f"{kind}:{'+'.join(drafting) or 'none'}"
 
 
 def parse_methods(spec: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Sequence[CascadeConfig] = ()) -> list[Method]:

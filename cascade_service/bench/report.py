@@ -26,13 +26,19 @@ def markdown(results: dict) -> str:
     """One row per method, then one sweep table per SD method."""
     lines = [_header("method", *(title for title, _, _ in COLUMNS), "setup")]
     for name, figures in results["methods"].items():
-        lines.append(_row(f"`{name}`", *_cells(figures), _setup(figures)))
+        lines.append(_row(_label(name, figures), *_cells(figures), _setup(figures)))
     for name, figures in results["methods"].items():
         if "sweep" in figures:
             lines += ["", f"SD sweep for `{name}` (best k = {figures['best_k']}):", ""]
             lines.append(_header("k", *(title for title, _, _ in COLUMNS)))
             lines += [_row(k, *_cells(f)) for k, f in figures["sweep"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _label(name: str, figures: dict) -> str:
+    """The method as it ran (only tiers that drafted); the name asked for when that differs."""
+    label = figures.get("label", name)
+    return f"`{label}`" if label == name else f"`{label}` (asked: `{name}`)"
 
 
 def _cells(figures: dict) -> list[str]:

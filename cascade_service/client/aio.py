@@ -62,12 +62,14 @@ class AsyncCascadeClient:
         verification: str | None = None,
         alpha: float | None = None,
         beta: float | str | None = None,
+        stop_threshold: float | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
         request = generate_request(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
             session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
+            stop_threshold=stop_threshold,
         )
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
 
@@ -85,6 +87,7 @@ class AsyncCascadeClient:
         verification: str | None = None,
         alpha: float | None = None,
         beta: float | str | None = None,
+        stop_threshold: float | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens (`async for`);
@@ -92,6 +95,7 @@ class AsyncCascadeClient:
         request = generate_request(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
             session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
+            stop_threshold=stop_threshold,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

@@ -65,6 +65,7 @@ def generate_request(
     verification: str | None,
     alpha: float | None,
     beta: float | str | None = None,
+    stop_threshold: float | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
     stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
@@ -76,7 +77,8 @@ def generate_request(
     }
     # proto3 `optional`: passing only the given values keeps HasField() false for the rest, which is
     # how the server tells "unset" from 0 (temperature 0 = greedy must still be sent).
-    optional = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    optional = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                "stop_threshold": stop_threshold}
     fields.update({name: value for name, value in optional.items() if value is not None})
     if verification is not None:  # alpha alone means nothing: the rule is what reads it
         rule: dict[str, Any] = {"rule": verification}
@@ -181,12 +183,14 @@ class CascadeClient:
         verification: str | None = None,
         alpha: float | None = None,
         beta: float | str | None = None,
+        stop_threshold: float | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
         request = generate_request(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
             session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
+            stop_threshold=stop_threshold,
         )
         return result_from(self._call(self._stub.Generate, request, timeout_s))
 
@@ -204,6 +208,7 @@ class CascadeClient:
         verification: str | None = None,
         alpha: float | None = None,
         beta: float | str | None = None,
+        stop_threshold: float | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
@@ -211,6 +216,7 @@ class CascadeClient:
         request = generate_request(
             prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
             session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
+            stop_threshold=stop_threshold,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -176,11 +176,8 @@ class ModelDrafter:
         self.state = state
         self.counters = state.stats.tier(self.name)
         self.adaptive = state.adaptive.get(self.name)
-        self.stopper: DraftStopper | None = None
-        if self.adaptive is not None and not isinstance(scorer, BlockTier):
-            if state.make_stopper is None:
-                raise ValueError(f"adaptive draft length for {self.name!r} needs a stopper factory in this wiring")
-            self.stopper = state.make_stopper(self.adaptive)
+        # A BlockTier runs its stopper where it lives, beside the hidden states (it gets the spec).
+        self.stopper = None if isinstance(scorer, BlockTier) else _local_stopper(self.name, self.adaptive, state)
 
     def draft(self, ctx: Context, want: int, limit: int) -> Draft:
         st = self.state
@@ -197,38 +194,48 @@ class ModelDrafter:
 
 
 class MaGDrafter:
-    """Max-Gram proposals as a drafter: a point mass on each proposed token (Algorithm 1, base case)."""
+    """Max-Gram proposals as a drafter: a point mass on each proposed token (Algorithm 1, base case).
+
+    The lookup gate's use of MaG (`Lookup`) is counted apart, as tier `mag_lookup`, so the stats show
+    whether MaG drafted inside the K-matrix or only through the gate.
+    """
 
     name = "mag"
+    lookup_name = "mag_lookup"
 
     def __init__(self, mag: MaxGram, state: RequestState):
         self.mag = mag
         self.state = state
-        self.counters = state.stats.tier(self.name)
+        state.stats.tier(self.name)  # listed even if the schedule never calls it: the stats show that
 
     def draft(self, ctx: Context, want: int, limit: int) -> Draft:
-        start = time.perf_counter()
-        tokens = self.mag.propose(ctx, min(want, limit))
-        self.counters.time_s += time.perf_counter() - start
-        self.counters.calls += 1
-        self.counters.tokens_out += len(tokens)
-        return self._draft(tokens)
+        return self._timed(self.name, lambda: self.mag.propose(ctx, min(want, limit)))
 
     def lookup(self, ctx: Context, k: int, min_match: int) -> Draft:
         """Only MaG's n-gram continuation, when its match is at least `min_match` long (see `Lookup`)."""
-        start = time.perf_counter()
-        tokens = self.mag.lookup(ctx, k, min_match)
-        self.counters.time_s += time.perf_counter() - start
-        self.counters.calls += 1
-        self.counters.tokens_out += len(tokens)
-        return self._draft(tokens)
+        return self._timed(self.lookup_name, lambda: self.mag.lookup(ctx, k, min_match))
 
-    def _draft(self, tokens: list[int]) -> Draft:
+    def _timed(self, name: str, propose: Callable[[], list[int]]) -> Draft:
+        counters = self.state.stats.tier(name)
+        start = time.perf_counter()
+        tokens = propose()
+        counters.time_s += time.perf_counter() - start
+        counters.calls += 1
+        counters.tokens_out += len(tokens)
         dists = None
         if self.state.sampling.carries_rows:
             dists = torch.zeros(len(tokens), self.state.vocab_size)
             dists[torch.arange(len(tokens)), tokens] = 1.0
-        return Draft(tokens, [1.0] * len(tokens), dists, [self.name] * len(tokens))
+        return Draft(tokens, [1.0] * len(tokens), dists, [name] * len(tokens))
+
+
+def _local_stopper(name: str, spec: AdaptiveLength | None, state: RequestState) -> DraftStopper | None:
+    """The request's stopper for tier `name`, where the tier's model runs in this process."""
+    if spec is None:
+        return None
+    if state.make_stopper is None:
+        raise ValueError(f"adaptive draft length for {name!r} needs a stopper factory in this wiring")
+    return state.make_stopper(spec)
 
 
 class CascadeDrafter:
@@ -260,13 +267,51 @@ class CascadeDrafter:
         self.final = False  # the target's review: build_cascade sets it; it applies the request's rule
         self.counters = state.stats.tier(self.name)
         self.review_counters = state.stats.reviewer(self.name)
+        # SpecDec++ at a reviewing tier (an inner one: the target never drafts): see `draft`.
+        self.adaptive = state.adaptive.get(self.name)
+        self.stopper: DraftStopper | None = None
+        if self.adaptive is not None:
+            if isinstance(scorer, BlockTier):
+                raise ValueError(f"adaptive draft length for reviewing tier {self.name!r} needs its model in this "
+                                 "process (or its whole sub-cascade in its replica)")
+            self.stopper = _local_stopper(self.name, self.adaptive, state)
+            scorer.keep_hidden = True  # type: ignore[attr-defined] - HFScorer's option
 
     def draft(self, ctx: Context, want: int, limit: int) -> Draft:
-        # `want` is ignored: this reviewer's block size comes from its own K-matrix row (paper §3.3).
-        # The block is capped at limit - 1 so that block + replacement/bonus never exceeds `limit`.
-        cap = min(sum(quota for _, quota in self.drafters), limit - 1)
+        """One review round; with a stopper, rounds until `want` tokens or the stopper ends the part.
+
+        SpecDec++ at a reviewing tier (ours; the paper stops an autoregressive drafter): the tier's
+        emitted tokens are its candidates for the level above, and its review pass computed the hidden
+        state at each of them, so the acceptance head prices them exactly as it prices a lone
+        drafter's tokens (core.adaptive.SpecDecPPStopper: token i is judged on the hidden state of
+        token i - 1). The part ends at the token where the predicted chance of a rejection passes h;
+        the tokens after it in that round are dropped, as a lone drafter would not have drafted them.
+        """
+        if self.stopper is None:
+            return self._round(ctx, limit)
+        self.stopper.start()
+        part = self._empty()
+        while len(part) < min(want, limit) and not self._ends_in_eos(part):
+            piece = self._round(ctx.extend(part.tokens), limit - len(part))
+            hidden = self.scorer.last_hidden  # type: ignore[attr-defined]  # [k + 1, H], row j: before piece[j]
+            for j, token in enumerate(piece.tokens):
+                if self.stopper.should_stop(token, _NO_PROBS, hidden[j]):
+                    return part + piece.head(j + 1)
+            part = part + piece
+        return part
+
+    def _empty(self) -> Draft:
+        return Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
+
+    def _round(self, ctx: Context, limit: int) -> Draft:
+        # `want` is ignored: this reviewer's block size comes from its own K-matrix row (paper §3.3),
+        # whatever its parent still needs, so every K-matrix entry runs (docs/algorithm.md, "How a
+        # K-matrix runs"). The only hard bound is `limit`: block + replacement/bonus never exceeds it,
+        # so a drafter below may overshoot its quota up to `ceiling` and the extra tokens are kept, as
+        # in the authors' csd.py. Load adaptation (the target only) lowers the ceiling further.
+        ceiling = limit - 1
         budget = self.state.budget if self.final else None
-        block = Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
+        block = self._empty()
         if budget is not None:
             budget.begin()  # the round's time runs from here: the lookup and the drafting are part of it
             compute = charged()
@@ -277,14 +322,14 @@ class CascadeDrafter:
             looked_up = bool(block)
             if looked_up and budget is not None:  # the lookup is already spent: the budget only trims it
                 block = block.head(budget("lookup", len(block)))
-        if not looked_up and budget is not None and cap > 0:
-            cap = budget("model", cap)
+        if not looked_up and budget is not None and ceiling > 0:
+            ceiling = budget("model", min(sum(quota for _, quota in self.drafters), ceiling))
         goal = 0
         for drafter, quota in self.drafters if not looked_up else ():
-            goal = min(goal + quota, cap)
+            goal = min(goal + quota, ceiling)
             while len(block) < goal and not self._ends_in_eos(block):
                 asked = goal - len(block)
-                more = drafter.draft(ctx.extend(block.tokens), asked, cap - len(block))
+                more = drafter.draft(ctx.extend(block.tokens), asked, ceiling - len(block))
                 if not more:
                     break
                 block = block + more
@@ -315,6 +360,10 @@ class CascadeDrafter:
 
     def _ends_in_eos(self, block: Draft) -> bool:
         return bool(block.tokens) and block.tokens[-1] in self.state.eos_ids
+
+
+# A reviewing tier's stopper reads hidden states only (SpecDec++); confidence stoppers are for lone drafters.
+_NO_PROBS = torch.zeros(0)
 
 
 def _stack(rows: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
@@ -366,4 +415,5 @@ def build_cascade(
         if not mags or not drafters:
             raise ValueError("lookup needs the MaG drafter among the drafters")
         top.lookup = (mags[0], lookup)
+        state.stats.tier(MaGDrafter.lookup_name)
     return top

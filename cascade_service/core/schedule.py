@@ -12,6 +12,12 @@ largest first; MaG, if present, is Tn. K is n x n non-negative ints:
 - a reviewer T_r (r >= 1) whose row is all zeros is a leaf and drafts autoregressively alone; Tn has
   no row and is always a leaf, which is why MaG (it cannot review) must be last.
 
+Every entry runs (invariant 7). An inner reviewer fills its block by its own row whatever its parent
+still needs, so K[r][c] > 0 is at least one call of T_{c+1}'s system per block of T_r; the parent
+keeps any overshoot (the authors' csd.py does the same). Only the token budget (max_new_tokens)
+cuts a block short. A K-matrix with an entry that can never run -- below the diagonal, or in the row
+of a tier no reachable row calls -- is refused, and the message names the entry and the tiers.
+
 Worked example, drafters (base, small, mag) with the authors' FLAN-T5 config [repo]:
 
     K = [[5, 14, 10],    target reviews 5 tokens from base, then 14 from small, then 10 from mag
@@ -182,4 +188,9 @@ def _check_reachable(k: tuple[tuple[int, ...], ...], drafters: tuple[str, ...]) 
                 used[c] = used[c] or q > 0
     for c, d in enumerate(drafters):
         if not used[c]:
-            raise ScheduleError(f"drafter {d!r} is never used: no reachable row gives it tokens")
+            # Name the first entry that would never run: the dead tier's own row, if it has one.
+            row = k[c + 1] if c + 1 < len(k) else ()
+            dead = next((f"; so K[{c + 1}][{j}] = {q} ({d!r} reviewing {drafters[j]!r}) can never run"
+                         for j, q in enumerate(row) if q), "")
+            raise ScheduleError(f"drafter {d!r} is never used: no reachable row gives it tokens "
+                                f"(column {c} is 0 in every row that runs){dead}")

@@ -92,12 +92,32 @@ class CascadeStats:
         )
         return self.generated / spent if spent else 0.0
 
+    def per_tier(self) -> dict[str, dict[str, int]]:
+        """What each tier did: {tier: {"calls", "drafted", "accepted"}} (invariant 7: what runs is counted).
+
+        `calls` are forward passes (MaG: proposals; `mag_lookup`: the lookup gate's proposals),
+        `drafted` the tokens the tier's system proposed to its reviewers, `accepted` those they kept;
+        summed over every reviewer the tier drafts for. The target drafts nothing.
+        """
+        out = {name: {"calls": c.calls, "drafted": 0, "accepted": 0} for name, c in self.tiers.items()}
+        for review in self.reviews.values():
+            for name, drafted in review.drafted_by_drafter.items():
+                tier = out.setdefault(name, {"calls": 0, "drafted": 0, "accepted": 0})
+                tier["drafted"] += drafted
+                tier["accepted"] += review.accepted_by_drafter.get(name, 0)
+        return out
+
+    def drafters_used(self) -> list[str]:
+        """The tiers that proposed at least one token, in the order they were first counted."""
+        return [name for name, tier in self.per_tier().items() if tier["drafted"]]
+
     def to_dict(self, swi_costs: Mapping[str, Mapping[str, float]] | None = None) -> dict:
         """JSON-ready summary; swi_costs maps a cost-set name ("params", "measured") to its costs."""
         target_review = self.reviews.get(self.target, ReviewCounters())
         return {
             "generated_tokens": self.generated,
             "target_calls": self.target_calls,
+            "tiers": self.per_tier(),
             "calls": {name: c.calls for name, c in self.tiers.items()},
             "tokens_processed": {name: c.tokens_processed for name, c in self.tiers.items()},
             "tokens_out": {name: c.tokens_out for name, c in self.tiers.items()},

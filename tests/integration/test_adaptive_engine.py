@@ -72,6 +72,51 @@ def test_the_stopping_rule_sets_the_block_length(tiny_family, tmp_path):
     assert drafted["confident"] <= 1.0 + 1e-9  # max q < 0.999 on every token: blocks of 1
 
 
+def _hidden(family, tier: str) -> int:
+    return Engine(make_cascade(ModelTierConfig("t", str(family[tier])), [], None, 1.0)).target.config.hidden_size
+
+
+def _mean_block(result) -> float:
+    review = result.stats.reviews["target"]
+    return review.drafted / review.reviews
+
+
+def test_a_request_threshold_sets_the_block_length_of_a_lone_drafter(tiny_family, tmp_path):
+    # The head predicts acceptance 0.5 for every token; SpecDec++ judges token i on tokens 1..i-1, so it
+    # stops at the first i with 1 - 0.5**(i - 1) > h: blocks of 3 at h = 0.6, of 5 at h = 0.9.
+    head = _head(tmp_path, _hidden(tiny_family, "mid"), 0.0)
+    engine = _engine(tiny_family, [[8]], {"mid": AdaptiveLength("specdec", 0.6, head)})
+    expected = _oracle(tiny_family["target"], PROMPTS[0], N)
+    blocks = {}
+    for h in (None, 0.6, 0.9):
+        result = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=N, stop_threshold=h))
+        assert result.token_ids == expected, h
+        blocks[h] = _mean_block(result)
+    assert blocks[None] == blocks[0.6]  # unset: the configured threshold
+    assert 2.0 < blocks[0.6] <= 3.0 and 4.0 < blocks[0.9] <= 5.0, blocks
+
+
+def test_specdec_stops_a_reviewing_tier_part_and_keeps_the_output_exact(tiny_family, tmp_path):
+    # close reviews mid's drafts (row [0, 3]) and owes the target 4 tokens a block. With an acceptance
+    # head on close, its part ends where SpecDec++ says so, and the target reviews shorter blocks.
+    drafters = [ModelTierConfig("close", str(tiny_family["close"])), ModelTierConfig("mid", str(tiny_family["mid"]))]
+    target = ModelTierConfig("target", str(tiny_family["target"]))
+    head = _head(tmp_path, _hidden(tiny_family, "close"), 0.0)
+    fixed = Engine(make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0))
+    adaptive = Engine(make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0, None,
+                                   {"close": AdaptiveLength("specdec", 0.6, head)}))
+    for prompt in PROMPTS:
+        expected = _oracle(tiny_family["target"], prompt, N)
+        plain = fixed.generate(prompt, GenerationConfig(max_new_tokens=N))
+        short = adaptive.generate(prompt, GenerationConfig(max_new_tokens=N))
+        longer = adaptive.generate(prompt, GenerationConfig(max_new_tokens=N, stop_threshold=0.9))
+        assert plain.token_ids == short.token_ids == longer.token_ids == expected
+        assert _mean_block(plain) >= 4.0  # the quota, and the overshoot of close's last round
+        assert _mean_block(short) <= 3.0 < _mean_block(plain)  # stopped at the third token at h = 0.6
+        assert _mean_block(short) < _mean_block(longer) <= 5.0
+        assert short.stats.to_dict()["tiers"]["mid"]["drafted"] > 0  # close still reviews mid
+
+
 def test_adaptive_through_the_service_equals_in_process(tiny_family, tmp_path):
     from cascade_service.client import CascadeClient
     from cascade_service.serving.local import LocalService
@@ -91,6 +136,14 @@ def test_adaptive_through_the_service_equals_in_process(tiny_family, tmp_path):
             served = client.generate(prompt_token_ids=prompt, max_new_tokens=N)
             assert served.token_ids == mine.token_ids == _oracle(tiny_family["target"], prompt, N)
             assert served.stats["target_calls"] == mine.stats.target_calls  # same (short) blocks remotely
+            # The request's threshold reaches the replica where the stopper runs: with this head
+            # (acceptance 0.0067) h = 0.999 stops at the third token instead of the second.
+            mine = engine.generate(prompt, GenerationConfig(max_new_tokens=N, stop_threshold=0.999))
+            served = client.generate(prompt_token_ids=prompt, max_new_tokens=N, stop_threshold=0.999)
+            assert served.token_ids == mine.token_ids
+            assert served.stats["target_calls"] == mine.stats.target_calls
+            assert 2.0 < _mean_block(mine) <= 3.0
+            assert served.stats["tiers"]["mid"]["drafted"] == mine.stats.to_dict()["tiers"]["mid"]["drafted"] > 0
 
 
 def test_adaptive_config_and_cli_errors_name_the_field(tiny_family, tmp_path, capsys):
@@ -111,7 +164,9 @@ def test_adaptive_config_and_cli_errors_name_the_field(tiny_family, tmp_path, ca
     for bad, flag in ((["--adaptive-length", "confidence"], "--stop-threshold"),
                       (["--adaptive-length", "confidence", "--stop-threshold", "2"], "--stop-threshold"),
                       (["--adaptive-length", "specdec", "--stop-threshold", "0.5"], "--head"),
-                      (["--stop-threshold", "0.5"], "--adaptive-length"),
+                      (["--stop-threshold", "0.5"], "--stop-threshold: no tier of this cascade has an acceptance head"),
+                      (["--stop-threshold", "1.5"], "--stop-threshold must be in (0, 1)"),
+                      (["--head", "x"], "--head and --adaptive-tier go with --adaptive-length"),
                       (["--adaptive-length", "specdec", "--stop-threshold", "0.5", "--head", str(tmp_path / "none")],
                        "acceptance head")):
         assert main(args + bad) == 2, bad

@@ -95,6 +95,10 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
     ({"prompt_token_ids": [1, 2], "stop": [""]}, "stop"),
     ({"prompt_token_ids": [1, 2], "verification": "telepathy"}, "verification.rule"),
     ({"prompt_token_ids": [1, 2], "session_id": "bad id!"}, "session_id"),
+    ({"prompt_token_ids": [1, 2], "stop_threshold": 1.5}, "stop_threshold"),
+    ({"prompt_token_ids": [1, 2], "stop_threshold": 0.0}, "stop_threshold"),
+    # In range, but this cascade has no acceptance head to apply it to: refused, not ignored.
+    ({"prompt_token_ids": [1, 2], "stop_threshold": 0.5}, "stop_threshold: no tier"),
 ])
 def test_bad_fields_are_invalid_argument_naming_the_field(client, kwargs, field):
     with pytest.raises(errors.InvalidArgument, match=field.replace(".", r"\.")):

@@ -31,6 +31,9 @@ SETUPS = {
     "csd_close_mid_mag": (["close", "mid", "mag"], [[4, 2, 0], [0, 2, 6], [0, 0, 6]]),
     "csd_close_mid_mag_t5_paper_shape": (["close", "mid", "mag"], [[3, 7, 5], [0, 1, 5], [0, 0, 5]]),
     "csd_close_unrelated_mag": (["close", "unrelated", "mag"], [[3, 3, 2], [0, 3, 4], [0, 0, 4]]),
+    # The demo's shape: mid reviews MaG while close asks it for a single token (a row that never ran
+    # while inner blocks were capped at what the parent still needed).
+    "csd_close_mid_mag_demo_shape": (["close", "mid", "mag"], [[3, 0, 0], [0, 1, 0], [0, 0, 4]]),
 }
 
 
@@ -89,10 +92,31 @@ def test_greedy_cascade_equals_transformers_generate(tiny_family, oracle_cache, 
         assert result.stats.target_calls <= len(expected)
 
 
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_every_k_matrix_entry_runs_and_is_counted(tiny_family, oracle_cache, bigram_path, setup):
+    # Invariant 7: each drafter the K-matrix names drafts, and each reviewer with a row reviews, with
+    # the counts in stats.tiers; the output stays the target's own.
+    names, k_matrix = SETUPS[setup]
+    engine = _engine(tiny_family, names, k_matrix, 1.5, bigram_path)
+    result = engine.generate(LONG, GenerationConfig(max_new_tokens=40))
+    assert result.token_ids == oracle_cache(LONG, 40)
+    tiers = result.stats.to_dict()["tiers"]
+    assert set(tiers) == {"target", *names}
+    for name in names:
+        assert tiers[name]["calls"] > 0 and tiers[name]["drafted"] > 0, (name, tiers)
+        assert 0 <= tiers[name]["accepted"] <= tiers[name]["drafted"]
+    for r, row in enumerate(k_matrix[1:], 1):
+        if any(row):  # a reviewing drafter: it saw blocks from every tier its row names
+            seen = result.stats.reviews[names[r - 1]].drafted_by_drafter
+            assert {names[c] for c, q in enumerate(row) if q} <= set(seen), (names[r - 1], seen)
+    assert tiers["target"]["drafted"] == 0 and tiers["target"]["calls"] == result.stats.target_calls
+
+
 @pytest.mark.parametrize("lookup", [Lookup(1, 3), Lookup(2, 10), Lookup(4, 25)], ids=str)
 @pytest.mark.parametrize("setup", ["csd_close_mid_mag", "csd_unrelated_mag"])
 def test_mag_lookup_gate_at_the_target_is_exact(tiny_family, oracle_cache, bigram_path, setup, lookup):
-    # Row 0 gives MaG nothing, so every MaG token the target reviews came through the gate.
+    # The gate's use of MaG is counted apart (tier `mag_lookup`), so its tokens are told from MaG's
+    # K-matrix ones; row 0 gives MaG nothing anyway.
     names, k_matrix = {"csd_close_mid_mag": SETUPS["csd_close_mid_mag"],
                        "csd_unrelated_mag": (["unrelated", "mag"], [[3, 0], [0, 4]])}[setup]
     engine = _engine(tiny_family, names, k_matrix, 2.0, bigram_path, lookup)
@@ -101,7 +125,9 @@ def test_mag_lookup_gate_at_the_target_is_exact(tiny_family, oracle_cache, bigra
         for n in (7, 40):
             result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
             assert result.token_ids == oracle_cache(prompt, n)
-            gated += result.stats.reviews["target"].drafted_by_drafter.get("mag", 0)
+            by_drafter = result.stats.reviews["target"].drafted_by_drafter
+            assert "mag" not in by_drafter  # row 0 gives MaG nothing: it reaches the target only by the gate
+            gated += by_drafter.get("mag_lookup", 0)
     assert gated > 0  # the gate opened: MaG's continuation went to the target unreviewed by "close"
 
 

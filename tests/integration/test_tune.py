@@ -10,12 +10,15 @@ from cascade_service.cli import main
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.engine import Engine
 from cascade_service.core.cascade import Lookup
+from cascade_service.core.schedule import Schedule
 from cascade_service.tune import candidate_grid
 
 
 def test_grid_holds_only_valid_schedules_around_k_star():
     grid = candidate_grid(["base", "small", "mag"], {"base": 5, "small": 3})
     assert grid and all(c.leniency in (1.0, 2.0) for c in grid)
+    for c in grid:  # tune never emits a K-matrix the schedule refuses (every entry runs)
+        Schedule.parse([list(row) for row in c.k_matrix], ["base", "small", "mag"])
     assert {c.k_matrix[0][0] for c in grid} == {3, 5, 7}
     assert all(c.k_matrix[2][2] in (4, 10) for c in grid)
     # every schedule competes with and without the MaG-first gate; without MaG there is no gate

@@ -110,6 +110,18 @@ def test_unreachable_row_leaves_its_drafters_unused():
         Schedule.parse([[0, 0, 4], [0, 2, 0], [0, 0, 3]], THREE)
 
 
+def test_an_entry_that_can_never_run_is_named_with_its_tiers():
+    # The refusal names the dead entry (row, column), the reviewer and the drafter, and why.
+    with pytest.raises(ScheduleError, match=r"K\[1\]\[1\] = 2 \('base' reviewing 'small'\) can never run"):
+        Schedule.parse([[0, 0, 4], [0, 2, 0], [0, 0, 3]], THREE)
+
+
+def test_the_demo_shape_is_accepted_because_every_entry_runs():
+    # Inner systems are no longer capped by what their parent still needs, so small reviewing mag
+    # (row 2) runs even though base asks small for one token: nothing here is refused.
+    assert Schedule.parse([[3, 0, 0], [0, 1, 0], [0, 0, 4]], THREE).row(2) == [(2, 4)]
+
+
 def test_leaf_only_names_are_configurable():
     with pytest.raises(ScheduleError, match="'ngram' cannot review"):
         Schedule.parse([[5, 5], [0, 5]], ["ngram", "small"], leaf_only={"ngram"})

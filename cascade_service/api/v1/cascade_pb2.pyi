@@ -19,7 +19,7 @@ class Verification(_message.Message):
     def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., tune_beta: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "session_id", "max_new_tokens", "temperature", "top_p", "seed", "stop", "verification")
+    __slots__ = ("prompt", "prompt_token_ids", "session_id", "max_new_tokens", "temperature", "top_p", "seed", "stop", "verification", "stop_threshold")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    STOP_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     session_id: str
@@ -38,19 +39,24 @@ class GenerateRequest(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     verification: Verification
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
+    stop_threshold: float
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., stop_threshold: _Optional[float] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("calls", "tokens_processed", "time_s", "hops")
+    __slots__ = ("calls", "tokens_processed", "time_s", "hops", "drafted", "accepted")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     calls: int
     tokens_processed: int
     time_s: float
     hops: int
-    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ...) -> None: ...
+    drafted: int
+    accepted: int
+    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss")
