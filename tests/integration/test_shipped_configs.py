@@ -1,0 +1,65 @@
+"""Every shipped config runs as its K-matrix says: each drafter it names drafts (invariant 7).
+
+The configs point at `$CASCADE_SERVICE_HOME/zoo/{demo,test,tiny}`. The `test` zoo has the same tier
+names (large, base, small, bigram) as the demo zoo and trains in under a minute, so it stands in
+for `demo` here; `tiny` is the random-weight family. Device and dtype are set to CPU float32: the
+schedule, not the placement, is what this checks (the GPU suite covers placement).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cascade_service.config import MaGConfig, ModelTierConfig, load_config
+from cascade_service.core.cascade import MaGDrafter
+from cascade_service.engine import Engine
+from cascade_service.models.tiny import build_family
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def home(test_zoo_home: Path) -> Path:
+    zoo = test_zoo_home / "zoo"
+    if not (zoo / "demo").exists():
+        (zoo / "demo").symlink_to(zoo / "test", target_is_directory=True)
+    if not (zoo / "tiny").exists():
+        build_family(zoo / "tiny")
+    return test_zoo_home
+
+
+def _on_cpu(tier):
+    return replace(tier, device="cpu", dtype="float32") if isinstance(tier, ModelTierConfig) else tier
+
+
+def test_every_shipped_config_is_checked():
+    assert {p.name for p in CONFIGS} >= {"demo.yaml", "test.yaml", "tiny.yaml", "cluster.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_configured_drafter_drafts(home, path, monkeypatch):
+    monkeypatch.setenv("CASCADE_SERVICE_HOME", str(home))
+    cascade = load_config(path).cascade
+    cascade = replace(cascade, target=_on_cpu(cascade.target), drafters=tuple(map(_on_cpu, cascade.drafters)))
+    engine = Engine(cascade)
+    prompts = [json.loads(line)["prompt"] for line in (home / "zoo" / "test" / "prompts.jsonl").open()][:3]
+    tiers: dict[str, dict[str, int]] = {}
+    for prompt in prompts:
+        ids = engine.tokenizer.encode(prompt)[-48:]  # the tiny family's vocabulary is smaller
+        ids = [t % engine.target.vocab_size for t in ids]
+        result = engine.generate(ids, replace(load_config(path).generation, max_new_tokens=48))
+        for name, counts in result.stats.to_dict()["tiers"].items():
+            mine = tiers.setdefault(name, dict.fromkeys(counts, 0))
+            for key, value in counts.items():
+                mine[key] += value
+    for drafter in cascade.drafters:
+        # MaG must draft inside the K-matrix, not only through the lookup gate (counted apart).
+        assert tiers[drafter.name]["drafted"] > 0, (path.name, drafter.name, tiers)
+        assert tiers[drafter.name]["calls"] > 0
+    if cascade.lookup is not None:
+        assert MaGDrafter.lookup_name in tiers
+    assert any(isinstance(d, MaGConfig) for d in cascade.drafters) or MaGDrafter.lookup_name not in tiers
