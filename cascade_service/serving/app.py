@@ -280,6 +280,18 @@ def _system_heads(cascade, serving: ServingConfig) -> dict[str, dict[str, Any]]:
     return heads
 
 
+def _check_adaptive_reviewers(cascade: CascadeConfig, serving: ServingConfig) -> None:
+    """SpecDec++ at a reviewing tier reads that tier's hidden states, so its review must run where the
+    cascade above it runs: colocated with the coordinator, or with its whole sub-cascade in its group."""
+    names = [t.name for t in cascade.tiers]
+    systems = _system_heads(cascade, serving)
+    for tier in cascade.adaptive:
+        r = names.index(tier)
+        if not cascade.schedule.is_leaf(r) and tier not in serving.colocate and tier not in systems:
+            raise ConfigError(f"schedule.adaptive.{tier}: a reviewing tier with an acceptance head must be in "
+                              "serving.colocate, or in a serving.groups group that holds its whole sub-cascade")
+
+
 def _invoker(name: str, handle: DeploymentHandle):
     # Serve's direct gRPC transport instead of Ray object references: measured here, a no-op call
     # takes 4.0 ms instead of 8.0 ms (median), and a round makes one or two such calls per tier.
@@ -332,6 +344,7 @@ def app_builder(args: dict[str, Any]):
     serving = config.serving
     if serving.adapt_to_load:
         _ray_arms(serving.load_arms)  # a bad serving.load_arms fails here, not at the first request
+    _check_adaptive_reviewers(config.cascade, serving)
     local = bool(args.get("local", False))
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
     mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)

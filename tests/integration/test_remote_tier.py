@@ -116,3 +116,20 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
         assert stats.tiers["mid"].calls > 0 and stats.reviews["close"].reviews > 0  # its counters came back
     assert set(calls) == {"review", "system", "release"}
     assert target.cached_requests() == group.cached_requests() == 0
+
+
+def test_a_reviewing_tier_with_a_head_must_review_where_its_hidden_states_are(tiny_family):
+    # SpecDec++ at a reviewing tier reads that tier's hidden states: the Ray app refuses, at build time,
+    # a reviewing tier whose reviews would cross to another replica one block at a time.
+    from cascade_service.config import ConfigError, ServingConfig
+    from cascade_service.core.adaptive import AdaptiveLength
+    from cascade_service.serving.app import _check_adaptive_reviewers
+
+    tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}
+    adaptive = {"close": AdaptiveLength("specdec", 0.5, "head-dir")}
+    cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
+                           [[4, 0, 0], [0, 2, 0], [0, 0, 5]], 2.0, None, adaptive)
+    with pytest.raises(ConfigError, match="schedule.adaptive.close: a reviewing tier"):
+        _check_adaptive_reviewers(cascade, ServingConfig())
+    _check_adaptive_reviewers(cascade, ServingConfig(colocate=("close",)))
+    _check_adaptive_reviewers(cascade, ServingConfig(groups=(("close", "mid"),)))
