@@ -6,6 +6,8 @@ Strings become objects once, here (a drafter named "mag" becomes `MaGConfig`, a 
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -116,7 +118,9 @@ class ServingConfig:
     """How `cascade-service serve` places and scales the tiers (Ray Serve); ignored in-process."""
 
     grpc_port: int = 9000
-    redis_url: str | None = None  # None: sessions in an in-cluster actor (survives app restarts, not Ray's)
+    # None: sessions in an in-cluster actor (survives app restarts, not Ray's). `${NAME}` in it is read
+    # from the environment when the config loads: deploy files give each pod or node CASCADE_REDIS_URL.
+    redis_url: str | None = None
     session_namespace: str = "cascade"
     session_ttl_s: int = 7 * 24 * 3600
     # Model tiers hosted inside the coordinator's replica instead of their own deployment: their calls
@@ -212,8 +216,7 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
         _check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
     if not isinstance(serving.adapt_to_load, bool):
         raise ConfigError(f"serving.adapt_to_load must be true or false, got {serving.adapt_to_load!r}")
-    if serving.redis_url is not None and not (isinstance(serving.redis_url, str) and serving.redis_url.startswith(("redis://", "rediss://", "unix://"))):
-        raise ConfigError(f"serving.redis_url must be a redis://, rediss:// or unix:// URL, got {serving.redis_url!r}")
+    serving = replace(serving, redis_url=resolve_redis_url(serving.redis_url, "serving.redis_url"))
     if not isinstance(serving.session_namespace, str) or not serving.session_namespace or ":" in serving.session_namespace:
         raise ConfigError(f"serving.session_namespace must be a non-empty string without ':', got {serving.session_namespace!r}")
     files = {}
@@ -243,6 +246,34 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
         _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
     return replace(serving, colocate=tuple(colocate), groups=tuple(tuple(g) for g in groups),
                    deployments={k: dict(v) for k, v in deployments.items()}, **files)
+
+
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def resolve_redis_url(value: Any, where: str) -> str | None:
+    """A session store URL with each `${NAME}` replaced by that environment variable; None stays None.
+
+    Only the braced form is read, so a `$` in a password stays as written. A reference to a variable
+    that is unset or empty is an error rather than an empty URL: a cluster whose sessions silently fell
+    back to one replica's memory would lose them whenever that replica went away.
+    """
+    if value is None:
+        return None
+
+    def lookup(match: re.Match) -> str:
+        found = os.environ.get(match.group(1))
+        if not found:
+            raise ConfigError(f"{where} reads {match.group(0)}, which is not set in this process's environment "
+                              f"(set it on every node, as the deploy files do, or write the URL out)")
+        return found
+
+    url = ENV_REFERENCE.sub(lookup, value) if isinstance(value, str) else value
+    if not (isinstance(url, str) and url.startswith(("redis://", "rediss://", "unix://"))):
+        # An expanded value is not echoed: it may hold a password.
+        shown = f"{value!r} (its value is not such a URL)" if url != value else repr(value)
+        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL, got {shown}")
+    return url
 
 
 def tier_groups(model_tiers: Sequence[str], colocate: Sequence[str], groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:

@@ -30,7 +30,7 @@ from ..api.auth import authenticate_context, load_api_keys
 from ..api.edge import UNARY, RecordingContext, Reply, health_response, request_type
 from ..api.servicer import CascadeServicer, Overloaded, Unavailable
 from ..config import (MAG, CascadeConfig, Config, ConfigError, MaGConfig, ModelTierConfig, ServingConfig,
-                      deployment_name, load_config, tier_groups)
+                      deployment_name, load_config, resolve_redis_url, tier_groups)
 from ..coordinator import Coordinator, Tokenizer
 from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
@@ -336,11 +336,13 @@ def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any) -
 def app_builder(args: dict[str, Any]):
     """`serve run cascade_service.serving.app:app_builder config=PATH`; also used by `cascade-service serve`.
 
-    args: config (path to a cascade-service YAML config), redis_url (optional: overrides serving.redis_url),
+    args: config (path to a cascade-service YAML config), redis_url (optional: overrides serving.redis_url;
+    `${NAME}` in it is read from this process's environment, as the deploy files' `${CASCADE_REDIS_URL}`),
     local (optional bool: fractional CPUs per deployment so the app fits one small machine).
     """
     path = str(Path(args["config"]).resolve())
     config = load_config(path)
+    redis_url = resolve_redis_url(args.get("redis_url") or None, "the app's redis_url argument")
     serving = config.serving
     if serving.adapt_to_load:
         _ray_arms(serving.load_arms)  # a bad serving.load_arms fails here, not at the first request
@@ -359,7 +361,7 @@ def app_builder(args: dict[str, Any]):
         handles |= {n: handle for n in group}
     options = _options(serving, COORDINATOR, local)
     return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(
-        path, handles, args.get("redis_url"), options["max_ongoing_requests"])
+        path, handles, redis_url, options["max_ongoing_requests"])
 
 
 def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:

@@ -71,3 +71,34 @@ def test_serving_section_parses_and_names_bad_fields():
         raw["serving"] = bad
         with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
             parse_config(raw)
+
+
+def test_serving_redis_url_reads_braced_environment_references(monkeypatch):
+    # The deploy files name the session store as ${CASCADE_REDIS_URL}, set per pod or node.
+    raw = _raw()
+    raw["serving"] = {"redis_url": "${CASCADE_TEST_REDIS}/3"}
+    monkeypatch.setenv("CASCADE_TEST_REDIS", "redis://cascade-redis:6379")
+    assert parse_config(raw).serving.redis_url == "redis://cascade-redis:6379/3"
+    raw["serving"] = {"redis_url": "redis://:pa$CASCADE_TEST_REDIS@host:6379/0"}  # a bare $ is not a reference
+    assert parse_config(raw).serving.redis_url == "redis://:pa$CASCADE_TEST_REDIS@host:6379/0"
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_a_redis_url_naming_an_unset_or_empty_variable_is_an_error_not_in_memory_sessions(monkeypatch, value):
+    raw = _raw()
+    raw["serving"] = {"redis_url": "${CASCADE_TEST_REDIS}"}
+    if value is None:
+        monkeypatch.delenv("CASCADE_TEST_REDIS", raising=False)
+    else:
+        monkeypatch.setenv("CASCADE_TEST_REDIS", value)
+    with pytest.raises(ConfigError, match=r"serving\.redis_url reads \$\{CASCADE_TEST_REDIS\}, which is not set"):
+        parse_config(raw)
+
+
+def test_an_expanded_redis_url_of_the_wrong_scheme_is_refused_without_echoing_it(monkeypatch):
+    raw = _raw()
+    raw["serving"] = {"redis_url": "${CASCADE_TEST_REDIS}"}
+    monkeypatch.setenv("CASCADE_TEST_REDIS", "http://user:hunter2@host:6379")
+    with pytest.raises(ConfigError, match=r"serving\.redis_url must be a redis://") as caught:
+        parse_config(raw)
+    assert "hunter2" not in str(caught.value)

@@ -1,14 +1,17 @@
-"""deploy/: the Serve config, the cluster launcher YAML and the RayService agree with Ray and with each other.
+"""deploy/: the Serve config, the cluster launcher YAML, the RayService and its Redis agree with Ray, with
+Kubernetes and with each other.
 
-Static checks only: Ray's own schemas and parsers, no Ray cluster, no Serve app.
+Static checks only: Ray's own schemas and parsers, kubernetes-validate's schemas, no cluster, no Serve app.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -16,16 +19,39 @@ import yaml
 serve_schema = pytest.importorskip("ray.serve.schema")
 from ray.serve.config import AutoscalingConfig  # noqa: E402
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
 DEPLOYMENTS = {"coordinator", "tier-large", "tier-base", "tier-small"}
 IMPORT_PATH = "cascade_service.serving.app:app_builder"
 CASCADE_SERVICER = "cascade_service.api.v1.cascade_pb2_grpc.add_CascadeServiceServicer_to_server"
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 ACCELERATOR_PREFIX = "accelerator_type:"  # the resource Ray turns ray_actor_options.accelerator_type into
+REDIS_URL_ENV = "CASCADE_REDIS_URL"
+REDIS_URL_REFERENCE = "${" + REDIS_URL_ENV + "}"  # how every deploy file names the session store
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
 def _load(name: str):
     return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def _load_all(name: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all((DEPLOY / name).read_text()) if doc]
+
+
+def _redis_objects() -> dict[str, dict]:
+    """kuberay/redis.yaml by kind: Deployment, Service, NetworkPolicy."""
+    docs = _load_all("kuberay/redis.yaml")
+    by_kind = {doc["kind"]: doc for doc in docs}
+    assert len(by_kind) == len(docs), "one object of each kind"
+    return by_kind
+
+
+def _ray_pod_templates() -> dict[str, dict]:
+    """RayService pod templates by group: `head` and every worker group."""
+    cluster = _load("kuberay/rayservice.yaml")["spec"]["rayClusterConfig"]
+    return {"head": cluster["headGroupSpec"]["template"],
+            **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}}
 
 
 def _validate(model, raw: dict):
@@ -125,7 +151,7 @@ def test_application_uses_the_builder_and_its_args(source):
     app = _app(_serve_configs()[source])
     assert app["import_path"] == IMPORT_PATH
     assert set(app["args"]) <= {"config", "redis_url"} and app["args"]["config"].endswith(".yaml")
-    assert app["args"].get("redis_url", "redis://").startswith(("redis://", "rediss://"))
+    assert app["args"]["redis_url"] == REDIS_URL_REFERENCE
     assert app["runtime_env"]["env_vars"]["CASCADE_SERVICE_HOME"] == "/models"
 
 
@@ -226,9 +252,139 @@ def test_the_app_config_named_in_args_loads_and_builds_exactly_these_deployments
     from cascade_service.serving.app import COORDINATOR
 
     monkeypatch.setenv("CASCADE_SERVICE_HOME", "/models")
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://cascade-redis:6379/0")
     args = _app(_serve_configs()[source])["args"]
     assert args["config"].startswith("/app/configs/")
     config = load_config(Path(__file__).parents[2] / "configs" / args["config"].removeprefix("/app/configs/"))
     models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig)]
     built = {COORDINATOR} | {deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups)}
     assert built == set(_deployments(_serve_configs()[source]))
+
+
+# Sessions: one Redis URL, read from the environment, that every kind of cluster sets.
+
+def _app_config_raw(source: str) -> dict:
+    """The cascade-service config the app's args name, as written in configs/ (no expansion)."""
+    path = _app(_serve_configs()[source])["args"]["config"]
+    return yaml.safe_load((ROOT / "configs" / path.removeprefix("/app/configs/")).read_text())
+
+
+@pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
+def test_the_app_and_its_config_read_the_redis_url_from_the_environment(source):
+    assert _app(_serve_configs()[source])["args"]["redis_url"] == REDIS_URL_REFERENCE
+    assert _app_config_raw(source)["serving"]["redis_url"] == REDIS_URL_REFERENCE
+
+
+@pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
+def test_the_app_builder_binds_the_url_the_environment_gives(source, monkeypatch):
+    from cascade_service.config import ConfigError
+    from cascade_service.serving.app import app_builder
+
+    args = dict(_app(_serve_configs()[source])["args"])
+    args["config"] = str(ROOT / "configs" / args["config"].removeprefix("/app/configs/"))
+    monkeypatch.setenv("CASCADE_SERVICE_HOME", "/models")
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://sessions.example:6380/2")
+    app = app_builder(args)
+    # CoordinatorDeployment(config_path, tiers, redis_url, max_ongoing): Ray keeps the bound arguments here.
+    assert app._bound_deployment.init_args[2] == "redis://sessions.example:6380/2"
+    monkeypatch.delenv(REDIS_URL_ENV)
+    with pytest.raises(ConfigError, match=re.escape(REDIS_URL_REFERENCE)):
+        app_builder(args)
+
+
+def test_every_ray_pod_gets_the_redis_url_of_the_redis_service():
+    redis = _redis_objects()
+    service, pod = redis["Service"]["spec"], redis["Deployment"]["spec"]["template"]
+    (port,) = service["ports"]
+    for group, template in _ray_pod_templates().items():
+        ray_container = template["spec"]["containers"][0]  # the one KubeRay runs `ray start` in
+        env = {e["name"]: e.get("value") for e in ray_container.get("env", [])}
+        url = urlsplit(env.get(REDIS_URL_ENV) or "")
+        assert url.scheme == "redis", (group, env)
+        # The Service's short name resolves in the RayService's own namespace, where both are applied.
+        assert (url.hostname, url.port or 6379) == (redis["Service"]["metadata"]["name"], port["port"]), group
+    assert service["selector"].items() <= pod["metadata"]["labels"].items()
+    container_ports = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    assert container_ports[port["targetPort"]] == 6379  # redis-server's port: no --port in its args
+    assert "--port" not in pod["spec"]["containers"][0]["args"]
+
+
+def test_the_redis_deployment_selects_its_pods_and_the_network_policy_admits_ray_pods():
+    redis = _redis_objects()
+    labels = redis["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert redis["Deployment"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert redis["Deployment"]["spec"]["replicas"] == 1  # sessions live in one instance
+    policy = redis["NetworkPolicy"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    (rule,) = policy["ingress"]
+    # KubeRay puts this label on every Pod it creates (utils.RayNodeLabelKey).
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"ray.io/is-ray-node": "yes"}}}]
+    assert [p["port"] for p in rule["ports"]] == [6379]
+
+
+def test_cluster_launcher_containers_get_a_redis_url_every_node_can_reach():
+    options = _load("cluster.yaml")["docker"]["run_options"]
+    urls = [o.split("=", 1)[1] for o in options if re.match(rf"(--env|-e)[ =]{REDIS_URL_ENV}=", o)]
+    assert len(urls) == 1, options
+    url = urlsplit(urls[0])
+    assert url.scheme in ("redis", "rediss") and url.hostname and url.hostname not in LOOPBACK_HOSTS, urls
+
+
+def test_no_deploy_file_names_a_loopback_redis():
+    # A cluster node has no Redis of its own: a loopback URL would reach nothing (or Ray's GCS port).
+    files = [p for p in DEPLOY.rglob("*") if p.is_file()] + [ROOT / "configs" / "cluster.yaml"]
+    found = {}
+    for path in files:
+        for url in re.findall(r"rediss?://[^\s\"'`]+", path.read_text()):
+            found[url] = path.relative_to(ROOT)
+    assert found, "the deploy files name at least the KubeRay Redis"
+    loopback = {url: str(where) for url, where in found.items() if urlsplit(url).hostname in LOOPBACK_HOSTS}
+    assert not loopback
+
+
+# Kubernetes objects: what kubectl would send, checked against the API's own schemas (strict: unknown
+# fields fail, as `kubectl apply --validate=strict` would). The RayService CRD is not in those schemas,
+# so its pod templates are checked on their own, as PodTemplates.
+
+K8S_VERSIONS = ["1.28", "latest"]
+
+
+def _k8s_objects() -> dict[str, dict]:
+    objects = {f"rayservice {group}": {"apiVersion": "v1", "kind": "PodTemplate",
+                                       "metadata": {"name": f"cascade-{group}"}, "template": template}
+               for group, template in _ray_pod_templates().items()}
+    return objects | {f"redis.yaml {kind}": doc for kind, doc in _redis_objects().items()}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", sorted(_k8s_objects()))
+def test_kubernetes_objects_validate_against_the_api_schema(name, version):
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version() if version == "latest" else version
+    kubernetes_validate.validate(_k8s_objects()[name], version, strict=True)
+
+
+def test_kubernetes_validation_catches_a_wrong_pod_template():
+    import kubernetes_validate
+
+    template = copy.deepcopy(_ray_pod_templates()["head"])
+    template["spec"]["containers"][0]["ports"][0]["containerPort"] = "9000"  # a string, not a port
+    bad = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "bad"}, "template": template}
+    with pytest.raises(kubernetes_validate.ValidationError, match="is not of type 'integer'"):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
+    template = copy.deepcopy(_ray_pod_templates()["cpu"])
+    template["spec"]["containers"][0]["envv"] = []  # a typo kubectl would drop or refuse
+    bad["template"] = template
+    with pytest.raises(kubernetes_validate.ValidationError, match="'envv' was unexpected"):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
+
+
+def test_every_ray_pod_that_hosts_replicas_mounts_the_model_zoo():
+    # Coordinators read the target's tokenizer and MaG's bigram table; tiers read their weights.
+    for group, template in _ray_pod_templates().items():
+        if group == "head":
+            continue  # num-cpus 0: no replicas
+        mounts = {m["mountPath"]: m["name"] for m in template["spec"]["containers"][0].get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+        assert "/models" in mounts and "persistentVolumeClaim" in volumes[mounts["/models"]], group
