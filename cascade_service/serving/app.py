@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -36,6 +36,7 @@ from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
+from ..startup import check_vocabularies
 from .bridge import Offloaded, await_, in_bridge, iterate_bridged, run_bridged
 from .remote import RemoteSystem, RemoteTier
 from .session_actor import session_store
@@ -154,16 +155,18 @@ class CoordinatorDeployment:
                     import torch
 
                     torch.set_num_threads(serving.torch_threads)
+                colocated = [t for t in cascade.tiers if isinstance(t, ModelTierConfig) and t.name in serving.colocate]
                 self.local = {t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
-                              for t in cascade.tiers if isinstance(t, ModelTierConfig) and t.name in serving.colocate}
+                              for t in colocated}
                 for model in self.local.values():  # concurrent requests share a colocated tier's passes
                     model.enable_batching()
                 info: dict[str, Any] = {}
                 for handle in {id(h): h for h in self.handles.values()}.values():
                     info |= handle.info.remote().result()
                 self.systems = _system_heads(cascade, serving)
-                info |= {name: {"vocab_size": m.vocab_size, "num_parameters": m.num_parameters,
+                info |= {name: {"vocab_size": m.vocab_size, "num_parameters": m.num_parameters, "device": str(m.device),
                                 "eos_token_ids": sorted(m.eos_token_ids)} for name, m in self.local.items()}
+                check_vocabularies(cascade, {n: i["vocab_size"] for n, i in info.items()}, tokenizers=False)
                 target = info[cascade.target.name]
                 tokenizer = load_tokenizer(cascade.target.path)
                 mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
@@ -332,6 +335,9 @@ def app_builder(args: dict[str, Any]):
     serving = config.serving
     if serving.adapt_to_load:
         _ray_arms(serving.load_arms)  # a bad serving.load_arms fails here, not at the first request
+    # A foreign vocabulary fails here, before anything deploys (model directories this machine
+    # cannot read are checked by the coordinator, once the tiers are up).
+    check_vocabularies(config.cascade)
     local = bool(args.get("local", False))
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
     mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
@@ -341,7 +347,7 @@ def app_builder(args: dict[str, Any]):
         name = deployment_name(group)
         options = _options(serving, name, local)
         handle = TierDeployment.options(name=name, **options).bind(
-            [{"name": n, "path": by_name[n].path, "dtype": by_name[n].dtype, "device": by_name[n].device} for n in group],
+            [asdict(by_name[n]) for n in group],
             mag_args if len(group) > 1 else None, serving.torch_threads, options["max_ongoing_requests"])
         handles |= {n: handle for n in group}
     options = _options(serving, COORDINATOR, local)
