@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
@@ -40,7 +41,7 @@ from ..startup import check_vocabularies
 from .bridge import Offloaded, await_, in_bridge, iterate_bridged, run_bridged
 from .remote import RemoteSystem, RemoteTier
 from .session_actor import session_store
-from .tier import TierGroup
+from .tier import TierGroup, replica_tier
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,10 @@ class TierDeployment:
 
             torch.set_num_threads(torch_threads)
         mag = mag or {}
-        self.group = TierGroup([ModelTierConfig(**t) for t in tiers], mag.get("bigram"), mag.get("max_ngram", 16))
+        # Each tier follows the GPUs Ray gave this replica (serving.tier.replica_tier).
+        name, gpus = deployment_name([t["name"] for t in tiers]), replica_gpus()
+        group = [replica_tier(ModelTierConfig(**t), gpus, name) for t in tiers]
+        self.group = TierGroup(group, mag.get("bigram"), mag.get("max_ngram", 16))
         for server in self.group.servers.values():
             server.model.enable_batching()
         self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
@@ -156,6 +160,9 @@ class CoordinatorDeployment:
 
                     torch.set_num_threads(serving.torch_threads)
                 colocated = [t for t in cascade.tiers if isinstance(t, ModelTierConfig) and t.name in serving.colocate]
+                if colocated:  # they follow the coordinator's GPUs, as a tier replica's tiers follow its own
+                    gpus = replica_gpus()
+                    colocated = [replica_tier(t, gpus, COORDINATOR) for t in colocated]
                 self.local = {t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
                               for t in colocated}
                 for model in self.local.values():  # concurrent requests share a colocated tier's passes
@@ -281,6 +288,15 @@ def _system_heads(cascade, serving: ServingConfig) -> dict[str, dict[str, Any]]:
                 heads[name] = {"tiers": names[h:], "k_matrix": [row[h:] for row in k[h:]],
                                "leniency": cascade.leniency}
     return heads
+
+
+def replica_gpus() -> list[int]:
+    """The torch indices of the GPUs Ray gave this replica: Ray narrows CUDA_VISIBLE_DEVICES to them,
+    so they are 0..n-1, unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES leaves every GPU visible."""
+    ids = ray.get_gpu_ids()
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "").lower() in ("1", "true"):
+        return [int(i) for i in ids]
+    return list(range(len(ids)))
 
 
 def _invoker(name: str, handle: DeploymentHandle):

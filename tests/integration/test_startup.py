@@ -2,7 +2,7 @@
 
 A device this machine does not have (`cuda:7`, or `cuda` with no GPU), a drafter whose vocabulary is
 not the target's (config.json's size, or its tokenizer's ids), on every wiring: the in-process engine,
-the CLI, a tier server, the Ray app builder.
+the CLI, a tier server, the Ray app builder. In a Ray replica a tier follows the GPUs Ray gave it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from cascade_service.cli import main
 from cascade_service.config import ConfigError, ModelTierConfig, parse_config
 from cascade_service.engine import Engine
 from cascade_service.models import hf
-from cascade_service.serving.tier import TierServer
+from cascade_service.serving.tier import TierServer, replica_tier
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 no_gpu = pytest.mark.skipif(GPUS > 0, reason="needs a machine without CUDA devices")
@@ -136,3 +136,33 @@ def test_the_cli_reports_a_bad_device_or_dtype_in_one_line(tiny_family, capsys, 
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and needle in err, err
 
+
+def _tier(device: str) -> ModelTierConfig:
+    return parse_config({"tiers": {"target": {"name": "large", "path": "/m/large", "device": device}}}).cascade.target
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto", "cuda", "cuda:0"])
+def test_a_ray_replica_given_a_gpu_runs_its_tier_there(device):
+    assert replica_tier(_tier(device), [0], "tier-large").device == "cuda:0"
+
+
+def test_a_ray_replica_spreads_its_tiers_over_the_gpus_it_was_given():
+    assert replica_tier(_tier("cuda:1"), [0, 1], "tier-large-base").device == "cuda:1"
+    # With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every GPU stays visible: Ray's ids are torch's.
+    assert replica_tier(_tier("cuda:1"), [2, 5], "tier-large-base").device == "cuda:5"
+    with pytest.raises(ConfigError, match=r"^tiers\.target\.device \(tier 'large'\): cuda:1, but its deployment "
+                                          r"tier-large was given 1 GPU$"):
+        replica_tier(_tier("cuda:1"), [0], "tier-large")
+
+
+def test_a_ray_replica_given_no_gpu_keeps_the_configured_device():
+    assert replica_tier(_tier("cpu"), [], "tier-large").device == "cpu"
+    assert replica_tier(_tier("auto"), [], "tier-large").device == "auto"
+
+
+@no_gpu
+def test_a_ray_replica_given_no_gpu_says_which_option_gives_it_one():
+    with pytest.raises(ConfigError, match=r"cuda does not exist \(this machine has 0 CUDA devices\); its deployment "
+                                          r"tier-large was given no GPU "
+                                          r"\(serving\.deployments\.tier-large\.ray_actor_options\.num_gpus\)"):
+        replica_tier(_tier("cuda"), [], "tier-large")
