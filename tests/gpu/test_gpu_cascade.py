@@ -18,7 +18,12 @@ from collections import Counter
 import pytest
 import torch
 
-from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.config import (
+    GenerationConfig,
+    MaGConfig,
+    ModelTierConfig,
+    make_cascade,
+)
 from cascade_service.core.cascade import RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.mag import BigramTable, MaxGram
