@@ -27,6 +27,7 @@ from .paths import expand
 
 MAG = "mag"
 DTYPES = ("float32", "float16", "bfloat16", "auto")
+DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?")  # whether such a device exists is checked where weights load
 
 
 class ConfigError(ValueError):
@@ -38,7 +39,9 @@ class ModelTierConfig:
     name: str  # tier name in stats and K-matrix messages
     path: str  # local Hugging Face directory (config, safetensors, tokenizer)
     dtype: str = "float32"  # weights and compute dtype
-    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"; in a Ray replica given GPUs, those (serving.tier)
+    # Where the config set this tier ("tiers.drafters[1]", "--target"), for errors; "" when built in code.
+    key: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -407,11 +410,11 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
     if dtype not in DTYPES:
         raise ConfigError(f"{where}.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     device = item.get("device", defaults.get("device", "cpu"))
-    if not isinstance(device, str) or not (device in ("cpu", "cuda", "auto") or device.startswith("cuda:")):
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
         raise ConfigError(f"{where}.device must be cpu, cuda, cuda:N or auto, got {device!r}")
     if name == MAG:
         raise ConfigError(f"{where}.name: 'mag' is reserved for the Max-Gram drafter")
-    return ModelTierConfig(str(name), path, dtype, device)
+    return ModelTierConfig(str(name), path, dtype, device, key=where)
 
 
 def _resolve(path: str, base_dir: Path) -> str:

@@ -22,6 +22,7 @@ from .core.stats import CascadeStats
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
 from .sessions import SessionStore
+from .startup import check_tiers, check_vocabularies
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Engine:
 
     def __init__(self, cascade: CascadeConfig):
         self.cascade = cascade
+        check_tiers(cascade)  # a device this machine lacks or a foreign vocabulary fails before any weights load
         t = cascade.target
         self.target = HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
         self.drafters: list[HFModel | MaGConfig] = []
@@ -44,13 +46,9 @@ class Engine:
                 self.drafters.append(d)
                 self.bigram = BigramTable.load(d.bigram) if d.bigram else None
             else:
-                model = HFModel.load(d.path, dtype=d.dtype, device=d.device, name=d.name)
-                if model.vocab_size != self.target.vocab_size:
-                    raise ValueError(
-                        f"drafter {d.name!r} has vocabulary size {model.vocab_size}, "
-                        f"target has {self.target.vocab_size}: tiers must share one vocabulary"
-                    )
-                self.drafters.append(model)
+                self.drafters.append(HFModel.load(d.path, dtype=d.dtype, device=d.device, name=d.name))
+        # Again with the weights' own counts (the LM heads' rows), which config.json may not record.
+        check_vocabularies(cascade, {m.name: m.vocab_size for m in self.models()}, tokenizers=False)
         self.tokenizer = load_tokenizer(t.path)
         self.eos_ids = frozenset(self.target.eos_token_ids)
         self.heads = HeadCache(self.target.device)

@@ -150,7 +150,7 @@ def score_and_review(scorer: Scorer, ctx: Context, block: Draft, rule: ReviewRul
                      sampling: SamplingParams, generator: torch.Generator, counters: TierCounters) -> Verdict:
     """Score context + block in ONE forward pass (k + 1 distributions) and review the block."""
     probs = sampling.probs(_score(scorer, ctx.extend(block.tokens), len(block) + 1, counters))
-    return rule.review(block, probs, leniency, generator)
+    return rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
 
 
 def call_seed(generator: torch.Generator) -> int:

@@ -5,6 +5,8 @@ left to right, keep draft x with probability min(1, l * target(x) / draft(x)); a
 draw the replacement from norm(max(0, target - draft)); if every draft is kept, draw a bonus token from
 the target's next distribution. l is the leniency: 1 at the final target review, >= 1 at inner ones.
 `target_probs` may be any distribution pi the caller built (lossy rules in later work pass their own).
+Rules run where `target_probs` lives: the block's rows arrive there already (`Draft.for_reviewer`),
+and what a rule makes or draws it makes there too (core.placement).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from .placement import uniform
 from .sampling import residual, reviewed_proposal, sample
 from .types import Draft
 
@@ -41,7 +44,8 @@ class ReviewRule(Protocol):
     def review(
         self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator
     ) -> Verdict:
-        """target_probs: [len(block) + 1, V]; row i scores block position i, the last row the bonus."""
+        """target_probs: [len(block) + 1, V]; row i scores block position i, the last row the bonus.
+        `block.dists`, when present, is on target_probs' device, in float32 (`Draft.for_reviewer`)."""
         ...
 
 
@@ -57,7 +61,8 @@ class GreedyReview:
     ) -> Verdict:
         k = len(block)
         best = target_probs.argmax(dim=-1).tolist()  # [k + 1]
-        p_drafted = target_probs[torch.arange(k), block.tokens].tolist() if k else []
+        rows = torch.arange(k, device=target_probs.device)
+        p_drafted = target_probs[rows, block.tokens].tolist() if k else []
         accepted = 0
         for i in range(k):
             x = block.tokens[i]
@@ -81,10 +86,10 @@ class SamplingReview:
         assert block.dists is not None or k == 0, "sampling review needs the drafts' distributions"
         accepted = k
         if k:
-            rows = torch.arange(k)
+            rows = torch.arange(k, device=target_probs.device)
             p_x = target_probs[rows, block.tokens]  # [k]
             q_x = block.dists[rows, block.tokens].clamp_min(1e-30)  # [k]
-            keep = torch.rand(k, generator=generator) < torch.clamp(leniency * p_x / q_x, max=1.0)
+            keep = uniform((k,), target_probs, generator) < torch.clamp(leniency * p_x / q_x, max=1.0)
             rejected = (~keep).nonzero()
             accepted = int(rejected[0]) if len(rejected) else k
         if accepted < k:
@@ -98,7 +103,7 @@ class SamplingReview:
         if accepted == k:
             dists = torch.cat([dists, target_probs[k : k + 1]])
         tokens = block.tokens[:accepted] + [token]
-        token_probs = dists[torch.arange(accepted + 1), tokens].tolist()
+        token_probs = dists[torch.arange(accepted + 1, device=dists.device), tokens].tolist()
         return Verdict(accepted, token, token_probs, dists)
 
 

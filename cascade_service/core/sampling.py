@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .placement import PROBS_DTYPE, generator_for
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,7 +45,7 @@ class SamplingParams:
         Greedy mode returns softmax at temperature 1: decisions use argmax, and greedy leniency compares
         these probabilities (the authors' rule), so they must not be sharpened.
         """
-        logits = logits.float()
+        logits = logits.to(PROBS_DTYPE)  # a bfloat16 tier's logits too: every review reads float32 (core.placement)
         if self.greedy:
             return torch.softmax(logits, dim=-1)
         probs = torch.softmax(sharpen(logits, self.temperature), dim=-1)
@@ -73,8 +75,8 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a [V] distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from a [V] distribution, drawn where `probs` lives (`generator`: the request's)."""
+    return int(torch.multinomial(probs, 1, generator=generator_for(generator, probs.device)))
 
 
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from .placement import join_rows, to_reviewer
+
 
 @dataclass(frozen=True)
 class Context:
@@ -35,7 +37,8 @@ class Draft:
 
     `token_probs[i]` is the proposal probability of `tokens[i]` (greedy leniency compares against it).
     `dists` holds the full proposal distribution per position, [k, V]; only sampling mode carries it,
-    since the residual max(0, target - draft) needs the whole row. MaG's rows are point masses.
+    since the residual max(0, target - draft) needs the whole row. MaG's rows are point masses. The
+    rows live on the device of whoever made them until a reviewer takes them (`for_reviewer`).
     `origins[i]` names the drafter that contributed the token (stats only).
     An empty draft is a valid draft.
     """
@@ -50,7 +53,7 @@ class Draft:
 
     def __add__(self, other: "Draft") -> "Draft":
         if self.dists is not None and other.dists is not None:
-            dists = torch.cat([self.dists, other.dists])
+            dists = join_rows(self.dists, other.dists)  # drafters may sit on different devices
         elif (self.dists is None or not self) and (other.dists is None or not other):
             dists = other.dists if self.dists is None else self.dists
         else:
@@ -61,6 +64,12 @@ class Draft:
             dists,
             self.origins + other.origins,
         )
+
+    def for_reviewer(self, target_probs: torch.Tensor) -> Draft:
+        """This block with its rows where the reviewer's `target_probs` are, in float32 (core.placement)."""
+        if self.dists is None:
+            return self
+        return Draft(self.tokens, self.token_probs, to_reviewer(self.dists, target_probs), self.origins)
 
     def head(self, n: int) -> "Draft":
         return Draft(

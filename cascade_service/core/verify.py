@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .placement import uniform
 from .review import ReviewRule, Verdict, rule_for
 from .sampling import residual, sample
 from .types import Draft
@@ -275,7 +276,7 @@ class VerifyReview:
             else:
                 pi = target_distribution(v, q_i, p_i)
                 ratio = float(pi[x]) / max(float(q_i[x]), _TINY)
-                keep = float(torch.rand((), generator=generator)) < min(1.0, ratio)
+                keep = float(uniform((), p, generator)) < min(1.0, ratio)
                 out = output_distribution(pi, q_i)
                 replacement = None if keep else residual(pi, q_i)
             gap = float(tv(out, p_i))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import statistics
 import time
@@ -23,6 +24,7 @@ _DTYPES: dict[str, torch.dtype | str] = {
     "auto": "auto",  # whatever config.json records
 }
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # 5.x renamed from_pretrained's `torch_dtype` to `dtype` (the old name is deprecated); 4.x knows only it.
 _DTYPE_KWARG = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
 
@@ -33,12 +35,43 @@ def _parse_dtype(dtype: str) -> torch.dtype | str:
     return _DTYPES[dtype]
 
 
-def _parse_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """"cpu" | "cuda" | "cuda:N" | "auto" -> the device it names on this machine.
+
+    Raises ValueError for another string and for a CUDA device this machine does not have, so a
+    tier fails before its weights are read rather than in `.to()` after.
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not isinstance(device, str) or not _DEVICE.fullmatch(device):
         raise ValueError(f"unknown device {device!r}; expected cpu, cuda, cuda:N or auto")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            raise ValueError(f"{device} does not exist (this machine has {count} CUDA "
+                             f"device{'' if count == 1 else 's'})")
+    return resolved
+
+
+def config_vocab_size(path: str | Path) -> int | None:
+    """The vocabulary size a model directory's config.json records (no weights read); None if none."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # not a model directory: loading it fails with its own error
+    size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    return size if isinstance(size, int) else None
+
+
+def same_tokenizer(a: str | Path, b: str | Path) -> bool | None:
+    """Whether two model directories ship the same token -> id map; None when either ships none."""
+    files = [Path(p).expanduser() / "tokenizer.json" for p in (a, b)]
+    if all(f.is_file() for f in files) and files[0].read_bytes() == files[1].read_bytes():
+        return True  # the common case (one family, one tokenizer file): no tokenizer to load
+    if not all(any((Path(p).expanduser() / f).is_file() for f in _TOKENIZER_FILES) for p in (a, b)):
+        return None
+    return load_tokenizer(a).get_vocab() == load_tokenizer(b).get_vocab()
 
 
 def _local_dir(path: str | Path) -> Path:
@@ -109,7 +142,7 @@ class HFModel:
         Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
         """
         torch_dtype = _parse_dtype(dtype)
-        target = _parse_device(device)
+        target = resolve_device(device)
         local = _local_dir(path)
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per tier per process is only noise
         module = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -36,10 +37,11 @@ from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
+from ..startup import check_vocabularies
 from .bridge import Offloaded, await_, in_bridge, iterate_bridged, run_bridged
 from .remote import RemoteSystem, RemoteTier
 from .session_actor import session_store
-from .tier import TierGroup
+from .tier import TierGroup, replica_tier
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,10 @@ class TierDeployment:
 
             torch.set_num_threads(torch_threads)
         mag = mag or {}
-        self.group = TierGroup([ModelTierConfig(**t) for t in tiers], mag.get("bigram"), mag.get("max_ngram", 16))
+        # Each tier follows the GPUs Ray gave this replica (serving.tier.replica_tier).
+        name, gpus = deployment_name([t["name"] for t in tiers]), replica_gpus()
+        group = [replica_tier(ModelTierConfig(**t), gpus, name) for t in tiers]
+        self.group = TierGroup(group, mag.get("bigram"), mag.get("max_ngram", 16))
         for server in self.group.servers.values():
             server.model.enable_batching()
         self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
@@ -154,16 +159,21 @@ class CoordinatorDeployment:
                     import torch
 
                     torch.set_num_threads(serving.torch_threads)
+                colocated = [t for t in cascade.tiers if isinstance(t, ModelTierConfig) and t.name in serving.colocate]
+                if colocated:  # they follow the coordinator's GPUs, as a tier replica's tiers follow its own
+                    gpus = replica_gpus()
+                    colocated = [replica_tier(t, gpus, COORDINATOR) for t in colocated]
                 self.local = {t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
-                              for t in cascade.tiers if isinstance(t, ModelTierConfig) and t.name in serving.colocate}
+                              for t in colocated}
                 for model in self.local.values():  # concurrent requests share a colocated tier's passes
                     model.enable_batching()
                 info: dict[str, Any] = {}
                 for handle in {id(h): h for h in self.handles.values()}.values():
                     info |= handle.info.remote().result()
                 self.systems = _system_heads(cascade, serving)
-                info |= {name: {"vocab_size": m.vocab_size, "num_parameters": m.num_parameters,
+                info |= {name: {"vocab_size": m.vocab_size, "num_parameters": m.num_parameters, "device": str(m.device),
                                 "eos_token_ids": sorted(m.eos_token_ids)} for name, m in self.local.items()}
+                check_vocabularies(cascade, {n: i["vocab_size"] for n, i in info.items()}, tokenizers=False)
                 target = info[cascade.target.name]
                 tokenizer = load_tokenizer(cascade.target.path)
                 mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
@@ -292,6 +302,15 @@ def _check_adaptive_reviewers(cascade: CascadeConfig, serving: ServingConfig) ->
                               "serving.colocate, or in a serving.groups group that holds its whole sub-cascade")
 
 
+def replica_gpus() -> list[int]:
+    """The torch indices of the GPUs Ray gave this replica: Ray narrows CUDA_VISIBLE_DEVICES to them,
+    so they are 0..n-1, unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES leaves every GPU visible."""
+    ids = ray.get_gpu_ids()
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "").lower() in ("1", "true"):
+        return [int(i) for i in ids]
+    return list(range(len(ids)))
+
+
 def _invoker(name: str, handle: DeploymentHandle):
     # Serve's direct gRPC transport instead of Ray object references: measured here, a no-op call
     # takes 4.0 ms instead of 8.0 ms (median), and a round makes one or two such calls per tier.
@@ -347,6 +366,9 @@ def app_builder(args: dict[str, Any]):
     if serving.adapt_to_load:
         _ray_arms(serving.load_arms)  # a bad serving.load_arms fails here, not at the first request
     _check_adaptive_reviewers(config.cascade, serving)
+    # A foreign vocabulary fails here, before anything deploys (model directories this machine
+    # cannot read are checked by the coordinator, once the tiers are up).
+    check_vocabularies(config.cascade)
     local = bool(args.get("local", False))
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
     mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
@@ -356,7 +378,7 @@ def app_builder(args: dict[str, Any]):
         name = deployment_name(group)
         options = _options(serving, name, local)
         handle = TierDeployment.options(name=name, **options).bind(
-            [{"name": n, "path": by_name[n].path, "dtype": by_name[n].dtype, "device": by_name[n].device} for n in group],
+            [asdict(by_name[n]) for n in group],
             mag_args if len(group) > 1 else None, serving.torch_threads, options["max_ongoing_requests"])
         handles |= {n: handle for n in group}
     options = _options(serving, COORDINATOR, local)

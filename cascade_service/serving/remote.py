@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..core.adaptive import AdaptiveLength
+from ..core.placement import to_host
 from ..core.review import Verdict
 from ..core.sampling import SamplingParams
 from ..core.stats import CascadeStats, TierCounters, absorb
@@ -106,8 +107,9 @@ class RemoteSystem(RemoteTier):
 
 
 def _array(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else t.detach().to(torch.float32).cpu().numpy()
+    return None if t is None else to_host(t).numpy()  # rows cross processes as float32 on the CPU
 
 
 def _tensor(a: Any) -> torch.Tensor | None:
+    # CPU rows: the reviewer that takes them moves them to its device (core.placement).
     return None if a is None else torch.from_numpy(np.asarray(a, dtype=np.float32))

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..config import ModelTierConfig
+from ..config import ConfigError, ModelTierConfig
 from ..core.cascade import RequestState, build_cascade, draft_autoregressive, score_and_review
 from ..core.mag import BigramTable, MaxGram
 from ..core.schedule import Schedule
@@ -27,9 +29,11 @@ from ..core.review import rule_for
 from ..core.verify import Verification, final_rule
 from ..core.sampling import SamplingParams
 from ..core.stats import CascadeStats, TierCounters, stats_delta
+from ..core.placement import to_host
 from ..core.types import Context, Draft
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
+from ..startup import tier_device, where
 
 MAG_NAME = "mag"
 MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used request's cache is dropped
@@ -41,6 +45,7 @@ class TierServer:
 
     def __init__(self, tier: ModelTierConfig, max_cached_requests: int = MAX_CACHED_REQUESTS):
         self.tier = tier
+        tier_device(tier)  # a device this machine lacks fails here, naming the tier, before the weights load
         self.model = HFModel.load(tier.path, dtype=tier.dtype, device=tier.device, name=tier.name)
         self.max_cached = max_cached_requests
         self._scorers: OrderedDict[str, HFScorer] = OrderedDict()
@@ -49,7 +54,7 @@ class TierServer:
         self.heads = HeadCache(self.model.device)  # acceptance heads for adaptive draft length
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.tier.name, "vocab_size": self.model.vocab_size,
+        return {"name": self.tier.name, "vocab_size": self.model.vocab_size, "device": str(self.model.device),
                 "num_parameters": self.model.num_parameters, "eos_token_ids": sorted(self.model.eos_token_ids)}
 
     def draft(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +74,7 @@ class TierServer:
         """msg: request_id, tokens, stable, block (tokens, token_probs, dists), leniency, sampling -> a Verdict."""
         ctx, sampling, generator = _context(msg), _sampling(msg), _generator(msg)
         block = msg["block"]
+        # CPU rows off the wire; score_and_review moves them to this tier's device (core.placement).
         dists = None if block.get("dists") is None else torch.from_numpy(np.asarray(block["dists"]))
         draft = Draft(list(block["tokens"]), list(block["token_probs"]), dists, [""] * len(block["tokens"]))
         scorer, counters = self.scorer(msg["request_id"]), TierCounters()
@@ -117,7 +123,27 @@ def _generator(msg: dict[str, Any]) -> torch.Generator:
 
 
 def _array(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else t.detach().to(torch.float32).cpu().numpy()
+    return None if t is None else to_host(t).numpy()  # rows cross processes as float32 on the CPU
+
+
+def replica_tier(tier: ModelTierConfig, gpus: Sequence[int], deployment: str) -> ModelTierConfig:
+    """The tier as a Ray replica runs it: on the GPUs Ray gave the replica.
+
+    gpus: the torch indices, in this process, of the GPUs Ray assigned the replica (Ray narrows
+    CUDA_VISIBLE_DEVICES to them, so 0..n-1 unless told not to). Given none, the configured device
+    stands. Given some, the tier follows them: cpu, auto and cuda run on the first, cuda:N on the N-th
+    (a group of tiers may spread over its replica's GPUs), and an N beyond them fails, naming the tier.
+    """
+    if not gpus:
+        if tier.device.startswith("cuda"):
+            tier_device(tier, hint=f"; its deployment {deployment} was given no GPU "
+                                   f"(serving.deployments.{deployment}.ray_actor_options.num_gpus)")
+        return tier
+    index = (torch.device(tier.device).index or 0) if tier.device.startswith("cuda") else 0
+    if index >= len(gpus):
+        raise ConfigError(f"{where(tier, 'device')}: {tier.device}, but its deployment {deployment} was given "
+                          f"{len(gpus)} GPU{'' if len(gpus) == 1 else 's'}")
+    return replace(tier, device=f"cuda:{gpus[index]}")
 
 
 def _usage(counters: TierCounters, processed: int) -> dict[str, Any]:

@@ -8,6 +8,8 @@ and the reject paths run.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -184,3 +186,51 @@ def test_kv_caches_never_reprefill_the_prefix(tiny_family, oracle_cache):
         reviewed = stats.reviews[name].drafted if name in stats.reviews else 0
         assert tier.tokens_processed <= base + reviewed + tier.tokens_out, name
     assert stats.target_calls > 5  # several rounds happened, so a re-prefill would have shown
+
+
+def _generate(target_dir, prompt, max_new_tokens, dtype):
+    model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=dtype).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return model, out[0, len(prompt):].tolist()
+
+
+def _mixed_engine(family, target_dtype, drafter_dtype):
+    names, k_matrix = SETUPS["csd_close_mid_mag"]
+    drafters = [MaGConfig() if n == "mag" else ModelTierConfig(n, str(family[n]), drafter_dtype) for n in names]
+    return Engine(make_cascade(ModelTierConfig("target", str(family["target"]), target_dtype), drafters, k_matrix, 1.5))
+
+
+@pytest.mark.parametrize("drafter_dtype", ["bfloat16", "float16"])
+def test_greedy_cascade_with_low_precision_drafters_equals_transformers_generate(tiny_family, oracle_cache,
+                                                                                 drafter_dtype):
+    # Invariant 6: drafters' dtypes change what they propose, never what the float32 target emits.
+    engine = _mixed_engine(tiny_family, "float32", drafter_dtype)
+    for prompt in (SHORT, LONG):
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids == oracle_cache(prompt, 40)
+
+
+def _ulp(value: float) -> float:
+    return 2.0 ** (math.floor(math.log2(abs(value))) - 7)  # bfloat16 keeps 8 significant bits
+
+
+def test_greedy_cascade_with_a_bfloat16_target_is_its_argmax_path_up_to_bfloat16_ties(tiny_family):
+    # Invariant 6 against the bf16 target itself. Its logits are bf16 numbers, so two tokens often tie
+    # exactly, and which of them argmax meets first depends on how a pass was shaped: the target scoring
+    # a block of k + 1 tokens rounds differently from generate() feeding one token at a time. So the
+    # cascade must equal generate() up to the first position where the two part, part only at a tie,
+    # and emit, at every position, a token that ties the maximum of the target's own (uncached) logits.
+    engine = _mixed_engine(tiny_family, "bfloat16", "float32")
+    for prompt in (SHORT, LONG, MEDIUM):
+        got = engine.generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
+        model, expected = _generate(tiny_family["target"], prompt, 40, torch.bfloat16)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1].float()  # [40, V]
+            part = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+            if part is not None:
+                row = model(torch.tensor([prompt + got[:part]])).logits[0, -1].float()
+                assert abs(float(row[got[part]] - row[expected[part]])) <= _ulp(float(row.max())), (prompt, part)
+        best = logits.max(dim=-1).values
+        chosen = logits[torch.arange(len(got)), got]
+        assert all(float(b - c) <= _ulp(float(b)) for b, c in zip(best, chosen)), prompt

@@ -27,15 +27,16 @@ VOCAB, LENGTH, SAMPLES = 4, 3, 4000
 PROMPT = [0, 1, 2, 0, 1]
 
 
-def _tiers():
-    target = ToyScorer("target", VOCAB, seed=1)
-    base = ToyScorer("base", VOCAB, seed=2, base=target, noise=1.5)
-    small = ToyScorer("small", VOCAB, seed=3, base=target, noise=3.0)
+def _tiers(target_dtype=torch.float32, drafter_dtype=torch.float32):
+    target = ToyScorer("target", VOCAB, seed=1, dtype=target_dtype)
+    base = ToyScorer("base", VOCAB, seed=2, base=target, noise=1.5, dtype=drafter_dtype)
+    small = ToyScorer("small", VOCAB, seed=3, base=target, noise=3.0, dtype=drafter_dtype)
     return target, base, small
 
 
-def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES, seed=0, lookup=None):
-    target, base, small = _tiers()
+def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES, seed=0, lookup=None,
+                    dtypes=(torch.float32, torch.float32)):
+    target, base, small = _tiers(*dtypes)
     models = {"base": base, "small": small}
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
     schedule = Schedule.parse(k_matrix, drafter_names)
@@ -65,6 +66,34 @@ def test_cascade_output_distribution_equals_target_distribution(case, sampling):
     counts, expected = _sample_cascade(names, k, leniency, sampling, lookup=lookup[0] if lookup else None)
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
+
+
+# Invariant 6: each tier computes in its own dtype (logits in it), every review in float32.
+DTYPES = {"target_bf16_drafters_f32": (torch.bfloat16, torch.float32),
+          "target_f32_drafters_bf16": (torch.float32, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("dtypes", sorted(DTYPES))
+@pytest.mark.parametrize("case", ["sd_small", "csd_base_small_mag_lenient"])
+def test_output_distribution_equals_the_target_distribution_with_mixed_dtypes(case, dtypes):
+    # The oracle enumerates the target in its own dtype: a bfloat16 target's distribution is the
+    # softmax of its bfloat16 logits, and that is what the cascade must sample from.
+    names, k, leniency = CASES[case]
+    counts, expected = _sample_cascade(names, k, leniency, SamplingParams(1.0), dtypes=DTYPES[dtypes])
+    assert _tiers(*DTYPES[dtypes])[0].row(PROMPT).dtype == DTYPES[dtypes][0]
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
+
+
+@pytest.mark.parametrize("dtypes", sorted(DTYPES))
+def test_greedy_output_is_the_targets_argmax_path_with_mixed_dtypes(dtypes):
+    target = _tiers(*DTYPES[dtypes])[0]
+    greedy = list(PROMPT)
+    for _ in range(LENGTH):
+        greedy.append(int(target.row(greedy).argmax()))
+    names, k, leniency = CASES["csd_base_small_mag_lenient"]
+    counts, _ = _sample_cascade(names, k, leniency, SamplingParams(0.0), samples=5, dtypes=DTYPES[dtypes])
+    assert counts == Counter({tuple(greedy[len(PROMPT):]): 5})
 
 
 def test_distribution_check_detects_a_one_token_bias():

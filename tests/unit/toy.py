@@ -16,14 +16,20 @@ from cascade_service.core.types import Context
 
 
 class ToyScorer:
-    def __init__(self, name: str, vocab: int, seed: int, scale: float = 2.0, base: "ToyScorer | None" = None, noise: float = 0.0):
+    def __init__(self, name: str, vocab: int, seed: int, scale: float = 2.0, base: "ToyScorer | None" = None,
+                 noise: float = 0.0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         g = torch.Generator().manual_seed(seed)
         if base is None:
-            self.last = torch.randn(vocab, vocab, generator=g) * scale
-            self.before = torch.randn(vocab, vocab, generator=g) * scale / 2
+            last = torch.randn(vocab, vocab, generator=g) * scale
+            before = torch.randn(vocab, vocab, generator=g) * scale / 2
         else:  # a drafter that resembles `base`
-            self.last = base.last + torch.randn(vocab, vocab, generator=g) * noise
-            self.before = base.before + torch.randn(vocab, vocab, generator=g) * noise
+            last = base.tables[0] + torch.randn(vocab, vocab, generator=g) * noise
+            before = base.tables[1] + torch.randn(vocab, vocab, generator=g) * noise
+        # Drawn in float32 on the CPU, so a tier's numbers do not depend on where it or its base runs;
+        # its logits come out in its dtype on its device, as a model's would.
+        self.tables = (last, before)
+        self.last = last.to(device=device, dtype=dtype)
+        self.before = before.to(device=device, dtype=dtype)
         self.name = name
         self.vocab = vocab
         self.tokens_processed = 0

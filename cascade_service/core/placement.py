@@ -1,0 +1,73 @@
+"""Where a request's tensors live and how they move between tiers: the one rule (ARCHITECTURE invariant 6).
+
+Each tier computes on its own device in its own dtype. What crosses between tiers are probabilities: a
+draft block's rows ([k, V], the proposal distribution of each drafted token) and a verdict's rows for
+the reviewer one level up. The rule:
+
+1. Review math runs where the reviewer's `target_probs` are, in float32 (`PROBS_DTYPE`). Logits of any
+   dtype become float32 probabilities on their own device (`core.sampling.SamplingParams.probs`), and
+   a block's draft rows are moved there once, just before the review (`to_reviewer`). That is the only
+   move between devices inside a process: a block joined from drafters on several devices keeps the
+   device of its first rows until its review (`join_rows`), and rows leaving a process go as float32
+   on the CPU (`to_host`), the wire's form.
+2. Tensors made inside core take their device from the operands they meet (`device=like.device`).
+   MaG's point masses are made on the CPU: MaG has no device, and its rows move with the block.
+3. Randomness: the request's CPU generator is the source of truth (seeded once per request, so a
+   seeded request is reproducible). torch draws from a tensor only with a generator on the tensor's
+   device, so a draw for a tensor elsewhere uses a generator made on that device and seeded from the
+   request's generator at that moment (`generator_for`). On the CPU the request's generator is used
+   as it is, so CPU outputs for a seed do not depend on this rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PROBS_DTYPE = torch.float32  # every probability a review reads or a tier passes on
+
+
+def to_reviewer(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Draft rows [k, V] on the device of the reviewer's `like` (its target_probs), in float32."""
+    return rows.to(device=like.device, dtype=PROBS_DTYPE)
+
+
+def join_rows(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """[a, V] then [b, V] -> [a + b, V] on head's device; an empty part passes the other through.
+
+    A block starts empty on the CPU and is extended by drafters that may each sit elsewhere; the
+    rows move to the reviewer's device only at the review (`to_reviewer`), so an empty start must
+    not pull the first drafter's rows back to the CPU.
+    """
+    if not len(tail):
+        return head
+    if not len(head):
+        return tail
+    return torch.cat([head, tail.to(device=head.device, dtype=head.dtype)])
+
+
+def to_host(rows: torch.Tensor) -> torch.Tensor:
+    """Rows leaving this process (a tier's reply, a coordinator's message): float32 on the CPU.
+
+    The receiver may have no GPU at all, and numpy (the wire's array type) holds neither GPU memory
+    nor bfloat16.
+    """
+    return rows.detach().to(device="cpu", dtype=PROBS_DTYPE)
+
+
+def generator_for(source: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator for drawing from a tensor on `device`: `source` itself when it lives there, else a
+    new generator on `device` seeded from `source` (one draw from it).
+
+    A fresh generator per draw costs microseconds beside a forward pass and keeps no state per
+    request; CUDA's Philox streams under distinct seeds are independent, so the draws stay
+    independent of each other and of the drafts, which exact speculative sampling needs.
+    """
+    if source.device == device:
+        return source
+    seed = int(torch.randint(0, 2**62, (1,), generator=source, device=source.device))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def uniform(shape: tuple[int, ...], like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """U[0, 1) draws of `shape` on `like`'s device (acceptance tests compare them with ratios there)."""
+    return torch.rand(shape, generator=generator_for(generator, like.device), device=like.device)
