@@ -43,6 +43,7 @@ def test_every_shipped_config_is_checked():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_configured_drafter_drafts(home, path, monkeypatch):
     monkeypatch.setenv("CASCADE_SERVICE_HOME", str(home))
+    monkeypatch.setenv("CASCADE_REDIS_URL", "redis://127.0.0.1:6379/0")  # cluster.yaml reads it; never dialled here
     cascade = load_config(path).cascade
     cascade = replace(cascade, target=_on_cpu(cascade.target), drafters=tuple(map(_on_cpu, cascade.drafters)))
     engine = Engine(cascade)
