@@ -34,7 +34,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--target", help="target model directory (Hugging Face format)")
     p.add_argument("--drafter", action="extend", nargs="+", default=[], metavar="DIR_OR_mag",
                    help="drafters, largest first; 'mag' is the Max-Gram drafter")
-    p.add_argument("--k-matrix", help="K-matrix as JSON, e.g. '[[5,3],[0,8]]' (see README)")
+    p.add_argument("--k-matrix", help="K-matrix as JSON, e.g. '[[5,3],[0,8]]' (see docs/algorithm.md)")
     p.add_argument("--leniency", type=float, help="leniency of inner reviews (>= 1)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt")
@@ -60,7 +60,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _add_verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", metavar="RULE",
                    help="final-verifier rule: exact (default), lossy, chow, diff, opt, token-v1, token-v2, "
-                        "token-v3, fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv (README: Lossy verification)")
+                        "token-v3, fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv (docs/lossy.md)")
     p.add_argument("--alpha", type=float, help="the rule's knob (fuzzy: the threshold T); default: strict (exact)")
     p.add_argument("--beta", type=_beta, help="lossy only: residual scale >= 1 - alpha (default 1), or 'tuned'")
 

@@ -1,6 +1,8 @@
 """`cascade-service bench --adaptive`: SpecDec++ stopping against the best fixed draft length.
 
-One drafter drafts for the target alone (speculative decoding, the paper's setting), greedy and exact:
+One drafter drafts for the target (speculative decoding, the paper's setting), greedy and exact; with
+`reviews` it is a reviewing tier instead (CS Drafting: `reviews` drafts `sub_k` tokens a round, the
+drafter reviews them and its output is the target's block), K below meaning the drafter's entry:
 - fixed K for every K in the sweep;
 - SpecDec++ (acceptance head, stop when P(a rejection) > h) for every h, with a cap of `max_k`;
 - the confidence baseline (stop when max q < h) for every h, same cap.
@@ -31,9 +33,16 @@ def methods(drafter: str, ks: Sequence[int], max_k: int, head: str | None, specd
     return out
 
 
+def k_matrix(k: int, reviews: str | None, sub_k: int) -> list[list[int]]:
+    """The drafter adds k tokens to the target's block; under it, `reviews` adds sub_k to each of its rounds."""
+    return [[k, 0], [0, sub_k]] if reviews else [[k]]
+
+
 def run(engine: Engine, drafter: str, prompts: Sequence[list[int]], table: dict[str, tuple[int, AdaptiveLength | None]],
-        max_new_tokens: int, repeats: int, out: Path, command: str) -> dict:
-    engines = {name: engine.variant([drafter], [[k]], 1.0, None, {drafter: a} if a else None)
+        max_new_tokens: int, repeats: int, out: Path, command: str, reviews: str | None = None,
+        sub_k: int = 2) -> dict:
+    tiers = [drafter, reviews] if reviews else [drafter]
+    engines = {name: engine.variant(tiers, k_matrix(k, reviews, sub_k), 1.0, None, {drafter: a} if a else None)
                for name, (k, a) in table.items()}
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     for e in engines.values():  # warm-up: lazy initialisation everywhere, untimed
@@ -77,7 +86,8 @@ def run(engine: Engine, drafter: str, prompts: Sequence[list[int]], table: dict[
             best = max(mine, key=lambda n: mine[n]["tokens_per_s"])
             summary[family] = {"best": best, "ratio_vs_best_fixed": round(mine[best]["tokens_per_s"] /
                                                                          fixed[best_fixed]["tokens_per_s"], 3)}
-    results = {"command": command, "drafter": drafter, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+    results = {"command": command, "drafter": drafter, "reviews": reviews, "sub_k": sub_k if reviews else None,
+               "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                "repeats": repeats, "methods": rows, "best_fixed": best_fixed, "summary": summary}
     out.mkdir(parents=True, exist_ok=True)
     (out / "adaptive.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -86,7 +96,9 @@ def run(engine: Engine, drafter: str, prompts: Sequence[list[int]], table: dict[
 
 
 def markdown(results: dict) -> str:
-    lines = ["| method | tok/s (median) | target calls/token | mean block | identical |", "|---|---|---|---|---|"]
+    setting = (f"{results['drafter']} reviewing {results['reviews']} (K = [[k, 0], [0, {results['sub_k']}]])"
+               if results.get("reviews") else f"{results['drafter']} drafting alone (K = [[k]])")
+    lines = [f"setting: {setting}", "", "| method | tok/s (median) | target calls/token | mean block | identical |", "|---|---|---|---|---|"]
     for name, r in results["methods"].items():
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['target_calls_per_token']:.3f} | {r['mean_block']:.2f} | "
                      f"{r['identical']} |")

@@ -49,12 +49,18 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
                    help="with --load --config: what to serve and compare: cascade (the K-matrix as configured), "
                         "plain (the target alone), cascade-adaptive (draft budgets that follow acceptance and load)")
     p.add_argument("--adaptive", action="store_true",
-                   help="SpecDec++ and confidence stopping against fixed draft lengths, one drafter (writes adaptive.json)")
+                   help="SpecDec++ and confidence stopping against fixed draft lengths at one drafter, alone or "
+                        "reviewing --reviews (writes adaptive.json)")
     p.add_argument("--drafter", help="with --adaptive: the drafter tier (default: the config's last model drafter)")
+    p.add_argument("--reviews", metavar="TIER",
+                   help="with --adaptive: the drafter reviews this smaller tier (SpecDec++ at a reviewing tier)")
+    p.add_argument("--sub-k", type=int, default=2, help="with --adaptive --reviews: tokens the reviewed tier drafts a round")
     p.add_argument("--head", help="with --adaptive: acceptance head directory (`cascade-service train-head`)")
     p.add_argument("--max-k", type=int, default=16, help="with --adaptive: the cap on adaptive blocks")
     p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9", help="with --adaptive: SpecDec++ h values")
-    p.add_argument("--confidence", default="0.2,0.4,0.6,0.8", help="with --adaptive: confidence h values")
+    p.add_argument("--confidence", default="0.2,0.4,0.6,0.8",
+                   help="with --adaptive: confidence h values (not with --reviews: a reviewing tier has no proposal "
+                        "distribution to read)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts; tokens/s is their median")
     p.add_argument("--sd-k-sweep", default=DEFAULT_SD_KS, help="k values tried for each sd: method")
@@ -206,18 +212,28 @@ def _run_adaptive(args: argparse.Namespace) -> int:
     drafter = args.drafter or (models[-1] if models else None)
     if drafter not in models:
         raise ValueError(f"--drafter must be one of the config's model drafters {models}, got {drafter!r}")
+    names = [d.name for d in config.cascade.drafters]
+    if args.reviews is not None and (args.reviews not in names or names.index(args.reviews) <= names.index(drafter)):
+        raise ValueError(f"--reviews must be a drafter smaller than {drafter!r}: one of "
+                         f"{names[names.index(drafter) + 1:]}, got {args.reviews!r}")
+    _check_range(args.sub_k, "--sub-k", 1, 256)
     ks = _int_list(args.sd_k_sweep, "--sd-k-sweep")
     specdec_hs = _float_list(args.thresholds, "--thresholds")
-    confidence_hs = _float_list(args.confidence, "--confidence")
+    # The confidence rule reads the drafter's distribution, which a reviewing tier does not sample from.
+    confidence_hs = [] if args.reviews else _float_list(args.confidence, "--confidence")
     table = adaptive.methods(drafter, ks, args.max_k, args.head, specdec_hs, confidence_hs)
     engine = Engine(config.cascade)
     prompts = [engine.encode(t) for t in read_prompts(args.prompts)]
     command = shlex.join(["cascade-service", "bench", "--adaptive", "--config", args.config, "--prompts", args.prompts,
-                          "--drafter", drafter, *(["--head", args.head] if args.head else []),
+                          "--drafter", drafter, *(["--reviews", args.reviews, "--sub-k", str(args.sub_k)]
+                                                  if args.reviews else []),
+                          *(["--head", args.head] if args.head else []),
                           "--sd-k-sweep", args.sd_k_sweep, "--max-k", str(args.max_k), "--thresholds",
-                          args.thresholds, "--confidence", args.confidence, "--max-new-tokens",
+                          args.thresholds, *([] if args.reviews else ["--confidence", args.confidence]),
+                          "--max-new-tokens",
                           str(args.max_new_tokens), "--repeats", str(args.repeats), "--out", args.out])
-    adaptive.run(engine, drafter, prompts, table, args.max_new_tokens, args.repeats, Path(args.out), command)
+    adaptive.run(engine, drafter, prompts, table, args.max_new_tokens, args.repeats, Path(args.out), command,
+                 args.reviews, args.sub_k)
     return 0
 
 

@@ -31,7 +31,7 @@ from ..core.types import Context
 from ..core.verify import Verification
 from ..engine import Engine
 
-# Knob grids: from the strict end (exact output) towards the drafter. Ranges differ per rule (README).
+# Knob grids: from the strict end (exact output) towards the drafter. Ranges differ per rule (docs/lossy.md).
 GRIDS: dict[str, tuple[float, ...]] = {
     "lossy": (0.0, 0.2, 0.4, 0.6, 0.8, 0.9),
     "lossy-tuned": (0.2, 0.4, 0.6, 0.8, 0.9),

@@ -24,7 +24,8 @@ class DraftStopper(Protocol):
     """Decides, after each drafted token, whether the draft block ends there.
 
     `start()` is called when a new block begins. `should_stop(token, probs, hidden)` is called after
-    each drafted token: `token` was just drafted from `probs` ([V], the drafter's distribution);
+    each drafted token: `token` was just drafted from `probs` ([V], the drafter's distribution, or
+    None where the caller has no such row: a reviewing tier emits tokens it reviewed, not sampled);
     `hidden` ([H]) is the drafter's final hidden state at the position that produced `probs` (the
     input to its LM head), given only when `needs_hidden`. True = stop now; the token just drafted
     stays in the block.
@@ -34,7 +35,7 @@ class DraftStopper(Protocol):
 
     def start(self) -> None: ...
 
-    def should_stop(self, token: int, probs: torch.Tensor, hidden: torch.Tensor | None) -> bool: ...
+    def should_stop(self, token: int, probs: torch.Tensor | None, hidden: torch.Tensor | None) -> bool: ...
 
 
 class AcceptancePredictor(Protocol):
@@ -80,7 +81,7 @@ class SpecDecPPStopper:
         """Predicted P(at least one candidate whose hidden state was seen is rejected)."""
         return 1.0 - self.accept_prob
 
-    def should_stop(self, token: int, probs: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+    def should_stop(self, token: int, probs: torch.Tensor | None, hidden: torch.Tensor | None) -> bool:
         if hidden is None:
             raise ValueError("SpecDecPPStopper needs the drafter's hidden state (needs_hidden is True)")
         self.drafted += 1
@@ -106,7 +107,9 @@ class ConfidenceStopper:
     def start(self) -> None:
         pass  # memoryless
 
-    def should_stop(self, token: int, probs: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+    def should_stop(self, token: int, probs: torch.Tensor | None, hidden: torch.Tensor | None) -> bool:
+        if probs is None:
+            raise ValueError("ConfidenceStopper needs the drafter's distribution; a reviewing tier has none")
         return float(probs.max()) < self.threshold
 
 

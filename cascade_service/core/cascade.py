@@ -129,7 +129,7 @@ def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: Samplin
     needs_hidden = stopper is not None and stopper.needs_hidden
     if stopper is not None:
         stopper.start()
-        scorer.keep_hidden = needs_hidden  # type: ignore[attr-defined] - HFScorer's option
+        scorer.keep_hidden = needs_hidden  # type: ignore[attr-defined]  # HFScorer's option
     for _ in range(k):
         probs = sampling.probs(_score(scorer, ctx.extend(tokens), 1, counters))[0]  # [V]
         token = int(probs.argmax()) if sampling.greedy else sample(probs, generator)
@@ -275,7 +275,7 @@ class CascadeDrafter:
                 raise ValueError(f"adaptive draft length for reviewing tier {self.name!r} needs its model in this "
                                  "process (or its whole sub-cascade in its replica)")
             self.stopper = _local_stopper(self.name, self.adaptive, state)
-            scorer.keep_hidden = True  # type: ignore[attr-defined] - HFScorer's option
+            scorer.keep_hidden = True  # type: ignore[attr-defined]  # HFScorer's option
 
     def draft(self, ctx: Context, want: int, limit: int) -> Draft:
         """One review round; with a stopper, rounds until `want` tokens or the stopper ends the part.
@@ -295,7 +295,7 @@ class CascadeDrafter:
             piece = self._round(ctx.extend(part.tokens), limit - len(part))
             hidden = self.scorer.last_hidden  # type: ignore[attr-defined]  # [k + 1, H], row j: before piece[j]
             for j, token in enumerate(piece.tokens):
-                if self.stopper.should_stop(token, _NO_PROBS, hidden[j]):
+                if self.stopper.should_stop(token, None, hidden[j]):
                     return part + piece.head(j + 1)
             part = part + piece
         return part
@@ -360,10 +360,6 @@ class CascadeDrafter:
 
     def _ends_in_eos(self, block: Draft) -> bool:
         return bool(block.tokens) and block.tokens[-1] in self.state.eos_ids
-
-
-# A reviewing tier's stopper reads hidden states only (SpecDec++); confidence stoppers are for lone drafters.
-_NO_PROBS = torch.zeros(0)
 
 
 def _stack(rows: list[torch.Tensor], vocab_size: int) -> torch.Tensor:

@@ -107,10 +107,6 @@ class CascadeStats:
                 tier["accepted"] += review.accepted_by_drafter.get(name, 0)
         return out
 
-    def drafters_used(self) -> list[str]:
-        """The tiers that proposed at least one token, in the order they were first counted."""
-        return [name for name, tier in self.per_tier().items() if tier["drafted"]]
-
     def to_dict(self, swi_costs: Mapping[str, Mapping[str, float]] | None = None) -> dict:
         """JSON-ready summary; swi_costs maps a cost-set name ("params", "measured") to its costs."""
         target_review = self.reviews.get(self.target, ReviewCounters())
@@ -176,6 +172,6 @@ def absorb(stats: CascadeStats, delta: dict) -> None:
             _grow(mine, len(theirs))
             for i, v in enumerate(theirs):
                 mine[i] += int(v)
-        for mine, theirs in ((r.drafted_by_drafter, d_by), (r.accepted_by_drafter, a_by)):
-            for k, v in theirs.items():
-                mine[k] = mine.get(k, 0) + int(v)
+        for ours, sent in ((r.drafted_by_drafter, d_by), (r.accepted_by_drafter, a_by)):
+            for k, v in sent.items():
+                ours[k] = ours.get(k, 0) + int(v)

@@ -11,11 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
 from ..core.adaptive import AdaptiveLength
-from ..core.placement import to_host
+from ..core.placement import rows_in, rows_out
 from ..core.review import Verdict
 from ..core.sampling import SamplingParams
 from ..core.stats import CascadeStats, TierCounters, absorb
@@ -42,18 +39,18 @@ class RemoteTier:
             message["adaptive"] = adaptive.to_dict()
         reply = self._call("draft", message, counters)
         tokens = [int(t) for t in reply["tokens"]]
-        return Draft(tokens, [float(p) for p in reply["token_probs"]], _tensor(reply["dists"]), [self.name] * len(tokens))
+        return Draft(tokens, [float(p) for p in reply["token_probs"]], rows_in(reply["dists"]), [self.name] * len(tokens))
 
     def review_block(self, ctx: Context, block: Draft, leniency: float, sampling: SamplingParams,
                      seed: int, counters: TierCounters, verification: Verification | None = None) -> Verdict:
         message = {**self._base(ctx, sampling, seed), "leniency": leniency, "block": {
-            "tokens": block.tokens, "token_probs": block.token_probs, "dists": _array(block.dists)}}
+            "tokens": block.tokens, "token_probs": block.token_probs, "dists": rows_out(block.dists)}}
         if verification is not None:
             message["verification"] = {"rule": verification.rule, "alpha": verification.alpha,
                                        "beta": verification.beta}
         reply = self._call("review", message, counters)
         return Verdict(int(reply["accepted"]), int(reply["token"]), [float(p) for p in reply["token_probs"]],
-                       _tensor(reply["dists"]), int(reply.get("off_target", 0)), float(reply.get("tv", 0.0)),
+                       rows_in(reply["dists"]), int(reply.get("off_target", 0)), float(reply.get("tv", 0.0)),
                        float(reply.get("ll_loss", 0.0)))
 
     def release(self) -> None:
@@ -103,13 +100,6 @@ class RemoteSystem(RemoteTier):
         absorb(stats, reply["stats"])
         stats.tier(self.name).hops += 1
         tokens = [int(t) for t in reply["tokens"]]
-        return Draft(tokens, [float(p) for p in reply["token_probs"]], _tensor(reply["dists"]), [self.name] * len(tokens))
+        return Draft(tokens, [float(p) for p in reply["token_probs"]], rows_in(reply["dists"]), [self.name] * len(tokens))
 
 
-def _array(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else to_host(t).numpy()  # rows cross processes as float32 on the CPU
-
-
-def _tensor(a: Any) -> torch.Tensor | None:
-    # CPU rows: the reviewer that takes them moves them to its device (core.placement).
-    return None if a is None else torch.from_numpy(np.asarray(a, dtype=np.float32))

@@ -17,20 +17,24 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..config import ConfigError, ModelTierConfig
-from ..core.cascade import RequestState, build_cascade, draft_autoregressive, score_and_review
-from ..core.mag import BigramTable, MaxGram
-from ..core.schedule import Schedule
 from ..core.adaptive import AdaptiveLength
+from ..core.cascade import (
+    RequestState,
+    build_cascade,
+    draft_autoregressive,
+    score_and_review,
+)
+from ..core.mag import BigramTable, MaxGram
+from ..core.placement import rows_in, rows_out
 from ..core.review import rule_for
-from ..core.verify import Verification, final_rule
 from ..core.sampling import SamplingParams
+from ..core.schedule import Schedule
 from ..core.stats import CascadeStats, TierCounters, stats_delta
-from ..core.placement import to_host
 from ..core.types import Context, Draft
+from ..core.verify import Verification, final_rule
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
 from ..startup import tier_device, where
@@ -67,7 +71,7 @@ class TierServer:
             stopper = self.heads.stopper(AdaptiveLength(**msg["adaptive"]), self.model.config.hidden_size)
         draft = draft_autoregressive(scorer, ctx, int(msg["k"]), sampling, generator,
                                      frozenset(msg.get("eos_ids", ())), self.model.vocab_size, counters, stopper)
-        return {"tokens": draft.tokens, "token_probs": draft.token_probs, "dists": _array(draft.dists),
+        return {"tokens": draft.tokens, "token_probs": draft.token_probs, "dists": rows_out(draft.dists),
                 **_usage(counters, scorer.tokens_processed - before)}
 
     def review(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +79,7 @@ class TierServer:
         ctx, sampling, generator = _context(msg), _sampling(msg), _generator(msg)
         block = msg["block"]
         # CPU rows off the wire; score_and_review moves them to this tier's device (core.placement).
-        dists = None if block.get("dists") is None else torch.from_numpy(np.asarray(block["dists"]))
+        dists = rows_in(block.get("dists"))
         draft = Draft(list(block["tokens"]), list(block["token_probs"]), dists, [""] * len(block["tokens"]))
         scorer, counters = self.scorer(msg["request_id"]), TierCounters()
         before = scorer.tokens_processed
@@ -83,7 +87,7 @@ class TierServer:
         rule = final_rule(sampling.greedy, Verification(**verify)) if verify else rule_for(sampling.greedy)
         verdict = score_and_review(scorer, ctx, draft, rule, float(msg["leniency"]), sampling, generator, counters)
         return {"accepted": verdict.accepted, "token": verdict.token, "token_probs": verdict.token_probs,
-                "dists": _array(verdict.dists), "off_target": verdict.off_target, "tv": verdict.tv,
+                "dists": rows_out(verdict.dists), "off_target": verdict.off_target, "tv": verdict.tv,
                 "ll_loss": verdict.ll_loss,
                 **_usage(counters, scorer.tokens_processed - before)}
 
@@ -121,9 +125,6 @@ def _sampling(msg: dict[str, Any]) -> SamplingParams:
 def _generator(msg: dict[str, Any]) -> torch.Generator:
     return torch.Generator().manual_seed(int(msg.get("seed", 0)))
 
-
-def _array(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else to_host(t).numpy()  # rows cross processes as float32 on the CPU
 
 
 def replica_tier(tier: ModelTierConfig, gpus: Sequence[int], deployment: str) -> ModelTierConfig:
@@ -221,7 +222,7 @@ class TierGroup:
         schedule = Schedule.parse(msg["k_matrix"], names[1:])
         system = build_cascade(tiers[0], tiers[1:], schedule, float(msg["leniency"]), state, strict_top=False)
         draft = system.draft(_context(msg), int(msg["want"]), int(msg["limit"]))
-        return {"tokens": draft.tokens, "token_probs": draft.token_probs, "dists": _array(draft.dists),
+        return {"tokens": draft.tokens, "token_probs": draft.token_probs, "dists": rows_out(draft.dists),
                 "stats": stats_delta(stats)}
 
     def _mag(self, request_id: str) -> MaxGram:

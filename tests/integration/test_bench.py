@@ -211,6 +211,28 @@ def test_bench_adaptive_is_exact_and_summarises_against_the_best_fixed_k(inputs,
     assert results["methods"]["fixed K=1"]["mean_block"] <= 1.0
 
 
+def test_bench_adaptive_at_a_reviewing_tier_is_exact_and_stops_early(inputs, tiny_family, tmp_path):
+    """--reviews: close reviews mid's drafts and SpecDec++ ends close's part of the target's block."""
+    from cascade_service.models.hf import HFModel
+
+    head = AcceptanceHead(HFModel.load(tiny_family["close"]).config.hidden_size, depth=1)
+    head.save(tmp_path / "head")
+    out = tmp_path / "adaptive"
+    assert _bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+                  "--drafter", "close", "--reviews", "mid", "--sub-k", "2", "--head", str(tmp_path / "head"),
+                  "--sd-k-sweep", "1,4", "--max-k", "6", "--thresholds", "0.01", "--max-new-tokens", "12",
+                  "--repeats", "1", "--out", str(out)) == 0
+    results = json.loads((out / "adaptive.json").read_text())
+    assert (results["reviews"], results["sub_k"]) == ("mid", 2)
+    assert set(results["methods"]) == {"fixed K=1", "fixed K=4", "specdec h=0.01"}  # no confidence rule here
+    assert all(m["identical"] for m in results["methods"].values())
+    # h = 0.01: the stopper ends every part at its second token (the head gives no certainty), so
+    # blocks are at most 2 long, where the cap alone would allow 6.
+    assert 0 < results["methods"]["specdec h=0.01"]["mean_block"] <= 2.0
+    assert results["methods"]["fixed K=4"]["mean_block"] > 2.0
+    assert "--reviews mid" in results["command"]
+
+
 def test_bench_modes_reject_mixed_flags(inputs):
     base = ["--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"), "--out", "/tmp/x"]
     with pytest.raises(ValueError, match="pick one"):
@@ -221,3 +243,5 @@ def test_bench_modes_reject_mixed_flags(inputs):
         _bench(*base)
     with pytest.raises(ValueError, match="--drafter"):
         _bench("--adaptive", "--drafter", "mag", *base)
+    with pytest.raises(ValueError, match="--reviews must be a drafter smaller than 'mid'"):
+        _bench("--adaptive", "--drafter", "mid", "--reviews", "close", *base)

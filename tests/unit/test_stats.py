@@ -39,4 +39,3 @@ def test_per_tier_counts_calls_drafted_and_accepted_over_every_reviewer():
     assert tiers["base"] == {"calls": 5, "drafted": 2, "accepted": 2}
     assert tiers["mag"] == {"calls": 4, "drafted": 3, "accepted": 1}
     assert tiers["mag_lookup"] == {"calls": 2, "drafted": 3, "accepted": 1}
-    assert s.drafters_used() == ["base", "mag", "mag_lookup"]
