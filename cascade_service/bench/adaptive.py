@@ -1,8 +1,12 @@
 """`cascade-service bench --adaptive`: SpecDec++ stopping against the best fixed draft length.
 
-One drafter drafts for the target (speculative decoding, the paper's setting), greedy and exact; with
-`reviews` it is a reviewing tier instead (CS Drafting: `reviews` drafts `sub_k` tokens a round, the
-drafter reviews them and its output is the target's block), K below meaning the drafter's entry:
+The drafter under test has K, its own K-matrix entry, swept or capped; greedy and exact. Three settings:
+- alone: it drafts for the target (speculative decoding, the paper's setting), K = [[k]];
+- `reviews` T (CS Drafting, a reviewing tier): T drafts `other_k` tokens a round, the drafter reviews
+  them and what it keeps is its part of the target's block, K = [[k, 0], [0, other_k]];
+- `under` T (CS Drafting, a tier drafting under a reviewer): the drafter drafts k tokens a round for
+  T, which reviews them and adds `other_k` to the target's block, K = [[other_k, 0], [0, k]].
+In each:
 - fixed K for every K in the sweep;
 - SpecDec++ (acceptance head, stop when P(a rejection) > h) for every h, with a cap of `max_k`;
 - the confidence baseline (stop when max q < h) for every h, same cap.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -33,16 +38,36 @@ def methods(drafter: str, ks: Sequence[int], max_k: int, head: str | None, specd
     return out
 
 
-def k_matrix(k: int, reviews: str | None, sub_k: int) -> list[list[int]]:
-    """The drafter adds k tokens to the target's block; under it, `reviews` adds sub_k to each of its rounds."""
-    return [[k, 0], [0, sub_k]] if reviews else [[k]]
+@dataclass(frozen=True)
+class Setting:
+    """Where the drafter under test sits: alone, reviewing `reviews`, or drafting `under` a reviewer."""
+
+    drafter: str
+    reviews: str | None = None
+    under: str | None = None
+    other_k: int = 2  # the other tier's entry
+
+    def tiers(self) -> list[str]:
+        return [self.drafter, self.reviews] if self.reviews else [self.under, self.drafter] if self.under else [
+            self.drafter]
+
+    def k_matrix(self, k: int) -> list[list[int]]:
+        if self.reviews:
+            return [[k, 0], [0, self.other_k]]
+        return [[self.other_k, 0], [0, k]] if self.under else [[k]]
+
+    def describe(self) -> str:
+        if self.reviews:
+            return f"{self.drafter} reviewing {self.reviews} (K = [[k, 0], [0, {self.other_k}]])"
+        if self.under:
+            return f"{self.drafter} drafting under {self.under} (K = [[{self.other_k}, 0], [0, k]])"
+        return f"{self.drafter} drafting alone (K = [[k]])"
 
 
-def run(engine: Engine, drafter: str, prompts: Sequence[list[int]], table: dict[str, tuple[int, AdaptiveLength | None]],
-        max_new_tokens: int, repeats: int, out: Path, command: str, reviews: str | None = None,
-        sub_k: int = 2) -> dict:
-    tiers = [drafter, reviews] if reviews else [drafter]
-    engines = {name: engine.variant(tiers, k_matrix(k, reviews, sub_k), 1.0, None, {drafter: a} if a else None)
+def run(engine: Engine, setting: Setting, prompts: Sequence[list[int]], table: dict[str, tuple[int, AdaptiveLength | None]],
+        max_new_tokens: int, repeats: int, out: Path, command: str) -> dict:
+    engines = {name: engine.variant(setting.tiers(), setting.k_matrix(k), 1.0, None,
+                                    {setting.drafter: a} if a else None)
                for name, (k, a) in table.items()}
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     for e in engines.values():  # warm-up: lazy initialisation everywhere, untimed
@@ -65,7 +90,7 @@ def run(engine: Engine, drafter: str, prompts: Sequence[list[int]], table: dict[
                 if rep == 0:
                     outputs.setdefault(name, []).append(result.token_ids)
                     calls[name] = calls.get(name, 0) + result.stats.target_calls
-                    review = result.stats.reviews.get(result.stats.target)
+                    review = result.stats.reviews.get(setting.under or result.stats.target)  # the drafter's blocks
                     if review is not None and review.reviews:
                         blocks.setdefault(name, []).append(review.drafted / review.reviews)
         for name in engines:
@@ -86,8 +111,9 @@ def run(engine: Engine, drafter: str, prompts: Sequence[list[int]], table: dict[
             best = max(mine, key=lambda n: mine[n]["tokens_per_s"])
             summary[family] = {"best": best, "ratio_vs_best_fixed": round(mine[best]["tokens_per_s"] /
                                                                          fixed[best_fixed]["tokens_per_s"], 3)}
-    results = {"command": command, "drafter": drafter, "reviews": reviews, "sub_k": sub_k if reviews else None,
-               "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+    results = {"command": command, "drafter": setting.drafter, "reviews": setting.reviews, "under": setting.under,
+               "other_k": setting.other_k if setting.reviews or setting.under else None,
+               "setting": setting.describe(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                "repeats": repeats, "methods": rows, "best_fixed": best_fixed, "summary": summary}
     out.mkdir(parents=True, exist_ok=True)
     (out / "adaptive.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -96,9 +122,8 @@ def run(engine: Engine, drafter: str, prompts: Sequence[list[int]], table: dict[
 
 
 def markdown(results: dict) -> str:
-    setting = (f"{results['drafter']} reviewing {results['reviews']} (K = [[k, 0], [0, {results['sub_k']}]])"
-               if results.get("reviews") else f"{results['drafter']} drafting alone (K = [[k]])")
-    lines = [f"setting: {setting}", "", "| method | tok/s (median) | target calls/token | mean block | identical |", "|---|---|---|---|---|"]
+    lines = [f"setting: {results['setting']}", "",
+             "| method | tok/s (median) | target calls/token | drafter's mean block | identical |", "|---|---|---|---|---|"]
     for name, r in results["methods"].items():
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['target_calls_per_token']:.3f} | {r['mean_block']:.2f} | "
                      f"{r['identical']} |")

@@ -54,7 +54,12 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     p.add_argument("--drafter", help="with --adaptive: the drafter tier (default: the config's last model drafter)")
     p.add_argument("--reviews", metavar="TIER",
                    help="with --adaptive: the drafter reviews this smaller tier (SpecDec++ at a reviewing tier)")
-    p.add_argument("--sub-k", type=int, default=2, help="with --adaptive --reviews: tokens the reviewed tier drafts a round")
+    p.add_argument("--under", metavar="TIER",
+                   help="with --adaptive: the drafter drafts under this bigger tier, which reviews it "
+                        "(SpecDec++ at a tier drafting under a reviewer)")
+    p.add_argument("--other-k", type=int, default=2,
+                   help="with --reviews: tokens the reviewed tier drafts a round; with --under: tokens the "
+                        "reviewer adds to the target's block")
     p.add_argument("--head", help="with --adaptive: acceptance head directory (`cascade-service train-head`)")
     p.add_argument("--max-k", type=int, default=16, help="with --adaptive: the cap on adaptive blocks")
     p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9", help="with --adaptive: SpecDec++ h values")
@@ -213,10 +218,16 @@ def _run_adaptive(args: argparse.Namespace) -> int:
     if drafter not in models:
         raise ValueError(f"--drafter must be one of the config's model drafters {models}, got {drafter!r}")
     names = [d.name for d in config.cascade.drafters]
+    if args.reviews is not None and args.under is not None:
+        raise ValueError("--reviews and --under are two settings: pick one")
     if args.reviews is not None and (args.reviews not in names or names.index(args.reviews) <= names.index(drafter)):
         raise ValueError(f"--reviews must be a drafter smaller than {drafter!r}: one of "
                          f"{names[names.index(drafter) + 1:]}, got {args.reviews!r}")
-    _check_range(args.sub_k, "--sub-k", 1, 256)
+    if args.under is not None and (args.under not in models or names.index(args.under) >= names.index(drafter)):
+        raise ValueError(f"--under must be a model drafter bigger than {drafter!r}: one of "
+                         f"{[m for m in models if names.index(m) < names.index(drafter)]}, got {args.under!r}")
+    _check_range(args.other_k, "--other-k", 1, 256)
+    setting = adaptive.Setting(drafter, args.reviews, args.under, args.other_k)
     ks = _int_list(args.sd_k_sweep, "--sd-k-sweep")
     specdec_hs = _float_list(args.thresholds, "--thresholds")
     # The confidence rule reads the drafter's distribution, which a reviewing tier does not sample from.
@@ -225,15 +236,15 @@ def _run_adaptive(args: argparse.Namespace) -> int:
     engine = Engine(config.cascade)
     prompts = [engine.encode(t) for t in read_prompts(args.prompts)]
     command = shlex.join(["cascade-service", "bench", "--adaptive", "--config", args.config, "--prompts", args.prompts,
-                          "--drafter", drafter, *(["--reviews", args.reviews, "--sub-k", str(args.sub_k)]
-                                                  if args.reviews else []),
+                          "--drafter", drafter, *(["--reviews", args.reviews] if args.reviews else []),
+                          *(["--under", args.under] if args.under else []),
+                          *(["--other-k", str(args.other_k)] if args.reviews or args.under else []),
                           *(["--head", args.head] if args.head else []),
                           "--sd-k-sweep", args.sd_k_sweep, "--max-k", str(args.max_k), "--thresholds",
                           args.thresholds, *([] if args.reviews else ["--confidence", args.confidence]),
                           "--max-new-tokens",
                           str(args.max_new_tokens), "--repeats", str(args.repeats), "--out", args.out])
-    adaptive.run(engine, drafter, prompts, table, args.max_new_tokens, args.repeats, Path(args.out), command,
-                 args.reviews, args.sub_k)
+    adaptive.run(engine, setting, prompts, table, args.max_new_tokens, args.repeats, Path(args.out), command)
     return 0
 
 

@@ -250,7 +250,10 @@ def train_head(target_dir: str | Path, drafter_dir: str | Path, out_dir: str | P
     temperature; 0 = greedy). Returns the summary also stored in head.json: example counts, the
     training loss, held-out metrics before and after training, and the confidence baselines.
     """
-    from cascade_service.models.hf import HFModel, load_tokenizer  # transformers only when training
+    from cascade_service.models.hf import (  # transformers only when training
+        HFModel,
+        load_tokenizer,
+    )
 
     if steps < 1 or batch < 1 or not 0.0 < eval_fraction < 1.0 or not w_rej > 0.0 or not lr > 0.0:
         raise ValueError(f"need steps, batch >= 1, 0 < eval_fraction < 1, w_rej, lr > 0; "
@@ -326,7 +329,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `cascade-service train-head`."""
     parser.add_argument("--preset", default="demo", choices=sorted(RUN_PRESETS), help="which zoo (built if missing)")
     parser.add_argument("--drafter", default="small", choices=["small", "base"], help="the zoo drafter it is for")
-    parser.add_argument("--out", help="output directory (default: <zoo>/head-<drafter>)")
+    parser.add_argument("--reviewer", default="large", choices=["large", "base"],
+                        help="the tier whose acceptance the head predicts: the one that reviews this drafter's "
+                             "tokens in the cascade it will serve (base only for small)")
+    parser.add_argument("--out", help="output directory (default: <zoo>/head-<drafter>, or "
+                                      "<zoo>/head-<drafter>-under-base with --reviewer base)")
     parser.add_argument("--steps", type=_bounded(int, 1), help="optimizer steps (default: per preset)")
     parser.add_argument("--depth", type=_bounded(int, 0, 64), default=3, help="residual blocks D (paper: 3)")
     parser.add_argument("--w-rej", type=_bounded(float, 1e-6), default=6.0,
@@ -338,14 +345,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train a head on a zoo (built first if missing); prints the summary as JSON on stdout."""
+    from cascade_service.cli_parser import UsageError
     from cascade_service.models.zoo import PRESETS, _training_texts, build_zoo
     from cascade_service.paths import zoo_dir
 
+    if args.reviewer == "base" and args.drafter != "small":
+        raise UsageError(f"--reviewer base reviews only small, not {args.drafter!r}")
     paths = build_zoo(args.preset, zoo_dir(args.preset))
     sizes = RUN_PRESETS[args.preset] | ({"steps": args.steps} if args.steps is not None else {})
-    out = Path(args.out).expanduser() if args.out else zoo_dir(args.preset) / f"head-{args.drafter}"
+    default = f"head-{args.drafter}" + ("" if args.reviewer == "large" else f"-under-{args.reviewer}")
+    out = Path(args.out).expanduser() if args.out else zoo_dir(args.preset) / default
     texts = _training_texts(PRESETS[args.preset].corpus_chars, progress=False)  # never the held-out modules
-    summary = train_head(paths["large"], paths[args.drafter], out, texts=texts, depth=args.depth, w_rej=args.w_rej,
+    # The reviewer plays the paper's target: it writes the responses and its distribution labels them.
+    summary = train_head(paths[args.reviewer], paths[args.drafter], out, texts=texts, depth=args.depth, w_rej=args.w_rej,
                          temperature=args.temperature, seed=args.seed, progress=True, **sizes)
     print(json.dumps(summary, indent=1))
     print(f"head written to {out}", file=sys.stderr)

@@ -200,6 +200,20 @@ def test_train_head_cli_on_the_test_zoo_writes_a_loadable_head(test_zoo_home, tm
     assert ((p >= 0) & (p <= 1)).all()
 
 
+def test_train_head_for_a_drafter_under_base_is_labelled_by_base(test_zoo_home, tmp_path, monkeypatch, capsys):
+    """--reviewer base: the head predicts base's acceptance of small's tokens (small drafting under base)."""
+    from cascade_service.cli import main
+
+    monkeypatch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
+    out = tmp_path / "head"
+    assert main(["train-head", "--preset", "test", "--drafter", "small", "--reviewer", "base", "--out", str(out),
+                 "--steps", "5"]) == 0
+    head = AcceptanceHead.load(out)
+    assert (head.meta["training"]["target"], head.meta["drafter"]["name"]) == ("base", "small")
+    assert main(["train-head", "--preset", "test", "--drafter", "base", "--reviewer", "base"]) == 2
+    assert "--reviewer base reviews only small, not 'base'" in capsys.readouterr().err
+
+
 def test_cli_rejects_bad_values_by_argument():
     parser = argparse.ArgumentParser()
     th.add_arguments(parser)

@@ -219,11 +219,11 @@ def test_bench_adaptive_at_a_reviewing_tier_is_exact_and_stops_early(inputs, tin
     head.save(tmp_path / "head")
     out = tmp_path / "adaptive"
     assert _bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
-                  "--drafter", "close", "--reviews", "mid", "--sub-k", "2", "--head", str(tmp_path / "head"),
+                  "--drafter", "close", "--reviews", "mid", "--other-k", "2", "--head", str(tmp_path / "head"),
                   "--sd-k-sweep", "1,4", "--max-k", "6", "--thresholds", "0.01", "--max-new-tokens", "12",
                   "--repeats", "1", "--out", str(out)) == 0
     results = json.loads((out / "adaptive.json").read_text())
-    assert (results["reviews"], results["sub_k"]) == ("mid", 2)
+    assert (results["reviews"], results["other_k"]) == ("mid", 2)
     assert set(results["methods"]) == {"fixed K=1", "fixed K=4", "specdec h=0.01"}  # no confidence rule here
     assert all(m["identical"] for m in results["methods"].values())
     # h = 0.01: the stopper ends every part at its second token (the head gives no certainty), so
@@ -231,6 +231,27 @@ def test_bench_adaptive_at_a_reviewing_tier_is_exact_and_stops_early(inputs, tin
     assert 0 < results["methods"]["specdec h=0.01"]["mean_block"] <= 2.0
     assert results["methods"]["fixed K=4"]["mean_block"] > 2.0
     assert "--reviews mid" in results["command"]
+
+
+def test_bench_adaptive_at_a_tier_drafting_under_a_reviewer_is_exact_and_stops_early(inputs, tiny_family, tmp_path):
+    """--under: mid drafts for close, which reviews it; SpecDec++ ends mid's block, not close's."""
+    from cascade_service.models.hf import HFModel
+
+    head = AcceptanceHead(HFModel.load(tiny_family["mid"]).config.hidden_size, depth=1)
+    head.save(tmp_path / "head")
+    out = tmp_path / "adaptive"
+    assert _bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+                  "--drafter", "mid", "--under", "close", "--other-k", "3", "--head", str(tmp_path / "head"),
+                  "--sd-k-sweep", "1,5", "--max-k", "6", "--thresholds", "0.01", "--confidence", "0.4",
+                  "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)) == 0
+    results = json.loads((out / "adaptive.json").read_text())
+    assert (results["under"], results["other_k"]) == ("close", 3)
+    assert set(results["methods"]) == {"fixed K=1", "fixed K=5", "specdec h=0.01", "confidence h=0.4"}
+    assert all(m["identical"] for m in results["methods"].values())
+    assert "drafting under close" in results["setting"]
+    # mean_block is mid's block as close sees it: at most 2 once the stopper ends it, 5 when fixed.
+    assert 0 < results["methods"]["specdec h=0.01"]["mean_block"] <= 2.0
+    assert results["methods"]["fixed K=5"]["mean_block"] > 2.0
 
 
 def test_bench_modes_reject_mixed_flags(inputs):
@@ -245,3 +266,5 @@ def test_bench_modes_reject_mixed_flags(inputs):
         _bench("--adaptive", "--drafter", "mag", *base)
     with pytest.raises(ValueError, match="--reviews must be a drafter smaller than 'mid'"):
         _bench("--adaptive", "--drafter", "mid", "--reviews", "close", *base)
+    with pytest.raises(ValueError, match="--under must be a model drafter bigger than 'close'"):
+        _bench("--adaptive", "--drafter", "close", "--under", "mid", *base)
