@@ -278,7 +278,8 @@ def _check_range(value: int, flag: str, lo: int, hi: int) -> None:
 def _command(args: argparse.Namespace) -> str:
     argv = ["cascade-service", "bench", "--config", args.config, "--prompts", args.prompts,
             "--methods", args.methods, "--max-new-tokens", str(args.max_new_tokens),
-            "--repeats", str(args.repeats), "--sd-k-sweep", args.sd_k_sweep, "--out", args.out]
+            "--repeats", str(args.repeats), "--sd-k-sweep", args.sd_k_sweep,
+            *(flag for tuned in args.tuned for flag in ("--tuned", tuned)), "--out", args.out]
     return shlex.join(argv)
 
 

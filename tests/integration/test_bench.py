@@ -254,6 +254,16 @@ def test_bench_adaptive_at_a_tier_drafting_under_a_reviewer_is_exact_and_stops_e
     assert results["methods"]["fixed K=5"]["mean_block"] > 2.0
 
 
+def test_the_recorded_command_repeats_every_tuned_config():
+    from cascade_service.bench.cli import _command
+
+    parser = argparse.ArgumentParser(prog="cascade-service")
+    add_bench_command(parser.add_subparsers(dest="command", required=True), argparse.ArgumentParser)
+    args = parser.parse_args(["bench", "--config", "c.yaml", "--prompts", "p.jsonl", "--methods", "hf-ar",
+                              "--tuned", "a.yaml", "--tuned", "b.yaml", "--out", "o"])
+    assert "--tuned a.yaml --tuned b.yaml" in _command(args)
+
+
 def test_bench_modes_reject_mixed_flags(inputs):
     base = ["--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"), "--out", "/tmp/x"]
     with pytest.raises(ValueError, match="pick one"):
