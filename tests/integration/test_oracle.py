@@ -33,9 +33,11 @@ SETUPS = {
     "csd_close_mid_mag": (["close", "mid", "mag"], [[4, 2, 0], [0, 2, 6], [0, 0, 6]]),
     "csd_close_mid_mag_t5_paper_shape": (["close", "mid", "mag"], [[3, 7, 5], [0, 1, 5], [0, 0, 5]]),
     "csd_close_unrelated_mag": (["close", "unrelated", "mag"], [[3, 3, 2], [0, 3, 4], [0, 0, 4]]),
-    # The demo's shape: mid reviews MaG while close asks it for a single token (a row that never ran
-    # while inner blocks were capped at what the parent still needed).
-    "csd_close_mid_mag_demo_shape": (["close", "mid", "mag"], [[3, 0, 0], [0, 1, 0], [0, 0, 4]]),
+    # Overshoot: mid reviews MaG while close asks it for a single token (a row that never ran while
+    # inner blocks were capped at what the parent still needed; the demo's K until its re-tune).
+    "csd_close_mid_mag_overshoot_shape": (["close", "mid", "mag"], [[3, 0, 0], [0, 1, 0], [0, 0, 4]]),
+    # The demo's K (configs/demo.yaml): the middle tier reviews both the small tier and MaG.
+    "csd_close_mid_mag_demo_shape": (["close", "mid", "mag"], [[1, 0, 0], [0, 1, 5], [0, 0, 4]]),
 }
 
 

@@ -116,7 +116,7 @@ def test_an_entry_that_can_never_run_is_named_with_its_tiers():
         Schedule.parse([[0, 0, 4], [0, 2, 0], [0, 0, 3]], THREE)
 
 
-def test_the_demo_shape_is_accepted_because_every_entry_runs():
+def test_the_overshoot_shape_is_accepted_because_every_entry_runs():
     # Inner systems are no longer capped by what their parent still needs, so small reviewing mag
     # (row 2) runs even though base asks small for one token: nothing here is refused.
     assert Schedule.parse([[3, 0, 0], [0, 1, 0], [0, 0, 4]], THREE).row(2) == [(2, 4)]
