@@ -192,18 +192,21 @@ def test_bench_lossy_writes_curves_and_accounts_the_deviation(inputs, tmp_path, 
     assert "token-v3 vs lossy" in capsys.readouterr().out
 
 
-def test_bench_adaptive_is_exact_and_summarises_against_the_best_fixed_k(inputs, tiny_family, tmp_path):
+def _adaptive(inputs, tiny_family, tmp_path, drafter: str, *flags: str) -> dict:
+    """`bench --adaptive` for `drafter` with a random depth-1 head of its width; adaptive.json."""
     from cascade_service.models.hf import HFModel
 
-    hidden = HFModel.load(tiny_family["mid"]).config.hidden_size
-    head = AcceptanceHead(hidden, depth=1)
-    head.save(tmp_path / "head")
+    AcceptanceHead(HFModel.load(tiny_family[drafter]).config.hidden_size, depth=1).save(tmp_path / "head")
     out = tmp_path / "adaptive"
     assert _bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
-                  "--drafter", "mid", "--head", str(tmp_path / "head"), "--sd-k-sweep", "1,3", "--max-k", "6",
-                  "--thresholds", "0.5", "--confidence", "0.4", "--max-new-tokens", "10", "--repeats", "1",
-                  "--out", str(out)) == 0
-    results = json.loads((out / "adaptive.json").read_text())
+                  "--drafter", drafter, "--head", str(tmp_path / "head"), "--max-k", "6", "--repeats", "1",
+                  *flags, "--out", str(out)) == 0
+    return json.loads((out / "adaptive.json").read_text())
+
+
+def test_bench_adaptive_is_exact_and_summarises_against_the_best_fixed_k(inputs, tiny_family, tmp_path):
+    results = _adaptive(inputs, tiny_family, tmp_path, "mid", "--sd-k-sweep", "1,3", "--thresholds", "0.5",
+                        "--confidence", "0.4", "--max-new-tokens", "10")
     assert set(results["methods"]) == {"fixed K=1", "fixed K=3", "specdec h=0.5", "confidence h=0.4"}
     assert all(m["identical"] for m in results["methods"].values())
     assert results["best_fixed"] in ("fixed K=1", "fixed K=3")
@@ -213,16 +216,8 @@ def test_bench_adaptive_is_exact_and_summarises_against_the_best_fixed_k(inputs,
 
 def test_bench_adaptive_at_a_reviewing_tier_is_exact_and_stops_early(inputs, tiny_family, tmp_path):
     """--reviews: close reviews mid's drafts and SpecDec++ ends close's part of the target's block."""
-    from cascade_service.models.hf import HFModel
-
-    head = AcceptanceHead(HFModel.load(tiny_family["close"]).config.hidden_size, depth=1)
-    head.save(tmp_path / "head")
-    out = tmp_path / "adaptive"
-    assert _bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
-                  "--drafter", "close", "--reviews", "mid", "--other-k", "2", "--head", str(tmp_path / "head"),
-                  "--sd-k-sweep", "1,4", "--max-k", "6", "--thresholds", "0.01", "--max-new-tokens", "12",
-                  "--repeats", "1", "--out", str(out)) == 0
-    results = json.loads((out / "adaptive.json").read_text())
+    results = _adaptive(inputs, tiny_family, tmp_path, "close", "--reviews", "mid", "--other-k", "2",
+                        "--sd-k-sweep", "1,4", "--thresholds", "0.01", "--max-new-tokens", "12")
     assert (results["reviews"], results["other_k"]) == ("mid", 2)
     assert set(results["methods"]) == {"fixed K=1", "fixed K=4", "specdec h=0.01"}  # no confidence rule here
     assert all(m["identical"] for m in results["methods"].values())
@@ -235,16 +230,8 @@ def test_bench_adaptive_at_a_reviewing_tier_is_exact_and_stops_early(inputs, tin
 
 def test_bench_adaptive_at_a_tier_drafting_under_a_reviewer_is_exact_and_stops_early(inputs, tiny_family, tmp_path):
     """--under: mid drafts for close, which reviews it; SpecDec++ ends mid's block, not close's."""
-    from cascade_service.models.hf import HFModel
-
-    head = AcceptanceHead(HFModel.load(tiny_family["mid"]).config.hidden_size, depth=1)
-    head.save(tmp_path / "head")
-    out = tmp_path / "adaptive"
-    assert _bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
-                  "--drafter", "mid", "--under", "close", "--other-k", "3", "--head", str(tmp_path / "head"),
-                  "--sd-k-sweep", "1,5", "--max-k", "6", "--thresholds", "0.01", "--confidence", "0.4",
-                  "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)) == 0
-    results = json.loads((out / "adaptive.json").read_text())
+    results = _adaptive(inputs, tiny_family, tmp_path, "mid", "--under", "close", "--other-k", "3",
+                        "--sd-k-sweep", "1,5", "--thresholds", "0.01", "--confidence", "0.4", "--max-new-tokens", "12")
     assert (results["under"], results["other_k"]) == ("close", 3)
     assert set(results["methods"]) == {"fixed K=1", "fixed K=5", "specdec h=0.01", "confidence h=0.4"}
     assert all(m["identical"] for m in results["methods"].values())
