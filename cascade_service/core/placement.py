@@ -21,9 +21,6 @@ the reviewer one level up. The rule:
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import torch
 
 PROBS_DTYPE = torch.float32  # every probability a review reads or a tier passes on
@@ -55,17 +52,6 @@ def to_host(rows: torch.Tensor) -> torch.Tensor:
     nor bfloat16.
     """
     return rows.detach().to(device="cpu", dtype=PROBS_DTYPE)
-
-
-def rows_out(rows: torch.Tensor | None) -> np.ndarray | None:
-    """Rows as they leave this process: `to_host`, as a numpy array (None passes through)."""
-    return None if rows is None else to_host(rows).numpy()
-
-
-def rows_in(array: Any) -> torch.Tensor | None:
-    """Rows as they arrive from another process: float32 on the CPU; the reviewer that takes them moves
-    them to its device (`to_reviewer`). None passes through."""
-    return None if array is None else torch.from_numpy(np.asarray(array, dtype=np.float32))
 
 
 def generator_for(source: torch.Generator, device: torch.device) -> torch.Generator:

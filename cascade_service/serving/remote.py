@@ -12,12 +12,12 @@ import time
 from typing import Any, Callable
 
 from ..core.adaptive import AdaptiveLength
-from ..core.placement import rows_in, rows_out
 from ..core.review import Verdict
 from ..core.sampling import SamplingParams
 from ..core.stats import CascadeStats, TierCounters, absorb
 from ..core.types import Context, Draft
 from ..core.verify import Verification
+from .wire import rows_in, rows_out
 
 Invoke = Callable[[str, dict[str, Any]], dict[str, Any]]
 

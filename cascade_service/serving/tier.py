@@ -28,7 +28,6 @@ from ..core.cascade import (
     score_and_review,
 )
 from ..core.mag import BigramTable, MaxGram
-from ..core.placement import rows_in, rows_out
 from ..core.review import rule_for
 from ..core.sampling import SamplingParams
 from ..core.schedule import Schedule
@@ -38,6 +37,7 @@ from ..core.verify import Verification, final_rule
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
 from ..startup import tier_device, where
+from .wire import rows_in, rows_out
 
 MAG_NAME = "mag"
 MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used request's cache is dropped
