@@ -48,8 +48,12 @@ class Setting:
     other_k: int = 2  # the other tier's entry
 
     def tiers(self) -> list[str]:
-        return [self.drafter, self.reviews] if self.reviews else [self.under, self.drafter] if self.under else [
-            self.drafter]
+        """Largest first, as `Engine.variant` takes them."""
+        if self.reviews:
+            return [self.drafter, self.reviews]
+        if self.under:
+            return [self.under, self.drafter]
+        return [self.drafter]
 
     def k_matrix(self, k: int) -> list[list[int]]:
         if self.reviews:

@@ -127,9 +127,9 @@ def drafted_label(name: str, tiers: dict[str, dict[str, int]]) -> str:
     K-matrix). Methods without our counters (transformers') keep their name.
     """
     kind, sep, _ = name.partition(":")
-    drafting = [tier for tier, t in tiers.items() if t["drafted"] > 0]  # the target drafts nothing
     if not sep or not tiers:
         return name
+    drafting = [tier for tier, t in tiers.items() if t["drafted"] > 0]  # the target drafts nothing
     return f"{kind}:{'+'.join(drafting) or 'none'}"
 
 
