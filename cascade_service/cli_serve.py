@@ -36,7 +36,6 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import signal
     import threading
 
     config = load_config(args.config)
@@ -44,9 +43,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
     if not 0 <= port <= 65535:
         raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
+    grace = config.serving.shutdown_grace_s
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _stop_on_signals(stop)
     if args.frontend == "standalone":
         from .standalone import start_standalone
 
@@ -57,8 +56,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                   f"(standalone{', plain' if args.plain else ''}; Ctrl-C stops)", flush=True)
             stop.wait()
         finally:
-            print("stopping", file=sys.stderr, flush=True)
-            standalone.stop(1.0)
+            _stopping(grace)
+            standalone.stop(grace)
         return 0
     if args.plain or args.adapt_to_load:
         raise UsageError("--plain and --adapt-to-load go with --frontend standalone (the Ray app reads "
@@ -69,12 +68,50 @@ def _run_serve(args: argparse.Namespace) -> int:
                            api_keys=api_keys, tls=tls)
     try:
         address = service.start()
+        # ray.init replaced our SIGTERM handler with its own, which exits at once without draining.
+        _stop_on_signals(stop)
         print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)
         stop.wait()
     finally:
-        print("stopping", file=sys.stderr, flush=True)
-        service.stop()
+        _stopping(grace)
+        service.stop(grace)
     return 0
+
+
+# Beyond the drain's grace period, stopping Serve and Ray may take this long before `serve` gives up
+# waiting on them and exits with status 1.
+TEARDOWN_S = 60.0
+
+
+def _stop_on_signals(stop: Any) -> None:
+    """SIGTERM and SIGINT set `stop` (the caller drains and exits 0); a second one exits at once (1)."""
+    import os
+    import signal
+
+    def handle(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            print("stopping now (second signal)", file=sys.stderr, flush=True)
+            os._exit(1)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+
+
+def _stopping(grace_s: float) -> None:
+    """Announce the drain and bound it: past grace_s + TEARDOWN_S the process exits with status 1."""
+    import os
+    import threading
+
+    print(f"stopping: draining calls in flight for up to {grace_s:g} s", file=sys.stderr, flush=True)
+
+    def give_up() -> None:
+        print(f"stopping took more than {grace_s + TEARDOWN_S:g} s; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(grace_s + TEARDOWN_S, give_up)
+    timer.daemon = True
+    timer.start()
 
 
 def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:

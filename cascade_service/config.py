@@ -113,7 +113,10 @@ def with_stop_threshold(adaptive: dict[str, AdaptiveLength], threshold: float | 
 
 
 DEPLOYMENT_OPTIONS = {"num_replicas", "ray_actor_options", "autoscaling_config", "max_ongoing_requests",
-                      "max_queued_requests"}
+                      "max_queued_requests", "graceful_shutdown_timeout_s"}
+
+
+MAX_SHUTDOWN_GRACE_S = 3600
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,10 @@ class ServingConfig:
     # None: every one the frontend can run. E.g. [full, budget] on a pool where drafting always pays, to
     # spare the trial its exploring; one arm alone: that arm, no trial.
     load_arms: tuple[str, ...] | None = None
+    # On SIGTERM or Ctrl-C, `serve` stops taking calls and gives the calls in flight this long to finish
+    # before it cancels them (each ends with a status, never silently); Ray Serve replicas get the same
+    # graceful_shutdown_timeout_s unless serving.deployments sets one. Then Serve and Ray stop.
+    shutdown_grace_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -209,7 +216,7 @@ def _load_arms(value: Any) -> tuple[str, ...] | None:
 def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
     _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
                             "groups", "torch_threads", "deployments", "api_keys_file", "tls_cert_file",
-                            "tls_key_file", "adapt_to_load", "load_arms"})
+                            "tls_key_file", "adapt_to_load", "load_arms", "shutdown_grace_s"})
     serving = ServingConfig(**{k: v for k, v in raw.items()
                                if k not in ("deployments", "colocate", "groups", "load_arms")},
                             load_arms=_load_arms(raw.get("load_arms")))
@@ -217,6 +224,10 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
     if serving.torch_threads is not None:
         _check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
+    grace = serving.shutdown_grace_s
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
+        raise ConfigError(f"serving.shutdown_grace_s must be a number of seconds in [0, {MAX_SHUTDOWN_GRACE_S}], "
+                          f"got {grace!r}")
     if not isinstance(serving.adapt_to_load, bool):
         raise ConfigError(f"serving.adapt_to_load must be true or false, got {serving.adapt_to_load!r}")
     serving = replace(serving, redis_url=resolve_redis_url(serving.redis_url, "serving.redis_url"))
@@ -248,7 +259,8 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
             raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
         _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
     return replace(serving, colocate=tuple(colocate), groups=tuple(tuple(g) for g in groups),
-                   deployments={k: dict(v) for k, v in deployments.items()}, **files)
+                   deployments={k: dict(v) for k, v in deployments.items()}, api_keys_file=files["api_keys_file"],
+                   tls_cert_file=files["tls_cert_file"], tls_key_file=files["tls_key_file"])
 
 
 ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")

@@ -30,6 +30,8 @@ from .sessions import SessionNotFound, SessionStore, check_access, check_session
 MAX_PROMPT_TOKENS = 32_768
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_NEW_TOKENS = 4096
+MAX_TEMPERATURE = 100.0
 
 TierFactory = Callable[[str], dict[str, Any]]  # request id -> {tier name: Scorer or BlockTier}
 
@@ -100,10 +102,10 @@ class Coordinator:
             check_session_id(session_id)
         elif not ids:
             raise ValueError("prompt: empty (give prompt, prompt_token_ids or a session_id with history)")
-        if max_new_tokens is not None and not 1 <= max_new_tokens <= 4096:
-            raise ValueError(f"max_new_tokens must be in [1, 4096], got {max_new_tokens}")
-        if temperature is not None and not 0.0 <= temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {temperature}")
+        if max_new_tokens is not None and not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {max_new_tokens}")
+        if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
         if top_p is not None and not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if seed is not None and not 0 <= seed < 2**63:

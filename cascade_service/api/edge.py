@@ -150,10 +150,5 @@ def health_request() -> Any:
     return health_pb2.HealthCheckRequest()
 
 
-def health_response(serving: bool) -> Any:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    return health_pb2.HealthCheckResponse(status=status)
-
-
 def is_serving(reply: Any) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING

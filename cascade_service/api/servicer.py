@@ -9,6 +9,7 @@ exception would reach the client as INTERNAL.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -33,7 +34,14 @@ class Overloaded(Exception):
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a client sees for an exception raised while serving."""
+    """The status code and message a client sees for an exception raised while serving: one line of
+    our own words, never a traceback or another process's details."""
+    exc = _raised(exc)
+    code, message = _status(exc)
+    return code, public_message(message)
+
+
+def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, SessionNotFound):
         return grpc.StatusCode.NOT_FOUND, f"session_id: {exc}"
     if isinstance(exc, SessionForbidden):
@@ -54,6 +62,27 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
+def _raised(exc: BaseException) -> BaseException:
+    """The exception a remote task raised, not the wrapper Ray re-raises it in (a `RayTaskError`, also
+    an instance of the cause's class, whose text is the remote traceback). Duck-typed: the core of the
+    API does not import Ray."""
+    while type(exc).__name__.startswith("RayTaskError") and isinstance(getattr(exc, "cause", None), BaseException):
+        exc = exc.cause  # type: ignore[attr-defined]
+    return exc
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+MAX_MESSAGE_CHARS = 500
+
+
+def public_message(message: str) -> str:
+    """A message fit for a client: its first line, without terminal colour codes, at most
+    MAX_MESSAGE_CHARS characters. Anything longer is internal detail that belongs in the server log."""
+    lines = _ANSI.sub("", message).strip().splitlines()
+    line = lines[0].strip() if lines else ""
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[:MAX_MESSAGE_CHARS - 3] + "..."
+
+
 class CascadeServicer:
     """cascade.v1.CascadeService over a Coordinator (sync methods: the decode loop blocks)."""
 
@@ -67,7 +96,7 @@ class CascadeServicer:
             params = self._params(request, context)
             result = self.coordinator.generate(params, cancelled or _gone(context))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
-            return _fail(context, exc, pb.GenerateResponse())
+            return fail(context, exc, pb.GenerateResponse())
         return pb.GenerateResponse(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason or "",
                                    stats=self.stats(result.stats), session_id=request.session_id,
                                    session_length=result.session_length)
@@ -79,14 +108,14 @@ class CascadeServicer:
             for chunk in self.coordinator.stream(params, cancelled or _gone(context)):
                 yield self.chunk(chunk)
         except Exception as exc:  # noqa: BLE001
-            _fail(context, exc, None)
+            fail(context, exc, None)
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.Session:
         try:
             record = self.coordinator.create_session(request.session_id, request.prompt, list(request.prompt_token_ids),
                                                      owner=owner_of(context))
         except Exception as exc:  # noqa: BLE001
-            return _fail(context, exc, pb.Session())
+            return fail(context, exc, pb.Session())
         return self._session(record)
 
     def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.Session:
@@ -94,7 +123,7 @@ class CascadeServicer:
             _require_id(request.session_id)
             record = self.coordinator.get_session(request.session_id, owner_of(context))
         except Exception as exc:  # noqa: BLE001
-            return _fail(context, exc, pb.Session())
+            return fail(context, exc, pb.Session())
         return self._session(record)
 
     def DeleteSession(self, request: pb.DeleteSessionRequest, context: Any) -> pb.DeleteSessionResponse:
@@ -102,7 +131,7 @@ class CascadeServicer:
             _require_id(request.session_id)
             deleted = self.coordinator.delete_session(request.session_id, owner_of(context))
         except Exception as exc:  # noqa: BLE001
-            return _fail(context, exc, pb.DeleteSessionResponse())
+            return fail(context, exc, pb.DeleteSessionResponse())
         return pb.DeleteSessionResponse(deleted=deleted)
 
     # --- conversions -------------------------------------------------------------------------------
@@ -166,7 +195,9 @@ def _require_id(session_id: str) -> None:
         raise ValueError("session_id: required")
 
 
-def _fail(context: Any, exc: BaseException, empty):
+def fail(context: Any, exc: BaseException, empty: Any) -> Any:
+    """Report `exc` on `context` as a status (code and message) and return `empty`: a servicer returns
+    rather than raises, since a raised exception would reach the client as INTERNAL."""
     code, details = status_for(exc)
     context.set_code(code)
     context.set_details(details)
@@ -183,3 +214,11 @@ def _gone(context: Any) -> Callable[[], bool]:
     if not callable(is_active):
         return lambda: False
     return lambda: not is_active()
+
+
+def failure(context: Any) -> str | None:
+    """The message of the error status set on `context`, or None when it holds none (still OK)."""
+    code = context.code()
+    if code is None or code == grpc.StatusCode.OK:
+        return None
+    return context.details() or code.name

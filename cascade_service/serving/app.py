@@ -14,13 +14,14 @@ place independently; a Serve config file (deploy/serve_config.yaml) may override
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import ray
 from ray import serve
@@ -28,8 +29,9 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import authenticate_context, load_api_keys
-from ..api.edge import UNARY, RecordingContext, Reply, health_response, request_type
-from ..api.servicer import CascadeServicer, Overloaded, Unavailable
+from ..api.edge import UNARY, RecordingContext, Reply, request_type
+from ..api.health import check_reply, watch_reply
+from ..api.servicer import CascadeServicer, Overloaded, Unavailable, fail, failure, status_for
 from ..config import (MAG, CascadeConfig, Config, ConfigError, MaGConfig, ModelTierConfig, ServingConfig,
                       deployment_name, load_config, resolve_redis_url, tier_groups)
 from ..coordinator import Coordinator, Tokenizer
@@ -63,6 +65,8 @@ LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {
     "OMP_WAIT_POLICY": "PASSIVE", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "0"}}}
 
+
+WATCH_POLL_S = 5.0  # how often a health Watch looks for a change of status
 
 DEFAULT_MAX_QUEUED = 64  # per deployment handle; `serving.deployments.<name>.max_queued_requests` overrides
 # Calls a replica works on at once (Serve's own default is 5): a tier batches concurrent requests'
@@ -149,6 +153,7 @@ class CoordinatorDeployment:
         # colocated tier's forward passes, the session store's calls, building the servicer. One thread
         # per call Serve lets in, so those never queue behind the loop's small default executor.
         self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="coordinator-io")
+        self._calls = _Calls()
 
     def _build(self) -> CascadeServicer:
         # Called from a worker thread: asking the tiers for their facts blocks on them.
@@ -204,20 +209,27 @@ class CoordinatorDeployment:
         context = authenticate_context(self.api_keys, grpc_context)
         if context is None:  # UNAUTHENTICATED is set on grpc_context
             return UNARY[method][1]()
-
-        return await run_bridged(_serve, await self._servicer_ready(), method, request, context)
+        try:
+            with self._calls.admit():
+                return await run_bridged(_serve, await self._servicer_ready(), method, request, context)
+        except _Stopped as exc:
+            fail(grpc_context, exc.status, None)
+            return UNARY[method][1]()
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
         return await self._unary("Generate", request, grpc_context)
 
     async def GenerateStream(self, request, grpc_context) -> AsyncIterator[Any]:  # noqa: N802
         context = authenticate_context(self.api_keys, grpc_context)
-        if context is None:
-            return
-
-        servicer = await self._servicer_ready()
-        async for chunk in iterate_bridged(lambda: servicer.GenerateStream(request, context)):
-            yield chunk
+        if context is not None:
+            try:
+                with self._calls.admit():
+                    servicer = await self._servicer_ready()
+                    async for chunk in iterate_bridged(lambda: servicer.GenerateStream(request, context)):
+                        yield chunk
+            except _Stopped as exc:
+                fail(grpc_context, exc.status, None)
+        _raise_if_failed(grpc_context)
 
     async def CreateSession(self, request, grpc_context):  # noqa: N802
         return await self._unary("CreateSession", request, grpc_context)
@@ -234,23 +246,38 @@ class CoordinatorDeployment:
         `owner`: the caller's owner id, from the API key the edge checked (api/auth.py); only the edge
         holds a handle to this deployment, so it is trusted here.
         """
-        servicer = await self._servicer_ready()
+        try:
+            with self._calls.admit():
+                servicer = await self._servicer_ready()
 
-        def run() -> Reply:
-            context = RecordingContext(owner)
-            response = _serve(servicer, method, request_type(method).FromString(body), context)
-            return context.code.name, context.details, response.SerializeToString()
+                def run() -> Reply:
+                    context = RecordingContext(owner)
+                    response = _serve(servicer, method, request_type(method).FromString(body), context)
+                    return context.code.name, context.details, response.SerializeToString()
 
-        return await run_bridged(run)
+                return await run_bridged(run)
+        except _Stopped as exc:
+            return _reply(exc.status)
 
     async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
         context = RecordingContext(owner)
-        servicer = await self._servicer_ready()
-        chunks = lambda: _serve(servicer, method, request_type(method).FromString(body), context)  # noqa: E731
-        async for chunk in iterate_bridged(chunks):
-            yield "OK", "", chunk.SerializeToString()
+        try:
+            with self._calls.admit():
+                servicer = await self._servicer_ready()
+                chunks = lambda: _serve(servicer, method, request_type(method).FromString(body), context)  # noqa: E731
+                async for chunk in iterate_bridged(chunks):
+                    yield "OK", "", chunk.SerializeToString()
+        except _Stopped as exc:
+            yield _reply(exc.status)
+            return
         if context.code.name != "OK":
             yield context.code.name, context.details, b""
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop taking calls (new ones, and health, answer UNAVAILABLE / NOT_SERVING), give those in
+        flight grace_s to finish, then cancel the rest, each ending UNAVAILABLE with a message, before
+        Serve stops this replica. Returns how many were cancelled. `serve` calls it on SIGTERM."""
+        return await self._calls.drain(grace_s)
 
     async def _servicer_ready(self) -> CascadeServicer:
         if self._servicer is not None:
@@ -258,12 +285,102 @@ class CoordinatorDeployment:
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._build)
 
     async def Check(self, request, grpc_context=None):  # noqa: N802 - grpc.health.v1.Health/Check
+        """grpc.health.v1: SERVING once every tier answers, NOT_SERVING while draining; NOT_FOUND for a
+        service we do not serve."""
+        return check_reply(request.service, await self._serving(), grpc_context)
+
+    async def Watch(self, request, grpc_context=None) -> AsyncIterator[Any]:
+        """grpc.health.v1 Watch: the status now, then each change, until the client hangs up (Serve then
+        cancels this generator)."""
+        last = None
+        while True:
+            reply = watch_reply(request.service, await self._serving())
+            if reply != last:
+                yield reply
+                last = reply
+            await asyncio.sleep(WATCH_POLL_S)
+
+    async def _serving(self) -> bool:
+        if self._calls.stopping:
+            return False
         try:
             await self._servicer_ready()
-            return health_response(True)
+            return True
         except Exception:  # noqa: BLE001 - a tier that cannot answer means not serving
             log.exception("health check failed")
-            return health_response(False)
+            return False
+
+
+class _Stopped(Exception):
+    """A call refused or cancelled because the coordinator is draining (CoordinatorDeployment.drain)."""
+
+    def __init__(self, status: Exception):
+        super().__init__(str(status))
+        self.status = status
+
+
+class _Calls:
+    """The coordinator's calls in flight, so a stop can drain them: wait, then cancel what is left.
+
+    A call cancelled here ends with UNAVAILABLE and says why; without it, Serve would end it by killing
+    the replica once graceful_shutdown_timeout_s passed, and Ray's proxy would report that as INTERNAL.
+    """
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.tasks: set[asyncio.Task] = set()
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """Run one call; _Stopped when draining (before it starts, or once drain cancels it)."""
+        if self.stopping:
+            raise _Stopped(Unavailable(SHUTTING_DOWN))
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise  # the caller hung up or ran out of time: Serve's own cancel
+            raise _Stopped(Unavailable(SHUTTING_DOWN)) from None
+        finally:
+            self.tasks.discard(task)
+
+    async def drain(self, grace_s: float) -> int:
+        self.stopping = True
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self.tasks and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.tasks)
+        for task in left:
+            task.cancel()
+        while self.tasks:  # each ends with its status before the replica stops
+            await asyncio.sleep(0.01)
+        return len(left)
+
+
+SHUTTING_DOWN = "the service is shutting down; retry the request"
+
+
+def _reply(exc: Exception) -> Reply:
+    code, details = status_for(exc)
+    return code.name, details, b""
+
+
+class StreamFailed(Exception):
+    """Ends a server-streaming call whose status the servicer set on the context.
+
+    Ray Serve's gRPC proxy takes a stream's status from each message it forwards, so a stream that
+    fails before its first message (or after its last) would end OK and empty; raised with the code
+    set on the context, the error reaches the client with that code and the servicer's message.
+    """
+
+
+def _raise_if_failed(grpc_context: Any) -> None:
+    message = failure(grpc_context) if grpc_context is not None else None
+    if message is not None:
+        raise StreamFailed(message)
 
 
 def _system_heads(cascade, serving: ServingConfig) -> dict[str, dict[str, Any]]:
@@ -395,6 +512,9 @@ def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
     # the pool as it is (its threads start only as calls need them, so a larger pool costs nothing).
     options.setdefault("max_ongoing_requests", DEFAULT_MAX_ONGOING)
     options.setdefault("max_queued_requests", DEFAULT_MAX_QUEUED)
+    # A replica being stopped (a redeploy, a scale-down, `serve` on SIGTERM) lets its calls in flight
+    # finish for this long, then cancels them; each ends with a status.
+    options.setdefault("graceful_shutdown_timeout_s", serving.shutdown_grace_s)
     if local:
         options.setdefault("ray_actor_options", dict(LOCAL_ACTOR_OPTIONS))
     return options

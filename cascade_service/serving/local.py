@@ -181,10 +181,22 @@ class LocalService:
         # Always the current app's ingress: after a restart the old handle's deployment is gone.
         return serve.get_app_handle(APP_NAME)
 
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(grace=2).wait()
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Drain, then stop: health turns NOT_SERVING and no new call is taken; calls in flight get
+        grace_s to finish and are then cancelled (the client sees CANCELLED, never a silent end);
+        the app is deleted (its replicas drain for their graceful_shutdown_timeout_s, the config's
+        serving.shutdown_grace_s); Serve and Ray stop if this service started them."""
+        if self.checker is not None:
+            set_serving(self.checker, False)
+        if self.server is not None:  # the edge: its calls in flight finish or end UNAVAILABLE
+            self.server.stop(grace=grace_s).wait()
             self.server = None
+        try:
+            # Through Ray's proxy: the coordinator drains its own calls, and cancels what is left with
+            # a status before Serve stops it (Serve's own deadline would kill the replica mid-call).
+            self._handle().drain.remote(0.0 if self.frontend == "edge" else grace_s).result(timeout_s=grace_s + 30)
+        except Exception:  # noqa: BLE001 - no app (never started, or already gone): nothing to drain
+            pass
         try:
             serve.delete(APP_NAME)
         except Exception:  # noqa: BLE001 - stopping is best effort

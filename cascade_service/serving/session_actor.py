@@ -38,9 +38,13 @@ class ActorStore:
         try:
             return ray.get(self.actor.call.remote(method, *args), timeout=30)
         except ray.exceptions.RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
+            # The store's own exception, not Ray's wrapper: the wrapper's text is the actor's traceback
+            # (process ids, file paths, colour codes), which must never reach a client.
+            if isinstance(exc.cause, Exception):
+                raise exc.cause from None
+            raise StoreUnavailable(f"session actor failed ({type(exc.cause).__name__})") from None
         except ray.exceptions.RayError as exc:
-            raise StoreUnavailable(f"session actor unavailable: {exc}") from None
+            raise StoreUnavailable(f"session actor unavailable ({type(exc).__name__})") from None
 
     def create(self, token_ids=(), session_id=None, owner=""):
         return self._call("create", list(token_ids), session_id, owner)

@@ -26,7 +26,25 @@ if _version_not_supported:
 
 
 class CascadeServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The contract, for clients in any language:
+    - Every rule below is enforced by the server. A request that breaks one fails with
+    INVALID_ARGUMENT; its message starts with the field's name (e.g. "max_new_tokens must be in
+    [1, 4096], got 0"), and the status details (trailer grpc-status-details-bin, a google.rpc.Status)
+    carry a google.rpc.BadRequest whose FieldViolation.field names it. RESOURCE_EXHAUSTED and
+    UNAVAILABLE carry a google.rpc.RetryInfo. Status codes: NOT_FOUND (no such session),
+    ALREADY_EXISTS (session id taken), PERMISSION_DENIED (another key's session), ABORTED (the
+    session changed during the request: retry), UNAUTHENTICATED (missing or unknown API key),
+    CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED (over capacity), UNAVAILABLE (a tier or the
+    session store cannot be reached, or the server is shutting down: retry). A streaming call reports
+    its error the same way, as the status it ends with.
+    - 64-bit integers: every int64 here is a count that stays below 2^53, so it is exact as a
+    JavaScript number (protobuf.js / @grpc/proto-loader may still hand it over as a Long or string;
+    converting it to a Number loses nothing). seed is the one uint64 that may exceed 2^53.
+    - Token ids are in [0, V) where V is the target model's vocabulary size.
+    - Session ids match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}; a session holds at most 1,000,000 tokens.
+    - Health checking (grpc.health.v1.Health, services "" and "cascade.v1.CascadeService") and server
+    reflection (grpc.reflection.v1 and v1alpha) are served beside this service, without an API key.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,7 +80,25 @@ class CascadeServiceStub:
 
 
 class CascadeServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The contract, for clients in any language:
+    - Every rule below is enforced by the server. A request that breaks one fails with
+    INVALID_ARGUMENT; its message starts with the field's name (e.g. "max_new_tokens must be in
+    [1, 4096], got 0"), and the status details (trailer grpc-status-details-bin, a google.rpc.Status)
+    carry a google.rpc.BadRequest whose FieldViolation.field names it. RESOURCE_EXHAUSTED and
+    UNAVAILABLE carry a google.rpc.RetryInfo. Status codes: NOT_FOUND (no such session),
+    ALREADY_EXISTS (session id taken), PERMISSION_DENIED (another key's session), ABORTED (the
+    session changed during the request: retry), UNAUTHENTICATED (missing or unknown API key),
+    CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED (over capacity), UNAVAILABLE (a tier or the
+    session store cannot be reached, or the server is shutting down: retry). A streaming call reports
+    its error the same way, as the status it ends with.
+    - 64-bit integers: every int64 here is a count that stays below 2^53, so it is exact as a
+    JavaScript number (protobuf.js / @grpc/proto-loader may still hand it over as a Long or string;
+    converting it to a Number loses nothing). seed is the one uint64 that may exceed 2^53.
+    - Token ids are in [0, V) where V is the target model's vocabulary size.
+    - Session ids match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}; a session holds at most 1,000,000 tokens.
+    - Health checking (grpc.health.v1.Health, services "" and "cascade.v1.CascadeService") and server
+    reflection (grpc.reflection.v1 and v1alpha) are served beside this service, without an API key.
+    """
 
     def Generate(self, request, context):
         """Decode one request to the end; with session_id, continue from the session's stored prefix.
@@ -134,7 +170,25 @@ def add_CascadeServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class CascadeService:
-    """Missing associated documentation comment in .proto file."""
+    """The contract, for clients in any language:
+    - Every rule below is enforced by the server. A request that breaks one fails with
+    INVALID_ARGUMENT; its message starts with the field's name (e.g. "max_new_tokens must be in
+    [1, 4096], got 0"), and the status details (trailer grpc-status-details-bin, a google.rpc.Status)
+    carry a google.rpc.BadRequest whose FieldViolation.field names it. RESOURCE_EXHAUSTED and
+    UNAVAILABLE carry a google.rpc.RetryInfo. Status codes: NOT_FOUND (no such session),
+    ALREADY_EXISTS (session id taken), PERMISSION_DENIED (another key's session), ABORTED (the
+    session changed during the request: retry), UNAUTHENTICATED (missing or unknown API key),
+    CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED (over capacity), UNAVAILABLE (a tier or the
+    session store cannot be reached, or the server is shutting down: retry). A streaming call reports
+    its error the same way, as the status it ends with.
+    - 64-bit integers: every int64 here is a count that stays below 2^53, so it is exact as a
+    JavaScript number (protobuf.js / @grpc/proto-loader may still hand it over as a Long or string;
+    converting it to a Number loses nothing). seed is the one uint64 that may exceed 2^53.
+    - Token ids are in [0, V) where V is the target model's vocabulary size.
+    - Session ids match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}; a session holds at most 1,000,000 tokens.
+    - Health checking (grpc.health.v1.Health, services "" and "cascade.v1.CascadeService") and server
+    reflection (grpc.reflection.v1 and v1alpha) are served beside this service, without an API key.
+    """
 
     @staticmethod
     def Generate(request,
