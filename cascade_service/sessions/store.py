@@ -40,6 +40,10 @@ class SessionNotFound(SessionError):
         super().__init__(f"session {session_id!r} not found")
         self.session_id = session_id
 
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        # Rebuilt from the id, not from args (the formatted message), when it crosses processes.
+        return SessionNotFound, (self.session_id,)
+
 
 class SessionExists(SessionError):
     """create() with an id already in use."""

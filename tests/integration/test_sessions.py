@@ -321,3 +321,14 @@ def test_importing_the_sessions_package_does_not_import_redis():
     probe = "import sys, cascade_service.sessions; print('redis' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_store_errors_keep_their_message_across_processes():
+    """Ray pickles a session actor's exception to the coordinator; the client must see the same text."""
+    import pickle
+
+    from cascade_service.sessions import SessionExists, SessionNotFound
+
+    for error in (SessionNotFound("s-1"), SessionExists("session 's-1' already exists")):
+        again = pickle.loads(pickle.dumps(error))
+        assert (type(again), str(again)) == (type(error), str(error))

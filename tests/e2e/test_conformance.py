@@ -1,0 +1,233 @@
+"""One gRPC contract on every frontend, as a client in another language sees it.
+
+Each frontend runs as a real `cascade-service serve` process (standalone: one process, no Ray; edge:
+our gRPC edge in front of the Ray Serve app; ray: Ray Serve's own gRPC proxy), and the same tests
+talk to it with plain generated stubs over loopback, not the SDK, so that what is checked is what
+goes over the wire: exact greedy output (the `transformers` oracle), stream == unary, sessions,
+health Check and Watch, reflection v1 and v1alpha, the same status code AND the same one-line
+message for every error on unary and streaming calls, the rich error details, deadlines, cancel, and
+SIGTERM: the process drains and exits 0 within the config's serving.shutdown_grace_s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
+
+from cascade_service.api.v1 import cascade_pb2 as pb
+from cascade_service.api.v1 import cascade_pb2_grpc
+from cascade_service.models.tiny import random_prompts
+
+from ..integration.test_oracle import _oracle
+
+FRONTENDS = ("standalone", "edge", "ray")
+GRACE_S = 3.0
+# Beyond the grace period: stopping Serve and Ray. `serve` itself gives up at grace + 60 s (exit 1).
+TEARDOWN_BOUND_S = 45.0
+
+
+@dataclass
+class Served:
+    frontend: str
+    address: str
+    process: subprocess.Popen
+    channel: grpc.Channel
+
+    @property
+    def stub(self) -> cascade_pb2_grpc.CascadeServiceStub:
+        return cascade_pb2_grpc.CascadeServiceStub(self.channel)
+
+
+@pytest.fixture(scope="module", params=FRONTENDS)
+def served(request, tiny_family, tmp_path_factory):
+    raw = {
+        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
+                  "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
+        "schedule": {"k_matrix": [[4, 2], [0, 6]], "leniency": 1.5},
+        "generation": {"max_new_tokens": 16},
+        "serving": {"torch_threads": 1, "shutdown_grace_s": GRACE_S},
+    }
+    path = tmp_path_factory.mktemp(f"conformance-{request.param}") / "service.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    # A Ray of its own for the child: it must not join a cluster this test session started.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    process = subprocess.Popen([sys.executable, "-m", "cascade_service.cli", "serve", "--config", str(path),
+                                "--grpc-port", "0", "--frontend", request.param],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True).start()  # never blocks the child
+    deadline = time.monotonic() + 300
+    line = ""
+    while "serving cascade.v1.CascadeService on" not in line:
+        assert process.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
+        line = process.stdout.readline()
+    address = line.split(" on ")[1].split()[0]
+    channel = grpc.insecure_channel(address)
+    yield Served(request.param, address, process, channel)
+    channel.close()
+    if process.poll() is None:  # the SIGTERM test did not run (e.g. -k): stop it anyway
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=GRACE_S + TEARDOWN_BOUND_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+
+
+def _error(call, *args: Any, **kwargs: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        result = call(*args, **kwargs)
+        if hasattr(result, "__iter__") and not isinstance(result, pb.GenerateResponse):
+            list(result)  # a stream fails while it is read
+    return caught.value
+
+
+def _details(error: grpc.RpcError) -> status_pb2.Status:
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            return status_pb2.Status.FromString(value)
+    raise AssertionError(f"no grpc-status-details-bin in {error.trailing_metadata()}")
+
+
+def test_greedy_output_is_the_oracles_and_a_stream_yields_the_same_tokens(served, tiny_family):
+    for prompt in random_prompts(2, 9, seed=7):
+        expected = _oracle(tiny_family["target"], prompt, 12)
+        request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=12, temperature=0)
+        reply = served.stub.Generate(request, timeout=120)
+        assert list(reply.token_ids) == expected
+        assert reply.finish_reason == "length" and reply.stats.generated_tokens == 12
+        chunks = list(served.stub.GenerateStream(request, timeout=120))
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert chunks[-1].finish_reason == "length" and chunks[-1].stats.generated_tokens == 12
+
+
+def test_health_check_and_watch(served):
+    health = health_pb2_grpc.HealthStub(served.channel)
+    for service in ("", "cascade.v1.CascadeService"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=service), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+    error = _error(health.Check, health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    watch = health.Watch(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN  # the call stays open
+    watch.cancel()
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_the_services_in_both_versions(served, version):
+    # v1 and v1alpha messages are the same on the wire; only the method path differs.
+    info = served.channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    replies = list(info(iter([reflection_pb2.ServerReflectionRequest(list_services=""),
+                              reflection_pb2.ServerReflectionRequest(file_containing_symbol="cascade.v1.CascadeService")]),
+                        timeout=30))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"cascade.v1.CascadeService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert replies[1].file_descriptor_response.file_descriptor_proto  # the client can rebuild the API
+
+
+# (request, field, message): the same status, message and field on every frontend, unary and streaming.
+BAD_REQUESTS = [
+    (pb.GenerateRequest(prompt="x", max_new_tokens=0), "max_new_tokens", "max_new_tokens must be in [1, 4096], got 0"),
+    (pb.GenerateRequest(prompt="x", temperature=-1), "temperature", "temperature must be in [0, 100], got -1.0"),
+    (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), "prompt", "prompt: give prompt or prompt_token_ids, not both"),
+    (pb.GenerateRequest(prompt="x", verification=pb.Verification(rule="lossy", beta=1.0, tune_beta=True)),
+     "verification.beta", "verification.beta: give beta or tune_beta, not both"),
+]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+def test_bad_requests_fail_with_the_same_status_message_and_field(served, streaming):
+    call = served.stub.GenerateStream if streaming else served.stub.Generate
+    for request, field, message in BAD_REQUESTS:
+        error = _error(call, request, timeout=60)
+        assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        status = _details(error)
+        assert (status.code, status.message) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], message)
+        bad = error_details_pb2.BadRequest()
+        assert [d.Unpack(bad) for d in status.details if d.Is(bad.DESCRIPTOR)] == [True]
+        assert [v.field for v in bad.field_violations] == [field]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+def test_an_unknown_session_is_not_found_in_one_line(served, streaming):
+    call = served.stub.GenerateStream if streaming else served.stub.Generate
+    error = _error(call, pb.GenerateRequest(session_id="no-such-session", prompt="x"), timeout=60)
+    assert (error.code(), error.details()) == (grpc.StatusCode.NOT_FOUND, "session_id: session 'no-such-session' not found")
+    assert _details(error).code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def test_sessions_round_trip_and_their_errors_are_one_line(served, tiny_family):
+    stub = served.stub
+    session_id = f"conformance-{served.frontend}"
+    created = stub.CreateSession(pb.CreateSessionRequest(session_id=session_id, prompt_token_ids=[5, 6, 7]), timeout=60)
+    assert (created.session_id, list(created.token_ids)) == (session_id, [5, 6, 7])
+    error = _error(stub.CreateSession, pb.CreateSessionRequest(session_id=session_id), timeout=60)
+    assert (error.code(), error.details()) == (grpc.StatusCode.ALREADY_EXISTS,
+                                               f"session_id: session {session_id!r} already exists")
+    reply = stub.Generate(pb.GenerateRequest(session_id=session_id, prompt_token_ids=[8], max_new_tokens=6,
+                                             temperature=0), timeout=120)
+    assert list(reply.token_ids) == _oracle(tiny_family["target"], [5, 6, 7, 8], 6)
+    assert reply.session_length == 10
+    stored = stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=60)
+    assert list(stored.token_ids) == [5, 6, 7, 8, *reply.token_ids] and stored.version == 1
+    assert stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=60).deleted
+    error = _error(stub.GetSession, pb.GetSessionRequest(session_id=session_id), timeout=60)
+    assert (error.code(), error.details()) == (grpc.StatusCode.NOT_FOUND, f"session_id: session {session_id!r} not found")
+
+
+def test_a_deadline_and_a_cancel_end_the_call_with_their_status(served):
+    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4096, temperature=0)
+    error = _error(served.stub.Generate, long, timeout=0.5)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stream = served.stub.GenerateStream(long, timeout=120)
+    assert next(stream).token_ids  # under way
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stream)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
+    # The service carries on.
+    reply = served.stub.Generate(pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4), timeout=120)
+    assert len(reply.token_ids) == 4
+
+
+def test_sigterm_drains_calls_in_flight_and_exits_0_within_the_grace_period(served):
+    """Runs last for each frontend: it stops the server."""
+    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4096, temperature=0)
+    stream = served.stub.GenerateStream(long, timeout=300)
+    assert next(stream).token_ids  # a call in flight
+    served.process.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    ended: grpc.StatusCode
+    try:
+        for _ in stream:
+            pass
+        ended = grpc.StatusCode.OK  # it finished within the grace period
+    except grpc.RpcError as exc:
+        ended = exc.code()
+        # A status a client can act on, with our message where the service gave one.
+        assert ended == grpc.StatusCode.UNAVAILABLE, (ended, exc.details())
+        assert "\n" not in (exc.details() or "") and "ray::" not in (exc.details() or "")
+    code = served.process.wait(timeout=GRACE_S + TEARDOWN_BOUND_S)
+    took = time.monotonic() - start
+    assert code == 0
+    assert took < GRACE_S + TEARDOWN_BOUND_S
+    assert ended in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
