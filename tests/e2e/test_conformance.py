@@ -5,8 +5,9 @@ our gRPC edge in front of the Ray Serve app; ray: Ray Serve's own gRPC proxy), a
 talk to it with plain generated stubs over loopback, not the SDK, so that what is checked is what
 goes over the wire: exact greedy output (the `transformers` oracle), stream == unary, sessions,
 health Check and Watch, reflection v1 and v1alpha, the same status code AND the same one-line
-message for every error on unary and streaming calls, the rich error details, deadlines, cancel, and
-SIGTERM: the process drains and exits 0 within the config's serving.shutdown_grace_s.
+message for every error on unary and streaming calls, the rich error details, deadlines, cancel,
+nothing listening beyond loopback, and SIGTERM: the process drains and exits 0 within the config's
+serving.shutdown_grace_s.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
+from cascade_service import procfs
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc
 from cascade_service.models.tiny import random_prompts
@@ -207,6 +209,13 @@ def test_a_deadline_and_a_cancel_end_the_call_with_their_status(served):
     # The service carries on.
     reply = served.stub.Generate(pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4), timeout=120)
     assert len(reply.token_ids) == 4
+
+
+def test_the_server_and_every_process_it_started_listen_on_loopback_only(served):
+    found = procfs.listeners(procfs.descendants(served.process.pid))
+    port = int(served.address.rsplit(":", 1)[1])
+    assert any(p == port for _, p, _ in found)  # the frontend's own port is seen
+    assert not procfs.beyond_loopback(found), procfs.beyond_loopback(found)
 
 
 def test_sigterm_drains_calls_in_flight_and_exits_0_within_the_grace_period(served):
