@@ -9,12 +9,12 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ..coordinator import Coordinator
 from .auth import ApiKeys, TlsFiles, bind, interceptors
+from .reflection import enable_reflection
 from .servicer import SERVICE_NAME, CascadeServicer
-from .v1 import cascade_pb2, cascade_pb2_grpc
+from .v1 import cascade_pb2_grpc
 
 # Calls beyond the worker threads wait in the executor's queue, which gRPC leaves unbounded; capping the
 # calls in flight turns a flood into RESOURCE_EXHAUSTED (as Serve's max_queued_requests does) instead of
@@ -23,15 +23,14 @@ MAX_QUEUED_RPCS = 64
 
 
 def add_health_and_reflection(server: grpc.Server, serving: bool) -> health.HealthServicer:
-    """grpc.health.v1 (overall and per service) and server reflection; returns the health servicer."""
+    """grpc.health.v1 (overall and per service) and server reflection (v1 and v1alpha); returns the
+    health servicer."""
     checker = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", SERVICE_NAME):
         checker.set(name, status)
-    names = (cascade_pb2.DESCRIPTOR.services_by_name["CascadeService"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    enable_reflection(server)
     return checker
 
 

@@ -52,6 +52,7 @@ COORDINATOR = "coordinator"
 GRPC_SERVICER_FUNCTIONS = [
     "cascade_service.api.v1.cascade_pb2_grpc.add_CascadeServiceServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "cascade_service.api.reflection.add_reflection_v1",  # Ray's proxy serves v1alpha itself
 ]
 # Local default: tiers take turns within a request, so a fraction of a CPU each lets the whole app
 # fit a 2-core machine; a cluster config gives real resources per deployment. Passive OpenMP waits:

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
@@ -138,12 +139,19 @@ def test_reflection_lists_the_services_in_both_versions(served, version):
                                         request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
                                         response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
     replies = list(info(iter([reflection_pb2.ServerReflectionRequest(list_services=""),
-                              reflection_pb2.ServerReflectionRequest(file_containing_symbol="cascade.v1.CascadeService")]),
+                              reflection_pb2.ServerReflectionRequest(file_containing_symbol="cascade.v1.CascadeService"),
+                              reflection_pb2.ServerReflectionRequest(file_containing_symbol=f"grpc.reflection.{version}"
+                                                                                            ".ServerReflection"),
+                              reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.Such")]),
                         timeout=30))
     names = {s.name for s in replies[0].list_services_response.service}
     assert {"cascade.v1.CascadeService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
             "grpc.reflection.v1alpha.ServerReflection"} <= names
-    assert replies[1].file_descriptor_response.file_descriptor_proto  # the client can rebuild the API
+    api = descriptor_pb2.FileDescriptorProto.FromString(replies[1].file_descriptor_response.file_descriptor_proto[0])
+    assert api.name == "cascade/v1/cascade.proto" and "GenerateRequest" in [m.name for m in api.message_type]
+    itself = descriptor_pb2.FileDescriptorProto.FromString(replies[2].file_descriptor_response.file_descriptor_proto[0])
+    assert itself.package == f"grpc.reflection.{version}"
+    assert replies[3].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 # (request, field, message): the same status, message and field on every frontend, unary and streaming.
