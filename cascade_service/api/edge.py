@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from .auth import ApiKeys, TlsFiles, bind, interceptors, owner_of
 from .server import MAX_QUEUED_RPCS, add_health_and_reflection
+from .status import abort
 from .servicer import SERVICE_NAME
 from .v1 import cascade_pb2 as pb
 from .v1 import cascade_pb2_grpc
@@ -62,6 +63,7 @@ class RecordingContext:
     def __init__(self, owner: str = "") -> None:
         self.code = grpc.StatusCode.OK
         self.details = ""
+        self.trailing: tuple = ()
         self.cascade_owner = owner  # api.auth.OWNER_ATTR
 
     def set_code(self, code: grpc.StatusCode) -> None:
@@ -72,6 +74,10 @@ class RecordingContext:
 
     def invocation_metadata(self) -> tuple:
         return ()
+
+    def set_trailing_metadata(self, metadata: tuple) -> None:
+        # The details trailer is a function of code and message (api.status): the edge rebuilds it.
+        self.trailing = metadata
 
 
 def _time_left(context: grpc.ServicerContext) -> float | None:
@@ -84,7 +90,7 @@ def _time_left(context: grpc.ServicerContext) -> float | None:
 def _finish(context: grpc.ServicerContext, code_name: str, details: str) -> bool:
     if code_name == "OK":
         return False
-    context.abort(grpc.StatusCode[code_name], details)
+    abort(context, grpc.StatusCode[code_name], details)  # with the same rich details as the coordinator's
     return True
 
 

@@ -9,7 +9,8 @@ describe v1 itself.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool

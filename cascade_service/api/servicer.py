@@ -19,6 +19,7 @@ from ..core.stats import CascadeStats, TierCounters
 from ..core.verify import Verification
 from ..sessions import SessionConflict, SessionExists, SessionForbidden, SessionNotFound, StoreUnavailable
 from .auth import owner_of
+from .status import set_status
 from .v1 import cascade_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -197,10 +198,9 @@ def _require_id(session_id: str) -> None:
 
 def fail(context: Any, exc: BaseException, empty: Any) -> Any:
     """Report `exc` on `context` as a status (code and message) and return `empty`: a servicer returns
-    rather than raises, since a raised exception would reach the client as INTERNAL."""
-    code, details = status_for(exc)
-    context.set_code(code)
-    context.set_details(details)
+    rather than raises, since a raised exception would reach the client as INTERNAL. The rich error
+    details go with it (`api.status`)."""
+    set_status(context, *status_for(exc))
     return empty
 
 

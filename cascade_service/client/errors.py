@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+DETAILS_KEY = "grpc-status-details-bin"
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """A request field the server refused, and why (google.rpc.BadRequest.FieldViolation)."""
+
+    field: str  # e.g. "max_new_tokens", "verification.alpha"
+    description: str
 
 
 class CascadeError(Exception):
-    """A failed call to cascade-service: `.code` is the grpc.StatusCode, `.details` the server's message."""
+    """A failed call to cascade-service: `.code` is the grpc.StatusCode, `.details` the server's message.
 
-    def __init__(self, code: grpc.StatusCode, details: str = ""):
-        # args stay (code, details) so the exception pickles and re-raises across processes.
-        super().__init__(code, details)
+    From the rich error details the server sends: `.field_violations` (INVALID_ARGUMENT: the fields at
+    fault) and `.retry_delay_s` (RESOURCE_EXHAUSTED, UNAVAILABLE: how long to wait before retrying).
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str = "", field_violations: tuple[FieldViolation, ...] = (),
+                 retry_delay_s: float | None = None):
+        # Every attribute is in args, so the exception pickles and re-raises across processes.
+        super().__init__(code, details, tuple(field_violations), retry_delay_s)
         self.code = code
         self.details = details
+        self.field_violations = tuple(field_violations)
+        self.retry_delay_s = retry_delay_s
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.details}" if self.details else self.code.name
@@ -84,4 +105,27 @@ def from_rpc_error(e: grpc.RpcError) -> CascadeError:
     code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
     details = e.details() if callable(getattr(e, "details", None)) else str(e)
     code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-    return _BY_CODE.get(code, CascadeError)(code, details or "")
+    violations, delay = rich_details(e)
+    return _BY_CODE.get(code, CascadeError)(code, details or "", violations, delay)
+
+
+def rich_details(e: Any) -> tuple[tuple[FieldViolation, ...], float | None]:
+    """(field violations, retry delay in seconds) from a failed call's `grpc-status-details-bin`
+    trailer; ((), None) when there is none or it cannot be read (never raises)."""
+    try:
+        trailing = e.trailing_metadata() if callable(getattr(e, "trailing_metadata", None)) else None
+        raw = next((value for key, value in (trailing or ()) if key == DETAILS_KEY), None)
+        if raw is None:
+            return (), None
+        status = status_pb2.Status.FromString(raw)
+        violations: list[FieldViolation] = []
+        delay = None
+        for detail in status.details:
+            bad, retry = error_details_pb2.BadRequest(), error_details_pb2.RetryInfo()
+            if detail.Unpack(bad):
+                violations += [FieldViolation(v.field, v.description) for v in bad.field_violations]
+            elif detail.Unpack(retry):
+                delay = retry.retry_delay.ToNanoseconds() / 1e9
+        return tuple(violations), delay
+    except Exception:  # noqa: BLE001 - a malformed trailer must not hide the error itself
+        return (), None

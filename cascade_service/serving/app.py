@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 APP_NAME = "cascade"
 COORDINATOR = "coordinator"
 GRPC_SERVICER_FUNCTIONS = [
-    "cascade_service.api.v1.cascade_pb2_grpc.add_CascadeServiceServicer_to_server",
+    "cascade_service.api.proxy.add_cascade_service",  # with the rich error details on streams
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
     "cascade_service.api.reflection.add_reflection_v1",  # Ray's proxy serves v1alpha itself
 ]

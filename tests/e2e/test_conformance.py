@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from cascade_service import procfs
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc
+from cascade_service.client import CascadeClient, errors
 from cascade_service.models.tiny import random_prompts
 
 from ..integration.test_oracle import _oracle
@@ -175,6 +176,15 @@ def test_bad_requests_fail_with_the_same_status_message_and_field(served, stream
         bad = error_details_pb2.BadRequest()
         assert [d.Unpack(bad) for d in status.details if d.Is(bad.DESCRIPTOR)] == [True]
         assert [v.field for v in bad.field_violations] == [field]
+
+
+def test_the_sdk_exposes_the_field_violations(served):
+    _, field, message = BAD_REQUESTS[0]
+    with CascadeClient(served.address, timeout_s=60) as client:
+        for call in (lambda: client.generate("x", max_new_tokens=0), lambda: list(client.stream("x", max_new_tokens=0))):
+            with pytest.raises(errors.InvalidArgument) as caught:
+                call()
+            assert caught.value.field_violations == (errors.FieldViolation(field, message),)
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])

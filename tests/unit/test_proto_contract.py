@@ -25,8 +25,8 @@ REQUESTS = ("GenerateRequest", "Verification", "CreateSessionRequest", "GetSessi
 @pytest.fixture(scope="module")
 def described() -> descriptor_pb2.FileDescriptorProto:
     """The proto compiled with its comments (source info), as protoc hands it to other languages' plugins."""
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
