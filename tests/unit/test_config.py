@@ -102,3 +102,17 @@ def test_an_expanded_redis_url_of_the_wrong_scheme_is_refused_without_echoing_it
     with pytest.raises(ConfigError, match=r"serving\.redis_url must be a redis://") as caught:
         parse_config(raw)
     assert "hunter2" not in str(caught.value)
+
+
+@pytest.mark.parametrize("grace", [-1, "x", True, 3601, None])
+def test_shutdown_grace_must_be_seconds_in_range(grace):
+    with pytest.raises(ConfigError, match=r"serving.shutdown_grace_s must be a number of seconds in \[0, 3600\]"):
+        parse_config({**_raw(), "serving": {"shutdown_grace_s": grace}})
+
+
+def test_shutdown_grace_defaults_to_ten_seconds_and_becomes_each_replicas_graceful_timeout():
+    from cascade_service.serving.app import _options
+
+    assert parse_config(_raw()).serving.shutdown_grace_s == 10.0
+    serving = parse_config({**_raw(), "serving": {"shutdown_grace_s": 2.5}}).serving
+    assert _options(serving, "coordinator", local=False)["graceful_shutdown_timeout_s"] == 2.5
