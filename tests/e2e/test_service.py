@@ -242,25 +242,6 @@ def test_health_is_serving(client):
     assert client.health() == "SERVING"
 
 
-def test_the_methods_rays_grpc_proxy_calls_answer(tiny_family, service):
-    # On a cluster Ray Serve's gRPC proxy calls the coordinator's methods by RPC name with the request
-    # message and a grpc_context (the proxy itself binds every interface, so it is not started here).
-    from ray import serve
-
-    from cascade_service.api.edge import RecordingContext
-    from cascade_service.api.v1 import cascade_pb2 as pb
-
-    handle = serve.get_app_handle(APP_NAME)
-    context = RecordingContext()
-    reply = handle.Generate.remote(pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=5),
-                                   grpc_context=context).result()
-    assert list(reply.token_ids) == _oracle(tiny_family["target"], PROMPTS[0], 5)
-    chunks = list(handle.options(stream=True).GenerateStream.remote(
-        pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=5), grpc_context=RecordingContext()))
-    assert [t for c in chunks for t in c.token_ids] == list(reply.token_ids)
-    assert handle.Check.remote(None).result().status == 1  # grpc.health.v1 SERVING
-
-
 # Last in this module: it replaces the module's app with its own.
 def test_every_listener_of_the_local_service_binds_loopback(service, client):
     """Ray, Serve replicas and our edge: no socket of this process tree listens beyond 127.0.0.1."""

@@ -328,26 +328,36 @@ def test_config_access_fields_are_paths_relative_to_the_config(config_file, tmp_
 
 
 class ProxyContext:
-    """What Ray's proxy hands the coordinator's methods: metadata in, status out."""
+    """What Ray's proxy hands the coordinator's methods (a RayServegRPCContext's interface): metadata
+    in, status out."""
 
     def __init__(self, key: str | None = None):
         self.metadata = [("authorization", f"Bearer {key}")] if key else []
-        self.code, self.details = None, ""
+        self._code, self._details, self.trailing = None, "", ()
 
     def invocation_metadata(self):
         return self.metadata
 
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
     def set_code(self, code):
-        self.code = code
+        self._code = code
 
     def set_details(self, details):
-        self.details = details
+        self._details = details
+
+    def set_trailing_metadata(self, metadata):
+        self.trailing = metadata
 
 
 def test_the_coordinator_checks_keys_of_calls_from_rays_proxy(coordinator, config_file, keys_file, tmp_path):
     import asyncio
 
-    from cascade_service.serving.app import CoordinatorDeployment
+    from cascade_service.serving.app import CoordinatorDeployment, StreamFailed
 
     configured = tmp_path / "keys.yaml"
     configured.write_text(config_file.read_text() + f"serving:\n  api_keys_file: {keys_file}\n")
@@ -360,13 +370,17 @@ def test_the_coordinator_checks_keys_of_calls_from_rays_proxy(coordinator, confi
     request = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=3)
     for context in (ProxyContext(), ProxyContext("wrong-key-xyz")):
         assert not asyncio.run(deployment.Generate(request, context)).token_ids
-        assert context.code == grpc.StatusCode.UNAUTHENTICATED and "wrong-key-xyz" not in context.details
-        assert asyncio.run(stream(request, ProxyContext())) == []
+        assert context.code() == grpc.StatusCode.UNAUTHENTICATED and "wrong-key-xyz" not in context.details()
+        streamed = ProxyContext("wrong-key-xyz")
+        # A stream ends by raising, with the code set, so that Ray's proxy reports it (not OK and empty).
+        with pytest.raises(StreamFailed):
+            asyncio.run(stream(request, streamed))
+        assert streamed.code() == grpc.StatusCode.UNAUTHENTICATED
     a, b = ProxyContext(KEY_A), ProxyContext(KEY_B)
     session = asyncio.run(deployment.CreateSession(pb.CreateSessionRequest(prompt_token_ids=PROMPT), a))
-    assert a.code is None and coordinator.store.get(session.session_id).owner == owner_id(KEY_A)
+    assert a.code() is None and coordinator.store.get(session.session_id).owner == owner_id(KEY_A)
     asyncio.run(deployment.GetSession(pb.GetSessionRequest(session_id=session.session_id), b))
-    assert b.code == grpc.StatusCode.PERMISSION_DENIED and session.session_id in b.details
+    assert b.code() == grpc.StatusCode.PERMISSION_DENIED and session.session_id in b.details()
     assert len(asyncio.run(deployment.Generate(request, ProxyContext(KEY_B))).token_ids) == 3
 
 
