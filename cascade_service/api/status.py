@@ -82,7 +82,9 @@ def set_status(context: Any, code: grpc.StatusCode, message: str) -> None:
     RecordingContext); the call then ends with them once the handler returns."""
     context.set_code(code)
     context.set_details(message)
-    context.set_trailing_metadata(((DETAILS_KEY, rich_status(code, message).SerializeToString()),))
+    # A list, not a tuple: Ray Serve's context prepends its request_id entry with `list + ours`, which a
+    # tuple makes a TypeError (grpc's own contexts take either).
+    context.set_trailing_metadata([(DETAILS_KEY, rich_status(code, message).SerializeToString())])
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
