@@ -4,7 +4,10 @@ may reach it (API keys, TLS, loopback)."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from .cli_parser import UsageError
@@ -36,8 +39,6 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import threading
-
     config = load_config(args.config)
     api_keys, tls = serve_access(args, config)
     port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
@@ -85,9 +86,6 @@ TEARDOWN_S = 60.0
 
 def _stop_on_signals(stop: Any) -> None:
     """SIGTERM and SIGINT set `stop` (the caller drains and exits 0); a second one exits at once (1)."""
-    import os
-    import signal
-
     def handle(signum: int, frame: Any) -> None:
         if stop.is_set():
             print("stopping now (second signal)", file=sys.stderr, flush=True)
@@ -100,9 +98,6 @@ def _stop_on_signals(stop: Any) -> None:
 
 def _stopping(grace_s: float) -> None:
     """Announce the drain and bound it: past grace_s + TEARDOWN_S the process exits with status 1."""
-    import os
-    import threading
-
     print(f"stopping: draining calls in flight for up to {grace_s:g} s", file=sys.stderr, flush=True)
 
     def give_up() -> None:

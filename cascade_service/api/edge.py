@@ -19,7 +19,6 @@ from grpc_health.v1 import health_pb2
 from .auth import ApiKeys, TlsFiles, bind, interceptors, owner_of
 from .server import MAX_QUEUED_RPCS, add_health_and_reflection
 from .status import abort
-from .servicer import SERVICE_NAME
 from .v1 import cascade_pb2 as pb
 from .v1 import cascade_pb2_grpc
 
@@ -63,7 +62,6 @@ class RecordingContext:
     def __init__(self, owner: str = "") -> None:
         self.code = grpc.StatusCode.OK
         self.details = ""
-        self.trailing: tuple = ()
         self.cascade_owner = owner  # api.auth.OWNER_ATTR
 
     def set_code(self, code: grpc.StatusCode) -> None:
@@ -75,9 +73,9 @@ class RecordingContext:
     def invocation_metadata(self) -> tuple:
         return ()
 
-    def set_trailing_metadata(self, metadata: tuple) -> None:
-        # The details trailer is a function of code and message (api.status): the edge rebuilds it.
-        self.trailing = metadata
+    def set_trailing_metadata(self, metadata: list) -> None:
+        """Dropped: the details trailer is a function of code and message (api.status), which the
+        edge forwards and rebuilds it from."""
 
 
 def _time_left(context: grpc.ServicerContext) -> float | None:
@@ -144,12 +142,6 @@ def start_edge(backend: Backend, host: str = "127.0.0.1", port: int = 0, workers
     bound = bind(server, host, port, tls)
     server.start()
     return server, bound, checker
-
-
-def set_serving(checker: Any, serving: bool) -> None:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        checker.set(name, status)
 
 
 def health_request() -> Any:

@@ -31,5 +31,14 @@ def watch_reply(service: str, serving: bool) -> Any:
 
 
 def status_reply(serving: bool) -> Any:
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    return health_pb2.HealthCheckResponse(status=status)
+    return health_pb2.HealthCheckResponse(status=serving_status(serving))
+
+
+def serving_status(serving: bool) -> Any:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def set_serving(checker: Any, serving: bool) -> None:
+    """Set a grpc_health servicer's status for every service it answers for."""
+    for name in HEALTH_SERVICES:
+        checker.set(name, serving_status(serving))

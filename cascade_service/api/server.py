@@ -8,12 +8,13 @@ from __future__ import annotations
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from ..coordinator import Coordinator
 from .auth import ApiKeys, TlsFiles, bind, interceptors
+from .health import set_serving
 from .reflection import enable_reflection
-from .servicer import SERVICE_NAME, CascadeServicer
+from .servicer import CascadeServicer
 from .v1 import cascade_pb2_grpc
 
 # Calls beyond the worker threads wait in the executor's queue, which gRPC leaves unbounded; capping the
@@ -27,9 +28,7 @@ def add_health_and_reflection(server: grpc.Server, serving: bool) -> health.Heal
     health servicer."""
     checker = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        checker.set(name, status)
+    set_serving(checker, serving)
     enable_reflection(server)
     return checker
 

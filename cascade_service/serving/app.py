@@ -214,7 +214,7 @@ class CoordinatorDeployment:
             with self._calls.admit():
                 return await run_bridged(_serve, await self._servicer_ready(), method, request, context)
         except _Stopped as exc:
-            fail(grpc_context, exc.status, None)
+            fail(grpc_context, exc, None)
             return UNARY[method][1]()
 
     async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
@@ -229,7 +229,7 @@ class CoordinatorDeployment:
                     async for chunk in iterate_bridged(lambda: servicer.GenerateStream(request, context)):
                         yield chunk
             except _Stopped as exc:
-                fail(grpc_context, exc.status, None)
+                fail(grpc_context, exc, None)
         _raise_if_failed(grpc_context)
 
     async def CreateSession(self, request, grpc_context):  # noqa: N802
@@ -258,7 +258,7 @@ class CoordinatorDeployment:
 
                 return await run_bridged(run)
         except _Stopped as exc:
-            return _reply(exc.status)
+            return _reply(exc)
 
     async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
         context = RecordingContext(owner)
@@ -269,7 +269,7 @@ class CoordinatorDeployment:
                 async for chunk in iterate_bridged(chunks):
                     yield "OK", "", chunk.SerializeToString()
         except _Stopped as exc:
-            yield _reply(exc.status)
+            yield _reply(exc)
             return
         if context.code.name != "OK":
             yield context.code.name, context.details, b""
@@ -312,12 +312,11 @@ class CoordinatorDeployment:
             return False
 
 
-class _Stopped(Exception):
+class _Stopped(Unavailable):
     """A call refused or cancelled because the coordinator is draining (CoordinatorDeployment.drain)."""
 
-    def __init__(self, status: Exception):
-        super().__init__(str(status))
-        self.status = status
+    def __init__(self) -> None:
+        super().__init__("the service is shutting down; retry the request")
 
 
 class _Calls:
@@ -335,7 +334,7 @@ class _Calls:
     def admit(self) -> Iterator[None]:
         """Run one call; _Stopped when draining (before it starts, or once drain cancels it)."""
         if self.stopping:
-            raise _Stopped(Unavailable(SHUTTING_DOWN))
+            raise _Stopped()
         task = asyncio.current_task()
         assert task is not None
         self.tasks.add(task)
@@ -344,7 +343,7 @@ class _Calls:
         except asyncio.CancelledError:
             if not self.stopping:
                 raise  # the caller hung up or ran out of time: Serve's own cancel
-            raise _Stopped(Unavailable(SHUTTING_DOWN)) from None
+            raise _Stopped() from None
         finally:
             self.tasks.discard(task)
 
@@ -359,9 +358,6 @@ class _Calls:
         while self.tasks:  # each ends with its status before the replica stops
             await asyncio.sleep(0.01)
         return len(left)
-
-
-SHUTTING_DOWN = "the service is shutting down; retry the request"
 
 
 def _reply(exc: Exception) -> Reply:

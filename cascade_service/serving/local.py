@@ -14,11 +14,14 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import ApiKeys, TlsFiles
-from ..api.edge import Reply, health_request, is_serving, set_serving, start_edge
+from ..api.edge import Reply, health_request, is_serving, start_edge
+from ..api.health import set_serving
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
 from .session_actor import RAY_NAMESPACE
+
+log = logging.getLogger(__name__)
 
 
 class HandleBackend:
@@ -196,7 +199,7 @@ class LocalService:
             # a status before Serve stops it (Serve's own deadline would kill the replica mid-call).
             self._handle().drain.remote(0.0 if self.frontend == "edge" else grace_s).result(timeout_s=grace_s + 30)
         except Exception:  # noqa: BLE001 - no app (never started, or already gone): nothing to drain
-            pass
+            log.debug("no coordinator to drain", exc_info=True)
         try:
             serve.delete(APP_NAME)
         except Exception:  # noqa: BLE001 - stopping is best effort
