@@ -9,8 +9,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-from cascade_service.api.status import DETAILS_KEY, field_of, rich_status
-from cascade_service.client import errors
+from cascade_service.api.status import DETAILS_KEY, RETRY_DELAY_S, field_of, rich_status
+from cascade_service.client import errors, sync
 
 # Messages the server sends, as the code writes them, and the field each names.
 MESSAGES = [
@@ -88,3 +88,18 @@ def test_the_sdk_reads_field_violations_and_retry_delay_and_survives_a_bad_trail
     for trailing in ((), None, ((DETAILS_KEY, b"\xff not a status"),)):
         error = errors.from_rpc_error(_Failed(grpc.StatusCode.INVALID_ARGUMENT, "x", trailing))
         assert (error.field_violations, error.retry_delay_s) == ((), None)
+
+
+def test_the_sdk_sleeps_as_retry_info_says_within_its_bounds():
+    unavailable = rich_status(grpc.StatusCode.UNAVAILABLE, "the store is restarting").SerializeToString()
+    hinted = _Failed(grpc.StatusCode.UNAVAILABLE, "x", ((DETAILS_KEY, unavailable),))
+    assert sync.retry_delay_s(hinted, 0.05, None) == pytest.approx(RETRY_DELAY_S[grpc.StatusCode.UNAVAILABLE])
+    assert sync.retry_delay_s(hinted, 0.05, 0.5) == 0.5  # never longer than one try's timeout
+    assert sync.retry_delay_s(_Failed(grpc.StatusCode.UNAVAILABLE, "x", ()), 0.05, None) == 0.05  # no hint
+    far = error_details_pb2.RetryInfo()
+    far.retry_delay.FromSeconds(3600)
+    status = rich_status(grpc.StatusCode.UNAVAILABLE, "x")
+    del status.details[:]
+    status.details.add().Pack(far)
+    assert sync.retry_delay_s(_Failed(grpc.StatusCode.UNAVAILABLE, "x", ((DETAILS_KEY, status.SerializeToString()),)),
+                              0.05, None) == sync.MAX_RETRY_DELAY_S
