@@ -75,9 +75,9 @@ class RecordingContext:
     def invocation_metadata(self) -> tuple:
         return ()
 
-    def set_trailing_metadata(self, metadata: tuple) -> None:
+    def set_trailing_metadata(self, metadata: Any) -> None:
         # The details trailer is a function of code and message (api.status): the edge rebuilds it.
-        self.trailing = metadata
+        self.trailing = tuple(metadata)
 
 
 def _time_left(context: grpc.ServicerContext) -> float | None:

@@ -82,11 +82,14 @@ def set_status(context: Any, code: grpc.StatusCode, message: str) -> None:
     RecordingContext); the call then ends with them once the handler returns."""
     context.set_code(code)
     context.set_details(message)
-    context.set_trailing_metadata(((DETAILS_KEY, rich_status(code, message).SerializeToString()),))
+    # A list, not a tuple: Ray Serve's context prepends its request_id entry with `list + ours`, which a
+    # tuple makes a TypeError (grpc's own contexts take either).
+    context.set_trailing_metadata([(DETAILS_KEY, rich_status(code, message).SerializeToString())])
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """End the call now with code, message and the details trailer (raises, as context.abort does)."""
+    """End the call now with code, message and the details trailer (raises, as context.abort does).
+    For grpc's synchronous contexts: on an asyncio one, abort_with_status is a coroutine to await."""
     context.abort_with_status(rpc_status.to_status(rich_status(code, message)))
 
 

@@ -187,3 +187,59 @@ def test_the_sdk_sleeps_as_retry_info_says_within_its_bounds():
     status.details.add().Pack(far)
     assert sync.retry_delay_s(_Failed(grpc.StatusCode.UNAVAILABLE, "x", ((DETAILS_KEY, status.SerializeToString()),)),
                               0.05, None) == sync.MAX_RETRY_DELAY_S
+
+
+class _ProxyContext:
+    """What Ray's proxy hands to RayServegRPCContext: grpc.aio's servicer context, its request_id set."""
+
+    def __init__(self) -> None:
+        self.set, self.trailing = {}, [("request_id", "r-1")]
+
+    def auth_context(self):
+        return {}
+
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
+    def peer_identities(self):
+        return None
+
+    def peer_identity_key(self):
+        return None
+
+    def trailing_metadata(self):
+        return self.trailing
+
+    def set_trailing_metadata(self, metadata):
+        self.trailing = list(metadata)
+
+    def code(self):
+        return self.set.get("code")
+
+    def details(self):
+        return self.set.get("details", "")
+
+    def set_code(self, code):
+        self.set["code"] = code
+
+    def set_details(self, details):
+        self.set["details"] = details
+
+
+def test_a_servicer_failing_on_ray_serves_context_sets_the_trailer_the_proxy_forwards():
+    from ray.serve.grpc_util import RayServegRPCContext
+
+    from cascade_service.api.servicer import fail
+
+    replica = RayServegRPCContext(_ProxyContext())
+    message = "max_new_tokens must be in [1, 4096], got 0"
+    # The servicer reports and returns (a raise would end the call through Ray's error path instead).
+    assert fail(replica, ValueError(message), "empty") == "empty"
+    proxy = _ProxyContext()
+    replica._set_on_grpc_context(proxy)  # what Ray's proxy does with the replica's context of a unary call
+    details = rich_status(grpc.StatusCode.INVALID_ARGUMENT, message).SerializeToString()
+    assert (proxy.code(), proxy.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert proxy.trailing == [("request_id", "r-1"), (DETAILS_KEY, details)]
