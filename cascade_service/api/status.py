@@ -88,7 +88,8 @@ def set_status(context: Any, code: grpc.StatusCode, message: str) -> None:
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """End the call now with code, message and the details trailer (raises, as context.abort does)."""
+    """End the call now with code, message and the details trailer (raises, as context.abort does).
+    For grpc's synchronous contexts: on an asyncio one, abort_with_status is a coroutine to await."""
     context.abort_with_status(rpc_status.to_status(rich_status(code, message)))
 
 

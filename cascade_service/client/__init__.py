@@ -5,7 +5,9 @@
         print(client.generate("def f():", max_new_tokens=64).text)
 
 AsyncCascadeClient has the same methods as coroutines (`async for` over stream()). Failures raise
-errors.CascadeError subclasses; get_session and health retry UNAVAILABLE, nothing else retries.
+errors.CascadeError subclasses, with the server's rich error details (`field_violations`,
+`retry_delay_s`); get_session and health retry UNAVAILABLE (after the server's RetryInfo delay when it
+sends one), nothing else retries.
 """
 
 from cascade_service.client import errors

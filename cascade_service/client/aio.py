@@ -23,6 +23,7 @@ from cascade_service.client.sync import (
     generate_request,
     is_retryable,
     result_from,
+    retry_delay_s,
     session_from,
 )
 
@@ -153,6 +154,6 @@ class AsyncCascadeClient:
                 return await rpc(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
             except grpc.RpcError as e:
                 if attempt < len(delays) and is_retryable(e):
-                    await asyncio.sleep(delays[attempt])
+                    await asyncio.sleep(retry_delay_s(e, delays[attempt], self._deadline(timeout_s)))
                     continue
                 raise errors.from_rpc_error(e) from e

@@ -20,6 +20,10 @@ from cascade_service.client import errors
 # Sleeps between tries of an idempotent call (get_session, health) that failed with UNAVAILABLE:
 # 3 tries in all. Other calls decode or mutate a session, so they are never retried automatically.
 RETRY_DELAYS_S = (0.05, 0.2)
+# A server that says how long to wait (google.rpc.RetryInfo on UNAVAILABLE; api/status.py) knows the
+# cause, e.g. a restarting tier needs longer than a dropped connection, so its hint replaces the
+# default sleep; bounded, so that a hint cannot stall the caller for long.
+MAX_RETRY_DELAY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,16 @@ def channel_credentials(tls: bool, root_certificates: bytes | None) -> grpc.Chan
 
 def is_retryable(e: grpc.RpcError) -> bool:
     return callable(getattr(e, "code", None)) and e.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def retry_delay_s(e: grpc.RpcError, default_s: float, timeout_s: float | None) -> float:
+    """Seconds to sleep before retrying after `e`: the server's RetryInfo when it sent one, at most
+    MAX_RETRY_DELAY_S and never longer than one try's own timeout; otherwise `default_s`."""
+    _, hinted = errors.rich_details(e)
+    if hinted is None:
+        return default_s
+    bound = MAX_RETRY_DELAY_S if timeout_s is None else min(MAX_RETRY_DELAY_S, timeout_s)
+    return min(max(hinted, 0.0), bound)
 
 
 # ---- the blocking client ----
@@ -274,6 +288,6 @@ class CascadeClient:
                 return rpc(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
             except grpc.RpcError as e:
                 if attempt < len(delays) and is_retryable(e):
-                    time.sleep(delays[attempt])
+                    time.sleep(retry_delay_s(e, delays[attempt], self._deadline(timeout_s)))
                     continue
                 raise errors.from_rpc_error(e) from e

@@ -2,16 +2,21 @@
 
 Greedy output through the API equals `transformers` greedy `generate()` of the target (the oracle);
 streaming yields the same tokens; sessions continue from their stored prefix; every bad field is
-INVALID_ARGUMENT (or NOT_FOUND) with a message naming it; health checking and reflection answer.
+INVALID_ARGUMENT (or NOT_FOUND) with a message naming it, and the rich error details trailer with a
+FieldViolation for that field; health checking and reflection answer.
 """
 
 from __future__ import annotations
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cascade_service.api.server import start_server
+from cascade_service.api.status import DETAILS_KEY
+from cascade_service.api.v1 import cascade_pb2 as pb
+from cascade_service.api.v1 import cascade_pb2_grpc
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.cascade import Lookup
@@ -33,11 +38,22 @@ def engine(tiny_family):
 
 
 @pytest.fixture(scope="module")
-def client(engine):
+def address(engine):
     server, port = start_server(engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=24)))
-    with CascadeClient(f"127.0.0.1:{port}", timeout_s=60) as c:
-        yield c
+    yield f"127.0.0.1:{port}"
     server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def client(address):
+    with CascadeClient(address, timeout_s=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stub(address):
+    with grpc.insecure_channel(address) as channel:
+        yield cascade_pb2_grpc.CascadeServiceStub(channel)
 
 
 def test_greedy_generate_equals_transformers_and_streaming_yields_the_same(tiny_family, client):
@@ -101,17 +117,69 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
     ({"prompt_token_ids": [1, 2], "stop_threshold": 0.5}, "stop_threshold: no tier"),
 ])
 def test_bad_fields_are_invalid_argument_naming_the_field(client, kwargs, field):
-    with pytest.raises(errors.InvalidArgument, match=field.replace(".", r"\.")):
-        client.generate(**kwargs)
-    with pytest.raises(errors.InvalidArgument, match=field.replace(".", r"\.")):
-        list(client.stream(**kwargs))
+    name = field.split(":")[0]  # the field path, without the rest of the message matched
+    for call in (lambda: client.generate(**kwargs), lambda: list(client.stream(**kwargs))):
+        with pytest.raises(errors.InvalidArgument, match=field.replace(".", r"\.")) as caught:
+            call()
+        assert caught.value.field_violations == (errors.FieldViolation(name, caught.value.details),)
+
+
+# (request, field, message), on the wire: the trailer as any gRPC client in any language reads it.
+BAD_REQUESTS = [
+    (pb.GenerateRequest(prompt="x", max_new_tokens=0), "max_new_tokens", "max_new_tokens must be in [1, 4096], got 0"),
+    (pb.GenerateRequest(prompt="x", temperature=-1), "temperature", "temperature must be in [0, 100], got -1.0"),
+    (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), "prompt", "prompt: give prompt or prompt_token_ids, not both"),
+    (pb.GenerateRequest(prompt="x", verification=pb.Verification(rule="lossy", beta=1.0, tune_beta=True)),
+     "verification.beta", "verification.beta: give beta or tune_beta, not both"),
+]
+
+
+def _failed(call, request) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        reply = call(request, timeout=60)
+        if not isinstance(reply, pb.GenerateResponse):
+            list(reply)  # a stream fails while it is read
+    return caught.value
+
+
+def _details(error: grpc.RpcError) -> status_pb2.Status:
+    raw = [value for key, value in error.trailing_metadata() or () if key == DETAILS_KEY]
+    assert len(raw) == 1, error.trailing_metadata()
+    return status_pb2.Status.FromString(raw[0])
+
+
+def _violations(status: status_pb2.Status) -> list[str]:
+    bad = error_details_pb2.BadRequest()
+    return [v.field for d in status.details if d.Unpack(bad) for v in bad.field_violations]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+def test_bad_requests_carry_a_status_trailer_with_the_field(stub, streaming):
+    call = stub.GenerateStream if streaming else stub.Generate
+    for request, field, message in BAD_REQUESTS:
+        error = _failed(call, request)
+        assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        status = _details(error)
+        assert (status.code, status.message) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], message)
+        assert len(status.details) == 1 and _violations(status) == [field]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+def test_an_unknown_session_carries_a_trailer_without_a_field_violation(stub, streaming):
+    call = stub.GenerateStream if streaming else stub.Generate
+    error = _failed(call, pb.GenerateRequest(prompt="x", session_id="no-such-session"))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    status = _details(error)
+    assert (status.code, status.message) == (grpc.StatusCode.NOT_FOUND.value[0], error.details())
+    assert list(status.details) == []
 
 
 def test_unknown_session_is_not_found_and_the_server_keeps_answering(tiny_family, client):
     with pytest.raises(errors.NotFound, match="session_id"):
         client.generate(prompt_token_ids=[1, 2], session_id="no-such-session")
-    with pytest.raises(errors.InvalidArgument, match="session_id"):
+    with pytest.raises(errors.InvalidArgument, match="session_id") as caught:
         client.get_session("")
+    assert caught.value.field_violations == (errors.FieldViolation("session_id", "session_id: required"),)
     assert client.generate(prompt_token_ids=PROMPT, max_new_tokens=5).token_ids == _oracle(tiny_family["target"], PROMPT, 5)
 
 

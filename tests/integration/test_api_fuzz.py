@@ -1,8 +1,9 @@
 """Property-based bad input (hypothesis): random and malformed GenerateRequests over real gRPC.
 
 Every answer is either a valid result (token ids inside the vocabulary, no more than the request's
-budget) or INVALID_ARGUMENT / NOT_FOUND with a message naming a request field; never INTERNAL,
-UNKNOWN or a hang. Afterwards the server still gives the oracle's output.
+budget) or INVALID_ARGUMENT / NOT_FOUND with a message naming a request field, whose rich error
+details trailer has the same code and message and, for INVALID_ARGUMENT, a FieldViolation for the
+field the message begins with; never INTERNAL, UNKNOWN or a hang. Afterwards the server still gives the oracle's output.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import math
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from cascade_service.api.server import start_server
+from cascade_service.api.status import DETAILS_KEY
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
@@ -115,6 +118,7 @@ def _check(stub, fields: dict) -> None:
             assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), \
                 (err.code(), err.details(), fields)
             assert any(name in err.details() for name in FIELDS), (err.details(), fields)
+            _check_details(err)
             outcome = f"{err.code().name}: {err.details().split(' ')[0].rstrip(':')}"
             event(outcome)
             OUTCOMES[outcome] = OUTCOMES.get(outcome, 0) + 1
@@ -125,6 +129,21 @@ def _check(stub, fields: dict) -> None:
         assert len(tokens) <= _budget(fields)
         temperature = fields.get("temperature", 0.0)
         assert not math.isnan(temperature)  # a NaN knob never decodes
+
+
+def _check_details(err: grpc.RpcError) -> None:
+    raw = [value for key, value in err.trailing_metadata() or () if key == DETAILS_KEY]
+    assert len(raw) == 1, (err.details(), err.trailing_metadata())
+    status = status_pb2.Status.FromString(raw[0])
+    assert (status.code, status.message) == (err.code().value[0], err.details())
+    bad = error_details_pb2.BadRequest()
+    violations = [(v.field, v.description) for d in status.details if d.Unpack(bad) for v in bad.field_violations]
+    if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        assert len(violations) == 1 and violations[0][1] == err.details(), (err.details(), violations)
+        field = violations[0][0]
+        assert field in FIELDS and err.details().startswith(field), (err.details(), field)
+    else:
+        assert violations == [], (err.details(), violations)
 
 
 def test_the_server_still_answers_correctly_afterwards(tiny_family, stub):

@@ -11,8 +11,11 @@ from concurrent import futures
 
 import grpc
 import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cascade_service.api.status import DETAILS_KEY, RETRY_DELAY_S, set_status
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.client import CascadeClient, Chunk, GenerateResult, SessionInfo, errors
@@ -22,7 +25,9 @@ OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "verificati
 
 # ---- the fake service ----------------------------------------------------------------------------
 # The prompt (or session id) steers the fake: "fail:CODE" aborts with CODE before replying,
-# "midstream:CODE" streams one chunk then aborts, "sleep:S" sleeps S seconds then echoes.
+# "rich:CODE" does too, with a message naming max_new_tokens and the rich details trailer the real
+# server sends (api/status.py), "midstream:CODE" streams one chunk then aborts, "sleep:S" sleeps S
+# seconds then echoes.
 
 
 def echo_stats() -> pb.GenerateStats:
@@ -56,9 +61,10 @@ def echo_chunks(request: pb.GenerateRequest) -> list[pb.GenerateChunk]:
 class FakeState:
     """What the fake saw and how it misbehaves; shared by the sync and the async servicer."""
 
-    def __init__(self, api_key: str | None = None, get_session_failures: int = 0):
+    def __init__(self, api_key: str | None = None, get_session_failures: int = 0, retry_after_s: float | None = None):
         self.api_key = api_key  # when set, calls without `authorization: Bearer <key>` are refused
         self.get_session_failures = get_session_failures  # GetSession answers UNAVAILABLE this many times first
+        self.retry_after_s = retry_after_s  # when set, those UNAVAILABLEs carry a RetryInfo with this delay
         self.requests: list = []  # every request, in arrival order
         self.metadata: list[dict[str, str]] = []  # each call's invocation metadata
         self.calls: dict[str, int] = {}
@@ -74,10 +80,16 @@ class FakeState:
             return grpc.StatusCode.UNAUTHENTICATED, "bad api key", 0.0
         if method == "GetSession" and self.get_session_failures > 0:
             self.get_session_failures -= 1
+            if self.retry_after_s is not None:
+                context.set_trailing_metadata(((DETAILS_KEY, retry_info_status(self.retry_after_s)),))
             return grpc.StatusCode.UNAVAILABLE, "warming up", 0.0
         kind, _, arg = steer.partition(":")
         if kind == "fail":
             return grpc.StatusCode[arg], f"asked to fail with {arg}", 0.0
+        if kind == "rich":
+            details = f"max_new_tokens: asked to fail with {arg}"
+            set_status(context, grpc.StatusCode[arg], details)  # the trailer; the abort that follows keeps it
+            return grpc.StatusCode[arg], details, 0.0
         return None, "", float(arg) if kind == "sleep" else 0.0
 
     def create(self, request: pb.CreateSessionRequest) -> pb.Session | tuple[grpc.StatusCode, str]:
@@ -91,6 +103,16 @@ class FakeState:
 
     def get(self, session_id: str) -> pb.Session | tuple[grpc.StatusCode, str]:
         return self.sessions.get(session_id) or (grpc.StatusCode.NOT_FOUND, session_id)
+
+
+def retry_info_status(delay_s: float) -> bytes:
+    """A serialized google.rpc.Status for UNAVAILABLE whose RetryInfo asks for `delay_s`."""
+    retry = error_details_pb2.RetryInfo()
+    retry.retry_delay.FromNanoseconds(int(delay_s * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(retry)
+    return status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0], message="warming up",
+                             details=[detail]).SerializeToString()
 
 
 def midstream_code(request: pb.GenerateRequest) -> grpc.StatusCode | None:
@@ -378,6 +400,42 @@ def test_get_session_retries_unavailable_and_succeeds_on_the_third_try(make_serv
     with CascadeClient(server.target) as client:
         assert client.get_session("s").version == 4
     assert server.state.calls["GetSession"] == 3
+
+
+def test_get_session_waits_as_long_as_the_servers_retry_info_says(make_server):
+    server = make_server(get_session_failures=2, retry_after_s=0.3)
+    server.state.sessions["s"] = pb.Session(session_id="s", version=4)
+    with CascadeClient(server.target) as client:
+        start = time.monotonic()
+        assert client.get_session("s").version == 4
+    # Two sleeps of the hinted 0.3 s; the default sleeps add up to 0.25 s.
+    assert time.monotonic() - start >= 0.6 and server.state.calls["GetSession"] == 3
+
+
+def test_a_retry_info_delay_is_bounded_by_the_calls_timeout(make_server):
+    server = make_server(get_session_failures=2, retry_after_s=30.0)
+    server.state.sessions["s"] = pb.Session(session_id="s", version=4)
+    with CascadeClient(server.target, timeout_s=0.3) as client:
+        start = time.monotonic()
+        assert client.get_session("s").version == 4
+    assert 0.6 <= time.monotonic() - start < 5.0
+
+
+def test_the_rich_details_reach_the_exception(server):
+    with CascadeClient(server.target) as client:
+        for call in (lambda: client.generate("rich:INVALID_ARGUMENT"), lambda: list(client.stream("rich:INVALID_ARGUMENT"))):
+            with pytest.raises(errors.InvalidArgument) as info:
+                call()
+            message = "max_new_tokens: asked to fail with INVALID_ARGUMENT"
+            assert info.value.field_violations == (errors.FieldViolation("max_new_tokens", message),)
+            assert info.value.retry_delay_s is None
+        with pytest.raises(errors.ResourceExhausted) as info:
+            client.generate("rich:RESOURCE_EXHAUSTED")
+        assert info.value.retry_delay_s == RETRY_DELAY_S[grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert info.value.field_violations == ()
+        with pytest.raises(errors.Internal) as info:
+            client.generate("fail:INTERNAL")  # no trailer at all
+        assert (info.value.field_violations, info.value.retry_delay_s) == ((), None)
 
 
 def test_get_session_gives_up_after_three_tries(make_server):

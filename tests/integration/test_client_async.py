@@ -3,8 +3,12 @@ grpc.aio server: every method, optional fields, status codes, deadlines, retries
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import pytest
 
+from cascade_service.api.status import RETRY_DELAY_S
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.client import AsyncCascadeClient, SessionInfo, errors
 
@@ -82,6 +86,35 @@ def test_async_get_session_retries_unavailable_but_generate_does_not():
 
     state = run_async(scenario, get_session_failures=2)
     assert state.calls == {"GetSession": 3, "Generate": 1}
+
+
+def test_async_get_session_waits_as_long_as_the_servers_retry_info_says():
+    async def scenario(target, state):
+        state.sessions["s"] = pb.Session(session_id="s", version=2)
+        async with AsyncCascadeClient(target) as client:
+            start = time.monotonic()
+            assert (await client.get_session("s")).version == 2
+            assert time.monotonic() - start >= 0.6  # two sleeps of the hinted 0.3 s, not the default 0.25 s in all
+
+    assert run_async(scenario, get_session_failures=2, retry_after_s=0.3).calls == {"GetSession": 3}
+
+
+def test_async_the_rich_details_reach_the_exception():
+    # grpc.aio's AioRpcError hands its trailer over as grpc.aio.Metadata, not a tuple.
+    async def scenario(target, state):
+        message = "max_new_tokens: asked to fail with INVALID_ARGUMENT"
+        async with AsyncCascadeClient(target) as client:
+            with pytest.raises(errors.InvalidArgument) as info:
+                await client.generate("rich:INVALID_ARGUMENT")
+            assert info.value.field_violations == (errors.FieldViolation("max_new_tokens", message),)
+            with pytest.raises(errors.InvalidArgument) as info:
+                [c async for c in client.stream("rich:INVALID_ARGUMENT")]
+            assert info.value.field_violations == (errors.FieldViolation("max_new_tokens", message),)
+            with pytest.raises(errors.Unavailable) as info:
+                await client.generate("rich:UNAVAILABLE")
+            assert info.value.retry_delay_s == RETRY_DELAY_S[grpc.StatusCode.UNAVAILABLE]
+
+    run_async(scenario)
 
 
 def test_async_unreachable_server_raises_unavailable():
