@@ -25,6 +25,7 @@ DEPLOYMENTS = {"coordinator", "tier-large", "tier-base", "tier-small"}
 IMPORT_PATH = "cascade_service.serving.app:app_builder"
 CASCADE_SERVICER = "cascade_service.api.proxy.add_cascade_service"
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
+REFLECTION_SERVICER = "cascade_service.api.reflection.add_reflection_v1"
 ACCELERATOR_PREFIX = "accelerator_type:"  # the resource Ray turns ray_actor_options.accelerator_type into
 REDIS_URL_ENV = "CASCADE_REDIS_URL"
 REDIS_URL_REFERENCE = "${" + REDIS_URL_ENV + "}"  # how every deploy file names the session store
@@ -236,9 +237,12 @@ def test_grpc_servicer_functions_are_the_apps_and_import(source):
     """The deploy files register exactly what `serve --frontend ray` registers, and each path imports."""
     from cascade_service.serving.app import GRPC_SERVICER_FUNCTIONS
 
-    functions = _serve_configs()[source]["grpc_options"]["grpc_servicer_functions"]
+    grpc_options = _serve_configs()[source]["grpc_options"]
+    functions = grpc_options["grpc_servicer_functions"]
     assert functions == GRPC_SERVICER_FUNCTIONS
-    assert functions[:2] == [CASCADE_SERVICER, HEALTH_SERVICER]
+    assert functions == [CASCADE_SERVICER, HEALTH_SERVICER, REFLECTION_SERVICER]
+    # Ray serves v1alpha itself unless told not to; v1 (ours) advertises it.
+    assert grpc_options.get("enable_reflection", True) is True
     dotted = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
     for path in functions:
         module, attr = _split_import_path(path)
