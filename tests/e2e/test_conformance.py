@@ -37,6 +37,7 @@ from cascade_service.client import CascadeClient, errors
 from cascade_service.models.tiny import random_prompts
 
 from ..integration.test_oracle import _oracle
+from . import node_client
 
 FRONTENDS = ("standalone", "edge", "ray")
 GRACE_S = 3.0
@@ -237,6 +238,30 @@ def test_the_server_and_every_process_it_started_listen_on_loopback_only(served)
     port = int(served.address.rsplit(":", 1)[1])
     assert any(p == port for _, p, _ in found)  # the frontend's own port is seen
     assert not procfs.beyond_loopback(found), procfs.beyond_loopback(found)
+
+
+def test_a_node_js_client_sees_the_same_contract(served, tiny_family):
+    """@grpc/grpc-js with the .proto loaded as it is: output, stream, errors with details, health."""
+    node_client.ensure_installed()
+    prompt = random_prompts(1, 9, seed=11)[0]
+    seen = node_client.run_node_client(served.address, prompt, 8)
+    expected = _oracle(tiny_family["target"], prompt, 8)
+    assert seen["generate"]["token_ids"] == expected, seen["generate"]
+    assert seen["stream"]["token_ids"] == expected and seen["stream"]["status_code"] == 0, seen["stream"]
+    assert seen["stream"]["finish_reason"] == "length"
+    _, field, message = BAD_REQUESTS[0]
+    for key in ("bad_unary", "bad_stream"):
+        bad = seen[key]
+        assert (bad["code"], bad["details"]) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], message), bad
+        status = node_client.decode_status(bad["status_details_bin"])
+        assert status is not None and status.message == message
+        violation = error_details_pb2.BadRequest()
+        assert [d.Unpack(violation) for d in status.details if d.Is(violation.DESCRIPTOR)] == [True]
+        assert [v.field for v in violation.field_violations] == [field]
+    assert seen["bad_stream"]["chunks"] == 0
+    assert seen["not_found"]["code"] == grpc.StatusCode.NOT_FOUND.value[0], seen["not_found"]
+    assert seen["not_found"]["details"] == "session_id: session 'no-such-session' not found"
+    assert seen["health"] == "SERVING"
 
 
 def test_sigterm_drains_calls_in_flight_and_exits_0_within_the_grace_period(served):
