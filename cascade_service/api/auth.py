@@ -1,31 +1,29 @@
 """Access control for the gRPC endpoint: API keys, the caller's identity, and TLS credentials.
 
 Keys arrive as gRPC metadata `authorization: Bearer <key>` (the client SDK sends it when given
-`api_key=`). `AuthInterceptor` checks them once for every CascadeService call, on the standalone server
-(`api.server`) and on the edge (`api.edge`); health checking and reflection stay open for probes.
+`api_key=`). The front end of the standalone server and the edge (`api.frontend`) checks them on a
+call's headers, before its body is read, for every CascadeService call; Ray Serve's proxy has the
+coordinator check them (`authenticate_context`). Health checking and reflection stay open for probes.
 
-Identity. An interceptor cannot hand values to a handler, so on success it wraps the handler's behavior
-and passes the servicer a context proxy that carries the caller's owner id (`owner_of(context)` reads
-it). The owner id is a hash of the key (`owner_id`), never the key, so it can be stored with a session
+Identity. The caller's owner id travels with the call to the servicer: in a RecordingContext on our
+front ends, in a context proxy on Ray's (`owner_of(context)` reads either). The owner id is a hash of the key (`owner_id`), never the key, so it can be stored with a session
 and travel to the coordinator (the edge passes it along with the request bytes; see
-`serving.app.CoordinatorDeployment.rpc`). Without keys configured there is no interceptor and every
-caller's owner is "" (anonymous). Keys are compared in constant time and never logged or echoed.
+`serving.app.CoordinatorDeployment.rpc`). Without keys configured every caller's owner is ""
+(anonymous). Keys are compared in constant time and never logged or echoed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import grpc
 
 OWNER_ATTR = "cascade_owner"
-# Open without a key, so load balancers can probe and tools can list the services.
-OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                 "/grpc.reflection.v1.ServerReflection/")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -137,7 +135,7 @@ def authenticate_context(keys: ApiKeys | None, context: Any) -> Any | None:
 
 
 def owner_of(context: Any) -> str:
-    """The caller's owner id as set by AuthInterceptor (or a RecordingContext); "" when anonymous."""
+    """The caller's owner id as a front end set it (`with_owner`, a RecordingContext); "" when anonymous."""
     return getattr(context, OWNER_ATTR, "") or ""
 
 
@@ -150,53 +148,6 @@ class _OwnerContext:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
-
-
-class AuthInterceptor(grpc.ServerInterceptor):
-    """UNAUTHENTICATED for a missing or unknown key; otherwise the handler runs with the caller's owner."""
-
-    def __init__(self, keys: ApiKeys):
-        self.keys = keys
-
-    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_SERVICES):
-            return handler
-        owner, message = authenticate(self.keys, handler_call_details.invocation_metadata)
-        if owner is None:
-            return _replace(handler, _deny(message, handler.response_streaming))
-        return _replace(handler, _with_owner(handler, owner))
-
-
-def _deny(message: str, streaming: bool) -> Callable:
-    def deny(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    def deny_stream(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - abort raises
-
-    return deny_stream if streaming else deny
-
-
-def _with_owner(handler: grpc.RpcMethodHandler, owner: str) -> Callable:
-    behavior = _behavior(handler)
-    return lambda request, context: behavior(request, with_owner(context, owner))
-
-
-def _behavior(handler: grpc.RpcMethodHandler) -> Callable:
-    return (handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
-
-
-def _replace(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMethodHandler:
-    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    return make[(handler.request_streaming, handler.response_streaming)](
-        behavior, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-
-
-def interceptors(keys: ApiKeys | None) -> list[grpc.ServerInterceptor]:
-    return [AuthInterceptor(keys)] if keys is not None else []
 
 
 # --- TLS ---------------------------------------------------------------------------------------------

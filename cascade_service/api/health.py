@@ -36,9 +36,3 @@ def status_reply(serving: bool) -> Any:
 
 def serving_status(serving: bool) -> Any:
     return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def set_serving(checker: Any, serving: bool) -> None:
-    """Set a grpc_health servicer's status for every service it answers for."""
-    for name in HEALTH_SERVICES:
-        checker.set(name, serving_status(serving))

@@ -1,50 +1,105 @@
-"""A standalone gRPC server (no Ray): the CascadeService servicer, health checking and reflection.
+"""The standalone gRPC server (no Ray): the CascadeService servicer behind the asyncio front end.
 
-The embedded wiring for one process; `serving.app` is the Ray Serve wiring of the same servicer.
+The embedded wiring for one process; `serving.app` is the Ray Serve wiring of the same servicer. The
+front end (`api.frontend`) takes each call (keys, limits, the body, health, reflection) and hands an
+admitted one to `LocalBackend`, which runs the servicer on a worker thread.
 """
 
 from __future__ import annotations
 
-from concurrent import futures
-
-import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..coordinator import Coordinator
-from .auth import ApiKeys, TlsFiles, bind, interceptors
-from .health import set_serving
-from .reflection import enable_reflection
+from .auth import ApiKeys, TlsFiles
+from .frontend import (
+    FrontendServer,
+    Limits,
+    RecordingContext,
+    Reply,
+    request_type,
+    start_frontend,
+)
 from .servicer import CascadeServicer
-from .v1 import cascade_pb2_grpc
 
-# Calls beyond the worker threads wait in the executor's queue, which gRPC leaves unbounded; capping the
-# calls in flight turns a flood into RESOURCE_EXHAUSTED (as Serve's max_queued_requests does) instead of
-# memory and latency growing without limit.
+# Calls beyond the workers wait for one, up to this many; past that a call gets RESOURCE_EXHAUSTED
+# (as Serve's max_queued_requests does) instead of memory and latency growing without limit.
 MAX_QUEUED_RPCS = 64
 
 
-def add_health_and_reflection(server: grpc.Server, serving: bool) -> health.HealthServicer:
-    """grpc.health.v1 (overall and per service) and server reflection (v1 and v1alpha); returns the
-    health servicer."""
-    checker = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    set_serving(checker, serving)
-    enable_reflection(server)
-    return checker
+class LocalBackend:
+    """The front end's `Backend` for a coordinator in this process: the servicer on the worker's thread,
+    its decode stopped at the next round once the client is gone or past its deadline."""
+
+    def __init__(self, servicer: CascadeServicer):
+        self.servicer = servicer
+
+    def call(self, method: str, body: bytes, timeout_s: float | None, owner: str = "",
+             on_end: Callable[[Callable[[], None]], bool] | None = None) -> Reply:
+        gone = threading.Event()
+        if on_end is not None and not on_end(gone.set):
+            gone.set()
+        context = RecordingContext(owner, _cancelled(gone, timeout_s))
+        request = request_type(method).FromString(body)
+        if method == "Generate":
+            response = self.servicer.Generate(request, context, context.cancelled)
+        else:
+            response = getattr(self.servicer, method)(request, context)
+        return context.code.name, context.details, response.SerializeToString()
+
+    def stream(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> _LocalStream:
+        return _LocalStream(self.servicer, method, request_type(method).FromString(body), owner, timeout_s)
+
+
+class _LocalStream:
+    """GenerateStream's replies; its status (when the servicer set one) comes as the last reply."""
+
+    def __init__(self, servicer: CascadeServicer, method: str, request: Any, owner: str, timeout_s: float | None):
+        self._gone = threading.Event()
+        self._context = RecordingContext(owner, _cancelled(self._gone, timeout_s))
+        self._chunks = getattr(servicer, method)(request, self._context, self._context.cancelled)
+        self._done = False
+
+    def __iter__(self) -> Iterator[Reply]:
+        return self
+
+    def __next__(self) -> Reply:
+        if self._done:
+            raise StopIteration
+        try:
+            return "OK", "", next(self._chunks).SerializeToString()
+        except StopIteration:
+            self._done = True
+            if self._context.code.name != "OK":
+                return self._context.code.name, self._context.details, b""
+            raise
+
+    def close(self) -> None:
+        """Stop the decode: at once when called between replies; from another thread while a reply is
+        being made, at its next round (the iterating thread then closes the generator)."""
+        self._gone.set()
+        try:
+            self._chunks.close()
+        except ValueError:  # "generator already executing": the decode sees the cancel and ends
+            pass
+
+
+def _cancelled(gone: threading.Event, timeout_s: float | None) -> Callable[[], bool]:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    return lambda: gone.is_set() or (deadline is not None and time.monotonic() > deadline)
 
 
 def start_server(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0, workers: int = 8,
                  api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
-                 max_queued: int = MAX_QUEUED_RPCS) -> tuple[grpc.Server, int]:
+                 max_queued: int = MAX_QUEUED_RPCS, limits: Limits | None = None) -> tuple[FrontendServer, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one).
 
     api_keys: when given, every CascadeService call needs one of them (`api.auth`); tls: serve TLS.
     workers calls run at once and max_queued more wait; past that a call gets RESOURCE_EXHAUSTED.
+    `limits` sets these and the rest of admission (`api.frontend.Limits`); it wins over both.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors(api_keys),
-                         maximum_concurrent_rpcs=workers + max_queued)
-    cascade_pb2_grpc.add_CascadeServiceServicer_to_server(CascadeServicer(coordinator), server)
-    add_health_and_reflection(server, serving=True)
-    bound = bind(server, host, port, tls)
-    server.start()
-    return server, bound
+    limits = limits or Limits(workers=workers, max_queued=max_queued)
+    server = start_frontend(LocalBackend(CascadeServicer(coordinator)), host, port, limits, api_keys, tls)
+    return server, server.port

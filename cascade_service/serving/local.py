@@ -15,7 +15,6 @@ from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import ApiKeys, TlsFiles
 from ..api.edge import Reply, health_request, is_serving, start_edge
-from ..api.health import set_serving
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
@@ -153,7 +152,7 @@ class LocalService:
     def restart_app(self) -> None:
         """Delete and redeploy the whole app (every tier and the coordinator); the edge stays up."""
         if self.checker is not None:
-            set_serving(self.checker, False)
+            self.checker.set_serving(False)
         serve.delete(APP_NAME)
         self.deploy()
         self.wait_ready()
@@ -163,7 +162,7 @@ class LocalService:
         if not is_serving(reply):
             raise RuntimeError("the cascade app started but a tier does not answer; see the Ray logs")
         if self.checker is not None:
-            set_serving(self.checker, True)
+            self.checker.set_serving(True)
 
     def trivial_call_latencies(self, tier: str, n: int, by_reference: bool = False) -> list[float]:
         """Seconds per no-op call to a tier's deployment from this process: the transport's floor
@@ -190,7 +189,7 @@ class LocalService:
         the app is deleted (its replicas drain for their graceful_shutdown_timeout_s, the config's
         serving.shutdown_grace_s); Serve and Ray stop if this service started them."""
         if self.checker is not None:
-            set_serving(self.checker, False)
+            self.checker.set_serving(False)
         if self.server is not None:  # the edge: its calls in flight finish or end UNAVAILABLE
             self.server.stop(grace=grace_s).wait()
             self.server = None

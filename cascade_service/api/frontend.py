@@ -1,0 +1,611 @@
+"""The asyncio gRPC front end of the standalone server and the edge: admission before work.
+
+A call costs a worker (a thread that runs the coordinator, or waits on the remote one) only once it is
+admitted, and it is admitted only after
+1. its headers carry a known API key, when keys are configured. This is checked before the body is
+   read, so a call without a key is refused at once, whatever it sends afterwards;
+2. its key has fewer than `max_calls_per_key` calls open;
+3. its body arrived within `body_timeout_s` and decodes (INVALID_ARGUMENT naming the field, never the
+   INTERNAL grpcio answers for bytes it cannot deserialize);
+4. a worker is free, or fewer than `max_queued` admitted calls wait for one (RESOURCE_EXHAUSTED).
+Until then a call is a coroutine on one event loop, not a thread. At most `max_pending` calls wait for
+their bodies at once, and each connection carries at most `max_streams_per_connection` calls
+(HTTP/2's own limit, which the client's transport respects). Health and reflection are answered on the
+loop and never wait for a worker, so a probe answers while every worker is busy.
+
+To take the body in our own code, every method is registered as request-streaming with raw bytes (the
+wire is the same for a unary request: one message, then the half-close), so the handler runs as soon
+as the headers arrive.
+
+Behind the front end is a `Backend`: the coordinator in this process (`api.server.LocalBackend`) or the
+coordinator deployment behind a Ray Serve handle (`serving.local.HandleBackend`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection as reflection_v1alpha
+from grpc_reflection.v1alpha import reflection_pb2
+
+from .auth import ApiKeys, TlsFiles, authenticate, bind
+from .decode import decode
+from .health import HEALTH_SERVICES, serving_status
+from .reflection import METHOD as REFLECTION_METHOD
+from .reflection import SERVICES, V1, V1ALPHA
+from .servicer import SERVICE_NAME
+from .status import DETAILS_KEY, rich_status
+from .v1 import cascade_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+Reply = tuple[str, str, bytes]  # (status code name, details, serialized response)
+
+# method -> (request type, response type)
+UNARY = {
+    "Generate": (pb.GenerateRequest, pb.GenerateResponse),
+    "CreateSession": (pb.CreateSessionRequest, pb.Session),
+    "GetSession": (pb.GetSessionRequest, pb.Session),
+    "DeleteSession": (pb.DeleteSessionRequest, pb.DeleteSessionResponse),
+}
+STREAMING = {"GenerateStream": (pb.GenerateRequest, pb.GenerateChunk)}
+HEALTH = "grpc.health.v1.Health"
+
+
+def request_type(method: str) -> Any:
+    """The request message class of an RPC (functions, unlike the dicts, pickle by reference)."""
+    return {**UNARY, **STREAMING}[method][0]
+
+
+class Backend(Protocol):
+    """What serves a call once the front end admitted it. `owner`: the caller's owner id
+    (`api.auth.owner_of`), checked against a session's owner by the coordinator. Both methods run on a
+    worker thread and may block."""
+
+    def call(self, method: str, request: bytes, timeout_s: float | None, owner: str = "",
+             on_end: Callable[[Callable[[], None]], bool] | None = None) -> Reply:
+        """`on_end(cancel)` registers `cancel` to run when the client's call ends; it returns False when
+        the call has ended already (then cancel at once). A client that hangs up cancels the work."""
+        ...
+
+    def stream(self, method: str, request: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
+        """Replies in order. The iterator's `close()` may be called from another thread while a reply
+        is being made: it asks the work to stop, and the iteration then ends."""
+        ...
+
+
+class RecordingContext:
+    """A servicer context for calls that arrive as bytes: records the status the servicer sets.
+
+    `owner`: the caller's owner id, authenticated by the front end that took the call (`api.auth`);
+    `cancelled`: says when the caller has gone (the servicer's decode stops at its next round).
+    """
+
+    def __init__(self, owner: str = "", cancelled: Callable[[], bool] | None = None) -> None:
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+        self.cascade_owner = owner  # api.auth.OWNER_ATTR
+        self.cancelled = cancelled
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def set_trailing_metadata(self, metadata: list) -> None:
+        """Dropped: the details trailer is a function of code and message (api.status), which the
+        front end rebuilds from them."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a front end admits. See the module docstring for the order in which they apply.
+
+    workers: calls served at once (each holds a thread while it runs); max_queued: admitted calls
+    waiting for a worker; max_pending: calls whose body has not arrived yet, over all connections;
+    max_calls_per_key: calls open at once under one API key (with keys configured);
+    max_streams_per_connection: calls open at once on one HTTP/2 connection; body_timeout_s: the time a
+    request body (or the next message of a reflection stream) may take to arrive; max_watches: health
+    Watch streams open at once; max_message_bytes: the largest request message.
+    """
+
+    workers: int = 8
+    max_queued: int = 64
+    max_pending: int = 1024
+    max_calls_per_key: int = 64
+    max_streams_per_connection: int = 100
+    body_timeout_s: float = 10.0
+    max_watches: int = 256
+    max_message_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "max_pending", "max_calls_per_key", "max_streams_per_connection", "max_watches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if not 0 < self.body_timeout_s <= 3600:
+            raise ValueError(f"body_timeout_s must be in (0, 3600], got {self.body_timeout_s}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+
+
+class Refused(Exception):
+    """A call ends with this status before (or instead of) any work."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_STOPPING = "the server is stopping; retry the request"
+
+
+class _Call:
+    """One admitted call's cancel hooks: the client hung up, its deadline passed, or the server stops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancels: list[Callable[[], None]] = []
+        self.ended = False
+        self.stopped = False  # ended by the server's stop, not by the client
+
+    def on_end(self, cancel: Callable[[], None]) -> bool:
+        with self._lock:
+            if self.ended:
+                return False
+            self._cancels.append(cancel)
+            return True
+
+    def end(self, stopped: bool = False) -> None:
+        with self._lock:
+            if self.ended:
+                return
+            self.ended, self.stopped = True, stopped
+            cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            try:
+                cancel()
+            except Exception:
+                log.debug("cancel failed", exc_info=True)
+
+
+class Frontend:
+    """The handlers and the admission state of one server; all of its state lives on the server's loop."""
+
+    def __init__(self, backend: Backend, limits: Limits, api_keys: ApiKeys | None, serving: bool):
+        self.backend = backend
+        self.limits = limits
+        self.api_keys = api_keys
+        self.serving = serving
+        self.stopping = False
+        self.pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="cascade-call")
+        self._free = limits.workers
+        self._waiting: deque[asyncio.Future] = deque()
+        self._pending = 0
+        self._per_key: Counter[str] = Counter()
+        self._watches = 0
+        self._calls: set[_Call] = set()
+        self._changed: asyncio.Event | None = None  # set when `serving` changes (health Watch)
+        self._reflection = reflection_v1alpha.aio.ReflectionServicer([*SERVICES, V1ALPHA, V1])
+
+    # --- the handlers -------------------------------------------------------------------------------
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        cascade = {m: grpc.stream_unary_rpc_method_handler(functools.partial(self._unary, m)) for m in UNARY}
+        cascade.update({m: grpc.stream_stream_rpc_method_handler(functools.partial(self._stream, m))
+                        for m in STREAMING})
+        health = {"Check": grpc.stream_unary_rpc_method_handler(self._check),
+                  "Watch": grpc.stream_stream_rpc_method_handler(self._watch)}
+        reflect = grpc.stream_stream_rpc_method_handler(self._reflect)
+        return [grpc.method_handlers_generic_handler(SERVICE_NAME, cascade),
+                grpc.method_handlers_generic_handler(HEALTH, health),
+                grpc.method_handlers_generic_handler(V1ALPHA, {REFLECTION_METHOD: reflect}),
+                grpc.method_handlers_generic_handler(V1, {REFLECTION_METHOD: reflect})]
+
+    async def _unary(self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            async with self._open(context) as owner:
+                body, _ = await self._body(requests, request_type(method))
+                call = _Call()
+                async with self._admitted(call):
+                    reply = await self._run(call, functools.partial(
+                        self.backend.call, method, body, _time_left(context), owner, call.on_end))
+                code, details, payload = reply
+                if call.stopped:
+                    code, details = "UNAVAILABLE", _STOPPING
+                if code != "OK":
+                    raise Refused(grpc.StatusCode[code], details)
+                return payload
+        except Refused as refused:
+            await abort(context, refused.code, refused.message)
+        raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+    async def _stream(self, method: str, requests: AsyncIterator[bytes],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        try:
+            async with self._open(context) as owner:
+                body, _ = await self._body(requests, request_type(method))
+                call = _Call()
+                async with self._admitted(call):
+                    async for code, details, payload in self._replies(call, method, body, context, owner):
+                        if call.stopped:
+                            code, details = "UNAVAILABLE", _STOPPING
+                        if code != "OK":
+                            raise Refused(grpc.StatusCode[code], details)
+                        yield payload
+                    if call.stopped:  # the backend ended quietly when the stop cancelled it
+                        raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+        except Refused as refused:
+            await abort(context, refused.code, refused.message)
+
+    async def _check(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            request = await self._probe(requests)
+            if request.service not in HEALTH_SERVICES:
+                raise Refused(grpc.StatusCode.NOT_FOUND, "service: not served here")
+            return health_pb2.HealthCheckResponse(status=serving_status(self._is_serving())).SerializeToString()
+        except Refused as refused:
+            await abort(context, refused.code, refused.message)
+        raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+    async def _watch(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        try:
+            request = await self._probe(requests)
+            if self._watches >= self.limits.max_watches:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.limits.max_watches} health watches are open; retry later")
+            self._watches += 1
+            try:
+                last = None
+                while True:
+                    changed = self._changed_event()  # taken first: a change while a reply is written is not missed
+                    status = (serving_status(self._is_serving()) if request.service in HEALTH_SERVICES
+                              else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                    if status != last:
+                        yield health_pb2.HealthCheckResponse(status=status).SerializeToString()
+                        last = status
+                    await changed.wait()
+            finally:
+                self._watches -= 1
+        except Refused as refused:
+            await abort(context, refused.code, refused.message)
+
+    async def _reflect(self, requests: AsyncIterator[bytes],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Reflection (v1 and v1alpha share the wire format): each request decoded here and within
+        body_timeout_s of the last answer, so an idle stream does not stay open for good."""
+        try:
+            async def decoded() -> AsyncIterator[Any]:
+                iterator = aiter(requests)
+                while True:
+                    async with self._awaiting_body():
+                        raw = await self._next(iterator)
+                    if raw is None:
+                        return
+                    yield _decoded(reflection_pb2.ServerReflectionRequest, raw)
+
+            async for response in self._reflection.ServerReflectionInfo(decoded(), context):
+                yield response.SerializeToString()
+        except Refused as refused:
+            await abort(context, refused.code, refused.message)
+
+    # --- admission ---------------------------------------------------------------------------------
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        if self.api_keys is None:
+            return ""
+        owner, message = authenticate(self.api_keys, context.invocation_metadata())
+        if owner is None:
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, message)
+        return owner
+
+    def _open(self, context: grpc.aio.ServicerContext) -> _Open:
+        """The caller's owner id, counted against its key's limit while the call is open."""
+        if self.stopping:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+        owner = self._authenticate(context)
+        if self.api_keys is not None and self._per_key[owner] >= self.limits.max_calls_per_key:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"this API key has {self.limits.max_calls_per_key} calls open, its limit; retry later")
+        return _Open(self._per_key, owner)
+
+    def _awaiting_body(self) -> _Pending:
+        if self._pending >= self.limits.max_pending:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.limits.max_pending} calls are waiting for their request; retry later")
+        return _Pending(self)
+
+    async def _body(self, requests: AsyncIterator[bytes], kind: Any) -> tuple[bytes, Any]:
+        """The one request message of a unary-request call: its bytes (what a backend is handed) and
+        the message decoded from them (so that bytes which are no `kind` never reach one)."""
+        iterator = aiter(requests)
+        async with self._awaiting_body():
+            body = await self._next(iterator)
+            if body is None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "request: the call ended without a request message")
+            if await self._next(iterator) is not None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "request: this method takes one request message")
+        return body, _decoded(kind, body)
+
+    async def _probe(self, requests: AsyncIterator[bytes]) -> Any:
+        _, request = await self._body(requests, health_pb2.HealthCheckRequest)
+        return request
+
+    async def _next(self, iterator: AsyncIterator[bytes]) -> bytes | None:
+        """The next message, None at the client's half-close; DEADLINE_EXCEEDED past body_timeout_s."""
+        try:
+            return await asyncio.wait_for(anext(iterator), self.limits.body_timeout_s)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"request: the message did not arrive within {self.limits.body_timeout_s:g} s") from None
+
+    def _admitted(self, call: _Call) -> _Admitted:
+        return _Admitted(self, call)
+
+    async def _take_worker(self) -> None:
+        if self._free > 0 and not self._waiting:
+            self._free -= 1
+            return
+        if len(self._waiting) >= self.limits.max_queued:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the server is at its limit ({self.limits.workers} calls running, "
+                          f"{self.limits.max_queued} waiting); retry later")
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._release_worker()  # handed a worker just as the caller left: pass it on
+            else:
+                self._waiting.remove(turn)
+            raise
+
+    def _release_worker(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1
+
+    # --- running on a worker ---------------------------------------------------------------------------
+
+    async def _run(self, call: _Call, work: Callable[[], Reply]) -> Reply:
+        """work() on a worker thread. The worker is given back when the thread is done, not when the
+        client leaves: a cancelled call's thread runs until the backend notices the cancel."""
+        future = asyncio.get_running_loop().run_in_executor(self.pool, work)
+        future.add_done_callback(lambda _: self._release_worker())
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            call.end()  # the client hung up, or its deadline passed
+            raise
+
+    async def _replies(self, call: _Call, method: str, body: bytes, context: grpc.aio.ServicerContext,
+                       owner: str) -> AsyncIterator[Reply]:
+        """A stream's replies: one worker thread iterates the backend's stream and hands each reply to
+        the loop."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
+
+        def pump() -> None:
+            try:
+                replies = self.backend.stream(method, body, _time_left(context), owner)
+                close = getattr(replies, "close", None)
+                if close is not None and not call.on_end(close):
+                    close()
+                for reply in replies:
+                    loop.call_soon_threadsafe(queue.put_nowait, reply)
+                    if call.ended:
+                        break
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which ends the call with it
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+        future = loop.run_in_executor(self.pool, pump)
+        future.add_done_callback(lambda _: self._release_worker())
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    log.error("a stream's backend failed", exc_info=item)
+                    raise Refused(grpc.StatusCode.INTERNAL, f"internal error ({type(item).__name__}); see the server log")
+                yield item
+        finally:
+            call.end()  # a stream that ends early (client gone, an error) stops the backend
+
+    # --- health and stopping ------------------------------------------------------------------------------
+
+    def _is_serving(self) -> bool:
+        return self.serving and not self.stopping
+
+    def _changed_event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def set_serving(self, serving: bool) -> None:
+        """On the loop: health answers SERVING or NOT_SERVING, and every Watch hears of a change."""
+        self.serving = serving
+        self._notify()
+
+    def _notify(self) -> None:
+        event = self._changed_event()
+        event.set()
+        self._changed = asyncio.Event()  # watchers wait on the next change
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop taking calls (UNAVAILABLE; health NOT_SERVING), give those running grace_s, then cancel
+        the rest: each ends UNAVAILABLE, saying the server is stopping. Returns how many were cancelled."""
+        self.stopping = True
+        self._notify()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(grace_s, 0.0)
+        while self._calls and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._calls)
+        for call in left:
+            call.end(stopped=True)
+        # Each cancelled call ends with its status before the server goes (bounded: a backend that does
+        # not notice its cancel is cut off by the server's stop).
+        bound = loop.time() + 5.0
+        while self._calls and loop.time() < bound:
+            await asyncio.sleep(0.02)
+        return len(left)
+
+
+class _Open:
+    def __init__(self, per_key: Counter[str], owner: str):
+        self.per_key, self.owner = per_key, owner
+
+    async def __aenter__(self) -> str:
+        self.per_key[self.owner] += 1
+        return self.owner
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.per_key[self.owner] -= 1
+        if self.per_key[self.owner] <= 0:
+            del self.per_key[self.owner]
+
+
+class _Pending:
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    async def __aenter__(self) -> None:
+        self.frontend._pending += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.frontend._pending -= 1
+
+
+class _Admitted:
+    """A worker (or a place in the queue for one) for an admitted call, which a drain can cancel."""
+
+    def __init__(self, frontend: Frontend, call: _Call):
+        self.frontend, self.call = frontend, call
+
+    async def __aenter__(self) -> None:
+        if self.frontend.stopping:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+        self.frontend._calls.add(self.call)
+        try:
+            await self.frontend._take_worker()
+        except BaseException:
+            self.frontend._calls.discard(self.call)
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        # The worker itself is given back by the thread's completion (Frontend._run / _replies).
+        self.frontend._calls.discard(self.call)
+
+
+def _decoded(kind: Any, body: bytes) -> Any:
+    try:
+        return decode(kind, body)
+    except ValueError as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+def _time_left(context: grpc.aio.ServicerContext) -> float | None:
+    """Seconds to the client's deadline; None without one (gRPC then reports about 1e308 seconds,
+    which overflows any timer it is handed to)."""
+    left = context.time_remaining()
+    return None if left is None or left > 10**7 else max(left, 0.0)
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with code, message and the rich details trailer (raises, as context.abort does)."""
+    trailer = ((DETAILS_KEY, rich_status(code, message).SerializeToString()),)
+    await context.abort(code, message, trailing_metadata=trailer)
+
+
+class FrontendServer:
+    """A running front end: a `grpc.aio` server on an event loop of its own (a daemon thread), driven
+    from synchronous code. `stop(grace)` drains as `Frontend.drain` does and returns an event that is
+    set once the server has stopped (as `grpc.Server.stop` does)."""
+
+    def __init__(self, backend: Backend, host: str, port: int, limits: Limits, api_keys: ApiKeys | None,
+                 tls: TlsFiles | None, serving: bool):
+        self.frontend = Frontend(backend, limits, api_keys, serving)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="cascade-frontend", daemon=True)
+        self._thread.start()
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopping = False
+        try:
+            self.server, self.port = self._await(self._start(host, port, limits, tls))
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
+
+    async def _start(self, host: str, port: int, limits: Limits, tls: TlsFiles | None) -> tuple[Any, int]:
+        options = [("grpc.max_concurrent_streams", limits.max_streams_per_connection),
+                   ("grpc.max_receive_message_length", limits.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers(self.frontend.handlers())
+        bound = bind(server, host, port, tls)
+        await server.start()
+        return server, bound
+
+    def _await(self, coroutine: Any, timeout_s: float | None = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def set_serving(self, serving: bool) -> None:
+        self.loop.call_soon_threadsafe(self.frontend.set_serving, serving)
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Drain for `grace` seconds (None: end calls at once), stop the server and its loop."""
+        with self._stop_lock:
+            if self._stopping:
+                return self._stopped
+            self._stopping = True
+        try:
+            self._await(self._stop(grace or 0.0), timeout_s=(grace or 0.0) + 30.0)
+        except Exception:
+            log.exception("the front end did not stop cleanly")
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.frontend.pool.shutdown(wait=False, cancel_futures=True)
+            self._stopped.set()
+        return self._stopped
+
+    async def _stop(self, grace_s: float) -> None:
+        await self.frontend.drain(grace_s)
+        await self.server.stop(1.0)
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+
+def start_frontend(backend: Backend, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
+                   api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
+                   serving: bool = True) -> FrontendServer:
+    """Serve CascadeService, health and reflection for `backend` on host:port (port 0 picks one).
+
+    api_keys: when given, every CascadeService call needs one of them (`api.auth`; health and
+    reflection stay open); tls: serve TLS; serving: what health answers until `set_serving` changes it.
+    """
+    return FrontendServer(backend, host, port, limits or Limits(), api_keys, tls, serving)
+
