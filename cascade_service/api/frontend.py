@@ -11,7 +11,8 @@ admitted, and it is admitted only after
 Until then a call is a coroutine on one event loop, not a thread. At most `max_pending` calls wait for
 their bodies at once, and each connection carries at most `max_streams_per_connection` calls
 (HTTP/2's own limit, which the client's transport respects). Health and reflection are answered on the
-loop and never wait for a worker, so a probe answers while every worker is busy.
+loop and never wait for a worker, and they have a bound of their own (`max_probes` open at once), so a
+probe answers while every worker is busy and the service's calls are at their bounds.
 
 To take the body in our own code, every method is registered as request-streaming with raw bytes (the
 wire is the same for a unary request: one message, then the half-close), so the handler runs as soon
@@ -24,6 +25,7 @@ coordinator deployment behind a Ray Serve handle (`serving.local.HandleBackend`)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -119,8 +121,8 @@ class Limits:
     waiting for a worker; max_pending: calls whose body has not arrived yet, over all connections;
     max_calls_per_key: calls open at once under one API key (with keys configured);
     max_streams_per_connection: calls open at once on one HTTP/2 connection; body_timeout_s: the time a
-    request body (or the next message of a reflection stream) may take to arrive; max_watches: health
-    Watch streams open at once; max_message_bytes: the largest request message.
+    request body (or the next message of a reflection stream) may take to arrive; max_probes: health
+    and reflection calls open at once (a Watch stays open); max_message_bytes: the largest request message.
     """
 
     workers: int = 8
@@ -129,11 +131,11 @@ class Limits:
     max_calls_per_key: int = 64
     max_streams_per_connection: int = 100
     body_timeout_s: float = 10.0
-    max_watches: int = 256
+    max_probes: int = 256
     max_message_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for name in ("workers", "max_pending", "max_calls_per_key", "max_streams_per_connection", "max_watches"):
+        for name in ("workers", "max_pending", "max_calls_per_key", "max_streams_per_connection", "max_probes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0:
@@ -199,7 +201,7 @@ class Frontend:
         self._waiting: deque[asyncio.Future] = deque()
         self._pending = 0
         self._per_key: Counter[str] = Counter()
-        self._watches = 0
+        self._probes = 0
         self._calls: set[_Call] = set()
         self._changed: asyncio.Event | None = None  # set when `serving` changes (health Watch)
         self._reflection = reflection_v1alpha.aio.ReflectionServicer([*SERVICES, V1ALPHA, V1])
@@ -256,7 +258,8 @@ class Frontend:
 
     async def _check(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         try:
-            request = await self._probe(requests)
+            with self._probe_slot():
+                request = await self._probe(requests)
             if request.service not in HEALTH_SERVICES:
                 raise Refused(grpc.StatusCode.NOT_FOUND, "service: not served here")
             return health_pb2.HealthCheckResponse(status=serving_status(self._is_serving())).SerializeToString()
@@ -266,12 +269,8 @@ class Frontend:
 
     async def _watch(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
-            request = await self._probe(requests)
-            if self._watches >= self.limits.max_watches:
-                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{self.limits.max_watches} health watches are open; retry later")
-            self._watches += 1
-            try:
+            with self._probe_slot():
+                request = await self._probe(requests)
                 last = None
                 while True:
                     changed = self._changed_event()  # taken first: a change while a reply is written is not missed
@@ -281,8 +280,6 @@ class Frontend:
                         yield health_pb2.HealthCheckResponse(status=status).SerializeToString()
                         last = status
                     await changed.wait()
-            finally:
-                self._watches -= 1
         except Refused as refused:
             await abort(context, refused.code, refused.message)
 
@@ -294,14 +291,14 @@ class Frontend:
             async def decoded() -> AsyncIterator[Any]:
                 iterator = aiter(requests)
                 while True:
-                    async with self._awaiting_body():
-                        raw = await self._next(iterator)
+                    raw = await self._next(iterator)
                     if raw is None:
                         return
                     yield _decoded(reflection_pb2.ServerReflectionRequest, raw)
 
-            async for response in self._reflection.ServerReflectionInfo(decoded(), context):
-                yield response.SerializeToString()
+            with self._probe_slot():
+                async for response in self._reflection.ServerReflectionInfo(decoded(), context):
+                    yield response.SerializeToString()
         except Refused as refused:
             await abort(context, refused.code, refused.message)
 
@@ -325,6 +322,19 @@ class Frontend:
                           f"this API key has {self.limits.max_calls_per_key} calls open, its limit; retry later")
         return _Open(self._per_key, owner)
 
+    @contextlib.contextmanager
+    def _probe_slot(self) -> Iterator[None]:
+        """A health or reflection call, open: bounded apart from the service's calls, so that probes
+        answer while those are at their bounds."""
+        if self._probes >= self.limits.max_probes:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.limits.max_probes} health and reflection calls are open; retry later")
+        self._probes += 1
+        try:
+            yield
+        finally:
+            self._probes -= 1
+
     def _awaiting_body(self) -> _Pending:
         if self._pending >= self.limits.max_pending:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -344,8 +354,11 @@ class Frontend:
         return body, _decoded(kind, body)
 
     async def _probe(self, requests: AsyncIterator[bytes]) -> Any:
-        _, request = await self._body(requests, health_pb2.HealthCheckRequest)
-        return request
+        iterator = aiter(requests)
+        body = await self._next(iterator)
+        if body is None or await self._next(iterator) is not None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "request: this method takes one request message")
+        return _decoded(health_pb2.HealthCheckRequest, body)
 
     async def _next(self, iterator: AsyncIterator[bytes]) -> bytes | None:
         """The next message, None at the client's half-close; DEADLINE_EXCEEDED past body_timeout_s."""
