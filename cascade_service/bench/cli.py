@@ -41,7 +41,14 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
                    help="concurrent clients against a running service (--target; reports server memory too) or "
                         "against the cascade and plain decoding started from --config: latency, throughput, "
                         "errors (writes load.json)")
-    p.add_argument("--target", help="with --load: HOST:PORT of a running service on this machine")
+    p.add_argument("--idle", action="store_true",
+                   help="idle calls (headers, never a body) against a running service (--target) or the config's "
+                        "cascade served standalone (--config): latency of normal requests and health checks beside "
+                        "each --levels count of them (writes idle.json)")
+    p.add_argument("--levels", default="80,320,800", help="with --idle: comma-separated idle call counts")
+    p.add_argument("--requests", type=int, default=10, help="with --idle: timed requests per level")
+    p.add_argument("--workers", type=int, default=8, help="with --idle --config: calls the server runs at once")
+    p.add_argument("--target", help="with --load or --idle: HOST:PORT of a running service on this machine")
     p.add_argument("--concurrency", default="1,4,16", help="with --load: comma-separated client counts")
     p.add_argument("--duration", type=float, default=20.0, help="with --load: seconds per concurrency level")
     p.add_argument("--api-key", help="with --load: the API key to send")
@@ -77,10 +84,12 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    if sum(map(bool, (args.lossy, args.adaptive, args.load))) > 1:
-        raise ValueError("--lossy, --adaptive and --load are separate benchmarks: pick one")
+    if sum(map(bool, (args.lossy, args.adaptive, args.load, args.idle))) > 1:
+        raise ValueError("--lossy, --adaptive, --load and --idle are separate benchmarks: pick one")
     if args.load:
         return _run_load(args)
+    if args.idle:
+        return _run_idle(args)
     if not args.config or not args.prompts:
         raise ValueError("--config and --prompts are required (except with --load)")
     if args.lossy:
@@ -201,6 +210,31 @@ def _run_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_idle(args: argparse.Namespace) -> int:
+    from . import idle, load
+
+    if bool(args.target) == bool(args.config):
+        raise ValueError("--idle needs either --target HOST:PORT of a running service or --config PATH")
+    levels = _int_list(args.levels, "--levels", hi=10_000)
+    _check_range(args.requests, "--requests", 1, 10_000)
+    _check_range(args.workers, "--workers", 1, 1024)
+    _check_range(args.max_new_tokens, "--max-new-tokens", 1, 4096)
+    prompt = load.DEFAULT_PROMPTS[0]
+    source = ["--config", args.config, "--workers", str(args.workers)] if args.config else ["--target", args.target]
+    command = shlex.join(["cascade-service", "bench", "--idle", *source, "--levels", args.levels, "--requests",
+                          str(args.requests), "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
+    if args.config:
+        idle.run_standalone(args.config, levels, args.requests, prompt, args.max_new_tokens, Path(args.out), command,
+                            args.workers)
+        return 0
+    host = args.target.rsplit(":", 1)[0].strip("[]")
+    if ":" not in args.target or host not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"--target: expected a loopback HOST:PORT, got {args.target!r}")
+    idle.run(args.target, levels, args.requests, prompt, args.max_new_tokens, Path(args.out), command,
+             api_key=args.api_key)
+    return 0
+
+
 def _run_adaptive(args: argparse.Namespace) -> int:
     from ..config import MaGConfig, load_config
     from ..engine import Engine
@@ -258,7 +292,7 @@ def _float_list(text: str, flag: str) -> list[float]:
     return values
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def _int_list(text: str, flag: str, hi: int = 256) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -266,7 +300,7 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not values:
         raise ValueError(f"{flag} is empty")
     for v in values:
-        _check_range(v, flag, 1, 256)
+        _check_range(v, flag, 1, hi)
     return list(dict.fromkeys(values))
 
 
