@@ -38,6 +38,7 @@ def ensure_installed() -> None:
     try:
         proc = subprocess.run(
             [npm, "ci", "--no-audit", "--no-fund"],
+            check=False,  # the return code is read below, with npm's output
             cwd=NODE_DIR,
             capture_output=True,
             text=True,
@@ -54,7 +55,7 @@ def run_node_client(address: str, prompt: list[int], max_new_tokens: int) -> dic
     node = _tool("node")
     argv = [node, str(CLIENT), address, ",".join(str(int(t)) for t in prompt), str(int(max_new_tokens))]
     try:
-        proc = subprocess.run(argv, cwd=NODE_DIR, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(argv, check=False, cwd=NODE_DIR, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"node client timed out after {RUN_TIMEOUT_S:.0f} s against {address}") from e
     if proc.returncode != 0:

@@ -12,18 +12,14 @@ serving.shutdown_grace_s.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
-import yaml
 from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,6 +34,7 @@ from cascade_service.models.tiny import random_prompts
 
 from ..integration.test_oracle import _oracle
 from . import node_client
+from .serve_process import ServeProcess, left_behind, tree, write_config
 
 FRONTENDS = ("standalone", "edge", "ray")
 GRACE_S = 3.0
@@ -59,37 +56,18 @@ class Served:
 
 @pytest.fixture(scope="module", params=FRONTENDS)
 def served(request, tiny_family, tmp_path_factory):
-    raw = {
-        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
-                  "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
-        "schedule": {"k_matrix": [[4, 2], [0, 6]], "leniency": 1.5},
-        "generation": {"max_new_tokens": 16},
-        "serving": {"torch_threads": 1, "shutdown_grace_s": GRACE_S},
-    }
-    path = tmp_path_factory.mktemp(f"conformance-{request.param}") / "service.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    # A Ray of its own for the child: it must not join a cluster this test session started.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    process = subprocess.Popen([sys.executable, "-m", "cascade_service.cli", "serve", "--config", str(path),
-                                "--grpc-port", "0", "--frontend", request.param],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True).start()  # never blocks the child
-    deadline = time.monotonic() + 300
-    line = ""
-    while "serving cascade.v1.CascadeService on" not in line:
-        assert process.poll() is None and time.monotonic() < deadline, "".join(stderr)[-3000:]
-        line = process.stdout.readline()
-    address = line.split(" on ")[1].split()[0]
-    channel = grpc.insecure_channel(address)
-    yield Served(request.param, address, process, channel)
+    config = write_config(tmp_path_factory.mktemp(f"conformance-{request.param}") / "service.yaml", tiny_family,
+                          GRACE_S)
+    server = ServeProcess(config, request.param)
+    channel = grpc.insecure_channel(server.address)
+    yield Served(request.param, server.address, server.process, channel)
     channel.close()
-    if process.poll() is None:  # the SIGTERM test did not run (e.g. -k): stop it anyway
-        process.send_signal(signal.SIGTERM)
+    if server.process.poll() is None:  # the SIGTERM test did not run (e.g. -k): stop it anyway
+        server.process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=GRACE_S + TEARDOWN_BOUND_S)
+            server.process.wait(timeout=GRACE_S + TEARDOWN_BOUND_S)
         except subprocess.TimeoutExpired:
-            process.kill()
+            server.process.kill()
             raise
 
 
@@ -269,6 +247,7 @@ def test_sigterm_drains_calls_in_flight_and_exits_0_within_the_grace_period(serv
     long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4096, temperature=0)
     stream = served.stub.GenerateStream(long, timeout=300)
     assert next(stream).token_ids  # a call in flight
+    processes = tree(served.process.pid)
     served.process.send_signal(signal.SIGTERM)
     start = time.monotonic()
     ended: grpc.StatusCode
@@ -285,4 +264,5 @@ def test_sigterm_drains_calls_in_flight_and_exits_0_within_the_grace_period(serv
     took = time.monotonic() - start
     assert code == 0
     assert took < GRACE_S + TEARDOWN_BOUND_S
+    assert left_behind(processes) == {}  # Ray's processes too, on the edge and Ray's proxy
     assert ended in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)

@@ -1,0 +1,74 @@
+"""Start `cascade-service serve` as a real process for the end-to-end tests, and stop it as an operator does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cascade_service import procfs
+
+READY = "serving cascade.v1.CascadeService on"
+
+
+def write_config(path: Path, tiny_family: dict[str, Any], grace_s: float) -> Path:
+    raw = {
+        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
+                  "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
+        "schedule": {"k_matrix": [[4, 2], [0, 6]], "leniency": 1.5},
+        "generation": {"max_new_tokens": 16},
+        "serving": {"torch_threads": 1, "shutdown_grace_s": grace_s},
+    }
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+class ServeProcess:
+    """`serve --frontend F` on a free loopback port; `address` once it printed that it serves."""
+
+    def __init__(self, config: Path, frontend: str, timeout_s: float = 300.0):
+        # A Ray of its own for the child: it must not join a cluster this test session started.
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cascade_service.cli", "serve", "--config", str(config), "--grpc-port", "0",
+             "--frontend", frontend], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []
+        threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        line = ""
+        while READY not in line:
+            assert self.process.poll() is None and time.monotonic() < deadline, "".join(self.stderr)[-3000:]
+            line = self.process.stdout.readline()
+        self.address = line.split(" on ")[1].split()[0]
+
+    def tree(self) -> set[int]:
+        return tree(self.process.pid)
+
+
+def tree(pid: int) -> set[int]:
+    """The process and every process it started, now."""
+    return {pid, *procfs.descendants(pid)}
+
+
+def left_behind(pids: set[int], wait_s: float = 15.0) -> dict[int, str]:
+    """Those of `pids` still running after up to wait_s (zombies count as gone), with their commands."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = {pid: procfs.command(pid) for pid in pids if _running(pid)}
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.25)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
