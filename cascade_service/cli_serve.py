@@ -41,6 +41,12 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     api_keys, tls = serve_access(args, config)
+    from .api.frontend import limits_from
+
+    try:
+        limits_from(config.serving.admission)  # out-of-range admission settings fail before anything starts
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
     if not 0 <= port <= 65535:
         raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")

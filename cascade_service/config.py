@@ -156,6 +156,14 @@ class ServingConfig:
     # before it cancels them (each ends with a status, never silently); Ray Serve replicas get the same
     # graceful_shutdown_timeout_s unless serving.deployments sets one. Then Serve and Ray stop.
     shutdown_grace_s: float = 10.0
+    # What the standalone server and the edge admit (api.frontend.Limits, docs/service.md "Admission"):
+    # any of ADMISSION_KEYS; unset ones keep their defaults (workers: the frontend's own).
+    admission: dict[str, float] = field(default_factory=dict)
+
+
+# The settings of serving.admission (api.frontend.Limits' fields).
+ADMISSION_KEYS = ("workers", "max_queued", "max_pending", "max_calls_per_key", "max_streams_per_connection",
+                  "body_timeout_s", "max_probes", "max_message_bytes")
 
 
 @dataclass(frozen=True)
@@ -213,13 +221,27 @@ def _load_arms(value: Any) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _admission(value: Any) -> dict[str, float]:
+    """serving.admission: known keys, each a number (the ranges are Limits' own, checked when `serve` starts)."""
+    if value is None:
+        return {}
+    raw = _mapping(value, "serving.admission")
+    _only(raw, "serving.admission.", set(ADMISSION_KEYS))
+    for key, number in raw.items():
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ConfigError(f"serving.admission.{key} must be a number, got {number!r}")
+        if key != "body_timeout_s" and number != int(number):
+            raise ConfigError(f"serving.admission.{key} must be a whole number, got {number!r}")
+    return {k: (float(v) if k == "body_timeout_s" else int(v)) for k, v in raw.items()}
+
+
 def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
     _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
                             "groups", "torch_threads", "deployments", "api_keys_file", "tls_cert_file",
-                            "tls_key_file", "adapt_to_load", "load_arms", "shutdown_grace_s"})
+                            "tls_key_file", "adapt_to_load", "load_arms", "shutdown_grace_s", "admission"})
     serving = ServingConfig(**{k: v for k, v in raw.items()
-                               if k not in ("deployments", "colocate", "groups", "load_arms")},
-                            load_arms=_load_arms(raw.get("load_arms")))
+                               if k not in ("deployments", "colocate", "groups", "load_arms", "admission")},
+                            load_arms=_load_arms(raw.get("load_arms")), admission=_admission(raw.get("admission")))
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
     if serving.torch_threads is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api.auth import ApiKeys, TlsFiles
+from .api.frontend import limits_from
 from .api.server import MAX_QUEUED_RPCS, start_server
 from .config import Config, make_cascade
 from .coordinator import Coordinator
@@ -58,8 +59,8 @@ def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, red
     coordinator = engine.coordinator(_store(config, redis_url), config.generation,
                                      adapt_to_load=(adapt_to_load or config.serving.adapt_to_load) and not plain,
                                      arms=config.serving.load_arms)
-    server, bound = start_server(coordinator, host, port, workers=max_streams, api_keys=api_keys, tls=tls,
-                                 max_queued=MAX_QUEUED_RPCS)
+    limits = limits_from(config.serving.admission, workers=max_streams, max_queued=MAX_QUEUED_RPCS)
+    server, bound = start_server(coordinator, host, port, api_keys=api_keys, tls=tls, limits=limits)
     return Standalone(server, bound, engine, coordinator)
 
 

@@ -146,6 +146,15 @@ class Limits:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
 
 
+def limits_from(settings: Mapping[str, float], **defaults: Any) -> Limits:
+    """Limits from a config's serving.admission over the wiring's `defaults`; ValueError naming the
+    setting (serving.admission.<key>) when one is out of range."""
+    try:
+        return Limits(**{**defaults, **settings})
+    except ValueError as exc:
+        raise ValueError(f"serving.admission.{exc}") from None
+
+
 class Refused(Exception):
     """A call ends with this status before (or instead of) any work."""
 

@@ -15,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import ApiKeys, TlsFiles
 from ..api.edge import Reply, health_request, is_serving, start_edge
+from ..api.frontend import limits_from
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
@@ -83,6 +84,9 @@ class _ReplyStream:
 
 
 FRONTENDS = ("edge", "ray")
+# The edge's calls in flight at once: each holds a thread that waits on the coordinator (which does the
+# work); serving.admission.workers overrides it.
+EDGE_WORKERS = 32
 
 
 class LocalService:
@@ -120,7 +124,8 @@ class LocalService:
         return f"{self.host}:{self.port}"
 
     def start(self) -> str:
-        load_config(self.config_path)  # a bad config fails here, before Ray starts
+        config = load_config(self.config_path)  # a bad config fails here, before Ray starts
+        limits = limits_from(config.serving.admission, workers=EDGE_WORKERS)
         if not ray.is_initialized():
             runtime_env = loopback_ray()
             ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, num_cpus=self.num_cpus,
@@ -139,7 +144,7 @@ class LocalService:
         serve.start(proxy_location="Disabled")
         self.deploy()
         self.server, self.port, self.checker = start_edge(HandleBackend(self._handle()), self.host, self.port,
-                                                         api_keys=self.api_keys, tls=self.tls)
+                                                         api_keys=self.api_keys, tls=self.tls, limits=limits)
         self.wait_ready()
         return self.address
 
