@@ -24,8 +24,8 @@ def test_a_valid_message_decodes_and_has_no_fault():
     (b"\x0a\x02\xc3\x28", "prompt: not a valid cascade.v1.GenerateRequest (not UTF-8)"),
     (b"\x42\x01\xff", "stop: not a valid cascade.v1.GenerateRequest (not UTF-8)"),
     (b"\x4a\x04\x0a\x02\xff\xfe", "verification.rule: not a valid cascade.v1.GenerateRequest (not UTF-8)"),
-    (b"\x4a\x05\x0a\x02", "verification: not a valid cascade.v1.GenerateRequest "
-                          "(its length runs past the end of the message)"),
+    (b"\x4a\x05\x0a\x02", ("verification: not a valid cascade.v1.GenerateRequest "
+                           "(its length runs past the end of the message)")),
     (b"\x12\x02\x05\x86", "prompt_token_ids: not a valid cascade.v1.GenerateRequest (a truncated number)"),
     (b"\x1a\x09abc", "session_id: not a valid cascade.v1.GenerateRequest (its length runs past the end of the message)"),
     (b"\x20\xff", "max_new_tokens: not a valid cascade.v1.GenerateRequest (a truncated number)"),
