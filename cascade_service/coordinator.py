@@ -8,7 +8,7 @@ One wiring-independent object runs requests: the tiers come from a factory (in-p
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 from .config import (
@@ -53,6 +53,9 @@ class GenerateParams:
     session_id: str | None = None
     stop: tuple[str, ...] = ()
     owner: str = ""  # the caller's owner id (api.auth); a session is used only by its owner
+    # The client set max_new_tokens (it must then fit the model's context, or the request is refused);
+    # a server default is cut to what fits instead.
+    explicit_max_new_tokens: bool = False
 
 
 @dataclass
@@ -86,6 +89,9 @@ class Coordinator:
     param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
     make_stopper: StopperFactory | None = None  # adaptive draft length of tiers local to this process
     budgets: Callable[[], DraftBudget] | None = None  # load-adaptive speculation (core.load); None: fixed K
+    # Positions the smallest model tier holds (its max_position_embeddings); None: no limit known. A
+    # request's context (session history + prompt) plus its new tokens must fit.
+    max_context: int | None = None
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -96,8 +102,7 @@ class Coordinator:
                owner: str = "") -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
         ids = self._prompt_ids(prompt, prompt_ids)
-        if len(ids) > MAX_PROMPT_TOKENS:
-            raise ValueError(f"prompt: {len(ids)} tokens, more than the limit {MAX_PROMPT_TOKENS}")
+        self._check_prompt_length(len(ids))
         if session_id:
             check_session_id(session_id)
         elif not ids:
@@ -116,7 +121,40 @@ class Coordinator:
         overrides = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                      "verification": verification, "stop_threshold": stop_threshold}
         gen = GenerationConfig(**{k: (v if v is not None else getattr(self.defaults, k)) for k, v in overrides.items()})
-        return GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop), owner)
+        params = GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop), owner,
+                                max_new_tokens is not None)
+        return self._fit(params, 0) if not session_id else params  # a session's history is read in stream()
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt (or session) taken: one position must be left for a new token."""
+        return MAX_PROMPT_TOKENS if self.max_context is None else min(MAX_PROMPT_TOKENS, self.max_context - 1)
+
+    def _check_prompt_length(self, n: int) -> None:
+        if n > self.max_prompt_tokens:
+            held = "" if self.max_context is None else f" (the model holds {self.max_context} positions)"
+            raise ValueError(f"prompt: {n} tokens, more than the limit of {self.max_prompt_tokens}{held}")
+
+    def _fit(self, params: GenerateParams, history: int) -> GenerateParams:
+        """`params` with its context (history + prompt) and new tokens within the model's positions:
+        ValueError naming the field when the client's own numbers do not fit; a server default of
+        max_new_tokens is cut to what is left."""
+        if self.max_context is None:
+            return params
+        context = history + len(params.prompt_ids)
+        if context >= self.max_context:
+            raise ValueError(f"prompt: the session's {history} tokens plus the prompt's {len(params.prompt_ids)} "
+                             f"leave no room in the model's context of {self.max_context} positions")
+        room = self.max_context - context
+        wanted = params.gen.max_new_tokens
+        if wanted <= room:
+            return params
+        if params.explicit_max_new_tokens:
+            what = f"the session's {history} tokens plus the prompt's {len(params.prompt_ids)}" if history \
+                else f"the prompt's {len(params.prompt_ids)} tokens"
+            raise ValueError(f"max_new_tokens: {what} plus max_new_tokens {wanted} exceed the model's context of "
+                             f"{self.max_context} positions (at most {room} new tokens fit)")
+        return replace(params, gen=replace(params.gen, max_new_tokens=room))
 
     def stream(self, params: GenerateParams, cancelled: Callable[[], bool] = _never) -> Iterator[Chunk]:
         """Yield text/token chunks as target rounds finish; the last one has finish_reason and stats.
@@ -129,6 +167,8 @@ class Coordinator:
         context = list(record.token_ids if record else ()) + list(params.prompt_ids)
         if not context:
             raise ValueError("prompt: empty (the session has no history yet)")
+        if record is not None:
+            params = self._fit(params, len(record.token_ids))  # before any work
         request_id = uuid.uuid4().hex
         stats = CascadeStats(self.cascade.target.name)
         tiers = self.tiers(request_id)
@@ -193,6 +233,7 @@ class Coordinator:
 
     def create_session(self, session_id: str = "", prompt: str = "", prompt_ids: Sequence[int] = (), owner: str = ""):
         ids = self._prompt_ids(prompt, prompt_ids)
+        self._check_prompt_length(len(ids))  # a session no request could continue is refused up front
         if session_id:
             check_session_id(session_id)
         return self.store.create(ids, session_id or None, owner)

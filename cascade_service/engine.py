@@ -121,7 +121,7 @@ class Engine:
             self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
             tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,
             defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs(),
-            make_stopper=self.make_stopper, budgets=budgets)
+            make_stopper=self.make_stopper, budgets=budgets, max_context=max_context(self.models()))
 
     def models(self) -> list[HFModel]:
         """The loaded model tiers, target first."""
@@ -138,3 +138,10 @@ class Engine:
             "params": self.param_costs(),
             "measured": {m.name: m.step_time_s() / target_step for m in models},
         }
+
+
+def max_context(models: Sequence[Any]) -> int | None:
+    """The positions every model tier holds: the smallest `max_positions` (None when none names one).
+    Every tier scores the whole context, so the smallest one bounds a request."""
+    limits = [m.max_positions for m in models if getattr(m, "max_positions", None)]
+    return min(limits) if limits else None

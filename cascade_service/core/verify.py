@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from .placement import uniform
+from .quote import quoted
 from .review import ReviewRule, Verdict, rule_for
 from .sampling import residual, sample
 from .types import Draft
@@ -79,21 +80,21 @@ class Verification:
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
-            raise ValueError(f"verification.rule must be one of {', '.join(RULES)}; got {self.rule!r}")
+            raise ValueError(f"verification.rule must be one of {', '.join(RULES)}; got {quoted(self.rule)}")
         alpha = self.knob
         low, high = ALPHA_RANGE[self.rule]
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or math.isnan(alpha):
-            raise ValueError(f"verification.alpha must be a number, got {self.alpha!r}")
+            raise ValueError(f"verification.alpha must be a number, got {quoted(self.alpha)}")
         upper_ok = alpha < high if self.rule == "lossy" else alpha <= high
         if not (low <= alpha and upper_ok):
             bracket = ")" if self.rule == "lossy" else "]"
-            raise ValueError(f"verification.alpha for rule {self.rule!r} must be in [{low:g}, {high:g}{bracket}, "
-                             f"got {alpha!r}")
+            raise ValueError(f"verification.alpha for rule {quoted(self.rule)} must be in [{low:g}, {high:g}{bracket}, "
+                             f"got {quoted(alpha)}")
         if self.rule == "lossy" and self.beta is not None:
             if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or \
                     not (self.beta >= 1.0 - alpha and math.isfinite(self.beta)):
                 raise ValueError(f"verification.beta must be a finite number >= 1 - alpha = {1.0 - alpha:g}, "
-                                 f"got {self.beta!r}")
+                                 f"got {quoted(self.beta)}")
 
     @property
     def knob(self) -> float:
@@ -135,7 +136,7 @@ def divergence(kind: str, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if kind == "js":
         m = 0.5 * (p + q)
         return 0.5 * _kl(p, m) + 0.5 * _kl(q, m)
-    raise ValueError(f"unknown divergence {kind!r}")
+    raise ValueError(f"unknown divergence {quoted(kind)}")
 
 
 def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

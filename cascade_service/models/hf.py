@@ -111,6 +111,10 @@ class HFModel:
         self.vocab_size: int = head.weight.shape[0] if head is not None else module.config.vocab_size
         self.num_parameters: int = sum(p.numel() for p in module.parameters())
         self.eos_token_ids: set[int] = _eos_ids(module)
+        # The positions the model holds: a learned position table (GPT-2's n_positions) indexes out of
+        # range past it, and rotary models were never trained there. None: the config names no limit.
+        positions = getattr(module.config, "max_position_embeddings", None) or getattr(module.config, "n_positions", None)
+        self.max_positions: int | None = int(positions) if positions else None
         # A prefill of a long prompt would otherwise materialise [S, V] logits only to drop all but n.
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
         self._step_times: dict[int, float] = {}

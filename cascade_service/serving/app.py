@@ -178,7 +178,8 @@ class CoordinatorDeployment:
                     info |= handle.info.remote().result()
                 self.systems = _system_heads(cascade, serving)
                 info |= {name: {"vocab_size": m.vocab_size, "num_parameters": m.num_parameters, "device": str(m.device),
-                                "eos_token_ids": sorted(m.eos_token_ids)} for name, m in self.local.items()}
+                                "eos_token_ids": sorted(m.eos_token_ids), "max_positions": m.max_positions}
+                         for name, m in self.local.items()}
                 check_vocabularies(cascade, {n: i["vocab_size"] for n, i in info.items()}, tokenizers=False)
                 target = info[cascade.target.name]
                 tokenizer = load_tokenizer(cascade.target.path)
@@ -192,7 +193,9 @@ class CoordinatorDeployment:
                     release=_release, param_costs={n: i["num_parameters"] / target["num_parameters"]
                                                    for n, i in info.items() if n != cascade.target.name},
                     make_stopper=HeadCache().stopper,  # adaptive draft length of colocated tiers
-                    budgets=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None)
+                    budgets=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None,
+                    max_context=min((i["max_positions"] for i in info.values() if i.get("max_positions")),
+                                    default=None))
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 

@@ -59,7 +59,8 @@ class TierServer:
 
     def info(self) -> dict[str, Any]:
         return {"name": self.tier.name, "vocab_size": self.model.vocab_size, "device": str(self.model.device),
-                "num_parameters": self.model.num_parameters, "eos_token_ids": sorted(self.model.eos_token_ids)}
+                "num_parameters": self.model.num_parameters, "eos_token_ids": sorted(self.model.eos_token_ids),
+                "max_positions": self.model.max_positions}
 
     def draft(self, msg: dict[str, Any]) -> dict[str, Any]:
         """msg: request_id, tokens, stable, k, temperature, top_p, seed, eos_ids -> a Draft as a dict."""

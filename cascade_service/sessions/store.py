@@ -15,6 +15,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from ..core.quote import quoted
+
 SESSION_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}"
 MAX_SESSION_TOKENS = 1_000_000
 # Token ids travel as uint32 in the Redis store; 2**31 also keeps them valid int32 tensor indices.
@@ -79,7 +81,7 @@ def check_access(record: SessionRecord, owner: str) -> SessionRecord:
 def check_session_id(session_id: str) -> None:
     # fullmatch, not match: `$` would accept a trailing newline.
     if not isinstance(session_id, str) or not _SESSION_ID_RE.fullmatch(session_id):
-        raise ValueError(f"session_id must match {SESSION_ID_PATTERN}, got {session_id!r}")
+        raise ValueError(f"session_id must match {SESSION_ID_PATTERN}, got {quoted(session_id)}")
 
 
 def new_session_id() -> str:
@@ -95,11 +97,11 @@ def check_token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
     for token in token_ids:
         # bool is an int subclass, but True as a token id is always a caller bug.
         if isinstance(token, bool):
-            raise ValueError(f"token ids must be ints, got {token!r}")
+            raise ValueError(f"token ids must be ints, got {quoted(token)}")
         try:
             value = operator.index(token)  # accepts numpy / torch integer scalars, refuses floats
         except TypeError:
-            raise ValueError(f"token ids must be ints, got {token!r}") from None
+            raise ValueError(f"token ids must be ints, got {quoted(token)}") from None
         if not 0 <= value < TOKEN_ID_LIMIT:
             raise ValueError(f"token ids must be in [0, 2**31), got {value}")
         checked.append(value)
@@ -110,7 +112,7 @@ def check_token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
 
 def check_version(expected_version: int) -> int:
     if isinstance(expected_version, bool) or not isinstance(expected_version, int) or expected_version < 0:
-        raise ValueError(f"expected_version must be an int >= 0, got {expected_version!r}")
+        raise ValueError(f"expected_version must be an int >= 0, got {quoted(expected_version)}")
     return expected_version
 
 

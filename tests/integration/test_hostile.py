@@ -343,3 +343,32 @@ def test_a_unary_call_with_two_messages_is_invalid_argument(coordinator):
         asyncio.run(run())
     finally:
         server.stop(0)
+
+
+def test_long_bad_values_are_quoted_short_and_the_error_arrives_whole(coordinator):
+    """A 64 KB session id or rule name would overflow the client's metadata limit if quoted whole (the
+    client would see RESOURCE_EXHAUSTED); it is quoted as a short escaped prefix with its length."""
+    server, address = _serve(coordinator)
+    long_id, long_rule = "s" * 65536 + "\n", "\x00" + "r" * 65535
+
+    async def run() -> None:
+        async with _channel(address) as channel:
+            for request, field in ((pb.GenerateRequest(prompt="x", session_id=long_id), "session_id"),
+                                   (pb.GenerateRequest(prompt="x", verification=pb.Verification(rule=long_rule)),
+                                    "verification.rule")):
+                for path in ("/cascade.v1.CascadeService/Generate", "/cascade.v1.CascadeService/GenerateStream"):
+                    error = await _raw(channel, path, request.SerializeToString())
+                    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, error.details()[:200])
+                    assert len(error.details()) < 300, error.details()
+                    assert error.details().endswith(("(65537 characters)", "(65536 characters)")), error.details()
+                    assert _violations(error) == [field]
+            for path, body in (("/cascade.v1.CascadeService/GetSession", pb.GetSessionRequest(session_id=long_id)),
+                               ("/cascade.v1.CascadeService/CreateSession",
+                                pb.CreateSessionRequest(session_id=long_id, prompt="x"))):
+                error = await _raw(channel, path, body.SerializeToString())
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and len(error.details()) < 300
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(0)

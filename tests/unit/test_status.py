@@ -32,7 +32,7 @@ from cascade_service.sessions.store import (
 
 # Messages the server sends, as the code writes them, and the field each names.
 MESSAGES = [
-    ("prompt: 40000 tokens, more than the limit 32768", "prompt"),
+    ("prompt: 40000 tokens, more than the limit of 2047 (the model holds 2048 positions)", "prompt"),
     ("prompt: give prompt or prompt_token_ids, not both", "prompt"),
     ("prompt: empty (give prompt, prompt_token_ids or a session_id with history)", "prompt"),
     ("prompt: empty (the session has no history yet)", "prompt"),
