@@ -57,8 +57,8 @@ def test_a_request_that_fills_the_context_exactly_is_exact(coordinator, family):
 
 
 @pytest.mark.parametrize("prompt_len, max_new, message", [
-    (CONTEXT - 8, 9, "max_new_tokens: the prompt's 2040 tokens plus max_new_tokens 9 exceed the model's context "
-                     "of 2048 positions (at most 8 new tokens fit)"),
+    (CONTEXT - 8, 9, ("max_new_tokens: the prompt's 2040 tokens plus max_new_tokens 9 exceed the model's "
+                      "context of 2048 positions (at most 8 new tokens fit)")),
     (CONTEXT, None, "prompt: 2048 tokens, more than the limit of 2047 (the model holds 2048 positions)"),
     (40_000, None, "prompt: 40000 tokens, more than the limit of 2047 (the model holds 2048 positions)"),
 ])
