@@ -129,6 +129,9 @@ class ServingConfig:
     redis_url: str | None = None
     session_namespace: str = "cascade"
     session_ttl_s: int = 7 * 24 * 3600
+    # Live sessions one API key (or all anonymous callers together) may hold; None: no limit. With each
+    # session within the model's context, this also bounds the tokens a key stores.
+    max_sessions_per_key: int | None = 1000
     # Model tiers hosted inside the coordinator's replica instead of their own deployment: their calls
     # cost no hop, but they scale with the coordinator. MaG always runs in the coordinator (it is a
     # dict lookup), so colocating the smallest tier puts MaG beside it.
@@ -238,12 +241,15 @@ def _admission(value: Any) -> dict[str, float]:
 def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
     _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
                             "groups", "torch_threads", "deployments", "api_keys_file", "tls_cert_file",
-                            "tls_key_file", "adapt_to_load", "load_arms", "shutdown_grace_s", "admission"})
+                            "tls_key_file", "adapt_to_load", "load_arms", "shutdown_grace_s", "admission",
+                            "max_sessions_per_key"})
     serving = ServingConfig(**{k: v for k, v in raw.items()
                                if k not in ("deployments", "colocate", "groups", "load_arms", "admission")},
                             load_arms=_load_arms(raw.get("load_arms")), admission=_admission(raw.get("admission")))
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
+    if serving.max_sessions_per_key is not None:
+        _check_int(serving.max_sessions_per_key, "serving.max_sessions_per_key", 1, 10**9)
     if serving.torch_threads is not None:
         _check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
     grace = serving.shutdown_grace_s

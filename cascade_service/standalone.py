@@ -69,6 +69,7 @@ def _store(config: Config, redis_url: str | None) -> SessionStore:
     if url:
         from .sessions.redis_store import RedisStore
 
-        return RedisStore(url, namespace=config.serving.session_namespace, ttl_s=config.serving.session_ttl_s)
-    return MemoryStore(ttl_s=config.serving.session_ttl_s)
+        return RedisStore(url, namespace=config.serving.session_namespace, ttl_s=config.serving.session_ttl_s,
+                          max_sessions_per_owner=config.serving.max_sessions_per_key)
+    return MemoryStore(ttl_s=config.serving.session_ttl_s, max_sessions_per_owner=config.serving.max_sessions_per_key)
 

@@ -17,7 +17,8 @@ import grpc
 from ..coordinator import Cancelled, Chunk, Coordinator
 from ..core.stats import CascadeStats, TierCounters
 from ..core.verify import Verification
-from ..sessions import SessionConflict, SessionExists, SessionForbidden, SessionNotFound, StoreUnavailable
+from ..sessions import (SessionConflict, SessionExists, SessionForbidden, SessionNotFound, SessionQuotaExceeded,
+                        StoreUnavailable)
 from .auth import owner_of
 from .status import set_status
 from .v1 import cascade_pb2 as pb
@@ -53,7 +54,7 @@ def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.ABORTED, f"session_id: the session changed during this request; retry ({exc})"
     if isinstance(exc, Cancelled):
         return grpc.StatusCode.CANCELLED, str(exc)
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, (Overloaded, SessionQuotaExceeded)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, (StoreUnavailable, Unavailable)):
         return grpc.StatusCode.UNAVAILABLE, str(exc)

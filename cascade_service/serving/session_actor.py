@@ -21,8 +21,8 @@ RAY_NAMESPACE = "cascade-service"
 class SessionActor:
     """The embedded session store, kept in a detached actor so the coordinator can restart."""
 
-    def __init__(self, ttl_s: float | None):
-        self.store = MemoryStore(ttl_s)
+    def __init__(self, ttl_s: float | None, max_sessions_per_owner: int | None = None):
+        self.store = MemoryStore(ttl_s, max_sessions_per_owner)
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.store, method)(*args)
@@ -67,7 +67,9 @@ def session_store(serving: ServingConfig) -> SessionStore:
     if serving.redis_url:
         from ..sessions.redis_store import RedisStore
 
-        return RedisStore(serving.redis_url, namespace=serving.session_namespace, ttl_s=serving.session_ttl_s)
+        return RedisStore(serving.redis_url, namespace=serving.session_namespace, ttl_s=serving.session_ttl_s,
+                          max_sessions_per_owner=serving.max_sessions_per_key)
     actor = SessionActor.options(name=SESSION_ACTOR, namespace=RAY_NAMESPACE, lifetime="detached",
-                                 get_if_exists=True, num_cpus=0).remote(serving.session_ttl_s)
+                                 get_if_exists=True, num_cpus=0).remote(serving.session_ttl_s,
+                                                                           serving.max_sessions_per_key)
     return ActorStore(actor)

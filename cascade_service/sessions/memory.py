@@ -12,8 +12,10 @@ from cascade_service.sessions.store import (
     SessionConflict,
     SessionExists,
     SessionNotFound,
+    SessionQuotaExceeded,
     SessionRecord,
     check_owner,
+    check_quota,
     check_session_id,
     check_token_ids,
     check_version,
@@ -23,12 +25,14 @@ from cascade_service.sessions.store import (
 
 
 class MemoryStore:
-    """SessionStore in a dict. `ttl_s` (None: forever) counts from creation and from each append."""
+    """SessionStore in a dict. `ttl_s` (None: forever) counts from creation and from each append;
+    `max_sessions_per_owner` (None: no limit) bounds the live sessions of one owner (API key)."""
 
-    def __init__(self, ttl_s: float | None = None) -> None:
+    def __init__(self, ttl_s: float | None = None, max_sessions_per_owner: int | None = None) -> None:
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s!r}")
         self._ttl_s = ttl_s
+        self._quota = check_quota(max_sessions_per_owner)
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[SessionRecord, float]] = {}  # id -> (record, expires_at)
         self._next_sweep = 0.0
@@ -45,6 +49,8 @@ class MemoryStore:
             self._sweep(now)
             if self._live(session_id, now) is not None:
                 raise SessionExists(f"session {session_id!r} already exists")
+            if self._quota is not None and self._owned(record.owner, now) >= self._quota:
+                raise SessionQuotaExceeded(self._quota)
             self._sessions[session_id] = (record, self._expiry(now))
         return record
 
@@ -99,6 +105,9 @@ class MemoryStore:
             del self._sessions[session_id]
             return None
         return entry[0]
+
+    def _owned(self, owner: str, now: float) -> int:
+        return sum(1 for record, expires_at in self._sessions.values() if record.owner == owner and expires_at > now)
 
     def _sweep(self, now: float) -> None:
         # Lazy expiry alone would keep sessions nobody touches again forever; a full sweep at most once

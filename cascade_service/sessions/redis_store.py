@@ -23,9 +23,11 @@ from cascade_service.sessions.store import (
     SessionError,
     SessionExists,
     SessionNotFound,
+    SessionQuotaExceeded,
     SessionRecord,
     StoreUnavailable,
     check_owner,
+    check_quota,
     check_session_id,
     check_token_ids,
     check_version,
@@ -37,11 +39,23 @@ from cascade_service.sessions.store import (
 # "session:x" would share a key.
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
-# KEYS[1] session key; ARGV: tokens, owner, ttl_ms (0 = no expiry). 1 = created, 0 = id taken.
+# KEYS[1] session key, KEYS[2] the owner's set of session ids; ARGV: tokens, owner, ttl_ms (0 = no
+# expiry), the owner's session limit (0 = none), the session key prefix, the session id.
+# 1 = created, 0 = id taken, -1 = the owner holds its limit. Ids whose session expired are dropped from
+# the owner's set before it is counted (at most `limit` lookups), so the count is of live sessions.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local limit = tonumber(ARGV[4])
+if limit > 0 then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+    if redis.call('EXISTS', ARGV[5] .. id) == 0 then redis.call('SREM', KEYS[2], id) end
+  end
+  if redis.call('SCARD', KEYS[2]) >= limit then return -1 end
+end
 redis.call('HSET', KEYS[1], 'tokens', ARGV[1], 'version', 0, 'owner', ARGV[2])
 if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+redis.call('SADD', KEYS[2], ARGV[6])
+if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
 return 1
 """
 
@@ -66,7 +80,9 @@ _MISSING, _CONFLICT, _TOO_LONG, _APPENDED = 0, 1, 2, 3
 
 
 class RedisStore:
-    """SessionStore on Redis. `ttl_s` (None: forever) counts from creation and from each append."""
+    """SessionStore on Redis. `ttl_s` (None: forever) counts from creation and from each append;
+    `max_sessions_per_owner` (None: no limit) bounds the live sessions of one owner (API key), counted
+    atomically in the create script."""
 
     def __init__(
         self,
@@ -74,12 +90,15 @@ class RedisStore:
         namespace: str = "cascade",
         ttl_s: int | None = 7 * 24 * 3600,
         socket_timeout_s: float = 2.0,
+        max_sessions_per_owner: int | None = None,
     ) -> None:
         if not _NAMESPACE_RE.fullmatch(namespace):
             raise ValueError(f"namespace must match {_NAMESPACE_RE.pattern}, got {namespace!r}")
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s!r}")
         self._prefix = f"{namespace}:session:"
+        self._owners = f"{namespace}:owner:"
+        self._quota = check_quota(max_sessions_per_owner)
         self._ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
         self.display_url = redact_url(url)
         # One immediate retry and no backoff: a pooled connection left stale by a server restart is
@@ -102,8 +121,11 @@ class RedisStore:
         check_owner(owner)
         with self._unavailable():
             created = self._create(
-                keys=[self._key(session_id)], args=[_pack(tokens), owner.encode(), self._ttl_ms]
+                keys=[self._key(session_id), self._owners + (owner or "-")],
+                args=[_pack(tokens), owner.encode(), self._ttl_ms, self._quota or 0, self._prefix, session_id],
             )
+        if created == -1:
+            raise SessionQuotaExceeded(self._quota or 0)
         if not created:
             raise SessionExists(f"session {session_id!r} already exists")
         return SessionRecord(session_id, tokens, 0, owner)

@@ -55,6 +55,23 @@ class SessionConflict(SessionError):
     """append() whose expected_version is stale: someone else appended first; re-read and retry."""
 
 
+class SessionQuotaExceeded(SessionError):
+    """create() by an owner that already holds its limit of sessions (`max_sessions_per_owner`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this API key holds {limit} sessions, its limit; delete one or wait for one to expire")
+        self.limit = limit
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        return SessionQuotaExceeded, (self.limit,)
+
+
+def check_quota(limit: int | None) -> int | None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"max_sessions_per_owner must be an int >= 1 or None, got {quoted(limit)}")
+    return limit
+
+
 class StoreUnavailable(SessionError):
     """The backend is down or unreachable (connection refused, timeout, ...)."""
 

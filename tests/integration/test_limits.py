@@ -102,3 +102,22 @@ def test_over_grpc_the_limit_is_invalid_argument_naming_the_field(coordinator):
             assert caught.value.details().startswith("prompt: 2048 tokens")
     finally:
         server.stop(0)
+
+
+def test_a_session_quota_is_resource_exhausted_and_leaves_nothing_stored(family):
+    cascade = make_cascade(ModelTierConfig("target", str(family["target"])), [MaGConfig()], [[4]], 1.0)
+    store = MemoryStore(max_sessions_per_owner=1)
+    server, port = start_server(Engine(cascade).coordinator(store))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = cascade_pb2_grpc.CascadeServiceStub(channel)
+            stub.CreateSession(pb.CreateSessionRequest(session_id="first", prompt_token_ids=[5]), timeout=60)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.CreateSession(pb.CreateSessionRequest(session_id="second", prompt_token_ids=[5]), timeout=60)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert caught.value.details().startswith("this API key holds 1 sessions, its limit")
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.GetSession(pb.GetSessionRequest(session_id="second"), timeout=60)
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND  # the refused call stored nothing
+    finally:
+        server.stop(0)

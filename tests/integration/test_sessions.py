@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 import uuid
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import redis
@@ -19,6 +19,7 @@ from cascade_service.sessions import (
     SessionConflict,
     SessionExists,
     SessionNotFound,
+    SessionQuotaExceeded,
     SessionRecord,
     SessionStore,
     StoreUnavailable,
@@ -332,3 +333,25 @@ def test_store_errors_keep_their_message_across_processes():
     for error in (SessionNotFound("s-1"), SessionExists("session 's-1' already exists")):
         again = pickle.loads(pickle.dumps(error))
         assert (type(again), str(again)) == (type(error), str(error))
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_an_owner_holds_at_most_its_quota_of_live_sessions(kind, redis_server):
+    if kind == "memory":
+        store: Any = MemoryStore(ttl_s=1.0, max_sessions_per_owner=2)
+    else:
+        store = RedisStore(redis_server.url, namespace=f"quota-{uuid.uuid4().hex[:8]}", ttl_s=1,
+                           max_sessions_per_owner=2)
+    alice, bob = "a" * 32, "b" * 32
+    first = store.create([1], owner=alice)
+    store.create([2], owner=alice)
+    with pytest.raises(SessionQuotaExceeded) as caught:
+        store.create([3], owner=alice)
+    assert str(caught.value) == "this API key holds 2 sessions, its limit; delete one or wait for one to expire"
+    store.create([4], owner=bob)  # another owner has a quota of its own
+    store.create([5])  # and so do anonymous callers
+    assert store.delete(first.session_id)
+    store.create([6], owner=alice)  # a deleted session frees its place
+    time.sleep(1.3)  # every session expires with the TTL
+    store.create([7], owner=alice)
+    store.create([8], owner=alice)
