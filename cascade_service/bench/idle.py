@@ -15,7 +15,8 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -41,7 +42,9 @@ async def _time_requests(channel: grpc.aio.Channel, prompt: str, max_new_tokens:
                                 request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                                 response_deserializer=health_pb2.HealthCheckResponse.FromString)
     request = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0)
-    latencies, health, errors = [], [], {}
+    latencies: list[float] = []
+    health: list[float] = []
+    errors: dict[str, int] = {}
     for _ in range(n):
         start = time.perf_counter()
         try:
