@@ -197,7 +197,7 @@ def test_sessions_round_trip_and_their_errors_are_one_line(served, tiny_family):
 
 
 def test_a_deadline_and_a_cancel_end_the_call_with_their_status(served):
-    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4096, temperature=0)
+    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4000, temperature=0)  # within the 4,096 positions
     error = _error(served.stub.Generate, long, timeout=0.5)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stream = served.stub.GenerateStream(long, timeout=120)
@@ -244,7 +244,7 @@ def test_a_node_js_client_sees_the_same_contract(served, tiny_family):
 
 def test_sigterm_drains_calls_in_flight_and_exits_0_within_the_grace_period(served):
     """Runs last for each frontend: it stops the server."""
-    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4096, temperature=0)
+    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4000, temperature=0)  # within the 4,096 positions
     stream = served.stub.GenerateStream(long, timeout=300)
     assert next(stream).token_ids  # a call in flight
     processes = tree(served.process.pid)

@@ -230,7 +230,7 @@ def test_one_key_is_held_to_its_limit_and_another_key_is_served(coordinator):
 
 def test_health_answers_while_every_worker_is_busy_and_the_queue_is_full(coordinator):
     server, address = _serve(coordinator, workers=1, max_queued=0)
-    long = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4096, temperature=0)
+    long = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4000, temperature=0)  # within the 4,096 positions
 
     async def run() -> None:
         async with _channel(address) as channel:
