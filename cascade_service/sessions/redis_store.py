@@ -41,7 +41,7 @@ _NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 # KEYS[1] session key, KEYS[2] the owner's set of session ids; ARGV: tokens, owner, ttl_ms (0 = no
 # expiry), the owner's session limit (0 = none), the session key prefix, the session id.
-# 1 = created, 0 = id taken, -1 = the owner holds its limit. Ids whose session expired are dropped from
+# 1 = created, 0 = id taken, -1 = the owner holds its limit. Without a limit no owner set is kept. Ids whose session expired are dropped from
 # the owner's set before it is counted (at most `limit` lookups), so the count is of live sessions.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -54,8 +54,10 @@ if limit > 0 then
 end
 redis.call('HSET', KEYS[1], 'tokens', ARGV[1], 'version', 0, 'owner', ARGV[2])
 if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
-redis.call('SADD', KEYS[2], ARGV[6])
-if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
+if limit > 0 then
+  redis.call('SADD', KEYS[2], ARGV[6])
+  if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
+end
 return 1
 """
 

@@ -199,7 +199,7 @@ def _wait_until_no_tier_holds_a_cache(timeout_s: float = 30.0) -> float:
 
 # A full decode of this many tokens takes over a thousand tier calls (at most 13 tokens a target round,
 # each round at least two calls); a cancel that reaches the tiers stops it after the round under way.
-LONG = 4096
+LONG = 4000  # within the 4,096 positions of the tiny models
 AFTER_CANCEL_CALLS = 12  # at most the round under way: target review + close + mid drafts, with slack
 
 
