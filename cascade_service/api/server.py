@@ -41,13 +41,14 @@ class LocalBackend:
         gone = threading.Event()
         if on_end is not None and not on_end(gone.set):
             gone.set()
-        context = RecordingContext(owner, _cancelled(gone, timeout_s))
+        deadline = _deadline(timeout_s)
+        context = RecordingContext(owner, _cancelled(gone, deadline))
         request = request_type(method).FromString(body)
         if method == "Generate":
             response = self.servicer.Generate(request, context, context.cancelled)
         else:
             response = getattr(self.servicer, method)(request, context)
-        return context.code.name, context.details, response.SerializeToString()
+        return (*_status(context, gone, deadline, method), response.SerializeToString())
 
     def stream(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> _LocalStream:
         return _LocalStream(self.servicer, method, request_type(method).FromString(body), owner, timeout_s)
@@ -58,7 +59,8 @@ class _LocalStream:
 
     def __init__(self, servicer: CascadeServicer, method: str, request: Any, owner: str, timeout_s: float | None):
         self._gone = threading.Event()
-        self._context = RecordingContext(owner, _cancelled(self._gone, timeout_s))
+        self._method, self._deadline = method, _deadline(timeout_s)
+        self._context = RecordingContext(owner, _cancelled(self._gone, self._deadline))
         self._chunks = getattr(servicer, method)(request, self._context, self._context.cancelled)
         self._done = False
 
@@ -73,7 +75,7 @@ class _LocalStream:
         except StopIteration:
             self._done = True
             if self._context.code.name != "OK":
-                return self._context.code.name, self._context.details, b""
+                return (*_status(self._context, self._gone, self._deadline, self._method), b"")
             raise
 
     def close(self) -> None:
@@ -86,9 +88,21 @@ class _LocalStream:
             pass
 
 
-def _cancelled(gone: threading.Event, timeout_s: float | None) -> Callable[[], bool]:
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _cancelled(gone: threading.Event, deadline: float | None) -> Callable[[], bool]:
     return lambda: gone.is_set() or (deadline is not None and time.monotonic() > deadline)
+
+
+def _status(context: RecordingContext, gone: threading.Event, deadline: float | None, method: str) -> tuple[str, str]:
+    """The call's code and message. A decode stopped by the client's deadline (not by a hang-up) ends
+    DEADLINE_EXCEEDED, as gRPC itself ends such a call: this side may see the deadline first."""
+    if context.code.name == "CANCELLED" and not gone.is_set() and deadline is not None \
+            and time.monotonic() > deadline:
+        return "DEADLINE_EXCEEDED", f"{method}: deadline exceeded"
+    return context.code.name, context.details
 
 
 def start_server(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0, workers: int = 8,

@@ -108,7 +108,9 @@ def test_a_cancel_or_deadline_stops_the_decode_and_releases_its_caches(served, h
         stream.cancel()
     passes = _stopped_soon(requests, time.monotonic())
     print(f"{how}: released after {passes} target passes")
-    assert passes >= 2  # it had started
+    # It had started: a stream's first chunk comes after one target pass, and the front end may see
+    # the cancel before a second one.
+    assert passes >= (1 if how == "stream-cancel" else 2)
     after = stub.GetSession(pb.GetSessionRequest(session_id=session.session_id))
     assert list(after.token_ids) == PROMPT and after.version == session.version  # untouched
     # the server goes on serving, and the session with it
