@@ -24,8 +24,8 @@ _HEADER = '"""Generated from protos/cascade/v1/cascade.proto by `python -m casca
 
 def generate() -> dict[str, str]:
     """{file name: contents} of the generated stubs."""
-    from grpc_tools import protoc  # build-time tool: imported only here
     import grpc_tools
+    from grpc_tools import protoc  # build-time tool: imported only here
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:

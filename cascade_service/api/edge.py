@@ -15,21 +15,9 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from .auth import ApiKeys, TlsFiles
-from .frontend import (
-    STREAMING,
-    UNARY,
-    Backend,
-    FrontendServer,
-    Limits,
-    RecordingContext,
-    Reply,
-    request_type,
-    start_frontend,
-)
+from .backend import Backend
+from .frontend import FrontendServer, Limits, start_frontend
 from .server import MAX_QUEUED_RPCS
-
-# The edge's backend protocol and the method table live with the front end; re-exported for the wiring.
-__all__ = ["STREAMING", "UNARY", "Backend", "RecordingContext", "Reply", "request_type", "start_edge"]
 
 
 def start_edge(backend: Backend, host: str = "127.0.0.1", port: int = 0, workers: int = 32,

@@ -18,8 +18,9 @@ To take the body in our own code, every method is registered as request-streamin
 wire is the same for a unary request: one message, then the half-close), so the handler runs as soon
 as the headers arrive.
 
-Behind the front end is a `Backend`: the coordinator in this process (`api.server.LocalBackend`) or the
-coordinator deployment behind a Ray Serve handle (`serving.local.HandleBackend`).
+Behind the front end is a `Backend` (`api.backend`): the coordinator in this process
+(`api.server.LocalBackend`) or the coordinator deployment behind a Ray Serve handle
+(`serving.local.HandleBackend`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -41,76 +42,17 @@ from grpc_reflection.v1alpha import reflection as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2
 
 from .auth import ApiKeys, TlsFiles, authenticate, bind
+from .backend import STREAMING, UNARY, Backend, Reply, request_type
 from .decode import decode
 from .health import HEALTH_SERVICES, serving_status
 from .reflection import METHOD as REFLECTION_METHOD
 from .reflection import SERVICES, V1, V1ALPHA
 from .servicer import SERVICE_NAME
 from .status import DETAILS_KEY, rich_status
-from .v1 import cascade_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-Reply = tuple[str, str, bytes]  # (status code name, details, serialized response)
-
-# method -> (request type, response type)
-UNARY = {
-    "Generate": (pb.GenerateRequest, pb.GenerateResponse),
-    "CreateSession": (pb.CreateSessionRequest, pb.Session),
-    "GetSession": (pb.GetSessionRequest, pb.Session),
-    "DeleteSession": (pb.DeleteSessionRequest, pb.DeleteSessionResponse),
-}
-STREAMING = {"GenerateStream": (pb.GenerateRequest, pb.GenerateChunk)}
 HEALTH = "grpc.health.v1.Health"
-
-
-def request_type(method: str) -> Any:
-    """The request message class of an RPC (functions, unlike the dicts, pickle by reference)."""
-    return {**UNARY, **STREAMING}[method][0]
-
-
-class Backend(Protocol):
-    """What serves a call once the front end admitted it. `owner`: the caller's owner id
-    (`api.auth.owner_of`), checked against a session's owner by the coordinator. Both methods run on a
-    worker thread and may block."""
-
-    def call(self, method: str, request: bytes, timeout_s: float | None, owner: str = "",
-             on_end: Callable[[Callable[[], None]], bool] | None = None) -> Reply:
-        """`on_end(cancel)` registers `cancel` to run when the client's call ends; it returns False when
-        the call has ended already (then cancel at once). A client that hangs up cancels the work."""
-        ...
-
-    def stream(self, method: str, request: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
-        """Replies in order. The iterator's `close()` may be called from another thread while a reply
-        is being made: it asks the work to stop, and the iteration then ends."""
-        ...
-
-
-class RecordingContext:
-    """A servicer context for calls that arrive as bytes: records the status the servicer sets.
-
-    `owner`: the caller's owner id, authenticated by the front end that took the call (`api.auth`);
-    `cancelled`: says when the caller has gone (the servicer's decode stops at its next round).
-    """
-
-    def __init__(self, owner: str = "", cancelled: Callable[[], bool] | None = None) -> None:
-        self.code = grpc.StatusCode.OK
-        self.details = ""
-        self.cascade_owner = owner  # api.auth.OWNER_ATTR
-        self.cancelled = cancelled
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-    def invocation_metadata(self) -> tuple:
-        return ()
-
-    def set_trailing_metadata(self, metadata: list) -> None:
-        """Dropped: the details trailer is a function of code and message (api.status), which the
-        front end rebuilds from them."""
 
 
 @dataclass(frozen=True)

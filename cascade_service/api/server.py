@@ -14,14 +14,8 @@ from typing import Any
 
 from ..coordinator import Coordinator
 from .auth import ApiKeys, TlsFiles
-from .frontend import (
-    FrontendServer,
-    Limits,
-    RecordingContext,
-    Reply,
-    request_type,
-    start_frontend,
-)
+from .backend import RecordingContext, Reply, request_type
+from .frontend import FrontendServer, Limits, start_frontend
 from .servicer import CascadeServicer
 
 # Calls beyond the workers wait for one, up to this many; past that a call gets RESOURCE_EXHAUSTED

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
 from ..coordinator import Cancelled, Chunk, Coordinator
 from ..core.stats import CascadeStats, TierCounters
 from ..core.verify import Verification
-from ..sessions import (SessionConflict, SessionExists, SessionForbidden, SessionNotFound, SessionQuotaExceeded,
-                        StoreUnavailable)
+from ..sessions import (
+    SessionConflict,
+    SessionExists,
+    SessionForbidden,
+    SessionNotFound,
+    SessionQuotaExceeded,
+    StoreUnavailable,
+)
 from .auth import owner_of
 from .status import set_status
 from .v1 import cascade_pb2 as pb

@@ -18,10 +18,11 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 import ray
 from ray import serve
@@ -29,11 +30,29 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import authenticate_context, load_api_keys
-from ..api.edge import UNARY, RecordingContext, Reply, request_type
+from ..api.backend import UNARY, RecordingContext, Reply, request_type
 from ..api.health import check_reply, watch_reply
-from ..api.servicer import CascadeServicer, Overloaded, Unavailable, fail, failure, status_for
-from ..config import (MAG, CascadeConfig, Config, ConfigError, MaGConfig, ModelTierConfig, ServingConfig,
-                      deployment_name, load_config, resolve_redis_url, tier_groups)
+from ..api.servicer import (
+    CascadeServicer,
+    Overloaded,
+    Unavailable,
+    fail,
+    failure,
+    status_for,
+)
+from ..config import (
+    MAG,
+    CascadeConfig,
+    Config,
+    ConfigError,
+    MaGConfig,
+    ModelTierConfig,
+    ServingConfig,
+    deployment_name,
+    load_config,
+    resolve_redis_url,
+    tier_groups,
+)
 from ..coordinator import Coordinator, Tokenizer
 from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
@@ -220,10 +239,10 @@ class CoordinatorDeployment:
             fail(grpc_context, exc, None)
             return UNARY[method][1]()
 
-    async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method names
+    async def Generate(self, request, grpc_context):
         return await self._unary("Generate", request, grpc_context)
 
-    async def GenerateStream(self, request, grpc_context) -> AsyncIterator[Any]:  # noqa: N802
+    async def GenerateStream(self, request, grpc_context) -> AsyncIterator[Any]:
         context = authenticate_context(self.api_keys, grpc_context)
         if context is not None:
             try:
@@ -235,13 +254,13 @@ class CoordinatorDeployment:
                 fail(grpc_context, exc, None)
         _raise_if_failed(grpc_context)
 
-    async def CreateSession(self, request, grpc_context):  # noqa: N802
+    async def CreateSession(self, request, grpc_context):
         return await self._unary("CreateSession", request, grpc_context)
 
-    async def GetSession(self, request, grpc_context):  # noqa: N802
+    async def GetSession(self, request, grpc_context):
         return await self._unary("GetSession", request, grpc_context)
 
-    async def DeleteSession(self, request, grpc_context):  # noqa: N802
+    async def DeleteSession(self, request, grpc_context):
         return await self._unary("DeleteSession", request, grpc_context)
 
     async def rpc(self, method: str, body: bytes, owner: str = "") -> Reply:
@@ -268,7 +287,7 @@ class CoordinatorDeployment:
         try:
             with self._calls.admit():
                 servicer = await self._servicer_ready()
-                chunks = lambda: _serve(servicer, method, request_type(method).FromString(body), context)  # noqa: E731
+                chunks = lambda: _serve(servicer, method, request_type(method).FromString(body), context)
                 async for chunk in iterate_bridged(chunks):
                     yield "OK", "", chunk.SerializeToString()
         except _Stopped as exc:
@@ -288,7 +307,7 @@ class CoordinatorDeployment:
             return self._servicer
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._build)
 
-    async def Check(self, request, grpc_context=None):  # noqa: N802 - grpc.health.v1.Health/Check
+    async def Check(self, request, grpc_context=None):
         """grpc.health.v1: SERVING once every tier answers, NOT_SERVING while draining; NOT_FOUND for a
         service we do not serve."""
         return check_reply(request.service, await self._serving(), grpc_context)
@@ -310,7 +329,7 @@ class CoordinatorDeployment:
         try:
             await self._servicer_ready()
             return True
-        except Exception:  # noqa: BLE001 - a tier that cannot answer means not serving
+        except Exception:
             log.exception("health check failed")
             return False
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import ray
 from ray import serve
@@ -14,7 +15,8 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import ApiKeys, TlsFiles
-from ..api.edge import Reply, health_request, is_serving, start_edge
+from ..api.backend import Reply
+from ..api.edge import health_request, is_serving, start_edge
 from ..api.frontend import limits_from
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
@@ -60,7 +62,7 @@ class _ReplyStream:
         self.generator = generator
         self.closed = False
 
-    def __iter__(self) -> "_ReplyStream":
+    def __iter__(self) -> _ReplyStream:
         return self
 
     def __next__(self) -> Reply:
@@ -202,7 +204,7 @@ class LocalService:
             # Through Ray's proxy: the coordinator drains its own calls, and cancels what is left with
             # a status before Serve stops it (Serve's own deadline would kill the replica mid-call).
             self._handle().drain.remote(0.0 if self.frontend == "edge" else grace_s).result(timeout_s=grace_s + 30)
-        except Exception:  # noqa: BLE001 - no app (never started, or already gone): nothing to drain
+        except Exception:
             log.debug("no coordinator to drain", exc_info=True)
         try:
             serve.delete(APP_NAME)
@@ -213,11 +215,11 @@ class LocalService:
             ray.shutdown()
             self.started_ray = False
 
-    def __enter__(self) -> "LocalService":
+    def __enter__(self) -> LocalService:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

@@ -16,14 +16,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cascade_service.api.auth import ApiKeys, TlsFiles, load_api_keys, owner_id
-from cascade_service.api.edge import RecordingContext, start_edge
+from cascade_service.api.backend import RecordingContext
+from cascade_service.api.edge import start_edge
 from cascade_service.api.server import start_server
 from cascade_service.api.servicer import CascadeServicer
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.cli import UsageError, main
 from cascade_service.cli_serve import serve_access
 from cascade_service.client import CascadeClient, errors
-from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, load_config, make_cascade
+from cascade_service.config import (
+    GenerationConfig,
+    MaGConfig,
+    ModelTierConfig,
+    load_config,
+    make_cascade,
+)
 from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
 from cascade_service.models.tiny import random_prompts
@@ -66,7 +73,7 @@ def cert(tmp_path_factory):
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -194,7 +201,7 @@ class FakeBackend:
         self.owners: list[str] = []
 
     def call(self, method, body, timeout_s, owner="", on_end=None):
-        from cascade_service.api.edge import request_type
+        from cascade_service.api.backend import request_type
 
         self.owners.append(owner)
         context = RecordingContext(owner)
@@ -202,7 +209,7 @@ class FakeBackend:
         return context.code.name, context.details, response.SerializeToString()
 
     def stream(self, method, body, timeout_s, owner=""):
-        from cascade_service.api.edge import request_type
+        from cascade_service.api.backend import request_type
 
         self.owners.append(owner)
         context = RecordingContext(owner)

@@ -14,7 +14,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from cascade_service.api.edge import request_type, start_edge
+from cascade_service.api.backend import request_type
+from cascade_service.api.edge import start_edge
 from cascade_service.api.server import start_server
 from cascade_service.api.servicer import Overloaded, Unavailable
 from cascade_service.api.status import DETAILS_KEY, RETRY_DELAY_S, rich_status

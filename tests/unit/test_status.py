@@ -10,7 +10,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from cascade_service.api.edge import RecordingContext
+from cascade_service.api.backend import RecordingContext
 from cascade_service.api.servicer import _require_id, _verification, status_for
 from cascade_service.api.status import (
     DETAILS_KEY,
