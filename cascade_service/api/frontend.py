@@ -44,9 +44,9 @@ from grpc_reflection.v1alpha import reflection_pb2
 from .auth import ApiKeys, TlsFiles, authenticate, bind
 from .backend import STREAMING, UNARY, Backend, Reply, request_type
 from .decode import decode
-from .health import HEALTH_SERVICES, serving_status
+from .health import HEALTH_SERVICES, status_reply, watch_reply
 from .reflection import METHOD as REFLECTION_METHOD
-from .reflection import SERVICES, V1, V1ALPHA
+from .reflection import SERVICES, V1, V1ALPHA, advertised
 from .servicer import SERVICE_NAME
 from .status import DETAILS_KEY, rich_status
 
@@ -155,7 +155,7 @@ class Frontend:
         self._probes = 0
         self._calls: set[_Call] = set()
         self._changed: asyncio.Event | None = None  # set when `serving` changes (health Watch)
-        self._reflection = reflection_v1alpha.aio.ReflectionServicer([*SERVICES, V1ALPHA, V1])
+        self._reflection = reflection_v1alpha.aio.ReflectionServicer(advertised(SERVICES))
 
     # --- the handlers -------------------------------------------------------------------------------
 
@@ -173,8 +173,8 @@ class Frontend:
 
     async def _unary(self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         try:
-            async with self._open(context) as owner:
-                body, _ = await self._body(requests, request_type(method))
+            with self._open(context) as owner:
+                body = await self._body(requests, request_type(method))
                 call = _Call()
                 async with self._admitted(call):
                     reply = await self._run(call, functools.partial(
@@ -192,8 +192,8 @@ class Frontend:
     async def _stream(self, method: str, requests: AsyncIterator[bytes],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
-            async with self._open(context) as owner:
-                body, _ = await self._body(requests, request_type(method))
+            with self._open(context) as owner:
+                body = await self._body(requests, request_type(method))
                 call = _Call()
                 async with self._admitted(call):
                     async for code, details, payload in self._replies(call, method, body, context, owner):
@@ -213,7 +213,7 @@ class Frontend:
                 request = await self._probe(requests)
             if request.service not in HEALTH_SERVICES:
                 raise Refused(grpc.StatusCode.NOT_FOUND, "service: not served here")
-            return health_pb2.HealthCheckResponse(status=serving_status(self._is_serving())).SerializeToString()
+            return status_reply(self._is_serving()).SerializeToString()
         except Refused as refused:
             await abort(context, refused.code, refused.message)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
@@ -225,11 +225,10 @@ class Frontend:
                 last = None
                 while True:
                     changed = self._changed_event()  # taken first: a change while a reply is written is not missed
-                    status = (serving_status(self._is_serving()) if request.service in HEALTH_SERVICES
-                              else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-                    if status != last:
-                        yield health_pb2.HealthCheckResponse(status=status).SerializeToString()
-                        last = status
+                    reply = watch_reply(request.service, self._is_serving())
+                    if reply != last:
+                        yield reply.SerializeToString()
+                        last = reply
                     await changed.wait()
         except Refused as refused:
             await abort(context, refused.code, refused.message)
@@ -263,7 +262,8 @@ class Frontend:
             raise Refused(grpc.StatusCode.UNAUTHENTICATED, message)
         return owner
 
-    def _open(self, context: grpc.aio.ServicerContext) -> _Open:
+    @contextlib.contextmanager
+    def _open(self, context: grpc.aio.ServicerContext) -> Iterator[str]:
         """The caller's owner id, counted against its key's limit while the call is open."""
         if self.stopping:
             raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
@@ -271,7 +271,13 @@ class Frontend:
         if self.api_keys is not None and self._per_key[owner] >= self.limits.max_calls_per_key:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"this API key has {self.limits.max_calls_per_key} calls open, its limit; retry later")
-        return _Open(self._per_key, owner)
+        self._per_key[owner] += 1
+        try:
+            yield owner
+        finally:
+            self._per_key[owner] -= 1
+            if self._per_key[owner] <= 0:
+                del self._per_key[owner]
 
     @contextlib.contextmanager
     def _probe_slot(self) -> Iterator[None]:
@@ -286,30 +292,34 @@ class Frontend:
         finally:
             self._probes -= 1
 
-    def _awaiting_body(self) -> _Pending:
+    async def _body(self, requests: AsyncIterator[bytes], kind: Any) -> bytes:
+        """A service call's request: its bytes (what a backend is handed), counted against
+        max_pending while they arrive, and checked to decode as a `kind` (bytes that are no `kind`
+        never reach a backend)."""
         if self._pending >= self.limits.max_pending:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self.limits.max_pending} calls are waiting for their request; retry later")
-        return _Pending(self)
-
-    async def _body(self, requests: AsyncIterator[bytes], kind: Any) -> tuple[bytes, Any]:
-        """The one request message of a unary-request call: its bytes (what a backend is handed) and
-        the message decoded from them (so that bytes which are no `kind` never reach one)."""
-        iterator = aiter(requests)
-        async with self._awaiting_body():
-            body = await self._next(iterator)
-            if body is None:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "request: the call ended without a request message")
-            if await self._next(iterator) is not None:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "request: this method takes one request message")
-        return body, _decoded(kind, body)
+        self._pending += 1
+        try:
+            body = await self._message(requests)
+        finally:
+            self._pending -= 1
+        _decoded(kind, body)
+        return body
 
     async def _probe(self, requests: AsyncIterator[bytes]) -> Any:
+        """A health call's request (bounded by the probe slot its caller holds, not by max_pending)."""
+        return _decoded(health_pb2.HealthCheckRequest, await self._message(requests))
+
+    async def _message(self, requests: AsyncIterator[bytes]) -> bytes:
+        """The one message of a unary-request call, and the client's half-close after it."""
         iterator = aiter(requests)
         body = await self._next(iterator)
-        if body is None or await self._next(iterator) is not None:
+        if body is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "request: the call ended without a request message")
+        if await self._next(iterator) is not None:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "request: this method takes one request message")
-        return _decoded(health_pb2.HealthCheckRequest, body)
+        return body
 
     async def _next(self, iterator: AsyncIterator[bytes]) -> bytes | None:
         """The next message, None at the client's half-close; DEADLINE_EXCEEDED past body_timeout_s."""
@@ -321,8 +331,18 @@ class Frontend:
             raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"request: the message did not arrive within {self.limits.body_timeout_s:g} s") from None
 
-    def _admitted(self, call: _Call) -> _Admitted:
-        return _Admitted(self, call)
+    @contextlib.asynccontextmanager
+    async def _admitted(self, call: _Call) -> AsyncIterator[None]:
+        """A worker (or a place in the queue for one) for an admitted call, which a drain can cancel.
+        The worker itself is given back by the thread's completion (`_run`, `_replies`)."""
+        if self.stopping:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+        self._calls.add(call)
+        try:
+            await self._take_worker()
+            yield
+        finally:
+            self._calls.discard(call)
 
     async def _take_worker(self) -> None:
         if self._free > 0 and not self._waiting:
@@ -436,52 +456,6 @@ class Frontend:
         return len(left)
 
 
-class _Open:
-    def __init__(self, per_key: Counter[str], owner: str):
-        self.per_key, self.owner = per_key, owner
-
-    async def __aenter__(self) -> str:
-        self.per_key[self.owner] += 1
-        return self.owner
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.per_key[self.owner] -= 1
-        if self.per_key[self.owner] <= 0:
-            del self.per_key[self.owner]
-
-
-class _Pending:
-    def __init__(self, frontend: Frontend):
-        self.frontend = frontend
-
-    async def __aenter__(self) -> None:
-        self.frontend._pending += 1
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.frontend._pending -= 1
-
-
-class _Admitted:
-    """A worker (or a place in the queue for one) for an admitted call, which a drain can cancel."""
-
-    def __init__(self, frontend: Frontend, call: _Call):
-        self.frontend, self.call = frontend, call
-
-    async def __aenter__(self) -> None:
-        if self.frontend.stopping:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
-        self.frontend._calls.add(self.call)
-        try:
-            await self.frontend._take_worker()
-        except BaseException:
-            self.frontend._calls.discard(self.call)
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        # The worker itself is given back by the thread's completion (Frontend._run / _replies).
-        self.frontend._calls.discard(self.call)
-
-
 def _decoded(kind: Any, body: bytes) -> Any:
     try:
         return decode(kind, body)
@@ -558,9 +532,6 @@ class FrontendServer:
     async def _stop(self, grace_s: float) -> None:
         await self.frontend.drain(grace_s)
         await self.server.stop(1.0)
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        return self._stopped.wait(timeout)
 
 
 def start_frontend(backend: Backend, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,

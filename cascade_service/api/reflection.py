@@ -102,7 +102,7 @@ def v1_info(channel: grpc.Channel) -> Any:
 def enable_reflection(server: Any, service_names: Iterable[str] = SERVICES) -> None:
     """Serve reflection v1alpha and v1 on a `grpc.Server` or `grpc.aio.Server`, advertising
     `service_names` and both reflection services."""
-    names = _names(service_names)
+    names = advertised(service_names)
     reflection.enable_server_reflection(names, server)  # v1alpha: picks the asyncio servicer itself
     server.add_generic_rpc_handlers((_v1_handler(names, isinstance(server, grpc.aio.Server)),))
 
@@ -119,10 +119,11 @@ def add_reflection_v1(servicer: Any, server: Any) -> None:
     """
     if hasattr(server, "add_passthrough_service"):
         server.add_passthrough_service(V1)
-    server.add_generic_rpc_handlers((_v1_handler(_names(SERVICES), isinstance(server, grpc.aio.Server)),))
+    server.add_generic_rpc_handlers((_v1_handler(advertised(SERVICES), isinstance(server, grpc.aio.Server)),))
 
 
-def _names(service_names: Iterable[str]) -> list[str]:
+def advertised(service_names: Iterable[str]) -> list[str]:
+    """`service_names` and both reflection services, each once: what reflection lists."""
     return [*dict.fromkeys([*service_names, V1ALPHA, V1])]
 
 
