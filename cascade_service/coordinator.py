@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .config import (
     CascadeConfig,
@@ -34,6 +34,12 @@ MAX_NEW_TOKENS = 4096
 MAX_TEMPERATURE = 100.0
 
 TierFactory = Callable[[str], dict[str, Any]]  # request id -> {tier name: Scorer or BlockTier}
+
+
+def smallest_context(positions: Iterable[int | None]) -> int | None:
+    """The positions every model tier holds, from each tier's own (None: it names no limit): the
+    smallest, since every tier scores the whole context. None when no tier names one."""
+    return min((p for p in positions if p), default=None)
 
 
 class Cancelled(Exception):

@@ -17,7 +17,7 @@ from .core.decode import decode
 from .core.load import LoadModel
 from .core.trial import ARMS
 from .core.mag import BigramTable, MaxGram
-from .coordinator import Coordinator, Tokenizer
+from .coordinator import Coordinator, Tokenizer, smallest_context
 from .core.stats import CascadeStats
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
@@ -121,7 +121,8 @@ class Engine:
             self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
             tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,
             defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs(),
-            make_stopper=self.make_stopper, budgets=budgets, max_context=max_context(self.models()))
+            make_stopper=self.make_stopper, budgets=budgets,
+            max_context=smallest_context(m.max_positions for m in self.models()))
 
     def models(self) -> list[HFModel]:
         """The loaded model tiers, target first."""
@@ -139,9 +140,3 @@ class Engine:
             "measured": {m.name: m.step_time_s() / target_step for m in models},
         }
 
-
-def max_context(models: Sequence[Any]) -> int | None:
-    """The positions every model tier holds: the smallest `max_positions` (None when none names one).
-    Every tier scores the whole context, so the smallest one bounds a request."""
-    limits = [m.max_positions for m in models if getattr(m, "max_positions", None)]
-    return min(limits) if limits else None

@@ -53,7 +53,7 @@ from ..config import (
     resolve_redis_url,
     tier_groups,
 )
-from ..coordinator import Coordinator, Tokenizer
+from ..coordinator import Coordinator, Tokenizer, smallest_context
 from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
 from ..models.acceptance_head import HeadCache
@@ -213,8 +213,7 @@ class CoordinatorDeployment:
                                                    for n, i in info.items() if n != cascade.target.name},
                     make_stopper=HeadCache().stopper,  # adaptive draft length of colocated tiers
                     budgets=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None,
-                    max_context=min((i["max_positions"] for i in info.values() if i.get("max_positions")),
-                                    default=None))
+                    max_context=smallest_context(i.get("max_positions") for i in info.values()))
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 
