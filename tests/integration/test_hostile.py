@@ -16,19 +16,23 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 
 from cascade_service.api.auth import ApiKeys
 from cascade_service.api.frontend import Limits
 from cascade_service.api.server import start_server
-from cascade_service.api.status import DETAILS_KEY
 from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.config import (
+    GenerationConfig,
+    MaGConfig,
+    ModelTierConfig,
+    make_cascade,
+)
 from cascade_service.engine import Engine
 from cascade_service.models.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
 
+from .test_api import _details, _violations
 from .test_oracle import _oracle
 
 PROMPT = random_prompts(1, 10, seed=31)[0]
@@ -92,13 +96,11 @@ async def _raw(channel: grpc.aio.Channel, path: str, body: bytes, timeout: float
     return caught.value
 
 
-def _violations(error: grpc.aio.AioRpcError) -> list[str]:
-    raw = [v for k, v in error.trailing_metadata() or () if k == DETAILS_KEY]
-    assert len(raw) == 1, error.trailing_metadata()
-    status = status_pb2.Status.FromString(raw[0])
+def _fields(error: grpc.aio.AioRpcError) -> list[str]:
+    """The fields of the FieldViolations in the error's details trailer (which repeats its code and message)."""
+    status = _details(error)
     assert (status.code, status.message) == (error.code().value[0], error.details())
-    bad = error_details_pb2.BadRequest()
-    return [v.field for d in status.details if d.Unpack(bad) for v in bad.field_violations]
+    return _violations(status)
 
 
 def test_idle_calls_cost_no_worker_and_health_answers_beside_them(coordinator, tiny_family):
@@ -276,7 +278,7 @@ def test_bytes_that_are_no_message_get_invalid_argument_naming_the_field(coordin
                     error = await _raw(channel, path, body)
                     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, path, error.details())
                     assert error.details().startswith(f"{field}: not a valid cascade.v1.GenerateRequest"), what
-                    assert _violations(error) == ([field] if field != "request" else []), what
+                    assert _fields(error) == ([field] if field != "request" else []), what
             # Unary and streaming alike, on every method, health and reflection included.
             for path in [*CASCADE_METHODS, *HEALTH, *REFLECTION]:
                 error = await _raw(channel, path, b"\x0a\x05ab")  # a string field cut short
@@ -361,7 +363,7 @@ def test_long_bad_values_are_quoted_short_and_the_error_arrives_whole(coordinato
                     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, error.details()[:200])
                     assert len(error.details()) < 300, error.details()
                     assert error.details().endswith(("(65537 characters)", "(65536 characters)")), error.details()
-                    assert _violations(error) == [field]
+                    assert _fields(error) == [field]
             for path, body in (("/cascade.v1.CascadeService/GetSession", pb.GetSessionRequest(session_id=long_id)),
                                ("/cascade.v1.CascadeService/CreateSession",
                                 pb.CreateSessionRequest(session_id=long_id, prompt="x"))):
