@@ -32,6 +32,9 @@ from cascade_service.api.v1 import cascade_pb2_grpc
 from cascade_service.client import CascadeClient, errors
 from cascade_service.models.tiny import random_prompts
 
+from ..integration.test_api import (
+    BAD_REQUESTS,  # checked here as every front end answers them
+)
 from ..integration.test_oracle import _oracle
 from . import node_client
 from .serve_process import ServeProcess, left_behind, tree, write_config
@@ -135,16 +138,6 @@ def test_reflection_lists_the_services_in_both_versions(served, version):
     itself = descriptor_pb2.FileDescriptorProto.FromString(replies[2].file_descriptor_response.file_descriptor_proto[0])
     assert itself.package == f"grpc.reflection.{version}"
     assert replies[3].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
-
-
-# (request, field, message): the same status, message and field on every frontend, unary and streaming.
-BAD_REQUESTS = [
-    (pb.GenerateRequest(prompt="x", max_new_tokens=0), "max_new_tokens", "max_new_tokens must be in [1, 4096], got 0"),
-    (pb.GenerateRequest(prompt="x", temperature=-1), "temperature", "temperature must be in [0, 100], got -1.0"),
-    (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), "prompt", "prompt: give prompt or prompt_token_ids, not both"),
-    (pb.GenerateRequest(prompt="x", verification=pb.Verification(rule="lossy", beta=1.0, tune_beta=True)),
-     "verification.beta", "verification.beta: give beta or tune_beta, not both"),
-]
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
