@@ -62,16 +62,30 @@ def served(request, coordinator):
     server.stop(0)
 
 
-def _ask(channel: grpc.Channel, version: str, *requests: dict[str, Any]) -> list[Any]:
-    """One ServerReflectionInfo stream carrying `requests` (each the fields of a request), no key sent."""
+def _info(channel: Any, version: str, requests: tuple[dict[str, Any], ...]) -> Any:
+    """A ServerReflectionInfo call of `version` on a sync or asyncio channel, carrying `requests`
+    (each the fields of a request), no key sent."""
     request_class, response_class = MESSAGES[version]
     info = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
                                  request_serializer=request_class.SerializeToString,
                                  response_deserializer=response_class.FromString)
-    replies = list(info(iter([request_class(**fields) for fields in requests]), timeout=30))
+    return info(iter([request_class(**fields) for fields in requests]), timeout=30)
+
+
+def _checked(version: str, requests: tuple[dict[str, Any], ...], replies: list[Any]) -> list[Any]:
     assert len(replies) == len(requests)
     assert all(r.DESCRIPTOR.full_name == f"grpc.reflection.{version}.ServerReflectionResponse" for r in replies)
     return replies
+
+
+def _ask(channel: grpc.Channel, version: str, *requests: dict[str, Any]) -> list[Any]:
+    """One ServerReflectionInfo stream carrying `requests`: its replies, one per request."""
+    return _checked(version, requests, list(_info(channel, version, requests)))
+
+
+async def _ask_aio(channel: grpc.aio.Channel, version: str, *requests: dict[str, Any]) -> list[Any]:
+    """`_ask` on an asyncio channel."""
+    return _checked(version, requests, [r async for r in _info(channel, version, requests)])
 
 
 def _files(reply: Any) -> list[descriptor_pb2.FileDescriptorProto]:
@@ -150,11 +164,8 @@ def test_an_asyncio_server_serves_both_versions():
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 listed = {}
-                for version, (request_class, response_class) in MESSAGES.items():
-                    info = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                                                 request_serializer=request_class.SerializeToString,
-                                                 response_deserializer=response_class.FromString)
-                    replies = [r async for r in info(iter([request_class(list_services="")]), timeout=30)]
+                for version in MESSAGES:
+                    replies = await _ask_aio(channel, version, {"list_services": ""})
                     listed[version] = {s.name for s in replies[0].list_services_response.service}
                 return listed
         finally:
@@ -196,12 +207,9 @@ def test_on_rays_proxy_server_v1_is_answered_by_the_proxy_beside_v1alpha(functio
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 answers = {}
-                for version, (request_class, response_class) in MESSAGES.items():
-                    info = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                                                 request_serializer=request_class.SerializeToString,
-                                                 response_deserializer=response_class.FromString)
-                    requests = [request_class(list_services=""), request_class(file_containing_symbol=CASCADE)]
-                    listed, api = [r async for r in info(iter(requests), timeout=30)]
+                for version in MESSAGES:
+                    listed, api = await _ask_aio(channel, version, {"list_services": ""},
+                                                 {"file_containing_symbol": CASCADE})
                     answers[version] = ({s.name for s in listed.list_services_response.service},
                                         [f.name for f in _files(api)])
                 return answers
