@@ -1,15 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Verification(_message.Message):
-    __slots__ = ("alpha", "beta", "rule", "tune_beta")
+    __slots__ = ("rule", "alpha", "beta", "tune_beta")
     RULE_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     BETA_FIELD_NUMBER: _ClassVar[int]
@@ -18,10 +16,10 @@ class Verification(_message.Message):
     alpha: float
     beta: float
     tune_beta: bool
-    def __init__(self, rule: str | None = ..., alpha: float | None = ..., beta: float | None = ..., tune_beta: bool | None = ...) -> None: ...
+    def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., tune_beta: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("max_new_tokens", "prompt", "prompt_token_ids", "seed", "session_id", "stop", "stop_threshold", "temperature", "top_p", "verification")
+    __slots__ = ("prompt", "prompt_token_ids", "session_id", "max_new_tokens", "temperature", "top_p", "seed", "stop", "verification", "stop_threshold")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -42,10 +40,10 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     verification: Verification
     stop_threshold: float
-    def __init__(self, prompt: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., session_id: str | None = ..., max_new_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ..., verification: Verification | _Mapping | None = ..., stop_threshold: float | None = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., stop_threshold: _Optional[float] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("accepted", "calls", "drafted", "hops", "time_s", "tokens_processed")
+    __slots__ = ("calls", "tokens_processed", "time_s", "hops", "drafted", "accepted")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -58,17 +56,17 @@ class TierStats(_message.Message):
     hops: int
     drafted: int
     accepted: int
-    def __init__(self, calls: int | None = ..., tokens_processed: int | None = ..., time_s: float | None = ..., hops: int | None = ..., drafted: int | None = ..., accepted: int | None = ...) -> None: ...
+    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("accepted_by_position", "drafted_by_position", "generated_tokens", "loglik_loss", "mean_accepted_length", "off_target_tokens", "swi_params", "target_calls", "tiers", "tv_deviation", "verification", "wall_s")
+    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss")
     class TiersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: TierStats
-        def __init__(self, key: str | None = ..., value: TierStats | _Mapping | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_CALLS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -93,10 +91,10 @@ class GenerateStats(_message.Message):
     off_target_tokens: int
     tv_deviation: float
     loglik_loss: float
-    def __init__(self, generated_tokens: int | None = ..., target_calls: int | None = ..., tiers: _Mapping[str, TierStats] | None = ..., accepted_by_position: _Iterable[int] | None = ..., drafted_by_position: _Iterable[int] | None = ..., mean_accepted_length: float | None = ..., wall_s: float | None = ..., swi_params: float | None = ..., verification: str | None = ..., off_target_tokens: int | None = ..., tv_deviation: float | None = ..., loglik_loss: float | None = ...) -> None: ...
+    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("finish_reason", "session_id", "session_length", "stats", "text", "token_ids")
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_id", "session_length")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -109,10 +107,10 @@ class GenerateResponse(_message.Message):
     stats: GenerateStats
     session_id: str
     session_length: int
-    def __init__(self, text: str | None = ..., token_ids: _Iterable[int] | None = ..., finish_reason: str | None = ..., stats: GenerateStats | _Mapping | None = ..., session_id: str | None = ..., session_length: int | None = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., session_id: _Optional[str] = ..., session_length: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("finish_reason", "session_length", "stats", "text", "token_ids")
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_length")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -123,20 +121,20 @@ class GenerateChunk(_message.Message):
     finish_reason: str
     stats: GenerateStats
     session_length: int
-    def __init__(self, text: str | None = ..., token_ids: _Iterable[int] | None = ..., finish_reason: str | None = ..., stats: GenerateStats | _Mapping | None = ..., session_length: int | None = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., session_length: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "session_id")
+    __slots__ = ("session_id", "prompt", "prompt_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: str | None = ..., prompt: str | None = ..., prompt_token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids", "version")
+    __slots__ = ("session_id", "token_ids", "version", "text")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -145,22 +143,22 @@ class Session(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     version: int
     text: str
-    def __init__(self, session_id: str | None = ..., token_ids: _Iterable[int] | None = ..., version: int | None = ..., text: str | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: str | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: str | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class DeleteSessionResponse(_message.Message):
     __slots__ = ("deleted",)
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: bool
-    def __init__(self, deleted: bool | None = ...) -> None: ...
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
