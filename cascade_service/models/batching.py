@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from transformers import DynamicCache
 
-from cascade_service.core.load import PAD_WASTE, PassTimer, charge
+from cascade_service.core.load import ROW_POSITIONS, PassTimer, charge, pads_within
 
 if TYPE_CHECKING:
     from .hf import HFModel
@@ -169,25 +169,35 @@ class ForwardBatcher:
 
 
 def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:
-    """The next batch: requests whose new-token counts are alike, oldest first.
+    """The next batch: the oldest waiting pass and those most like it in new tokens and cached length.
 
-    Every row is padded to the longest row's new tokens, so a 100-token prefill batched with fifteen
-    one-token draft steps would make the pass process 1,600 positions for 115 real ones. So a batch
-    is grown from the oldest waiting pass with the passes closest to it in length, while the padded
-    positions stay within PAD_WASTE of the real ones; the others wait for the next pass (which starts
-    as soon as this one ends: nothing waits long).
+    A pass pads every row twice. Its new tokens to the most any row feeds: a padded query costs a whole
+    position's compute, so a 100-token prefill beside fifteen one-token draft steps would process 1,600
+    queries for 115 real ones. Its cache to the longest cache: a padded key is copied into the packed
+    cache and attended to, so one 4,000-token conversation beside 16 short ones made every row copy and
+    attend over 4,000 keys (on the demo zoo's large model, CPU: a 2 s pass instead of 35 ms, +1 GB).
+    So a batch is grown from the oldest waiting pass with the passes closest to it while both stay
+    within PAD_WASTE of the real work (core.load.pads_within): queries rows x S against sum s_i; keys
+    rows x (L + S + ROW_POSITIONS) against sum (L_i + s_i + ROW_POSITIONS), where ROW_POSITIONS is what
+    a row costs whatever its cache. The others wait for the next pass, which starts as soon as this one
+    ends; the oldest waiting pass is always in this one, so nothing waits for long.
     """
-    first = pending[0]
+    shapes = [(item, _past(item), len(item.fed)) for item in pending]  # (pass, L_i, s_i)
+    first, past0, new0 = shapes[0]
     batch = [first]
-    longest, real = len(first.fed), len(first.fed)
-    for item in sorted(pending[1:], key=lambda p: abs(len(p.fed) - len(first.fed))):
+    steps, width, queries, keys = new0, past0, new0, past0 + new0 + ROW_POSITIONS
+    for item, past, new in sorted(shapes[1:], key=lambda shape: (abs(shape[2] - new0), abs(shape[1] - past0))):
         if len(batch) == max_batch:
             break
-        size = len(item.fed)
-        if (len(batch) + 1) * max(longest, size) <= PAD_WASTE * (real + size):
+        rows, s, w, k = len(batch) + 1, max(steps, new), max(width, past), past + new + ROW_POSITIONS
+        if pads_within(rows, s, queries + new) and pads_within(rows, w + s + ROW_POSITIONS, keys + k):
             batch.append(item)
-            longest, real = max(longest, size), real + size
+            steps, width, queries, keys = s, w, queries + new, keys + k
     return batch
+
+
+def _past(item: _Pass) -> int:
+    return item.cache.get_seq_length()
 
 
 def forward_batch(model: "HFModel", batch: list[_Pass]) -> list[object]:

@@ -189,7 +189,8 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
 
 
 def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
-    from cascade_service.models.batching import PAD_WASTE, take_batch
+    from cascade_service.core.load import PAD_WASTE
+    from cascade_service.models.batching import take_batch
 
     def passes(*lengths):
         return [_Pass([0] * n, DynamicCache(), 1, False) for n in lengths]
@@ -203,6 +204,55 @@ def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
     assert [len(p.fed) for p in take_batch(rest, 64)] == [100, 98, 2]
     assert [len(p.fed) for p in take_batch(passes(2, 1, 1, 1), 64)] == [2, 1, 1]  # 4 rows of 2 > 1.5 * 5
     assert len(take_batch(passes(*[1] * 10), max_batch=4)) == 4
+
+
+def _cached(past: int, new: int = 1) -> _Pass:
+    """A pass feeding `new` tokens to a cache of `past` positions (synthetic keys and values)."""
+    cache = DynamicCache()
+    if past:
+        cache.update(torch.zeros(1, 1, past, 1), torch.zeros(1, 1, past, 1), 0)
+    return _Pass([0] * new, cache, 1, False)
+
+
+def _padding_within_bounds(batch: list[_Pass]) -> bool:
+    from cascade_service.core.load import PAD_WASTE, ROW_POSITIONS
+
+    past = [p.cache.get_seq_length() for p in batch]
+    news = [len(p.fed) for p in batch]
+    width, steps, rows = max(past), max(news), len(batch)
+    return (rows * steps <= PAD_WASTE * sum(news)
+            and rows * (width + steps + ROW_POSITIONS) <= PAD_WASTE * sum(p + s + ROW_POSITIONS
+                                                                          for p, s in zip(past, news)))
+
+
+def test_a_long_cache_is_not_batched_with_short_ones_and_the_oldest_pass_always_goes():
+    from cascade_service.models.batching import take_batch
+
+    shorts = [_cached(30 + 3 * i) for i in range(16)]  # ragged short caches: 30 to 75 positions
+    long = _cached(4000)
+    pending = shorts[:5] + [long] + shorts[5:]
+    batch = take_batch(pending, max_batch=64)
+    assert batch[0] is shorts[0] and len(batch) == 16 and all(p is not long for p in batch)
+    assert _padding_within_bounds(batch)
+    # The long one, oldest now, goes alone: no short cache is padded to 4,000 positions.
+    assert take_batch([long] + shorts, max_batch=64) == [long]
+    # Long caches of similar lengths share a pass; the short ones wait for the next.
+    other_long = _cached(3600, new=2)
+    batch = take_batch([long] + shorts + [other_long], max_batch=64)
+    assert batch == [long, other_long] and _padding_within_bounds(batch)
+    # Without the cached lengths (the new tokens alone) all 18 would have fitted in one pass.
+    assert not _padding_within_bounds([long] + shorts + [other_long])
+
+
+def test_short_caches_of_different_lengths_are_grouped_by_their_new_tokens_alone():
+    from cascade_service.models.batching import take_batch
+
+    # Short caches count alike (a row costs ROW_POSITIONS whatever its cache): a prefill of 4 tokens
+    # and steps of 1 to 3 over caches of 0 to 200 positions are grouped as with empty caches.
+    pending = [_cached(0, new=4)] + [_cached(40 * i, new=1 + i % 3) for i in range(6)]
+    batch = take_batch(pending, max_batch=64)
+    assert batch[0] is pending[0] and _padding_within_bounds(batch)
+    assert sorted(len(p.fed) for p in batch) == [2, 2, 3, 3, 4]
 
 
 @pytest.mark.parametrize("gather", [0.0, 0.25])
