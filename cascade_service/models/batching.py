@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -30,6 +31,10 @@ from cascade_service.core.load import ROW_POSITIONS, PassTimer, charge, pads_wit
 
 if TYPE_CHECKING:
     from .hf import HFModel
+
+# Tokens per pass of a long prompt's prefill (ForwardBatcher.forward): between two chunks the other
+# requests get a pass. Chosen with bench.long_request, see docs/service.md "Continuous batching".
+PREFILL_CHUNK = 64
 
 
 @dataclass
@@ -56,11 +61,14 @@ class ForwardBatcher:
 
     GATHER = 0.25  # at most this share of a pass's time is spent waiting for its requests to come back
 
-    def __init__(self, model: "HFModel", max_batch: int = 64):
+    def __init__(self, model: "HFModel", max_batch: int = 64, prefill_chunk: int = PREFILL_CHUNK):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: unchunked), got {prefill_chunk}")
         self.model = model
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.batch_sizes: dict[int, int] = {}
         self.timer = PassTimer()
         self._pending: list[_Pass] = []
@@ -78,10 +86,31 @@ class ForwardBatcher:
     def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
         """Like `HFModel._forward(tokens, cache, keep, with_hidden)`, batched with concurrent callers.
 
+        More than `prefill_chunk` tokens (a long prompt's prefill) are fed as passes of at most that
+        many, one after another, so other requests' passes run between them instead of waiting for the
+        whole prompt; only the last pass's logits are returned. On failure the cache is cut back to
+        what it held before, as if nothing had been fed.
+        """
+        tokens = list(tokens)
+        chunks = prefill_chunks(len(tokens), keep, self.prefill_chunk)
+        cached = cache.get_seq_length()
+        try:
+            for start, end in chunks[:-1]:
+                # keep=1, not 0: HF's logits_to_keep=0 means every row. The one row is dropped.
+                self._submit(tokens[start:end], cache, 1, False)
+            return self._submit(tokens[chunks[-1][0]:], cache, keep, with_hidden)
+        except BaseException:
+            if cache.get_seq_length() > cached:
+                cache.crop(cached - cache.get_seq_length())  # negative: positions to drop (4.x and 5.x)
+            raise
+
+    def _submit(self, tokens: list[int], cache: DynamicCache, keep: int, with_hidden: bool):
+        """One pass, batched with concurrent callers' passes.
+
         When the model is idle and nothing waits, the caller runs its pass itself: a lone request pays
         no handoff to the worker thread (two context switches per pass, measurable at batch 1).
         """
-        item = _Pass(list(tokens), cache, keep, with_hidden)
+        item = _Pass(tokens, cache, keep, with_hidden)
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the batcher of {self.model.name} is closed")
@@ -166,6 +195,19 @@ class ForwardBatcher:
                 self._cond.notify_all()  # the worker takes what arrived meanwhile
             for item in batch:
                 item.done.set()
+
+
+def prefill_chunks(n: int, keep: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) of the passes that feed n tokens in chunks of at most `size` (0: one pass).
+
+    Every pass but the last is full. The last holds the remainder, or the `keep` rows whose logits are
+    asked for where those are more (it is then longer than `size`, and the one before it shorter).
+    """
+    if size <= 0 or n <= size:
+        return [(0, n)]
+    last = max(keep, n - size * ((n - 1) // size))
+    bounds = list(range(0, n - last, size)) + [n - last, n]
+    return list(pairwise(bounds))
 
 
 def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:

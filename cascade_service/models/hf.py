@@ -119,15 +119,16 @@ class HFModel:
         self._step_times: dict[int, float] = {}
         self.batcher: ForwardBatcher | None = None  # once enable_batching() ran: concurrent scorers share passes
 
-    def enable_batching(self, max_batch: int = 64) -> None:
+    def enable_batching(self, max_batch: int = 64, prefill_chunk: int | None = None) -> None:
         """From now on, concurrent requests' forward passes run as batched passes (models.batching).
 
         Only worth it when several requests decode at once; a lone request takes the unbatched path.
+        prefill_chunk: the most tokens one pass feeds (0: a prompt in one pass; None: the default).
         """
-        from .batching import ForwardBatcher
+        from .batching import PREFILL_CHUNK, ForwardBatcher
 
         if self.batcher is None:
-            self.batcher = ForwardBatcher(self, max_batch)
+            self.batcher = ForwardBatcher(self, max_batch, PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
 
     def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
         """A cached forward pass for one request: through the batcher when batching is on."""

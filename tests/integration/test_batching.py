@@ -255,6 +255,117 @@ def test_short_caches_of_different_lengths_are_grouped_by_their_new_tokens_alone
     assert sorted(len(p.fed) for p in batch) == [2, 2, 3, 3, 4]
 
 
+def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
+    from cascade_service.models.batching import prefill_chunks
+
+    assert prefill_chunks(1000, 1, 256) == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+    assert prefill_chunks(512, 1, 256) == [(0, 256), (256, 512)]
+    assert prefill_chunks(1000, 300, 256) == [(0, 256), (256, 512), (512, 700), (700, 1000)]
+    assert prefill_chunks(256, 1, 256) == [(0, 256)] and prefill_chunks(10, 1, 0) == [(0, 10)]
+    assert prefill_chunks(257, 1, 256) == [(0, 256), (256, 257)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary and absolute positions
+@pytest.mark.parametrize("keep", [1, 3, 40])  # 40: more kept rows than a chunk holds
+def test_a_chunked_prefill_gives_the_logits_and_cache_of_one_pass(tiny_family_factory, arch, keep):
+    from cascade_service.models.batching import ForwardBatcher
+
+    model = HFModel.load(tiny_family_factory(arch)["target"])
+    prompt = random_prompts(1, 150, seed=31)[0]
+    batcher = ForwardBatcher(model, prefill_chunk=32)
+    try:
+        with torch.inference_mode():
+            whole, chunked = DynamicCache(), DynamicCache()
+            ref_logits, ref_hidden = model._forward(prompt, whole, keep, with_hidden=True)
+            logits, hidden = batcher.forward(prompt, chunked, keep, with_hidden=True)
+            assert batcher.batch_sizes == {1: 5}  # 32 + 32 + 32 + 32 + 22 (or 40 rows kept: 32 x 3 + 14 + 40)
+            assert logits.dtype == torch.float32 and logits.shape == ref_logits.shape == (keep, model.vocab_size)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
+            assert chunked.get_seq_length() == whole.get_seq_length() == len(prompt)
+            # The caches hold the same keys and values: the next step gives the same logits.
+            torch.testing.assert_close(batcher.forward([7], chunked, 1), model._forward([7], whole, 1),
+                                       rtol=1e-4, atol=1e-4)
+    finally:
+        batcher.close()
+
+
+def test_a_failed_chunked_prefill_leaves_the_cache_as_it_was(tiny_family, monkeypatch):
+    from cascade_service.models import batching
+
+    model = HFModel.load(tiny_family["target"])
+    batcher = batching.ForwardBatcher(model, prefill_chunk=16)
+    real, calls = batching.forward_batch, []
+
+    def fail_third(model, batch):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real(model, batch)
+
+    monkeypatch.setattr(batching, "forward_batch", fail_third)
+    cache = DynamicCache()
+    try:
+        with torch.inference_mode():
+            model._forward([5, 6, 7], cache, 1)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                batcher.forward(random_prompts(1, 60, seed=3)[0], cache, 1)
+    finally:
+        batcher.close()
+    assert len(calls) == 3 and cache.get_seq_length() == 3
+
+
+def test_a_pass_that_arrives_during_a_chunked_prefill_runs_before_the_prefill_ends(monkeypatch):
+    import types
+
+    from cascade_service.models import batching
+
+    ran: list[list[int]] = []  # the new tokens of each pass's rows, in the order the passes ran
+    first_chunk = threading.Event()
+
+    def fake(model, batch):
+        ran.append([len(p.fed) for p in batch])
+        first_chunk.set()
+        time.sleep(0.02)
+        return [None] * len(batch)
+
+    monkeypatch.setattr(batching, "forward_batch", fake)
+    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None), prefill_chunk=10)
+
+    def request(i: int) -> None:
+        if i:
+            first_chunk.wait()  # while the prompt's first chunk runs
+        batcher.forward([1] * (100 if i == 0 else 1), DynamicCache(), 1)
+
+    try:
+        _concurrently(2, request)
+    finally:
+        batcher.close()
+    assert sorted(ran) == [[1]] + [[10]] * 10  # ten chunks, none batched with the one-token step
+    assert ran.index([1]) < 10 and ran[-1] == [10], ran  # which did not wait for the whole prompt
+
+
+def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family):
+    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
+                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    engine = Engine(cascade)
+    engine.target.enable_batching(prefill_chunk=16)
+    engine.drafters[0].enable_batching(prefill_chunk=16)
+    prompts = random_prompts(6, 8, seed=22)
+    prompts[0] = random_prompts(1, 200, seed=23)[0]  # 13 chunks at the target, as many at the drafter
+    outputs: list[list[int] | None] = [None] * 6
+    start = threading.Barrier(6)
+
+    def run(i: int) -> None:
+        start.wait()
+        outputs[i] = engine.generate(prompts[i], GenerationConfig(max_new_tokens=24)).token_ids
+
+    _concurrently(6, run)
+    for prompt, out in zip(prompts, outputs):
+        assert out == _oracle(tiny_family["target"], prompt, 24)
+    assert sum(n for size, n in engine.target.batcher.batch_sizes.items() if size > 1) >= 3
+
+
 @pytest.mark.parametrize("gather", [0.0, 0.25])
 def test_a_pass_waits_for_the_requests_of_the_last_one_to_come_back(monkeypatch, gather):
     """Requests come back from a pass one by one (each samples and reviews in its own thread first).
