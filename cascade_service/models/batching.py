@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-from itertools import pairwise
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -32,8 +31,8 @@ from cascade_service.core.load import ROW_POSITIONS, PassTimer, charge, pads_wit
 if TYPE_CHECKING:
     from .hf import HFModel
 
-# Tokens per pass of a long prompt's prefill (ForwardBatcher.forward): between two chunks the other
-# requests get a pass. Chosen with bench.long_request, see docs/service.md "Continuous batching".
+# Tokens per pass of a long prompt's prefill while other requests decode (ForwardBatcher.forward):
+# between two chunks they get a pass. Chosen with bench.long_request, see docs/service.md.
 PREFILL_CHUNK = 64
 
 
@@ -60,6 +59,9 @@ class ForwardBatcher:
     """
 
     GATHER = 0.25  # at most this share of a pass's time is spent waiting for its requests to come back
+    # Tokens per prefill pass while no other request is about: each chunk pays a pass's fixed part, so
+    # small chunks would only slow a lone prompt; a request that arrives waits for one chunk at most.
+    LONE_CHUNK = 256
 
     def __init__(self, model: "HFModel", max_batch: int = 64, prefill_chunk: int = PREFILL_CHUNK):
         if max_batch < 1:
@@ -80,29 +82,39 @@ class ForwardBatcher:
         self._expected = 1
         self._gather_until = 0.0
         self._last_rows: set[int] = set()  # the caches (one per request) of the last pass
+        self._recent_rows: set[int] = set()  # ... of the last two passes
         self._worker = threading.Thread(target=self._run, name=f"batcher-{model.name}", daemon=True)
         self._worker.start()
 
     def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
         """Like `HFModel._forward(tokens, cache, keep, with_hidden)`, batched with concurrent callers.
 
-        More than `prefill_chunk` tokens (a long prompt's prefill) are fed as passes of at most that
-        many, one after another, so other requests' passes run between them instead of waiting for the
-        whole prompt; only the last pass's logits are returned. On failure the cache is cut back to
-        what it held before, as if nothing had been fed.
+        Many tokens (a long prompt's prefill) are fed as passes of at most `prefill_chunk` tokens while
+        other requests decode, LONE_CHUNK while none does, one after another: the others' passes run
+        between them instead of waiting for the whole prompt. Only the last pass's logits are
+        returned. On failure the cache is cut back to what it held before, as if nothing was fed.
         """
         tokens = list(tokens)
-        chunks = prefill_chunks(len(tokens), keep, self.prefill_chunk)
         cached = cache.get_seq_length()
+        start = 0
         try:
-            for start, end in chunks[:-1]:
+            while (end := chunk_end(len(tokens), start, keep, self._chunk(cache))) < len(tokens):
                 # keep=1, not 0: HF's logits_to_keep=0 means every row. The one row is dropped.
                 self._submit(tokens[start:end], cache, 1, False)
-            return self._submit(tokens[chunks[-1][0]:], cache, keep, with_hidden)
+                start = end
+            return self._submit(tokens[start:], cache, keep, with_hidden)
         except BaseException:
             if cache.get_seq_length() > cached:
                 cache.crop(cached - cache.get_seq_length())  # negative: positions to drop (4.x and 5.x)
             raise
+
+    def _chunk(self, cache: DynamicCache) -> int:
+        """The most tokens the next pass of the request owning `cache` may feed (0: no limit)."""
+        if self.prefill_chunk == 0:
+            return 0
+        with self._cond:
+            others = bool(self._pending) or bool(self._recent_rows - {id(cache)})
+        return self.prefill_chunk if others else max(self.prefill_chunk, self.LONE_CHUNK)
 
     def _submit(self, tokens: list[int], cache: DynamicCache, keep: int, with_hidden: bool):
         """One pass, batched with concurrent callers' passes.
@@ -189,7 +201,8 @@ class ForwardBatcher:
             with self._cond:
                 self._busy = False
                 rows = {id(item.cache) for item in batch}
-                self._expected, self._last_rows = len(rows | self._last_rows), rows
+                self._recent_rows, self._last_rows = rows | self._last_rows, rows
+                self._expected = len(self._recent_rows)
                 now = time.perf_counter()
                 self._gather_until = now + self.GATHER * (now - began)
                 self._cond.notify_all()  # the worker takes what arrived meanwhile
@@ -197,17 +210,15 @@ class ForwardBatcher:
                 item.done.set()
 
 
-def prefill_chunks(n: int, keep: int, size: int) -> list[tuple[int, int]]:
-    """[start, end) of the passes that feed n tokens in chunks of at most `size` (0: one pass).
+def chunk_end(n: int, start: int, keep: int, size: int) -> int:
+    """Where the pass that feeds tokens[start:n] in chunks of at most `size` (0: one pass) stops.
 
-    Every pass but the last is full. The last holds the remainder, or the `keep` rows whose logits are
-    asked for where those are more (it is then longer than `size`, and the one before it shorter).
+    n for the last pass, which holds every one of the `keep` rows whose logits are asked for: it is
+    longer than `size` where those are more, and the pass before it shorter.
     """
-    if size <= 0 or n <= size:
-        return [(0, n)]
-    last = max(keep, n - size * ((n - 1) // size))
-    bounds = list(range(0, n - last, size)) + [n - last, n]
-    return list(pairwise(bounds))
+    if size <= 0 or n - start <= max(size, keep):
+        return n
+    return min(start + size, n - keep)
 
 
 def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:

@@ -256,13 +256,20 @@ def test_short_caches_of_different_lengths_are_grouped_by_their_new_tokens_alone
 
 
 def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
-    from cascade_service.models.batching import prefill_chunks
+    import itertools
 
-    assert prefill_chunks(1000, 1, 256) == [(0, 256), (256, 512), (512, 768), (768, 1000)]
-    assert prefill_chunks(512, 1, 256) == [(0, 256), (256, 512)]
-    assert prefill_chunks(1000, 300, 256) == [(0, 256), (256, 512), (512, 700), (700, 1000)]
-    assert prefill_chunks(256, 1, 256) == [(0, 256)] and prefill_chunks(10, 1, 0) == [(0, 10)]
-    assert prefill_chunks(257, 1, 256) == [(0, 256), (256, 257)]
+    from cascade_service.models.batching import chunk_end
+
+    def chunks(n, keep, size):
+        bounds = [0]
+        while bounds[-1] < n:
+            bounds.append(chunk_end(n, bounds[-1], keep, size))
+        return [b - a for a, b in itertools.pairwise(bounds)]
+
+    assert chunks(1000, 1, 256) == [256, 256, 256, 232]
+    assert chunks(512, 1, 256) == [256, 256] and chunks(257, 1, 256) == [256, 1]
+    assert chunks(1000, 300, 256) == [256, 256, 188, 300]  # the 300 kept rows in one pass
+    assert chunks(256, 1, 256) == [256] and chunks(10, 1, 0) == [10] and chunks(5, 5, 2) == [5]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary and absolute positions
@@ -273,6 +280,7 @@ def test_a_chunked_prefill_gives_the_logits_and_cache_of_one_pass(tiny_family_fa
     model = HFModel.load(tiny_family_factory(arch)["target"])
     prompt = random_prompts(1, 150, seed=31)[0]
     batcher = ForwardBatcher(model, prefill_chunk=32)
+    batcher.LONE_CHUNK = 32  # nothing else runs here: chunks of a lone prompt's size
     try:
         with torch.inference_mode():
             whole, chunked = DynamicCache(), DynamicCache()
@@ -295,6 +303,7 @@ def test_a_failed_chunked_prefill_leaves_the_cache_as_it_was(tiny_family, monkey
 
     model = HFModel.load(tiny_family["target"])
     batcher = batching.ForwardBatcher(model, prefill_chunk=16)
+    batcher.LONE_CHUNK = 16
     real, calls = batching.forward_batch, []
 
     def fail_third(model, batch):
@@ -315,44 +324,46 @@ def test_a_failed_chunked_prefill_leaves_the_cache_as_it_was(tiny_family, monkey
     assert len(calls) == 3 and cache.get_seq_length() == 3
 
 
-def test_a_pass_that_arrives_during_a_chunked_prefill_runs_before_the_prefill_ends(monkeypatch):
+def test_a_prefill_is_cut_small_while_another_request_decodes_and_its_passes_run_in_between(monkeypatch):
     import types
 
     from cascade_service.models import batching
 
     ran: list[list[int]] = []  # the new tokens of each pass's rows, in the order the passes ran
-    first_chunk = threading.Event()
 
     def fake(model, batch):
         ran.append([len(p.fed) for p in batch])
-        first_chunk.set()
-        time.sleep(0.02)
+        if len(ran) == 1:  # the prompt's first pass: another request arrives meanwhile
+            other.start()
+            while not batcher._pending:
+                time.sleep(0.001)
         return [None] * len(batch)
 
     monkeypatch.setattr(batching, "forward_batch", fake)
     batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None), prefill_chunk=10)
-
-    def request(i: int) -> None:
-        if i:
-            first_chunk.wait()  # while the prompt's first chunk runs
-        batcher.forward([1] * (100 if i == 0 else 1), DynamicCache(), 1)
-
+    batcher.LONE_CHUNK = 40
+    other = threading.Thread(target=batcher.forward, args=([1], DynamicCache(), 1))
     try:
-        _concurrently(2, request)
+        batcher.forward([1] * 100, DynamicCache(), 1)
+        other.join()
     finally:
         batcher.close()
-    assert sorted(ran) == [[1]] + [[10]] * 10  # ten chunks, none batched with the one-token step
-    assert ran.index([1]) < 10 and ran[-1] == [10], ran  # which did not wait for the whole prompt
+    # Alone: 40 tokens. The other request's step runs next, alone (a chunk is no one-token step's like),
+    # and the chunks are cut to 10 while it was among the last two passes, then back to 40.
+    assert ran == [[40], [1], [10], [10], [40]]
 
 
-def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family):
+def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family, monkeypatch):
+    from cascade_service.models.batching import ForwardBatcher
+
     cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
                            [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
     engine = Engine(cascade)
+    monkeypatch.setattr(ForwardBatcher, "LONE_CHUNK", 40)  # chunks of 40 and of 16 as the traffic goes
     engine.target.enable_batching(prefill_chunk=16)
     engine.drafters[0].enable_batching(prefill_chunk=16)
     prompts = random_prompts(6, 8, seed=22)
-    prompts[0] = random_prompts(1, 200, seed=23)[0]  # 13 chunks at the target, as many at the drafter
+    prompts[0] = random_prompts(1, 200, seed=23)[0]  # 5 to 13 chunks at the target and at the drafter
     outputs: list[list[int] | None] = [None] * 6
     start = threading.Barrier(6)
 
@@ -364,6 +375,8 @@ def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_
     for prompt, out in zip(prompts, outputs):
         assert out == _oracle(tiny_family["target"], prompt, 24)
     assert sum(n for size, n in engine.target.batcher.batch_sizes.items() if size > 1) >= 3
+    fed = [longest for _, _, _, longest in engine.target.batcher.timer._passes]
+    assert max(fed) <= 40 and fed.count(16) + fed.count(40) >= 5  # the prompt went in chunks
 
 
 @pytest.mark.parametrize("gather", [0.0, 0.25])
