@@ -32,8 +32,18 @@ if TYPE_CHECKING:
     from .hf import HFModel
 
 # Tokens per pass of a long prompt's prefill while other requests decode (ForwardBatcher.forward):
-# between two chunks they get a pass. Chosen with bench.long_request, see docs/service.md.
-PREFILL_CHUNK = 64
+# between two chunks they get a pass, so a chunk's pass must cost well under theirs. Measured with
+# bench.long_request on the demo zoo's large model (CPU, 16 short requests beside a 3,500-token
+# prompt, docs/benchmarks.md): with 16 the short ones took 1.5-1.6x their time alone during the
+# prefill, with 32 1.8-2.1x, 64 2.6x, unchunked 3.7x.
+PREFILL_CHUNK = 16
+# On a GPU a pass of 16 tokens costs about what one of 256 does (its fixed part): larger chunks cost
+# the others nothing more and the long prompt far less. Not measured: no GPU was available.
+PREFILL_CHUNK_CUDA = 256
+
+
+def default_prefill_chunk(device: torch.device) -> int:
+    return PREFILL_CHUNK_CUDA if device.type == "cuda" else PREFILL_CHUNK
 
 
 @dataclass

@@ -123,12 +123,14 @@ class HFModel:
         """From now on, concurrent requests' forward passes run as batched passes (models.batching).
 
         Only worth it when several requests decode at once; a lone request takes the unbatched path.
-        prefill_chunk: the most tokens one pass feeds (0: a prompt in one pass; None: the default).
+        prefill_chunk: the most tokens one pass of a prompt feeds while other requests decode (0: a
+        prompt in one pass; None: this device's default, models.batching.default_prefill_chunk).
         """
-        from .batching import PREFILL_CHUNK, ForwardBatcher
+        from .batching import ForwardBatcher, default_prefill_chunk
 
         if self.batcher is None:
-            self.batcher = ForwardBatcher(self, max_batch, PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+            chunk = default_prefill_chunk(self.device) if prefill_chunk is None else prefill_chunk
+            self.batcher = ForwardBatcher(self, max_batch, chunk)
 
     def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
         """A cached forward pass for one request: through the batcher when batching is on."""
