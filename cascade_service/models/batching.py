@@ -105,10 +105,9 @@ class ForwardBatcher:
         returned. On failure the cache is cut back to what it held before, as if nothing was fed.
         """
         tokens = list(tokens)
-        cached = cache.get_seq_length()
-        start = 0
+        n, start, cached = len(tokens), 0, cache.get_seq_length()
         try:
-            while (end := chunk_end(len(tokens), start, keep, self._chunk(cache))) < len(tokens):
+            while (end := chunk_end(n, start, keep, self._chunk(cache, n - start))) < n:
                 # keep=1, not 0: HF's logits_to_keep=0 means every row. The one row is dropped.
                 self._submit(tokens[start:end], cache, 1, False)
                 start = end
@@ -118,10 +117,10 @@ class ForwardBatcher:
                 cache.crop(cached - cache.get_seq_length())  # negative: positions to drop (4.x and 5.x)
             raise
 
-    def _chunk(self, cache: DynamicCache) -> int:
-        """The most tokens the next pass of the request owning `cache` may feed (0: no limit)."""
-        if self.prefill_chunk == 0:
-            return 0
+    def _chunk(self, cache: DynamicCache, rest: int) -> int:
+        """The most tokens the next pass of the request owning `cache` may feed, of `rest` (0: all)."""
+        if self.prefill_chunk == 0 or rest <= self.prefill_chunk:
+            return 0  # nothing to cut: a decode step does not take the lock for it
         with self._cond:
             others = bool(self._pending) or bool(self._recent_rows - {id(cache)})
         return self.prefill_chunk if others else max(self.prefill_chunk, self.LONE_CHUNK)
