@@ -14,6 +14,10 @@ A batched pass over ragged requests: row i has L_i cached tokens and s_i new one
 Every query sees at least its own key, so no attention row is fully masked. Afterwards each request's
 cache gets the keys/values of its s_i real new tokens appended, and its logits rows are gathered from
 the positions it asked for. A batch of one takes the plain single-request path unchanged.
+
+Passes share a batch when they are alike in new tokens and in cached length (`take_batch`), so that
+neither padding outgrows the real work; a long prompt is fed in chunks (`ForwardBatcher.forward`), so
+other requests' passes run between them.
 """
 
 from __future__ import annotations
