@@ -14,6 +14,10 @@ A batched pass over ragged requests: row i has L_i cached tokens and s_i new one
 Every query sees at least its own key, so no attention row is fully masked. Afterwards each request's
 cache gets the keys/values of its s_i real new tokens appended, and its logits rows are gathered from
 the positions it asked for. A batch of one takes the plain single-request path unchanged.
+
+Passes share a batch when they are alike in new tokens and in cached length (`take_batch`), so that
+neither padding outgrows the real work; a long prompt is fed in chunks (`ForwardBatcher.forward`), so
+other requests' passes run between them.
 """
 
 from __future__ import annotations
@@ -26,10 +30,24 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from transformers import DynamicCache
 
-from cascade_service.core.load import PAD_WASTE, PassTimer, charge
+from cascade_service.core.load import ROW_POSITIONS, PassTimer, charge, pads_within
 
 if TYPE_CHECKING:
     from .hf import HFModel
+
+# Tokens per pass of a long prompt's prefill while other requests decode (ForwardBatcher.forward):
+# between two chunks they get a pass, so a chunk's pass must cost well under theirs. Measured with
+# bench.long_request on the demo zoo's large model (CPU, 16 short requests beside a 3,500-token
+# prompt, docs/benchmarks.md): with 16 the short ones took 1.5-1.6x their time alone during the
+# prefill, with 32 1.8-2.1x, 64 2.6x, unchunked 3.7x.
+PREFILL_CHUNK = 16
+# On a GPU a pass of 16 tokens costs about what one of 256 does (its fixed part): larger chunks cost
+# the others nothing more and the long prompt far less. Not measured: no GPU was available.
+PREFILL_CHUNK_CUDA = 256
+
+
+def default_prefill_chunk(device: torch.device) -> int:
+    return PREFILL_CHUNK_CUDA if device.type == "cuda" else PREFILL_CHUNK
 
 
 @dataclass
@@ -55,12 +73,18 @@ class ForwardBatcher:
     """
 
     GATHER = 0.25  # at most this share of a pass's time is spent waiting for its requests to come back
+    # Tokens per prefill pass while no other request is about: each chunk pays a pass's fixed part, so
+    # small chunks would only slow a lone prompt; a request that arrives waits for one chunk at most.
+    LONE_CHUNK = 256
 
-    def __init__(self, model: "HFModel", max_batch: int = 64):
+    def __init__(self, model: "HFModel", max_batch: int = 64, prefill_chunk: int = PREFILL_CHUNK):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: unchunked), got {prefill_chunk}")
         self.model = model
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.batch_sizes: dict[int, int] = {}
         self.timer = PassTimer()
         self._pending: list[_Pass] = []
@@ -72,16 +96,46 @@ class ForwardBatcher:
         self._expected = 1
         self._gather_until = 0.0
         self._last_rows: set[int] = set()  # the caches (one per request) of the last pass
+        self._recent_rows: set[int] = set()  # ... of the last two passes
         self._worker = threading.Thread(target=self._run, name=f"batcher-{model.name}", daemon=True)
         self._worker.start()
 
     def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
         """Like `HFModel._forward(tokens, cache, keep, with_hidden)`, batched with concurrent callers.
 
+        Many tokens (a long prompt's prefill) are fed as passes of at most `prefill_chunk` tokens while
+        other requests decode, LONE_CHUNK while none does, one after another: the others' passes run
+        between them instead of waiting for the whole prompt. Only the last pass's logits are
+        returned. On failure the cache is cut back to what it held before, as if nothing was fed.
+        """
+        tokens = list(tokens)
+        n, start, cached = len(tokens), 0, cache.get_seq_length()
+        try:
+            while (end := chunk_end(n, start, keep, self._chunk(cache, n - start))) < n:
+                # keep=1, not 0: HF's logits_to_keep=0 means every row. The one row is dropped.
+                self._submit(tokens[start:end], cache, 1, False)
+                start = end
+            return self._submit(tokens[start:], cache, keep, with_hidden)
+        except BaseException:
+            if cache.get_seq_length() > cached:
+                cache.crop(cached - cache.get_seq_length())  # negative: positions to drop (4.x and 5.x)
+            raise
+
+    def _chunk(self, cache: DynamicCache, rest: int) -> int:
+        """The most tokens the next pass of the request owning `cache` may feed, of `rest` (0: all)."""
+        if self.prefill_chunk == 0 or rest <= self.prefill_chunk:
+            return 0  # nothing to cut: a decode step does not take the lock for it
+        with self._cond:
+            others = bool(self._pending) or bool(self._recent_rows - {id(cache)})
+        return self.prefill_chunk if others else max(self.prefill_chunk, self.LONE_CHUNK)
+
+    def _submit(self, tokens: list[int], cache: DynamicCache, keep: int, with_hidden: bool):
+        """One pass, batched with concurrent callers' passes.
+
         When the model is idle and nothing waits, the caller runs its pass itself: a lone request pays
         no handoff to the worker thread (two context switches per pass, measurable at batch 1).
         """
-        item = _Pass(list(tokens), cache, keep, with_hidden)
+        item = _Pass(tokens, cache, keep, with_hidden)
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the batcher of {self.model.name} is closed")
@@ -160,7 +214,8 @@ class ForwardBatcher:
             with self._cond:
                 self._busy = False
                 rows = {id(item.cache) for item in batch}
-                self._expected, self._last_rows = len(rows | self._last_rows), rows
+                self._recent_rows, self._last_rows = rows | self._last_rows, rows
+                self._expected = len(self._recent_rows)
                 now = time.perf_counter()
                 self._gather_until = now + self.GATHER * (now - began)
                 self._cond.notify_all()  # the worker takes what arrived meanwhile
@@ -168,26 +223,47 @@ class ForwardBatcher:
                 item.done.set()
 
 
-def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:
-    """The next batch: requests whose new-token counts are alike, oldest first.
+def chunk_end(n: int, start: int, keep: int, size: int) -> int:
+    """Where the pass that feeds tokens[start:n] in chunks of at most `size` (0: one pass) stops.
 
-    Every row is padded to the longest row's new tokens, so a 100-token prefill batched with fifteen
-    one-token draft steps would make the pass process 1,600 positions for 115 real ones. So a batch
-    is grown from the oldest waiting pass with the passes closest to it in length, while the padded
-    positions stay within PAD_WASTE of the real ones; the others wait for the next pass (which starts
-    as soon as this one ends: nothing waits long).
+    n for the last pass, which holds every one of the `keep` rows whose logits are asked for: it is
+    longer than `size` where those are more, and the pass before it shorter.
     """
-    first = pending[0]
+    if size <= 0 or n - start <= max(size, keep):
+        return n
+    return min(start + size, n - keep)
+
+
+def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:
+    """The next batch: the oldest waiting pass and those most like it in new tokens and cached length.
+
+    A pass pads every row twice. Its new tokens to the most any row feeds: a padded query costs a whole
+    position's compute, so a 100-token prefill beside fifteen one-token draft steps would process 1,600
+    queries for 115 real ones. Its cache to the longest cache: a padded key is copied into the packed
+    cache and attended to, so one 4,000-token conversation beside 16 short ones made every row copy and
+    attend over 4,000 keys (on the demo zoo's large model, CPU: a 2 s pass instead of 35 ms, +1 GB).
+    So a batch is grown from the oldest waiting pass with the passes closest to it while both stay
+    within PAD_WASTE of the real work (core.load.pads_within): queries rows x S against sum s_i; keys
+    rows x (L + S + ROW_POSITIONS) against sum (L_i + s_i + ROW_POSITIONS), where ROW_POSITIONS is what
+    a row costs whatever its cache. The others wait for the next pass, which starts as soon as this one
+    ends; the oldest waiting pass is always in this one, so nothing waits for long.
+    """
+    shapes = [(item, _past(item), len(item.fed)) for item in pending]  # (pass, L_i, s_i)
+    first, past0, new0 = shapes[0]
     batch = [first]
-    longest, real = len(first.fed), len(first.fed)
-    for item in sorted(pending[1:], key=lambda p: abs(len(p.fed) - len(first.fed))):
+    steps, width, queries, keys = new0, past0, new0, past0 + new0 + ROW_POSITIONS
+    for item, past, new in sorted(shapes[1:], key=lambda shape: (abs(shape[2] - new0), abs(shape[1] - past0))):
         if len(batch) == max_batch:
             break
-        size = len(item.fed)
-        if (len(batch) + 1) * max(longest, size) <= PAD_WASTE * (real + size):
+        rows, s, w, k = len(batch) + 1, max(steps, new), max(width, past), past + new + ROW_POSITIONS
+        if pads_within(rows, s, queries + new) and pads_within(rows, w + s + ROW_POSITIONS, keys + k):
             batch.append(item)
-            longest, real = max(longest, size), real + size
+            steps, width, queries, keys = s, w, queries + new, keys + k
     return batch
+
+
+def _past(item: _Pass) -> int:
+    return item.cache.get_seq_length()
 
 
 def forward_batch(model: "HFModel", batch: list[_Pass]) -> list[object]:

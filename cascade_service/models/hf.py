@@ -8,7 +8,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import transformers
@@ -16,6 +16,9 @@ from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from cascade_service.core.types import Context
+
+if TYPE_CHECKING:
+    from .batching import ForwardBatcher
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -118,17 +121,20 @@ class HFModel:
         # A prefill of a long prompt would otherwise materialise [S, V] logits only to drop all but n.
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
         self._step_times: dict[int, float] = {}
-        self.batcher = None  # a ForwardBatcher once enable_batching() ran: concurrent scorers share passes
+        self.batcher: ForwardBatcher | None = None  # once enable_batching() ran: concurrent scorers share passes
 
-    def enable_batching(self, max_batch: int = 64) -> None:
+    def enable_batching(self, max_batch: int = 64, prefill_chunk: int | None = None) -> None:
         """From now on, concurrent requests' forward passes run as batched passes (models.batching).
 
         Only worth it when several requests decode at once; a lone request takes the unbatched path.
+        prefill_chunk: the most tokens one pass of a prompt feeds while other requests decode (0: a
+        prompt in one pass; None: this device's default, models.batching.default_prefill_chunk).
         """
-        from .batching import ForwardBatcher
+        from .batching import ForwardBatcher, default_prefill_chunk
 
         if self.batcher is None:
-            self.batcher = ForwardBatcher(self, max_batch)
+            chunk = default_prefill_chunk(self.device) if prefill_chunk is None else prefill_chunk
+            self.batcher = ForwardBatcher(self, max_batch, chunk)
 
     def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
         """A cached forward pass for one request: through the batcher when batching is on."""
