@@ -17,13 +17,16 @@ the positions it asked for. A batch of one takes the plain single-request path u
 
 Passes share a batch when they are alike in new tokens and in cached length (`take_batch`), so that
 neither padding outgrows the real work; a long prompt is fed in chunks (`ForwardBatcher.forward`), so
-other requests' passes run between them.
+other requests' passes run between them. Passes that cannot share take turns by the model time each
+request has had (`ForwardBatcher._take`), so a request whose passes are dear (a long prompt, a long
+cache) has the model as long as each of the others, not every other pass.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -76,6 +79,8 @@ class ForwardBatcher:
     # Tokens per prefill pass while no other request is about: each chunk pays a pass's fixed part, so
     # small chunks would only slow a lone prompt; a request that arrives waits for one chunk at most.
     LONE_CHUNK = 256
+    # Turns by model time had (_take); False: the oldest waiting pass first (bench.long_request --turns).
+    FAIR = True
 
     def __init__(self, model: "HFModel", max_batch: int = 64, prefill_chunk: int = PREFILL_CHUNK):
         if max_batch < 1:
@@ -97,6 +102,10 @@ class ForwardBatcher:
         self._gather_until = 0.0
         self._last_rows: set[int] = set()  # the caches (one per request) of the last pass
         self._recent_rows: set[int] = set()  # ... of the last two passes
+        # Fair turns (_take): the model seconds each request (its cache) has had, and the least of
+        # those when the last batch was chosen, where a request that arrives (or comes back) starts.
+        self._used: weakref.WeakKeyDictionary[DynamicCache, float] = weakref.WeakKeyDictionary()
+        self._clock = 0.0
         self._worker = threading.Thread(target=self._run, name=f"batcher-{model.name}", daemon=True)
         self._worker.start()
 
@@ -139,10 +148,15 @@ class ForwardBatcher:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"the batcher of {self.model.name} is closed")
+            # Not below the clock: time a request spent elsewhere (new, or between two calls of a
+            # session) is no credit to jump ahead of those that kept the model busy meanwhile.
+            self._used[cache] = max(self._used.get(cache, 0.0), self._clock)
             alone = not self._busy and not self._pending and (self._expected <= 1
                                                                or time.perf_counter() >= self._gather_until)
             if alone:
                 self._busy = True
+                # As if chosen by _take: time a request had while alone is no debt to those who come.
+                self._clock = max(self._clock, self._used[cache])
             else:
                 self._pending.append(item)
                 self._cond.notify_all()
@@ -173,10 +187,26 @@ class ForwardBatcher:
                     self._cond.wait(wait)
                 if self._closed and not self._pending:
                     return
-                batch = take_batch(self._pending, self.max_batch)
-                self._pending = [item for item in self._pending if all(item is not b for b in batch)]
+                batch = self._take()
                 self._busy = True
             self._execute(batch)
+
+    def _take(self) -> list[_Pass]:
+        """Take the next batch off the pending passes (the caller holds the lock).
+
+        It is grown (take_batch) from the waiting pass whose request has had the least model time, the
+        oldest of those on a tie. Oldest-first would give one long request every other pass, since its
+        chunks and its steps over a long cache share no pass with short rows: 16 short requests beside a
+        3,500-token prompt took 1.4-1.9x their time alone (bench.long_request). Equal time makes the
+        dear request wait while the others catch up, and nothing starves: a waiting request's time
+        stands still while the others' grows.
+        """
+        first = (min(self._pending, key=lambda item: self._used.get(item.cache, 0.0)) if self.FAIR
+                 else self._pending[0])
+        self._clock = max(self._clock, self._used.get(first.cache, 0.0))
+        batch = take_batch([first] + [item for item in self._pending if item is not first], self.max_batch)
+        self._pending = [item for item in self._pending if all(item is not b for b in batch)]
+        return batch
 
     def _ready(self) -> float | None:
         """0 when the worker should take a batch now, else how long to wait (None: until notified).
@@ -213,6 +243,8 @@ class ForwardBatcher:
         finally:
             with self._cond:
                 self._busy = False
+                for item in batch:
+                    self._used[item.cache] = self._used.get(item.cache, 0.0) + item.charged
                 rows = {id(item.cache) for item in batch}
                 self._recent_rows, self._last_rows = rows | self._last_rows, rows
                 self._expected = len(self._recent_rows)
@@ -235,18 +267,19 @@ def chunk_end(n: int, start: int, keep: int, size: int) -> int:
 
 
 def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:
-    """The next batch: the oldest waiting pass and those most like it in new tokens and cached length.
+    """The next batch: the first waiting pass (whose turn it is) and those most like it in new tokens
+    and cached length.
 
     A pass pads every row twice. Its new tokens to the most any row feeds: a padded query costs a whole
     position's compute, so a 100-token prefill beside fifteen one-token draft steps would process 1,600
     queries for 115 real ones. Its cache to the longest cache: a padded key is copied into the packed
     cache and attended to, so one 4,000-token conversation beside 16 short ones made every row copy and
     attend over 4,000 keys (on the demo zoo's large model, CPU: a 2 s pass instead of 35 ms, +1 GB).
-    So a batch is grown from the oldest waiting pass with the passes closest to it while both stay
+    So a batch is grown from the first waiting pass with the passes closest to it while both stay
     within PAD_WASTE of the real work (core.load.pads_within): queries rows x S against sum s_i; keys
     rows x (L + S + ROW_POSITIONS) against sum (L_i + s_i + ROW_POSITIONS), where ROW_POSITIONS is what
     a row costs whatever its cache. The others wait for the next pass, which starts as soon as this one
-    ends; the oldest waiting pass is always in this one, so nothing waits for long.
+    ends; the first waiting pass is always in this one.
     """
     shapes = [(item, _past(item), len(item.fed)) for item in pending]  # (pass, L_i, s_i)
     first, past0, new0 = shapes[0]

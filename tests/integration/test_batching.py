@@ -409,3 +409,78 @@ def test_a_pass_waits_for_the_requests_of_the_last_one_to_come_back(monkeypatch,
         assert sizes.get(rows, 0) >= steps - 2, sizes  # all together, but for the start
     else:
         assert sizes.get(1, 0) >= steps - 2 and sizes.get(rows, 0) <= 2, sizes
+
+
+def test_turns_go_to_the_request_that_had_the_least_model_time_the_oldest_on_a_tie():
+    import types
+
+    from cascade_service.models.batching import ForwardBatcher
+
+    batcher = ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
+    try:
+        dear, cheap, like = _cached(4000), _cached(10), _cached(12)
+        batcher._used.update({dear.cache: 0.5, cheap.cache: 0.1, like.cache: 0.1})
+        with batcher._cond:
+            batcher._pending = [dear, cheap, like]
+            assert batcher._take() == [cheap, like]  # the oldest of the least used first; like joins it
+            assert batcher._pending == [dear] and batcher._clock == 0.1
+            batcher._used[cheap.cache] = batcher._used[like.cache] = 0.6  # they had their turns
+            batcher._pending = [cheap, like, dear]
+            assert batcher._take() == [dear] and batcher._clock == 0.5
+    finally:
+        batcher.close()
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_request_with_dear_passes_has_the_model_as_long_as_each_of_the_others(monkeypatch, fair):
+    """One stream over a long cache (40 ms passes, no short row can join them) beside 4 short streams
+    (10 ms a pass for the 4). Taking turns by age, the long one has every other pass: the short ones
+    run at half speed. By model time had, it runs once the short ones have each had its pass's time
+    (16 of theirs), and never starves."""
+    import types
+
+    from cascade_service.models import batching
+
+    long_cache = _cached(4000).cache
+    shorts_on = threading.Event()
+    ran: list[tuple[bool, bool]] = []  # per pass: the long stream's?, while the short ones ran?
+
+    def fake(model, batch):
+        dear = any(p.cache is long_cache for p in batch)
+        ran.append((dear, shorts_on.is_set()))
+        time.sleep(0.04 if dear else 0.01)
+        return [None] * len(batch)
+
+    monkeypatch.setattr(batching, "forward_batch", fake)
+    monkeypatch.setattr(batching.ForwardBatcher, "FAIR", fair)
+    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
+    stop = threading.Event()
+
+    def long_stream() -> None:
+        while not stop.is_set():
+            batcher.forward([1], long_cache, 1)
+
+    def short_stream(i: int) -> None:
+        cache = DynamicCache()
+        for _ in range(40):
+            batcher.forward([1], cache, 1)
+
+    streamer = threading.Thread(target=long_stream)
+    streamer.start()
+    try:
+        while len(ran) < 5:  # 200 ms of model time alone first: no debt to the short ones that come
+            time.sleep(0.01)
+        shorts_on.set()
+        _concurrently(4, short_stream)
+        shorts_on.clear()
+    finally:
+        stop.set()
+        streamer.join()
+        batcher.close()
+    during = [dear for dear, on in ran if on]
+    long_passes, short_passes = sum(during), len(during) - sum(during)
+    assert short_passes >= 40
+    if fair:  # 40 passes of 2.5 ms a short stream: the long one's due is 100 ms, 2-3 passes of 40
+        assert 1 <= long_passes <= 6, (long_passes, short_passes)
+    else:
+        assert long_passes >= 25, (long_passes, short_passes)
