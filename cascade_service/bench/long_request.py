@@ -1,7 +1,7 @@
 """Short requests beside one long one: what a long prompt and a long stream cost everybody else.
 
     python -m cascade_service.bench.long_request [--model DIR] [--short 16] [--long-prompt 3500]
-        [--prefill-chunks 0,64] [--repeats 3]
+        [--prefill-chunks 0,64] [--turns fair,oldest] [--repeats 3]
 
 Plain greedy decoding of one model with continuous batching, in this process. Three conditions,
 alternated per repeat so machine drift hits them alike:
@@ -9,11 +9,13 @@ alternated per repeat so machine drift hits them alike:
 - prefill: the same, starting just after one long request (`--long-prompt` tokens) was submitted,
   so they arrive while its prefill runs;
 - decode: the same, starting once the long request streams, so they share passes with its decoding.
-The long request streams until the short ones are done. Each prefill chunk size is a variant; within
+The long request streams until the short ones are done. Each prefill chunk size and each way of
+taking turns (`ForwardBatcher.FAIR`: by model time had, or the oldest pass first) is a variant; within
 a repeat the variants run one after another. Printed per variant and condition: median and p90 of the
 short requests' latencies (pooled over repeats), the ratio of medians to `alone`, and the largest rise
 of this process's resident memory during one run of the condition; per variant, the long request's
-time to its first token alone and beside the short ones (medians). End-of-sequence is ignored, so
+time to its first token alone and beside the short ones and its tokens per second while it streams
+alone and beside them (medians). End-of-sequence is ignored, so
 every request decodes its full budget.
 """
 
@@ -39,6 +41,7 @@ from ..models.tiny import build_family, random_prompts
 from ..paths import zoo_dir
 
 CONDITIONS = ("alone", "prefill", "decode")
+TURNS = {"fair": True, "oldest": False}  # --turns: ForwardBatcher.FAIR
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,10 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-prompt", type=int, default=3500, help="tokens in the long prompt")
     parser.add_argument("--prefill-chunks", default=f"0,{PREFILL_CHUNK}",
                         help="prefill chunk sizes compared side by side (0: a prompt in one pass)")
+    parser.add_argument("--turns", default="fair",
+                        help="how passes that cannot share take turns, compared side by side: fair (by model "
+                             "time had), oldest (the oldest waiting pass first)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared CPU)")
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.prefill_chunks.split(",")]
+    turns = args.turns.split(",")
+    if unknown := set(turns) - set(TURNS):
+        parser.error(f"--turns: unknown {sorted(unknown)}; choose from {sorted(TURNS)}")
     torch.set_num_threads(args.threads)
     engine = _engine(args.model)
     batcher = engine.target.batcher
@@ -67,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     long_prompt = random_prompts(1, args.long_prompt, vocab, seed=2)[0]
     bench = _Bench(engine, shorts, args.short_tokens, long_prompt, limit - args.long_prompt - 8)
     bench.shorts()  # warm-up: first passes at each batch size allocate
-    runs = {c: _Variant() for c in chunks}
+    runs = {(c, t): _Variant() for c in chunks for t in turns}
     for _ in range(args.repeats):
-        for chunk, variant in runs.items():  # variants alternate within each repeat, so drift hits all alike
+        for (chunk, turn), variant in runs.items():  # variants alternate within each repeat: drift hits all alike
             batcher.prefill_chunk = chunk
+            batcher.FAIR = TURNS[turn]
             before = Counter(batcher.batch_sizes)
             variant.first_token_alone.append(bench.long_first_token())
             for condition in CONDITIONS:
@@ -78,12 +88,14 @@ def main(argv: list[str] | None = None) -> int:
                     variant.latencies[condition] += bench.run(condition)
                 variant.memory[condition] = max(variant.memory[condition], rss.rise)
             variant.first_token_beside.append(bench.last_first_token)
+            variant.pace_alone.append(bench.long_pace[0])
+            variant.pace_beside.append(bench.long_pace[1])
             variant.passes += Counter(batcher.batch_sizes) - before
     print(f"model {engine.target.name} ({engine.target.num_parameters / 1e6:.1f}M parameters), "
           f"{args.short} short requests ({args.short_prompt}-token prompts, {args.short_tokens} new tokens) "
           f"beside one {args.long_prompt}-token prompt; {args.repeats} repeats, {args.threads} torch threads")
-    for chunk, variant in runs.items():
-        variant.report(f"prefill chunk {chunk or 'off'}")
+    for (chunk, turn), variant in runs.items():
+        variant.report(f"prefill chunk {chunk or 'off'}, turns {turn}")
     return 0
 
 
@@ -93,12 +105,15 @@ class _Variant:
     memory: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CONDITIONS, 0))
     first_token_alone: list[float] = field(default_factory=list)
     first_token_beside: list[float] = field(default_factory=list)
+    pace_alone: list[float] = field(default_factory=list)  # the long request's tokens/s while it streams
+    pace_beside: list[float] = field(default_factory=list)
     passes: Counter = field(default_factory=Counter)
 
     def report(self, name: str) -> None:
         print(f"{name}: the long prompt's first token after {statistics.median(self.first_token_alone):.2f} s alone, "
-              f"{statistics.median(self.first_token_beside):.2f} s beside the short requests; "
-              f"passes by batch size {dict(sorted(self.passes.items()))}")
+              f"{statistics.median(self.first_token_beside):.2f} s beside the short requests; its stream "
+              f"{statistics.median(self.pace_alone):.1f} tokens/s alone, {statistics.median(self.pace_beside):.1f} "
+              f"beside them; passes by batch size {dict(sorted(self.passes.items()))}")
         base = statistics.median(self.latencies["alone"])
         for condition in CONDITIONS:
             lat = sorted(self.latencies[condition])
@@ -118,7 +133,13 @@ def _engine(path: str | None) -> Engine:
     return engine
 
 
+def _rate(times: list[float], start: float, end: float) -> float:
+    """Tokens per second among `times` within [start, end)."""
+    return sum(start <= t < end for t in times) / (end - start) if end > start else 0.0
+
+
 class _Bench:
+    PACE_S = 0.5  # how long the long request streams alone before the short requests come
     def __init__(self, engine: Engine, shorts: list[list[int]], short_tokens: int, long_prompt: list[int],
                  long_tokens: int):
         self.engine = engine
@@ -127,19 +148,22 @@ class _Bench:
         self.long_prompt = long_prompt
         self.long_gen = GenerationConfig(max_new_tokens=long_tokens)
         self.last_first_token = 0.0  # of the long request, in the last "prefill" run
+        self.long_pace = (0.0, 0.0)  # its tokens per second alone and beside, in the last "decode" run
 
     def run(self, condition: str) -> list[float]:
         """The short requests' latencies under `condition` (see the module docstring)."""
         if condition == "alone":
             return self.shorts()
         submitted, streaming, done = threading.Event(), threading.Event(), threading.Event()
+        times: list[float] = []  # when each of the long request's tokens came
 
         def long_request() -> None:
             submitted.set()
             began = time.perf_counter()
             for _ in self.engine.stream(self.long_prompt, self.long_gen):
+                times.append(time.perf_counter())
                 if not streaming.is_set() and condition == "prefill":
-                    self.last_first_token = time.perf_counter() - began
+                    self.last_first_token = times[-1] - began
                 streaming.set()
                 if done.is_set():
                     break
@@ -148,12 +172,17 @@ class _Bench:
         thread = threading.Thread(target=long_request)
         thread.start()
         (submitted if condition == "prefill" else streaming).wait()
-        time.sleep(0.02)  # the long request's pass is under way
+        # The long request's pass is under way; while it streams, its pace alone is measured first.
+        time.sleep(0.02 if condition == "prefill" else self.PACE_S)
+        began = time.perf_counter()
         try:
             return self.shorts()
         finally:
+            ended = time.perf_counter()
             done.set()
             thread.join()
+            if condition == "decode":
+                self.long_pace = (_rate(times, times[0], began), _rate(times, began, ended))
 
     def long_first_token(self) -> float:
         """Seconds to the long request's first token with nothing beside it."""
