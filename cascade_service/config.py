@@ -22,7 +22,8 @@ from .core.sampling import SamplingParams
 from .core.schedule import Schedule, ScheduleError
 from .core.stats import CascadeStats
 from .core.trial import ARMS
-from .core.verify import EXACT, Verification
+from .core.request import GenerationConfig, check_stop_threshold
+from .core.verify import Verification
 from .paths import expand
 
 MAG = "mag"
@@ -72,18 +73,6 @@ class CascadeConfig:
         return max(sum(rows[0]) if rows else 0, lookup)
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 64  # per request
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0  # sampling seed per request
-    verification: Verification = EXACT  # the final verifier's rule (core.verify); exact by default
-    # SpecDec++'s stopping threshold h in (0, 1) for this request, at every tier with an acceptance
-    # head (schedule.adaptive, rule specdec); None keeps each tier's configured threshold.
-    stop_threshold: float | None = None
-
-
 def request_state(gen: GenerationConfig, stats: CascadeStats, vocab_size: int, eos_ids: frozenset[int],
                   adaptive: dict[str, AdaptiveLength] | None = None,
                   make_stopper: StopperFactory | None = None) -> RequestState:
@@ -101,10 +90,9 @@ def with_stop_threshold(adaptive: dict[str, AdaptiveLength], threshold: float | 
     Raises ValueError naming `stop_threshold` when it is out of (0, 1) or no tier has an acceptance
     head to apply it to: a request must not believe it changed something that does not exist.
     """
+    threshold = check_stop_threshold(threshold)
     if threshold is None:
         return dict(adaptive)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold < 1.0:
-        raise ValueError(f"stop_threshold must be in (0, 1), got {threshold!r}")
     if not any(spec.rule == "specdec" for spec in adaptive.values()):
         raise ValueError("stop_threshold: no tier of this cascade has an acceptance head "
                          "(schedule.adaptive with rule specdec)")
@@ -392,16 +380,11 @@ def _lookup(raw: Any) -> Lookup | None:
 
 
 def make_generation(base: GenerationConfig, overrides: dict[str, Any]) -> GenerationConfig:
-    """Apply overrides (None = keep) with the range checks every entry point shares."""
-    values = {k: v for k, v in overrides.items() if v is not None}
-    gen = replace(base, **values)
-    _check_int(gen.max_new_tokens, "generation.max_new_tokens", 0, 1_000_000)
-    _check_int(gen.seed, "generation.seed", 0, 2**63 - 1)
-    if isinstance(gen.temperature, bool) or not isinstance(gen.temperature, (int, float)) or not 0 <= gen.temperature <= 100:
-        raise ConfigError(f"generation.temperature must be in [0, 100], got {gen.temperature!r}")
-    if isinstance(gen.top_p, bool) or not isinstance(gen.top_p, (int, float)) or not 0 < gen.top_p <= 1:
-        raise ConfigError(f"generation.top_p must be in (0, 1], got {gen.top_p!r}")
-    return replace(gen, temperature=float(gen.temperature), top_p=float(gen.top_p))
+    """`base` with overrides applied (None = keep), checked as every request is (core.request)."""
+    try:
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as exc:
+        raise ConfigError(f"generation.{exc}") from None
 
 
 def make_verification(raw: Any, where: str = "verification") -> Verification:

@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .config import (
     CascadeConfig,
-    GenerationConfig,
     MaGConfig,
     request_state,
     with_stop_threshold,
@@ -23,15 +22,12 @@ from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.load import DraftBudget
 from .core.mag import BigramTable, MaxGram
+from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats
 from .core.verify import Verification
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 
 MAX_PROMPT_TOKENS = 32_768
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_NEW_TOKENS = 4096
-MAX_TEMPERATURE = 100.0
 
 TierFactory = Callable[[str], dict[str, Any]]  # request id -> {tier name: Scorer or BlockTier}
 
@@ -113,21 +109,12 @@ class Coordinator:
             check_session_id(session_id)
         elif not ids:
             raise ValueError("prompt: empty (give prompt, prompt_token_ids or a session_id with history)")
-        if max_new_tokens is not None and not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {max_new_tokens}")
-        if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if seed is not None and not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
-        if len(stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
-        with_stop_threshold(self.cascade.adaptive, stop_threshold)  # a bad or pointless one fails here
+        stop = check_stop(stop)
         overrides = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                      "verification": verification, "stop_threshold": stop_threshold}
-        gen = GenerationConfig(**{k: (v if v is not None else getattr(self.defaults, k)) for k, v in overrides.items()})
-        params = GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, tuple(stop), owner,
+        gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
+        with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)  # one no tier can use fails here
+        params = GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, stop, owner,
                                 max_new_tokens is not None)
         return self._fit(params, 0) if not session_id else params  # a session's history is read in stream()
 

@@ -10,6 +10,8 @@ import shlex
 from importlib import metadata
 from pathlib import Path
 
+from ..core.request import check_temperature
+
 DEFAULT_SD_KS = "1,2,3,4,5,6,7,8"
 
 
@@ -344,5 +346,7 @@ def _machine() -> dict:
 
 
 def _check_temperature(value: float) -> None:
-    if not 0 <= value <= 100:
-        raise ValueError(f"--temperature must be in [0, 100], got {value}")
+    try:
+        check_temperature(value)  # the request's own rule (core.request)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None

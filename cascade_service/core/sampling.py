@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .placement import PROBS_DTYPE, generator_for
+from .request import check_temperature, check_top_p
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,8 @@ class SamplingParams:
     rows: bool = False
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0 and self.temperature <= 100.0):
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_temperature(self.temperature)  # a tier's request off the wire is checked as the client's was
+        check_top_p(self.top_p)
 
     @property
     def greedy(self) -> bool:

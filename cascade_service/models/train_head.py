@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from cascade_service.core.request import check_temperature
 from cascade_service.core.sampling import sharpen
 from cascade_service.models.acceptance_head import AcceptanceHead
 
@@ -325,6 +326,13 @@ def _bounded(kind: type, low: float, high: float = math.inf):
     return parse
 
 
+def _temperature(text: str) -> float:
+    try:
+        return check_temperature(float(text))  # the request's own rule: the head serves such requests
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("temperature ")) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `cascade-service train-head`."""
     parser.add_argument("--preset", default="demo", choices=sorted(RUN_PRESETS), help="which zoo (built if missing)")
@@ -338,7 +346,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=_bounded(int, 0, 64), default=3, help="residual blocks D (paper: 3)")
     parser.add_argument("--w-rej", type=_bounded(float, 1e-6), default=6.0,
                         help="BCE weight of rejections (paper: 6, paired with threshold h = 0.7)")
-    parser.add_argument("--temperature", type=_bounded(float, 0.0, 100.0), default=1.0,
+    parser.add_argument("--temperature", type=_temperature, default=1.0,
                         help="temperature of responses and labels: the serving one (0 = greedy; paper: 1)")
     parser.add_argument("--seed", type=int, default=0)
 

@@ -15,6 +15,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from cascade_service import coordinator
+from cascade_service.core import request
 from cascade_service.core.verify import ALPHA_RANGE, CASCADE_RULES, FUZZY_RULES, RULES
 from cascade_service.sessions import store
 
@@ -64,11 +65,11 @@ def test_every_request_field_and_every_rpc_is_documented(described):
 
 
 @pytest.mark.parametrize("phrase", [
-    f"max_new_tokens = 4; in [1, {coordinator.MAX_NEW_TOKENS}]",
-    f"temperature = 5; in [0, {coordinator.MAX_TEMPERATURE:g}]",
+    f"max_new_tokens = 4; in [1, {request.MAX_NEW_TOKENS}]",
+    f"temperature = 5; in [0, {request.MAX_TEMPERATURE:g}]",
     "top_p = 6; in (0, 1]",
     "seed = 7; in [0, 2^63)",
-    f"At most {coordinator.MAX_STOP_STRINGS}, each non-empty and at most {coordinator.MAX_STOP_CHARS} characters",
+    f"At most {request.MAX_STOP_STRINGS}, each non-empty and at most {request.MAX_STOP_CHARS} characters",
     f"The prompt is at most {coordinator.MAX_PROMPT_TOKENS:,} tokens",
     "prompt (text) or prompt_token_ids, never both",
     f"Session ids match {store.SESSION_ID_PATTERN}",
