@@ -17,10 +17,11 @@ from .core.decode import decode
 from .core.load import LoadModel
 from .core.trial import ARMS
 from .core.mag import BigramTable, MaxGram
-from .coordinator import Coordinator, Tokenizer, smallest_context
+from .coordinator import Coordinator, Tokenizer
 from .core.stats import CascadeStats
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
+from .runtime.assemble import assemble_coordinator, model_facts
 from .sessions import SessionStore
 from .startup import check_tiers, check_vocabularies
 
@@ -111,18 +112,17 @@ class Engine:
         batched passes (core.load); needs batching on the target (`HFModel.enable_batching`).
         arms: the ways of drafting its trial chooses between (core.trial.ARMS, all of them when None).
         """
-        models = {self.target.name: self.target, **{d.name: d for d in self.drafters if isinstance(d, HFModel)}}
+        models = {model.name: model for model in self.models()}
         budgets = None
         if adapt_to_load:
             if self.target.batcher is None:
                 raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
             budgets = LoadModel(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS).budget  # per request
-        return Coordinator(
-            self.cascade, Tokenizer(self.encode, self.decode_text), self.target.vocab_size, self.eos_ids,
+        return assemble_coordinator(
+            self.cascade, model_facts(self.models()), Tokenizer(self.encode, self.decode_text),
             tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,
-            defaults=defaults or GenerationConfig(), bigram=self.bigram, param_costs=self.param_costs(),
-            make_stopper=self.make_stopper, budgets=budgets,
-            max_context=smallest_context(m.max_positions for m in self.models()))
+            defaults=defaults or GenerationConfig(), bigram=self.bigram, make_stopper=self.make_stopper,
+            budgets=budgets)
 
     def models(self) -> list[HFModel]:
         """The loaded model tiers, target first."""

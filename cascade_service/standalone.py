@@ -16,7 +16,8 @@ from .api.server import MAX_QUEUED_RPCS, start_server
 from .config import Config, make_cascade
 from .coordinator import Coordinator
 from .engine import Engine
-from .sessions import MemoryStore, SessionStore
+from .runtime.assemble import session_store
+from .sessions import MemoryStore
 
 DEFAULT_MAX_STREAMS = 64  # requests decoding at once; more wait (up to MAX_QUEUED_RPCS), then RESOURCE_EXHAUSTED
 
@@ -56,20 +57,13 @@ def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, red
     engine = Engine(cascade)
     for model in engine.models():
         model.enable_batching(max_batch)
-    coordinator = engine.coordinator(_store(config, redis_url), config.generation,
+    store = session_store(config.serving, lambda: MemoryStore(ttl_s=config.serving.session_ttl_s,
+                                                              max_sessions_per_owner=config.serving.max_sessions_per_key),
+                          redis_url)
+    coordinator = engine.coordinator(store, config.generation,
                                      adapt_to_load=(adapt_to_load or config.serving.adapt_to_load) and not plain,
                                      arms=config.serving.load_arms)
     limits = limits_from(config.serving.admission, workers=max_streams, max_queued=MAX_QUEUED_RPCS)
     server, bound = start_server(coordinator, host, port, api_keys=api_keys, tls=tls, limits=limits)
     return Standalone(server, bound, engine, coordinator)
-
-
-def _store(config: Config, redis_url: str | None) -> SessionStore:
-    url = redis_url or config.serving.redis_url
-    if url:
-        from .sessions.redis_store import RedisStore
-
-        return RedisStore(url, namespace=config.serving.session_namespace, ttl_s=config.serving.session_ttl_s,
-                          max_sessions_per_owner=config.serving.max_sessions_per_key)
-    return MemoryStore(ttl_s=config.serving.session_ttl_s, max_sessions_per_owner=config.serving.max_sessions_per_key)
 

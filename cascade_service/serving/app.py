@@ -53,15 +53,20 @@ from ..config import (
     resolve_redis_url,
     tier_groups,
 )
-from ..coordinator import Coordinator, Tokenizer, smallest_context
 from ..core.load import DraftBudget, LoadModel, PassTimer
 from ..core.mag import BigramTable
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
+from ..runtime.assemble import (
+    TierFacts,
+    assemble_coordinator,
+    hf_tokenizer,
+    session_store,
+)
 from ..startup import check_vocabularies
 from .bridge import Offloaded, await_, in_bridge, iterate_bridged, run_bridged
 from .remote import RemoteSystem, RemoteTier
-from .session_actor import session_store
+from .session_actor import actor_store
 from .tier import TierGroup, replica_tier
 
 log = logging.getLogger(__name__)
@@ -192,28 +197,18 @@ class CoordinatorDeployment:
                               for t in colocated}
                 for model in self.local.values():  # concurrent requests share a colocated tier's passes
                     model.enable_batching()
-                info: dict[str, Any] = {}
+                facts = {name: TierFacts.of(model) for name, model in self.local.items()}
                 for handle in {id(h): h for h in self.handles.values()}.values():
-                    info |= handle.info.remote().result()
+                    facts |= {name: TierFacts.from_info(i) for name, i in handle.info.remote().result().items()}
                 self.systems = _system_heads(cascade, serving)
-                info |= {name: {"vocab_size": m.vocab_size, "num_parameters": m.num_parameters, "device": str(m.device),
-                                "eos_token_ids": sorted(m.eos_token_ids), "max_positions": m.max_positions}
-                         for name, m in self.local.items()}
-                check_vocabularies(cascade, {n: i["vocab_size"] for n, i in info.items()}, tokenizers=False)
-                target = info[cascade.target.name]
-                tokenizer = load_tokenizer(cascade.target.path)
                 mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
-                coordinator = Coordinator(
-                    cascade, Tokenizer(lambda text: list(tokenizer(text)["input_ids"]),
-                                       lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)),
-                    target["vocab_size"], frozenset(target["eos_token_ids"]), tiers=self._remote_tiers,
-                    store=Offloaded(session_store(self.config.serving), self.pool), defaults=self.config.generation,
+                coordinator = assemble_coordinator(
+                    cascade, facts, hf_tokenizer(load_tokenizer(cascade.target.path)), self._remote_tiers,
+                    Offloaded(session_store(serving, lambda: actor_store(serving)), self.pool), self.config.generation,
                     bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
-                    release=_release, param_costs={n: i["num_parameters"] / target["num_parameters"]
-                                                   for n, i in info.items() if n != cascade.target.name},
                     make_stopper=HeadCache().stopper,  # adaptive draft length of colocated tiers
                     budgets=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None,
-                    max_context=smallest_context(i.get("max_positions") for i in info.values()))
+                    release=_release)
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 

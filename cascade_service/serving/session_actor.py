@@ -62,14 +62,10 @@ class ActorStore:
         return self._call("ping")
 
 
-def session_store(serving: ServingConfig) -> SessionStore:
-    """Redis when the config names it, else the embedded actor (created on first use)."""
-    if serving.redis_url:
-        from ..sessions.redis_store import RedisStore
-
-        return RedisStore(serving.redis_url, namespace=serving.session_namespace, ttl_s=serving.session_ttl_s,
-                          max_sessions_per_owner=serving.max_sessions_per_key)
+def actor_store(serving: ServingConfig) -> SessionStore:
+    """The cluster's embedded store: one detached actor, created on first use (runtime.session_store
+    picks Redis instead where the config names it)."""
     actor = SessionActor.options(name=SESSION_ACTOR, namespace=RAY_NAMESPACE, lifetime="detached",
                                  get_if_exists=True, num_cpus=0).remote(serving.session_ttl_s,
-                                                                           serving.max_sessions_per_key)
+                                                                        serving.max_sessions_per_key)
     return ActorStore(actor)

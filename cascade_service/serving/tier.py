@@ -36,6 +36,7 @@ from ..core.types import Context, Draft
 from ..core.verify import Verification, final_rule
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
+from ..runtime.assemble import TierFacts
 from ..startup import tier_device, where
 from .wire import rows_in, rows_out
 
@@ -58,9 +59,7 @@ class TierServer:
         self.heads = HeadCache(self.model.device)  # acceptance heads for adaptive draft length
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.tier.name, "vocab_size": self.model.vocab_size, "device": str(self.model.device),
-                "num_parameters": self.model.num_parameters, "eos_token_ids": sorted(self.model.eos_token_ids),
-                "max_positions": self.model.max_positions}
+        return {"name": self.tier.name, **TierFacts.of(self.model).info()}
 
     def draft(self, msg: dict[str, Any]) -> dict[str, Any]:
         """msg: request_id, tokens, stable, k, temperature, top_p, seed, eos_ids -> a Draft as a dict."""
