@@ -48,7 +48,7 @@ from .health import HEALTH_SERVICES, status_reply, watch_reply
 from .reflection import METHOD as REFLECTION_METHOD
 from .reflection import SERVICES, V1, V1ALPHA, advertised
 from .servicer import SERVICE_NAME
-from .status import DETAILS_KEY, rich_status
+from .status import DETAILS_KEY, STOPPING, rich_status
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,6 @@ class Refused(Exception):
         self.message = message
 
 
-_STOPPING = "the server is stopping; retry the request"
 
 
 class _Call:
@@ -181,7 +180,7 @@ class Frontend:
                         self.backend.call, method, body, _time_left(context), owner, call.on_end))
                 code, details, payload = reply
                 if call.stopped:
-                    code, details = "UNAVAILABLE", _STOPPING
+                    code, details = "UNAVAILABLE", STOPPING
                 if code != "OK":
                     raise Refused(grpc.StatusCode[code], details)
                 return payload
@@ -198,12 +197,12 @@ class Frontend:
                 async with self._admitted(call):
                     async for code, details, payload in self._replies(call, method, body, context, owner):
                         if call.stopped:
-                            code, details = "UNAVAILABLE", _STOPPING
+                            code, details = "UNAVAILABLE", STOPPING
                         if code != "OK":
                             raise Refused(grpc.StatusCode[code], details)
                         yield payload
                     if call.stopped:  # the backend ended quietly when the stop cancelled it
-                        raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+                        raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         except Refused as refused:
             await abort(context, refused.code, refused.message)
 
@@ -266,7 +265,7 @@ class Frontend:
     def _open(self, context: grpc.aio.ServicerContext) -> Iterator[str]:
         """The caller's owner id, counted against its key's limit while the call is open."""
         if self.stopping:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+            raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         owner = self._authenticate(context)
         if self.api_keys is not None and self._per_key[owner] >= self.limits.max_calls_per_key:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -336,7 +335,7 @@ class Frontend:
         """A worker (or a place in the queue for one) for an admitted call, which a drain can cancel.
         The worker itself is given back by the thread's completion (`_run`, `_replies`)."""
         if self.stopping:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+            raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         self._calls.add(call)
         try:
             await self._take_worker()

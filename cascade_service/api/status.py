@@ -29,6 +29,9 @@ from .v1 import cascade_pb2
 DETAILS_KEY = "grpc-status-details-bin"
 # How long a client should wait before retrying: a full queue drains within a few decode rounds; a
 # tier or store that is restarting, or a server that is shutting down, needs a little longer.
+# What a call refused or cut short by a stop says, on every front end (the standalone server, the
+# edge, the Ray coordinator), so a client matches one text.
+STOPPING = "the service is stopping; retry the request"
 RETRY_DELAY_S = {grpc.StatusCode.RESOURCE_EXHAUSTED: 1.0, grpc.StatusCode.UNAVAILABLE: 2.0}
 _REQUESTS = ("GenerateRequest", "CreateSessionRequest", "GetSessionRequest", "DeleteSessionRequest")
 _LEADING_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*")

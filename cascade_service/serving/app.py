@@ -40,6 +40,7 @@ from ..api.servicer import (
     failure,
     status_for,
 )
+from ..api.status import STOPPING
 from ..config import (
     MAG,
     CascadeConfig,
@@ -332,7 +333,7 @@ class _Stopped(Unavailable):
     """A call refused or cancelled because the coordinator is draining (CoordinatorDeployment.drain)."""
 
     def __init__(self) -> None:
-        super().__init__("the service is shutting down; retry the request")
+        super().__init__(STOPPING)
 
 
 class _Calls:
