@@ -21,7 +21,7 @@ from .core.cascade import Lookup, RequestState
 from .core.sampling import SamplingParams
 from .core.schedule import Schedule, ScheduleError
 from .core.stats import CascadeStats
-from .core.trial import ARMS
+from .scheduling.trial import ARMS
 from .core.request import GenerationConfig, check_stop_threshold
 from .core.verify import Verification
 from .paths import expand
@@ -135,11 +135,11 @@ class ServingConfig:
     api_keys_file: str | None = None  # one key per line (`KEY [name]`, `#` comments); None: no keys
     tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file: serve TLS
     tls_key_file: str | None = None  # PEM private key
-    # Speculation that adapts to load (core.load): each round's drafting is chosen from measured
+    # Speculation that adapts to load (scheduling.load): each round's drafting is chosen from measured
     # acceptance and what the load makes of each way of drafting. The standalone server's
     # --adapt-to-load turns it on too.
     adapt_to_load: bool = False
-    # The ways of drafting its trial chooses between, wherever speculation adapts to load (core.trial.ARMS);
+    # The ways of drafting its trial chooses between, wherever speculation adapts to load (scheduling.trial.ARMS);
     # None: every one the frontend can run. E.g. [full, budget] on a pool where drafting always pays, to
     # spare the trial its exploring; one arm alone: that arm, no trial.
     load_arms: tuple[str, ...] | None = None

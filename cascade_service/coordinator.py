@@ -1,7 +1,7 @@
 """The coordinator: session -> cascade -> stream of tokens -> stats. Knows only protocols.
 
-One wiring-independent object runs requests: the tiers come from a factory (in-process scorers, or
-`serving.remote.RemoteTier`s over Ray Serve), sessions from any `SessionStore`. The gRPC edge
+One wiring-independent object runs requests: the tiers come from a factory (`core.tier.Tier`s: in-process
+models, or `transport.remote.RemoteTier`s over Ray Serve), sessions from any `SessionStore`. The gRPC edge
 (`api/servicer.py`) and the Ray Serve ingress (`serving/app.py`) both call it.
 """
 
@@ -19,17 +19,19 @@ from .config import (
 )
 from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
+from .core.local import MaGTier
 from .core.decode import decode
-from .core.load import DraftBudget
 from .core.mag import BigramTable, MaxGram
+from .core.policy import BlockPolicy
 from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats
+from .core.tier import Release, Tier
 from .core.verify import Verification
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 
 MAX_PROMPT_TOKENS = 32_768
 
-TierFactory = Callable[[str], dict[str, Any]]  # request id -> {tier name: Scorer or BlockTier}
+TierFactory = Callable[[str], "dict[str, Tier]"]  # request id -> {model tier name: its Tier for that request}
 
 
 def smallest_context(positions: Iterable[int | None]) -> int | None:
@@ -87,10 +89,9 @@ class Coordinator:
     store: SessionStore
     defaults: GenerationConfig = field(default_factory=GenerationConfig)
     bigram: BigramTable | None = None
-    release: Callable[[dict[str, Any]], None] = lambda tiers: None  # frees a finished request's tier state
     param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
-    make_stopper: StopperFactory | None = None  # adaptive draft length of tiers local to this process
-    budgets: Callable[[], DraftBudget] | None = None  # load-adaptive speculation (core.load); None: fixed K
+    make_stopper: StopperFactory | None = None  # SpecDec++ at a reviewing tier local to this process
+    policies: Callable[[], BlockPolicy] | None = None  # the target's block policy per request; None: fixed K
     # Positions the smallest model tier holds (its max_position_embeddings); None: no limit known. A
     # request's context (session history + prompt) plus its new tokens must fit.
     max_context: int | None = None
@@ -170,7 +171,7 @@ class Coordinator:
         new: list[int] = []
         finish = "length"
         try:
-            for new in self._decode(tiers, context, params.gen, stats):
+            for new in self._decode(request_id, tiers, context, params.gen, stats):
                 if cancelled():
                     raise Cancelled(f"the request was cancelled after {len(out)} tokens")
                 cut = text.feed(new)
@@ -186,7 +187,8 @@ class Coordinator:
                     yield Chunk(new, delta)
                 new = []
         finally:
-            self.release(tiers)
+            for tier in tiers.values():  # their KV caches (a remote tier frees its replica's, if it called it)
+                tier.release(Release(request_id))
         stats.generated = len(out)
         session_length = 0
         if record is not None:
@@ -204,14 +206,17 @@ class Coordinator:
             last = chunk
         return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length)
 
-    def _decode(self, tiers: dict[str, Any], context: list[int], gen: GenerationConfig, stats: CascadeStats):
+    def _decode(self, request_id: str, tiers: dict[str, Tier], context: list[int], gen: GenerationConfig,
+                stats: CascadeStats):
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
-        state.budget = self.budgets() if self.budgets is not None else None
-        drafters = [MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else tiers[d.name]
-                    for d in self.cascade.drafters]
+        state.request_id = request_id
+        if self.policies is not None:
+            state.policy = self.policies()
+        drafters: list[Tier] = [MaGTier(MaxGram(self.bigram, d.max_ngram), self.vocab_size)
+                                if isinstance(d, MaGConfig) else tiers[d.name] for d in self.cascade.drafters]
         system = build_cascade(tiers[self.cascade.target.name], drafters, self.cascade.schedule,
                                self.cascade.leniency, state, self.cascade.lookup)
-        yield from decode(system, context, gen.max_new_tokens, self.eos_ids, stats)
+        yield from decode(system, context, gen.max_new_tokens, state)
 
     def _prompt_ids(self, prompt: str, prompt_ids: Sequence[int]) -> list[int]:
         if prompt and prompt_ids:

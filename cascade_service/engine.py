@@ -13,17 +13,20 @@ from typing import Any, Iterator, Sequence
 from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade, request_state
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
+from .core.local import MaGTier, ModelTier
 from .core.decode import decode
-from .core.load import LoadModel
-from .core.trial import ARMS
+from .scheduling.load import LoadModel
+from .scheduling.trial import ARMS
 from .core.mag import BigramTable, MaxGram
 from .coordinator import Coordinator, Tokenizer
 from .core.stats import CascadeStats
+from .core.tier import Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
 from .runtime.assemble import assemble_coordinator, model_facts
 from .sessions import SessionStore
 from .startup import check_tiers, check_vocabularies
+from .transport.remote import loopback
 
 
 @dataclass
@@ -35,8 +38,11 @@ class Generation:
 class Engine:
     """Target + drafters loaded from local directories, ready to generate."""
 
-    def __init__(self, cascade: CascadeConfig):
+    def __init__(self, cascade: CascadeConfig, loopback: bool = False):
+        """`loopback`: every tier behind the wire codec (transport.remote.loopback), as a remote tier
+        would be; tests use it to show that the codec changes no token."""
         self.cascade = cascade
+        self.loopback = loopback
         check_tiers(cascade)  # a device this machine lacks or a foreign vocabulary fails before any weights load
         t = cascade.target
         self.target = HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
@@ -86,12 +92,19 @@ class Engine:
         """Yield committed tokens round by round; `stats` (if given) fills in as it goes."""
         stats = stats if stats is not None else CascadeStats(self.target.name)
         state = request_state(gen, stats, self.target.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
-        drafters = [
-            MaxGram(self.bigram, d.max_ngram) if isinstance(d, MaGConfig) else d.scorer() for d in self.drafters
-        ]
-        system = build_cascade(self.target.scorer(), drafters, self.cascade.schedule, self.cascade.leniency, state,
-                               self.cascade.lookup)
-        yield from decode(system, list(prompt_ids), gen.max_new_tokens, self.eos_ids, stats)
+        vocab = self.target.vocab_size
+        drafters: list[Tier] = [self._wire(MaGTier(MaxGram(self.bigram, d.max_ngram), vocab))
+                                if isinstance(d, MaGConfig) else self._tier(d) for d in self.drafters]
+        system = build_cascade(self._tier(self.target), drafters, self.cascade.schedule, self.cascade.leniency,
+                               state, self.cascade.lookup)
+        yield from decode(system, list(prompt_ids), gen.max_new_tokens, state)
+
+    def _tier(self, model: HFModel) -> Tier:
+        """One request's tier of a loaded model (its own KV cache)."""
+        return self._wire(ModelTier(model.scorer(), model.vocab_size, self.make_stopper))
+
+    def _wire(self, tier: Tier) -> Tier:
+        return loopback(tier) if self.loopback else tier
 
     def generate(self, prompt_ids: Sequence[int], gen: GenerationConfig) -> Generation:
         stats = CascadeStats(self.target.name)
@@ -109,20 +122,20 @@ class Engine:
         """A Coordinator over these loaded models, in this process (the standalone gRPC server, tests).
 
         adapt_to_load: choose each round's draft budget from measured acceptance and the target's
-        batched passes (core.load); needs batching on the target (`HFModel.enable_batching`).
-        arms: the ways of drafting its trial chooses between (core.trial.ARMS, all of them when None).
+        batched passes (scheduling.load); needs batching on the target (`HFModel.enable_batching`).
+        arms: the ways of drafting its trial chooses between (scheduling.trial.ARMS, all of them when None).
         """
         models = {model.name: model for model in self.models()}
-        budgets = None
+        policies = None
         if adapt_to_load:
             if self.target.batcher is None:
                 raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
-            budgets = LoadModel(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS).budget  # per request
+            policies = LoadModel(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS).budget  # per request
         return assemble_coordinator(
             self.cascade, model_facts(self.models()), Tokenizer(self.encode, self.decode_text),
-            tiers=lambda request_id: {name: m.scorer() for name, m in models.items()}, store=store,
+            tiers=lambda request_id: {name: self._tier(m) for name, m in models.items()}, store=store,
             defaults=defaults or GenerationConfig(), bigram=self.bigram, make_stopper=self.make_stopper,
-            budgets=budgets)
+            policies=policies)
 
     def models(self) -> list[HFModel]:
         """The loaded model tiers, target first."""

@@ -44,7 +44,7 @@ def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, red
 
     plain: serve the target alone, no speculation (the baseline a load test compares against).
     adapt_to_load: each round's drafting follows measured acceptance and what the load makes of each way
-    of drafting (core.load) instead of the fixed K-matrix; also on where the config's
+    of drafting (scheduling.load) instead of the fixed K-matrix; also on where the config's
     serving.adapt_to_load is.
     """
     cascade = config.cascade

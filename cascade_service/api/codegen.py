@@ -17,9 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "protos"
-PROTOS = ("cascade/v1/cascade.proto",)
+PROTOS = ("cascade/v1/cascade.proto", "cascade/v1/tier.proto")
 OUT_DIR = Path(__file__).resolve().parent / "v1"
-_HEADER = '"""Generated from protos/cascade/v1/cascade.proto by `python -m cascade_service.api.codegen`; do not edit."""\n'
+_HEADER = '"""Generated from protos/cascade/v1/*.proto by `python -m cascade_service.api.codegen`; do not edit."""\n'
 
 
 def generate() -> dict[str, str]:
@@ -36,10 +36,11 @@ def generate() -> dict[str, str]:
         files = {}
         for path in sorted((Path(tmp) / "cascade" / "v1").iterdir()):
             text = path.read_text()
-            text = text.replace("from cascade.v1 import cascade_pb2", "from . import cascade_pb2")
-            # Message classes take their __module__ from this string; it must be the real module so
-            # that pickling a message by reference (Ray does, between processes) finds it again.
-            text = text.replace("'cascade.v1.cascade_pb2'", "'cascade_service.api.v1.cascade_pb2'")
+            for module in ("cascade_pb2", "tier_pb2"):
+                text = text.replace(f"from cascade.v1 import {module}", f"from . import {module}")
+                # Message classes take their __module__ from this string; it must be the real module so
+                # that pickling a message by reference (Ray does, between processes) finds it again.
+                text = text.replace(f"'cascade.v1.{module}'", f"'cascade_service.api.v1.{module}'")
             files[path.name] = text
     files["__init__.py"] = _HEADER
     return files

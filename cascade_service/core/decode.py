@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .stats import CascadeStats
-from .types import Context, Drafter
+from .stats import absorb
+from .tier import Tier
+from .types import Context
+
+if TYPE_CHECKING:
+    from .cascade import RequestState
 
 
-def decode(
-    system: Drafter,
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    eos_ids: frozenset[int],
-    stats: CascadeStats,
-) -> Iterator[list[int]]:
-    """Yield the newly committed tokens after each target round.
+def decode(system: Tier, prompt: Sequence[int], max_new_tokens: int, state: RequestState) -> Iterator[list[int]]:
+    """Yield the newly committed tokens after each target round; each round's cost goes into `state.stats`.
 
     Output stops after the first EOS (which is emitted, as `generate()` does) or at max_new_tokens.
     """
@@ -25,11 +23,14 @@ def decode(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     start = time.perf_counter()
+    stats, eos_ids = state.stats, state.eos_ids
     tokens = list(prompt)
     produced = 0
     while produced < max_new_tokens:
         remaining = max_new_tokens - produced
-        new = system.draft(Context(tokens, len(tokens)), remaining, remaining).tokens[:remaining]
+        reply = system.draft(state.request(Context(tokens, len(tokens)), remaining, remaining))
+        absorb(stats, reply.usage)
+        new = reply.draft.tokens[:remaining]
         eos_at = next((i for i, t in enumerate(new) if t in eos_ids), None)
         if eos_at is not None:
             new = new[: eos_at + 1]

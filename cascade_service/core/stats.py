@@ -57,6 +57,24 @@ def _grow(counts: list[int], n: int) -> None:
 
 
 @dataclass
+class Usage:
+    """What one tier call cost, per tier that worked in it (a sub-cascade runs several), what its
+    reviewers saw, and the final verifier's loss accounting (core.verify). Crosses the wire as is."""
+
+    tiers: dict[str, TierCounters] = field(default_factory=dict)
+    reviews: dict[str, ReviewCounters] = field(default_factory=dict)
+    off_target: int = 0
+    tv: float = 0.0
+    ll_loss: float = 0.0
+
+    def tier(self, name: str) -> TierCounters:
+        return self.tiers.setdefault(name, TierCounters())
+
+    def reviewer(self, name: str) -> ReviewCounters:
+        return self.reviews.setdefault(name, ReviewCounters())
+
+
+@dataclass
 class CascadeStats:
     target: str
     tiers: dict[str, TierCounters] = field(default_factory=dict)
@@ -143,35 +161,34 @@ class CascadeStats:
         }
 
 
-def stats_delta(stats: CascadeStats) -> dict:
-    """The counters of a partial run (e.g. a sub-cascade run in another process), as plain values."""
-    return {
-        "tiers": {n: [c.calls, c.tokens_processed, c.tokens_out, c.time_s, c.hops] for n, c in stats.tiers.items()},
-        "reviews": {n: [r.reviews, r.drafted, r.accepted, r.rejections, list(r.drafted_by_position),
-                        list(r.accepted_by_position), dict(r.drafted_by_drafter), dict(r.accepted_by_drafter)]
-                    for n, r in stats.reviews.items()},
-    }
-
-
-def absorb(stats: CascadeStats, delta: dict) -> None:
-    """Add a `stats_delta` into `stats`."""
-    for name, (calls, processed, out, time_s, hops) in delta["tiers"].items():
-        c = stats.tier(name)
-        c.calls += int(calls)
-        c.tokens_processed += int(processed)
-        c.tokens_out += int(out)
-        c.time_s += float(time_s)
-        c.hops += int(hops)
-    for name, (reviews, drafted, accepted, rejections, d_pos, a_pos, d_by, a_by) in delta["reviews"].items():
-        r = stats.reviewer(name)
-        r.reviews += int(reviews)
-        r.drafted += int(drafted)
-        r.accepted += int(accepted)
-        r.rejections += int(rejections)
-        for mine, theirs in ((r.drafted_by_position, d_pos), (r.accepted_by_position, a_pos)):
-            _grow(mine, len(theirs))
+def absorb(into: CascadeStats | Usage, usage: Usage) -> None:
+    """Add what a tier call cost (`usage`) into a request's stats, or into another call's usage."""
+    for name, c in usage.tiers.items():
+        mine = into.tier(name)
+        mine.calls += c.calls
+        mine.tokens_processed += c.tokens_processed
+        mine.tokens_out += c.tokens_out
+        mine.time_s += c.time_s
+        mine.hops += c.hops
+    for name, r in usage.reviews.items():
+        ours = into.reviewer(name)
+        ours.reviews += r.reviews
+        ours.drafted += r.drafted
+        ours.accepted += r.accepted
+        ours.rejections += r.rejections
+        for mine_pos, theirs in ((ours.drafted_by_position, r.drafted_by_position),
+                                 (ours.accepted_by_position, r.accepted_by_position)):
+            _grow(mine_pos, len(theirs))
             for i, v in enumerate(theirs):
-                mine[i] += int(v)
-        for ours, sent in ((r.drafted_by_drafter, d_by), (r.accepted_by_drafter, a_by)):
+                mine_pos[i] += v
+        for by, sent in ((ours.drafted_by_drafter, r.drafted_by_drafter), (ours.accepted_by_drafter, r.accepted_by_drafter)):
             for k, v in sent.items():
-                ours[k] = ours.get(k, 0) + int(v)
+                by[k] = by.get(k, 0) + v
+    if isinstance(into, CascadeStats):
+        into.off_target_tokens += usage.off_target
+        into.tv_deviation += usage.tv
+        into.loglik_loss += usage.ll_loss
+    else:
+        into.off_target += usage.off_target
+        into.tv += usage.tv
+        into.ll_loss += usage.ll_loss

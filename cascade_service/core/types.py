@@ -94,16 +94,3 @@ class Scorer(Protocol):
     tokens_processed: int
 
     def logits(self, ctx: Context, n: int) -> torch.Tensor: ...
-
-
-class Drafter(Protocol):
-    """Anything that proposes a block: MaG, a model drafting alone, or a reviewer over drafters below.
-
-    `want` is how many tokens the caller still needs from this drafter (leaves draft exactly that many;
-    a reviewing cascade drafts by its own K-matrix row instead); `limit` is a hard cap on the length of
-    the returned draft. Returning fewer tokens than asked, even none, is allowed.
-    """
-
-    name: str
-
-    def draft(self, ctx: Context, want: int, limit: int) -> Draft: ...

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from transformers import DynamicCache
 
-from cascade_service.core.load import ROW_POSITIONS, PassTimer, charge, pads_within
+from cascade_service.scheduling.load import ROW_POSITIONS, PassTimer, charge, pads_within
 
 if TYPE_CHECKING:
     from .hf import HFModel
@@ -64,7 +64,7 @@ class _Pass:
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
-    charged: float = 0.0  # this row's share of the pass's seconds (core.load.charge)
+    charged: float = 0.0  # this row's share of the pass's seconds (scheduling.load.charge)
 
 
 class ForwardBatcher:
@@ -72,7 +72,7 @@ class ForwardBatcher:
 
     max_batch: at most this many requests in one pass (the rest wait for the next one).
     `batch_sizes` counts the passes run at each batch size (what a load test reads); `timer` holds the
-    recent passes' sizes and times, from which load-adaptive speculation (core.load) fits a pass's cost.
+    recent passes' sizes and times, from which load-adaptive speculation (scheduling.load) fits a pass's cost.
     """
 
     GATHER = 0.25  # at most this share of a pass's time is spent waiting for its requests to come back
@@ -276,7 +276,7 @@ def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:
     cache and attended to, so one 4,000-token conversation beside 16 short ones made every row copy and
     attend over 4,000 keys (on the demo zoo's large model, CPU: a 2 s pass instead of 35 ms, +1 GB).
     So a batch is grown from the first waiting pass with the passes closest to it while both stay
-    within PAD_WASTE of the real work (core.load.pads_within): queries rows x S against sum s_i; keys
+    within PAD_WASTE of the real work (scheduling.load.pads_within): queries rows x S against sum s_i; keys
     rows x (L + S + ROW_POSITIONS) against sum (L_i + s_i + ROW_POSITIONS), where ROW_POSITIONS is what
     a row costs whatever its cache. The others wait for the next pass, which starts as soon as this one
     ends; the first waiting pass is always in this one.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import CascadeConfig, GenerationConfig, ServingConfig
 from ..coordinator import Coordinator, TierFactory, Tokenizer, smallest_context
 from ..core.adaptive import StopperFactory
-from ..core.load import DraftBudget
+from ..core.policy import BlockPolicy
 from ..core.mag import BigramTable
 from ..sessions import SessionStore
 from ..startup import check_vocabularies
@@ -61,19 +61,17 @@ def hf_tokenizer(tokenizer: Any) -> Tokenizer:
 def assemble_coordinator(cascade: CascadeConfig, facts: Mapping[str, TierFacts], tokenizer: Tokenizer,
                          tiers: TierFactory, store: SessionStore, defaults: GenerationConfig, *,
                          bigram: BigramTable | None = None, make_stopper: StopperFactory | None = None,
-                         budgets: Callable[[], DraftBudget] | None = None,
-                         release: Callable[[dict[str, Any]], None] | None = None) -> Coordinator:
+                         policies: Callable[[], BlockPolicy] | None = None) -> Coordinator:
     """A coordinator over model tiers described by `facts` (tier name -> TierFacts, the target's
     included). A drafter whose vocabulary is not the target's fails here, before any request."""
     check_vocabularies(cascade, {name: f.vocab_size for name, f in facts.items()}, tokenizers=False)
     target = facts[cascade.target.name]
-    extra = {} if release is None else {"release": release}
     return Coordinator(
         cascade, tokenizer, target.vocab_size, frozenset(target.eos_token_ids), tiers=tiers, store=store,
-        defaults=defaults, bigram=bigram, make_stopper=make_stopper, budgets=budgets,
+        defaults=defaults, bigram=bigram, make_stopper=make_stopper, policies=policies,
         param_costs={name: f.num_parameters / target.num_parameters for name, f in facts.items()
                      if name != cascade.target.name},
-        max_context=smallest_context(f.max_positions for f in facts.values()), **extra)
+        max_context=smallest_context(f.max_positions for f in facts.values()))
 
 
 def session_store(serving: ServingConfig, embedded: Callable[[], SessionStore],

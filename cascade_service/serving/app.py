@@ -54,8 +54,10 @@ from ..config import (
     resolve_redis_url,
     tier_groups,
 )
-from ..core.load import DraftBudget, LoadModel, PassTimer
+from ..scheduling.load import DraftBudget, LoadModel, PassTimer
+from ..core.local import ModelTier
 from ..core.mag import BigramTable
+from ..core.tier import Tier
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
 from ..runtime.assemble import (
@@ -66,9 +68,9 @@ from ..runtime.assemble import (
 )
 from ..startup import check_vocabularies
 from .bridge import Offloaded, await_, in_bridge, iterate_bridged, run_bridged
-from .remote import RemoteSystem, RemoteTier
 from .session_actor import actor_store
-from .tier import TierGroup, replica_tier
+from ..transport.remote import RemoteTier
+from .tier import SubCascade, TierGroup, replica_tier
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +112,13 @@ def tier_deployment_name(tier: str) -> str:
 class TierDeployment:
     """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them.
 
-    Block calls (draft, review, system) block on forward passes, so each runs on a thread of the
+    Block calls (draft, review) carry the tier protocol's bytes (transport.codec) and block on forward passes, so each runs on a thread of the
     replica's own pool, one per call Serve lets in (max_ongoing); every model batches the forward
     passes of those concurrent calls, so requests decoding at once share passes.
     """
 
     def __init__(self, tiers: list[dict[str, Any]], mag: dict[str, Any] | None = None, torch_threads: int | None = None,
-                 max_ongoing: int = DEFAULT_MAX_ONGOING):
+                 max_ongoing: int = DEFAULT_MAX_ONGOING, systems: dict[str, dict[str, Any]] | None = None):
         if torch_threads:
             import torch
 
@@ -125,7 +127,8 @@ class TierDeployment:
         # Each tier follows the GPUs Ray gave this replica (serving.tier.replica_tier).
         name, gpus = deployment_name([t["name"] for t in tiers]), replica_gpus()
         group = [replica_tier(ModelTierConfig(**t), gpus, name) for t in tiers]
-        self.group = TierGroup(group, mag.get("bigram"), mag.get("max_ngram", 16))
+        self.group = TierGroup(group, mag.get("bigram"), mag.get("max_ngram", 16),
+                               systems={n: SubCascade.of(spec) for n, spec in (systems or {}).items()})
         for server in self.group.servers.values():
             server.model.enable_batching()
         self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
@@ -133,22 +136,19 @@ class TierDeployment:
     def info(self) -> dict[str, Any]:
         return self.group.info()
 
-    async def draft(self, message: dict[str, Any]) -> dict[str, Any]:
-        return await self._blocking(self.group.draft, message)
+    async def draft(self, data: bytes) -> bytes:
+        return await self._blocking(self.group.draft, data)
 
-    async def review(self, message: dict[str, Any]) -> dict[str, Any]:
-        return await self._blocking(self.group.review, message)
+    async def review(self, data: bytes) -> bytes:
+        return await self._blocking(self.group.review, data)
 
-    async def system(self, message: dict[str, Any]) -> dict[str, Any]:
-        return await self._blocking(self.group.system, message)
-
-    async def _blocking(self, call: Callable[[dict[str, Any]], Any], message: dict[str, Any]) -> Any:
+    async def _blocking(self, call: Callable[[bytes], bytes], data: bytes) -> bytes:
         # A caller that cancels stops a call still queued here; one under way runs to its end (a thread
         # cannot be interrupted), which is one block: short.
-        return await asyncio.get_running_loop().run_in_executor(self.pool, call, message)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call, data)
 
-    def release(self, message: dict[str, Any]) -> bool:
-        return self.group.release(message["request_id"])
+    def release(self, data: bytes) -> bool:
+        return self.group.release(data)
 
     def cached_requests(self) -> int:
         return self.group.cached_requests()
@@ -172,7 +172,8 @@ class CoordinatorDeployment:
         keys_file = self.config.serving.api_keys_file
         self.api_keys = load_api_keys(keys_file) if keys_file else None
         self.local: dict[str, Any] = {}  # colocated model tiers, loaded with the servicer
-        self.systems: dict[str, dict[str, Any]] = {}  # group members that run their sub-cascade remotely
+        self.heads = HeadCache()  # acceptance heads of colocated tiers (adaptive draft length)
+        self.systems: set[str] = set()  # group members that run their sub-cascade in their replica
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
         # Decodes run on the event loop (serving/bridge.py); this pool runs what blocks a thread: a
@@ -201,26 +202,24 @@ class CoordinatorDeployment:
                 facts = {name: TierFacts.of(model) for name, model in self.local.items()}
                 for handle in {id(h): h for h in self.handles.values()}.values():
                     facts |= {name: TierFacts.from_info(i) for name, i in handle.info.remote().result().items()}
-                self.systems = _system_heads(cascade, serving)
+                self.systems = set(_system_heads(cascade, serving))
                 mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
                 coordinator = assemble_coordinator(
                     cascade, facts, hf_tokenizer(load_tokenizer(cascade.target.path)), self._remote_tiers,
                     Offloaded(session_store(serving, lambda: actor_store(serving)), self.pool), self.config.generation,
                     bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
-                    make_stopper=HeadCache().stopper,  # adaptive draft length of colocated tiers
-                    budgets=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None,
-                    release=_release)
+                    make_stopper=self.heads.stopper,  # SpecDec++ at a colocated reviewing tier
+                    policies=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None)
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 
-    def _remote_tiers(self, request_id: str) -> dict[str, Any]:
+    def _remote_tiers(self, request_id: str) -> dict[str, Tier]:
         # Colocated: no hop, but their forward passes block, so a bridged decode awaits them on the pool.
-        tiers: dict[str, Any] = {name: Offloaded(model.scorer(), self.pool) for name, model in self.local.items()}
+        tiers: dict[str, Tier] = {name: ModelTier(Offloaded(model.scorer(), self.pool), model.vocab_size,
+                                                  self.heads.stopper)
+                                  for name, model in self.local.items()}
         for name, handle in self.handles.items():
-            if name in self.systems:
-                tiers[name] = RemoteSystem(name, request_id, _invoker(name, handle), **self.systems[name])
-            else:
-                tiers[name] = RemoteTier(name, request_id, _invoker(name, handle))
+            tiers[name] = RemoteTier(name, request_id, _invoker(name, handle), system=name in self.systems)
         return tiers
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
@@ -398,7 +397,7 @@ def _raise_if_failed(grpc_context: Any) -> None:
 
 
 def _system_heads(cascade, serving: ServingConfig) -> dict[str, dict[str, Any]]:
-    """Group members whose whole sub-cascade lies in their group (+ MaG): {name: RemoteSystem kwargs}."""
+    """Group members whose whole sub-cascade lies in their group (+ MaG): {name: SubCascade fields}."""
     names = [t.name for t in cascade.tiers]
     k = cascade.schedule.to_lists()
     heads = {}
@@ -446,12 +445,12 @@ def _invoker(name: str, handle: DeploymentHandle):
     # Serve's direct gRPC transport instead of Ray object references: measured here, a no-op call
     # takes 4.0 ms instead of 8.0 ms (median), and a round makes one or two such calls per tier.
     handle = handle.options(_by_reference=False)
-    def invoke(method: str, message: dict[str, Any]) -> dict[str, Any]:
+    def invoke(method: str, data: bytes) -> bytes:
         if method == "release":  # fire and forget: nothing waits on a cache being freed (LRU backs it up)
-            handle.release.remote(message)
-            return {}
+            handle.release.remote(data)
+            return b""
         try:
-            response = getattr(handle, method).remote(message)
+            response = getattr(handle, method).remote(data)
             # On the coordinator a decode is bridged onto the event loop, where it must await the reply.
             return await_(response) if in_bridge() else response.result()
         except BackPressureError as exc:
@@ -464,16 +463,6 @@ def _invoker(name: str, handle: DeploymentHandle):
             raise
 
     return invoke
-
-
-def _release(tiers: dict[str, Any]) -> None:
-    for tier in tiers.values():
-        if not isinstance(tier, RemoteTier) or not tier.hops:
-            continue  # a colocated scorer's cache goes with the object; an uncalled tier holds none
-        try:
-            tier.release()
-        except Exception:  # noqa: BLE001 - a cache we cannot free is evicted by the replica's LRU anyway
-            log.warning("could not release tier %s for request %s", tier.name, tier.request_id)
 
 
 def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any) -> Any:
@@ -504,13 +493,15 @@ def app_builder(args: dict[str, Any]):
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
     mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
     mag_args = {"bigram": mag.bigram, "max_ngram": mag.max_ngram} if mag else None
+    systems = _system_heads(config.cascade, serving)  # each replica learns its sub-cascades once, here
     handles = {}
     for group in tier_groups(list(by_name), serving.colocate, serving.groups):
         name = deployment_name(group)
         options = _options(serving, name, local)
         handle = TierDeployment.options(name=name, **options).bind(
             [asdict(by_name[n]) for n in group],
-            mag_args if len(group) > 1 else None, serving.torch_threads, options["max_ongoing_requests"])
+            mag_args if len(group) > 1 else None, serving.torch_threads, options["max_ongoing_requests"],
+            {n: spec for n, spec in systems.items() if n in group})
         handles |= {n: handle for n in group}
     options = _options(serving, COORDINATOR, local)
     return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(
@@ -538,7 +529,7 @@ RAY_ARMS = ("full", "lookup", "plain")
 
 
 def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> Callable[[], DraftBudget]:
-    """Load-adaptive speculation for the coordinator's requests (core.load), without the "budget" arm.
+    """Load-adaptive speculation for the coordinator's requests (scheduling.load), without the "budget" arm.
 
     Its cost model needs the target's batched passes and each request's share of the drafters' ones,
     which live in other replicas here; the trial of the other arms only needs each round's wall time,

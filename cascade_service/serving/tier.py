@@ -1,7 +1,8 @@
 """What one tier replica does: draft or review whole blocks for many requests, each with its KV cache.
 
-Plain Python (no Ray): `serving.app` wraps it in a deployment. Messages are dicts of plain values and
-numpy arrays, never pickled client data: the coordinator is the only caller.
+Plain Python (no Ray): `serving.app` wraps it in a deployment. Calls arrive and replies leave as
+`transport.codec` bytes, never pickled client data: the coordinator is the only caller. The work is
+done by the same `core.local` tiers the in-process wiring uses.
 
 KV caches are soft state. A request's scorer is kept under its request id (LRU, bounded); a call that
 finds none (another replica served the previous round, the replica restarted, the entry was evicted)
@@ -13,32 +14,31 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..config import ConfigError, ModelTierConfig
-from ..core.adaptive import AdaptiveLength
-from ..core.cascade import (
-    RequestState,
-    build_cascade,
-    draft_autoregressive,
-    score_and_review,
-)
+from ..core.adaptive import AdaptiveLength, DraftStopper
+from ..core.cascade import RequestState, build_cascade
+from ..core.local import MaGTier, ModelTier
 from ..core.mag import BigramTable, MaxGram
-from ..core.review import rule_for
-from ..core.sampling import SamplingParams
 from ..core.schedule import Schedule
-from ..core.stats import CascadeStats, TierCounters, stats_delta
-from ..core.types import Context, Draft
-from ..core.verify import Verification, final_rule
+from ..core.stats import CascadeStats
+from ..core.tier import DraftReply, DraftRequest, Tier
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
 from ..runtime.assemble import TierFacts
 from ..startup import tier_device, where
-from .wire import rows_in, rows_out
+from ..transport.codec import (
+    decode_draft_request,
+    decode_release,
+    decode_review_request,
+    encode_draft_reply,
+    encode_review_reply,
+)
 
 MAG_NAME = "mag"
 MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used request's cache is dropped
@@ -61,35 +61,12 @@ class TierServer:
     def info(self) -> dict[str, Any]:
         return {"name": self.tier.name, **TierFacts.of(self.model).info()}
 
-    def draft(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """msg: request_id, tokens, stable, k, temperature, top_p, seed, eos_ids -> a Draft as a dict."""
-        ctx, sampling, generator = _context(msg), _sampling(msg), _generator(msg)
-        scorer, counters = self.scorer(msg["request_id"]), TierCounters()
-        before = scorer.tokens_processed
-        stopper = None
-        if msg.get("adaptive"):
-            stopper = self.heads.stopper(AdaptiveLength(**msg["adaptive"]), self.model.config.hidden_size)
-        draft = draft_autoregressive(scorer, ctx, int(msg["k"]), sampling, generator,
-                                     frozenset(msg.get("eos_ids", ())), self.model.vocab_size, counters, stopper)
-        return {"tokens": draft.tokens, "token_probs": draft.token_probs, "dists": rows_out(draft.dists),
-                **_usage(counters, scorer.tokens_processed - before)}
+    def request_tier(self, request_id: str) -> ModelTier:
+        """This request's tier: its scorer (KV cache), with this replica's acceptance heads."""
+        return ModelTier(self.scorer(request_id), self.model.vocab_size, self._stopper)
 
-    def review(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """msg: request_id, tokens, stable, block (tokens, token_probs, dists), leniency, sampling -> a Verdict."""
-        ctx, sampling, generator = _context(msg), _sampling(msg), _generator(msg)
-        block = msg["block"]
-        # CPU rows off the wire; score_and_review moves them to this tier's device (core.placement).
-        dists = rows_in(block.get("dists"))
-        draft = Draft(list(block["tokens"]), list(block["token_probs"]), dists, [""] * len(block["tokens"]))
-        scorer, counters = self.scorer(msg["request_id"]), TierCounters()
-        before = scorer.tokens_processed
-        verify = msg.get("verification")  # the target's review of a request with a lossy rule
-        rule = final_rule(sampling.greedy, Verification(**verify)) if verify else rule_for(sampling.greedy)
-        verdict = score_and_review(scorer, ctx, draft, rule, float(msg["leniency"]), sampling, generator, counters)
-        return {"accepted": verdict.accepted, "token": verdict.token, "token_probs": verdict.token_probs,
-                "dists": rows_out(verdict.dists), "off_target": verdict.off_target, "tv": verdict.tv,
-                "ll_loss": verdict.ll_loss,
-                **_usage(counters, scorer.tokens_processed - before)}
+    def _stopper(self, spec: AdaptiveLength) -> DraftStopper:
+        return self.heads.stopper(spec, self.model.config.hidden_size)
 
     def release(self, request_id: str) -> bool:
         """Drop a finished request's KV cache; True if this replica held one."""
@@ -113,20 +90,6 @@ class TierServer:
             return scorer
 
 
-def _context(msg: dict[str, Any]) -> Context:
-    tokens = [int(t) for t in msg["tokens"]]
-    return Context(tokens, int(msg["stable"]))
-
-
-def _sampling(msg: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(float(msg.get("temperature", 0.0)), float(msg.get("top_p", 1.0)), bool(msg.get("rows", False)))
-
-
-def _generator(msg: dict[str, Any]) -> torch.Generator:
-    return torch.Generator().manual_seed(int(msg.get("seed", 0)))
-
-
-
 def replica_tier(tier: ModelTierConfig, gpus: Sequence[int], deployment: str) -> ModelTierConfig:
     """The tier as a Ray replica runs it: on the GPUs Ray gave the replica.
 
@@ -147,10 +110,6 @@ def replica_tier(tier: ModelTierConfig, gpus: Sequence[int], deployment: str) ->
     return replace(tier, device=f"cuda:{gpus[index]}")
 
 
-def _usage(counters: TierCounters, processed: int) -> dict[str, Any]:
-    return {"calls": counters.calls, "tokens_processed": processed, "time_s": counters.time_s}
-
-
 def _batched_passes(model: HFModel) -> int:
     if model.batcher is None:
         return 0
@@ -158,23 +117,46 @@ def _batched_passes(model: HFModel) -> int:
     return sum(passes for size, passes in sizes.items() if size > 1)
 
 
+@dataclass(frozen=True)
+class SubCascade:
+    """A group member's sub-cascade, fixed at deployment: `tiers` is the member first, then every tier
+    below it ("mag" last if used); `k_matrix` its part of the K-matrix; `leniency` its inner reviews'."""
+
+    tiers: tuple[str, ...]
+    k_matrix: tuple[tuple[int, ...], ...]
+    leniency: float
+
+    @classmethod
+    def of(cls, spec: Mapping[str, Any]) -> SubCascade:
+        return cls(tuple(spec["tiers"]), tuple(tuple(row) for row in spec["k_matrix"]), float(spec["leniency"]))
+
+    def schedule(self) -> Schedule:
+        return Schedule.parse([list(row) for row in self.k_matrix], list(self.tiers[1:]))
+
+
 class TierGroup:
     """The model tiers one replica hosts (usually one), plus MaG when a member runs its sub-cascade.
 
-    `system` runs a member's whole system (it reviewing the members and MaG below it) for one draft,
-    in this process: one call where separate deployments would need one per block of each tier.
+    `systems` names the members that run their whole sub-cascade (they reviewing the members and MaG
+    below them) for one draft, in this process: one call where separate deployments would need one
+    per block of each tier. It is fixed at deployment, with each sub-cascade's schedule parsed once.
     """
 
     def __init__(self, tiers: list[ModelTierConfig], bigram: str | None = None, max_ngram: int = 16,
-                 max_cached_requests: int = MAX_CACHED_REQUESTS):
+                 max_cached_requests: int = MAX_CACHED_REQUESTS, systems: Mapping[str, SubCascade] | None = None):
         self.servers = {t.name: TierServer(t, max_cached_requests) for t in tiers}
         self.heads = HeadCache()
         self.bigram = BigramTable.load(bigram) if bigram else None
         self.max_ngram = max_ngram
         self.max_cached = max_cached_requests
+        self.systems = {name: (sub, sub.schedule()) for name, sub in (systems or {}).items()}
+        for name, (sub, _) in self.systems.items():
+            missing = [t for t in sub.tiers if t != MAG_NAME and t not in self.servers]
+            if missing or sub.tiers[0] != name:
+                raise ConfigError(f"sub-cascade of {name!r}: {', '.join(missing) or sub.tiers[0]} not in this group")
         self._mags: OrderedDict[str, MaxGram] = OrderedDict()
         self._lock = threading.Lock()
-        self.calls = 0  # block calls served (draft, review, system): shows whether work goes on
+        self.calls = 0  # block calls served (draft, review): shows whether work goes on
 
     def counters(self) -> dict[str, int]:
         """What an operator watches: calls served, requests holding a KV cache, cache misses, and the
@@ -186,19 +168,23 @@ class TierGroup:
     def info(self) -> dict[str, Any]:
         return {name: server.info() for name, server in self.servers.items()}
 
-    def draft(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def draft(self, data: bytes) -> bytes:
+        """A DraftRequest -> a DraftReply (transport.codec); a system member runs its sub-cascade."""
+        name, request = decode_draft_request(data)
         self._count()
-        return self.servers[msg["tier"]].draft(msg)
+        if name in self.systems:
+            return encode_draft_reply(self._system(name, request))
+        return encode_draft_reply(self._server(name).request_tier(request.request_id).draft(request))
 
-    def review(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def review(self, data: bytes) -> bytes:
+        """A ReviewRequest -> a ReviewReply (transport.codec)."""
+        name, request = decode_review_request(data)
         self._count()
-        return self.servers[msg["tier"]].review(msg)
+        return encode_review_reply(self._server(name).request_tier(request.request_id).review(request))
 
-    def _count(self) -> None:
-        with self._lock:
-            self.calls += 1
-
-    def release(self, request_id: str) -> bool:
+    def release(self, data: bytes) -> bool:
+        """A ReleaseRequest: drop the request's caches; True if this replica held any."""
+        request_id = decode_release(data).request_id
         with self._lock:
             had_mag = self._mags.pop(request_id, None) is not None
         return any([server.release(request_id) for server in self.servers.values()]) or had_mag
@@ -208,22 +194,34 @@ class TierGroup:
             mags = len(self._mags)
         return sum(server.cached_requests() for server in self.servers.values()) + mags
 
-    def system(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """msg: request_id, tokens, stable, want, limit, sampling, seed, eos_ids, and the sub-cascade:
-        `tiers` (the member first, then the tiers below it, "mag" last if used), `k_matrix`, `leniency`."""
-        self._count()
-        names = list(msg["tiers"])
-        sampling, request_id = _sampling(msg), msg["request_id"]
-        stats = CascadeStats(names[0])
-        adaptive = {t: AdaptiveLength(**a) for t, a in msg.get("adaptive", {}).items()}
-        state = RequestState(sampling, _generator(msg), stats, self.servers[names[0]].model.vocab_size,
-                             frozenset(msg.get("eos_ids", ())), adaptive=adaptive, make_stopper=self.heads.stopper)
-        tiers = [self._mag(request_id) if n == MAG_NAME else self.servers[n].scorer(request_id) for n in names]
-        schedule = Schedule.parse(msg["k_matrix"], names[1:])
-        system = build_cascade(tiers[0], tiers[1:], schedule, float(msg["leniency"]), state, strict_top=False)
-        draft = system.draft(_context(msg), int(msg["want"]), int(msg["limit"]))
-        return {"tokens": draft.tokens, "token_probs": draft.token_probs, "dists": rows_out(draft.dists),
-                "stats": stats_delta(stats)}
+    def _server(self, name: str) -> TierServer:
+        server = self.servers.get(name)
+        if server is None:
+            raise ValueError(f"tier: {name!r} is not served here (this replica has {', '.join(self.servers)})")
+        return server
+
+    def _count(self) -> None:
+        with self._lock:
+            self.calls += 1
+
+    def _system(self, name: str, request: DraftRequest) -> DraftReply:
+        """Member `name`'s whole system for one draft, in this process."""
+        sub, schedule = self.systems[name]
+        rid = request.request_id
+        stats = CascadeStats(name)
+        head = self.servers[name].model
+        state = RequestState(request.sampling, torch.Generator().manual_seed(request.seed), stats, head.vocab_size,
+                             request.eos_ids, adaptive=dict(request.adaptive), make_stopper=self.heads.stopper,
+                             request_id=rid)
+        tiers: list[Tier] = [MaGTier(self._mag(rid), head.vocab_size) if n == MAG_NAME else self.servers[n].request_tier(rid)
+                             for n in sub.tiers]
+        system = build_cascade(tiers[0], tiers[1:], schedule, sub.leniency, state, strict_top=False)
+        reply = system.draft(request)
+        for tier in stats.tiers:  # every tier inside is listed, as the coordinator's own stats list theirs
+            reply.usage.tier(tier)
+        for reviewer in stats.reviews:
+            reply.usage.reviewer(reviewer)
+        return reply
 
     def _mag(self, request_id: str) -> MaxGram:
         with self._lock:

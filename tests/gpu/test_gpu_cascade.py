@@ -24,6 +24,7 @@ from cascade_service.config import (
     ModelTierConfig,
     make_cascade,
 )
+from cascade_service.core.local import local_tiers
 from cascade_service.core.cascade import RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.mag import BigramTable, MaxGram
@@ -85,8 +86,8 @@ def test_output_distribution_on_cuda_equals_the_target_distribution(placement, s
     counts: Counter = Counter()
     for i in range(SAMPLES):
         state = RequestState(sampling, torch.Generator().manual_seed(i), CascadeStats("target"), VOCAB)
-        system = build_cascade(target, [base, small, MaxGram(bigram)], schedule, 2.0, state)
-        counts[tuple(t for chunk in decode(system, TOY_PROMPT, LENGTH, frozenset(), state.stats) for t in chunk)] += 1
+        system = build_cascade(*local_tiers(VOCAB, target, [base, small, MaxGram(bigram)]), schedule, 2.0, state)
+        counts[tuple(t for chunk in decode(system, TOY_PROMPT, LENGTH, state) for t in chunk)] += 1
     rejects, stat, crit = chi_square_rejects(counts, exact_distribution(target, TOY_PROMPT, LENGTH, sampling), SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 

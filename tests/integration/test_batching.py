@@ -131,12 +131,15 @@ class _CyclingBudget:
     def begin(self) -> None:
         self.begun += 1
 
-    def __call__(self, source: str, offered: int) -> int:
+    def cap(self, source: str, offered: int, ceiling: int) -> int:
         self.calls += 1
         self.sources.add(source)
-        return min(offered, [0, 1, 3, 0, 2, 9][self.calls % 6])
+        return min(offered, ceiling, [0, 1, 3, 0, 2, 9][self.calls % 6])
 
-    def observe(self, drafted: int, accepted: int, draft_s: float) -> None:
+    def drafted(self) -> None:
+        pass
+
+    def observe(self, drafted: int, accepted: int) -> None:
         self.observed.append((drafted, accepted))
 
 
@@ -150,7 +153,7 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
                            Lookup(2, 6) if lookup else None)
     coordinator = Engine(cascade).coordinator(MemoryStore())
     budgets: list[_CyclingBudget] = []
-    coordinator.budgets = lambda: budgets.append(_CyclingBudget()) or budgets[-1]
+    coordinator.policies = lambda: budgets.append(_CyclingBudget()) or budgets[-1]
     for prompt in random_prompts(3, 12, seed=44):
         prompt = prompt[:6] * 2  # repeats, so the MaG lookup finds matches
         out = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=30)).token_ids
@@ -171,8 +174,8 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
         model.enable_batching()
     coordinator = engine.coordinator(MemoryStore(), adapt_to_load=True)
     made = []
-    make = coordinator.budgets
-    coordinator.budgets = lambda: made.append(make()) or made[-1]
+    make = coordinator.policies
+    coordinator.policies = lambda: made.append(make()) or made[-1]
     prompts = random_prompts(8, 10, seed=45)
     outputs: list[list[int] | None] = [None] * 8
 
@@ -185,11 +188,11 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
     assert len(made) == 8 and all(b.chosen for b in made)
     narrowed = engine.coordinator(MemoryStore(), adapt_to_load=True, arms=("plain", "lookup"))  # serving.load_arms
-    assert narrowed.budgets().model.trial.arms == ("plain", "lookup")
+    assert narrowed.policies().model.trial.arms == ("plain", "lookup")
 
 
 def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
-    from cascade_service.core.load import PAD_WASTE
+    from cascade_service.scheduling.load import PAD_WASTE
     from cascade_service.models.batching import take_batch
 
     def passes(*lengths):
@@ -215,7 +218,7 @@ def _cached(past: int, new: int = 1) -> _Pass:
 
 
 def _padding_within_bounds(batch: list[_Pass]) -> bool:
-    from cascade_service.core.load import PAD_WASTE, ROW_POSITIONS
+    from cascade_service.scheduling.load import PAD_WASTE, ROW_POSITIONS
 
     past = [p.cache.get_seq_length() for p in batch]
     news = [len(p.fed) for p in batch]

@@ -44,26 +44,46 @@ class SlowScorer:
         return getattr(self.inner, name)
 
 
+class SlowTarget:
+    """The target tier with its passes slowed (SlowScorer); records when the request released it."""
+
+    def __init__(self, tier, requests):
+        tier.scorer = self.scorer = SlowScorer(tier.scorer)
+        self.tier, self.requests = tier, requests
+        self.name, self.system = tier.name, tier.system
+
+    @property
+    def passes(self):
+        return self.scorer.passes
+
+    def draft(self, request):
+        return self.tier.draft(request)
+
+    def review(self, request):
+        return self.tier.review(request)
+
+    def release(self, request):
+        self.requests.released.append((time.monotonic(), self.passes))
+        self.requests.done.set()
+        self.tier.release(request)
+
+
 class Requests:
     """What the coordinator did with each request: its slowed target, and when it released its tiers."""
 
     def __init__(self, coordinator):
-        self.targets: list[SlowScorer] = []
+        self.targets: list[SlowTarget] = []
         self.released: list[tuple[float, int]] = []  # (time, target passes at release)
         self.done = threading.Event()
         make, name = coordinator.tiers, coordinator.cascade.target.name
 
         def tiers(request_id):
             made = make(request_id)
-            made[name] = SlowScorer(made[name])
+            made[name] = SlowTarget(made[name], self)
             self.targets.append(made[name])
             return made
 
-        def release(tiers):
-            self.released.append((time.monotonic(), tiers[name].passes))
-            self.done.set()
-
-        coordinator.tiers, coordinator.release = tiers, release
+        coordinator.tiers = tiers
 
 
 @pytest.fixture()

@@ -55,12 +55,12 @@ def _oracle(target_dir, prompt, max_new_tokens, eos_id=None):
     return out[0, len(prompt):].tolist()
 
 
-def _engine(family, names, k_matrix, leniency, bigram=None, lookup=None):
+def _engine(family, names, k_matrix, leniency, bigram=None, lookup=None, loopback=False):
     drafters = [
         MaGConfig(bigram=bigram) if n == "mag" else ModelTierConfig(n, str(family[n])) for n in names
     ]
     cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency, lookup)
-    return Engine(cascade)
+    return Engine(cascade, loopback=loopback)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,19 @@ def test_greedy_cascade_equals_transformers_generate(tiny_family, oracle_cache, 
         expected = oracle_cache(prompt, 40)
         assert result.token_ids == expected
         assert result.stats.target_calls <= len(expected)
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_greedy_cascade_through_the_wire_codec_equals_transformers_generate(tiny_family, oracle_cache, bigram_path,
+                                                                           setup):
+    # Every tier behind the codec: each draft, review and release crosses as bytes, as to a remote tier.
+    names, k_matrix = SETUPS[setup]
+    engine = _engine(tiny_family, names, k_matrix, 1.5, bigram_path, Lookup(2, 8) if "mag" in names else None,
+                     loopback=True)
+    for prompt in (SHORT, LONG):
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
+        assert result.token_ids == oracle_cache(prompt, 40)
+        assert result.stats.tiers["target"].hops == result.stats.target_calls  # it went through the wire
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))

@@ -1,9 +1,10 @@
-"""Remote tiers without Ray: the coordinator's RemoteTier talking to TierServers through a direct call.
+"""Remote tiers without Ray: the coordinator's RemoteTier talking to TierGroups through a direct call.
 
 The transport is the only thing Ray adds; everything that decides tokens is here. Greedy output
 equals the oracle even when every call misses the replica's KV cache (it rebuilds from the context
 the call carries); greedy messages carry no full-vocabulary tensors (invariant 5); sampling is
-reproducible per seed.
+reproducible per seed, and gives the same tokens as the same tiers in this process: every message
+crosses as the wire codec's bytes.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from cascade_service.coordinator import Coordinator, Tokenizer
 from cascade_service.core.cascade import Lookup
 from cascade_service.models.hf import load_tokenizer
 from cascade_service.models.tiny import random_prompts
-from cascade_service.serving.remote import RemoteTier
-from cascade_service.serving.tier import TierServer
+from cascade_service.serving.tier import SubCascade, TierGroup
+from cascade_service.transport.codec import decode_draft_reply, decode_review_reply
+from cascade_service.transport.remote import RemoteTier
 from cascade_service.sessions import MemoryStore
 
 from .test_oracle import _oracle
@@ -24,15 +26,20 @@ from .test_oracle import _oracle
 PROMPTS = random_prompts(2, 10, seed=41)
 
 
+def _model(group: TierGroup):
+    return next(iter(group.servers.values())).model
+
+
 def _coordinator(family, max_cached: int, log: list):
     tiers = {n: ModelTierConfig(n, str(family[n])) for n in ("target", "close", "mid")}
-    servers = {n: TierServer(t, max_cached_requests=max_cached) for n, t in tiers.items()}
+    servers = {n: TierGroup([t], max_cached_requests=max_cached) for n, t in tiers.items()}
     cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
                            [[4, 2, 0], [0, 2, 6], [0, 0, 6]], 1.5, Lookup(2, 10))
 
     def invoker(name):
-        def invoke(method, message):
-            reply = getattr(servers[name], method)(message["request_id"] if method == "release" else message)
+        def invoke(method, data):
+            assert isinstance(data, bytes)
+            reply = getattr(servers[name], method)(data)
             log.append((name, method, reply))
             return reply
         return invoke
@@ -40,9 +47,8 @@ def _coordinator(family, max_cached: int, log: list):
     tok = load_tokenizer(str(family["target"]))
     coordinator = Coordinator(
         cascade, Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
-        servers["target"].model.vocab_size, frozenset(servers["target"].model.eos_token_ids),
-        tiers=lambda rid: {n: RemoteTier(n, rid, invoker(n)) for n in servers}, store=MemoryStore(),
-        release=lambda tiers: [t.release() for t in tiers.values()])
+        _model(servers["target"]).vocab_size, frozenset(_model(servers["target"]).eos_token_ids),
+        tiers=lambda rid: {n: RemoteTier(n, rid, invoker(n)) for n in servers}, store=MemoryStore())
     return coordinator, servers
 
 
@@ -56,8 +62,9 @@ def test_remote_tiers_are_exact_with_and_without_cache_hits(tiny_family, max_cac
         assert result.token_ids == _oracle(tiny_family["target"], prompt, 20)
         assert result.stats.tiers["target"].hops == result.stats.target_calls  # one hop per target block
     calls = [(n, m) for n, m, _ in log if m != "release"]
-    assert calls and all(reply["dists"] is None for _, m, reply in log if m in ("draft", "review"))
-    misses = sum(s.cache_misses for s in servers.values())
+    assert calls and all(decode_draft_reply(reply).draft.dists is None for _, m, reply in log if m == "draft")
+    assert all(decode_review_reply(reply).verdict.dists is None for _, m, reply in log if m == "review")
+    misses = sum(s.cache_misses for g in servers.values() for s in g.servers.values())
     if max_cached == 0:
         assert misses == len(calls)  # every call rebuilt its cache from the context it carried
     else:
@@ -76,8 +83,6 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
     from cascade_service.config import ServingConfig
     from cascade_service.core.mag import BigramTable
     from cascade_service.serving.app import _system_heads
-    from cascade_service.serving.remote import RemoteSystem
-    from cascade_service.serving.tier import TierGroup
 
     tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}
     bigram = tmp_path / "bigram.json"
@@ -86,18 +91,19 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
     # lies in the group {close, mid} + MaG, so one call drafts close's contribution
     cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig(bigram=str(bigram))],
                            [[4, 0, 0], [0, 2, 0], [0, 0, 5]], 2.0)
-    heads = _system_heads(cascade, ServingConfig(groups=(("close", "mid"),)))
+    heads = _system_heads(cascade, ServingConfig(groups=(("close", "mid"),)))  # the deployment's sub-cascades
     assert heads == {"close": {"tiers": ["close", "mid", "mag"], "k_matrix": [[2, 0], [0, 5]], "leniency": 2.0},
                      "mid": {"tiers": ["mid", "mag"], "k_matrix": [[5]], "leniency": 2.0}}
     assert _system_heads(make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
                                       [[4, 2, 0], [0, 2, 0], [0, 0, 5]], 2.0), ServingConfig(groups=(("close",),))) == {}
-    target, group = TierGroup([tiers["target"]]), TierGroup([tiers["close"], tiers["mid"]], str(bigram))
+    target = TierGroup([tiers["target"]])
+    group = TierGroup([tiers["close"], tiers["mid"]], str(bigram), systems={"close": SubCascade.of(heads["close"])})
     calls: list[str] = []
 
     def via(server):
-        def invoke(method, message):
+        def invoke(method, data):
             calls.append(method)
-            return getattr(server, method)(message["request_id"] if method == "release" else message)
+            return getattr(server, method)(data)
         return invoke
 
     tok = load_tokenizer(str(tiny_family["target"]))
@@ -105,16 +111,16 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
         cascade, Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
         target.servers["target"].model.vocab_size, frozenset(target.servers["target"].model.eos_token_ids),
         tiers=lambda rid: {"target": RemoteTier("target", rid, via(target)),
-                           "close": RemoteSystem("close", rid, via(group), **heads["close"]),
+                           "close": RemoteTier("close", rid, via(group), system=True),
                            "mid": RemoteTier("mid", rid, via(group))},
-        store=MemoryStore(), bigram=BigramTable.load(bigram), release=lambda ts: [t.release() for t in ts.values()])
+        store=MemoryStore(), bigram=BigramTable.load(bigram))
     for prompt in PROMPTS:
         result = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=20))
         assert result.token_ids == _oracle(tiny_family["target"], prompt, 20)
         stats = result.stats
         assert stats.tiers["close"].hops > 0 and stats.tiers["mid"].hops == 0  # mid ran inside close's call
         assert stats.tiers["mid"].calls > 0 and stats.reviews["close"].reviews > 0  # its counters came back
-    assert set(calls) == {"review", "system", "release"}
+    assert set(calls) == {"draft", "review", "release"}  # close's drafts are its whole system
     assert target.cached_requests() == group.cached_requests() == 0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cascade_service.config import MaGConfig, ModelTierConfig, load_config
-from cascade_service.core.cascade import MaGDrafter
+from cascade_service.core.local import MaGTier
 from cascade_service.engine import Engine
 from cascade_service.models.tiny import build_family
 
@@ -62,5 +62,5 @@ def test_every_configured_drafter_drafts(home, path, monkeypatch):
         assert tiers[drafter.name]["drafted"] > 0, (path.name, drafter.name, tiers)
         assert tiers[drafter.name]["calls"] > 0
     if cascade.lookup is not None:
-        assert MaGDrafter.lookup_name in tiers
-    assert any(isinstance(d, MaGConfig) for d in cascade.drafters) or MaGDrafter.lookup_name not in tiers
+        assert MaGTier.lookup_name in tiers
+    assert any(isinstance(d, MaGConfig) for d in cascade.drafters) or MaGTier.lookup_name not in tiers

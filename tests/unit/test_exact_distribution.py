@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from cascade_service.core import review as review_module
+from cascade_service.core.local import local_tiers
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
+from cascade_service.transport.remote import loopback
 
 from .toy import ToyScorer, chi_square_rejects, exact_distribution
 
@@ -35,7 +37,7 @@ def _tiers(target_dtype=torch.float32, drafter_dtype=torch.float32):
 
 
 def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES, seed=0, lookup=None,
-                    dtypes=(torch.float32, torch.float32)):
+                    dtypes=(torch.float32, torch.float32), wire=False):
     target, base, small = _tiers(*dtypes)
     models = {"base": base, "small": small}
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
@@ -44,8 +46,11 @@ def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES
     for i in range(samples):
         state = RequestState(sampling, torch.Generator().manual_seed(seed * 1_000_003 + i), CascadeStats("target"), VOCAB)
         drafters = [MaxGram(bigram) if n == "mag" else models[n] for n in drafter_names]
-        system = build_cascade(target, drafters, schedule, leniency, state, lookup)
-        out = [t for chunk in decode(system, PROMPT, LENGTH, frozenset(), state.stats) for t in chunk]
+        top, below = local_tiers(VOCAB, target, drafters)
+        if wire:  # every tier behind the wire codec, as a remote tier is
+            top, below = loopback(top), [loopback(t) for t in below]
+        system = build_cascade(top, below, schedule, leniency, state, lookup)
+        out = [t for chunk in decode(system, PROMPT, LENGTH, state) for t in chunk]
         counts[tuple(out)] += 1
     return counts, exact_distribution(target, PROMPT, LENGTH, sampling)
 
@@ -66,6 +71,26 @@ def test_cascade_output_distribution_equals_target_distribution(case, sampling):
     counts, expected = _sample_cascade(names, k, leniency, sampling, lookup=lookup[0] if lookup else None)
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
+
+
+@pytest.mark.parametrize("case", ["csd_base_mag_lookup", "csd_base_small_mag_lenient"])
+def test_the_distribution_is_exact_through_the_wire_codec(case):
+    # Drafts' rows, seeds and verdicts cross as bytes (transport.codec) and the output is still the target's.
+    names, k, leniency, *lookup = CASES[case]
+    counts, expected = _sample_cascade(names, k, leniency, SamplingParams(1.0), lookup=lookup[0] if lookup else None,
+                                       wire=True)
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
+
+
+def test_the_wire_codec_changes_no_sampled_token():
+    # Each tier call carries its seed, so the same request gives the same tokens in process and through the codec.
+    names, k, leniency, lookup = CASES["csd_base_mag_lookup"]
+    for seed in range(3):
+        here, _ = _sample_cascade(names, k, leniency, SamplingParams(1.0), samples=20, seed=seed, lookup=lookup)
+        wired, _ = _sample_cascade(names, k, leniency, SamplingParams(1.0), samples=20, seed=seed, lookup=lookup,
+                                   wire=True)
+        assert here == wired
 
 
 # Invariant 6: each tier computes in its own dtype (logits in it), every review in float32.

@@ -1,4 +1,4 @@
-"""Load-adaptive speculation (core.load): the EWIF trade, measured terms, per-request acceptance."""
+"""Load-adaptive speculation (scheduling.load): the EWIF trade, measured terms, per-request acceptance."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 
 from cascade_service.config import ConfigError
-from cascade_service.core.load import DraftBudget, LoadModel, PassTimer, expected_tokens
-from cascade_service.core.trial import ARMS, ArmTrial
+from cascade_service.scheduling.load import DraftBudget, LoadModel, PassTimer, expected_tokens
+from cascade_service.scheduling.trial import ARMS, ArmTrial
 
 
 BUDGET = ("budget",)  # the cost model alone decides (no trial of arms)
@@ -148,7 +148,7 @@ def test_a_pass_is_charged_to_its_rows_by_the_fitted_cost():
 def test_the_compute_clock_is_per_thread():
     import threading
 
-    from cascade_service.core.load import charge, charged
+    from cascade_service.scheduling.load import charge, charged
 
     start = charged()
     charge(0.25)

@@ -16,6 +16,7 @@ import torch
 
 from cascade_service.core import placement
 from cascade_service.core import sampling as sampling_module
+from cascade_service.core.local import local_tiers
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.mag import BigramTable, MaxGram
@@ -58,9 +59,9 @@ def _decode(devices: dict[str, str], sampling: SamplingParams, verification: Ver
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
     state = RequestState(sampling, torch.Generator().manual_seed(seed), CascadeStats("target"), VOCAB,
                          verification=verification)
-    system = build_cascade(target, [base, small, MaxGram(bigram)], Schedule.parse(K_MATRIX, NAMES), 2.0, state,
+    system = build_cascade(*local_tiers(VOCAB, target, [base, small, MaxGram(bigram)]), Schedule.parse(K_MATRIX, NAMES), 2.0, state,
                            lookup)
-    return [t for chunk in decode(system, PROMPT, LENGTH, frozenset(), state.stats) for t in chunk]
+    return [t for chunk in decode(system, PROMPT, LENGTH, state) for t in chunk]
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
+from cascade_service.core.local import local_tiers
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.mag import BigramTable, MaxGram
@@ -131,9 +132,9 @@ def _sample(v: Verification, samples: int = SAMPLES):
     for i in range(samples):
         state = RequestState(sampling, torch.Generator().manual_seed(i), CascadeStats("target"), 4, verification=v)
         # MaG drafts straight to the target through the gate (point masses) and through base's review
-        system = build_cascade(target, [base, MaxGram(bigram)], Schedule.parse([[2, 1], [0, 2]], ["base", "mag"]),
+        system = build_cascade(*local_tiers(4, target, [base, MaxGram(bigram)]), Schedule.parse([[2, 1], [0, 2]], ["base", "mag"]),
                                2.0, state, Lookup(1, 2))
-        counts[tuple(t for chunk in decode(system, PROMPT, LENGTH, frozenset(), state.stats) for t in chunk)] += 1
+        counts[tuple(t for chunk in decode(system, PROMPT, LENGTH, state) for t in chunk)] += 1
     return counts, exact_distribution(target, PROMPT, LENGTH, sampling)
 
 

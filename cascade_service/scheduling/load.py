@@ -1,4 +1,4 @@
-"""Speculation that adapts to load (issue 7): each round's draft budget at the target, per request.
+"""Speculation that adapts to load: each round's draft budget at the target, per request (a block policy).
 
 Speculation buys tokens per target pass with extra verified positions. That pays while a pass costs
 mostly its fixed part (reading the weights, launching kernels, Python) and stops paying once the batch
@@ -30,7 +30,7 @@ cautious start would only ever learn about short blocks.
 
 That model is one of four arms (ARMS): the fixed K-matrix ("full"), the model's budget ("budget"),
 MaG lookups only ("lookup") and no drafts ("plain"). Which one runs is decided by experiment
-(core.trial.ArmTrial): all requests use one arm at a time, and each load level keeps the arm under
+(scheduling.trial.ArmTrial): all requests use one arm at a time, and each load level keeps the arm under
 which requests measured the most tokens per second of round time. The model prices only what it
 sees, and on a shared machine drafting costs the others more than that (see ArmTrial).
 """
@@ -45,9 +45,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..core.policy import SOURCES
 from .trial import ARMS, ArmTrial, Round
-
-SOURCES = ("lookup", "model")
 PAD_WASTE = 1.5  # a batched pass processes at most this many padded positions per real one (models/batching.py)
 # What a row costs a batched pass whatever its cache's length, in cached positions (its bookkeeping, its
 # own tensors): so short caches of different lengths still share a pass. On the demo zoo's large model
@@ -320,11 +319,23 @@ class DraftBudget:
         self.chosen: list[int] = []  # the cap of each round (what a benchmark reads)
         self._source: str | None = None  # of the round asked for and not yet observed
         self._round: Round | None = None  # the trial's round under way
+        self._start = self._draft_s = 0.0
 
     def begin(self) -> None:
         """A round starts (the target's draft is asked for): its arm is fixed and its time runs."""
         self._round = self.model.trial.start_round()
         self._source = None
+        self._start = charged()  # this thread's clock: the lookup and the drafting are part of the round
+
+    def cap(self, source: str, offered: int, ceiling: int) -> int:
+        """The block policy's cap (core.policy.BlockPolicy): this round's budget for `offered` drafts."""
+        return self(source, min(offered, ceiling))
+
+    def drafted(self) -> None:
+        """Drafting is over: its cost is this request's share of the drafters' batched passes and its
+        thread's own CPU (`charged`). Remote drafters' work is not in it: load adaptation is for
+        in-process tiers."""
+        self._draft_s = charged() - self._start
 
     def expected(self, source: str, k: int) -> float:
         weight, mean = self.own[source].at(k)
@@ -356,9 +367,11 @@ class DraftBudget:
         self.chosen.append(k)
         return k
 
-    def observe(self, drafted: int, accepted: int, draft_s: float = 0.0) -> None:
+    def observe(self, drafted: int, accepted: int, draft_s: float | None = None) -> None:
         """The round's review: `drafted` tokens reached the target (fewer than the cap where a drafter
-        stopped early), `accepted` of them kept; `draft_s` seconds were spent drafting them."""
+        stopped early), `accepted` of them kept; `draft_s` seconds were spent drafting them (None: as
+        measured between `begin` and `drafted`)."""
+        draft_s = self._draft_s if draft_s is None else draft_s
         source, self._source = self._source, None
         round_, self._round = self._round, None
         if round_ is not None:

@@ -1,6 +1,6 @@
-"""Which way of drafting the load rewards, found by experiment (issue 7): a trial of arms.
+"""Which way of drafting the load rewards, found by experiment: a trial of arms.
 
-core.load's cost model chooses each request's draft budget from what it can price. ArmTrial decides
+scheduling.load's cost model chooses each request's draft budget from what it can price. ArmTrial decides
 between that and the blunter choices (the fixed K-matrix, MaG lookups only, no drafts) by measuring
 what each does to the requests' speed at the current load.
 """

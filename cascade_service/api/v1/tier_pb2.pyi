@@ -1,0 +1,236 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Context(_message.Message):
+    __slots__ = ("tokens", "stable")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STABLE_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    stable: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., stable: _Optional[int] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "rows")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    rows: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., rows: _Optional[bool] = ...) -> None: ...
+
+class Rows(_message.Message):
+    __slots__ = ("rows", "cols", "float32")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLS_FIELD_NUMBER: _ClassVar[int]
+    FLOAT32_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    cols: int
+    float32: bytes
+    def __init__(self, rows: _Optional[int] = ..., cols: _Optional[int] = ..., float32: _Optional[bytes] = ...) -> None: ...
+
+class Block(_message.Message):
+    __slots__ = ("tokens", "token_probs", "dists", "origins")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DISTS_FIELD_NUMBER: _ClassVar[int]
+    ORIGINS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_probs: _containers.RepeatedScalarFieldContainer[float]
+    dists: Rows
+    origins: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., token_probs: _Optional[_Iterable[float]] = ..., dists: _Optional[_Union[Rows, _Mapping]] = ..., origins: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Adaptive(_message.Message):
+    __slots__ = ("rule", "threshold", "head")
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    rule: str
+    threshold: float
+    head: str
+    def __init__(self, rule: _Optional[str] = ..., threshold: _Optional[float] = ..., head: _Optional[str] = ...) -> None: ...
+
+class FinalRule(_message.Message):
+    __slots__ = ("rule", "alpha", "beta")
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    rule: str
+    alpha: float
+    beta: float
+    def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("request_id", "tier", "context", "want", "limit", "sampling", "seed", "eos_ids", "adaptive", "min_match")
+    class AdaptiveEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Adaptive
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Adaptive, _Mapping]] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EOS_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tier: str
+    context: Context
+    want: int
+    limit: int
+    sampling: Sampling
+    seed: int
+    eos_ids: _containers.RepeatedScalarFieldContainer[int]
+    adaptive: _containers.MessageMap[str, Adaptive]
+    min_match: int
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., want: _Optional[int] = ..., limit: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., adaptive: _Optional[_Mapping[str, Adaptive]] = ..., min_match: _Optional[int] = ...) -> None: ...
+
+class TierCounters(_message.Message):
+    __slots__ = ("calls", "tokens_processed", "tokens_out", "time_s", "hops")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_OUT_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    calls: int
+    tokens_processed: int
+    tokens_out: int
+    time_s: float
+    hops: int
+    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_out: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ...) -> None: ...
+
+class ReviewCounters(_message.Message):
+    __slots__ = ("reviews", "drafted", "accepted", "rejections", "drafted_by_position", "accepted_by_position", "drafted_by_drafter", "accepted_by_drafter")
+    class DraftedByDrafterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class AcceptedByDrafterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REVIEWS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_BY_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BY_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    reviews: int
+    drafted: int
+    accepted: int
+    rejections: int
+    drafted_by_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_by_position: _containers.RepeatedScalarFieldContainer[int]
+    drafted_by_drafter: _containers.ScalarMap[str, int]
+    accepted_by_drafter: _containers.ScalarMap[str, int]
+    def __init__(self, reviews: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rejections: _Optional[int] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_drafter: _Optional[_Mapping[str, int]] = ..., accepted_by_drafter: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("tiers", "reviews", "off_target", "tv", "ll_loss")
+    class TiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TierCounters
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TierCounters, _Mapping]] = ...) -> None: ...
+    class ReviewsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ReviewCounters
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ReviewCounters, _Mapping]] = ...) -> None: ...
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    REVIEWS_FIELD_NUMBER: _ClassVar[int]
+    OFF_TARGET_FIELD_NUMBER: _ClassVar[int]
+    TV_FIELD_NUMBER: _ClassVar[int]
+    LL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.MessageMap[str, TierCounters]
+    reviews: _containers.MessageMap[str, ReviewCounters]
+    off_target: int
+    tv: float
+    ll_loss: float
+    def __init__(self, tiers: _Optional[_Mapping[str, TierCounters]] = ..., reviews: _Optional[_Mapping[str, ReviewCounters]] = ..., off_target: _Optional[int] = ..., tv: _Optional[float] = ..., ll_loss: _Optional[float] = ...) -> None: ...
+
+class DraftReply(_message.Message):
+    __slots__ = ("block", "usage", "stopped")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    block: Block
+    usage: Usage
+    stopped: bool
+    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stopped: _Optional[bool] = ...) -> None: ...
+
+class ReviewRequest(_message.Message):
+    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LENIENCY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tier: str
+    context: Context
+    block: Block
+    leniency: float
+    sampling: Sampling
+    seed: int
+    verification: FinalRule
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("accepted", "token", "token_probs", "dists", "off_target", "tv", "ll_loss")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DISTS_FIELD_NUMBER: _ClassVar[int]
+    OFF_TARGET_FIELD_NUMBER: _ClassVar[int]
+    TV_FIELD_NUMBER: _ClassVar[int]
+    LL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    token: int
+    token_probs: _containers.RepeatedScalarFieldContainer[float]
+    dists: Rows
+    off_target: int
+    tv: float
+    ll_loss: float
+    def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., token_probs: _Optional[_Iterable[float]] = ..., dists: _Optional[_Union[Rows, _Mapping]] = ..., off_target: _Optional[int] = ..., tv: _Optional[float] = ..., ll_loss: _Optional[float] = ...) -> None: ...
+
+class ReviewReply(_message.Message):
+    __slots__ = ("verdict", "usage")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    usage: Usage
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,172 @@
+"""Tiers that run in this process: a model (`ModelTier`) and the Max-Gram drafter (`MaGTier`).
+
+Both are one request's view (a model tier owns the request's KV cache through its `Scorer`; MaG its
+n-gram index) and implement `core.tier.Tier`. A tier replica serves remote calls with these same
+classes, so a tier does the same work wherever the coordinator is.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
+from .mag import MaxGram
+from .review import ReviewRule, Verdict
+from .sampling import SamplingParams, sample
+from .stats import TierCounters, Usage
+from .tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
+from .types import Context, Draft, Scorer
+from .verify import final_rule
+
+
+def seeded(seed: int) -> torch.Generator:
+    """The generator of one tier call (its draws move to the sampled tensor's device: core.placement)."""
+    return torch.Generator().manual_seed(seed)
+
+
+class ModelTier:
+    """A language model in this process, for one request: drafts one token per forward pass, reviews a
+    block in one pass. `make_stopper` builds the stopper of an adaptive draft length (None: this
+    wiring has no acceptance heads, and asking for one fails naming the tier)."""
+
+    system = False
+
+    def __init__(self, scorer: Scorer, vocab_size: int, make_stopper: StopperFactory | None = None):
+        self.name = scorer.name
+        self.scorer = scorer
+        self.vocab_size = vocab_size
+        self.make_stopper = make_stopper
+        self._stoppers: dict[AdaptiveLength, DraftStopper] = {}
+
+    def draft(self, request: DraftRequest) -> DraftReply:
+        usage = Usage()
+        counters = usage.tier(self.name)
+        stopper = self._stopper(request.adaptive.get(self.name))
+        before = self.scorer.tokens_processed
+        draft = draft_autoregressive(self.scorer, request.context, request.k, request.sampling, seeded(request.seed),
+                                     request.eos_ids, self.vocab_size, counters, stopper)
+        counters.tokens_processed = self.scorer.tokens_processed - before
+        counters.tokens_out = len(draft)
+        return DraftReply(draft, usage, stopped=stopper is not None and len(draft) < request.want)
+
+    def review(self, request: ReviewRequest) -> ReviewReply:
+        usage = Usage()
+        counters = usage.tier(self.name)
+        if request.hidden:
+            self.scorer.keep_hidden = True  # type: ignore[attr-defined]  # HFScorer's option
+        rule = final_rule(request.sampling.greedy, request.verification)
+        before = self.scorer.tokens_processed
+        verdict = score_and_review(self.scorer, request.context, request.block, rule, request.leniency,
+                                   request.sampling, seeded(request.seed), counters)
+        counters.tokens_processed = self.scorer.tokens_processed - before
+        hidden = self.scorer.last_hidden if request.hidden else None  # type: ignore[attr-defined]
+        return ReviewReply(verdict, usage, hidden)
+
+    def release(self, request: Release) -> None:
+        """The KV cache goes with this object (one per request)."""
+
+    def _stopper(self, spec: AdaptiveLength | None) -> DraftStopper | None:
+        if spec is None:
+            return None
+        if spec not in self._stoppers:
+            if self.make_stopper is None:
+                raise ValueError(f"adaptive draft length for {self.name!r} needs a stopper factory in this wiring")
+            self._stoppers[spec] = self.make_stopper(spec)
+        return self._stoppers[spec]
+
+
+class MaGTier:
+    """Max-Gram proposals as a tier: a point mass on each proposed token (Algorithm 1, base case).
+
+    A request with `min_match` (the lookup gate, `core.cascade.Lookup`) is counted apart, as tier
+    `mag_lookup`, so the stats show whether MaG drafted inside the K-matrix or only through the gate.
+    """
+
+    name = "mag"
+    lookup_name = "mag_lookup"
+    system = False
+
+    def __init__(self, mag: MaxGram, vocab_size: int):
+        self.mag = mag
+        self.vocab_size = vocab_size
+
+    def draft(self, request: DraftRequest) -> DraftReply:
+        ctx, k = request.context, request.k
+        if request.min_match:
+            return self._timed(self.lookup_name, request.sampling, lambda: self.mag.lookup(ctx, k, request.min_match))
+        return self._timed(self.name, request.sampling, lambda: self.mag.propose(ctx, k))
+
+    def review(self, request: ReviewRequest) -> ReviewReply:
+        raise TypeError("MaG drafts but cannot review: no schedule gives it a row of its own")
+
+    def release(self, request: Release) -> None:
+        """The n-gram index goes with this object (one per request)."""
+
+    def _timed(self, name: str, sampling: SamplingParams, propose: Callable[[], list[int]]) -> DraftReply:
+        usage = Usage()
+        counters = usage.tier(name)
+        start = time.perf_counter()
+        tokens = propose()
+        counters.time_s += time.perf_counter() - start
+        counters.calls += 1
+        counters.tokens_out += len(tokens)
+        dists = None
+        if sampling.carries_rows:
+            dists = torch.zeros(len(tokens), self.vocab_size)
+            dists[torch.arange(len(tokens)), tokens] = 1.0
+        return DraftReply(Draft(tokens, [1.0] * len(tokens), dists, [name] * len(tokens)), usage)
+
+
+def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: SamplingParams,
+                         generator: torch.Generator, eos_ids: frozenset[int], vocab_size: int,
+                         counters: TierCounters, stopper: DraftStopper | None = None) -> Draft:
+    """Up to k tokens from `scorer` alone, one forward pass each; stops after an EOS, or earlier when
+    `stopper` (adaptive draft length) says so."""
+    tokens: list[int] = []
+    token_probs: list[float] = []
+    rows: list[torch.Tensor] = []
+    needs_hidden = stopper is not None and stopper.needs_hidden
+    if stopper is not None:
+        stopper.start()
+        scorer.keep_hidden = needs_hidden  # type: ignore[attr-defined]  # HFScorer's option
+    for _ in range(k):
+        probs = sampling.probs(_score(scorer, ctx.extend(tokens), 1, counters))[0]  # [V]
+        token = int(probs.argmax()) if sampling.greedy else sample(probs, generator)
+        tokens.append(token)
+        token_probs.append(float(probs[token]))
+        rows.append(probs)
+        if token in eos_ids:  # nothing after EOS can be kept
+            break
+        # The hidden state of the pass that drafted this token sits at the previous token's position.
+        hidden = scorer.last_hidden[-1] if needs_hidden else None  # type: ignore[attr-defined]
+        if stopper is not None and len(tokens) < k and stopper.should_stop(token, probs, hidden):
+            break
+    dists = (torch.stack(rows) if rows else torch.zeros(0, vocab_size)) if sampling.carries_rows else None
+    return Draft(tokens, token_probs, dists, [scorer.name] * len(tokens))
+
+
+def score_and_review(scorer: Scorer, ctx: Context, block: Draft, rule: ReviewRule, leniency: float,
+                     sampling: SamplingParams, generator: torch.Generator, counters: TierCounters) -> Verdict:
+    """Score context + block in ONE forward pass (k + 1 distributions) and review the block."""
+    probs = sampling.probs(_score(scorer, ctx.extend(block.tokens), len(block) + 1, counters))
+    return rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
+
+
+def _score(scorer: Scorer, ctx: Context, n: int, counters: TierCounters) -> torch.Tensor:
+    start = time.perf_counter()
+    logits = scorer.logits(ctx, n)
+    counters.time_s += time.perf_counter() - start
+    counters.calls += 1
+    return logits
+
+
+def local_tiers(vocab_size: int, target: Scorer, drafters: Sequence[Scorer | MaxGram],
+                make_stopper: StopperFactory | None = None) -> tuple[ModelTier, list[Tier]]:
+    """The tiers of one request whose models (and MaG) all run in this process: (target, drafters)."""
+    def tier(t: Scorer | MaxGram) -> Tier:
+        return MaGTier(t, vocab_size) if isinstance(t, MaxGram) else ModelTier(t, vocab_size, make_stopper)
+
+    return ModelTier(target, vocab_size, make_stopper), [tier(d) for d in drafters]

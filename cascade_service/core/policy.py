@@ -1,0 +1,51 @@
+"""The block-policy hook: how long the target's block may be each round, and what the round taught.
+
+The cascade asks its policy at fixed points of every target round and knows nothing else about it:
+`begin` (the round starts), `cap` (how far the block may grow: for the lookup gate's continuation, or
+for the model drafters' K-matrix row), `drafted` (drafting is over, the review follows) and `observe`
+(what the review kept). The fixed K-matrix is the policy that never caps (`FIXED`); load adaptation
+(`scheduling.load.DraftBudget`) caps by measured acceptance and the current batch. A drafter's own
+stopping rule (SpecDec++, adaptive draft length) ends its part of a block inside the tier and says
+so in its reply (`core.tier.DraftReply.stopped`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+SOURCES = ("lookup", "model")  # what fills a target's block: MaG's lookup gate, or the model drafters
+
+
+class BlockPolicy(Protocol):
+    def begin(self) -> None:
+        """A target round starts."""
+
+    def cap(self, source: str, offered: int, ceiling: int) -> int:
+        """The block's bound this round: `offered` drafts from `source` are on the table (the K-matrix
+        row's total, or the lookup's length) under the hard bound `ceiling`; at most `ceiling`."""
+        ...
+
+    def drafted(self) -> None:
+        """Drafting is over; the review follows."""
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """The review kept `accepted` of `drafted` tokens."""
+
+
+class FixedBlocks:
+    """The K-matrix as configured: every round drafts what its row says."""
+
+    def begin(self) -> None:
+        pass
+
+    def cap(self, source: str, offered: int, ceiling: int) -> int:
+        return ceiling
+
+    def drafted(self) -> None:
+        pass
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+FIXED = FixedBlocks()

@@ -1,0 +1,122 @@
+"""One protocol for every tier, with typed messages: draft, review, release.
+
+A tier is whatever the cascade asks for a draft or a review: a model in this process
+(`core.local.ModelTier`), MaG (`core.local.MaGTier`), a reviewer over the tiers below it
+(`core.cascade.CascadeTier`), or a tier in another process (`transport.remote.RemoteTier`, which
+sends these same messages through the wire codec, `transport.codec`). The cascade calls this
+protocol and never asks which kind of tier it holds.
+
+Every call says what it cost in its reply (`Usage`), so the caller adds it up wherever the work ran:
+in this thread, in a batched pass, or in another process. Every call that may sample carries its own
+`seed`, drawn from the request's RNG, so a request is reproducible and gives the same tokens whether
+its tiers run in this process or elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+import torch
+
+from .adaptive import AdaptiveLength
+from .review import Verdict
+from .sampling import SamplingParams
+from .stats import Usage
+from .types import Context, Draft
+from .verify import EXACT, Verification
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """Draft up to `want` tokens after `context`, never more than `limit`.
+
+    A tier drafting alone drafts min(want, limit); a reviewer over tiers drafts by its own K-matrix row
+    and may overshoot `want` up to `limit`. `adaptive` holds the request's adaptive draft lengths by
+    tier name: a tier applies its own, and a sub-cascade passes the rest down. `min_match` > 0 asks
+    only for an n-gram continuation of a match at least that long (MaG's lookup gate, `core.cascade.Lookup`);
+    a tier with no such notion drafts nothing.
+    """
+
+    request_id: str
+    context: Context
+    want: int
+    limit: int
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    eos_ids: frozenset[int] = frozenset()
+    adaptive: Mapping[str, AdaptiveLength] = field(default_factory=dict)
+    min_match: int = 0
+
+    @property
+    def k(self) -> int:
+        """How many tokens a tier drafting alone drafts."""
+        return max(0, min(self.want, self.limit))
+
+
+@dataclass
+class DraftReply:
+    """A draft block. `stopped`: the tier's own stopping rule (adaptive draft length) ended it before
+    `want`, so the next drafter in the horizontal cascade takes over the rest of the block."""
+
+    draft: Draft
+    usage: Usage = field(default_factory=Usage)
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class ReviewRequest:
+    """Score `context` + `block` in one forward pass and review the block.
+
+    `leniency` applies at inner reviews (1 at the target's); `verification` is the final verifier's
+    rule (exact unless the request asked for a lossy one). `hidden` asks for the reviewer's hidden
+    states at the block's positions (SpecDec++ at a reviewing tier); only a tier in this process has them.
+    """
+
+    request_id: str
+    context: Context
+    block: Draft
+    leniency: float = 1.0
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    verification: Verification = EXACT
+    hidden: bool = False
+
+
+@dataclass
+class ReviewReply:
+    """A review's verdict. `hidden`: [k + 1, H], row j the hidden state before block token j (only when asked)."""
+
+    verdict: Verdict
+    usage: Usage = field(default_factory=Usage)
+    hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Release:
+    """The request is over: drop what the tier keeps for it (its KV cache, its MaG index)."""
+
+    request_id: str
+
+
+class Tier(Protocol):
+    """A tier of the cascade: it drafts, reviews, and lets go of a finished request.
+
+    `system` is true for a tier whose `draft` runs its whole sub-cascade (it reviewing the tiers below
+    it) where it lives: the cascade then asks it for drafts like a tier drafting alone. A tier that
+    cannot review (MaG) raises TypeError from `review`; schedules never ask it to.
+    """
+
+    name: str
+    system: bool
+
+    def draft(self, request: DraftRequest) -> DraftReply: ...
+
+    def review(self, request: ReviewRequest) -> ReviewReply: ...
+
+    def release(self, request: Release) -> None: ...
+
+
+def call_seed(generator: torch.Generator) -> int:
+    """A seed for one tier call, drawn from the request's RNG so the request stays reproducible."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))

@@ -1,0 +1,193 @@
+"""The wire codec of the tier protocol: `core.tier`'s typed messages <-> protobuf bytes (protos/cascade/v1/tier.proto).
+
+One place turns every message a tier call sends or answers into bytes and back, so what crosses a
+process boundary is a declared schema, never pickled objects or hand-built dicts. Probability rows
+travel as float32 bytes (`core.placement.to_host`: the receiver may have no GPU, and the wire holds
+no bfloat16) and arrive as CPU tensors; the reviewer that takes them moves them to its device
+(`core.placement.to_reviewer`). Probabilities that are scalars travel as doubles, exactly.
+
+Decoding checks what the types check (a temperature out of range, an unknown rule, a negative
+count), so a malformed message fails as ValueError, naming what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from ..api.v1 import tier_pb2 as pb
+from ..core.adaptive import AdaptiveLength
+from ..core.placement import to_host
+from ..core.review import Verdict
+from ..core.sampling import SamplingParams
+from ..core.stats import ReviewCounters, TierCounters, Usage
+from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest
+from ..core.types import Context, Draft
+from ..core.verify import Verification
+
+
+def encode_draft_request(request: DraftRequest, tier: str) -> bytes:
+    """`request` for tier `tier` of the replica that receives it."""
+    return pb.DraftRequest(
+        request_id=request.request_id, tier=tier, context=_context_out(request.context), want=request.want,
+        limit=request.limit, sampling=_sampling_out(request.sampling), seed=request.seed,
+        eos_ids=sorted(request.eos_ids), min_match=request.min_match,
+        adaptive={name: pb.Adaptive(rule=a.rule, threshold=a.threshold, head=a.head or "")
+                  for name, a in request.adaptive.items()},
+    ).SerializeToString()
+
+
+def decode_draft_request(data: bytes) -> tuple[str, DraftRequest]:
+    """(tier, request)."""
+    m = _parse(pb.DraftRequest, data)
+    adaptive = {name: AdaptiveLength(a.rule, a.threshold, a.head or None) for name, a in m.adaptive.items()}
+    return m.tier, DraftRequest(m.request_id, _context_in(m.context), m.want, m.limit, _sampling_in(m.sampling),
+                                m.seed, frozenset(m.eos_ids), adaptive, m.min_match)
+
+
+def encode_draft_reply(reply: DraftReply) -> bytes:
+    return pb.DraftReply(block=_block_out(reply.draft), usage=_usage_out(reply.usage),
+                         stopped=reply.stopped).SerializeToString()
+
+
+def decode_draft_reply(data: bytes) -> DraftReply:
+    m = _parse(pb.DraftReply, data)
+    return DraftReply(_block_in(m.block), _usage_in(m.usage), m.stopped)
+
+
+def encode_review_request(request: ReviewRequest, tier: str) -> bytes:
+    if request.hidden:
+        raise ValueError("hidden states do not cross the wire: a reviewing tier with an acceptance head must run "
+                         "where the cascade above it runs")
+    v = request.verification
+    rule = pb.FinalRule(rule=v.rule, alpha=v.alpha, beta=v.beta)  # None leaves an optional field unset
+    return pb.ReviewRequest(
+        request_id=request.request_id, tier=tier, context=_context_out(request.context),
+        block=_block_out(request.block), leniency=request.leniency, sampling=_sampling_out(request.sampling),
+        seed=request.seed, verification=rule,
+    ).SerializeToString()
+
+
+def decode_review_request(data: bytes) -> tuple[str, ReviewRequest]:
+    """(tier, request)."""
+    m = _parse(pb.ReviewRequest, data)
+    r = m.verification
+    verification = Verification(r.rule or "exact", r.alpha if r.HasField("alpha") else None,
+                                r.beta if r.HasField("beta") else None)
+    return m.tier, ReviewRequest(m.request_id, _context_in(m.context), _block_in(m.block), m.leniency,
+                                 _sampling_in(m.sampling), m.seed, verification)
+
+
+def encode_review_reply(reply: ReviewReply) -> bytes:
+    v = reply.verdict
+    verdict = pb.Verdict(accepted=v.accepted, token=v.token, token_probs=v.token_probs, dists=_rows_out(v.dists),
+                         off_target=v.off_target, tv=v.tv, ll_loss=v.ll_loss)
+    return pb.ReviewReply(verdict=verdict, usage=_usage_out(reply.usage)).SerializeToString()
+
+
+def decode_review_reply(data: bytes) -> ReviewReply:
+    m = _parse(pb.ReviewReply, data)
+    v = m.verdict
+    verdict = Verdict(v.accepted, v.token, list(v.token_probs), _rows_in(v, "dists"), v.off_target, v.tv, v.ll_loss)
+    return ReviewReply(verdict, _usage_in(m.usage))
+
+
+def encode_release(release: Release) -> bytes:
+    return pb.ReleaseRequest(request_id=release.request_id).SerializeToString()
+
+
+def decode_release(data: bytes) -> Release:
+    return Release(_parse(pb.ReleaseRequest, data).request_id)
+
+
+# --- parts ------------------------------------------------------------------------------------------
+
+
+def _parse(kind, data: bytes):  # type: ignore[no-untyped-def]  # protobuf's generated classes are untyped
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"a {kind.DESCRIPTOR.name} arrives as bytes, got {type(data).__name__}")
+    message = kind()
+    try:
+        message.ParseFromString(bytes(data))
+    except DecodeError as exc:
+        raise ValueError(f"malformed {kind.DESCRIPTOR.name}: {exc}") from None
+    return message
+
+
+def _context_out(ctx: Context) -> pb.Context:
+    return pb.Context(tokens=ctx.tokens, stable=ctx.stable)
+
+
+def _context_in(m: pb.Context) -> Context:
+    tokens = list(m.tokens)
+    if m.stable > len(tokens):
+        raise ValueError(f"context.stable {m.stable} exceeds its {len(tokens)} tokens")
+    return Context(tokens, m.stable)
+
+
+def _sampling_out(s: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(temperature=s.temperature, top_p=s.top_p, rows=s.rows)
+
+
+def _sampling_in(m: pb.Sampling) -> SamplingParams:
+    return SamplingParams(m.temperature, m.top_p if m.top_p else 1.0, m.rows)
+
+
+def _block_out(d: Draft) -> pb.Block:
+    return pb.Block(tokens=d.tokens, token_probs=d.token_probs, dists=_rows_out(d.dists), origins=d.origins)
+
+
+def _block_in(m: pb.Block) -> Draft:
+    tokens = list(m.tokens)
+    if len(m.token_probs) != len(tokens) or (m.origins and len(m.origins) != len(tokens)):
+        raise ValueError(f"block: {len(tokens)} tokens but {len(m.token_probs)} token_probs, {len(m.origins)} origins")
+    dists = _rows_in(m, "dists")
+    if dists is not None and dists.shape[0] != len(tokens):
+        raise ValueError(f"block: {len(tokens)} tokens but {dists.shape[0]} distribution rows")
+    return Draft(tokens, list(m.token_probs), dists, list(m.origins) or [""] * len(tokens))
+
+
+def _rows_out(rows: torch.Tensor | None) -> pb.Rows | None:
+    if rows is None:
+        return None
+    host = to_host(rows).contiguous()
+    n, v = host.shape
+    return pb.Rows(rows=n, cols=v, float32=host.numpy().astype("<f4", copy=False).tobytes())
+
+
+def _rows_in(parent, field: str) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    if not parent.HasField(field):
+        return None
+    m = getattr(parent, field)
+    if len(m.float32) != 4 * m.rows * m.cols:
+        raise ValueError(f"{field}: {len(m.float32)} bytes for a {m.rows} x {m.cols} float32 matrix")
+    array = np.frombuffer(m.float32, dtype="<f4").reshape(m.rows, m.cols)
+    return torch.from_numpy(array.astype(np.float32))  # a writable copy in native order
+
+
+def _usage_out(u: Usage) -> pb.Usage:
+    return pb.Usage(
+        tiers={n: pb.TierCounters(calls=c.calls, tokens_processed=c.tokens_processed, tokens_out=c.tokens_out,
+                                  time_s=c.time_s, hops=c.hops) for n, c in u.tiers.items()},
+        reviews={n: pb.ReviewCounters(reviews=r.reviews, drafted=r.drafted, accepted=r.accepted,
+                                      rejections=r.rejections, drafted_by_position=r.drafted_by_position,
+                                      accepted_by_position=r.accepted_by_position,
+                                      drafted_by_drafter=r.drafted_by_drafter,
+                                      accepted_by_drafter=r.accepted_by_drafter) for n, r in u.reviews.items()},
+        off_target=u.off_target, tv=u.tv, ll_loss=u.ll_loss)
+
+
+def _usage_in(m: pb.Usage) -> Usage:
+    return Usage(
+        tiers={n: TierCounters(c.calls, c.tokens_processed, c.tokens_out, c.time_s, c.hops) for n, c in m.tiers.items()},
+        reviews={n: ReviewCounters(r.reviews, r.drafted, r.accepted, r.rejections, list(r.drafted_by_position),
+                                   list(r.accepted_by_position), _counts(r.drafted_by_drafter),
+                                   _counts(r.accepted_by_drafter)) for n, r in m.reviews.items()},
+        off_target=m.off_target, tv=m.tv, ll_loss=m.ll_loss)
+
+
+def _counts(m: Mapping[str, int]) -> dict[str, int]:
+    return dict(m.items())
