@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .cli_parser import Parser, UsageError
+from .core.verify import RULES
+from .extras import MissingExtra
 from .cli_serve import add_serve_command
 from .config import (
     Config,
@@ -59,8 +61,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", metavar="RULE",
-                   help="final-verifier rule: exact (default), lossy, chow, diff, opt, token-v1, token-v2, "
-                        "token-v3, fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv (docs/lossy.md)")
+                   help=f"final-verifier rule: {', '.join(RULES)} (exact is the default; docs/lossy.md)")
     p.add_argument("--alpha", type=float, help="the rule's knob (fuzzy: the threshold T); default: strict (exact)")
     p.add_argument("--beta", type=_beta, help="lossy only: residual scale >= 1 - alpha (default 1), or 'tuned'")
 
@@ -370,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
-    except (UsageError, ConfigError, FileNotFoundError, ValueError) as exc:
+    except (UsageError, ConfigError, FileNotFoundError, ValueError, MissingExtra) as exc:
         prog = getattr(exc, "prog", "cascade-service")
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

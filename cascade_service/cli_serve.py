@@ -12,6 +12,7 @@ from typing import Any
 
 from .cli_parser import UsageError
 from .config import load_config
+from .extras import require
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -69,6 +70,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.plain or args.adapt_to_load:
         raise UsageError("--plain and --adapt-to-load go with --frontend standalone (the Ray app reads "
                          "serving.adapt_to_load from the config)")
+    require("ray", f"serve --frontend {args.frontend} (the Ray Serve service)")
     from .serving.local import LocalService
 
     service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,

@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..core.request import check_temperature
+from ..extras import require
 
 DEFAULT_SD_KS = "1,2,3,4,5,6,7,8"
 
@@ -104,6 +105,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from ..config import load_config
     from .harness import run_bench, summarize
     from .methods import parse_methods
+
+    require("matplotlib", "bench (its plots)")
     from .report import markdown, plot_acceptance, plot_speedup
     from .zoo import Zoo
     from ..prompts import read_prompts

@@ -48,7 +48,7 @@ are exact per position, so they measure a rule's loss with far less noise than s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,39 +58,203 @@ from .review import ReviewRule, Verdict, rule_for
 from .sampling import residual, sample
 from .types import Draft
 
-CASCADE_RULES = ("chow", "diff", "opt", "token-v1", "token-v2", "token-v3")
-FUZZY_RULES = ("fuzzy-js", "fuzzy-kl", "fuzzy-kl-rev", "fuzzy-tv")
-RULES = ("exact", "lossy", *CASCADE_RULES, *FUZZY_RULES)
-# The knob's range and its strict end (where the rule is exact), per rule.
-ALPHA_RANGE = {"exact": (0.0, 0.0), "lossy": (0.0, 1.0), **{r: (-1.0, 1.0) for r in CASCADE_RULES},
-               **{r: (0.0, math.inf) for r in FUZZY_RULES}}
-STRICT_ALPHA = {"exact": 0.0, "lossy": 0.0, **{r: -1.0 for r in CASCADE_RULES}, **{r: 0.0 for r in FUZZY_RULES}}
-_CONFIDENCE_RULES = ("chow", "diff", "opt", "token-v1")  # rules that read q's confidence
 _TINY = 1e-30
+
+
+class Rule:
+    """One final-verifier rule, behind the interface every rule shares. `target_probs` is the target's
+    distribution at a position (the papers' p), `draft_probs` the proposal's (q).
+
+    Sampling form: `pi(draft_probs, target_probs, alpha, beta)`, the distribution speculative sampling
+    judges against (fuzzy rules decide by `keep` instead). Greedy form: `keep_greedy`, whether a draft
+    that is not the target's argmax is kept.
+    """
+
+    name = ""
+    summary = ""
+    low, high, open_high = 0.0, 0.0, False  # the knob's range; open_high: the upper end is excluded
+    strict = 0.0  # the knob's value at which the rule is exact
+    reads_confidence = False  # reads q's confidence: a point-mass proposal is judged exactly
+    needs_rows = False  # compares whole distributions: greedy drafts must carry their rows
+    fuzzy = False  # decides by a divergence threshold, not by speculative sampling
+
+    def pi(self, draft_probs: torch.Tensor, target_probs: torch.Tensor, alpha: float,
+           beta: float | None) -> torch.Tensor:
+        return target_probs
+
+    def keep_greedy(self, draft_prob: float, target_prob: float, target_max: float, alpha: float) -> bool:
+        return False
+
+    def keep(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, alpha: float) -> bool:
+        raise TypeError(f"{self.name} is not a fuzzy rule")
+
+
+class Exact(Rule):
+    name, summary = "exact", "pi = p: the target's own output (the default)"
+
+
+class Lossy(Rule):
+    name = "lossy"
+    summary = "pi = max(min(q, p / (1 - alpha)), p / beta): lossy speculative sampling"
+    low, high, open_high = 0.0, 1.0, True
+
+    def pi(self, draft_probs, target_probs, alpha, beta):  # type: ignore[no-untyped-def]
+        beta = tuned_beta(draft_probs, target_probs, alpha) if beta is None else beta
+        return torch.maximum(torch.minimum(draft_probs, target_probs / (1.0 - alpha)), target_probs / beta)
+
+
+class Deferral(Rule):
+    """Speculative cascades' deferral rules (Eq. 2, 5, 10): pi = p where the rule defers, else q."""
+
+    low, high, strict = -1.0, 1.0, -1.0
+    reads_confidence = True
+
+    def defers(self, draft_max: float, target_max: float, alpha: float, draft_probs: torch.Tensor,
+               target_probs: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def pi(self, draft_probs, target_probs, alpha, beta):  # type: ignore[no-untyped-def]
+        if float(draft_probs.max()) >= 1.0:
+            return target_probs  # no confidence information in a point mass: judge it exactly
+        defer = self.defers(float(draft_probs.max()), float(target_probs.max()), alpha, draft_probs, target_probs)
+        return target_probs if defer else draft_probs
+
+
+class Chow(Deferral):
+    name, summary = "chow", "defer when max q < 1 - alpha"
+
+    def defers(self, draft_max, target_max, alpha, draft_probs, target_probs):  # type: ignore[no-untyped-def]
+        return draft_max < 1.0 - alpha
+
+    def keep_greedy(self, draft_prob, target_prob, target_max, alpha):  # type: ignore[no-untyped-def]
+        return draft_prob >= 1.0 - alpha
+
+
+class Diff(Deferral):
+    name, summary = "diff", "defer when max q < max p - alpha"
+
+    def defers(self, draft_max, target_max, alpha, draft_probs, target_probs):  # type: ignore[no-untyped-def]
+        return draft_max < target_max - alpha
+
+    def keep_greedy(self, draft_prob, target_prob, target_max, alpha):  # type: ignore[no-untyped-def]
+        return draft_prob >= target_max - alpha
+
+
+class Opt(Deferral):
+    name, summary = "opt", "defer when max q <= max p - alpha * TV(p, q)"
+
+    def defers(self, draft_max, target_max, alpha, draft_probs, target_probs):  # type: ignore[no-untyped-def]
+        return draft_max <= target_max - alpha * float(tv(target_probs, draft_probs))
+
+    def keep_greedy(self, draft_prob, target_prob, target_max, alpha):  # type: ignore[no-untyped-def]
+        return draft_prob > target_max - alpha  # defers on <=, see the module docstring
+
+
+class TokenSpecific(Rule):
+    """Token-specific deferral (Eq. 11-15): tokens v with r(v) = 1 are unacceptable;
+    pi(v) = q(v) (1 - r(v)) + p(v) * sum_u r(u) q(u)."""
+
+    low, high, strict = -1.0, 1.0, -1.0
+
+    def unacceptable(self, draft_probs: torch.Tensor, target_probs: torch.Tensor, target_max: float,
+                     alpha: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pi(self, draft_probs, target_probs, alpha, beta):  # type: ignore[no-untyped-def]
+        if self.reads_confidence and float(draft_probs.max()) >= 1.0:
+            return target_probs  # no confidence information in a point mass: judge it exactly
+        unacceptable = self.unacceptable(draft_probs, target_probs, float(target_probs.max()), alpha)
+        eta = float((draft_probs * unacceptable).sum())
+        return torch.where(unacceptable, torch.zeros_like(draft_probs), draft_probs) + eta * target_probs
+
+
+class TokenV1(TokenSpecific):
+    name, summary = "token-v1", "r(v) = q(v) < max p - alpha"
+    reads_confidence = True
+
+    def unacceptable(self, draft_probs, target_probs, target_max, alpha):  # type: ignore[no-untyped-def]
+        return draft_probs < target_max - alpha
+
+    def keep_greedy(self, draft_prob, target_prob, target_max, alpha):  # type: ignore[no-untyped-def]
+        return draft_prob >= target_max - alpha
+
+
+class TokenV2(TokenSpecific):
+    name, summary = "token-v2", "r(v) = p(v) < max p - alpha"
+
+    def unacceptable(self, draft_probs, target_probs, target_max, alpha):  # type: ignore[no-untyped-def]
+        return target_probs < target_max - alpha
+
+    def keep_greedy(self, draft_prob, target_prob, target_max, alpha):  # type: ignore[no-untyped-def]
+        return target_prob >= target_max - alpha
+
+
+class TokenV3(TokenSpecific):
+    name, summary = "token-v3", "r(v) = p(v) < (1 - alpha) max p"
+
+    def unacceptable(self, draft_probs, target_probs, target_max, alpha):  # type: ignore[no-untyped-def]
+        return target_probs < (1.0 - alpha) * target_max
+
+    def keep_greedy(self, draft_prob, target_prob, target_max, alpha):  # type: ignore[no-untyped-def]
+        return target_prob >= (1.0 - alpha) * target_max
+
+
+class Fuzzy(Rule):
+    """Fuzzy speculative decoding: keep x iff Div(p, q) < T (alpha carries T), deterministically."""
+
+    low, high = 0.0, math.inf
+    needs_rows = True
+    fuzzy = True
+
+    def __init__(self, kind: str, summary: str):
+        self.kind = kind
+        self.name = f"fuzzy-{kind}"
+        self.summary = summary
+
+    def keep(self, target_probs: torch.Tensor, draft_probs: torch.Tensor, alpha: float) -> bool:
+        return float(divergence(self.kind, target_probs, draft_probs)) < alpha
+
+
+REGISTRY: dict[str, Rule] = {rule.name: rule for rule in (
+    Exact(), Lossy(), Chow(), Diff(), Opt(), TokenV1(), TokenV2(), TokenV3(),
+    Fuzzy("js", "keep iff JS(p, q) < alpha (nats)"), Fuzzy("kl", "keep iff KL(p || q) < alpha"),
+    Fuzzy("kl-rev", "keep iff KL(q || p) < alpha"), Fuzzy("tv", "keep iff TV(p, q) < alpha"),
+)}
+"""Every final-verifier rule by name: the one place the CLI, the API, the docs and the verifier pick from."""
+
+RULES = tuple(REGISTRY)
+CASCADE_RULES = tuple(n for n, r in REGISTRY.items() if isinstance(r, (Deferral, TokenSpecific)))
+FUZZY_RULES = tuple(n for n, r in REGISTRY.items() if r.fuzzy)
+ALPHA_RANGE = {n: (r.low, r.high) for n, r in REGISTRY.items()}
+STRICT_ALPHA = {n: r.strict for n, r in REGISTRY.items()}
 
 
 @dataclass(frozen=True)
 class Verification:
     """The final verifier's rule for one request. `alpha` is the rule's knob (None: its strict end,
-    i.e. exact output); `beta` is lossy's residual scale (>= 1 - alpha; None: tuned per position)."""
+    i.e. exact output); `beta` is lossy's residual scale (>= 1 - alpha; None: tuned per position).
+    `family` is the rule itself, picked from the registry once, when the request is built."""
 
     rule: str = "exact"
     alpha: float | None = None
     beta: float | None = 1.0
+    family: Rule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.rule not in RULES:
+        family = REGISTRY.get(self.rule) if isinstance(self.rule, str) else None
+        if family is None:
             raise ValueError(f"verification.rule must be one of {', '.join(RULES)}; got {quoted(self.rule)}")
+        object.__setattr__(self, "family", family)
         alpha = self.knob
-        low, high = ALPHA_RANGE[self.rule]
+        low, high = family.low, family.high
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or math.isnan(alpha):
             raise ValueError(f"verification.alpha must be a number, got {quoted(self.alpha)}")
-        upper_ok = alpha < high if self.rule == "lossy" else alpha <= high
+        upper_ok = alpha < high if family.open_high else alpha <= high
         if not (low <= alpha and upper_ok):
-            bracket = ")" if self.rule == "lossy" else "]"
+            bracket = ")" if family.open_high else "]"
             raise ValueError(f"verification.alpha for rule {quoted(self.rule)} must be in [{low:g}, {high:g}{bracket}, "
                              f"got {quoted(alpha)}")
-        if self.rule == "lossy" and self.beta is not None:
+        if isinstance(family, Lossy) and self.beta is not None:
             if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or \
                     not (self.beta >= 1.0 - alpha and math.isfinite(self.beta)):
                 raise ValueError(f"verification.beta must be a finite number >= 1 - alpha = {1.0 - alpha:g}, "
@@ -98,20 +262,20 @@ class Verification:
 
     @property
     def knob(self) -> float:
-        return STRICT_ALPHA[self.rule] if self.alpha is None else self.alpha
+        return REGISTRY[self.rule].strict if self.alpha is None else self.alpha
 
     @property
     def exact(self) -> bool:
         """True when this request's output is exactly the target's (the rule is at its strict end;
         lossy's also needs beta 1 or tuned, since a larger beta shrinks the residual)."""
-        if self.rule == "lossy" and self.beta not in (None, 1.0):
+        if isinstance(self.family, Lossy) and self.beta not in (None, 1.0):
             return False
-        return self.knob == STRICT_ALPHA[self.rule]
+        return self.knob == self.family.strict
 
     @property
     def needs_rows(self) -> bool:
         """Fuzzy rules compare whole distributions, so greedy drafts must carry their rows."""
-        return self.rule in FUZZY_RULES
+        return self.family.needs_rows
 
     def describe(self) -> str:
         if self.rule == "exact":
@@ -170,34 +334,9 @@ def tuned_beta(q: torch.Tensor, p: torch.Tensor, alpha: float, iterations: int =
     return math.exp(0.5 * (low + high))
 
 
-def target_distribution(v: Verification, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """pi for one position, [V], from the proposal q and the target's p (not for fuzzy rules)."""
-    alpha = v.knob
-    if v.rule == "exact":
-        return p
-    if v.rule == "lossy":
-        beta = tuned_beta(q, p, alpha) if v.beta is None else v.beta
-        return torch.maximum(torch.minimum(q, p / (1.0 - alpha)), p / beta)
-    point_mass = bool(q.max() >= 1.0)
-    if v.rule in _CONFIDENCE_RULES and point_mass:
-        return p  # no confidence information in a point mass: judge it exactly
-    q_max, p_max = float(q.max()), float(p.max())
-    if v.rule in ("chow", "diff", "opt"):
-        if v.rule == "chow":
-            defer = q_max < 1.0 - alpha
-        elif v.rule == "diff":
-            defer = q_max < p_max - alpha
-        else:
-            defer = q_max <= p_max - alpha * float(tv(p, q))
-        return p if defer else q
-    if v.rule == "token-v1":
-        unacceptable = q < p_max - alpha
-    elif v.rule == "token-v2":
-        unacceptable = p < p_max - alpha
-    else:
-        unacceptable = p < (1.0 - alpha) * p_max
-    eta = float((q * unacceptable).sum())
-    return torch.where(unacceptable, torch.zeros_like(q), q) + eta * p
+def target_distribution(v: Verification, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """pi for one position, [V], from the proposal and the target's distribution (not for fuzzy rules)."""
+    return v.family.pi(draft_probs, target_probs, v.knob, v.beta)
 
 
 def output_distribution(pi: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -240,38 +379,26 @@ class VerifyReview:
         return Verdict(accepted, token, probs, None, off_target=off, tv=float(off), ll_loss=loss)
 
     @staticmethod
-    def _keep_greedy(v: Verification, alpha: float, x: int, q_x: float, p: torch.Tensor, p_max: float,
-                     q_row: torch.Tensor | None) -> bool:
-        if v.rule in FUZZY_RULES:
-            if q_row is None:
+    def _keep_greedy(v: Verification, alpha: float, x: int, draft_prob: float, target_probs: torch.Tensor,
+                     target_max: float, draft_row: torch.Tensor | None) -> bool:
+        rule = v.family
+        if rule.fuzzy:
+            if draft_row is None:
                 raise ValueError("fuzzy rules need the drafts' distributions (Verification.needs_rows)")
-            return float(divergence(v.rule[len("fuzzy-"):], p, q_row)) < alpha
-        if v.rule in ("exact", "lossy"):
-            return False
-        if v.rule in _CONFIDENCE_RULES and q_x >= 1.0:
+            return rule.keep(target_probs, draft_row, alpha)
+        if rule.reads_confidence and draft_prob >= 1.0:
             return False  # a point mass carries no confidence
-        p_x = float(p[x])
-        if v.rule == "chow":
-            return q_x >= 1.0 - alpha
-        if v.rule == "diff":
-            return q_x >= p_max - alpha
-        if v.rule == "opt":
-            return q_x > p_max - alpha  # defers on <=, see the module docstring
-        if v.rule == "token-v1":
-            return q_x >= p_max - alpha
-        if v.rule == "token-v2":
-            return p_x >= p_max - alpha
-        return p_x >= (1.0 - alpha) * p_max  # token-v3
+        return rule.keep_greedy(draft_prob, float(target_probs[x]), target_max, alpha)
 
     def _sampling(self, block: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
         k, v = len(block), self.v
         assert block.dists is not None or k == 0, "sampling review needs the drafts' distributions"
-        fuzzy = v.rule in FUZZY_RULES
+        fuzzy = v.family.fuzzy
         accepted, token, off, deviation, loss = k, None, 0, 0.0, 0.0
         for i in range(k):
             q_i, p_i, x = block.dists[i], p[i], block.tokens[i]
             if fuzzy:
-                keep = float(divergence(v.rule[len("fuzzy-"):], p_i, q_i)) < v.knob
+                keep = v.family.keep(p_i, q_i, v.knob)
                 out = q_i if keep else p_i
                 replacement = None if keep else p_i
             else:

@@ -28,15 +28,27 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from cascade_service.scheduling.load import ROW_POSITIONS, PassTimer, charge, pads_within
 
-if TYPE_CHECKING:
-    from .hf import HFModel
+
+
+class PassModel(Protocol):
+    """What the batcher needs of a model (`models.hf.HFModel` is one). The batcher depends on this,
+    never on `models.hf`, so the dependency points one way: hf -> batching."""
+
+    name: str
+    device: torch.device
+    module: Any
+
+    def _forward(self, tokens: Sequence[int], cache: DynamicCache | None, keep: int,
+                 with_hidden: bool = False) -> Any: ...
+
+    def _sync(self) -> None: ...
 
 # Tokens per pass of a long prompt's prefill while other requests decode (ForwardBatcher.forward):
 # between two chunks they get a pass, so a chunk's pass must cost well under theirs. Measured with
@@ -82,7 +94,7 @@ class ForwardBatcher:
     # Turns by model time had (_take); False: the oldest waiting pass first (bench.long_request --turns).
     FAIR = True
 
-    def __init__(self, model: "HFModel", max_batch: int = 64, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: PassModel, max_batch: int = 64, prefill_chunk: int = PREFILL_CHUNK):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_chunk < 0:
@@ -299,7 +311,7 @@ def _past(item: _Pass) -> int:
     return item.cache.get_seq_length()
 
 
-def forward_batch(model: "HFModel", batch: list[_Pass]) -> list[object]:
+def forward_batch(model: PassModel, batch: list[_Pass]) -> list[object]:
     """One forward pass for several requests' (tokens, cache, keep); see the module docstring."""
     if len(batch) == 1:
         one = batch[0]
@@ -342,7 +354,7 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))  # 4.x
 
 
-def _pack(caches: list[DynamicCache], past: list[int], width: int, model: "HFModel") -> DynamicCache:
+def _pack(caches: list[DynamicCache], past: list[int], width: int, model: PassModel) -> DynamicCache:
     packed = DynamicCache()
     if width == 0:
         return packed

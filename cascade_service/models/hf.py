@@ -8,7 +8,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import transformers
@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from cascade_service.core.types import Context
 
-if TYPE_CHECKING:
-    from .batching import ForwardBatcher
+from .batching import ForwardBatcher, default_prefill_chunk
+
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -130,8 +130,6 @@ class HFModel:
         prefill_chunk: the most tokens one pass of a prompt feeds while other requests decode (0: a
         prompt in one pass; None: this device's default, models.batching.default_prefill_chunk).
         """
-        from .batching import ForwardBatcher, default_prefill_chunk
-
         if self.batcher is None:
             chunk = default_prefill_chunk(self.device) if prefill_chunk is None else prefill_chunk
             self.batcher = ForwardBatcher(self, max_batch, chunk)

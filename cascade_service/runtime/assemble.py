@@ -20,6 +20,7 @@ from ..core.adaptive import StopperFactory
 from ..core.policy import BlockPolicy
 from ..core.mag import BigramTable
 from ..sessions import SessionStore
+from ..extras import require
 from ..startup import check_vocabularies
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def session_store(serving: ServingConfig, embedded: Callable[[], SessionStore],
     `embedded()`: the wiring's own store (in memory for one process, an actor for a Ray cluster)."""
     url = redis_url or serving.redis_url
     if url:
+        require("redis", "a Redis session store (serving.redis_url, --redis-url)")
         from ..sessions.redis_store import RedisStore
 
         return RedisStore(url, namespace=serving.session_namespace, ttl_s=serving.session_ttl_s,
