@@ -48,10 +48,10 @@ RUN case "${TORCH_VARIANT}" in \
     esac \
     && pip install "$@" "torch==${TORCH_VERSION}"
 
-# The package's dependencies (pyproject's list, Ray pinned, the torch above kept) in a layer of their
-# own, so that a code change rebuilds only the small layer after it.
+# The package's dependencies (pyproject's list and its [serve] extra, Ray pinned, the torch above kept)
+# in a layer of their own, so that a code change rebuilds only the small layer after it.
 COPY pyproject.toml /tmp/pyproject.toml
-RUN python -c "import tomllib; print(*tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies'], sep=chr(10))" > /tmp/requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; print(*p['dependencies'], *p['optional-dependencies']['serve'], sep=chr(10))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt "ray[serve]==${RAY_VERSION}" "torch==${TORCH_VERSION}" \
     && rm /tmp/pyproject.toml /tmp/requirements.txt
 

@@ -36,7 +36,7 @@ LAYOUTS = {"embedded": {"colocate": ["large"], "groups": [["base", "small"]]}, "
 
 def demo_config(preset: str = "demo", layout: str = "embedded") -> Path:
     """Build the zoo if missing and write the demo's config beside it (absolute paths, tuned schedule)."""
-    from .models.zoo import build_zoo
+    from .zoo.build import build_zoo
 
     zoo = build_zoo(preset, zoo_dir(preset))
     raw = {
@@ -56,9 +56,9 @@ def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", l
              passes: int = 3) -> int:
     """Decode held-out prompts three ways: large alone and the cascade in-process (in a child process
     of their own), and the cascade through the service (Ray Serve tiers, gRPC edge, client SDK)."""
-    from .bench.inprocess import InProcessWorker
+    from .runtime.inprocess import InProcessWorker
     from .client import CascadeClient
-    from .models.zoo import build_zoo
+    from .zoo.build import build_zoo
     from .serving.local import LocalService
 
     print(f"loading the {preset} zoo (built on first use: up to 10 minutes, offline)", flush=True)

@@ -14,7 +14,7 @@ from .redis_server import RedisServer
 def tiny_family_factory(tmp_path_factory) -> Callable[[str], dict[str, Path]]:
     """`factory(arch)` -> {"target", "close", "mid", "unrelated"} model dirs; built once per arch."""
     # Imported here so collecting tests that never touch models does not import transformers.
-    from cascade_service.models.tiny import build_family
+    from cascade_service.zoo.tiny import build_family
 
     built: dict[str, dict[str, Path]] = {}
 
@@ -50,7 +50,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def test_zoo_home(tmp_path_factory) -> Path:
     """A $CASCADE_SERVICE_HOME holding the trained `test` zoo (built once per session, < 60 s)."""
-    from cascade_service.models.zoo import build_zoo
+    from cascade_service.zoo.build import build_zoo
 
     home = tmp_path_factory.mktemp("cascade-home")
     build_zoo("test", home / "zoo" / "test", progress=False)

@@ -2,5 +2,5 @@
 
 Layout: `methods` (method names become runner objects), `zoo` (every tier loaded once, shared),
 `harness` (interleaved timing loop and figures), `report` (results.md and plots), `cli`.
-transformers itself is called only from `cascade_service.models.hf_baselines`.
+transformers itself is called only from `cascade_service.zoo.baselines`.
 """

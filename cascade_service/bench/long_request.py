@@ -37,7 +37,7 @@ import torch
 from ..config import GenerationConfig, ModelTierConfig, make_cascade
 from ..engine import Engine
 from ..models.batching import PREFILL_CHUNK
-from ..models.tiny import build_family, random_prompts
+from ..zoo.tiny import build_family, random_prompts
 from ..paths import zoo_dir
 
 CONDITIONS = ("alone", "prefill", "decode")

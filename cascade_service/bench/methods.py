@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 from ..config import CascadeConfig, ConfigError, GenerationConfig, MaGConfig, make_cascade
 from ..core.stats import CascadeStats
-from ..models.hf_baselines import HFRun, hf_assisted, hf_greedy, hf_prompt_lookup
+from ..zoo.baselines import HFRun, hf_assisted, hf_greedy, hf_prompt_lookup
 from .zoo import Zoo
 
 REFERENCE = "hf-ar"

@@ -18,7 +18,7 @@ from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
 from ..demo import LAYOUTS, demo_config
 from ..engine import Engine
-from ..models.zoo import build_zoo
+from ..zoo.build import build_zoo
 from ..paths import zoo_dir
 from ..prompts import read_prompts
 

@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from cascade_service.client import CascadeClient
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.serving.app import APP_NAME, tier_deployment_name
 from cascade_service.serving.local import LocalService
 
-from ..integration.test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 REQUESTS = 8
 PROMPTS = [p[:4 + 2 * i] for i, p in enumerate(random_prompts(REQUESTS, 20, seed=71))]  # ragged prompts
@@ -45,7 +45,7 @@ def _target_counters() -> dict[str, int]:
 
 
 def test_concurrent_requests_share_the_targets_passes_and_each_equals_the_oracle(tiny_family, service):
-    expected = [_oracle(tiny_family["target"], p, n) for p, n in zip(PROMPTS, BUDGETS)]
+    expected = [oracle(tiny_family["target"], p, n) for p, n in zip(PROMPTS, BUDGETS)]
     outputs: list[object] = [None] * REQUESTS
     start = threading.Barrier(REQUESTS)
 

@@ -30,12 +30,10 @@ from cascade_service.api import reflection
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc
 from cascade_service.client import CascadeClient, errors
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 
-from ..integration.test_api import (
-    BAD_REQUESTS,  # checked here as every front end answers them
-)
-from ..integration.test_oracle import _oracle
+from ..helpers.grpc_errors import BAD_REQUESTS  # checked here as every front end answers them
+from ..helpers.oracle import oracle
 from . import node_client
 from .serve_process import ServeProcess, left_behind, tree, write_config
 
@@ -82,7 +80,7 @@ def _error(call, *args: Any, **kwargs: Any) -> grpc.RpcError:
     return caught.value
 
 
-def _details(error: grpc.RpcError) -> status_pb2.Status:
+def status_details(error: grpc.RpcError) -> status_pb2.Status:
     for key, value in error.trailing_metadata() or ():
         if key == "grpc-status-details-bin":
             return status_pb2.Status.FromString(value)
@@ -91,7 +89,7 @@ def _details(error: grpc.RpcError) -> status_pb2.Status:
 
 def test_greedy_output_is_the_oracles_and_a_stream_yields_the_same_tokens(served, tiny_family):
     for prompt in random_prompts(2, 9, seed=7):
-        expected = _oracle(tiny_family["target"], prompt, 12)
+        expected = oracle(tiny_family["target"], prompt, 12)
         request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=12, temperature=0)
         reply = served.stub.Generate(request, timeout=120)
         assert list(reply.token_ids) == expected
@@ -146,7 +144,7 @@ def test_bad_requests_fail_with_the_same_status_message_and_field(served, stream
     for request, field, message in BAD_REQUESTS:
         error = _error(call, request, timeout=60)
         assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
-        status = _details(error)
+        status = status_details(error)
         assert (status.code, status.message) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], message)
         bad = error_details_pb2.BadRequest()
         assert [d.Unpack(bad) for d in status.details if d.Is(bad.DESCRIPTOR)] == [True]
@@ -167,7 +165,7 @@ def test_an_unknown_session_is_not_found_in_one_line(served, streaming):
     call = served.stub.GenerateStream if streaming else served.stub.Generate
     error = _error(call, pb.GenerateRequest(session_id="no-such-session", prompt="x"), timeout=60)
     assert (error.code(), error.details()) == (grpc.StatusCode.NOT_FOUND, "session_id: session 'no-such-session' not found")
-    assert _details(error).code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert status_details(error).code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 def test_sessions_round_trip_and_their_errors_are_one_line(served, tiny_family):
@@ -180,7 +178,7 @@ def test_sessions_round_trip_and_their_errors_are_one_line(served, tiny_family):
                                                f"session_id: session {session_id!r} already exists")
     reply = stub.Generate(pb.GenerateRequest(session_id=session_id, prompt_token_ids=[8], max_new_tokens=6,
                                              temperature=0), timeout=120)
-    assert list(reply.token_ids) == _oracle(tiny_family["target"], [5, 6, 7, 8], 6)
+    assert list(reply.token_ids) == oracle(tiny_family["target"], [5, 6, 7, 8], 6)
     assert reply.session_length == 10
     stored = stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=60)
     assert list(stored.token_ids) == [5, 6, 7, 8, *reply.token_ids] and stored.version == 1
@@ -216,7 +214,7 @@ def test_a_node_js_client_sees_the_same_contract(served, tiny_family):
     node_client.ensure_installed()
     prompt = random_prompts(1, 9, seed=11)[0]
     seen = node_client.run_node_client(served.address, prompt, 8)
-    expected = _oracle(tiny_family["target"], prompt, 8)
+    expected = oracle(tiny_family["target"], prompt, 8)
     assert seen["generate"]["token_ids"] == expected, seen["generate"]
     assert seen["stream"]["token_ids"] == expected and seen["stream"]["status_code"] == 0, seen["stream"]
     assert seen["stream"]["finish_reason"] == "length"

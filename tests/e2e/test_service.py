@@ -19,11 +19,11 @@ from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.core.verify import Verification
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.serving.app import APP_NAME, tier_deployment_name
 from cascade_service.serving.local import LocalService
 
-from ..integration.test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 PROMPTS = random_prompts(3, 10, seed=31)
 K = [[4, 2, 0], [0, 2, 6], [0, 0, 6]]
@@ -64,7 +64,7 @@ def client(service):
 def test_greedy_output_through_the_service_equals_the_oracle_and_in_process(tiny_family, config_path, client):
     engine = Engine(load_config(config_path).cascade)
     for prompt in PROMPTS:
-        expected = _oracle(tiny_family["target"], prompt, 24)
+        expected = oracle(tiny_family["target"], prompt, 24)
         result = client.generate(prompt_token_ids=prompt, max_new_tokens=24)
         assert result.token_ids == expected
         assert result.token_ids == engine.generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
@@ -95,7 +95,7 @@ def test_overload_gets_resource_exhausted_and_admitted_requests_stay_exact(tiny_
     import threading
 
     prompt = PROMPTS[1]
-    expected = _oracle(tiny_family["target"], prompt, 24)
+    expected = oracle(tiny_family["target"], prompt, 24)
     outcomes: list[object] = []
     lock = threading.Lock()
 
@@ -126,7 +126,7 @@ def test_sessions_live_in_redis_and_survive_an_app_restart(tiny_family, service,
     prompt = PROMPTS[0]
     session = client.create_session(prompt_token_ids=prompt[:4])
     first = client.generate(prompt_token_ids=prompt[4:], session_id=session.session_id, max_new_tokens=6)
-    assert first.token_ids == _oracle(tiny_family["target"], prompt, 6)
+    assert first.token_ids == oracle(tiny_family["target"], prompt, 6)
     keys = redis.Redis.from_url(redis_server.url).keys("e2e:session:*")
     assert f"e2e:session:{session.session_id}".encode() in keys
 
@@ -135,7 +135,7 @@ def test_sessions_live_in_redis_and_survive_an_app_restart(tiny_family, service,
     more = [5, 6, 7]
     second = client.generate(prompt_token_ids=more, session_id=session.session_id, max_new_tokens=6)
     history = prompt + first.token_ids + more
-    assert second.token_ids == _oracle(tiny_family["target"], history, 6)
+    assert second.token_ids == oracle(tiny_family["target"], history, 6)
     stored = client.get_session(session.session_id)
     assert list(stored.token_ids) == history + second.token_ids and stored.version == 2
 
@@ -147,7 +147,7 @@ def test_bad_input_is_invalid_argument_and_the_service_keeps_answering(tiny_fami
         list(client.stream(prompt_token_ids=PROMPTS[1], top_p=2.0))
     with pytest.raises(errors.NotFound, match="session_id"):
         client.generate(prompt_token_ids=PROMPTS[1], session_id="missing")
-    assert client.generate(prompt_token_ids=PROMPTS[1], max_new_tokens=5).token_ids == _oracle(tiny_family["target"], PROMPTS[1], 5)
+    assert client.generate(prompt_token_ids=PROMPTS[1], max_new_tokens=5).token_ids == oracle(tiny_family["target"], PROMPTS[1], 5)
 
 
 def test_tiers_free_each_requests_kv_cache_when_it_ends(client):
@@ -173,7 +173,7 @@ def test_a_plain_grpc_call_without_a_deadline_is_served(tiny_family, service):
         reply = stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=6))
         streamed = [t for c in stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=6))
                     for t in c.token_ids]
-    assert list(reply.token_ids) == streamed == _oracle(tiny_family["target"], PROMPTS[1], 6)
+    assert list(reply.token_ids) == streamed == oracle(tiny_family["target"], PROMPTS[1], 6)
 
 
 def _tier_counters() -> dict[str, dict[str, int]]:
@@ -274,11 +274,11 @@ def test_embedded_session_store_survives_an_app_restart_and_colocated_target_is_
             prompt = PROMPTS[1]
             session = client.create_session(prompt_token_ids=prompt)
             first = client.generate(session_id=session.session_id, max_new_tokens=6)
-            assert first.token_ids == _oracle(tiny_family["target"], prompt, 6)
+            assert first.token_ids == oracle(tiny_family["target"], prompt, 6)
             assert first.stats["tiers"]["target"].get("hops", 0) == 0 and first.stats["tiers"]["close"]["hops"] > 0
             svc.restart_app()
             second = client.generate(session_id=session.session_id, max_new_tokens=6)
-            assert second.token_ids == _oracle(tiny_family["target"], prompt + first.token_ids, 6)
+            assert second.token_ids == oracle(tiny_family["target"], prompt + first.token_ids, 6)
             assert client.get_session(session.session_id).version == 2
     finally:
         svc.server.stop(0)

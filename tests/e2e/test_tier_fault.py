@@ -18,10 +18,10 @@ import ray
 import yaml
 
 from cascade_service.client import CascadeClient, errors
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.serving.local import LocalService
 
-from ..integration.test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 
 def _replicas(deployment: str) -> list[tuple[str, str]]:
@@ -71,7 +71,7 @@ def service(tiny_family, tmp_path_factory, redis_server):
 
 def test_killing_a_tier_replica_mid_generation_never_gives_wrong_tokens(tiny_family, service):
     prompt = random_prompts(1, 10, seed=93)[0]
-    expected = _oracle(tiny_family["target"], prompt, 2000)
+    expected = oracle(tiny_family["target"], prompt, 2000)
     with CascadeClient(service.address, timeout_s=180) as client:
         stream = client.stream(prompt_token_ids=prompt, max_new_tokens=2000)
         tokens = list(next(stream).token_ids)  # the decode is under way
@@ -104,5 +104,5 @@ def test_a_session_survives_a_coordinator_restart_mid_generation(tiny_family, se
         assert held == prompt + [t for turn in turns for t in turn]
         more = _when_back(lambda: client.generate(session_id=session.session_id, max_new_tokens=12))
         assert more.session_length == len(held) + 12
-    expected = _oracle(tiny_family["target"], prompt, len(held) - len(prompt) + 12)
+    expected = oracle(tiny_family["target"], prompt, len(held) - len(prompt) + 12)
     assert held[len(prompt):] + more.token_ids == expected

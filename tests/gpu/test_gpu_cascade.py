@@ -33,7 +33,7 @@ from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
 from cascade_service.core.verify import Verification
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 
 from ..unit.toy import ToyScorer, chi_square_rejects, exact_distribution
 from .oracle import GPU, assert_greedy, load

@@ -15,7 +15,7 @@ import yaml
 
 from cascade_service.client import CascadeClient
 from cascade_service.config import parse_config
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 
 from .oracle import GPU, assert_greedy, load
 

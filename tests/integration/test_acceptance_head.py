@@ -7,10 +7,10 @@ import torch
 
 from cascade_service.core.adaptive import SpecDecPPStopper
 from cascade_service.core.types import Context
-from cascade_service.models import train_head as th
+from cascade_service.zoo import train_head as th
 from cascade_service.models.acceptance_head import AcceptanceHead
 from cascade_service.models.hf import HFModel
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from cascade_service.config import ConfigError, GenerationConfig, MaGConfig, Mod
 from cascade_service.core.adaptive import AdaptiveLength
 from cascade_service.engine import Engine
 from cascade_service.models.acceptance_head import AcceptanceHead
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 
-from .test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 PROMPTS = random_prompts(2, 10, seed=51)
 N = 20
@@ -41,7 +41,7 @@ def _head(tmp_path, hidden: int, bias: float) -> str:
     return str(path)
 
 
-def _engine(family, k, adaptive=None):
+def make_engine(family, k, adaptive=None):
     drafters = [ModelTierConfig("mid", str(family["mid"]))]
     cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k, 1.0, None, adaptive)
     return Engine(cascade)
@@ -52,17 +52,17 @@ def test_adaptive_stopping_keeps_greedy_output_exact(tiny_family, tmp_path):
     settings = {"specdec": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, 0.5)),
                 "confidence": AdaptiveLength("confidence", 0.3)}
     for name, spec in settings.items():
-        engine = _engine(tiny_family, [[8]], {"mid": spec})  # sd:mid, at most 8 drafts
+        engine = make_engine(tiny_family, [[8]], {"mid": spec})  # sd:mid, at most 8 drafts
         for prompt in PROMPTS:
             assert engine.generate(prompt, GenerationConfig(max_new_tokens=N)).token_ids == \
-                _oracle(tiny_family["target"], prompt, N), name
+                oracle(tiny_family["target"], prompt, N), name
 
 
 def test_the_stopping_rule_sets_the_block_length(tiny_family, tmp_path):
     hidden = Engine(make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)).target.config.hidden_size
-    fixed = _engine(tiny_family, [[8]])
-    pessimist = _engine(tiny_family, [[8]], {"mid": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, -5.0))})
-    confident = _engine(tiny_family, [[8]], {"mid": AdaptiveLength("confidence", 0.999)})
+    fixed = make_engine(tiny_family, [[8]])
+    pessimist = make_engine(tiny_family, [[8]], {"mid": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, -5.0))})
+    confident = make_engine(tiny_family, [[8]], {"mid": AdaptiveLength("confidence", 0.999)})
     gen = GenerationConfig(max_new_tokens=N)
     stats = {name: e.generate(PROMPTS[0], gen).stats for name, e in
              (("fixed", fixed), ("pessimist", pessimist), ("confident", confident))}
@@ -85,8 +85,8 @@ def test_a_request_threshold_sets_the_block_length_of_a_lone_drafter(tiny_family
     # The head predicts acceptance 0.5 for every token; SpecDec++ judges token i on tokens 1..i-1, so it
     # stops at the first i with 1 - 0.5**(i - 1) > h: blocks of 3 at h = 0.6, of 5 at h = 0.9.
     head = _head(tmp_path, _hidden(tiny_family, "mid"), 0.0)
-    engine = _engine(tiny_family, [[8]], {"mid": AdaptiveLength("specdec", 0.6, head)})
-    expected = _oracle(tiny_family["target"], PROMPTS[0], N)
+    engine = make_engine(tiny_family, [[8]], {"mid": AdaptiveLength("specdec", 0.6, head)})
+    expected = oracle(tiny_family["target"], PROMPTS[0], N)
     blocks = {}
     for h in (None, 0.6, 0.9):
         result = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=N, stop_threshold=h))
@@ -106,7 +106,7 @@ def test_specdec_stops_a_reviewing_tier_part_and_keeps_the_output_exact(tiny_fam
     adaptive = Engine(make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0, None,
                                    {"close": AdaptiveLength("specdec", 0.6, head)}))
     for prompt in PROMPTS:
-        expected = _oracle(tiny_family["target"], prompt, N)
+        expected = oracle(tiny_family["target"], prompt, N)
         plain = fixed.generate(prompt, GenerationConfig(max_new_tokens=N))
         short = adaptive.generate(prompt, GenerationConfig(max_new_tokens=N))
         longer = adaptive.generate(prompt, GenerationConfig(max_new_tokens=N, stop_threshold=0.9))
@@ -134,7 +134,7 @@ def test_adaptive_through_the_service_equals_in_process(tiny_family, tmp_path):
         for prompt in PROMPTS:
             mine = engine.generate(prompt, GenerationConfig(max_new_tokens=N))
             served = client.generate(prompt_token_ids=prompt, max_new_tokens=N)
-            assert served.token_ids == mine.token_ids == _oracle(tiny_family["target"], prompt, N)
+            assert served.token_ids == mine.token_ids == oracle(tiny_family["target"], prompt, N)
             assert served.stats["target_calls"] == mine.stats.target_calls  # same (short) blocks remotely
             # The request's threshold reaches the replica where the stopper runs: with this head
             # (acceptance 0.0067) h = 0.999 stops at the third token instead of the second.

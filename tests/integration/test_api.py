@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2, status_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cascade_service.api.server import start_server
-from cascade_service.api.status import DETAILS_KEY
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
 
-from .test_oracle import _oracle
+from ..helpers.grpc_errors import BAD_REQUESTS, field_violations, status_details
+from ..helpers.oracle import oracle
 
 PROMPT = random_prompts(1, 12, seed=21)[0]
 
@@ -57,7 +56,7 @@ def stub(address):
 
 
 def test_greedy_generate_equals_transformers_and_streaming_yields_the_same(tiny_family, client):
-    expected = _oracle(tiny_family["target"], PROMPT, 30)
+    expected = oracle(tiny_family["target"], PROMPT, 30)
     result = client.generate(prompt_token_ids=PROMPT, max_new_tokens=30)
     assert result.token_ids == expected
     assert result.finish_reason == "length"
@@ -73,12 +72,12 @@ def test_greedy_generate_equals_transformers_and_streaming_yields_the_same(tiny_
 def test_a_session_continues_from_its_stored_prefix(tiny_family, client):
     session = client.create_session(prompt_token_ids=PROMPT[:5])
     first = client.generate(prompt_token_ids=PROMPT[5:], session_id=session.session_id, max_new_tokens=8)
-    assert first.token_ids == _oracle(tiny_family["target"], PROMPT, 8)
+    assert first.token_ids == oracle(tiny_family["target"], PROMPT, 8)
     assert first.session_length == len(PROMPT) + 8
     more = [7, 8, 9]
     second = client.generate(prompt_token_ids=more, session_id=session.session_id, max_new_tokens=8)
     history = PROMPT + first.token_ids + more
-    assert second.token_ids == _oracle(tiny_family["target"], history, 8)
+    assert second.token_ids == oracle(tiny_family["target"], history, 8)
     stored = client.get_session(session.session_id)
     assert stored.token_ids == history + second.token_ids and stored.version == 2
     assert client.delete_session(session.session_id) is True
@@ -124,14 +123,6 @@ def test_bad_fields_are_invalid_argument_naming_the_field(client, kwargs, field)
         assert caught.value.field_violations == (errors.FieldViolation(name, caught.value.details),)
 
 
-# (request, field, message), on the wire: the trailer as any gRPC client in any language reads it.
-BAD_REQUESTS = [
-    (pb.GenerateRequest(prompt="x", max_new_tokens=0), "max_new_tokens", "max_new_tokens must be in [1, 4096], got 0"),
-    (pb.GenerateRequest(prompt="x", temperature=-1), "temperature", "temperature must be in [0, 100], got -1.0"),
-    (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), "prompt", "prompt: give prompt or prompt_token_ids, not both"),
-    (pb.GenerateRequest(prompt="x", verification=pb.Verification(rule="lossy", beta=1.0, tune_beta=True)),
-     "verification.beta", "verification.beta: give beta or tune_beta, not both"),
-]
 
 
 def _failed(call, request) -> grpc.RpcError:
@@ -142,26 +133,15 @@ def _failed(call, request) -> grpc.RpcError:
     return caught.value
 
 
-def _details(error: grpc.RpcError) -> status_pb2.Status:
-    raw = [value for key, value in error.trailing_metadata() or () if key == DETAILS_KEY]
-    assert len(raw) == 1, error.trailing_metadata()
-    return status_pb2.Status.FromString(raw[0])
-
-
-def _violations(status: status_pb2.Status) -> list[str]:
-    bad = error_details_pb2.BadRequest()
-    return [v.field for d in status.details if d.Unpack(bad) for v in bad.field_violations]
-
-
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
 def test_bad_requests_carry_a_status_trailer_with_the_field(stub, streaming):
     call = stub.GenerateStream if streaming else stub.Generate
     for request, field, message in BAD_REQUESTS:
         error = _failed(call, request)
         assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
-        status = _details(error)
+        status = status_details(error)
         assert (status.code, status.message) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], message)
-        assert len(status.details) == 1 and _violations(status) == [field]
+        assert len(status.details) == 1 and field_violations(status) == [field]
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
@@ -169,7 +149,7 @@ def test_an_unknown_session_carries_a_trailer_without_a_field_violation(stub, st
     call = stub.GenerateStream if streaming else stub.Generate
     error = _failed(call, pb.GenerateRequest(prompt="x", session_id="no-such-session"))
     assert error.code() == grpc.StatusCode.NOT_FOUND
-    status = _details(error)
+    status = status_details(error)
     assert (status.code, status.message) == (grpc.StatusCode.NOT_FOUND.value[0], error.details())
     assert list(status.details) == []
 
@@ -180,7 +160,7 @@ def test_unknown_session_is_not_found_and_the_server_keeps_answering(tiny_family
     with pytest.raises(errors.InvalidArgument, match="session_id") as caught:
         client.get_session("")
     assert caught.value.field_violations == (errors.FieldViolation("session_id", "session_id: required"),)
-    assert client.generate(prompt_token_ids=PROMPT, max_new_tokens=5).token_ids == _oracle(tiny_family["target"], PROMPT, 5)
+    assert client.generate(prompt_token_ids=PROMPT, max_new_tokens=5).token_ids == oracle(tiny_family["target"], PROMPT, 5)
 
 
 def test_health_and_reflection(client, engine):

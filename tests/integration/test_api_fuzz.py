@@ -23,9 +23,9 @@ from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.verify import RULES
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 
-from .test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 FIELDS = ("prompt", "prompt_token_ids", "session_id", "max_new_tokens", "temperature", "top_p", "seed", "stop",
           "verification.rule", "verification.alpha", "verification.beta")
@@ -149,4 +149,4 @@ def _check_details(err: grpc.RpcError) -> None:
 def test_the_server_still_answers_correctly_afterwards(tiny_family, stub):
     prompt = random_prompts(1, 10, seed=77)[0]
     reply = stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=12), timeout=60)
-    assert list(reply.token_ids) == _oracle(tiny_family["target"], prompt, 12)
+    assert list(reply.token_ids) == oracle(tiny_family["target"], prompt, 12)

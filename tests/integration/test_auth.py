@@ -22,7 +22,7 @@ from cascade_service.api.server import start_server
 from cascade_service.api.servicer import CascadeServicer
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.cli import UsageError, main
-from cascade_service.cli_serve import serve_access
+from cascade_service.cli.serve import serve_access
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import (
     GenerationConfig,
@@ -33,7 +33,7 @@ from cascade_service.config import (
 )
 from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
 
 PROMPT = random_prompts(1, 12, seed=21)[0]

@@ -19,9 +19,9 @@ from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig,
 from cascade_service.engine import Engine
 from cascade_service.models.batching import _Pass, forward_batch
 from cascade_service.models.hf import HFModel
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 
-from .test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 
 def _concurrently(n: int, run) -> None:
@@ -85,7 +85,7 @@ def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family):
 
     _concurrently(10, run)
     for prompt, budget, out in zip(prompts, budgets, outputs):
-        assert out == _oracle(tiny_family["target"], prompt, budget)
+        assert out == oracle(tiny_family["target"], prompt, budget)
     shared = {size: n for size, n in engine.target.batcher.batch_sizes.items() if size > 1}
     assert sum(shared.values()) >= 5, engine.target.batcher.batch_sizes  # the passes were really batched
 
@@ -113,7 +113,7 @@ def test_the_standalone_server_batches_concurrent_grpc_requests_exactly(tiny_fam
     try:
         _concurrently(8, run)
         for prompt, budget, out in zip(prompts, budgets, outputs):
-            assert out == _oracle(tiny_family["target"], prompt, budget)
+            assert out == oracle(tiny_family["target"], prompt, budget)
         assert any(size > 1 for model in served.engine.models() for size in model.batcher.batch_sizes)
     finally:
         served.stop()
@@ -157,7 +157,7 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
     for prompt in random_prompts(3, 12, seed=44):
         prompt = prompt[:6] * 2  # repeats, so the MaG lookup finds matches
         out = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=30)).token_ids
-        assert out == _oracle(tiny_family["target"], prompt, 30)
+        assert out == oracle(tiny_family["target"], prompt, 30)
     assert all(b.calls > 6 for b in budgets)
     assert all(b.begun == len(b.observed) for b in budgets)  # every round begun is reviewed
     assert all(drafted <= 9 for b in budgets for drafted, _ in b.observed)  # a round drafts within its cap
@@ -184,7 +184,7 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
 
     _concurrently(8, run)
     for prompt, out in zip(prompts, outputs):
-        assert out == _oracle(tiny_family["target"], prompt, 60)
+        assert out == oracle(tiny_family["target"], prompt, 60)
     assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
     assert len(made) == 8 and all(b.chosen for b in made)
     narrowed = engine.coordinator(MemoryStore(), adapt_to_load=True, arms=("plain", "lookup"))  # serving.load_arms
@@ -376,7 +376,7 @@ def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_
 
     _concurrently(6, run)
     for prompt, out in zip(prompts, outputs):
-        assert out == _oracle(tiny_family["target"], prompt, 24)
+        assert out == oracle(tiny_family["target"], prompt, 24)
     assert sum(n for size, n in engine.target.batcher.batch_sizes.items() if size > 1) >= 3
     fed = [longest for _, _, _, longest in engine.target.batcher.timer._passes]
     assert max(fed) <= 40 and fed.count(16) + fed.count(40) >= 5  # the prompt went in chunks

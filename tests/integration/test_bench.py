@@ -21,6 +21,8 @@ from cascade_service.bench.methods import parse_methods
 from cascade_service.config import load_config, make_cascade
 from cascade_service.models.acceptance_head import AcceptanceHead
 
+from ..helpers.bench import run_bench
+
 METHODS = ["hf-ar", "ar", "hf-assisted:close", "hf-prompt-lookup", "sd:close", "csd:close+mag", "csd:close+mid+mag"]
 PROMPTS = [
     "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
@@ -32,13 +34,6 @@ FIGURES = {
     "target_calls_per_token": float, "mean_accepted_length": float, "identical_to_hf_ar": bool,
 }
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="cascade-service")
-    add_bench_command(parser.add_subparsers(dest="command", required=True), argparse.ArgumentParser)
-    args = parser.parse_args(["bench", *argv])
-    return args.run(args)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +59,7 @@ def inputs(tiny_family, tmp_path_factory):
 def bench_out(inputs):
     out, stdout = inputs / "out", io.StringIO()
     with contextlib.redirect_stdout(stdout):  # capsys is function-scoped; this run is shared
-        code = _bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+        code = run_bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
                       "--methods", ",".join(METHODS), "--max-new-tokens", "16", "--sd-k-sweep", "1,3",
                       "--repeats", "1", "--out", str(out))
     assert code == 0
@@ -167,7 +162,7 @@ def test_csd_takes_its_schedule_from_the_tuned_config_with_exactly_its_drafters(
 @pytest.mark.parametrize("method", ["csd:nope", "frob", "hf-assisted:mag", "sd:close+mid", "csd:mag+close"])
 def test_bad_method_names_raise_value_error_naming_the_method(inputs, tmp_path, method):
     with pytest.raises(ValueError, match=method.replace("+", r"\+")):
-        _bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+        run_bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
                "--methods", f"ar,{method}", "--out", str(tmp_path))
 
 
@@ -177,7 +172,7 @@ def test_bench_lossy_writes_curves_and_accounts_the_deviation(inputs, tmp_path, 
     monkeypatch.setitem(lossy.GRIDS, "token-v3", (-1.0, 0.9))
     monkeypatch.setitem(lossy.GRIDS, "lossy", (0.0, 0.9))
     out = tmp_path / "lossy"
-    assert _bench("--lossy", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+    assert run_bench("--lossy", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
                   "--rules", "token-v3,lossy", "--temperature", "1.0", "--seeds", "0", "--max-new-tokens", "12",
                   "--out", str(out)) == 0
     results = json.loads((out / "lossy.json").read_text())
@@ -198,7 +193,7 @@ def _adaptive(inputs, tiny_family, tmp_path, drafter: str, *flags: str) -> dict:
 
     AcceptanceHead(HFModel.load(tiny_family[drafter]).config.hidden_size, depth=1).save(tmp_path / "head")
     out = tmp_path / "adaptive"
-    assert _bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
+    assert run_bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
                   "--drafter", drafter, "--head", str(tmp_path / "head"), "--max-k", "6", "--repeats", "1",
                   *flags, "--out", str(out)) == 0
     return json.loads((out / "adaptive.json").read_text())
@@ -254,14 +249,14 @@ def test_the_recorded_command_repeats_every_tuned_config():
 def test_bench_modes_reject_mixed_flags(inputs):
     base = ["--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"), "--out", "/tmp/x"]
     with pytest.raises(ValueError, match="pick one"):
-        _bench("--lossy", "--adaptive", *base)
+        run_bench("--lossy", "--adaptive", *base)
     with pytest.raises(ValueError, match="--rules"):
-        _bench("--lossy", "--rules", "token-v9", *base)
+        run_bench("--lossy", "--rules", "token-v9", *base)
     with pytest.raises(ValueError, match="--methods is required"):
-        _bench(*base)
+        run_bench(*base)
     with pytest.raises(ValueError, match="--drafter"):
-        _bench("--adaptive", "--drafter", "mag", *base)
+        run_bench("--adaptive", "--drafter", "mag", *base)
     with pytest.raises(ValueError, match="--reviews must be a drafter smaller than 'mid'"):
-        _bench("--adaptive", "--drafter", "mid", "--reviews", "close", *base)
+        run_bench("--adaptive", "--drafter", "mid", "--reviews", "close", *base)
     with pytest.raises(ValueError, match="--under must be a model drafter bigger than 'close'"):
-        _bench("--adaptive", "--drafter", "close", "--under", "mid", *base)
+        run_bench("--adaptive", "--drafter", "close", "--under", "mid", *base)

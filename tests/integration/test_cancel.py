@@ -20,7 +20,7 @@ from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
 
 PROMPT = random_prompts(1, 10, seed=5)[0]

@@ -25,7 +25,7 @@ def test_in_process_worker_decodes_in_a_child_process_and_reports_errors(tiny_fa
 
     import yaml
 
-    from cascade_service.bench.inprocess import InProcessWorker
+    from cascade_service.runtime.inprocess import InProcessWorker
     from cascade_service.config import GenerationConfig, load_config
     from cascade_service.engine import Engine
 

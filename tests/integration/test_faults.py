@@ -14,16 +14,16 @@ from cascade_service.api.server import start_server
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions.redis_store import RedisStore
 
 from ..redis_server import RedisServer
-from .test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 
 def test_redis_down_fails_session_calls_while_stateless_generation_stays_exact(tiny_family):
     prompt = random_prompts(1, 10, seed=91)[0]
-    expected = _oracle(tiny_family["target"], prompt, 12)
+    expected = oracle(tiny_family["target"], prompt, 12)
     cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
                            [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
     engine = Engine(cascade)

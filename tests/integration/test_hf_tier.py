@@ -11,7 +11,7 @@ import torch
 
 from cascade_service.core.types import Context
 from cascade_service.models.hf import HFModel, load_tokenizer
-from cascade_service.models.tiny import agreement, build_family, greedy_tokens, random_prompts
+from cascade_service.zoo.tiny import agreement, build_family, greedy_tokens, random_prompts
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 

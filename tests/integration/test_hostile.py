@@ -29,11 +29,11 @@ from cascade_service.config import (
     make_cascade,
 )
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
 
-from .test_api import _details, _violations
-from .test_oracle import _oracle
+from ..helpers.grpc_errors import field_violations, status_details
+from ..helpers.oracle import oracle
 
 PROMPT = random_prompts(1, 10, seed=31)[0]
 GENERATE = "/cascade.v1.CascadeService/Generate"
@@ -98,16 +98,16 @@ async def _raw(channel: grpc.aio.Channel, path: str, body: bytes, timeout: float
 
 def _fields(error: grpc.aio.AioRpcError) -> list[str]:
     """The fields of the FieldViolations in the error's details trailer (which repeats its code and message)."""
-    status = _details(error)
+    status = status_details(error)
     assert (status.code, status.message) == (error.code().value[0], error.details())
-    return _violations(status)
+    return field_violations(status)
 
 
 def test_idle_calls_cost_no_worker_and_health_answers_beside_them(coordinator, tiny_family):
     """Two workers and 400 calls that never send a body (Generate, streams, reflection, health): 200 times
     the worker count. A normal request still gets the oracle's tokens at once, and health answers."""
     server, address = _serve(coordinator, workers=2, max_queued=2, body_timeout_s=120)
-    expected = _oracle(tiny_family["target"], PROMPT, 8)
+    expected = oracle(tiny_family["target"], PROMPT, 8)
 
     async def run() -> tuple[float, float]:
         channels = [_channel(address) for _ in range(8)]

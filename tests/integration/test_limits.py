@@ -20,7 +20,7 @@ from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig,
 from cascade_service.engine import Engine
 from cascade_service.sessions import MemoryStore
 
-from .test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 CONTEXT = 2048
 
@@ -50,10 +50,10 @@ def test_the_context_is_the_smallest_tiers_positions(coordinator):
 def test_a_request_that_fills_the_context_exactly_is_exact(coordinator, family):
     prompt = _prompt(CONTEXT - 8)
     result = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=8, temperature=0))
-    assert result.token_ids == _oracle(family["target"], prompt, 8)
+    assert result.token_ids == oracle(family["target"], prompt, 8)
     # The server's default (16) is cut to the 8 that fit.
     result = coordinator.generate(coordinator.params(prompt_ids=prompt, temperature=0))
-    assert result.token_ids == _oracle(family["target"], prompt, 8) and result.finish_reason == "length"
+    assert result.token_ids == oracle(family["target"], prompt, 8) and result.finish_reason == "length"
 
 
 @pytest.mark.parametrize("prompt_len, max_new, message", [
@@ -79,7 +79,7 @@ def test_a_session_cannot_outgrow_the_context(coordinator, family):
     assert coordinator.get_session(record.session_id).token_ids == tuple(history)  # no effect
     result = coordinator.generate(coordinator.params(session_id=record.session_id, prompt_ids=[5] * 40,
                                                      temperature=0))  # the default, cut to 8
-    assert result.token_ids == _oracle(family["target"], history + [5] * 40, 8)
+    assert result.token_ids == oracle(family["target"], history + [5] * 40, 8)
     assert result.session_length == CONTEXT
     with pytest.raises(ValueError, match="^prompt: the session's 2048 tokens plus the prompt's 1 leave no room"):
         coordinator.generate(coordinator.params(session_id=record.session_id, prompt_ids=[5]))

@@ -11,7 +11,7 @@ from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig,
 from cascade_service.engine import Engine
 from cascade_service.sessions import MemoryStore
 
-from .test_bench import _bench
+from ..helpers.bench import run_bench
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def address(tiny_family):
 
 def test_load_levels_report_latency_throughput_errors_and_server_memory(address, tmp_path, capsys):
     out = tmp_path / "load"
-    assert _bench("--load", "--target", address, "--concurrency", "1,3", "--duration", "1.5",
+    assert run_bench("--load", "--target", address, "--concurrency", "1,3", "--duration", "1.5",
                   "--max-new-tokens", "6", "--out", str(out)) == 0
     results = json.loads((out / "load.json").read_text())
     assert [level["concurrency"] for level in results["levels"]] == [1, 3]
@@ -40,13 +40,13 @@ def test_load_levels_report_latency_throughput_errors_and_server_memory(address,
 
 def test_load_refuses_non_loopback_targets_and_bad_values(tmp_path):
     with pytest.raises(ValueError, match="loopback"):
-        _bench("--load", "--target", "10.0.0.1:9000", "--out", str(tmp_path))
+        run_bench("--load", "--target", "10.0.0.1:9000", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--duration"):
-        _bench("--load", "--target", "127.0.0.1:9000", "--duration", "0", "--out", str(tmp_path))
+        run_bench("--load", "--target", "127.0.0.1:9000", "--duration", "0", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--target"):
-        _bench("--load", "--out", str(tmp_path))
+        run_bench("--load", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--temperature"):
-        _bench("--load", "--target", "127.0.0.1:9000", "--temperature", "-1", "--out", str(tmp_path))
+        run_bench("--load", "--target", "127.0.0.1:9000", "--temperature", "-1", "--out", str(tmp_path))
 
 
 def test_load_requests_carry_the_temperature_asked_for(address, tmp_path, monkeypatch):
@@ -61,7 +61,7 @@ def test_load_requests_carry_the_temperature_asked_for(address, tmp_path, monkey
 
     monkeypatch.setattr(CascadeClient, "generate", recording)
     out = tmp_path / "load"
-    assert _bench("--load", "--target", address, "--concurrency", "2", "--duration", "0.5", "--max-new-tokens", "4",
+    assert run_bench("--load", "--target", address, "--concurrency", "2", "--duration", "0.5", "--max-new-tokens", "4",
                   "--temperature", "0.7", "--out", str(out)) == 0
     results = json.loads((out / "load.json").read_text())
     assert sent and set(sent) == {0.7} and results["levels"][0]["errors"] == 0
@@ -77,7 +77,7 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
                   "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
         "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5}, "serving": {"torch_threads": 1}}))
     out = tmp_path / "load"
-    assert _bench("--load", "--config", str(config), "--concurrency", "1,3", "--duration", "1.5",
+    assert run_bench("--load", "--config", str(config), "--concurrency", "1,3", "--duration", "1.5",
                   "--max-new-tokens", "6", "--out", str(out)) == 0
     results = json.loads((out / "load.json").read_text())
     runs = results["runs"]
@@ -93,4 +93,4 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
 
 def test_load_takes_a_target_or_a_config_not_both(tmp_path):
     with pytest.raises(ValueError, match="either --target"):
-        _bench("--load", "--target", "127.0.0.1:9000", "--config", "c.yaml", "--out", str(tmp_path))
+        run_bench("--load", "--target", "127.0.0.1:9000", "--config", "c.yaml", "--out", str(tmp_path))

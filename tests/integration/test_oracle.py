@@ -18,7 +18,9 @@ from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig,
 from cascade_service.core.cascade import Lookup
 from cascade_service.core.mag import BigramTable
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
+
+from ..helpers.oracle import make_engine, oracle
 
 SHORT = random_prompts(1, 3, seed=11)[0]  # shorter than MaG's 16-token match window
 LONG = random_prompts(1, 24, seed=12)[0] * 2  # 48 tokens, repeats itself: MaG finds long matches
@@ -41,28 +43,6 @@ SETUPS = {
 }
 
 
-def _oracle(target_dir, prompt, max_new_tokens, eos_id=None):
-    model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos_id,
-            pad_token_id=0,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    return out[0, len(prompt):].tolist()
-
-
-def _engine(family, names, k_matrix, leniency, bigram=None, lookup=None, loopback=False):
-    drafters = [
-        MaGConfig(bigram=bigram) if n == "mag" else ModelTierConfig(n, str(family[n])) for n in names
-    ]
-    cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency, lookup)
-    return Engine(cascade, loopback=loopback)
-
-
 @pytest.fixture(scope="module")
 def oracle_cache(tiny_family):
     cache = {}
@@ -70,7 +50,7 @@ def oracle_cache(tiny_family):
     def get(prompt, n, eos=None):
         key = (tuple(prompt), n, eos)
         if key not in cache:
-            cache[key] = _oracle(tiny_family["target"], prompt, n, eos)
+            cache[key] = oracle(tiny_family["target"], prompt, n, eos)
         return cache[key]
 
     return get
@@ -88,7 +68,7 @@ def bigram_path(tiny_family, tmp_path_factory):
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_greedy_cascade_equals_transformers_generate(tiny_family, oracle_cache, bigram_path, setup, leniency):
     names, k_matrix = SETUPS[setup]
-    engine = _engine(tiny_family, names, k_matrix, leniency, bigram_path)
+    engine = make_engine(tiny_family, names, k_matrix, leniency, bigram_path)
     for prompt in (SHORT, LONG):
         result = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
         expected = oracle_cache(prompt, 40)
@@ -101,7 +81,7 @@ def test_greedy_cascade_through_the_wire_codec_equals_transformers_generate(tiny
                                                                            setup):
     # Every tier behind the codec: each draft, review and release crosses as bytes, as to a remote tier.
     names, k_matrix = SETUPS[setup]
-    engine = _engine(tiny_family, names, k_matrix, 1.5, bigram_path, Lookup(2, 8) if "mag" in names else None,
+    engine = make_engine(tiny_family, names, k_matrix, 1.5, bigram_path, Lookup(2, 8) if "mag" in names else None,
                      loopback=True)
     for prompt in (SHORT, LONG):
         result = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
@@ -114,7 +94,7 @@ def test_every_k_matrix_entry_runs_and_is_counted(tiny_family, oracle_cache, big
     # Invariant 7: each drafter the K-matrix names drafts, and each reviewer with a row reviews, with
     # the counts in stats.tiers; the output stays the target's own.
     names, k_matrix = SETUPS[setup]
-    engine = _engine(tiny_family, names, k_matrix, 1.5, bigram_path)
+    engine = make_engine(tiny_family, names, k_matrix, 1.5, bigram_path)
     result = engine.generate(LONG, GenerationConfig(max_new_tokens=40))
     assert result.token_ids == oracle_cache(LONG, 40)
     tiers = result.stats.to_dict()["tiers"]
@@ -136,7 +116,7 @@ def test_mag_lookup_gate_at_the_target_is_exact(tiny_family, oracle_cache, bigra
     # K-matrix ones; row 0 gives MaG nothing anyway.
     names, k_matrix = {"csd_close_mid_mag": SETUPS["csd_close_mid_mag"],
                        "csd_unrelated_mag": (["unrelated", "mag"], [[3, 0], [0, 4]])}[setup]
-    engine = _engine(tiny_family, names, k_matrix, 2.0, bigram_path, lookup)
+    engine = make_engine(tiny_family, names, k_matrix, 2.0, bigram_path, lookup)
     gated = 0
     for prompt in (SHORT, LONG, MEDIUM):
         for n in (7, 40):
@@ -151,7 +131,7 @@ def test_mag_lookup_gate_at_the_target_is_exact(tiny_family, oracle_cache, bigra
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13, 31])
 def test_max_new_tokens_reached_inside_a_block_is_exact(tiny_family, oracle_cache, max_new_tokens):
     names, k_matrix = SETUPS["csd_close_mid_mag"]
-    engine = _engine(tiny_family, names, k_matrix, 1.5)
+    engine = make_engine(tiny_family, names, k_matrix, 1.5)
     result = engine.generate(MEDIUM, GenerationConfig(max_new_tokens=max_new_tokens))
     assert result.token_ids == oracle_cache(MEDIUM, max_new_tokens)
     assert len(result.token_ids) == max_new_tokens
@@ -166,7 +146,7 @@ def test_eos_inside_a_draft_block_stops_exactly_there(tiny_family, oracle_cache,
     expected = oracle_cache(LONG, 40, eos)
     assert expected[-1] == eos and len(expected) < 40
     names, k_matrix = SETUPS[setup]
-    engine = _engine(tiny_family, names, k_matrix, 1.0)
+    engine = make_engine(tiny_family, names, k_matrix, 1.0)
     engine.eos_ids = frozenset({eos})
     chunks = list(engine.stream(LONG, GenerationConfig(max_new_tokens=40)))
     assert [t for c in chunks for t in c] == expected
@@ -177,9 +157,9 @@ def test_eos_inside_a_draft_block_stops_exactly_there(tiny_family, oracle_cache,
 def test_greedy_cascade_is_exact_on_other_architectures(tiny_family_factory, arch):
     family = tiny_family_factory(arch)
     for names, k_matrix in (SETUPS["sd_close"], SETUPS["csd_close_mid_mag"]):
-        engine = _engine(family, names, k_matrix, 2.0)
+        engine = make_engine(family, names, k_matrix, 2.0)
         for prompt in (SHORT, LONG):
-            assert engine.generate(prompt, GenerationConfig(max_new_tokens=30)).token_ids == _oracle(
+            assert engine.generate(prompt, GenerationConfig(max_new_tokens=30)).token_ids == oracle(
                 family["target"], prompt, 30
             )
 
@@ -189,7 +169,7 @@ def test_kv_caches_never_reprefill_the_prefix(tiny_family, oracle_cache):
     # prompt + generated + drafted tokens; a drafter at most prompt + generated + the tokens it
     # reviewed + the tokens it emitted. A re-prefill per round would add ~48 tokens per round.
     names, k_matrix = SETUPS["csd_close_mid_mag"]
-    engine = _engine(tiny_family, names, k_matrix, 1.5)
+    engine = make_engine(tiny_family, names, k_matrix, 1.5)
     result = engine.generate(LONG, GenerationConfig(max_new_tokens=60))
     stats = result.stats
     assert result.token_ids == oracle_cache(LONG, 60)

@@ -19,7 +19,7 @@ from cascade_service.engine import Engine
 from cascade_service.sessions import MemoryStore
 
 from .test_cancel import PROMPT, Requests
-from .test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 CALLS = 8
 
@@ -30,7 +30,7 @@ def test_calls_beyond_the_bound_get_resource_exhausted_and_admitted_ones_stay_ex
     coordinator = Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=24))
     Requests(coordinator)  # slowed target: each call takes a second or so
     server, port = start_server(coordinator, workers=2, max_queued=1)
-    expected = _oracle(tiny_family["target"], PROMPT, 24)
+    expected = oracle(tiny_family["target"], PROMPT, 24)
     outcomes: list[object] = []
     lock = threading.Lock()
     start = threading.Barrier(CALLS)

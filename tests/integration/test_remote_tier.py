@@ -15,13 +15,13 @@ from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.coordinator import Coordinator, Tokenizer
 from cascade_service.core.cascade import Lookup
 from cascade_service.models.hf import load_tokenizer
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 from cascade_service.serving.tier import SubCascade, TierGroup
 from cascade_service.transport.codec import decode_draft_reply, decode_review_reply
 from cascade_service.transport.remote import RemoteTier
 from cascade_service.sessions import MemoryStore
 
-from .test_oracle import _oracle
+from ..helpers.oracle import oracle
 
 PROMPTS = random_prompts(2, 10, seed=41)
 
@@ -59,7 +59,7 @@ def test_remote_tiers_are_exact_with_and_without_cache_hits(tiny_family, max_cac
     for prompt in PROMPTS:
         params = coordinator.params(prompt_ids=prompt, max_new_tokens=20)
         result = coordinator.generate(params)
-        assert result.token_ids == _oracle(tiny_family["target"], prompt, 20)
+        assert result.token_ids == oracle(tiny_family["target"], prompt, 20)
         assert result.stats.tiers["target"].hops == result.stats.target_calls  # one hop per target block
     calls = [(n, m) for n, m, _ in log if m != "release"]
     assert calls and all(decode_draft_reply(reply).draft.dists is None for _, m, reply in log if m == "draft")
@@ -116,7 +116,7 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
         store=MemoryStore(), bigram=BigramTable.load(bigram))
     for prompt in PROMPTS:
         result = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=20))
-        assert result.token_ids == _oracle(tiny_family["target"], prompt, 20)
+        assert result.token_ids == oracle(tiny_family["target"], prompt, 20)
         stats = result.stats
         assert stats.tiers["close"].hops > 0 and stats.tiers["mid"].hops == 0  # mid ran inside close's call
         assert stats.tiers["mid"].calls > 0 and stats.reviews["close"].reviews > 0  # its counters came back

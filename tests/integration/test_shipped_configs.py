@@ -17,7 +17,7 @@ import pytest
 from cascade_service.config import MaGConfig, ModelTierConfig, load_config
 from cascade_service.core.local import MaGTier
 from cascade_service.engine import Engine
-from cascade_service.models.tiny import build_family
+from cascade_service.zoo.tiny import build_family
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

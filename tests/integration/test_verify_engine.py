@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 from cascade_service.cli import main
 from cascade_service.config import GenerationConfig
 from cascade_service.core.verify import RULES, STRICT_ALPHA, Verification
-from cascade_service.models.tiny import random_prompts
+from cascade_service.zoo.tiny import random_prompts
 
-from .test_oracle import _engine, _oracle
+from ..helpers.oracle import make_engine, oracle
 
 PROMPTS = random_prompts(2, 12, seed=41)
 N = 20
@@ -28,7 +28,7 @@ N = 20
 
 @pytest.fixture(scope="module")
 def engine(tiny_family):
-    return _engine(tiny_family, ["close", "mid", "mag"], [[3, 2, 0], [0, 2, 4], [0, 0, 4]], 2.0)
+    return make_engine(tiny_family, ["close", "mid", "mag"], [[3, 2, 0], [0, 2, 4], [0, 0, 4]], 2.0)
 
 
 @pytest.mark.parametrize("rule", [r for r in RULES if r != "exact"])
@@ -36,7 +36,7 @@ def test_each_rule_at_its_strict_end_reproduces_the_oracle(tiny_family, engine, 
     gen = GenerationConfig(max_new_tokens=N, verification=Verification(rule, STRICT_ALPHA[rule]))
     for prompt in PROMPTS:
         result = engine.generate(prompt, gen)
-        assert result.token_ids == _oracle(tiny_family["target"], prompt, N)
+        assert result.token_ids == oracle(tiny_family["target"], prompt, N)
         assert result.stats.off_target_tokens == 0 and result.stats.tv_deviation == 0.0
 
 

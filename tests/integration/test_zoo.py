@@ -11,7 +11,7 @@ import pytest
 
 from cascade_service.core.mag import BigramTable
 from cascade_service.models.hf import HFModel, load_tokenizer
-from cascade_service.models.zoo import PRESETS, TIERS, build_zoo, corpus_files
+from cascade_service.zoo.build import PRESETS, TIERS, build_zoo, corpus_files
 
 CODE = 'async def f(x, *a, **k) -> dict:\n    """Doc: ünïcode \\t tabs."""\n\treturn {"a": x ** 2}  # ok\n'
 

@@ -51,7 +51,10 @@ def _pyproject() -> dict:
 
 
 def _requirement(name: str) -> Requirement:
-    (found,) = [r for r in map(Requirement, _pyproject()["project"]["dependencies"]) if r.name == name]
+    project = _pyproject()["project"]
+    # The image installs the dependencies and the [serve] extra (Ray, Redis): what the cluster runs.
+    (found,) = [r for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["serve"])
+                if r.name == name]
     return found
 
 
@@ -127,13 +130,14 @@ def test_an_unknown_torch_variant_fails_the_build(tmp_path):
     assert status != 0 and argv == []
 
 
-def test_the_dependency_layer_installs_pyprojects_dependencies_with_ray_and_torch_pinned(tmp_path):
+def test_the_dependency_layer_installs_pyprojects_dependencies_and_serve_extra_with_ray_and_torch_pinned(tmp_path):
     (step,) = _runs("tomllib")
     args = _dockerfile().args
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
     status, argv, requirements = _run_with_stub_pip(step.replace("/tmp/", f"{tmp_path}/"), tmp_path, **args)
     assert status == 0
-    assert requirements.splitlines() == _pyproject()["project"]["dependencies"]
+    project = _pyproject()["project"]
+    assert requirements.splitlines() == project["dependencies"] + project["optional-dependencies"]["serve"]
     assert f"ray[serve]=={args['RAY_VERSION']}" in argv and f"torch=={args['TORCH_VERSION']}" in argv
 
 

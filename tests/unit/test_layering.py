@@ -17,7 +17,7 @@ ALLOWED = {
     "grpc_reflection": ("api/",),
     "redis": ("sessions/redis_store.py",),
     "greenlet": ("serving/bridge.py",),
-    "transformers": ("models/",),
+    "transformers": ("models/", "zoo/"),
 }
 
 

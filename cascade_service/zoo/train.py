@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from cascade_service.models.hf import HFModel
-from cascade_service.models.tiny import greedy_tokens
+from cascade_service.zoo.tiny import greedy_tokens
 
 _WARMUP = 0.1  # fraction of steps with a linear learning-rate ramp
 _FLOOR = 0.1  # the cosine decays to this fraction of the peak

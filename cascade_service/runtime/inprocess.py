@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-CHILD_MODULE = "cascade_service.bench.inprocess"
+CHILD_MODULE = "cascade_service.runtime.inprocess"
 
 
 class InProcessWorker:

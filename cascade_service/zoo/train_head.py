@@ -353,8 +353,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train a head on a zoo (built first if missing); prints the summary as JSON on stdout."""
-    from cascade_service.cli_parser import UsageError
-    from cascade_service.models.zoo import PRESETS, _training_texts, build_zoo
+    from cascade_service.cli.parser import UsageError
+    from cascade_service.zoo.build import PRESETS, _training_texts, build_zoo
     from cascade_service.paths import zoo_dir
 
     if args.reviewer == "base" and args.drafter != "small":

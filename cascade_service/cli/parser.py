@@ -1,7 +1,7 @@
 """The command line's parser class and its error, shared by the `cascade-service` command modules.
 
-Kept apart from `cli.py`: `python -m cascade_service.cli` runs that module as `__main__`, and a command
-module importing UsageError from it would get a second class that `main` does not catch.
+Kept apart from `cli/main.py`: each command module imports UsageError from here, so there is one class
+for `main` to catch, whichever module runs as `__main__`.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from transformers.utils import logging as hf_logging
 
 from cascade_service.core.mag import BigramTable
-from cascade_service.models import train
+from cascade_service.zoo import train
 from cascade_service.models.hf import HFModel
-from cascade_service.models.tiny import BOS, EOS, PAD
+from cascade_service.zoo.tiny import BOS, EOS, PAD
 
 BUILDER_VERSION = 1  # bump when the artefacts a spec produces change
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

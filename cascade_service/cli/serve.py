@@ -10,9 +10,9 @@ import sys
 import threading
 from typing import Any
 
-from .cli_parser import UsageError
-from .config import load_config
-from .extras import require
+from .parser import UsageError
+from ..config import load_config
+from ..extras import require
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     api_keys, tls = serve_access(args, config)
-    from .api.frontend import limits_from
+    from ..api.frontend import limits_from
 
     try:
         limits_from(config.serving.admission)  # out-of-range admission settings fail before anything starts
@@ -55,7 +55,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _stop_on_signals(stop)
     if args.frontend == "standalone":
-        from .standalone import start_standalone
+        from ..standalone import start_standalone
 
         standalone = start_standalone(config, args.host, port, args.redis_url, api_keys, tls, plain=args.plain,
                                       adapt_to_load=args.adapt_to_load)
@@ -71,7 +71,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise UsageError("--plain and --adapt-to-load go with --frontend standalone (the Ray app reads "
                          "serving.adapt_to_load from the config)")
     require("ray", f"serve --frontend {args.frontend} (the Ray Serve service)")
-    from .serving.local import LocalService
+    from ..serving.local import LocalService
 
     service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,
                            api_keys=api_keys, tls=tls)
@@ -120,7 +120,7 @@ def _stopping(grace_s: float) -> None:
 def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     """(API keys, TLS files) for `serve`, from the flags or else the config; UsageError where they are
     unusable, and for a non-loopback --host unless both keys and TLS are on."""
-    from .api.auth import TlsFiles, is_loopback, load_api_keys
+    from ..api.auth import TlsFiles, is_loopback, load_api_keys
 
     serving = config.serving
     keys_file = args.api_keys or serving.api_keys_file

@@ -9,11 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .cli_parser import Parser, UsageError
-from .core.verify import RULES
-from .extras import MissingExtra
-from .cli_serve import add_serve_command
-from .config import (
+from .parser import Parser, UsageError
+from ..core.verify import RULES
+from ..extras import MissingExtra
+from .serve import add_serve_command
+from ..config import (
     Config,
     ConfigError,
     GenerationConfig,
@@ -160,7 +160,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .engine import Engine  # heavy (torch, transformers): only when needed
+    from ..engine import Engine  # heavy (torch, transformers): only when needed
 
     config = _config_from_args(args)
     prompt = _read_prompt(args)
@@ -197,15 +197,15 @@ def _add_zoo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_zoo_build(args: argparse.Namespace) -> int:
-    from .paths import zoo_dir
+    from ..paths import zoo_dir
 
     out = args.out or zoo_dir(args.preset)
     if args.preset == "tiny":
-        from .models.tiny import build_family
+        from ..zoo.tiny import build_family
 
         paths = build_family(out)
     else:
-        from .models.zoo import build_zoo
+        from ..zoo.build import build_zoo
 
         paths = build_zoo(args.preset, out)
     for name, path in paths.items():
@@ -225,7 +225,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo  # heavy imports only when needed
+    from ..demo import run_demo  # heavy imports only when needed
 
     return run_demo(args.max_new_tokens, args.prompts, args.preset, args.layout, args.passes)
 
@@ -241,7 +241,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from .tune import tune
+    from ..tune import tune
 
     tune(args.config, args.prompts, args.out, args.max_new_tokens, args.objective)
     return 0
@@ -249,20 +249,20 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 def _add_train_head(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a zoo drafter (offline)")
-    from .models.train_head import add_arguments  # argparse types only; training imports stay lazy
+    from ..zoo.train_head import add_arguments  # argparse types only; training imports stay lazy
 
     add_arguments(p)
     p.set_defaults(run=_run_train_head)
 
 
 def _run_train_head(args: argparse.Namespace) -> int:
-    from .models.train_head import run
+    from ..zoo.train_head import run
 
     return run(args)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from .bench.cli import add_bench_command
+    from ..bench.cli import add_bench_command
 
     add_bench_command(sub, Parser)
 
@@ -306,7 +306,7 @@ def _add_client_access(c: argparse.ArgumentParser) -> None:
 
 
 def _run_client(args: argparse.Namespace) -> int:
-    from .client import CascadeClient, errors
+    from ..client import CascadeClient, errors
 
     command = args.client_command
     try:

@@ -1,0 +1,1 @@
+"""Helpers the test modules share (never imported from another test module)."""
