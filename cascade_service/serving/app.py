@@ -14,11 +14,9 @@ place independently; a Serve config file (deploy/serve_config.yaml) may override
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -37,12 +35,8 @@ from ..api.servicer import (
     Overloaded,
     Unavailable,
     fail,
-    failure,
-    status_for,
 )
-from ..api.status import STOPPING
 from ..config import (
-    MAG,
     CascadeConfig,
     Config,
     ConfigError,
@@ -70,7 +64,13 @@ from ..startup import check_vocabularies
 from .bridge import Offloaded, await_, in_bridge, iterate_bridged, run_bridged
 from .session_actor import actor_store
 from ..transport.remote import RemoteTier
-from .tier import SubCascade, TierGroup, replica_tier
+from .calls import Calls, Stopped, raise_if_failed, reply_for
+from .tier import check_adaptive_reviewers, replica_tier, system_heads
+from .tier_deployment import (
+    DEFAULT_MAX_ONGOING,
+    TierDeployment,
+    replica_gpus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,64 +97,6 @@ LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {
 WATCH_POLL_S = 5.0  # how often a health Watch looks for a change of status
 
 DEFAULT_MAX_QUEUED = 64  # per deployment handle; `serving.deployments.<name>.max_queued_requests` overrides
-# Calls a replica works on at once (Serve's own default is 5): a tier batches concurrent requests'
-# forward passes and a coordinator's requests mostly wait on tiers, so both gain from many.
-# `serving.deployments.<name>.max_ongoing_requests` overrides it.
-DEFAULT_MAX_ONGOING = 64
-
-
-def tier_deployment_name(tier: str) -> str:
-    """The deployment of a tier that is not in a group."""
-    return deployment_name((tier,))
-
-
-@serve.deployment
-class TierDeployment:
-    """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them.
-
-    Block calls (draft, review) carry the tier protocol's bytes (transport.codec) and block on forward passes, so each runs on a thread of the
-    replica's own pool, one per call Serve lets in (max_ongoing); every model batches the forward
-    passes of those concurrent calls, so requests decoding at once share passes.
-    """
-
-    def __init__(self, tiers: list[dict[str, Any]], mag: dict[str, Any] | None = None, torch_threads: int | None = None,
-                 max_ongoing: int = DEFAULT_MAX_ONGOING, systems: dict[str, dict[str, Any]] | None = None):
-        if torch_threads:
-            import torch
-
-            torch.set_num_threads(torch_threads)
-        mag = mag or {}
-        # Each tier follows the GPUs Ray gave this replica (serving.tier.replica_tier).
-        name, gpus = deployment_name([t["name"] for t in tiers]), replica_gpus()
-        group = [replica_tier(ModelTierConfig(**t), gpus, name) for t in tiers]
-        self.group = TierGroup(group, mag.get("bigram"), mag.get("max_ngram", 16),
-                               systems={n: SubCascade.of(spec) for n, spec in (systems or {}).items()})
-        for server in self.group.servers.values():
-            server.model.enable_batching()
-        self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
-
-    def info(self) -> dict[str, Any]:
-        return self.group.info()
-
-    async def draft(self, data: bytes) -> bytes:
-        return await self._blocking(self.group.draft, data)
-
-    async def review(self, data: bytes) -> bytes:
-        return await self._blocking(self.group.review, data)
-
-    async def _blocking(self, call: Callable[[bytes], bytes], data: bytes) -> bytes:
-        # A caller that cancels stops a call still queued here; one under way runs to its end (a thread
-        # cannot be interrupted), which is one block: short.
-        return await asyncio.get_running_loop().run_in_executor(self.pool, call, data)
-
-    def release(self, data: bytes) -> bool:
-        return self.group.release(data)
-
-    def cached_requests(self) -> int:
-        return self.group.cached_requests()
-
-    def counters(self) -> dict[str, int]:
-        return self.group.counters()
 
 
 @serve.deployment
@@ -180,7 +122,7 @@ class CoordinatorDeployment:
         # colocated tier's forward passes, the session store's calls, building the servicer. One thread
         # per call Serve lets in, so those never queue behind the loop's small default executor.
         self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="coordinator-io")
-        self._calls = _Calls()
+        self._calls = Calls()
 
     def _build(self) -> CascadeServicer:
         # Called from a worker thread: asking the tiers for their facts blocks on them.
@@ -202,7 +144,7 @@ class CoordinatorDeployment:
                 facts = {name: TierFacts.of(model) for name, model in self.local.items()}
                 for handle in {id(h): h for h in self.handles.values()}.values():
                     facts |= {name: TierFacts.from_info(i) for name, i in handle.info.remote().result().items()}
-                self.systems = set(_system_heads(cascade, serving))
+                self.systems = set(system_heads(cascade, serving))
                 mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
                 coordinator = assemble_coordinator(
                     cascade, facts, hf_tokenizer(load_tokenizer(cascade.target.path)), self._remote_tiers,
@@ -229,7 +171,7 @@ class CoordinatorDeployment:
         try:
             with self._calls.admit():
                 return await run_bridged(_serve, await self._servicer_ready(), method, request, context)
-        except _Stopped as exc:
+        except Stopped as exc:
             fail(grpc_context, exc, None)
             return UNARY[method][1]()
 
@@ -244,9 +186,9 @@ class CoordinatorDeployment:
                     servicer = await self._servicer_ready()
                     async for chunk in iterate_bridged(lambda: servicer.GenerateStream(request, context)):
                         yield chunk
-            except _Stopped as exc:
+            except Stopped as exc:
                 fail(grpc_context, exc, None)
-        _raise_if_failed(grpc_context)
+        raise_if_failed(grpc_context)
 
     async def CreateSession(self, request, grpc_context):
         return await self._unary("CreateSession", request, grpc_context)
@@ -273,8 +215,8 @@ class CoordinatorDeployment:
                     return context.code.name, context.details, response.SerializeToString()
 
                 return await run_bridged(run)
-        except _Stopped as exc:
-            return _reply(exc)
+        except Stopped as exc:
+            return reply_for(exc)
 
     async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
         context = RecordingContext(owner)
@@ -284,8 +226,8 @@ class CoordinatorDeployment:
                 chunks = lambda: _serve(servicer, method, request_type(method).FromString(body), context)
                 async for chunk in iterate_bridged(chunks):
                     yield "OK", "", chunk.SerializeToString()
-        except _Stopped as exc:
-            yield _reply(exc)
+        except Stopped as exc:
+            yield reply_for(exc)
             return
         if context.code.name != "OK":
             yield context.code.name, context.details, b""
@@ -326,119 +268,6 @@ class CoordinatorDeployment:
         except Exception:
             log.exception("health check failed")
             return False
-
-
-class _Stopped(Unavailable):
-    """A call refused or cancelled because the coordinator is draining (CoordinatorDeployment.drain)."""
-
-    def __init__(self) -> None:
-        super().__init__(STOPPING)
-
-
-class _Calls:
-    """The coordinator's calls in flight, so a stop can drain them: wait, then cancel what is left.
-
-    A call cancelled here ends with UNAVAILABLE and says why; without it, Serve would end it by killing
-    the replica once graceful_shutdown_timeout_s passed, and Ray's proxy would report that as INTERNAL.
-    """
-
-    def __init__(self) -> None:
-        self.stopping = False
-        self.tasks: set[asyncio.Task] = set()
-
-    @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        """Run one call; _Stopped when draining (before it starts, or once drain cancels it)."""
-        if self.stopping:
-            raise _Stopped()
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
-        try:
-            yield
-        except asyncio.CancelledError:
-            if not self.stopping:
-                raise  # the caller hung up or ran out of time: Serve's own cancel
-            raise _Stopped() from None
-        finally:
-            self.tasks.discard(task)
-
-    async def drain(self, grace_s: float) -> int:
-        self.stopping = True
-        deadline = asyncio.get_running_loop().time() + grace_s
-        while self.tasks and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        left = list(self.tasks)
-        for task in left:
-            task.cancel()
-        while self.tasks:  # each ends with its status before the replica stops
-            await asyncio.sleep(0.01)
-        return len(left)
-
-
-def _reply(exc: Exception) -> Reply:
-    code, details = status_for(exc)
-    return code.name, details, b""
-
-
-class StreamFailed(Exception):
-    """Ends a server-streaming call whose status the servicer set on the context.
-
-    Ray Serve's gRPC proxy takes a stream's status from each message it forwards, so a stream that
-    fails before its first message (or after its last) would end OK and empty; raised with the code
-    set on the context, the error reaches the client with that code and the servicer's message.
-    """
-
-
-def _raise_if_failed(grpc_context: Any) -> None:
-    message = failure(grpc_context) if grpc_context is not None else None
-    if message is not None:
-        raise StreamFailed(message)
-
-
-def _system_heads(cascade, serving: ServingConfig) -> dict[str, dict[str, Any]]:
-    """Group members whose whole sub-cascade lies in their group (+ MaG): {name: SubCascade fields}."""
-    names = [t.name for t in cascade.tiers]
-    k = cascade.schedule.to_lists()
-    heads = {}
-    for group in serving.groups:
-        for name in group:
-            h = names.index(name)
-            below = set(names[h + 1:])
-            if h == 0 or cascade.schedule.is_leaf(h) or not below <= set(group) | {MAG}:
-                continue
-            reach, todo = set(), [h]
-            while todo:  # every tier the sub-cascade reaches from h
-                r = todo.pop()
-                for c, _ in (cascade.schedule.row(r) if r < len(k) else []):
-                    if c + 1 not in reach:
-                        reach.add(c + 1)
-                        todo.append(c + 1)
-            if {names[i] for i in reach} == below:
-                heads[name] = {"tiers": names[h:], "k_matrix": [row[h:] for row in k[h:]],
-                               "leniency": cascade.leniency}
-    return heads
-
-
-def _check_adaptive_reviewers(cascade: CascadeConfig, serving: ServingConfig) -> None:
-    """SpecDec++ at a reviewing tier reads that tier's hidden states, so its review must run where the
-    cascade above it runs: colocated with the coordinator, or with its whole sub-cascade in its group."""
-    names = [t.name for t in cascade.tiers]
-    systems = _system_heads(cascade, serving)
-    for tier in cascade.adaptive:
-        r = names.index(tier)
-        if not cascade.schedule.is_leaf(r) and tier not in serving.colocate and tier not in systems:
-            raise ConfigError(f"schedule.adaptive.{tier}: a reviewing tier with an acceptance head must be in "
-                              "serving.colocate, or in a serving.groups group that holds its whole sub-cascade")
-
-
-def replica_gpus() -> list[int]:
-    """The torch indices of the GPUs Ray gave this replica: Ray narrows CUDA_VISIBLE_DEVICES to them,
-    so they are 0..n-1, unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES leaves every GPU visible."""
-    ids = ray.get_gpu_ids()
-    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "").lower() in ("1", "true"):
-        return [int(i) for i in ids]
-    return list(range(len(ids)))
 
 
 def _invoker(name: str, handle: DeploymentHandle):
@@ -485,7 +314,7 @@ def app_builder(args: dict[str, Any]):
     serving = config.serving
     if serving.adapt_to_load:
         _ray_arms(serving.load_arms)  # a bad serving.load_arms fails here, not at the first request
-    _check_adaptive_reviewers(config.cascade, serving)
+    check_adaptive_reviewers(config.cascade, serving)
     # A foreign vocabulary fails here, before anything deploys (model directories this machine
     # cannot read are checked by the coordinator, once the tiers are up).
     check_vocabularies(config.cascade)
@@ -493,7 +322,7 @@ def app_builder(args: dict[str, Any]):
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
     mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
     mag_args = {"bigram": mag.bigram, "max_ngram": mag.max_ngram} if mag else None
-    systems = _system_heads(config.cascade, serving)  # each replica learns its sub-cascades once, here
+    systems = system_heads(config.cascade, serving)  # each replica learns its sub-cascades once, here
     handles = {}
     for group in tier_groups(list(by_name), serving.colocate, serving.groups):
         name = deployment_name(group)
@@ -501,7 +330,7 @@ def app_builder(args: dict[str, Any]):
         handle = TierDeployment.options(name=name, **options).bind(
             [asdict(by_name[n]) for n in group],
             mag_args if len(group) > 1 else None, serving.torch_threads, options["max_ongoing_requests"],
-            {n: spec for n, spec in systems.items() if n in group})
+            {n: asdict(spec) for n, spec in systems.items() if n in group})
         handles |= {n: handle for n in group}
     options = _options(serving, COORDINATOR, local)
     return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(

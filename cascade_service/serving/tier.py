@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, ModelTierConfig
+from ..config import MAG, CascadeConfig, ConfigError, ModelTierConfig, ServingConfig
 from ..core.adaptive import AdaptiveLength, DraftStopper
 from ..core.cascade import RequestState, build_cascade
 from ..core.local import MaGTier, ModelTier
@@ -40,7 +40,6 @@ from ..transport.codec import (
     encode_review_reply,
 )
 
-MAG_NAME = "mag"
 MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used request's cache is dropped
 
 
@@ -151,7 +150,7 @@ class TierGroup:
         self.max_cached = max_cached_requests
         self.systems = {name: (sub, sub.schedule()) for name, sub in (systems or {}).items()}
         for name, (sub, _) in self.systems.items():
-            missing = [t for t in sub.tiers if t != MAG_NAME and t not in self.servers]
+            missing = [t for t in sub.tiers if t != MAG and t not in self.servers]
             if missing or sub.tiers[0] != name:
                 raise ConfigError(f"sub-cascade of {name!r}: {', '.join(missing) or sub.tiers[0]} not in this group")
         self._mags: OrderedDict[str, MaxGram] = OrderedDict()
@@ -213,7 +212,7 @@ class TierGroup:
         state = RequestState(request.sampling, torch.Generator().manual_seed(request.seed), stats, head.vocab_size,
                              request.eos_ids, adaptive=dict(request.adaptive), make_stopper=self.heads.stopper,
                              request_id=rid)
-        tiers: list[Tier] = [MaGTier(self._mag(rid), head.vocab_size) if n == MAG_NAME else self.servers[n].request_tier(rid)
+        tiers: list[Tier] = [MaGTier(self._mag(rid), head.vocab_size) if n == MAG else self.servers[n].request_tier(rid)
                              for n in sub.tiers]
         system = build_cascade(tiers[0], tiers[1:], schedule, sub.leniency, state, strict_top=False)
         reply = system.draft(request)
@@ -230,3 +229,38 @@ class TierGroup:
             while len(self._mags) > self.max_cached:
                 self._mags.popitem(last=False)
             return mag
+
+
+def system_heads(cascade: CascadeConfig, serving: ServingConfig) -> dict[str, SubCascade]:
+    """Group members whose whole sub-cascade lies in their group (+ MaG), with that sub-cascade."""
+    names = [t.name for t in cascade.tiers]
+    k = cascade.schedule.to_lists()
+    heads = {}
+    for group in serving.groups:
+        for name in group:
+            h = names.index(name)
+            below = set(names[h + 1:])
+            if h == 0 or cascade.schedule.is_leaf(h) or not below <= set(group) | {MAG}:
+                continue
+            reach, todo = set(), [h]
+            while todo:  # every tier the sub-cascade reaches from h
+                r = todo.pop()
+                for c, _ in (cascade.schedule.row(r) if r < len(k) else []):
+                    if c + 1 not in reach:
+                        reach.add(c + 1)
+                        todo.append(c + 1)
+            if {names[i] for i in reach} == below:
+                heads[name] = SubCascade(tuple(names[h:]), tuple(tuple(row[h:]) for row in k[h:]), cascade.leniency)
+    return heads
+
+
+def check_adaptive_reviewers(cascade: CascadeConfig, serving: ServingConfig) -> None:
+    """SpecDec++ at a reviewing tier reads that tier's hidden states, so its review must run where the
+    cascade above it runs: colocated with the coordinator, or with its whole sub-cascade in its group."""
+    names = [t.name for t in cascade.tiers]
+    systems = system_heads(cascade, serving)
+    for tier in cascade.adaptive:
+        r = names.index(tier)
+        if not cascade.schedule.is_leaf(r) and tier not in serving.colocate and tier not in systems:
+            raise ConfigError(f"schedule.adaptive.{tier}: a reviewing tier with an acceptance head must be in "
+                              "serving.colocate, or in a serving.groups group that holds its whole sub-cascade")

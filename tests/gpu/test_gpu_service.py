@@ -54,7 +54,8 @@ def test_the_standalone_server_serves_a_gpu_target_exactly(tiny_family):
 def test_a_ray_tier_given_a_gpu_runs_on_it_and_serves_exactly(tiny_family, tmp_path):
     from ray import serve
 
-    from cascade_service.serving.app import APP_NAME, tier_deployment_name
+    from cascade_service.serving.app import APP_NAME
+    from cascade_service.serving.tier_deployment import tier_deployment_name
     from cascade_service.serving.local import LocalService
 
     gpu_tier = {tier_deployment_name("target"): {"ray_actor_options": {"num_gpus": 1, "num_cpus": 0.5}}}

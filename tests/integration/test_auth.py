@@ -364,7 +364,8 @@ class ProxyContext:
 def test_the_coordinator_checks_keys_of_calls_from_rays_proxy(coordinator, config_file, keys_file, tmp_path):
     import asyncio
 
-    from cascade_service.serving.app import CoordinatorDeployment, StreamFailed
+    from cascade_service.serving.app import CoordinatorDeployment
+    from cascade_service.serving.calls import StreamFailed
 
     configured = tmp_path / "keys.yaml"
     configured.write_text(config_file.read_text() + f"serving:\n  api_keys_file: {keys_file}\n")

@@ -82,7 +82,7 @@ def test_remote_sampling_is_reproducible_per_seed(tiny_family):
 def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_family, tmp_path):
     from cascade_service.config import ServingConfig
     from cascade_service.core.mag import BigramTable
-    from cascade_service.serving.app import _system_heads
+    from cascade_service.serving.tier import system_heads
 
     tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}
     bigram = tmp_path / "bigram.json"
@@ -91,13 +91,13 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
     # lies in the group {close, mid} + MaG, so one call drafts close's contribution
     cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig(bigram=str(bigram))],
                            [[4, 0, 0], [0, 2, 0], [0, 0, 5]], 2.0)
-    heads = _system_heads(cascade, ServingConfig(groups=(("close", "mid"),)))  # the deployment's sub-cascades
-    assert heads == {"close": {"tiers": ["close", "mid", "mag"], "k_matrix": [[2, 0], [0, 5]], "leniency": 2.0},
-                     "mid": {"tiers": ["mid", "mag"], "k_matrix": [[5]], "leniency": 2.0}}
-    assert _system_heads(make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
+    heads = system_heads(cascade, ServingConfig(groups=(("close", "mid"),)))  # the deployment's sub-cascades
+    assert heads == {"close": SubCascade(("close", "mid", "mag"), ((2, 0), (0, 5)), 2.0),
+                     "mid": SubCascade(("mid", "mag"), ((5,),), 2.0)}
+    assert system_heads(make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
                                       [[4, 2, 0], [0, 2, 0], [0, 0, 5]], 2.0), ServingConfig(groups=(("close",),))) == {}
     target = TierGroup([tiers["target"]])
-    group = TierGroup([tiers["close"], tiers["mid"]], str(bigram), systems={"close": SubCascade.of(heads["close"])})
+    group = TierGroup([tiers["close"], tiers["mid"]], str(bigram), systems={"close": heads["close"]})
     calls: list[str] = []
 
     def via(server):
@@ -129,13 +129,13 @@ def test_a_reviewing_tier_with_a_head_must_review_where_its_hidden_states_are(ti
     # a reviewing tier whose reviews would cross to another replica one block at a time.
     from cascade_service.config import ConfigError, ServingConfig
     from cascade_service.core.adaptive import AdaptiveLength
-    from cascade_service.serving.app import _check_adaptive_reviewers
+    from cascade_service.serving.tier import check_adaptive_reviewers
 
     tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}
     adaptive = {"close": AdaptiveLength("specdec", 0.5, "head-dir")}
     cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
                            [[4, 0, 0], [0, 2, 0], [0, 0, 5]], 2.0, None, adaptive)
     with pytest.raises(ConfigError, match="schedule.adaptive.close: a reviewing tier"):
-        _check_adaptive_reviewers(cascade, ServingConfig())
-    _check_adaptive_reviewers(cascade, ServingConfig(colocate=("close",)))
-    _check_adaptive_reviewers(cascade, ServingConfig(groups=(("close", "mid"),)))
+        check_adaptive_reviewers(cascade, ServingConfig())
+    check_adaptive_reviewers(cascade, ServingConfig(colocate=("close",)))
+    check_adaptive_reviewers(cascade, ServingConfig(groups=(("close", "mid"),)))

@@ -1,0 +1,83 @@
+"""The Ray Serve deployment of a tier replica (or a group of tiers), and what the app needs to place it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+from ray import serve
+
+from ..config import ModelTierConfig, deployment_name
+from .tier import SubCascade, TierGroup, replica_tier
+
+# Calls a replica works on at once (Serve's own default is 5): a tier batches concurrent requests'
+# forward passes and a coordinator's requests mostly wait on tiers, so both gain from many.
+# `serving.deployments.<name>.max_ongoing_requests` overrides it.
+DEFAULT_MAX_ONGOING = 64
+
+
+def tier_deployment_name(tier: str) -> str:
+    """The deployment of a tier that is not in a group."""
+    return deployment_name((tier,))
+
+
+@serve.deployment
+class TierDeployment:
+    """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them.
+
+    Block calls (draft, review) carry the tier protocol's bytes (transport.codec) and block on forward passes, so each runs on a thread of the
+    replica's own pool, one per call Serve lets in (max_ongoing); every model batches the forward
+    passes of those concurrent calls, so requests decoding at once share passes.
+    """
+
+    def __init__(self, tiers: list[dict[str, Any]], mag: dict[str, Any] | None = None, torch_threads: int | None = None,
+                 max_ongoing: int = DEFAULT_MAX_ONGOING, systems: dict[str, dict[str, Any]] | None = None):
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(torch_threads)
+        mag = mag or {}
+        # Each tier follows the GPUs Ray gave this replica (serving.tier.replica_tier).
+        name, gpus = deployment_name([t["name"] for t in tiers]), replica_gpus()
+        group = [replica_tier(ModelTierConfig(**t), gpus, name) for t in tiers]
+        self.group = TierGroup(group, mag.get("bigram"), mag.get("max_ngram", 16),
+                               systems={n: SubCascade.of(spec) for n, spec in (systems or {}).items()})
+        for server in self.group.servers.values():
+            server.model.enable_batching()
+        self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
+
+    def info(self) -> dict[str, Any]:
+        return self.group.info()
+
+    async def draft(self, data: bytes) -> bytes:
+        return await self._blocking(self.group.draft, data)
+
+    async def review(self, data: bytes) -> bytes:
+        return await self._blocking(self.group.review, data)
+
+    async def _blocking(self, call: Callable[[bytes], bytes], data: bytes) -> bytes:
+        # A caller that cancels stops a call still queued here; one under way runs to its end (a thread
+        # cannot be interrupted), which is one block: short.
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call, data)
+
+    def release(self, data: bytes) -> bool:
+        return self.group.release(data)
+
+    def cached_requests(self) -> int:
+        return self.group.cached_requests()
+
+    def counters(self) -> dict[str, int]:
+        return self.group.counters()
+
+
+def replica_gpus() -> list[int]:
+    """The torch indices of the GPUs Ray gave this replica: Ray narrows CUDA_VISIBLE_DEVICES to them,
+    so they are 0..n-1, unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES leaves every GPU visible."""
+    ids = ray.get_gpu_ids()
+    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "").lower() in ("1", "true"):
+        return [int(i) for i in ids]
+    return list(range(len(ids)))
