@@ -1,0 +1,262 @@
+"""Configuration: one tree of frozen, validated objects, loaded here and nowhere else.
+
+Strings become objects once, here (a drafter named "mag" becomes `MaGConfig`, a K-matrix becomes a
+`Schedule`); every other module receives only its own slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+import torch
+
+from ..core.adaptive import AdaptiveLength, StopperFactory
+from ..core.cascade import Lookup, RequestState
+from ..core.sampling import SamplingParams
+from ..core.schedule import Schedule, ScheduleError
+from ..core.stats import CascadeStats
+from ..core.request import GenerationConfig, check_stop_threshold
+from ..core.verify import Verification
+from .base import (  # noqa: F401 - part of this package's interface
+    DEVICE,
+    DTYPES,
+    MAG,
+    ConfigError,
+    MaGConfig,
+    ModelTierConfig,
+    _check_int,
+    _mapping,
+    _only,
+    _resolve,
+)
+from .serving import (  # noqa: F401 - part of this package's interface
+    ADMISSION_KEYS,
+    DEPLOYMENT_OPTIONS,
+    ENV_REFERENCE,
+    MAX_SHUTDOWN_GRACE_S,
+    ServingConfig,
+    _serving,
+    deployment_name,
+    resolve_redis_url,
+    tier_groups,
+)
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    target: ModelTierConfig
+    drafters: tuple[ModelTierConfig | MaGConfig, ...]  # largest first, MaG last
+    schedule: Schedule  # the K-matrix
+    leniency: float = 1.0  # inner reviews only; the target's review is always strict
+    lookup: Lookup | None = None  # MaG-first gate at the target (needs MaG among the drafters)
+    # Adaptive draft length (SpecDec++ or the confidence baseline) per tier that drafts alone.
+    adaptive: dict[str, AdaptiveLength] = field(default_factory=dict, hash=False)  # dicts do not hash
+
+    @property
+    def tiers(self) -> tuple[ModelTierConfig | MaGConfig, ...]:
+        return (self.target, *self.drafters)
+
+    def max_block(self) -> int:
+        """The most drafts the target reviews in one round under this schedule (MaG lookup included)."""
+        rows = self.schedule.to_lists()
+        lookup = self.lookup.tokens if self.lookup is not None else 0
+        return max(sum(rows[0]) if rows else 0, lookup)
+
+
+def request_state(gen: GenerationConfig, stats: CascadeStats, vocab_size: int, eos_ids: frozenset[int],
+                  adaptive: dict[str, AdaptiveLength] | None = None,
+                  make_stopper: StopperFactory | None = None) -> RequestState:
+    """The shared state of one request's cascade, from its generation settings."""
+    v = gen.verification
+    stats.verification = v.describe()
+    sampling = SamplingParams(gen.temperature, gen.top_p, rows=v.needs_rows)
+    return RequestState(sampling, torch.Generator().manual_seed(gen.seed), stats, vocab_size, eos_ids, v,
+                        with_stop_threshold(adaptive or {}, gen.stop_threshold), make_stopper)
+
+
+def with_stop_threshold(adaptive: dict[str, AdaptiveLength], threshold: float | None) -> dict[str, AdaptiveLength]:
+    """The tiers' adaptive draft lengths with a request's SpecDec++ threshold applied.
+
+    Raises ValueError naming `stop_threshold` when it is out of (0, 1) or no tier has an acceptance
+    head to apply it to: a request must not believe it changed something that does not exist.
+    """
+    threshold = check_stop_threshold(threshold)
+    if threshold is None:
+        return dict(adaptive)
+    if not any(spec.rule == "specdec" for spec in adaptive.values()):
+        raise ValueError("stop_threshold: no tier of this cascade has an acceptance head "
+                         "(schedule.adaptive with rule specdec)")
+    return {tier: replace(spec, threshold=float(threshold)) if spec.rule == "specdec" else spec
+            for tier, spec in adaptive.items()}
+
+
+@dataclass(frozen=True)
+class Config:
+    cascade: CascadeConfig
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return parse_config(raw, base_dir=path.parent)
+
+
+def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
+    _only(raw, "", {"tiers", "schedule", "generation", "model", "serving"})
+    model_defaults = _mapping(raw.get("model", {}), "model")
+    tiers = _mapping(raw.get("tiers"), "tiers")
+    _only(tiers, "tiers.", {"target", "drafters"})
+    target = _model_tier(tiers.get("target"), "tiers.target", "target", model_defaults, base_dir)
+    drafter_list = tiers.get("drafters", [])
+    if not isinstance(drafter_list, list):
+        raise ConfigError("tiers.drafters must be a list")
+    drafters = tuple(
+        _drafter(item, f"tiers.drafters[{i}]", model_defaults, base_dir) for i, item in enumerate(drafter_list)
+    )
+    schedule_raw = _mapping(raw.get("schedule", {}), "schedule")
+    _only(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup", "adaptive"})
+    cascade = make_cascade(target, drafters, schedule_raw.get("k_matrix"), schedule_raw.get("leniency", 1.0),
+                           _lookup(schedule_raw.get("lookup")), make_adaptive(schedule_raw.get("adaptive", {}), base_dir))
+    gen_raw = _mapping(raw.get("generation", {}), "generation")
+    _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed", "verification"})
+    if "verification" in gen_raw:
+        gen_raw = {**gen_raw, "verification": make_verification(gen_raw["verification"], "generation.verification")}
+    serving = _serving(_mapping(raw.get("serving", {}), "serving"), cascade, base_dir)
+    return Config(cascade, make_generation(GenerationConfig(), gen_raw), serving)
+
+
+def make_cascade(
+    target: ModelTierConfig,
+    drafters: Sequence[ModelTierConfig | MaGConfig],
+    k_matrix: Any,
+    leniency: Any,
+    lookup: Lookup | None = None,
+    adaptive: dict[str, AdaptiveLength] | None = None,
+) -> CascadeConfig:
+    names = [d.name for d in drafters]
+    if len(set(names) | {target.name}) != len(names) + 1:
+        raise ConfigError(f"tier names must be unique, got target {target.name!r} and drafters {names}")
+    try:
+        if k_matrix is None:
+            schedule = Schedule.default(names)
+        elif isinstance(k_matrix, str):
+            schedule = Schedule.from_json(k_matrix, names)
+        else:
+            schedule = Schedule.parse(k_matrix, names)
+    except ScheduleError as exc:
+        raise ConfigError(f"schedule.k_matrix: {exc}") from None
+    if isinstance(leniency, bool) or not isinstance(leniency, (int, float)) or not leniency >= 1.0:
+        raise ConfigError(f"schedule.leniency must be a number >= 1, got {leniency!r}")
+    if lookup is not None and not any(isinstance(d, MaGConfig) for d in drafters):
+        raise ConfigError("schedule.lookup needs the MaG drafter (kind: mag) among tiers.drafters")
+    for tier in adaptive or {}:
+        r = names.index(tier) + 1 if tier in names else 0
+        if not r or isinstance(drafters[r - 1], MaGConfig):
+            raise ConfigError(f"schedule.adaptive.{tier}: not a model drafter (drafters: {names})")
+        if not schedule.is_leaf(r) and adaptive[tier].rule != "specdec":  # type: ignore[index]
+            raise ConfigError(f"schedule.adaptive.{tier}: this tier reviews (its K-matrix row is not zero); a "
+                              "reviewing tier stops its part early only by SpecDec++ (rule: specdec, with a head)")
+    return CascadeConfig(target, tuple(drafters), schedule, float(leniency), lookup, dict(adaptive or {}))
+
+
+def make_adaptive(raw: Any, base_dir: Path = Path("."), where: str = "schedule.adaptive") -> dict[str, AdaptiveLength]:
+    """{tier: {rule, threshold, head}} -> AdaptiveLength per tier; errors name the field."""
+    out = {}
+    for tier, spec in _mapping(raw, where).items():
+        spec = _mapping(spec, f"{where}.{tier}")
+        _only(spec, f"{where}.{tier}.", {"rule", "threshold", "head"})
+        head = spec.get("head")
+        if head is not None:
+            if not isinstance(head, str) or not head:
+                raise ConfigError(f"{where}.{tier}.head must be a directory written by `cascade-service train-head`")
+            head = _resolve(head, base_dir)
+        try:
+            out[str(tier)] = AdaptiveLength(spec.get("rule", ""), spec.get("threshold", 0.0), head)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}.{tier}.{exc}") from None
+    return out
+
+
+def _lookup(raw: Any) -> Lookup | None:
+    if raw is None:
+        return None
+    _only(_mapping(raw, "schedule.lookup"), "schedule.lookup.", {"min_match", "tokens"})
+    try:
+        return Lookup(**raw)
+    except ValueError as exc:
+        raise ConfigError(f"schedule.{exc}") from None
+
+
+def make_generation(base: GenerationConfig, overrides: dict[str, Any]) -> GenerationConfig:
+    """`base` with overrides applied (None = keep), checked as every request is (core.request)."""
+    try:
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as exc:
+        raise ConfigError(f"generation.{exc}") from None
+
+
+def make_verification(raw: Any, where: str = "verification") -> Verification:
+    """{rule, alpha, beta} (beta: a number, or "tuned") -> Verification; errors name `where`."""
+    raw = _mapping(raw, where)
+    _only(raw, where + ".", {"rule", "alpha", "beta"})
+    beta = raw.get("beta", 1.0)
+    try:
+        return Verification(raw.get("rule", "exact"), raw.get("alpha"), None if beta == "tuned" else beta)
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("verification.", where + ".", 1)) from None
+
+
+def drafter_from_arg(arg: str, index: int, dtype: str, device: str) -> ModelTierConfig | MaGConfig:
+    """A command-line drafter: `mag`, or a model directory (named after it)."""
+    if arg == MAG:
+        return MaGConfig()
+    return _model_tier({"path": arg}, f"--drafter[{index}]", Path(arg).name or f"drafter{index}", {"dtype": dtype, "device": device}, Path("."))
+
+
+def target_from_arg(path: str, dtype: str, device: str) -> ModelTierConfig:
+    return _model_tier({"path": path}, "--target", "target", {"dtype": dtype, "device": device}, Path("."))
+
+
+def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTierConfig | MaGConfig:
+    if item == MAG:
+        return MaGConfig()
+    item = _mapping(item, where)
+    if item.get("kind") == MAG or (item.get("name") == MAG and "path" not in item):
+        _only(item, where + ".", {"kind", "name", "bigram", "max_ngram"})
+        bigram = item.get("bigram")
+        max_ngram = item.get("max_ngram", 16)
+        _check_int(max_ngram, where + ".max_ngram", 1, 64)
+        return MaGConfig(item.get("name", MAG), _resolve(bigram, base_dir) if bigram else None, max_ngram)
+    return _model_tier(item, where, None, defaults, base_dir)
+
+
+def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:
+    item = _mapping(item, where)
+    _only(item, where + ".", {"name", "path", "dtype", "device", "kind"})
+    if not isinstance(item.get("path"), str) or not item["path"]:
+        raise ConfigError(f"{where}.path must be a local model directory")
+    path = _resolve(item["path"], base_dir)
+    name = item.get("name") or default_name or Path(path).name
+    dtype = item.get("dtype", defaults.get("dtype", "float32"))
+    if dtype not in DTYPES:
+        raise ConfigError(f"{where}.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device = item.get("device", defaults.get("device", "cpu"))
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+        raise ConfigError(f"{where}.device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    if name == MAG:
+        raise ConfigError(f"{where}.name: 'mag' is reserved for the Max-Gram drafter")
+    return ModelTierConfig(str(name), path, dtype, device, key=where)
+
+

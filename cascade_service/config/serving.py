@@ -1,0 +1,188 @@
+"""The `serving` section: how `cascade-service serve` places, scales and protects the tiers."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..scheduling.trial import ARMS
+from .base import ConfigError, ModelTierConfig, _check_int, _mapping, _only, _resolve
+
+if TYPE_CHECKING:
+    from . import CascadeConfig
+
+
+DEPLOYMENT_OPTIONS = {"num_replicas", "ray_actor_options", "autoscaling_config", "max_ongoing_requests",
+                      "max_queued_requests", "graceful_shutdown_timeout_s"}
+
+
+MAX_SHUTDOWN_GRACE_S = 3600
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """How `cascade-service serve` places and scales the tiers (Ray Serve); ignored in-process."""
+
+    grpc_port: int = 9000
+    # None: sessions in an in-cluster actor (survives app restarts, not Ray's). `${NAME}` in it is read
+    # from the environment when the config loads: deploy files give each pod or node CASCADE_REDIS_URL.
+    redis_url: str | None = None
+    session_namespace: str = "cascade"
+    session_ttl_s: int = 7 * 24 * 3600
+    # Live sessions one API key (or all anonymous callers together) may hold; None: no limit. With each
+    # session within the model's context, this also bounds the tokens a key stores.
+    max_sessions_per_key: int | None = 1000
+    # Model tiers hosted inside the coordinator's replica instead of their own deployment: their calls
+    # cost no hop, but they scale with the coordinator. MaG always runs in the coordinator (it is a
+    # dict lookup), so colocating the smallest tier puts MaG beside it.
+    colocate: tuple[str, ...] = ()
+    # Model tiers that share one deployment (`tier-<a>-<b>`). A member whose whole sub-cascade (the
+    # tiers below it in the K-matrix, MaG included) lies in its group runs it there in one call.
+    groups: tuple[tuple[str, ...], ...] = ()
+    torch_threads: int | None = None  # per tier replica; None: torch's default
+    # deployment name ("coordinator", "tier-<name>") -> Ray Serve options: num_replicas,
+    # ray_actor_options (num_cpus, num_gpus, accelerator_type, resources), autoscaling_config, ...
+    deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Access control of the gRPC edge (api/auth.py); relative paths are relative to the config file.
+    api_keys_file: str | None = None  # one key per line (`KEY [name]`, `#` comments); None: no keys
+    tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file: serve TLS
+    tls_key_file: str | None = None  # PEM private key
+    # Speculation that adapts to load (scheduling.load): each round's drafting is chosen from measured
+    # acceptance and what the load makes of each way of drafting. The standalone server's
+    # --adapt-to-load turns it on too.
+    adapt_to_load: bool = False
+    # The ways of drafting its trial chooses between, wherever speculation adapts to load (scheduling.trial.ARMS);
+    # None: every one the frontend can run. E.g. [full, budget] on a pool where drafting always pays, to
+    # spare the trial its exploring; one arm alone: that arm, no trial.
+    load_arms: tuple[str, ...] | None = None
+    # On SIGTERM or Ctrl-C, `serve` stops taking calls and gives the calls in flight this long to finish
+    # before it cancels them (each ends with a status, never silently); Ray Serve replicas get the same
+    # graceful_shutdown_timeout_s unless serving.deployments sets one. Then Serve and Ray stop.
+    shutdown_grace_s: float = 10.0
+    # What the standalone server and the edge admit (api.frontend.Limits, docs/service.md "Admission"):
+    # any of ADMISSION_KEYS; unset ones keep their defaults (workers: the frontend's own).
+    admission: dict[str, float] = field(default_factory=dict)
+
+
+# The settings of serving.admission (api.frontend.Limits' fields).
+ADMISSION_KEYS = ("workers", "max_queued", "max_pending", "max_calls_per_key", "max_streams_per_connection",
+                  "body_timeout_s", "max_probes", "max_message_bytes")
+
+
+def _load_arms(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    # membership first: then every item is a string, and the set of them can be built
+    if not isinstance(value, list) or not value or any(arm not in ARMS for arm in value) \
+            or len(set(value)) != len(value):
+        raise ConfigError(f"serving.load_arms must be a non-empty list of distinct arms among {list(ARMS)}, "
+                          f"got {value!r}")
+    return tuple(value)
+
+
+def _admission(value: Any) -> dict[str, float]:
+    """serving.admission: known keys, each a number (the ranges are Limits' own, checked when `serve` starts)."""
+    if value is None:
+        return {}
+    raw = _mapping(value, "serving.admission")
+    _only(raw, "serving.admission.", set(ADMISSION_KEYS))
+    for key, number in raw.items():
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ConfigError(f"serving.admission.{key} must be a number, got {number!r}")
+        if key != "body_timeout_s" and number != int(number):
+            raise ConfigError(f"serving.admission.{key} must be a whole number, got {number!r}")
+    return {k: (float(v) if k == "body_timeout_s" else int(v)) for k, v in raw.items()}
+
+
+def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
+    _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
+                            "groups", "torch_threads", "deployments", "api_keys_file", "tls_cert_file",
+                            "tls_key_file", "adapt_to_load", "load_arms", "shutdown_grace_s", "admission",
+                            "max_sessions_per_key"})
+    serving = ServingConfig(**{k: v for k, v in raw.items()
+                               if k not in ("deployments", "colocate", "groups", "load_arms", "admission")},
+                            load_arms=_load_arms(raw.get("load_arms")), admission=_admission(raw.get("admission")))
+    _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
+    _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
+    if serving.max_sessions_per_key is not None:
+        _check_int(serving.max_sessions_per_key, "serving.max_sessions_per_key", 1, 10**9)
+    if serving.torch_threads is not None:
+        _check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
+    grace = serving.shutdown_grace_s
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
+        raise ConfigError(f"serving.shutdown_grace_s must be a number of seconds in [0, {MAX_SHUTDOWN_GRACE_S}], "
+                          f"got {grace!r}")
+    if not isinstance(serving.adapt_to_load, bool):
+        raise ConfigError(f"serving.adapt_to_load must be true or false, got {serving.adapt_to_load!r}")
+    serving = replace(serving, redis_url=resolve_redis_url(serving.redis_url, "serving.redis_url"))
+    if not isinstance(serving.session_namespace, str) or not serving.session_namespace or ":" in serving.session_namespace:
+        raise ConfigError(f"serving.session_namespace must be a non-empty string without ':', got {serving.session_namespace!r}")
+    files = {}
+    for name in ("api_keys_file", "tls_cert_file", "tls_key_file"):
+        value = getattr(serving, name)
+        if value is not None and not (isinstance(value, str) and value):
+            raise ConfigError(f"serving.{name} must be a file path (a string), got {value!r}")
+        files[name] = None if value is None else _resolve(value, base_dir)
+    if (files["tls_cert_file"] is None) != (files["tls_key_file"] is None):
+        raise ConfigError("serving.tls_cert_file and serving.tls_key_file go together")
+    model_tiers = [t.name for t in cascade.tiers if isinstance(t, ModelTierConfig)]
+    colocate = raw.get("colocate", [])
+    if not isinstance(colocate, list) or any(name not in model_tiers for name in colocate):
+        raise ConfigError(f"serving.colocate must list model tiers ({', '.join(model_tiers)}), got {colocate!r}")
+    groups = raw.get("groups", [])
+    grouped = [name for group in groups for name in group] if isinstance(groups, list) and all(
+        isinstance(g, list) and g for g in groups) else None
+    if grouped is None or len(set(grouped)) != len(grouped) or any(
+            n not in model_tiers or n in colocate for n in grouped):
+        raise ConfigError(f"serving.groups must be disjoint non-empty lists of model tiers not in serving.colocate, "
+                          f"got {groups!r}")
+    names = {"coordinator"} | {deployment_name(group) for group in tier_groups(model_tiers, colocate, groups)}
+    deployments = _mapping(raw.get("deployments", {}), "serving.deployments")
+    for name, options in deployments.items():
+        if name not in names:
+            raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
+        _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
+    return replace(serving, colocate=tuple(colocate), groups=tuple(tuple(g) for g in groups),
+                   deployments={k: dict(v) for k, v in deployments.items()}, api_keys_file=files["api_keys_file"],
+                   tls_cert_file=files["tls_cert_file"], tls_key_file=files["tls_key_file"])
+
+
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def resolve_redis_url(value: Any, where: str) -> str | None:
+    """A session store URL with each `${NAME}` replaced by that environment variable; None stays None.
+
+    Only the braced form is read, so a `$` in a password stays as written. A reference to a variable
+    that is unset or empty is an error rather than an empty URL: a cluster whose sessions silently fell
+    back to one replica's memory would lose them whenever that replica went away.
+    """
+    if value is None:
+        return None
+
+    def lookup(match: re.Match) -> str:
+        found = os.environ.get(match.group(1))
+        if not found:
+            raise ConfigError(f"{where} reads {match.group(0)}, which is not set in this process's environment "
+                              f"(set it on every node, as the deploy files do, or write the URL out)")
+        return found
+
+    url = ENV_REFERENCE.sub(lookup, value) if isinstance(value, str) else value
+    if not (isinstance(url, str) and url.startswith(("redis://", "rediss://", "unix://"))):
+        # An expanded value is not echoed: it may hold a password.
+        shown = f"{value!r} (its value is not such a URL)" if url != value else repr(value)
+        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL, got {shown}")
+    return url
+
+
+def tier_groups(model_tiers: Sequence[str], colocate: Sequence[str], groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """The tier deployments: each configured group, then every other non-colocated model tier alone."""
+    grouped = {name for group in groups for name in group}
+    return [tuple(g) for g in groups] + [(n,) for n in model_tiers if n not in grouped and n not in colocate]
+
+
+def deployment_name(group: Sequence[str]) -> str:
+    return "tier-" + "-".join(group)
