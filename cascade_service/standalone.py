@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api.auth import ApiKeys, TlsFiles
-from .api.frontend import limits_from
+from .api.admission import limits_from
 from .api.server import MAX_QUEUED_RPCS, start_server
 from .config import Config, make_cascade
 from .coordinator import Coordinator

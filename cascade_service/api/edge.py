@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2
 
 from .auth import ApiKeys, TlsFiles
 from .backend import Backend
-from .frontend import FrontendServer, Limits, start_frontend
+from .admission import Limits
+from .frontend_server import FrontendServer, start_frontend
 from .server import MAX_QUEUED_RPCS
 
 

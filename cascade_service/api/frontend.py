@@ -29,11 +29,9 @@ import asyncio
 import contextlib
 import functools
 import logging
-import threading
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -41,7 +39,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2
 
-from .auth import ApiKeys, TlsFiles, authenticate, bind
+from .admission import CallHooks, Limits, Refused
+from .auth import ApiKeys, authenticate
 from .backend import STREAMING, UNARY, Backend, Reply, request_type
 from .decode import decode
 from .health import HEALTH_SERVICES, status_reply, watch_reply
@@ -53,88 +52,6 @@ from .status import DETAILS_KEY, STOPPING, rich_status
 log = logging.getLogger(__name__)
 
 HEALTH = "grpc.health.v1.Health"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a front end admits. See the module docstring for the order in which they apply.
-
-    workers: calls served at once (each holds a thread while it runs); max_queued: admitted calls
-    waiting for a worker; max_pending: calls whose body has not arrived yet, over all connections;
-    max_calls_per_key: calls open at once under one API key (with keys configured);
-    max_streams_per_connection: calls open at once on one HTTP/2 connection; body_timeout_s: the time a
-    request body (or the next message of a reflection stream) may take to arrive; max_probes: health
-    and reflection calls open at once (a Watch stays open); max_message_bytes: the largest request message.
-    """
-
-    workers: int = 8
-    max_queued: int = 64
-    max_pending: int = 1024
-    max_calls_per_key: int = 64
-    max_streams_per_connection: int = 100
-    body_timeout_s: float = 10.0
-    max_probes: int = 256
-    max_message_bytes: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        for name in ("workers", "max_pending", "max_calls_per_key", "max_streams_per_connection", "max_probes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queued < 0:
-            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
-        if not 0 < self.body_timeout_s <= 3600:
-            raise ValueError(f"body_timeout_s must be in (0, 3600], got {self.body_timeout_s}")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-
-
-def limits_from(settings: Mapping[str, float], **defaults: Any) -> Limits:
-    """Limits from a config's serving.admission over the wiring's `defaults`; ValueError naming the
-    setting (serving.admission.<key>) when one is out of range."""
-    try:
-        return Limits(**{**defaults, **settings})
-    except ValueError as exc:
-        raise ValueError(f"serving.admission.{exc}") from None
-
-
-class Refused(Exception):
-    """A call ends with this status before (or instead of) any work."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-
-
-class _Call:
-    """One admitted call's cancel hooks: the client hung up, its deadline passed, or the server stops."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cancels: list[Callable[[], None]] = []
-        self.ended = False
-        self.stopped = False  # ended by the server's stop, not by the client
-
-    def on_end(self, cancel: Callable[[], None]) -> bool:
-        with self._lock:
-            if self.ended:
-                return False
-            self._cancels.append(cancel)
-            return True
-
-    def end(self, stopped: bool = False) -> None:
-        with self._lock:
-            if self.ended:
-                return
-            self.ended, self.stopped = True, stopped
-            cancels, self._cancels = self._cancels, []
-        for cancel in cancels:
-            try:
-                cancel()
-            except Exception:
-                log.debug("cancel failed", exc_info=True)
 
 
 class Frontend:
@@ -152,7 +69,7 @@ class Frontend:
         self._pending = 0
         self._per_key: Counter[str] = Counter()
         self._probes = 0
-        self._calls: set[_Call] = set()
+        self._calls: set[CallHooks] = set()
         self._changed: asyncio.Event | None = None  # set when `serving` changes (health Watch)
         self._reflection = reflection_v1alpha.aio.ReflectionServicer(advertised(SERVICES))
 
@@ -174,7 +91,7 @@ class Frontend:
         try:
             with self._open(context) as owner:
                 body = await self._body(requests, request_type(method))
-                call = _Call()
+                call = CallHooks()
                 async with self._admitted(call):
                     reply = await self._run(call, functools.partial(
                         self.backend.call, method, body, _time_left(context), owner, call.on_end))
@@ -193,7 +110,7 @@ class Frontend:
         try:
             with self._open(context) as owner:
                 body = await self._body(requests, request_type(method))
-                call = _Call()
+                call = CallHooks()
                 async with self._admitted(call):
                     async for code, details, payload in self._replies(call, method, body, context, owner):
                         if call.stopped:
@@ -331,7 +248,7 @@ class Frontend:
                           f"request: the message did not arrive within {self.limits.body_timeout_s:g} s") from None
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, call: _Call) -> AsyncIterator[None]:
+    async def _admitted(self, call: CallHooks) -> AsyncIterator[None]:
         """A worker (or a place in the queue for one) for an admitted call, which a drain can cancel.
         The worker itself is given back by the thread's completion (`_run`, `_replies`)."""
         if self.stopping:
@@ -372,7 +289,7 @@ class Frontend:
 
     # --- running on a worker ---------------------------------------------------------------------------
 
-    async def _run(self, call: _Call, work: Callable[[], Reply]) -> Reply:
+    async def _run(self, call: CallHooks, work: Callable[[], Reply]) -> Reply:
         """work() on a worker thread. The worker is given back when the thread is done, not when the
         client leaves: a cancelled call's thread runs until the backend notices the cancel."""
         future = asyncio.get_running_loop().run_in_executor(self.pool, work)
@@ -383,7 +300,7 @@ class Frontend:
             call.end()  # the client hung up, or its deadline passed
             raise
 
-    async def _replies(self, call: _Call, method: str, body: bytes, context: grpc.aio.ServicerContext,
+    async def _replies(self, call: CallHooks, method: str, body: bytes, context: grpc.aio.ServicerContext,
                        owner: str) -> AsyncIterator[Reply]:
         """A stream's replies: one worker thread iterates the backend's stream and hands each reply to
         the loop."""
@@ -473,73 +390,3 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     """End the call with code, message and the rich details trailer (raises, as context.abort does)."""
     trailer = ((DETAILS_KEY, rich_status(code, message).SerializeToString()),)
     await context.abort(code, message, trailing_metadata=trailer)
-
-
-class FrontendServer:
-    """A running front end: a `grpc.aio` server on an event loop of its own (a daemon thread), driven
-    from synchronous code. `stop(grace)` drains as `Frontend.drain` does and returns an event that is
-    set once the server has stopped (as `grpc.Server.stop` does)."""
-
-    def __init__(self, backend: Backend, host: str, port: int, limits: Limits, api_keys: ApiKeys | None,
-                 tls: TlsFiles | None, serving: bool):
-        self.frontend = Frontend(backend, limits, api_keys, serving)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="cascade-frontend", daemon=True)
-        self._thread.start()
-        self._stopped = threading.Event()
-        self._stop_lock = threading.Lock()
-        self._stopping = False
-        try:
-            self.server, self.port = self._await(self._start(host, port, limits, tls))
-        except BaseException:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            raise
-
-    async def _start(self, host: str, port: int, limits: Limits, tls: TlsFiles | None) -> tuple[Any, int]:
-        options = [("grpc.max_concurrent_streams", limits.max_streams_per_connection),
-                   ("grpc.max_receive_message_length", limits.max_message_bytes),
-                   ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(options=options)
-        server.add_generic_rpc_handlers(self.frontend.handlers())
-        bound = bind(server, host, port, tls)
-        await server.start()
-        return server, bound
-
-    def _await(self, coroutine: Any, timeout_s: float | None = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
-
-    def set_serving(self, serving: bool) -> None:
-        self.loop.call_soon_threadsafe(self.frontend.set_serving, serving)
-
-    def stop(self, grace: float | None = None) -> threading.Event:
-        """Drain for `grace` seconds (None: end calls at once), stop the server and its loop."""
-        with self._stop_lock:
-            if self._stopping:
-                return self._stopped
-            self._stopping = True
-        try:
-            self._await(self._stop(grace or 0.0), timeout_s=(grace or 0.0) + 30.0)
-        except Exception:
-            log.exception("the front end did not stop cleanly")
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-            self.frontend.pool.shutdown(wait=False, cancel_futures=True)
-            self._stopped.set()
-        return self._stopped
-
-    async def _stop(self, grace_s: float) -> None:
-        await self.frontend.drain(grace_s)
-        await self.server.stop(1.0)
-
-
-def start_frontend(backend: Backend, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
-                   api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
-                   serving: bool = True) -> FrontendServer:
-    """Serve CascadeService, health and reflection for `backend` on host:port (port 0 picks one).
-
-    api_keys: when given, every CascadeService call needs one of them (`api.auth`; health and
-    reflection stay open); tls: serve TLS; serving: what health answers until `set_serving` changes it.
-    """
-    return FrontendServer(backend, host, port, limits or Limits(), api_keys, tls, serving)
-

@@ -15,7 +15,8 @@ from typing import Any
 from ..coordinator import Coordinator
 from .auth import ApiKeys, TlsFiles
 from .backend import RecordingContext, Reply, request_type
-from .frontend import FrontendServer, Limits, start_frontend
+from .admission import Limits
+from .frontend_server import FrontendServer, start_frontend
 from .servicer import CascadeServicer
 
 # Calls beyond the workers wait for one, up to this many; past that a call gets RESOURCE_EXHAUSTED
@@ -106,7 +107,7 @@ def start_server(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 
 
     api_keys: when given, every CascadeService call needs one of them (`api.auth`); tls: serve TLS.
     workers calls run at once and max_queued more wait; past that a call gets RESOURCE_EXHAUSTED.
-    `limits` sets these and the rest of admission (`api.frontend.Limits`); it wins over both.
+    `limits` sets these and the rest of admission (`api.admission.Limits`); it wins over both.
     """
     limits = limits or Limits(workers=workers, max_queued=max_queued)
     server = start_frontend(LocalBackend(CascadeServicer(coordinator)), host, port, limits, api_keys, tls)

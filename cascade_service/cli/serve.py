@@ -42,7 +42,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     api_keys, tls = serve_access(args, config)
-    from ..api.frontend import limits_from
+    from ..api.admission import limits_from
 
     try:
         limits_from(config.serving.admission)  # out-of-range admission settings fail before anything starts

@@ -62,12 +62,12 @@ class ServingConfig:
     # before it cancels them (each ends with a status, never silently); Ray Serve replicas get the same
     # graceful_shutdown_timeout_s unless serving.deployments sets one. Then Serve and Ray stop.
     shutdown_grace_s: float = 10.0
-    # What the standalone server and the edge admit (api.frontend.Limits, docs/service.md "Admission"):
+    # What the standalone server and the edge admit (api.admission.Limits, docs/service.md "Admission"):
     # any of ADMISSION_KEYS; unset ones keep their defaults (workers: the frontend's own).
     admission: dict[str, float] = field(default_factory=dict)
 
 
-# The settings of serving.admission (api.frontend.Limits' fields).
+# The settings of serving.admission (api.admission.Limits' fields).
 ADMISSION_KEYS = ("workers", "max_queued", "max_pending", "max_calls_per_key", "max_streams_per_connection",
                   "body_timeout_s", "max_probes", "max_message_bytes")
 

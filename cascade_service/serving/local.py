@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from ..api.auth import ApiKeys, TlsFiles
 from ..api.backend import Reply
 from ..api.edge import health_request, is_serving, start_edge
-from ..api.frontend import limits_from
+from ..api.admission import limits_from
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray

@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from cascade_service.api.auth import ApiKeys
-from cascade_service.api.frontend import Limits
+from cascade_service.api.admission import Limits
 from cascade_service.api.server import start_server
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.config import (

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascade_service.api.decode import blame, decode
-from cascade_service.api.frontend import Limits, limits_from
+from cascade_service.api.admission import Limits, limits_from
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.config import ConfigError, parse_config
 

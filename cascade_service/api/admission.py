@@ -1,0 +1,95 @@
+"""What a front end admits (`Limits`), how it refuses (`Refused`), and an admitted call's cancel hooks."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a front end admits. See the module docstring for the order in which they apply.
+
+    workers: calls served at once (each holds a thread while it runs); max_queued: admitted calls
+    waiting for a worker; max_pending: calls whose body has not arrived yet, over all connections;
+    max_calls_per_key: calls open at once under one API key (with keys configured);
+    max_streams_per_connection: calls open at once on one HTTP/2 connection; body_timeout_s: the time a
+    request body (or the next message of a reflection stream) may take to arrive; max_probes: health
+    and reflection calls open at once (a Watch stays open); max_message_bytes: the largest request message.
+    """
+
+    workers: int = 8
+    max_queued: int = 64
+    max_pending: int = 1024
+    max_calls_per_key: int = 64
+    max_streams_per_connection: int = 100
+    body_timeout_s: float = 10.0
+    max_probes: int = 256
+    max_message_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "max_pending", "max_calls_per_key", "max_streams_per_connection", "max_probes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
+        if not 0 < self.body_timeout_s <= 3600:
+            raise ValueError(f"body_timeout_s must be in (0, 3600], got {self.body_timeout_s}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+
+
+def limits_from(settings: Mapping[str, float], **defaults: Any) -> Limits:
+    """Limits from a config's serving.admission over the wiring's `defaults`; ValueError naming the
+    setting (serving.admission.<key>) when one is out of range."""
+    try:
+        return Limits(**{**defaults, **settings})
+    except ValueError as exc:
+        raise ValueError(f"serving.admission.{exc}") from None
+
+
+class Refused(Exception):
+    """A call ends with this status before (or instead of) any work."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+
+
+class CallHooks:
+    """One admitted call's cancel hooks: the client hung up, its deadline passed, or the server stops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancels: list[Callable[[], None]] = []
+        self.ended = False
+        self.stopped = False  # ended by the server's stop, not by the client
+
+    def on_end(self, cancel: Callable[[], None]) -> bool:
+        with self._lock:
+            if self.ended:
+                return False
+            self._cancels.append(cancel)
+            return True
+
+    def end(self, stopped: bool = False) -> None:
+        with self._lock:
+            if self.ended:
+                return
+            self.ended, self.stopped = True, stopped
+            cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            try:
+                cancel()
+            except Exception:
+                log.debug("cancel failed", exc_info=True)

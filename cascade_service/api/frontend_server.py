@@ -1,0 +1,86 @@
+"""A running front end (`api.frontend.Frontend`) on an event loop of its own, driven from synchronous code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import grpc
+
+from .admission import Limits
+from .auth import ApiKeys, TlsFiles, bind
+from .backend import Backend
+from .frontend import Frontend
+
+log = logging.getLogger(__name__)
+
+
+class FrontendServer:
+    """A running front end: a `grpc.aio` server on an event loop of its own (a daemon thread), driven
+    from synchronous code. `stop(grace)` drains as `Frontend.drain` does and returns an event that is
+    set once the server has stopped (as `grpc.Server.stop` does)."""
+
+    def __init__(self, backend: Backend, host: str, port: int, limits: Limits, api_keys: ApiKeys | None,
+                 tls: TlsFiles | None, serving: bool):
+        self.frontend = Frontend(backend, limits, api_keys, serving)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="cascade-frontend", daemon=True)
+        self._thread.start()
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopping = False
+        try:
+            self.server, self.port = self._await(self._start(host, port, limits, tls))
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
+
+    async def _start(self, host: str, port: int, limits: Limits, tls: TlsFiles | None) -> tuple[Any, int]:
+        options = [("grpc.max_concurrent_streams", limits.max_streams_per_connection),
+                   ("grpc.max_receive_message_length", limits.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers(self.frontend.handlers())
+        bound = bind(server, host, port, tls)
+        await server.start()
+        return server, bound
+
+    def _await(self, coroutine: Any, timeout_s: float | None = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def set_serving(self, serving: bool) -> None:
+        self.loop.call_soon_threadsafe(self.frontend.set_serving, serving)
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Drain for `grace` seconds (None: end calls at once), stop the server and its loop."""
+        with self._stop_lock:
+            if self._stopping:
+                return self._stopped
+            self._stopping = True
+        try:
+            self._await(self._stop(grace or 0.0), timeout_s=(grace or 0.0) + 30.0)
+        except Exception:
+            log.exception("the front end did not stop cleanly")
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.frontend.pool.shutdown(wait=False, cancel_futures=True)
+            self._stopped.set()
+        return self._stopped
+
+    async def _stop(self, grace_s: float) -> None:
+        await self.frontend.drain(grace_s)
+        await self.server.stop(1.0)
+
+
+def start_frontend(backend: Backend, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
+                   api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
+                   serving: bool = True) -> FrontendServer:
+    """Serve CascadeService, health and reflection for `backend` on host:port (port 0 picks one).
+
+    api_keys: when given, every CascadeService call needs one of them (`api.auth`; health and
+    reflection stay open); tls: serve TLS; serving: what health answers until `set_serving` changes it.
+    """
+    return FrontendServer(backend, host, port, limits or Limits(), api_keys, tls, serving)
