@@ -6,8 +6,6 @@ fake backend (no Ray) for the owner id it forwards.
 from __future__ import annotations
 
 import argparse
-import datetime
-import ipaddress
 import logging
 
 import grpc
@@ -35,6 +33,8 @@ from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
 from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
+
+from ..helpers.tls import self_signed_cert
 
 PROMPT = random_prompts(1, 12, seed=21)[0]
 KEY_A, KEY_B = "key-alpha-0123456789", "key-bravo-9876543210"
@@ -66,30 +66,7 @@ def target(coordinator, keys_file):
 def cert(tmp_path_factory):
     """A self-signed certificate for 127.0.0.1 / localhost: (cert file, key file, cert PEM bytes)."""
     pytest.importorskip("cryptography")
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    folder = tmp_path_factory.mktemp("tls")
-    cert_pem = certificate.public_bytes(serialization.Encoding.PEM)
-    (folder / "cert.pem").write_bytes(cert_pem)
-    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                       serialization.PrivateFormat.PKCS8,
-                                                       serialization.NoEncryption()))
-    return str(folder / "cert.pem"), str(folder / "key.pem"), cert_pem
+    return self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
 # ---- keys ----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Continuous batching across concurrent requests (issue 7): never a different token.
+"""Continuous batching across concurrent requests: never a different token.
 
 `models.batching` runs concurrent requests' forward passes as one padded pass over their own KV caches.
 Checked against independent references: each request's logits equal its unbatched forward pass, and
@@ -9,7 +9,6 @@ greedy output of concurrent requests of different lengths equals plain `transfor
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -22,15 +21,7 @@ from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
-
-
-def _concurrently(n: int, run) -> None:
-    """run(0) ... run(n - 1), each in its own thread, all at once; returns when all are done."""
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+from ..helpers.threads import concurrently
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -83,7 +74,7 @@ def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family):
         start.wait()
         outputs[i] = engine.generate(prompts[i], GenerationConfig(max_new_tokens=budgets[i])).token_ids
 
-    _concurrently(10, run)
+    concurrently(10, run)
     for prompt, budget, out in zip(prompts, budgets, outputs):
         assert out == oracle(tiny_family["target"], prompt, budget)
     shared = {size: n for size, n in engine.target.batcher.batch_sizes.items() if size > 1}
@@ -111,7 +102,7 @@ def test_the_standalone_server_batches_concurrent_grpc_requests_exactly(tiny_fam
             outputs[i] = client.generate(prompt_token_ids=prompts[i], max_new_tokens=budgets[i]).token_ids
 
     try:
-        _concurrently(8, run)
+        concurrently(8, run)
         for prompt, budget, out in zip(prompts, budgets, outputs):
             assert out == oracle(tiny_family["target"], prompt, budget)
         assert any(size > 1 for model in served.engine.models() for size in model.batcher.batch_sizes)
@@ -182,308 +173,10 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     def run(i: int) -> None:
         outputs[i] = coordinator.generate(coordinator.params(prompt_ids=prompts[i], max_new_tokens=60)).token_ids
 
-    _concurrently(8, run)
+    concurrently(8, run)
     for prompt, out in zip(prompts, outputs):
         assert out == oracle(tiny_family["target"], prompt, 60)
     assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
     assert len(made) == 8 and all(b.chosen for b in made)
     narrowed = engine.coordinator(MemoryStore(), adapt_to_load=True, arms=("plain", "lookup"))  # serving.load_arms
     assert narrowed.policies().model.trial.arms == ("plain", "lookup")
-
-
-def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
-    from cascade_service.scheduling.load import PAD_WASTE
-    from cascade_service.models.batching import take_batch
-
-    def passes(*lengths):
-        return [_Pass([0] * n, DynamicCache(), 1, False) for n in lengths]
-
-    pending = passes(1, 100, 1, 2, 1, 98)
-    batch = take_batch(pending, max_batch=64)
-    assert batch[0] is pending[0] and [len(p.fed) for p in batch] == [1, 1, 1]  # the prefills wait
-    assert len(batch) * max(len(p.fed) for p in batch) <= PAD_WASTE * sum(len(p.fed) for p in batch)
-    rest = [p for p in pending if all(p is not b for b in batch)]
-    # the oldest first, with its like; a short pass fits in beside two long ones (300 <= 1.5 * 200)
-    assert [len(p.fed) for p in take_batch(rest, 64)] == [100, 98, 2]
-    assert [len(p.fed) for p in take_batch(passes(2, 1, 1, 1), 64)] == [2, 1, 1]  # 4 rows of 2 > 1.5 * 5
-    assert len(take_batch(passes(*[1] * 10), max_batch=4)) == 4
-
-
-def _cached(past: int, new: int = 1) -> _Pass:
-    """A pass feeding `new` tokens to a cache of `past` positions (synthetic keys and values)."""
-    cache = DynamicCache()
-    if past:
-        cache.update(torch.zeros(1, 1, past, 1), torch.zeros(1, 1, past, 1), 0)
-    return _Pass([0] * new, cache, 1, False)
-
-
-def _padding_within_bounds(batch: list[_Pass]) -> bool:
-    from cascade_service.scheduling.load import PAD_WASTE, ROW_POSITIONS
-
-    past = [p.cache.get_seq_length() for p in batch]
-    news = [len(p.fed) for p in batch]
-    width, steps, rows = max(past), max(news), len(batch)
-    return (rows * steps <= PAD_WASTE * sum(news)
-            and rows * (width + steps + ROW_POSITIONS) <= PAD_WASTE * sum(p + s + ROW_POSITIONS
-                                                                          for p, s in zip(past, news)))
-
-
-def test_a_long_cache_is_not_batched_with_short_ones_and_the_oldest_pass_always_goes():
-    from cascade_service.models.batching import take_batch
-
-    shorts = [_cached(30 + 3 * i) for i in range(16)]  # ragged short caches: 30 to 75 positions
-    long = _cached(4000)
-    pending = shorts[:5] + [long] + shorts[5:]
-    batch = take_batch(pending, max_batch=64)
-    assert batch[0] is shorts[0] and len(batch) == 16 and all(p is not long for p in batch)
-    assert _padding_within_bounds(batch)
-    # The long one, oldest now, goes alone: no short cache is padded to 4,000 positions.
-    assert take_batch([long] + shorts, max_batch=64) == [long]
-    # Long caches of similar lengths share a pass; the short ones wait for the next.
-    other_long = _cached(3600, new=2)
-    batch = take_batch([long] + shorts + [other_long], max_batch=64)
-    assert batch == [long, other_long] and _padding_within_bounds(batch)
-    # Without the cached lengths (the new tokens alone) all 18 would have fitted in one pass.
-    assert not _padding_within_bounds([long] + shorts + [other_long])
-
-
-def test_short_caches_of_different_lengths_are_grouped_by_their_new_tokens_alone():
-    from cascade_service.models.batching import take_batch
-
-    # Short caches count alike (a row costs ROW_POSITIONS whatever its cache): a prefill of 4 tokens
-    # and steps of 1 to 3 over caches of 0 to 200 positions are grouped as with empty caches.
-    pending = [_cached(0, new=4)] + [_cached(40 * i, new=1 + i % 3) for i in range(6)]
-    batch = take_batch(pending, max_batch=64)
-    assert batch[0] is pending[0] and _padding_within_bounds(batch)
-    assert sorted(len(p.fed) for p in batch) == [2, 2, 3, 3, 4]
-
-
-def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
-    import itertools
-
-    from cascade_service.models.batching import chunk_end
-
-    def chunks(n, keep, size):
-        bounds = [0]
-        while bounds[-1] < n:
-            bounds.append(chunk_end(n, bounds[-1], keep, size))
-        return [b - a for a, b in itertools.pairwise(bounds)]
-
-    assert chunks(1000, 1, 256) == [256, 256, 256, 232]
-    assert chunks(512, 1, 256) == [256, 256] and chunks(257, 1, 256) == [256, 1]
-    assert chunks(1000, 300, 256) == [256, 256, 188, 300]  # the 300 kept rows in one pass
-    assert chunks(256, 1, 256) == [256] and chunks(10, 1, 0) == [10] and chunks(5, 5, 2) == [5]
-
-
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary and absolute positions
-@pytest.mark.parametrize("keep", [1, 3, 40])  # 40: more kept rows than a chunk holds
-def test_a_chunked_prefill_gives_the_logits_and_cache_of_one_pass(tiny_family_factory, arch, keep):
-    from cascade_service.models.batching import ForwardBatcher
-
-    model = HFModel.load(tiny_family_factory(arch)["target"])
-    prompt = random_prompts(1, 150, seed=31)[0]
-    batcher = ForwardBatcher(model, prefill_chunk=32)
-    batcher.LONE_CHUNK = 32  # nothing else runs here: chunks of a lone prompt's size
-    try:
-        with torch.inference_mode():
-            whole, chunked = DynamicCache(), DynamicCache()
-            ref_logits, ref_hidden = model._forward(prompt, whole, keep, with_hidden=True)
-            logits, hidden = batcher.forward(prompt, chunked, keep, with_hidden=True)
-            assert batcher.batch_sizes == {1: 5}  # 32 + 32 + 32 + 32 + 22 (or 40 rows kept: 32 x 3 + 14 + 40)
-            assert logits.dtype == torch.float32 and logits.shape == ref_logits.shape == (keep, model.vocab_size)
-            torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
-            assert chunked.get_seq_length() == whole.get_seq_length() == len(prompt)
-            # The caches hold the same keys and values: the next step gives the same logits.
-            torch.testing.assert_close(batcher.forward([7], chunked, 1), model._forward([7], whole, 1),
-                                       rtol=1e-4, atol=1e-4)
-    finally:
-        batcher.close()
-
-
-def test_a_failed_chunked_prefill_leaves_the_cache_as_it_was(tiny_family, monkeypatch):
-    from cascade_service.models import batching
-
-    model = HFModel.load(tiny_family["target"])
-    batcher = batching.ForwardBatcher(model, prefill_chunk=16)
-    batcher.LONE_CHUNK = 16
-    real, calls = batching.forward_batch, []
-
-    def fail_third(model, batch):
-        calls.append(len(batch))
-        if len(calls) == 3:
-            raise RuntimeError("out of memory")
-        return real(model, batch)
-
-    monkeypatch.setattr(batching, "forward_batch", fail_third)
-    cache = DynamicCache()
-    try:
-        with torch.inference_mode():
-            model._forward([5, 6, 7], cache, 1)
-            with pytest.raises(RuntimeError, match="out of memory"):
-                batcher.forward(random_prompts(1, 60, seed=3)[0], cache, 1)
-    finally:
-        batcher.close()
-    assert len(calls) == 3 and cache.get_seq_length() == 3
-
-
-def test_a_prefill_is_cut_small_while_another_request_decodes_and_its_passes_run_in_between(monkeypatch):
-    import types
-
-    from cascade_service.models import batching
-
-    ran: list[list[int]] = []  # the new tokens of each pass's rows, in the order the passes ran
-
-    def fake(model, batch):
-        ran.append([len(p.fed) for p in batch])
-        if len(ran) == 1:  # the prompt's first pass: another request arrives meanwhile
-            other.start()
-            while not batcher._pending:
-                time.sleep(0.001)
-        return [None] * len(batch)
-
-    monkeypatch.setattr(batching, "forward_batch", fake)
-    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None), prefill_chunk=10)
-    batcher.LONE_CHUNK = 40
-    other = threading.Thread(target=batcher.forward, args=([1], DynamicCache(), 1))
-    try:
-        batcher.forward([1] * 100, DynamicCache(), 1)
-        other.join()
-    finally:
-        batcher.close()
-    # Alone: 40 tokens. The other request's step runs next, alone (a chunk is no one-token step's like),
-    # and the chunks are cut to 10 while it was among the last two passes, then back to 40.
-    assert ran == [[40], [1], [10], [10], [40]]
-
-
-def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family, monkeypatch):
-    from cascade_service.models.batching import ForwardBatcher
-
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
-    engine = Engine(cascade)
-    monkeypatch.setattr(ForwardBatcher, "LONE_CHUNK", 40)  # chunks of 40 and of 16 as the traffic goes
-    engine.target.enable_batching(prefill_chunk=16)
-    engine.drafters[0].enable_batching(prefill_chunk=16)
-    prompts = random_prompts(6, 8, seed=22)
-    prompts[0] = random_prompts(1, 200, seed=23)[0]  # 5 to 13 chunks at the target and at the drafter
-    outputs: list[list[int] | None] = [None] * 6
-    start = threading.Barrier(6)
-
-    def run(i: int) -> None:
-        start.wait()
-        outputs[i] = engine.generate(prompts[i], GenerationConfig(max_new_tokens=24)).token_ids
-
-    _concurrently(6, run)
-    for prompt, out in zip(prompts, outputs):
-        assert out == oracle(tiny_family["target"], prompt, 24)
-    assert sum(n for size, n in engine.target.batcher.batch_sizes.items() if size > 1) >= 3
-    fed = [longest for _, _, _, longest in engine.target.batcher.timer._passes]
-    assert max(fed) <= 40 and fed.count(16) + fed.count(40) >= 5  # the prompt went in chunks
-
-
-@pytest.mark.parametrize("gather", [0.0, 0.25])
-def test_a_pass_waits_for_the_requests_of_the_last_one_to_come_back(monkeypatch, gather):
-    """Requests come back from a pass one by one (each samples and reviews in its own thread first).
-    Without the gather the first one back finds the model idle and runs alone, the others after it:
-    passes alternate 1 and R - 1 rows. With it, they wait for each other (within GATHER of a pass)."""
-    import types
-
-    from cascade_service.models import batching
-
-    monkeypatch.setattr(batching, "forward_batch", lambda model, batch: time.sleep(0.08) or [None] * len(batch))
-    monkeypatch.setattr(batching.ForwardBatcher, "GATHER", gather)
-    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
-    rows, steps = 6, 8
-
-    def request(i: int) -> None:
-        time.sleep(0.002 * i)
-        for _ in range(steps):
-            batcher.forward([1], DynamicCache(), 1)
-            time.sleep(0.002 * i)  # its own work between passes: 0 to 10 ms, within 25% of a pass
-
-    try:
-        _concurrently(rows, request)
-    finally:
-        batcher.close()
-    sizes = batcher.batch_sizes
-    assert sum(n * size for size, n in sizes.items()) == rows * steps
-    if gather:
-        assert sizes.get(rows, 0) >= steps - 2, sizes  # all together, but for the start
-    else:
-        assert sizes.get(1, 0) >= steps - 2 and sizes.get(rows, 0) <= 2, sizes
-
-
-def test_turns_go_to_the_request_that_had_the_least_model_time_the_oldest_on_a_tie():
-    import types
-
-    from cascade_service.models.batching import ForwardBatcher
-
-    batcher = ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
-    try:
-        dear, cheap, like = _cached(4000), _cached(10), _cached(12)
-        batcher._used.update({dear.cache: 0.5, cheap.cache: 0.1, like.cache: 0.1})
-        with batcher._cond:
-            batcher._pending = [dear, cheap, like]
-            assert batcher._take() == [cheap, like]  # the oldest of the least used first; like joins it
-            assert batcher._pending == [dear] and batcher._clock == 0.1
-            batcher._used[cheap.cache] = batcher._used[like.cache] = 0.6  # they had their turns
-            batcher._pending = [cheap, like, dear]
-            assert batcher._take() == [dear] and batcher._clock == 0.5
-    finally:
-        batcher.close()
-
-
-@pytest.mark.parametrize("fair", [True, False])
-def test_a_request_with_dear_passes_has_the_model_as_long_as_each_of_the_others(monkeypatch, fair):
-    """One stream over a long cache (40 ms passes, no short row can join them) beside 4 short streams
-    (10 ms a pass for the 4). Taking turns by age, the long one has every other pass: the short ones
-    run at half speed. By model time had, it runs once the short ones have each had its pass's time
-    (16 of theirs), and never starves."""
-    import types
-
-    from cascade_service.models import batching
-
-    long_cache = _cached(4000).cache
-    shorts_on = threading.Event()
-    ran: list[tuple[bool, bool]] = []  # per pass: the long stream's?, while the short ones ran?
-
-    def fake(model, batch):
-        dear = any(p.cache is long_cache for p in batch)
-        ran.append((dear, shorts_on.is_set()))
-        time.sleep(0.04 if dear else 0.01)
-        return [None] * len(batch)
-
-    monkeypatch.setattr(batching, "forward_batch", fake)
-    monkeypatch.setattr(batching.ForwardBatcher, "FAIR", fair)
-    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
-    stop = threading.Event()
-
-    def long_stream() -> None:
-        while not stop.is_set():
-            batcher.forward([1], long_cache, 1)
-
-    def short_stream(i: int) -> None:
-        cache = DynamicCache()
-        for _ in range(40):
-            batcher.forward([1], cache, 1)
-
-    streamer = threading.Thread(target=long_stream)
-    streamer.start()
-    try:
-        while len(ran) < 5:  # 200 ms of model time alone first: no debt to the short ones that come
-            time.sleep(0.01)
-        shorts_on.set()
-        _concurrently(4, short_stream)
-        shorts_on.clear()
-    finally:
-        stop.set()
-        streamer.join()
-        batcher.close()
-    during = [dear for dear, on in ran if on]
-    long_passes, short_passes = sum(during), len(during) - sum(during)
-    assert short_passes >= 40
-    if fair:  # 40 passes of 2.5 ms a short stream: the long one's due is 100 ms, 2-3 passes of 40
-        assert 1 <= long_passes <= 6, (long_passes, short_passes)
-    else:
-        assert long_passes >= 25, (long_passes, short_passes)

@@ -1,4 +1,4 @@
-"""The async client SDK (AsyncCascadeClient) against the fake CascadeService of test_client on a
+"""The async client SDK (AsyncCascadeClient) against the fake CascadeService (tests/helpers/fake_service.py) on a
 grpc.aio server: every method, optional fields, status codes, deadlines, retries."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from cascade_service.api.status import RETRY_DELAY_S
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.client import AsyncCascadeClient, SessionInfo, errors
 
-from .test_client import API_KEY, OPTIONAL_FIELDS, STATUS_CASES, assert_maps, closed_port_target, run_async
+from ..helpers.fake_service import API_KEY, OPTIONAL_FIELDS, STATUS_CASES, assert_maps, closed_port_target, run_async
 
 
 def test_async_every_method_against_a_grpc_aio_server():

@@ -17,9 +17,12 @@ from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
 from cascade_service.sessions import MemoryStore
+from cascade_service.zoo.tiny import random_prompts
 
-from .test_cancel import PROMPT, Requests
 from ..helpers.oracle import oracle
+from ..helpers.slow import Requests
+
+PROMPT = random_prompts(1, 10, seed=5)[0]
 
 CALLS = 8
 
