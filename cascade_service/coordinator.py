@@ -8,8 +8,9 @@ models, or `transport.remote.RemoteTier`s over Ray Serve), sessions from any `Se
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from .config import (
     CascadeConfig,
@@ -19,8 +20,8 @@ from .config import (
 )
 from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
-from .core.local import MaGTier
 from .core.decode import decode
+from .core.local import MaGTier
 from .core.mag import BigramTable, MaxGram
 from .core.policy import BlockPolicy
 from .core.request import GenerationConfig, check_stop
@@ -98,11 +99,21 @@ class Coordinator:
 
     # --- requests ----------------------------------------------------------------------------------
 
-    def params(self, *, prompt: str = "", prompt_ids: Sequence[int] = (), session_id: str = "",
-               max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               seed: int | None = None, stop: Sequence[str] = (),
-               verification: Verification | None = None, stop_threshold: float | None = None,
-               owner: str = "") -> GenerateParams:
+    def params(
+        self,
+        *,
+        prompt: str = "",
+        prompt_ids: Sequence[int] = (),
+        session_id: str = "",
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        verification: Verification | None = None,
+        stop_threshold: float | None = None,
+        owner: str = "",
+    ) -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
         ids = self._prompt_ids(prompt, prompt_ids)
         self._check_prompt_length(len(ids))
@@ -111,12 +122,19 @@ class Coordinator:
         elif not ids:
             raise ValueError("prompt: empty (give prompt, prompt_token_ids or a session_id with history)")
         stop = check_stop(stop)
-        overrides = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                     "verification": verification, "stop_threshold": stop_threshold}
+        overrides: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "verification": verification,
+            "stop_threshold": stop_threshold,
+        }
         gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
         with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)  # one no tier can use fails here
-        params = GenerateParams(tuple(int(t) for t in ids), gen, session_id or None, stop, owner,
-                                max_new_tokens is not None)
+        params = GenerateParams(
+            tuple(int(t) for t in ids), gen, session_id or None, stop, owner, max_new_tokens is not None
+        )
         return self._fit(params, 0) if not session_id else params  # a session's history is read in stream()
 
     @property
@@ -137,17 +155,24 @@ class Coordinator:
             return params
         context = history + len(params.prompt_ids)
         if context >= self.max_context:
-            raise ValueError(f"prompt: the session's {history} tokens plus the prompt's {len(params.prompt_ids)} "
-                             f"leave no room in the model's context of {self.max_context} positions")
+            raise ValueError(
+                f"prompt: the session's {history} tokens plus the prompt's {len(params.prompt_ids)} "
+                f"leave no room in the model's context of {self.max_context} positions"
+            )
         room = self.max_context - context
         wanted = params.gen.max_new_tokens
         if wanted <= room:
             return params
         if params.explicit_max_new_tokens:
-            what = f"the session's {history} tokens plus the prompt's {len(params.prompt_ids)}" if history \
+            what = (
+                f"the session's {history} tokens plus the prompt's {len(params.prompt_ids)}"
+                if history
                 else f"the prompt's {len(params.prompt_ids)} tokens"
-            raise ValueError(f"max_new_tokens: {what} plus max_new_tokens {wanted} exceed the model's context of "
-                             f"{self.max_context} positions (at most {room} new tokens fit)")
+            )
+            raise ValueError(
+                f"max_new_tokens: {what} plus max_new_tokens {wanted} exceed the model's context of "
+                f"{self.max_context} positions (at most {room} new tokens fit)"
+            )
         return replace(params, gen=replace(params.gen, max_new_tokens=room))
 
     def stream(self, params: GenerateParams, cancelled: Callable[[], bool] = _never) -> Iterator[Chunk]:
@@ -206,16 +231,25 @@ class Coordinator:
             last = chunk
         return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length)
 
-    def _decode(self, request_id: str, tiers: dict[str, Tier], context: list[int], gen: GenerationConfig,
-                stats: CascadeStats):
+    def _decode(
+        self, request_id: str, tiers: dict[str, Tier], context: list[int], gen: GenerationConfig, stats: CascadeStats
+    ):
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
         state.request_id = request_id
         if self.policies is not None:
             state.policy = self.policies()
-        drafters: list[Tier] = [MaGTier(MaxGram(self.bigram, d.max_ngram), self.vocab_size)
-                                if isinstance(d, MaGConfig) else tiers[d.name] for d in self.cascade.drafters]
-        system = build_cascade(tiers[self.cascade.target.name], drafters, self.cascade.schedule,
-                               self.cascade.leniency, state, self.cascade.lookup)
+        drafters: list[Tier] = [
+            MaGTier(MaxGram(self.bigram, d.max_ngram), self.vocab_size) if isinstance(d, MaGConfig) else tiers[d.name]
+            for d in self.cascade.drafters
+        ]
+        system = build_cascade(
+            tiers[self.cascade.target.name],
+            drafters,
+            self.cascade.schedule,
+            self.cascade.leniency,
+            state,
+            self.cascade.lookup,
+        )
         yield from decode(system, context, gen.max_new_tokens, state)
 
     def _prompt_ids(self, prompt: str, prompt_ids: Sequence[int]) -> list[int]:
@@ -298,5 +332,5 @@ class _TextStream:
             while end > self.sent and self.text[end - 1] == "\ufffd":
                 end -= 1
         end = max(end, self.sent)
-        delta, self.sent = self.text[self.sent:end], end
+        delta, self.sent = self.text[self.sent : end], end
         return delta

@@ -27,10 +27,10 @@ from .prompts import read_prompts
 DEMO_K_MATRIX = [[1, 0, 0], [0, 1, 5], [0, 0, 4]]  # = configs/demo.yaml
 DEMO_LENIENCY = 2.0
 DEMO_LOOKUP = Lookup(min_match=2, tokens=20)
-# Service layouts (docs/benchmarks.md "The service against in-process" measures each). "embedded", for one machine: large inside the
-# coordinator's replica (its reviews cost no hop) and base + small sharing a deployment, where base's
-# whole sub-cascade (base reviewing small reviewing MaG) runs in one call. "separate": a deployment
-# per tier, as on a cluster.
+# Service layouts (docs/benchmarks.md "The service against in-process" measures each). "embedded", for one machine:
+# large inside the coordinator's replica (its reviews cost no hop) and base + small sharing a deployment, where base's
+# whole sub-cascade (base reviewing small reviewing MaG) runs in one call. "separate": a deployment per tier, as on a
+# cluster.
 LAYOUTS = {"embedded": {"colocate": ["large"], "groups": [["base", "small"]]}, "separate": {}}
 
 
@@ -40,11 +40,19 @@ def demo_config(preset: str = "demo", layout: str = "embedded") -> Path:
 
     zoo = build_zoo(preset, zoo_dir(preset))
     raw = {
-        "tiers": {"target": {"name": "large", "path": str(zoo["large"])},
-                  "drafters": [{"name": "base", "path": str(zoo["base"])}, {"name": "small", "path": str(zoo["small"])},
-                               {"kind": "mag", "bigram": str(zoo["bigram"])}]},
-        "schedule": {"k_matrix": DEMO_K_MATRIX, "leniency": DEMO_LENIENCY,
-                     "lookup": {"min_match": DEMO_LOOKUP.min_match, "tokens": DEMO_LOOKUP.tokens}},
+        "tiers": {
+            "target": {"name": "large", "path": str(zoo["large"])},
+            "drafters": [
+                {"name": "base", "path": str(zoo["base"])},
+                {"name": "small", "path": str(zoo["small"])},
+                {"kind": "mag", "bigram": str(zoo["bigram"])},
+            ],
+        },
+        "schedule": {
+            "k_matrix": DEMO_K_MATRIX,
+            "leniency": DEMO_LENIENCY,
+            "lookup": {"min_match": DEMO_LOOKUP.min_match, "tokens": DEMO_LOOKUP.tokens},
+        },
         "serving": LAYOUTS[layout],
     }
     path = Path(zoo_dir(preset)) / f"demo-service-{layout}.yaml"
@@ -52,29 +60,38 @@ def demo_config(preset: str = "demo", layout: str = "embedded") -> Path:
     return path
 
 
-def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", layout: str = "embedded",
-             passes: int = 3) -> int:
+def run_demo(
+    max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", layout: str = "embedded", passes: int = 3
+) -> int:
     """Decode held-out prompts three ways: large alone and the cascade in-process (in a child process
     of their own), and the cascade through the service (Ray Serve tiers, gRPC edge, client SDK)."""
-    from .runtime.inprocess import InProcessWorker
     from .client import CascadeClient
-    from .zoo.build import build_zoo
+    from .runtime.inprocess import InProcessWorker
     from .serving.local import LocalService
+    from .zoo.build import build_zoo
 
     print(f"loading the {preset} zoo (built on first use: up to 10 minutes, offline)", flush=True)
     config_path = demo_config(preset, layout)
     texts = read_prompts(str(build_zoo(preset, zoo_dir(preset))["prompts"]))[:prompts]
     tokenizer = load_tokenizer(load_config(config_path).cascade.target.path)  # the models load elsewhere
-    print(f"starting the service ({layout} layout: {LAYOUTS[layout] or 'a deployment per tier'}): local Ray, "
-          "Ray Serve, gRPC on loopback", flush=True)
+    print(
+        f"starting the service ({layout} layout: {LAYOUTS[layout] or 'a deployment per tier'}): local Ray, "
+        "Ray Serve, gRPC on loopback",
+        flush=True,
+    )
     # The in-process runs live in a child process: timed in this (Ray driver) process they would share
     # the CPU with Ray's threads and the gRPC edge, an unfair and unstable baseline on a small machine.
-    with InProcessWorker(str(config_path)) as worker, LocalService(str(config_path)) as service, \
-            CascadeClient(service.address, timeout_s=600) as client:
+    with (
+        InProcessWorker(str(config_path)) as worker,
+        LocalService(str(config_path)) as service,
+        CascadeClient(service.address, timeout_s=600) as client,
+    ):
         print(f"service up at {service.address}", flush=True)
-        runs = {"ar (large alone)": lambda ids: _local(worker, "ar", ids, max_new_tokens),
-                "csd in-process": lambda ids: _local(worker, "csd", ids, max_new_tokens),
-                "csd via service": lambda ids: _remote(client, ids, max_new_tokens)}
+        runs = {
+            "ar (large alone)": lambda ids: _local(worker, "ar", ids, max_new_tokens),
+            "csd in-process": lambda ids: _local(worker, "csd", ids, max_new_tokens),
+            "csd via service": lambda ids: _remote(client, ids, max_new_tokens),
+        }
         ids_all = [list(tokenizer(t)["input_ids"]) for t in texts]
         for run in runs.values():  # equal warm-up: every path decodes the first prompt once, untimed
             run(ids_all[0])
@@ -82,12 +99,15 @@ def run_demo(max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", l
         names = list(runs)
         for p in range(passes):
             results.append({name: [] for name in names})
-            order = names[p % len(names):] + names[:p % len(names)]  # rotated: no path always goes first
+            order = names[p % len(names) :] + names[: p % len(names)]  # rotated: no path always goes first
             for ids in ids_all:
                 for name in order:  # interleaved: machine drift hits all alike
                     results[p][name].append(runs[name](ids))
-    for text, run in zip(texts, results[0]["csd via service"]):
-        print(f"\n--- prompt (tail): ...{text[-120:]!r}\n--- continuation: {tokenizer.decode(run.tokens, skip_special_tokens=True)!r}")
+    for text, outcome in zip(texts, results[0]["csd via service"]):
+        print(
+            f"\n--- prompt (tail): ...{text[-120:]!r}\n"
+            f"--- continuation: {tokenizer.decode(outcome.tokens, skip_special_tokens=True)!r}"
+        )
     _print_table(results)
     return 0
 
@@ -125,13 +145,17 @@ def _print_table(passes: list[dict[str, list[_Run]]]) -> None:
     for name, runs in results.items():
         calls = sum(r.target_calls for r in runs) / max(1, sum(len(r.tokens) for r in runs))
         same = [r.tokens for r in runs] == [r.tokens for r in results[reference]]
-        print(f"{name:<18} {speed[name]:>14.1f} {speed[name] / speed[reference]:>6.2f}x {calls:>17.3f} {str(same):>18}")
+        print(f"{name:<18} {speed[name]:>14.1f} {speed[name] / speed[reference]:>6.2f}x {calls:>17.3f} {same!s:>18}")
     rounds = sum(r.target_calls for r in results[remote])
     extra = sum(r.seconds for r in results[remote]) - sum(r.seconds for r in results[local])
     hops = sum(r.hops for r in results[remote])
     ratios = [_throughput(p[remote]) / _throughput(p[local]) for p in passes]
-    print(f"\nservice / in-process throughput (all tokens / all seconds), per pass: "
-          f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x "
-          f"({_throughput(results[remote]):.1f} / {_throughput(results[local]):.1f} tok/s over all passes)")
-    print(f"orchestration overhead {1000 * extra / max(1, rounds):.2f} ms per target round "
-          f"({hops / max(1, rounds):.2f} tier hops per round)")
+    print(
+        f"\nservice / in-process throughput (all tokens / all seconds), per pass: "
+        f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x "
+        f"({_throughput(results[remote]):.1f} / {_throughput(results[local]):.1f} tok/s over all passes)"
+    )
+    print(
+        f"orchestration overhead {1000 * extra / max(1, rounds):.2f} ms per target round "
+        f"({hops / max(1, rounds):.2f} tier hops per round)"
+    )

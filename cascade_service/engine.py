@@ -7,23 +7,24 @@ counters, so concurrent requests never see each other's state.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade, request_state
+from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
-from .core.local import MaGTier, ModelTier
 from .core.decode import decode
-from .scheduling.load import LoadModel
-from .scheduling.trial import ARMS
+from .core.local import MaGTier, ModelTier
 from .core.mag import BigramTable, MaxGram
-from .coordinator import Coordinator, Tokenizer
 from .core.stats import CascadeStats
 from .core.tier import Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
 from .runtime.assemble import assemble_coordinator, model_facts
+from .scheduling.load import LoadModel
+from .scheduling.trial import ARMS
 from .sessions import SessionStore
 from .startup import check_tiers, check_vocabularies
 from .transport.remote import loopback
@@ -70,8 +71,14 @@ class Engine:
     def make_stopper(self, spec: AdaptiveLength) -> DraftStopper:
         return self.heads.stopper(spec)
 
-    def variant(self, drafters: Sequence[str], k_matrix: Any = None, leniency: float = 1.0,
-                lookup: Lookup | None = None, adaptive: dict[str, AdaptiveLength] | None = None) -> "Engine":
+    def variant(
+        self,
+        drafters: Sequence[str],
+        k_matrix: Any = None,
+        leniency: float = 1.0,
+        lookup: Lookup | None = None,
+        adaptive: dict[str, AdaptiveLength] | None = None,
+    ) -> Engine:
         """The same loaded models with another drafter subset (by tier name, largest first) and schedule.
 
         Benchmarks and tuning compare many schedules; reloading weights for each would dominate.
@@ -80,23 +87,31 @@ class Engine:
         unknown = [n for n in drafters if n not in by_name]
         if unknown:
             raise ValueError(f"unknown drafter {unknown[0]!r}; this config has {sorted(by_name)}")
-        cascade = make_cascade(self.cascade.target, [by_name[n][0] for n in drafters], k_matrix, leniency, lookup,
-                               adaptive)
+        cascade = make_cascade(
+            self.cascade.target, [by_name[n][0] for n in drafters], k_matrix, leniency, lookup, adaptive
+        )
         twin = copy.copy(self)
         twin.cascade = cascade
         twin.drafters = [by_name[n][1] for n in drafters]
         twin._check_heads(cascade)
         return twin
 
-    def stream(self, prompt_ids: Sequence[int], gen: GenerationConfig, stats: CascadeStats | None = None) -> Iterator[list[int]]:
+    def stream(
+        self, prompt_ids: Sequence[int], gen: GenerationConfig, stats: CascadeStats | None = None
+    ) -> Iterator[list[int]]:
         """Yield committed tokens round by round; `stats` (if given) fills in as it goes."""
         stats = stats if stats is not None else CascadeStats(self.target.name)
-        state = request_state(gen, stats, self.target.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
+        state = request_state(
+            gen, stats, self.target.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper
+        )
         vocab = self.target.vocab_size
-        drafters: list[Tier] = [self._wire(MaGTier(MaxGram(self.bigram, d.max_ngram), vocab))
-                                if isinstance(d, MaGConfig) else self._tier(d) for d in self.drafters]
-        system = build_cascade(self._tier(self.target), drafters, self.cascade.schedule, self.cascade.leniency,
-                               state, self.cascade.lookup)
+        drafters: list[Tier] = [
+            self._wire(MaGTier(MaxGram(self.bigram, d.max_ngram), vocab)) if isinstance(d, MaGConfig) else self._tier(d)
+            for d in self.drafters
+        ]
+        system = build_cascade(
+            self._tier(self.target), drafters, self.cascade.schedule, self.cascade.leniency, state, self.cascade.lookup
+        )
         yield from decode(system, list(prompt_ids), gen.max_new_tokens, state)
 
     def _tier(self, model: HFModel) -> Tier:
@@ -117,8 +132,13 @@ class Engine:
     def decode_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def coordinator(self, store: SessionStore, defaults: GenerationConfig | None = None,
-                    adapt_to_load: bool = False, arms: Sequence[str] | None = None) -> Coordinator:
+    def coordinator(
+        self,
+        store: SessionStore,
+        defaults: GenerationConfig | None = None,
+        adapt_to_load: bool = False,
+        arms: Sequence[str] | None = None,
+    ) -> Coordinator:
         """A Coordinator over these loaded models, in this process (the standalone gRPC server, tests).
 
         adapt_to_load: choose each round's draft budget from measured acceptance and the target's
@@ -130,12 +150,20 @@ class Engine:
         if adapt_to_load:
             if self.target.batcher is None:
                 raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
-            policies = LoadModel(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS).budget  # per request
+            policies = LoadModel(
+                self.target.batcher.timer, self.cascade.max_block(), arms or ARMS
+            ).budget  # per request
         return assemble_coordinator(
-            self.cascade, model_facts(self.models()), Tokenizer(self.encode, self.decode_text),
-            tiers=lambda request_id: {name: self._tier(m) for name, m in models.items()}, store=store,
-            defaults=defaults or GenerationConfig(), bigram=self.bigram, make_stopper=self.make_stopper,
-            policies=policies)
+            self.cascade,
+            model_facts(self.models()),
+            Tokenizer(self.encode, self.decode_text),
+            tiers=lambda request_id: {name: self._tier(m) for name, m in models.items()},
+            store=store,
+            defaults=defaults or GenerationConfig(),
+            bigram=self.bigram,
+            make_stopper=self.make_stopper,
+            policies=policies,
+        )
 
     def models(self) -> list[HFModel]:
         """The loaded model tiers, target first."""
@@ -152,4 +180,3 @@ class Engine:
             "params": self.param_costs(),
             "measured": {m.name: m.step_time_s() / target_step for m in models},
         }
-

@@ -22,5 +22,6 @@ def require(module: str, what: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         extra = EXTRAS[module.split(".")[0]]
-        raise MissingExtra(f"{what} needs {module}, which a bare install leaves out: "
-                           f"pip install 'cascade-service[{extra}]'") from exc
+        raise MissingExtra(
+            f"{what} needs {module}, which a bare install leaves out: pip install 'cascade-service[{extra}]'"
+        ) from exc

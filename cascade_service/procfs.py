@@ -117,5 +117,5 @@ def command(pid: int) -> str:
 def _host(hex_addr: str) -> Address:
     raw = bytes.fromhex(hex_addr)
     # /proc/net prints each 32-bit word in host (little-endian) order
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return ipaddress.ip_address(words)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .api.auth import ApiKeys, TlsFiles
 from .api.admission import limits_from
+from .api.auth import ApiKeys, TlsFiles
 from .api.server import MAX_QUEUED_RPCS, start_server
 from .config import Config, make_cascade
 from .coordinator import Coordinator
@@ -36,10 +36,18 @@ class Standalone:
                 model.batcher.close()
 
 
-def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, redis_url: str | None = None,
-                     api_keys: ApiKeys | None = None, tls: TlsFiles | None = None, plain: bool = False,
-                     max_streams: int = DEFAULT_MAX_STREAMS, max_batch: int = 64,
-                     adapt_to_load: bool = False) -> Standalone:
+def start_standalone(
+    config: Config,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    redis_url: str | None = None,
+    api_keys: ApiKeys | None = None,
+    tls: TlsFiles | None = None,
+    plain: bool = False,
+    max_streams: int = DEFAULT_MAX_STREAMS,
+    max_batch: int = 64,
+    adapt_to_load: bool = False,
+) -> Standalone:
     """Load the config's tiers, turn on batching, serve gRPC on host:port (0 picks a free port).
 
     plain: serve the target alone, no speculation (the baseline a load test compares against).
@@ -57,13 +65,19 @@ def start_standalone(config: Config, host: str = "127.0.0.1", port: int = 0, red
     engine = Engine(cascade)
     for model in engine.models():
         model.enable_batching(max_batch)
-    store = session_store(config.serving, lambda: MemoryStore(ttl_s=config.serving.session_ttl_s,
-                                                              max_sessions_per_owner=config.serving.max_sessions_per_key),
-                          redis_url)
-    coordinator = engine.coordinator(store, config.generation,
-                                     adapt_to_load=(adapt_to_load or config.serving.adapt_to_load) and not plain,
-                                     arms=config.serving.load_arms)
+    store = session_store(
+        config.serving,
+        lambda: MemoryStore(
+            ttl_s=config.serving.session_ttl_s, max_sessions_per_owner=config.serving.max_sessions_per_key
+        ),
+        redis_url,
+    )
+    coordinator = engine.coordinator(
+        store,
+        config.generation,
+        adapt_to_load=(adapt_to_load or config.serving.adapt_to_load) and not plain,
+        arms=config.serving.load_arms,
+    )
     limits = limits_from(config.serving.admission, workers=max_streams, max_queued=MAX_QUEUED_RPCS)
     server, bound = start_server(coordinator, host, port, api_keys=api_keys, tls=tls, limits=limits)
     return Standalone(server, bound, engine, coordinator)
-

@@ -48,8 +48,7 @@ def check_devices(cascade: CascadeConfig) -> None:
         tier_device(tier, key)
 
 
-def check_vocabularies(cascade: CascadeConfig, sizes: Mapping[str, int] | None = None,
-                       tokenizers: bool = True) -> None:
+def check_vocabularies(cascade: CascadeConfig, sizes: Mapping[str, int] | None = None, tokenizers: bool = True) -> None:
     """Every drafter's vocabulary is the target's.
 
     sizes: tier name -> vocabulary size of the loaded tiers (a Ray coordinator asks its replicas);
@@ -61,15 +60,19 @@ def check_vocabularies(cascade: CascadeConfig, sizes: Mapping[str, int] | None =
     target = cascade.target
     for key, tier in model_tiers(cascade)[1:]:
         if target.name in sizes and tier.name in sizes and sizes[tier.name] != sizes[target.name]:
-            raise ConfigError(f"{where(tier, 'path', key)}: a vocabulary of {sizes[tier.name]} tokens, the target's "
-                              f"({where(target, 'path', 'tiers.target')}) has {sizes[target.name]}: "
-                              "every tier must share the target's vocabulary")
+            raise ConfigError(
+                f"{where(tier, 'path', key)}: a vocabulary of {sizes[tier.name]} tokens, the target's "
+                f"({where(target, 'path', 'tiers.target')}) has {sizes[target.name]}: "
+                "every tier must share the target's vocabulary"
+            )
         if not (tokenizers and Path(tier.path).is_dir() and Path(target.path).is_dir()):
             continue
         if same_tokenizer(tier.path, target.path) is False:
-            raise ConfigError(f"{where(tier, 'path', key)}: its tokenizer maps tokens to other ids than the "
-                              f"target's ({where(target, 'path', 'tiers.target')}): every tier must share the "
-                              "target's vocabulary")
+            raise ConfigError(
+                f"{where(tier, 'path', key)}: its tokenizer maps tokens to other ids than the "
+                f"target's ({where(target, 'path', 'tiers.target')}): every tier must share the "
+                "target's vocabulary"
+            )
 
 
 def check_tiers(cascade: CascadeConfig) -> None:

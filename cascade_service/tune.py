@@ -12,9 +12,9 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 
@@ -47,10 +47,16 @@ class Trial:
         return getattr(self, objective)
 
 
-def measure(engine: Engine, candidate: Candidate, prompts: Sequence[list[int]], max_new_tokens: int,
-            costs: dict[str, dict[str, float]]) -> Trial:
-    variant = engine.variant([d.name for d in engine.cascade.drafters], candidate.k_matrix, candidate.leniency,
-                             candidate.lookup)
+def measure(
+    engine: Engine,
+    candidate: Candidate,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    costs: dict[str, dict[str, float]],
+) -> Trial:
+    variant = engine.variant(
+        [d.name for d in engine.cascade.drafters], candidate.k_matrix, candidate.leniency, candidate.lookup
+    )
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     tokens = seconds = target_calls = 0.0
     swi = {"params": 0.0, "measured": 0.0}
@@ -62,11 +68,14 @@ def measure(engine: Engine, candidate: Candidate, prompts: Sequence[list[int]], 
         target_calls += result.stats.target_calls
         for name in swi:  # SWI over all prompts = total tokens / total weighted calls
             swi[name] += result.stats.generated / max(result.stats.swi(costs[name]), 1e-9)
-    return Trial(candidate, tokens / seconds, tokens / swi["params"], tokens / swi["measured"],
-                 tokens / max(target_calls, 1))
+    return Trial(
+        candidate, tokens / seconds, tokens / swi["params"], tokens / swi["measured"], tokens / max(target_calls, 1)
+    )
 
 
-def lone_drafter_k(engine: Engine, prompts: Sequence[list[int]], costs: dict[str, float], probe_k: int = 4) -> dict[str, int]:
+def lone_drafter_k(
+    engine: Engine, prompts: Sequence[list[int]], costs: dict[str, float], probe_k: int = 4
+) -> dict[str, int]:
     """Each model drafter's acceptance as a lone drafter, turned into its EWIF-best k (Corollary 4.2)."""
     best = {}
     for d in engine.cascade.drafters:
@@ -81,7 +90,10 @@ def lone_drafter_k(engine: Engine, prompts: Sequence[list[int]], costs: dict[str
         # would undercount; each review is a geometric trial, whose MLE is accepted / (accepted + rejections).
         alpha = min(accepted / (accepted + rejections), 0.99) if accepted + rejections else 0.0
         best[d.name] = best_k(alpha, costs.get(d.name, 0.0), 12)
-        _log(f"  {d.name}: acceptance {alpha:.2f} as a lone drafter, cost {costs.get(d.name, 0.0):.3f} -> k* = {best[d.name]}")
+        _log(
+            f"  {d.name}: acceptance {alpha:.2f} as a lone drafter, cost {costs.get(d.name, 0.0):.3f}"
+            f" -> k* = {best[d.name]}"
+        )
     return best
 
 
@@ -109,8 +121,8 @@ def candidate_grid(drafters: Sequence[str], k_star: dict[str, int]) -> list[Cand
     grid = []
     for rows in itertools.product(*row_options):
         k = [[0] * n for _ in range(n)]
-        for r, (diag, tail) in enumerate(rows):
-            k[r][r] = diag
+        for r, (own, tail) in enumerate(rows):
+            k[r][r] = own
             if r + 1 < n:
                 k[r][r + 1] = tail
         try:
@@ -122,23 +134,37 @@ def candidate_grid(drafters: Sequence[str], k_star: dict[str, int]) -> list[Cand
     return grid
 
 
-def halving_search(engine: Engine, candidates: list[Candidate], prompts: Sequence[list[int]],
-                   max_new_tokens: int, objective: str, costs) -> list[Trial]:
-    stages = [(1, min(32, max_new_tokens)), (2, min(64, max_new_tokens)), (4, max_new_tokens), (len(prompts), max_new_tokens)]
+def halving_search(
+    engine: Engine,
+    candidates: list[Candidate],
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    objective: str,
+    costs,
+) -> list[Trial]:
+    stages = [
+        (1, min(32, max_new_tokens)),
+        (2, min(64, max_new_tokens)),
+        (4, max_new_tokens),
+        (len(prompts), max_new_tokens),
+    ]
     alive = list(dict.fromkeys(candidates))
     trials: list[Trial] = []
     for i, (n_prompts, n_tokens) in enumerate(stages):
         trials = [measure(engine, c, prompts[:n_prompts], n_tokens, costs) for c in alive]
         trials.sort(key=lambda t: t.score(objective), reverse=True)
         keep = max(3, len(trials) // 3)  # the best third, never fewer than 3 for the longer stages
-        _log(f"  stage {i + 1}: {len(alive)} candidates x {n_prompts} prompts x {n_tokens} tokens; "
-             f"best {trials[0].score(objective):.3f} {objective}")
+        _log(
+            f"  stage {i + 1}: {len(alive)} candidates x {n_prompts} prompts x {n_tokens} tokens; "
+            f"best {trials[0].score(objective):.3f} {objective}"
+        )
         alive = [t.candidate for t in trials[:keep]]
     return trials
 
 
-def tune(config_path: str, prompts_path: str, out_path: str, max_new_tokens: int = 128,
-         objective: str = "tokens_per_s") -> Trial:
+def tune(
+    config_path: str, prompts_path: str, out_path: str, max_new_tokens: int = 128, objective: str = "tokens_per_s"
+) -> Trial:
     if objective not in OBJECTIVES:
         raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     config = load_config(config_path)
@@ -150,16 +176,19 @@ def tune(config_path: str, prompts_path: str, out_path: str, max_new_tokens: int
     _log("measuring lone-drafter acceptance (EWIF, Corollary 4.2):")
     drafters = [d.name for d in config.cascade.drafters]
     k_star = lone_drafter_k(engine, prompts[:2], costs["measured"])
-    current = Candidate(tuple(map(tuple, config.cascade.schedule.to_lists())), config.cascade.leniency,
-                        config.cascade.lookup)
+    current = Candidate(
+        tuple(map(tuple, config.cascade.schedule.to_lists())), config.cascade.leniency, config.cascade.lookup
+    )
     grid = [current, *candidate_grid(drafters, k_star)]
     _log(f"halving grid search over {len(grid)} schedules, objective {objective}:")
     trials = halving_search(engine, grid, prompts, max_new_tokens, objective, costs)
     best = trials[0]
     _write_config(Path(config_path), Path(out_path), best, trials, objective)
-    _log(f"best: K = {[list(r) for r in best.candidate.k_matrix]}, leniency {best.candidate.leniency}, "
-         f"lookup {_lookup_text(best.candidate.lookup)}: "
-         f"{best.tokens_per_s:.1f} tok/s, SWI {best.swi_params:.2f} (params) / {best.swi_measured:.2f} (measured)")
+    _log(
+        f"best: K = {[list(r) for r in best.candidate.k_matrix]}, leniency {best.candidate.leniency}, "
+        f"lookup {_lookup_text(best.candidate.lookup)}: "
+        f"{best.tokens_per_s:.1f} tok/s, SWI {best.swi_params:.2f} (params) / {best.swi_measured:.2f} (measured)"
+    )
     return best
 
 
@@ -171,13 +200,18 @@ def _write_config(source: Path, out: Path, best: Trial, trials: list[Trial], obj
                 tier[key] = _anchored(tier[key], source.parent)
     raw["schedule"] = {"k_matrix": [list(r) for r in best.candidate.k_matrix], "leniency": best.candidate.leniency}
     if best.candidate.lookup is not None:
-        raw["schedule"]["lookup"] = {"min_match": best.candidate.lookup.min_match, "tokens": best.candidate.lookup.tokens}
+        raw["schedule"]["lookup"] = {
+            "min_match": best.candidate.lookup.min_match,
+            "tokens": best.candidate.lookup.tokens,
+        }
     lines = [f"# Tuned by `cascade-service tune` from {source} (objective {objective}); final stage:"]
     for t in trials:
-        lines.append(f"#   K={[list(r) for r in t.candidate.k_matrix]} l={t.candidate.leniency} "
-                     f"lookup={_lookup_text(t.candidate.lookup)}: "
-                     f"{t.tokens_per_s:.1f} tok/s, SWI params {t.swi_params:.2f}, measured {t.swi_measured:.2f}, "
-                     f"tokens/target call {t.mean_accepted_length:.2f}")
+        lines.append(
+            f"#   K={[list(r) for r in t.candidate.k_matrix]} l={t.candidate.leniency} "
+            f"lookup={_lookup_text(t.candidate.lookup)}: "
+            f"{t.tokens_per_s:.1f} tok/s, SWI params {t.swi_params:.2f}, measured {t.swi_measured:.2f}, "
+            f"tokens/target call {t.mean_accepted_length:.2f}"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n" + yaml.safe_dump(raw, sort_keys=False))
 

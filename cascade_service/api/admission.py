@@ -10,6 +10,9 @@ from typing import Any
 
 import grpc
 
+from .decode import decode
+from .status import DETAILS_KEY, rich_status
+
 log = logging.getLogger(__name__)
 
 
@@ -64,8 +67,6 @@ class Refused(Exception):
         self.message = message
 
 
-
-
 class CallHooks:
     """One admitted call's cancel hooks: the client hung up, its deadline passed, or the server stops."""
 
@@ -93,3 +94,23 @@ class CallHooks:
                 cancel()
             except Exception:
                 log.debug("cancel failed", exc_info=True)
+
+
+def decode_body(kind: Any, body: bytes) -> Any:
+    try:
+        return decode(kind, body)
+    except ValueError as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+def time_left(context: grpc.aio.ServicerContext) -> float | None:
+    """Seconds to the client's deadline; None without one (gRPC then reports about 1e308 seconds,
+    which overflows any timer it is handed to)."""
+    left = context.time_remaining()
+    return None if left is None or left > 10**7 else max(left, 0.0)
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with code, message and the rich details trailer (raises, as context.abort does)."""
+    trailer = ((DETAILS_KEY, rich_status(code, message).SerializeToString()),)
+    await context.abort(code, message, trailing_metadata=trailer)

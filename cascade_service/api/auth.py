@@ -6,7 +6,8 @@ call's headers, before its body is read, for every CascadeService call; Ray Serv
 coordinator check them (`authenticate_context`). Health checking and reflection stay open for probes.
 
 Identity. The caller's owner id travels with the call to the servicer: in a RecordingContext on our
-front ends, in a context proxy on Ray's (`owner_of(context)` reads either). The owner id is a hash of the key (`owner_id`), never the key, so it can be stored with a session
+front ends, in a context proxy on Ray's (`owner_of(context)` reads either). The owner id is a hash of
+the key (`owner_id`), never the key, so it can be stored with a session
 and travel to the coordinator (the edge passes it along with the request bytes; see
 `serving.app.CoordinatorDeployment.rpc`). Without keys configured every caller's owner is ""
 (anonymous). Keys are compared in constant time and never logged or echoed.

@@ -37,8 +37,14 @@ class Backend(Protocol):
     (`api.auth.owner_of`), checked against a session's owner by the coordinator. Both methods run on a
     worker thread and may block."""
 
-    def call(self, method: str, request: bytes, timeout_s: float | None, owner: str = "",
-             on_end: Callable[[Callable[[], None]], bool] | None = None) -> Reply:
+    def call(
+        self,
+        method: str,
+        request: bytes,
+        timeout_s: float | None,
+        owner: str = "",
+        on_end: Callable[[Callable[[], None]], bool] | None = None,
+    ) -> Reply:
         """`on_end(cancel)` registers `cancel` to run when the client's call ends; it returns False when
         the call has ended already (then cancel at once). A client that hangs up cancels the work."""
         ...

@@ -5,7 +5,8 @@
 
 protoc writes `from cascade.v1 import cascade_pb2` into the gRPC module, an import that only works with
 `protos/`'s output folder on sys.path, and names the message classes' module `cascade.v1.cascade_pb2`;
-both are rewritten so the stubs live inside the package. The protoc version is part of the output, so `--check` needs the pinned grpcio-tools.
+both are rewritten so the stubs live inside the package. The protoc version is part of the output, so
+`--check` needs the pinned grpcio-tools.
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ def generate() -> dict[str, str]:
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *PROTOS]
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *PROTOS,
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed: {' '.join(args)}")
         files = {}
@@ -51,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if the committed stubs differ")
     check = parser.parse_args(argv).check
     files = generate()
-    stale = [name for name, text in files.items()
-             if not (OUT_DIR / name).exists() or (OUT_DIR / name).read_text() != text]
+    stale = [
+        name for name, text in files.items() if not (OUT_DIR / name).exists() or (OUT_DIR / name).read_text() != text
+    ]
     if check:
         if stale:
             print(f"stale gRPC stubs: {', '.join(stale)}; run `python -m cascade_service.api.codegen`", file=sys.stderr)

@@ -55,7 +55,7 @@ def blame(descriptor: Descriptor, data: bytes, prefix: str = "") -> tuple[str, s
             length, position = _varint(data, position)
             if length is None or position + length > end:
                 return name, "its length runs past the end of the message"
-            payload = data[position:position + length]
+            payload = data[position : position + length]
             position += length
             if field is not None and (fault := _payload_fault(field, payload, name)) is not None:
                 return fault
@@ -88,15 +88,25 @@ def _payload_fault(field: FieldDescriptor, payload: bytes, name: str) -> tuple[s
     return None
 
 
-_FIXED = {FieldDescriptor.TYPE_FIXED64: 8, FieldDescriptor.TYPE_SFIXED64: 8, FieldDescriptor.TYPE_DOUBLE: 8,
-          FieldDescriptor.TYPE_FIXED32: 4, FieldDescriptor.TYPE_SFIXED32: 4, FieldDescriptor.TYPE_FLOAT: 4}
+_FIXED = {
+    FieldDescriptor.TYPE_FIXED64: 8,
+    FieldDescriptor.TYPE_SFIXED64: 8,
+    FieldDescriptor.TYPE_DOUBLE: 8,
+    FieldDescriptor.TYPE_FIXED32: 4,
+    FieldDescriptor.TYPE_SFIXED32: 4,
+    FieldDescriptor.TYPE_FLOAT: 4,
+}
 
 
 def _packable(field: FieldDescriptor) -> bool:
     repeated = getattr(field, "is_repeated", None)
     is_repeated = repeated if isinstance(repeated, bool) else field.label == FieldDescriptor.LABEL_REPEATED
-    return is_repeated and field.type not in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES,
-                                              FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_GROUP)
+    return is_repeated and field.type not in (
+        FieldDescriptor.TYPE_STRING,
+        FieldDescriptor.TYPE_BYTES,
+        FieldDescriptor.TYPE_MESSAGE,
+        FieldDescriptor.TYPE_GROUP,
+    )
 
 
 def _varint(data: bytes, position: int) -> tuple[Any, int]:

@@ -14,16 +14,23 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
+from .admission import Limits
 from .auth import ApiKeys, TlsFiles
 from .backend import Backend
-from .admission import Limits
 from .frontend_server import FrontendServer, start_frontend
 from .server import MAX_QUEUED_RPCS
 
 
-def start_edge(backend: Backend, host: str = "127.0.0.1", port: int = 0, workers: int = 32,
-               api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
-               max_queued: int = MAX_QUEUED_RPCS, limits: Limits | None = None) -> tuple[FrontendServer, int, FrontendServer]:
+def start_edge(
+    backend: Backend,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    workers: int = 32,
+    api_keys: ApiKeys | None = None,
+    tls: TlsFiles | None = None,
+    max_queued: int = MAX_QUEUED_RPCS,
+    limits: Limits | None = None,
+) -> tuple[FrontendServer, int, FrontendServer]:
     """Serve CascadeService + health + reflection on host:port, forwarding each admitted call's bytes
     to `backend`; returns (server, port, the server again as the health switch: its `set_serving`).
 

@@ -39,15 +39,14 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2
 
-from .admission import CallHooks, Limits, Refused
+from .admission import CallHooks, Limits, Refused, abort, decode_body, time_left
 from .auth import ApiKeys, authenticate
 from .backend import STREAMING, UNARY, Backend, Reply, request_type
-from .decode import decode
 from .health import HEALTH_SERVICES, status_reply, watch_reply
 from .reflection import METHOD as REFLECTION_METHOD
 from .reflection import SERVICES, V1, V1ALPHA, advertised
 from .servicer import SERVICE_NAME
-from .status import DETAILS_KEY, STOPPING, rich_status
+from .status import STOPPING
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +76,20 @@ class Frontend:
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         cascade = {m: grpc.stream_unary_rpc_method_handler(functools.partial(self._unary, m)) for m in UNARY}
-        cascade.update({m: grpc.stream_stream_rpc_method_handler(functools.partial(self._stream, m))
-                        for m in STREAMING})
-        health = {"Check": grpc.stream_unary_rpc_method_handler(self._check),
-                  "Watch": grpc.stream_stream_rpc_method_handler(self._watch)}
+        cascade.update(
+            {m: grpc.stream_stream_rpc_method_handler(functools.partial(self._stream, m)) for m in STREAMING}
+        )
+        health = {
+            "Check": grpc.stream_unary_rpc_method_handler(self._check),
+            "Watch": grpc.stream_stream_rpc_method_handler(self._watch),
+        }
         reflect = grpc.stream_stream_rpc_method_handler(self._reflect)
-        return [grpc.method_handlers_generic_handler(SERVICE_NAME, cascade),
-                grpc.method_handlers_generic_handler(HEALTH, health),
-                grpc.method_handlers_generic_handler(V1ALPHA, {REFLECTION_METHOD: reflect}),
-                grpc.method_handlers_generic_handler(V1, {REFLECTION_METHOD: reflect})]
+        return [
+            grpc.method_handlers_generic_handler(SERVICE_NAME, cascade),
+            grpc.method_handlers_generic_handler(HEALTH, health),
+            grpc.method_handlers_generic_handler(V1ALPHA, {REFLECTION_METHOD: reflect}),
+            grpc.method_handlers_generic_handler(V1, {REFLECTION_METHOD: reflect}),
+        ]
 
     async def _unary(self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         try:
@@ -93,8 +97,10 @@ class Frontend:
                 body = await self._body(requests, request_type(method))
                 call = CallHooks()
                 async with self._admitted(call):
-                    reply = await self._run(call, functools.partial(
-                        self.backend.call, method, body, _time_left(context), owner, call.on_end))
+                    reply = await self._run(
+                        call,
+                        functools.partial(self.backend.call, method, body, time_left(context), owner, call.on_end),
+                    )
                 code, details, payload = reply
                 if call.stopped:
                     code, details = "UNAVAILABLE", STOPPING
@@ -105,8 +111,9 @@ class Frontend:
             await abort(context, refused.code, refused.message)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
-    async def _stream(self, method: str, requests: AsyncIterator[bytes],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         try:
             with self._open(context) as owner:
                 body = await self._body(requests, request_type(method))
@@ -149,18 +156,18 @@ class Frontend:
         except Refused as refused:
             await abort(context, refused.code, refused.message)
 
-    async def _reflect(self, requests: AsyncIterator[bytes],
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def _reflect(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Reflection (v1 and v1alpha share the wire format): each request decoded here and within
         body_timeout_s of the last answer, so an idle stream does not stay open for good."""
         try:
+
             async def decoded() -> AsyncIterator[Any]:
                 iterator = aiter(requests)
                 while True:
                     raw = await self._next(iterator)
                     if raw is None:
                         return
-                    yield _decoded(reflection_pb2.ServerReflectionRequest, raw)
+                    yield decode_body(reflection_pb2.ServerReflectionRequest, raw)
 
             with self._probe_slot():
                 async for response in self._reflection.ServerReflectionInfo(decoded(), context):
@@ -185,8 +192,10 @@ class Frontend:
             raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         owner = self._authenticate(context)
         if self.api_keys is not None and self._per_key[owner] >= self.limits.max_calls_per_key:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"this API key has {self.limits.max_calls_per_key} calls open, its limit; retry later")
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this API key has {self.limits.max_calls_per_key} calls open, its limit; retry later",
+            )
         self._per_key[owner] += 1
         try:
             yield owner
@@ -200,8 +209,10 @@ class Frontend:
         """A health or reflection call, open: bounded apart from the service's calls, so that probes
         answer while those are at their bounds."""
         if self._probes >= self.limits.max_probes:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.limits.max_probes} health and reflection calls are open; retry later")
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.limits.max_probes} health and reflection calls are open; retry later",
+            )
         self._probes += 1
         try:
             yield
@@ -213,19 +224,21 @@ class Frontend:
         max_pending while they arrive, and checked to decode as a `kind` (bytes that are no `kind`
         never reach a backend)."""
         if self._pending >= self.limits.max_pending:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.limits.max_pending} calls are waiting for their request; retry later")
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.limits.max_pending} calls are waiting for their request; retry later",
+            )
         self._pending += 1
         try:
             body = await self._message(requests)
         finally:
             self._pending -= 1
-        _decoded(kind, body)
+        decode_body(kind, body)
         return body
 
     async def _probe(self, requests: AsyncIterator[bytes]) -> Any:
         """A health call's request (bounded by the probe slot its caller holds, not by max_pending)."""
-        return _decoded(health_pb2.HealthCheckRequest, await self._message(requests))
+        return decode_body(health_pb2.HealthCheckRequest, await self._message(requests))
 
     async def _message(self, requests: AsyncIterator[bytes]) -> bytes:
         """The one message of a unary-request call, and the client's half-close after it."""
@@ -244,8 +257,10 @@ class Frontend:
         except StopAsyncIteration:
             return None
         except TimeoutError:
-            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"request: the message did not arrive within {self.limits.body_timeout_s:g} s") from None
+            raise Refused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request: the message did not arrive within {self.limits.body_timeout_s:g} s",
+            ) from None
 
     @contextlib.asynccontextmanager
     async def _admitted(self, call: CallHooks) -> AsyncIterator[None]:
@@ -265,9 +280,11 @@ class Frontend:
             self._free -= 1
             return
         if len(self._waiting) >= self.limits.max_queued:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the server is at its limit ({self.limits.workers} calls running, "
-                          f"{self.limits.max_queued} waiting); retry later")
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is at its limit ({self.limits.workers} calls running, "
+                f"{self.limits.max_queued} waiting); retry later",
+            )
         turn = asyncio.get_running_loop().create_future()
         self._waiting.append(turn)
         try:
@@ -300,8 +317,9 @@ class Frontend:
             call.end()  # the client hung up, or its deadline passed
             raise
 
-    async def _replies(self, call: CallHooks, method: str, body: bytes, context: grpc.aio.ServicerContext,
-                       owner: str) -> AsyncIterator[Reply]:
+    async def _replies(
+        self, call: CallHooks, method: str, body: bytes, context: grpc.aio.ServicerContext, owner: str
+    ) -> AsyncIterator[Reply]:
         """A stream's replies: one worker thread iterates the backend's stream and hands each reply to
         the loop."""
         loop = asyncio.get_running_loop()
@@ -309,7 +327,7 @@ class Frontend:
 
         def pump() -> None:
             try:
-                replies = self.backend.stream(method, body, _time_left(context), owner)
+                replies = self.backend.stream(method, body, time_left(context), owner)
                 close = getattr(replies, "close", None)
                 if close is not None and not call.on_end(close):
                     close()
@@ -318,7 +336,7 @@ class Frontend:
                     if call.ended:
                         break
                 loop.call_soon_threadsafe(queue.put_nowait, None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which ends the call with it
+            except BaseException as exc:
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
 
         future = loop.run_in_executor(self.pool, pump)
@@ -327,7 +345,9 @@ class Frontend:
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):
                     log.error("a stream's backend failed", exc_info=item)
-                    raise Refused(grpc.StatusCode.INTERNAL, f"internal error ({type(item).__name__}); see the server log")
+                    raise Refused(
+                        grpc.StatusCode.INTERNAL, f"internal error ({type(item).__name__}); see the server log"
+                    )
                 yield item
         finally:
             call.end()  # a stream that ends early (client gone, an error) stops the backend
@@ -370,23 +390,3 @@ class Frontend:
         while self._calls and loop.time() < bound:
             await asyncio.sleep(0.02)
         return len(left)
-
-
-def _decoded(kind: Any, body: bytes) -> Any:
-    try:
-        return decode(kind, body)
-    except ValueError as exc:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-
-
-def _time_left(context: grpc.aio.ServicerContext) -> float | None:
-    """Seconds to the client's deadline; None without one (gRPC then reports about 1e308 seconds,
-    which overflows any timer it is handed to)."""
-    left = context.time_remaining()
-    return None if left is None or left > 10**7 else max(left, 0.0)
-
-
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """End the call with code, message and the rich details trailer (raises, as context.abort does)."""
-    trailer = ((DETAILS_KEY, rich_status(code, message).SerializeToString()),)
-    await context.abort(code, message, trailing_metadata=trailer)

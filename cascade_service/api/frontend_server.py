@@ -22,8 +22,16 @@ class FrontendServer:
     from synchronous code. `stop(grace)` drains as `Frontend.drain` does and returns an event that is
     set once the server has stopped (as `grpc.Server.stop` does)."""
 
-    def __init__(self, backend: Backend, host: str, port: int, limits: Limits, api_keys: ApiKeys | None,
-                 tls: TlsFiles | None, serving: bool):
+    def __init__(
+        self,
+        backend: Backend,
+        host: str,
+        port: int,
+        limits: Limits,
+        api_keys: ApiKeys | None,
+        tls: TlsFiles | None,
+        serving: bool,
+    ):
         self.frontend = Frontend(backend, limits, api_keys, serving)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="cascade-frontend", daemon=True)
@@ -38,9 +46,11 @@ class FrontendServer:
             raise
 
     async def _start(self, host: str, port: int, limits: Limits, tls: TlsFiles | None) -> tuple[Any, int]:
-        options = [("grpc.max_concurrent_streams", limits.max_streams_per_connection),
-                   ("grpc.max_receive_message_length", limits.max_message_bytes),
-                   ("grpc.so_reuseport", 0)]
+        options = [
+            ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
         server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers(self.frontend.handlers())
         bound = bind(server, host, port, tls)
@@ -75,9 +85,15 @@ class FrontendServer:
         await self.server.stop(1.0)
 
 
-def start_frontend(backend: Backend, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None,
-                   api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
-                   serving: bool = True) -> FrontendServer:
+def start_frontend(
+    backend: Backend,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    limits: Limits | None = None,
+    api_keys: ApiKeys | None = None,
+    tls: TlsFiles | None = None,
+    serving: bool = True,
+) -> FrontendServer:
     """Serve CascadeService, health and reflection for `backend` on host:port (port 0 picks one).
 
     api_keys: when given, every CascadeService call needs one of them (`api.auth`; health and

@@ -37,6 +37,7 @@ def _with_details(factory: Callable[..., Any]) -> Callable[..., Any]:
     def make(service_method: str, streaming_type: Any) -> Any:
         handler = factory(service_method=service_method, streaming_type=streaming_type)
         if inspect.isasyncgenfunction(handler):
+
             async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
                 async for message in handler(request, context):
                     yield message

@@ -26,8 +26,10 @@ V1_FILE = "grpc/reflection/v1/reflection.proto"
 METHOD = "ServerReflectionInfo"
 V1_METHOD_PATH = f"/{V1}/{METHOD}"
 # What the service advertises, besides the two reflection services.
-SERVICES = (cascade_pb2.DESCRIPTOR.services_by_name["CascadeService"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+SERVICES = (
+    cascade_pb2.DESCRIPTOR.services_by_name["CascadeService"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+)
 
 
 def v1_file() -> descriptor_pb2.FileDescriptorProto:
@@ -38,7 +40,7 @@ def v1_file() -> descriptor_pb2.FileDescriptorProto:
     v1.name, v1.package = V1_FILE, V1_PACKAGE
 
     def rename(name: str) -> str:
-        return new + name[len(old):] if name.startswith(old) else name
+        return new + name[len(old) :] if name.startswith(old) else name
 
     def fields(messages: Iterable[descriptor_pb2.DescriptorProto]) -> Iterable[descriptor_pb2.FieldDescriptorProto]:
         for message in messages:
@@ -88,15 +90,20 @@ def _register_v1() -> None:
 _register_v1()
 # v1's message classes, for a v1 client (a server needs none: v1alpha's messages are v1's on the wire).
 ServerReflectionRequest = message_factory.GetMessageClass(
-    descriptor_pool.Default().FindMessageTypeByName(f"{V1_PACKAGE}.ServerReflectionRequest"))
+    descriptor_pool.Default().FindMessageTypeByName(f"{V1_PACKAGE}.ServerReflectionRequest")
+)
 ServerReflectionResponse = message_factory.GetMessageClass(
-    descriptor_pool.Default().FindMessageTypeByName(f"{V1_PACKAGE}.ServerReflectionResponse"))
+    descriptor_pool.Default().FindMessageTypeByName(f"{V1_PACKAGE}.ServerReflectionResponse")
+)
 
 
 def v1_info(channel: grpc.Channel) -> Any:
     """A client's v1 `ServerReflectionInfo` on `channel` (a stream-stream callable of v1's messages)."""
-    return channel.stream_stream(V1_METHOD_PATH, request_serializer=ServerReflectionRequest.SerializeToString,
-                                 response_deserializer=ServerReflectionResponse.FromString)
+    return channel.stream_stream(
+        V1_METHOD_PATH,
+        request_serializer=ServerReflectionRequest.SerializeToString,
+        response_deserializer=ServerReflectionResponse.FromString,
+    )
 
 
 def enable_reflection(server: Any, service_names: Iterable[str] = SERVICES) -> None:
@@ -131,6 +138,8 @@ def _v1_handler(names: list[str], asyncio: bool) -> grpc.GenericRpcHandler:
     # v1alpha's servicer reads and writes v1alpha's messages, which are v1's on the wire.
     servicer = reflection.aio.ReflectionServicer(names) if asyncio else reflection.ReflectionServicer(names)
     handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
     return grpc.method_handlers_generic_handler(V1, {METHOD: handler})

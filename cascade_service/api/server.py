@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..coordinator import Coordinator
+from .admission import Limits
 from .auth import ApiKeys, TlsFiles
 from .backend import RecordingContext, Reply, request_type
-from .admission import Limits
 from .frontend_server import FrontendServer, start_frontend
 from .servicer import CascadeServicer
 
@@ -31,8 +31,14 @@ class LocalBackend:
     def __init__(self, servicer: CascadeServicer):
         self.servicer = servicer
 
-    def call(self, method: str, body: bytes, timeout_s: float | None, owner: str = "",
-             on_end: Callable[[Callable[[], None]], bool] | None = None) -> Reply:
+    def call(
+        self,
+        method: str,
+        body: bytes,
+        timeout_s: float | None,
+        owner: str = "",
+        on_end: Callable[[Callable[[], None]], bool] | None = None,
+    ) -> Reply:
         gone = threading.Event()
         if on_end is not None and not on_end(gone.set):
             gone.set()
@@ -94,15 +100,21 @@ def _cancelled(gone: threading.Event, deadline: float | None) -> Callable[[], bo
 def _status(context: RecordingContext, gone: threading.Event, deadline: float | None, method: str) -> tuple[str, str]:
     """The call's code and message. A decode stopped by the client's deadline (not by a hang-up) ends
     DEADLINE_EXCEEDED, as gRPC itself ends such a call: this side may see the deadline first."""
-    if context.code.name == "CANCELLED" and not gone.is_set() and deadline is not None \
-            and time.monotonic() > deadline:
+    if context.code.name == "CANCELLED" and not gone.is_set() and deadline is not None and time.monotonic() > deadline:
         return "DEADLINE_EXCEEDED", f"{method}: deadline exceeded"
     return context.code.name, context.details
 
 
-def start_server(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0, workers: int = 8,
-                 api_keys: ApiKeys | None = None, tls: TlsFiles | None = None,
-                 max_queued: int = MAX_QUEUED_RPCS, limits: Limits | None = None) -> tuple[FrontendServer, int]:
+def start_server(
+    coordinator: Coordinator,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    workers: int = 8,
+    api_keys: ApiKeys | None = None,
+    tls: TlsFiles | None = None,
+    max_queued: int = MAX_QUEUED_RPCS,
+    limits: Limits | None = None,
+) -> tuple[FrontendServer, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one).
 
     api_keys: when given, every CascadeService call needs one of them (`api.auth`); tls: serve TLS.

@@ -89,7 +89,7 @@ def public_message(message: str) -> str:
     MAX_MESSAGE_CHARS characters. Anything longer is internal detail that belongs in the server log."""
     lines = _ANSI.sub("", message).strip().splitlines()
     line = lines[0].strip() if lines else ""
-    return line if len(line) <= MAX_MESSAGE_CHARS else line[:MAX_MESSAGE_CHARS - 3] + "..."
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 class CascadeServicer:
@@ -98,32 +98,40 @@ class CascadeServicer:
     def __init__(self, coordinator: Coordinator):
         self.coordinator = coordinator
 
-    def Generate(self, request: pb.GenerateRequest, context: Any,
-                 cancelled: Callable[[], bool] | None = None) -> pb.GenerateResponse:
+    def Generate(
+        self, request: pb.GenerateRequest, context: Any, cancelled: Callable[[], bool] | None = None
+    ) -> pb.GenerateResponse:
         """`cancelled`: says when the caller has gone; by default the gRPC context's `is_active`."""
         try:
             params = self._params(request, context)
             result = self.coordinator.generate(params, cancelled or _gone(context))
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
+        except Exception as exc:
             return fail(context, exc, pb.GenerateResponse())
-        return pb.GenerateResponse(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason or "",
-                                   stats=self.stats(result.stats), session_id=request.session_id,
-                                   session_length=result.session_length)
+        return pb.GenerateResponse(
+            text=result.text,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason or "",
+            stats=self.stats(result.stats),
+            session_id=request.session_id,
+            session_length=result.session_length,
+        )
 
-    def GenerateStream(self, request: pb.GenerateRequest, context: Any,
-                       cancelled: Callable[[], bool] | None = None) -> Iterator[pb.GenerateChunk]:
+    def GenerateStream(
+        self, request: pb.GenerateRequest, context: Any, cancelled: Callable[[], bool] | None = None
+    ) -> Iterator[pb.GenerateChunk]:
         try:
             params = self._params(request, context)
             for chunk in self.coordinator.stream(params, cancelled or _gone(context)):
                 yield self.chunk(chunk)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             fail(context, exc, None)
 
     def CreateSession(self, request: pb.CreateSessionRequest, context: Any) -> pb.Session:
         try:
-            record = self.coordinator.create_session(request.session_id, request.prompt, list(request.prompt_token_ids),
-                                                     owner=owner_of(context))
-        except Exception as exc:  # noqa: BLE001
+            record = self.coordinator.create_session(
+                request.session_id, request.prompt, list(request.prompt_token_ids), owner=owner_of(context)
+            )
+        except Exception as exc:
             return fail(context, exc, pb.Session())
         return self._session(record)
 
@@ -131,7 +139,7 @@ class CascadeServicer:
         try:
             _require_id(request.session_id)
             record = self.coordinator.get_session(request.session_id, owner_of(context))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return fail(context, exc, pb.Session())
         return self._session(record)
 
@@ -139,7 +147,7 @@ class CascadeServicer:
         try:
             _require_id(request.session_id)
             deleted = self.coordinator.delete_session(request.session_id, owner_of(context))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return fail(context, exc, pb.DeleteSessionResponse())
         return pb.DeleteSessionResponse(deleted=deleted)
 
@@ -147,41 +155,59 @@ class CascadeServicer:
 
     def _params(self, request: pb.GenerateRequest, context: Any):
         return self.coordinator.params(
-            prompt=request.prompt, prompt_ids=list(request.prompt_token_ids), session_id=request.session_id,
+            prompt=request.prompt,
+            prompt_ids=list(request.prompt_token_ids),
+            session_id=request.session_id,
             max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             temperature=request.temperature if request.HasField("temperature") else None,
             top_p=request.top_p if request.HasField("top_p") else None,
             seed=request.seed if request.HasField("seed") else None,
-            stop=list(request.stop), verification=_verification(request),
+            stop=list(request.stop),
+            verification=_verification(request),
             stop_threshold=request.stop_threshold if request.HasField("stop_threshold") else None,
             owner=owner_of(context),
         )
 
     def chunk(self, chunk: Chunk) -> pb.GenerateChunk:
-        return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=chunk.finish_reason or "",
-                                stats=self.stats(chunk.stats) if chunk.stats else None,
-                                session_length=chunk.session_length)
+        return pb.GenerateChunk(
+            text=chunk.text,
+            token_ids=chunk.token_ids,
+            finish_reason=chunk.finish_reason or "",
+            stats=self.stats(chunk.stats) if chunk.stats else None,
+            session_length=chunk.session_length,
+        )
 
     def stats(self, stats: CascadeStats | None) -> pb.GenerateStats:
         if stats is None:
             return pb.GenerateStats()
         review = stats.reviews.get(stats.target)
         return pb.GenerateStats(
-            generated_tokens=stats.generated, target_calls=stats.target_calls,
-            tiers={name: pb.TierStats(calls=t["calls"], drafted=t["drafted"], accepted=t["accepted"],
-                                      **_tier_costs(stats.tiers.get(name)))
-                   for name, t in stats.per_tier().items()},
+            generated_tokens=stats.generated,
+            target_calls=stats.target_calls,
+            tiers={
+                name: pb.TierStats(
+                    calls=t["calls"], drafted=t["drafted"], accepted=t["accepted"], **_tier_costs(stats.tiers.get(name))
+                )
+                for name, t in stats.per_tier().items()
+            },
             accepted_by_position=list(review.accepted_by_position) if review else [],
             drafted_by_position=list(review.drafted_by_position) if review else [],
-            mean_accepted_length=stats.mean_accepted_length, wall_s=stats.wall_s,
-            swi_params=stats.swi(self.coordinator.param_costs), verification=stats.verification,
-            off_target_tokens=stats.off_target_tokens, tv_deviation=stats.tv_deviation,
+            mean_accepted_length=stats.mean_accepted_length,
+            wall_s=stats.wall_s,
+            swi_params=stats.swi(self.coordinator.param_costs),
+            verification=stats.verification,
+            off_target_tokens=stats.off_target_tokens,
+            tv_deviation=stats.tv_deviation,
             loglik_loss=stats.loglik_loss,
         )
 
     def _session(self, record) -> pb.Session:
-        return pb.Session(session_id=record.session_id, token_ids=list(record.token_ids), version=record.version,
-                          text=self.coordinator.tokenizer.decode(list(record.token_ids)))
+        return pb.Session(
+            session_id=record.session_id,
+            token_ids=list(record.token_ids),
+            version=record.version,
+            text=self.coordinator.tokenizer.decode(list(record.token_ids)),
+        )
 
 
 def _tier_costs(c: TierCounters | None) -> dict[str, Any]:

@@ -59,7 +59,7 @@ def field_of(message: str) -> str | None:
     match = _LEADING_PATH.match(message)
     if match is None or match.group() not in field_paths():
         return None
-    rest = message[match.end():]
+    rest = message[match.end() :]
     return match.group() if rest[:1] in ("", ":", " ") else None
 
 

@@ -20,17 +20,24 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 from ..config import GenerationConfig
 from ..core.adaptive import AdaptiveLength
 from ..engine import Engine
 
 
-def methods(drafter: str, ks: Sequence[int], max_k: int, head: str | None, specdec_hs: Sequence[float],
-            confidence_hs: Sequence[float]) -> dict[str, tuple[int, AdaptiveLength | None]]:
+def methods(
+    drafter: str,
+    ks: Sequence[int],
+    max_k: int,
+    head: str | None,
+    specdec_hs: Sequence[float],
+    confidence_hs: Sequence[float],
+) -> dict[str, tuple[int, AdaptiveLength | None]]:
     out: dict[str, tuple[int, AdaptiveLength | None]] = {f"fixed K={k}": (k, None) for k in ks}
     if head:
         out.update({f"specdec h={h:g}": (max_k, AdaptiveLength("specdec", h, head)) for h in specdec_hs})
@@ -68,11 +75,20 @@ class Setting:
         return f"{self.drafter} drafting alone (K = [[k]])"
 
 
-def run(engine: Engine, setting: Setting, prompts: Sequence[list[int]], table: dict[str, tuple[int, AdaptiveLength | None]],
-        max_new_tokens: int, repeats: int, out: Path, command: str) -> dict:
-    engines = {name: engine.variant(setting.tiers(), setting.k_matrix(k), 1.0, None,
-                                    {setting.drafter: a} if a else None)
-               for name, (k, a) in table.items()}
+def run(
+    engine: Engine,
+    setting: Setting,
+    prompts: Sequence[list[int]],
+    table: dict[str, tuple[int, AdaptiveLength | None]],
+    max_new_tokens: int,
+    repeats: int,
+    out: Path,
+    command: str,
+) -> dict:
+    engines = {
+        name: engine.variant(setting.tiers(), setting.k_matrix(k), 1.0, None, {setting.drafter: a} if a else None)
+        for name, (k, a) in table.items()
+    }
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     for e in engines.values():  # warm-up: lazy initialisation everywhere, untimed
         e.generate(prompts[0][:8], GenerationConfig(max_new_tokens=8))
@@ -85,7 +101,7 @@ def run(engine: Engine, setting: Setting, prompts: Sequence[list[int]], table: d
         seconds = {name: 0.0 for name in engines}
         names = list(engines)
         for i, prompt in enumerate(prompts):
-            order = names[(rep + i) % len(names):] + names[:(rep + i) % len(names)]  # rotate who goes first
+            order = names[(rep + i) % len(names) :] + names[: (rep + i) % len(names)]  # rotate who goes first
             for name in order:
                 start = time.perf_counter()
                 result = engines[name].generate(prompt, gen)
@@ -100,12 +116,16 @@ def run(engine: Engine, setting: Setting, prompts: Sequence[list[int]], table: d
         for name in engines:
             speeds[name].append(tokens[name] / seconds[name])
     reference = outputs[next(iter(table))]
-    rows = {name: {"tokens_per_s": round(statistics.median(speeds[name]), 2),
-                   "tokens_per_s_repeats": [round(s, 2) for s in speeds[name]],
-                   "target_calls_per_token": round(calls[name] / max(1, sum(map(len, outputs[name]))), 4),
-                   "mean_block": round(statistics.mean(blocks.get(name, [0.0])), 2),
-                   "identical": outputs[name] == reference}
-            for name in engines}
+    rows: dict[str, dict[str, Any]] = {
+        name: {
+            "tokens_per_s": round(statistics.median(speeds[name]), 2),
+            "tokens_per_s_repeats": [round(s, 2) for s in speeds[name]],
+            "target_calls_per_token": round(calls[name] / max(1, sum(map(len, outputs[name]))), 4),
+            "mean_block": round(statistics.mean(blocks.get(name, [0.0])), 2),
+            "identical": outputs[name] == reference,
+        }
+        for name in engines
+    }
     fixed = {n: r for n, r in rows.items() if n.startswith("fixed")}
     best_fixed = max(fixed, key=lambda n: fixed[n]["tokens_per_s"])
     summary = {}
@@ -113,12 +133,24 @@ def run(engine: Engine, setting: Setting, prompts: Sequence[list[int]], table: d
         mine = {n: r for n, r in rows.items() if n.startswith(family)}
         if mine:
             best = max(mine, key=lambda n: mine[n]["tokens_per_s"])
-            summary[family] = {"best": best, "ratio_vs_best_fixed": round(mine[best]["tokens_per_s"] /
-                                                                         fixed[best_fixed]["tokens_per_s"], 3)}
-    results = {"command": command, "drafter": setting.drafter, "reviews": setting.reviews, "under": setting.under,
-               "other_k": setting.other_k if setting.reviews or setting.under else None,
-               "setting": setting.describe(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-               "repeats": repeats, "methods": rows, "best_fixed": best_fixed, "summary": summary}
+            summary[family] = {
+                "best": best,
+                "ratio_vs_best_fixed": round(mine[best]["tokens_per_s"] / fixed[best_fixed]["tokens_per_s"], 3),
+            }
+    results = {
+        "command": command,
+        "drafter": setting.drafter,
+        "reviews": setting.reviews,
+        "under": setting.under,
+        "other_k": setting.other_k if setting.reviews or setting.under else None,
+        "setting": setting.describe(),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "methods": rows,
+        "best_fixed": best_fixed,
+        "summary": summary,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "adaptive.json").write_text(json.dumps(results, indent=1) + "\n")
     print(markdown(results), end="")
@@ -126,13 +158,21 @@ def run(engine: Engine, setting: Setting, prompts: Sequence[list[int]], table: d
 
 
 def markdown(results: dict) -> str:
-    lines = [f"setting: {results['setting']}", "",
-             "| method | tok/s (median) | target calls/token | drafter's mean block | identical |", "|---|---|---|---|---|"]
+    lines = [
+        f"setting: {results['setting']}",
+        "",
+        "| method | tok/s (median) | target calls/token | drafter's mean block | identical |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in results["methods"].items():
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['target_calls_per_token']:.3f} | {r['mean_block']:.2f} | "
-                     f"{r['identical']} |")
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:.1f} | {r['target_calls_per_token']:.3f} | {r['mean_block']:.2f} | "
+            f"{r['identical']} |"
+        )
     lines.append(f"\nbest fixed: {results['best_fixed']}")
     for family, s in results["summary"].items():
-        lines.append(f"best {family}: {s['best']}, {s['ratio_vs_best_fixed']:.3f}x the best fixed K"
-                     + (" (goal >= 1.07x)" if family == "specdec" else ""))
+        lines.append(
+            f"best {family}: {s['best']}, {s['ratio_vs_best_fixed']:.3f}x the best fixed K"
+            + (" (goal >= 1.07x)" if family == "specdec" else "")
+        )
     return "\n".join(lines) + "\n"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from tqdm import tqdm
 
@@ -144,12 +144,14 @@ def _per_prompt(log: RunnerLog, reference: list[list[int]]) -> list[dict]:
     for i, expected in enumerate(reference):
         time_s = statistics.median(times[i] for times in log.times)
         tokens = len(log.tokens[0][i])
-        rows.append({
-            "generated_tokens": tokens,
-            "time_s": time_s,  # median over repeats
-            "tokens_per_s": _ratio(tokens, time_s),
-            "identical_to_hf_ar": all(toks[i] == expected for toks in log.tokens),
-        })
+        rows.append(
+            {
+                "generated_tokens": tokens,
+                "time_s": time_s,  # median over repeats
+                "tokens_per_s": _ratio(tokens, time_s),
+                "identical_to_hf_ar": all(toks[i] == expected for toks in log.tokens),
+            }
+        )
     return rows
 
 

@@ -14,9 +14,10 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 from .. import procfs
 
@@ -33,20 +34,33 @@ class Level:
 
     def summary(self) -> dict:
         lat = sorted(self.latencies)
-        return {"concurrency": self.concurrency, "requests": len(lat), "tokens": self.tokens,
-                "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0,
-                "p50_s": round(statistics.median(lat), 4) if lat else None,
-                "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 4) if lat else None,
-                "errors": sum(self.errors.values()), "errors_by_code": dict(self.errors)}
+        return {
+            "concurrency": self.concurrency,
+            "requests": len(lat),
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0,
+            "p50_s": round(statistics.median(lat), 4) if lat else None,
+            "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 4) if lat else None,
+            "errors": sum(self.errors.values()),
+            "errors_by_code": dict(self.errors),
+        }
 
 
-def run_level(target: str, concurrency: int, duration_s: float, prompts: Sequence[str], max_new_tokens: int,
-              api_key: str | None, timeout_s: float, temperature: float | None = None) -> Level:
+def run_level(
+    target: str,
+    concurrency: int,
+    duration_s: float,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    api_key: str | None,
+    timeout_s: float,
+    temperature: float | None = None,
+) -> Level:
     from ..client import CascadeClient, errors
 
     level = Level(concurrency)
     lock = threading.Lock()
-    sampling = {} if temperature is None else {"temperature": temperature}  # None: the server's default
+    sampling: dict[str, Any] = {} if temperature is None else {"temperature": temperature}  # None: server default
     deadline = time.monotonic() + duration_s
 
     def worker(index: int) -> None:
@@ -84,9 +98,18 @@ def listener_tree_rss(port: int) -> int | None:
     return None if owner is None else procfs.rss_bytes(procfs.descendants(owner))
 
 
-def run(target: str, concurrencies: Sequence[int], duration_s: float, prompts: Sequence[str], max_new_tokens: int,
-        out: Path, command: str, api_key: str | None = None, timeout_s: float = 120.0,
-        temperature: float | None = None) -> dict:
+def run(
+    target: str,
+    concurrencies: Sequence[int],
+    duration_s: float,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    out: Path,
+    command: str,
+    api_key: str | None = None,
+    timeout_s: float = 120.0,
+    temperature: float | None = None,
+) -> dict:
     port = int(target.rsplit(":", 1)[1])
     rss_before = listener_tree_rss(port)
     run_level(target, 1, min(2.0, duration_s), prompts, max_new_tokens, api_key, timeout_s, temperature)  # warm-up
@@ -95,18 +118,33 @@ def run(target: str, concurrencies: Sequence[int], duration_s: float, prompts: S
     for n in concurrencies:
         level = run_level(target, n, duration_s, prompts, max_new_tokens, api_key, timeout_s, temperature).summary()
         levels.append(level)
-        print(f"concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} tok/s, "
-              f"p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}", flush=True)
+        print(
+            f"concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} tok/s, "
+            f"p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}",
+            flush=True,
+        )
     time.sleep(2.0)  # let releases of finished requests land
     rss_after = listener_tree_rss(port)
-    memory = {"rss_before_mb": _mb(rss_before), "rss_after_warmup_mb": _mb(rss_warm), "rss_after_mb": _mb(rss_after),
-              "growth_after_warmup_mb": _mb(rss_after - rss_warm) if rss_after and rss_warm else None}
-    results = {"command": command, "target": target, "duration_s": duration_s, "max_new_tokens": max_new_tokens,
-               "levels": levels, "memory": memory}
+    memory = {
+        "rss_before_mb": _mb(rss_before),
+        "rss_after_warmup_mb": _mb(rss_warm),
+        "rss_after_mb": _mb(rss_after),
+        "growth_after_warmup_mb": _mb(rss_after - rss_warm) if rss_after and rss_warm else None,
+    }
+    results: dict[str, Any] = {
+        "command": command,
+        "target": target,
+        "duration_s": duration_s,
+        "max_new_tokens": max_new_tokens,
+        "levels": levels,
+        "memory": memory,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "load.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"server RSS: {memory['rss_after_warmup_mb']} MB after warm-up, {memory['rss_after_mb']} MB after the load "
-          f"(growth {memory['growth_after_warmup_mb']} MB)")
+    print(
+        f"server RSS: {memory['rss_after_warmup_mb']} MB after warm-up, {memory['rss_after_mb']} MB after the load "
+        f"(growth {memory['growth_after_warmup_mb']} MB)"
+    )
     return results
 
 
@@ -117,9 +155,18 @@ def _mb(value: int | None) -> float | None:
 MODES = ("cascade", "plain", "cascade-adaptive")  # served as: the K-matrix, --plain, --adapt-to-load
 
 
-def run_modes(config_path: str, concurrencies: Sequence[int], duration_s: float, prompts: Sequence[str],
-              max_new_tokens: int, out: Path, command: str, timeout_s: float = 300.0,
-              modes: Sequence[str] = MODES[:2], temperature: float | None = None) -> dict:
+def run_modes(
+    config_path: str,
+    concurrencies: Sequence[int],
+    duration_s: float,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    out: Path,
+    command: str,
+    timeout_s: float = 300.0,
+    modes: Sequence[str] = MODES[:2],
+    temperature: float | None = None,
+) -> dict:
     """The cascade against plain decoding of its target, under load, in one run.
 
     Starts two standalone servers (`serve --frontend standalone`, with and without `--plain`) on
@@ -131,20 +178,32 @@ def run_modes(config_path: str, concurrencies: Sequence[int], duration_s: float,
     runs = []
     try:
         targets = {mode: server.wait_ready() for mode, server in servers.items()}
-        for mode, target in targets.items():  # warm-up: first passes, allocator, thread pools
-            run_level(target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s,
-                      temperature)
+        for target in targets.values():  # warm-up: first passes, allocator, thread pools
+            run_level(
+                target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s, temperature
+            )
         for n in concurrencies:
             for mode, target in targets.items():
-                level = run_level(target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature).summary()
+                level = run_level(
+                    target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature
+                ).summary()
                 runs.append({"mode": mode, **level})
-                print(f"{mode:>7} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
-                      f"tok/s, p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}", flush=True)
+                print(
+                    f"{mode:>7} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
+                    f"tok/s, p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}",
+                    flush=True,
+                )
     finally:
         for server in servers.values():
             server.stop()
-    results = {"command": command, "config": config_path, "duration_s": duration_s, "max_new_tokens": max_new_tokens,
-               "runs": runs, "summary": _scaling(runs)}
+    results: dict[str, Any] = {
+        "command": command,
+        "config": config_path,
+        "duration_s": duration_s,
+        "max_new_tokens": max_new_tokens,
+        "runs": runs,
+        "summary": _scaling(runs),
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "load.json").write_text(json.dumps(results, indent=1) + "\n")
     for line in _scaling_lines(results["summary"]):
@@ -161,8 +220,9 @@ def _scaling(runs: list[dict]) -> dict:
         if by.get(("plain", n)) and ("cascade", n) in by:
             summary["cascade_over_plain"][str(n)] = round(by[("cascade", n)] / by[("plain", n)], 3)
         if by.get(("plain", n)) and ("cascade-adaptive", n) in by:
-            summary.setdefault("adaptive_over_plain", {})[str(n)] = round(by[("cascade-adaptive", n)] / by[("plain", n)],
-                                                                          3)
+            summary.setdefault("adaptive_over_plain", {})[str(n)] = round(
+                by[("cascade-adaptive", n)] / by[("plain", n)], 3
+            )
     for mode in MODES:
         base = by.get((mode, 1))
         if base:
@@ -172,8 +232,10 @@ def _scaling(runs: list[dict]) -> dict:
 
 def _scaling_lines(summary: dict) -> list[str]:
     lines = [f"cascade / plain at {n} streams: {r:.2f}x" for n, r in summary["cascade_over_plain"].items()]
-    lines += [f"cascade adapting to load / plain at {n} streams: {r:.2f}x"
-              for n, r in summary.get("adaptive_over_plain", {}).items()]
+    lines += [
+        f"cascade adapting to load / plain at {n} streams: {r:.2f}x"
+        for n, r in summary.get("adaptive_over_plain", {}).items()
+    ]
     for mode, ratios in summary["over_single_stream"].items():
         lines.append(f"{mode}: throughput / single stream: " + ", ".join(f"{n}: {r:.2f}x" for n, r in ratios.items()))
     return lines
@@ -187,8 +249,19 @@ class _ServerProcess:
         import sys
 
         flags = {"cascade": [], "plain": ["--plain"], "cascade-adaptive": ["--adapt-to-load"]}[mode]
-        args = [sys.executable, "-m", "cascade_service.cli", "serve", "--frontend", "standalone", "--config",
-                config_path, "--grpc-port", "0", *flags]
+        args = [
+            sys.executable,
+            "-m",
+            "cascade_service.cli",
+            "serve",
+            "--frontend",
+            "standalone",
+            "--config",
+            config_path,
+            "--grpc-port",
+            "0",
+            *flags,
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
 
     def wait_ready(self, timeout_s: float = 600.0) -> str:
@@ -214,6 +287,6 @@ class _ServerProcess:
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout=30)
-            except Exception:  # noqa: BLE001 - a server that ignores SIGINT is killed
+            except Exception:
                 self.process.kill()
                 self.process.wait()

@@ -37,8 +37,8 @@ import torch
 from ..config import GenerationConfig, ModelTierConfig, make_cascade
 from ..engine import Engine
 from ..models.batching import PREFILL_CHUNK
-from ..zoo.tiny import build_family, random_prompts
 from ..paths import zoo_dir
+from ..zoo.tiny import build_family, random_prompts
 
 CONDITIONS = ("alone", "prefill", "decode")
 TURNS = {"fair": True, "oldest": False}  # --turns: ForwardBatcher.FAIR
@@ -46,17 +46,25 @@ TURNS = {"fair": True, "oldest": False}  # --turns: ForwardBatcher.FAIR
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: the demo zoo's large model if built, "
-                                        "else the tiny random llama target)")
+    parser.add_argument(
+        "--model",
+        help="model directory (default: the demo zoo's large model if built, else the tiny random llama target)",
+    )
     parser.add_argument("--short", type=int, default=16, help="concurrent short requests")
     parser.add_argument("--short-prompt", type=int, default=32, help="tokens in each short prompt")
     parser.add_argument("--short-tokens", type=int, default=32, help="new tokens per short request")
     parser.add_argument("--long-prompt", type=int, default=3500, help="tokens in the long prompt")
-    parser.add_argument("--prefill-chunks", default=f"0,{PREFILL_CHUNK}",
-                        help="prefill chunk sizes compared side by side (0: a prompt in one pass)")
-    parser.add_argument("--turns", default="fair",
-                        help="how passes that cannot share take turns, compared side by side: fair (by model "
-                             "time had), oldest (the oldest waiting pass first)")
+    parser.add_argument(
+        "--prefill-chunks",
+        default=f"0,{PREFILL_CHUNK}",
+        help="prefill chunk sizes compared side by side (0: a prompt in one pass)",
+    )
+    parser.add_argument(
+        "--turns",
+        default="fair",
+        help="how passes that cannot share take turns, compared side by side: fair (by model "
+        "time had), oldest (the oldest waiting pass first)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared CPU)")
     args = parser.parse_args(argv)
@@ -91,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             variant.pace_alone.append(bench.long_pace[0])
             variant.pace_beside.append(bench.long_pace[1])
             variant.passes += Counter(batcher.batch_sizes) - before
-    print(f"model {engine.target.name} ({engine.target.num_parameters / 1e6:.1f}M parameters), "
-          f"{args.short} short requests ({args.short_prompt}-token prompts, {args.short_tokens} new tokens) "
-          f"beside one {args.long_prompt}-token prompt; {args.repeats} repeats, {args.threads} torch threads")
+    print(
+        f"model {engine.target.name} ({engine.target.num_parameters / 1e6:.1f}M parameters), "
+        f"{args.short} short requests ({args.short_prompt}-token prompts, {args.short_tokens} new tokens) "
+        f"beside one {args.long_prompt}-token prompt; {args.repeats} repeats, {args.threads} torch threads"
+    )
     for (chunk, turn), variant in runs.items():
         variant.report(f"prefill chunk {chunk or 'off'}, turns {turn}")
     return 0
@@ -110,16 +120,20 @@ class _Variant:
     passes: Counter = field(default_factory=Counter)
 
     def report(self, name: str) -> None:
-        print(f"{name}: the long prompt's first token after {statistics.median(self.first_token_alone):.2f} s alone, "
-              f"{statistics.median(self.first_token_beside):.2f} s beside the short requests; its stream "
-              f"{statistics.median(self.pace_alone):.1f} tokens/s alone, {statistics.median(self.pace_beside):.1f} "
-              f"beside them; passes by batch size {dict(sorted(self.passes.items()))}")
+        print(
+            f"{name}: the long prompt's first token after {statistics.median(self.first_token_alone):.2f} s alone, "
+            f"{statistics.median(self.first_token_beside):.2f} s beside the short requests; its stream "
+            f"{statistics.median(self.pace_alone):.1f} tokens/s alone, {statistics.median(self.pace_beside):.1f} "
+            f"beside them; passes by batch size {dict(sorted(self.passes.items()))}"
+        )
         base = statistics.median(self.latencies["alone"])
         for condition in CONDITIONS:
             lat = sorted(self.latencies[condition])
             median = statistics.median(lat)
-            print(f"  {condition:<8} median {median:.3f} s  p90 {lat[int(0.9 * (len(lat) - 1))]:.3f} s  "
-                  f"x{median / base:.2f} of alone  peak RSS +{self.memory[condition] / 2**20:.0f} MiB")
+            print(
+                f"  {condition:<8} median {median:.3f} s  p90 {lat[int(0.9 * (len(lat) - 1))]:.3f} s  "
+                f"x{median / base:.2f} of alone  peak RSS +{self.memory[condition] / 2**20:.0f} MiB"
+            )
 
 
 def _engine(path: str | None) -> Engine:
@@ -140,8 +154,10 @@ def _rate(times: list[float], start: float, end: float) -> float:
 
 class _Bench:
     PACE_S = 0.5  # how long the long request streams alone before the short requests come
-    def __init__(self, engine: Engine, shorts: list[list[int]], short_tokens: int, long_prompt: list[int],
-                 long_tokens: int):
+
+    def __init__(
+        self, engine: Engine, shorts: list[list[int]], short_tokens: int, long_prompt: list[int], long_tokens: int
+    ):
         self.engine = engine
         self.short_prompts = shorts
         self.short_gen = GenerationConfig(max_new_tokens=short_tokens)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -86,8 +86,15 @@ class Point:
         return self.target_calls / self.tokens if self.tokens else 0.0
 
 
-def run_point(engine: Engine, rule: str, alpha: float, prompts: Sequence[list[int]], max_new_tokens: int,
-              temperature: float, seeds: Sequence[int]) -> Point:
+def run_point(
+    engine: Engine,
+    rule: str,
+    alpha: float,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seeds: Sequence[int],
+) -> Point:
     """Decode every prompt with every seed under one rule setting; score the outputs with the target."""
     v = Verification("exact") if rule == "exact" else verification_for(rule, alpha)
     tokens = calls = off = 0
@@ -172,9 +179,14 @@ def plot(points: dict[str, list[Point]], reference: Point, path: Path) -> None:
         axes[0].plot([p.calls_per_token for p in pts], [p.loss for p in pts], style, label=rule)
         axes[1].plot([p.tokens_per_s for p in pts], [p.loss for p in pts], style, label=rule)
         axes[2].plot([p.tokens_per_s for p in pts], [p.ll_change for p in pts], style, label=rule)
-    for ax, (x, y) in zip(axes, (("target calls per token", "quality loss: expected TV deviation per token"),
-                                 ("tokens/s", "quality loss: expected TV deviation per token"),
-                                 ("tokens/s", "expected log-likelihood drop per token (nats)"))):
+    for ax, (x, y) in zip(
+        axes,
+        (
+            ("target calls per token", "quality loss: expected TV deviation per token"),
+            ("tokens/s", "quality loss: expected TV deviation per token"),
+            ("tokens/s", "expected log-likelihood drop per token (nats)"),
+        ),
+    ):
         ax.axhline(0.0, color="k", lw=0.8, ls=":")
         ax.plot([reference.calls_per_token if ax is axes[0] else reference.tokens_per_s], [0.0], "k*", ms=10)
         ax.set_xlabel(x)
@@ -187,8 +199,16 @@ def plot(points: dict[str, list[Point]], reference: Point, path: Path) -> None:
     plt.close(fig)
 
 
-def run(engine: Engine, prompts: Sequence[list[int]], rules: Sequence[str], max_new_tokens: int,
-        temperature: float, seeds: Sequence[int], out: Path, command: str) -> dict:
+def run(
+    engine: Engine,
+    prompts: Sequence[list[int]],
+    rules: Sequence[str],
+    max_new_tokens: int,
+    temperature: float,
+    seeds: Sequence[int],
+    out: Path,
+    command: str,
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     run_point(engine, "exact", 0.0, prompts[:1], 8, temperature, seeds[:1])  # warm-up
     reference = run_point(engine, "exact", 0.0, prompts, max_new_tokens, temperature, seeds)
@@ -198,16 +218,23 @@ def run(engine: Engine, prompts: Sequence[list[int]], rules: Sequence[str], max_
         best = max(points[rule], key=lambda p: p.tokens_per_s)
         print(f"{rule:<13} done: up to {best.tokens_per_s:.1f} tok/s (exact {reference.tokens_per_s:.1f})", flush=True)
     results = {
-        "command": command, "temperature": temperature, "seeds": list(seeds), "max_new_tokens": max_new_tokens,
+        "command": command,
+        "temperature": temperature,
+        "seeds": list(seeds),
+        "max_new_tokens": max_new_tokens,
         "prompts": len(prompts),
         "exact": _row(reference),
         "rules": {rule: [_row(p) for p in pts] for rule, pts in points.items()},
     }
     if "token-v3" in points and "lossy" in points:
         rows = compare(points, "token-v3", "lossy")
-        results["token_v3_vs_lossy"] = {"rows": rows, **{
-            f"median_ratio_{name}": statistics.median(r[f"ratio_{name}"] for r in rows) if rows else None
-            for name in SPEEDS}}
+        results["token_v3_vs_lossy"] = {
+            "rows": rows,
+            **{
+                f"median_ratio_{name}": statistics.median(r[f"ratio_{name}"] for r in rows) if rows else None
+                for name in SPEEDS
+            },
+        }
     (out / "lossy.json").write_text(json.dumps(results, indent=1) + "\n")
     plot(points, reference, out / "lossy_curves.png")
     print(markdown(results), end="")
@@ -215,35 +242,56 @@ def run(engine: Engine, prompts: Sequence[list[int]], rules: Sequence[str], max_
 
 
 def _row(p: Point) -> dict:
-    return {"rule": p.rule, "alpha": p.alpha, "tokens": p.tokens, "tokens_per_s": round(p.tokens_per_s, 2),
-            "target_calls_per_token": round(p.calls_per_token, 4), "off_target_tokens": p.off_target,
-            "tv_deviation": round(p.tv, 3), "tv_per_token": round(p.loss, 5),
-            "loglik_drop_per_token": round(p.ll_change, 5), "agreement": round(p.agreement, 4),
-            "loglik": round(p.loglik, 4)}
+    return {
+        "rule": p.rule,
+        "alpha": p.alpha,
+        "tokens": p.tokens,
+        "tokens_per_s": round(p.tokens_per_s, 2),
+        "target_calls_per_token": round(p.calls_per_token, 4),
+        "off_target_tokens": p.off_target,
+        "tv_deviation": round(p.tv, 3),
+        "tv_per_token": round(p.loss, 5),
+        "loglik_drop_per_token": round(p.ll_change, 5),
+        "agreement": round(p.agreement, 4),
+        "loglik": round(p.loglik, 4),
+    }
 
 
 def markdown(results: dict) -> str:
     ex = results["exact"]
-    lines = [f"exact: {ex['tokens_per_s']:.1f} tok/s, {ex['target_calls_per_token']:.3f} target calls/token, "
-             f"agreement {ex['agreement']:.3f}, log-lik {ex['loglik']:.3f}", "",
-             "| rule | alpha | tok/s | target calls/tok | off-target tokens | TV dev/tok (quality loss) "
-             "| expected log-lik drop/tok | agreement (sampled) | log-lik (sampled) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"exact: {ex['tokens_per_s']:.1f} tok/s, {ex['target_calls_per_token']:.3f} target calls/token, "
+        f"agreement {ex['agreement']:.3f}, log-lik {ex['loglik']:.3f}",
+        "",
+        "| rule | alpha | tok/s | target calls/tok | off-target tokens | TV dev/tok (quality loss) "
+        "| expected log-lik drop/tok | agreement (sampled) | log-lik (sampled) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for rule, rows in results["rules"].items():
         for r in rows:
-            lines.append(f"| {rule} | {r['alpha']:g} | {r['tokens_per_s']:.1f} | {r['target_calls_per_token']:.3f} | "
-                         f"{r['off_target_tokens']} | {r['tv_per_token']:.3f} | "
-                         f"{r['loglik_drop_per_token']:+.3f} | {r['agreement']:.3f} | {r['loglik']:.3f} |")
+            lines.append(
+                f"| {rule} | {r['alpha']:g} | {r['tokens_per_s']:.1f} | {r['target_calls_per_token']:.3f} | "
+                f"{r['off_target_tokens']} | {r['tv_per_token']:.3f} | "
+                f"{r['loglik_drop_per_token']:+.3f} | {r['agreement']:.3f} | {r['loglik']:.3f} |"
+            )
     cmp_ = results.get("token_v3_vs_lossy")
     if cmp_:
-        lines += ["", "token-v3 vs lossy (beta 1) at equal quality loss:", "",
-                  "| TV dev/tok <= | lossy tok/s | token-v3 tok/s | ratio | lossy tok/call | token-v3 tok/call "
-                  "| ratio |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['quality_loss']:.4f} | {r['lossy_tok_s']:.1f} | {r['token-v3_tok_s']:.1f} | "
-                  f"{r['ratio_tok_s']:.2f}x | {r['lossy_tokens_per_target_call']:.2f} | "
-                  f"{r['token-v3_tokens_per_target_call']:.2f} | {r['ratio_tokens_per_target_call']:.2f}x |"
-                  for r in cmp_["rows"]]
+        lines += [
+            "",
+            "token-v3 vs lossy (beta 1) at equal quality loss:",
+            "",
+            "| TV dev/tok <= | lossy tok/s | token-v3 tok/s | ratio | lossy tok/call | token-v3 tok/call | ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['quality_loss']:.4f} | {r['lossy_tok_s']:.1f} | {r['token-v3_tok_s']:.1f} | "
+            f"{r['ratio_tok_s']:.2f}x | {r['lossy_tokens_per_target_call']:.2f} | "
+            f"{r['token-v3_tokens_per_target_call']:.2f} | {r['ratio_tokens_per_target_call']:.2f}x |"
+            for r in cmp_["rows"]
+        ]
         if cmp_["rows"]:
-            lines.append(f"\nmedian ratio: {cmp_['median_ratio_tok_s']:.2f}x in tokens/s, "
-                         f"{cmp_['median_ratio_tokens_per_target_call']:.2f}x in tokens per target call (goal >= 1.2x)")
+            lines.append(
+                f"\nmedian ratio: {cmp_['median_ratio_tok_s']:.2f}x in tokens/s, "
+                f"{cmp_['median_ratio_tokens_per_target_call']:.2f}x in tokens per target call (goal >= 1.2x)"
+            )
     return "\n".join(lines) + "\n"

@@ -7,8 +7,9 @@ reproduce `hf-ar`'s tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from ..config import CascadeConfig, ConfigError, GenerationConfig, MaGConfig, make_cascade
 from ..core.stats import CascadeStats
@@ -33,7 +34,10 @@ class Outcome:
 
 
 class Runner(Protocol):
-    label: str  # unique among all runners of a bench, e.g. "sd:close@k=3"
+    @property
+    def label(self) -> str:
+        """Unique among all runners of a bench, e.g. "sd:close@k=3"."""
+        ...
 
     def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
         """Greedy-decode `prompt_ids` (at most max_new_tokens new tokens)."""
@@ -113,9 +117,7 @@ def _from_hf(run: HFRun) -> Outcome:
 
 def _from_stats(token_ids: list[int], stats: CascadeStats) -> Outcome:
     drafter_calls = {name: c.calls for name, c in stats.tiers.items() if name != stats.target}
-    reviews = {
-        name: (list(r.accepted_by_position), list(r.drafted_by_position)) for name, r in stats.reviews.items()
-    }
+    reviews = {name: (list(r.accepted_by_position), list(r.drafted_by_position)) for name, r in stats.reviews.items()}
     return Outcome(token_ids, stats.target_calls, drafter_calls, reviews, stats.per_tier())
 
 
@@ -133,7 +135,9 @@ def drafted_label(name: str, tiers: dict[str, dict[str, int]]) -> str:
     return f"{kind}:{'+'.join(drafting) or 'none'}"
 
 
-def parse_methods(spec: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Sequence[CascadeConfig] = ()) -> list[Method]:
+def parse_methods(
+    spec: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Sequence[CascadeConfig] = ()
+) -> list[Method]:
     """Parse a comma-separated method list; hf-ar (the reference) always comes first.
 
     Raises ValueError naming the offending method.
@@ -189,7 +193,9 @@ def _tiers(name: str, arg: str, config: CascadeConfig) -> tuple:
     return tuple(tiers)
 
 
-def _cascade(name: str, config: CascadeConfig, tiers: Sequence, k_matrix, leniency: float, lookup=None) -> CascadeConfig:
+def _cascade(
+    name: str, config: CascadeConfig, tiers: Sequence, k_matrix, leniency: float, lookup=None
+) -> CascadeConfig:
     try:
         return make_cascade(config.target, list(tiers), k_matrix, leniency, lookup)
     except ConfigError as exc:

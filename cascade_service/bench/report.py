@@ -8,8 +8,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display; set before pyplot is imported
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 COLUMNS = (
     ("tok/s", "tokens_per_s", "{:.1f}"),
@@ -81,7 +81,9 @@ def plot_speedup(results: dict, path: Path) -> None:
 
 def plot_acceptance(results: dict, path: Path) -> None:
     """One panel per cascade method (SD at its best k): acceptance rate by draft position, per reviewer."""
-    panels = [(n, f["acceptance_by_position"]) for n, f in results["methods"].items() if f.get("acceptance_by_position")]
+    panels = [
+        (n, f["acceptance_by_position"]) for n, f in results["methods"].items() if f.get("acceptance_by_position")
+    ]
     cols = min(3, max(1, len(panels)))
     rows = max(1, math.ceil(len(panels) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.5 * rows), squeeze=False)
@@ -94,7 +96,7 @@ def plot_acceptance(results: dict, path: Path) -> None:
         ax.set_ylabel("acceptance rate")
         ax.set_ylim(-0.02, 1.02)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if not panels:
         axes.flat[0].text(0.5, 0.5, "no sd/csd methods in this run", ha="center", va="center")

@@ -1,6 +1,7 @@
 """Where the service's time goes: per-tier time in-process vs through the service, per hop.
 
-    python -m cascade_service.bench.service_overhead [--layout embedded|separate|colocated] [--prompts 6] [--max-new-tokens 64]
+    python -m cascade_service.bench.service_overhead [--layout embedded|separate|colocated] \
+        [--prompts 6] [--max-new-tokens 64]
 
 Runs the demo zoo's cascade in-process and through a local service (`serving.app.LocalService`),
 interleaved per prompt, and prints wall time for both and, per tier, calls, time and the extra
@@ -13,20 +14,23 @@ import argparse
 import statistics
 import time
 
-
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
 from ..demo import LAYOUTS, demo_config
 from ..engine import Engine
-from ..zoo.build import build_zoo
 from ..paths import zoo_dir
 from ..prompts import read_prompts
+from ..zoo.build import build_zoo
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layout", default="separate", choices=["embedded", "separate", "colocated"],
-                        help="the demo's layouts, or every tier inside the coordinator (colocated)")
+    parser.add_argument(
+        "--layout",
+        default="separate",
+        choices=["embedded", "separate", "colocated"],
+        help="the demo's layouts, or every tier inside the coordinator (colocated)",
+    )
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
@@ -64,19 +68,32 @@ def main(argv: list[str] | None = None) -> int:
                 row[2] += int(c.get("hops", 0))
         remote_tiers = [n for n in local if n in remote and remote[n][2]]
         # alternated, twice each: drift hits both transports alike
-        floors = [(kind, service.trivial_call_latencies(remote_tiers[0], 55, by_reference=kind == "object refs")[5:])
-                  for kind in ("object refs", "direct", "object refs", "direct")] if remote_tiers else []
-    print(f"layout {args.layout}: wall in-process {wall['in-process']:.3f} s, "
-          f"service {wall['service']:.3f} s, service / in-process throughput {wall['in-process'] / wall['service']:.2f}x")
+        floors = (
+            [
+                (kind, service.trivial_call_latencies(remote_tiers[0], 55, by_reference=kind == "object refs")[5:])
+                for kind in ("object refs", "direct", "object refs", "direct")
+            ]
+            if remote_tiers
+            else []
+        )
+    print(
+        f"layout {args.layout}: wall in-process {wall['in-process']:.3f} s, "
+        f"service {wall['service']:.3f} s, service / in-process throughput {wall['in-process'] / wall['service']:.2f}x"
+    )
     for name in local:
         calls, t_local = local[name]
         _, t_remote, hops = remote.get(name, [0, 0.0, 0])
         extra = f"{1000 * (t_remote - t_local) / hops:.1f} ms extra per hop" if hops else "no hops"
-        print(f"  {name:<6} calls {calls:>4}  in-process {t_local:.3f} s  service {t_remote:.3f} s  hops {hops:>4}  {extra}")
+        print(
+            f"  {name:<6} calls {calls:>4}  in-process {t_local:.3f} s  service {t_remote:.3f} s"
+            f"  hops {hops:>4}  {extra}"
+        )
     for kind, floor in floors:
         floor = sorted(floor)
-        print(f"trivial Serve handle call from the driver ({kind}): median {1000 * statistics.median(floor):.1f} ms, "
-              f"p90 {1000 * floor[int(0.9 * len(floor))]:.1f} ms")
+        print(
+            f"trivial Serve handle call from the driver ({kind}): median {1000 * statistics.median(floor):.1f} ms, "
+            f"p90 {1000 * floor[int(0.9 * len(floor))]:.1f} ms"
+        )
     return 0
 
 

@@ -28,8 +28,9 @@ class Zoo:
         """An Engine for `cascade` (a subset of the config's drafters) over the already-loaded tiers."""
         if cascade not in self._engines:
             names = [d.name for d in cascade.drafters]
-            self._engines[cascade] = self._full.variant(names, cascade.schedule.to_lists(), cascade.leniency,
-                                                      cascade.lookup)
+            self._engines[cascade] = self._full.variant(
+                names, cascade.schedule.to_lists(), cascade.leniency, cascade.lookup
+            )
         return self._engines[cascade]
 
     def encode(self, text: str) -> list[int]:

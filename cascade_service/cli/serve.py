@@ -10,9 +10,9 @@ import sys
 import threading
 from typing import Any
 
-from .parser import UsageError
 from ..config import load_config
 from ..extras import require
+from .parser import UsageError
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -20,22 +20,37 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--grpc-port", type=int, default=None, help="default: the config's serving.grpc_port (9000)")
     p.add_argument("--redis-url", default=None, help="keep sessions in Redis (default: in-cluster memory)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="default loopback; any other address needs --api-keys and --tls-cert/--tls-key")
-    p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="require one of these API keys (one per line, 'KEY [name]', '#' comments); "
-                        "default: the config's serving.api_keys_file")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="default loopback; any other address needs --api-keys and --tls-cert/--tls-key",
+    )
+    p.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="require one of these API keys (one per line, 'KEY [name]', '#' comments); "
+        "default: the config's serving.api_keys_file",
+    )
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert")
-    p.add_argument("--frontend", default="edge", choices=["edge", "ray", "standalone"],
-                   help="edge: our gRPC server forwards to the coordinator (default); ray: Ray Serve's gRPC proxy; "
-                        "standalone: one process, no Ray, every tier batching concurrent requests")
-    p.add_argument("--plain", action="store_true",
-                   help="with --frontend standalone: the target alone, no speculation (a baseline)")
-    p.add_argument("--adapt-to-load", action="store_true",
-                   help="with --frontend standalone: choose each round's drafting from measured acceptance and what "
-                        "the load makes of each way of drafting, instead of the fixed K-matrix (config: "
-                        "serving.adapt_to_load, which the Ray app reads)")
+    p.add_argument(
+        "--frontend",
+        default="edge",
+        choices=["edge", "ray", "standalone"],
+        help="edge: our gRPC server forwards to the coordinator (default); ray: Ray Serve's gRPC proxy; "
+        "standalone: one process, no Ray, every tier batching concurrent requests",
+    )
+    p.add_argument(
+        "--plain", action="store_true", help="with --frontend standalone: the target alone, no speculation (a baseline)"
+    )
+    p.add_argument(
+        "--adapt-to-load",
+        action="store_true",
+        help="with --frontend standalone: choose each round's drafting from measured acceptance and what "
+        "the load makes of each way of drafting, instead of the fixed K-matrix (config: "
+        "serving.adapt_to_load, which the Ray app reads)",
+    )
     p.set_defaults(run=_run_serve)
 
 
@@ -57,24 +72,31 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.frontend == "standalone":
         from ..standalone import start_standalone
 
-        standalone = start_standalone(config, args.host, port, args.redis_url, api_keys, tls, plain=args.plain,
-                                      adapt_to_load=args.adapt_to_load)
+        standalone = start_standalone(
+            config, args.host, port, args.redis_url, api_keys, tls, plain=args.plain, adapt_to_load=args.adapt_to_load
+        )
         try:
-            print(f"serving cascade.v1.CascadeService on {args.host}:{standalone.port} "
-                  f"(standalone{', plain' if args.plain else ''}; Ctrl-C stops)", flush=True)
+            print(
+                f"serving cascade.v1.CascadeService on {args.host}:{standalone.port} "
+                f"(standalone{', plain' if args.plain else ''}; Ctrl-C stops)",
+                flush=True,
+            )
             stop.wait()
         finally:
             _stopping(grace)
             standalone.stop(grace)
         return 0
     if args.plain or args.adapt_to_load:
-        raise UsageError("--plain and --adapt-to-load go with --frontend standalone (the Ray app reads "
-                         "serving.adapt_to_load from the config)")
+        raise UsageError(
+            "--plain and --adapt-to-load go with --frontend standalone (the Ray app reads "
+            "serving.adapt_to_load from the config)"
+        )
     require("ray", f"serve --frontend {args.frontend} (the Ray Serve service)")
     from ..serving.local import LocalService
 
-    service = LocalService(args.config, port, args.redis_url, args.host, frontend=args.frontend,
-                           api_keys=api_keys, tls=tls)
+    service = LocalService(
+        args.config, port, args.redis_url, args.host, frontend=args.frontend, api_keys=api_keys, tls=tls
+    )
     try:
         address = service.start()
         # ray.init replaced our SIGTERM handler with its own, which exits at once without draining.
@@ -94,6 +116,7 @@ TEARDOWN_S = 60.0
 
 def _stop_on_signals(stop: Any) -> None:
     """SIGTERM and SIGINT set `stop` (the caller drains and exits 0); a second one exits at once (1)."""
+
     def handle(signum: int, frame: Any) -> None:
         if stop.is_set():
             print("stopping now (second signal)", file=sys.stderr, flush=True)
@@ -129,10 +152,13 @@ def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     cert, key = (args.tls_cert, args.tls_key) if args.tls_cert else (serving.tls_cert_file, serving.tls_key_file)
     tls = TlsFiles(cert, key) if cert else None
     if not is_loopback(args.host) and (keys_file is None or tls is None):
-        missing = " and ".join(flag for flag, value in (("--api-keys", keys_file), ("--tls-cert/--tls-key", tls))
-                               if value is None)
-        raise UsageError(f"--host {args.host}: a non-loopback address is served only with API keys and TLS "
-                         f"(missing {missing}, or serving.api_keys_file / serving.tls_cert_file in the config)")
+        missing = " and ".join(
+            flag for flag, value in (("--api-keys", keys_file), ("--tls-cert/--tls-key", tls)) if value is None
+        )
+        raise UsageError(
+            f"--host {args.host}: a non-loopback address is served only with API keys and TLS "
+            f"(missing {missing}, or serving.api_keys_file / serving.tls_cert_file in the config)"
+        )
     if (keys_file or tls) and args.frontend == "ray":
         raise UsageError("--api-keys and TLS need --frontend edge or standalone (Ray's proxy serves neither)")
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -68,8 +68,17 @@ class AsyncCascadeClient:
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
         request = generate_request(
-            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            session_id=session_id,
+            prompt_token_ids=prompt_token_ids,
+            verification=verification,
+            alpha=alpha,
+            beta=beta,
             stop_threshold=stop_threshold,
         )
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
@@ -94,8 +103,17 @@ class AsyncCascadeClient:
         """The same decode as generate(), yielding chunks as the target commits tokens (`async for`);
         the last chunk carries finish_reason and stats. Leaving the loop early cancels the call."""
         request = generate_request(
-            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            session_id=session_id,
+            prompt_token_ids=prompt_token_ids,
+            verification=verification,
+            alpha=alpha,
+            beta=beta,
             stop_threshold=stop_threshold,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)

@@ -26,8 +26,13 @@ class CascadeError(Exception):
     fault) and `.retry_delay_s` (RESOURCE_EXHAUSTED, UNAVAILABLE: how long to wait before retrying).
     """
 
-    def __init__(self, code: grpc.StatusCode, details: str = "", field_violations: tuple[FieldViolation, ...] = (),
-                 retry_delay_s: float | None = None):
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        field_violations: tuple[FieldViolation, ...] = (),
+        retry_delay_s: float | None = None,
+    ):
         # Every attribute is in args, so the exception pickles and re-raises across processes.
         super().__init__(code, details, tuple(field_violations), retry_delay_s)
         self.code = code
@@ -127,5 +132,5 @@ def rich_details(e: Any) -> tuple[tuple[FieldViolation, ...], float | None]:
             elif detail.Unpack(retry):
                 delay = retry.retry_delay.ToNanoseconds() / 1e9
         return tuple(violations), delay
-    except Exception:  # noqa: BLE001 - a malformed trailer must not hide the error itself
+    except Exception:
         return (), None

@@ -6,8 +6,9 @@ The result types, request builders and retry policy defined here are shared with
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -81,8 +82,13 @@ def generate_request(
     }
     # proto3 `optional`: passing only the given values keeps HasField() false for the rest, which is
     # how the server tells "unset" from 0 (temperature 0 = greedy must still be sent).
-    optional = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                "stop_threshold": stop_threshold}
+    optional = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "stop_threshold": stop_threshold,
+    }
     fields.update({name: value for name, value in optional.items() if value is not None})
     if verification is not None:  # alpha alone means nothing: the rule is what reads it
         rule: dict[str, Any] = {"rule": verification}
@@ -202,8 +208,17 @@ class CascadeClient:
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
         request = generate_request(
-            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            session_id=session_id,
+            prompt_token_ids=prompt_token_ids,
+            verification=verification,
+            alpha=alpha,
+            beta=beta,
             stop_threshold=stop_threshold,
         )
         return result_from(self._call(self._stub.Generate, request, timeout_s))
@@ -228,8 +243,17 @@ class CascadeClient:
         """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
         carries finish_reason and stats. The call starts on the first next(); leaving early cancels it."""
         request = generate_request(
-            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-            session_id=session_id, prompt_token_ids=prompt_token_ids, verification=verification, alpha=alpha, beta=beta,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            session_id=session_id,
+            prompt_token_ids=prompt_token_ids,
+            verification=verification,
+            alpha=alpha,
+            beta=beta,
             stop_threshold=stop_threshold,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)

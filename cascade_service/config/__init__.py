@@ -6,22 +6,22 @@ Strings become objects once, here (a drafter named "mag" becomes `MaGConfig`, a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
-
-import yaml
+from typing import Any
 
 import torch
+import yaml
 
 from ..core.adaptive import AdaptiveLength, StopperFactory
 from ..core.cascade import Lookup, RequestState
+from ..core.request import GenerationConfig, check_stop_threshold
 from ..core.sampling import SamplingParams
 from ..core.schedule import Schedule, ScheduleError
 from ..core.stats import CascadeStats
-from ..core.request import GenerationConfig, check_stop_threshold
 from ..core.verify import Verification
-from .base import (  # noqa: F401 - part of this package's interface
+from .base import (
     DEVICE,
     DTYPES,
     MAG,
@@ -45,6 +45,7 @@ from .serving import (  # noqa: F401 - part of this package's interface
     tier_groups,
 )
 
+
 @dataclass(frozen=True)
 class CascadeConfig:
     target: ModelTierConfig
@@ -66,15 +67,28 @@ class CascadeConfig:
         return max(sum(rows[0]) if rows else 0, lookup)
 
 
-def request_state(gen: GenerationConfig, stats: CascadeStats, vocab_size: int, eos_ids: frozenset[int],
-                  adaptive: dict[str, AdaptiveLength] | None = None,
-                  make_stopper: StopperFactory | None = None) -> RequestState:
+def request_state(
+    gen: GenerationConfig,
+    stats: CascadeStats,
+    vocab_size: int,
+    eos_ids: frozenset[int],
+    adaptive: dict[str, AdaptiveLength] | None = None,
+    make_stopper: StopperFactory | None = None,
+) -> RequestState:
     """The shared state of one request's cascade, from its generation settings."""
     v = gen.verification
     stats.verification = v.describe()
     sampling = SamplingParams(gen.temperature, gen.top_p, rows=v.needs_rows)
-    return RequestState(sampling, torch.Generator().manual_seed(gen.seed), stats, vocab_size, eos_ids, v,
-                        with_stop_threshold(adaptive or {}, gen.stop_threshold), make_stopper)
+    return RequestState(
+        sampling,
+        torch.Generator().manual_seed(gen.seed),
+        stats,
+        vocab_size,
+        eos_ids,
+        v,
+        with_stop_threshold(adaptive or {}, gen.stop_threshold),
+        make_stopper,
+    )
 
 
 def with_stop_threshold(adaptive: dict[str, AdaptiveLength], threshold: float | None) -> dict[str, AdaptiveLength]:
@@ -87,10 +101,13 @@ def with_stop_threshold(adaptive: dict[str, AdaptiveLength], threshold: float | 
     if threshold is None:
         return dict(adaptive)
     if not any(spec.rule == "specdec" for spec in adaptive.values()):
-        raise ValueError("stop_threshold: no tier of this cascade has an acceptance head "
-                         "(schedule.adaptive with rule specdec)")
-    return {tier: replace(spec, threshold=float(threshold)) if spec.rule == "specdec" else spec
-            for tier, spec in adaptive.items()}
+        raise ValueError(
+            "stop_threshold: no tier of this cascade has an acceptance head (schedule.adaptive with rule specdec)"
+        )
+    return {
+        tier: replace(spec, threshold=float(threshold)) if spec.rule == "specdec" else spec
+        for tier, spec in adaptive.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -127,8 +144,14 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
     )
     schedule_raw = _mapping(raw.get("schedule", {}), "schedule")
     _only(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup", "adaptive"})
-    cascade = make_cascade(target, drafters, schedule_raw.get("k_matrix"), schedule_raw.get("leniency", 1.0),
-                           _lookup(schedule_raw.get("lookup")), make_adaptive(schedule_raw.get("adaptive", {}), base_dir))
+    cascade = make_cascade(
+        target,
+        drafters,
+        schedule_raw.get("k_matrix"),
+        schedule_raw.get("leniency", 1.0),
+        _lookup(schedule_raw.get("lookup")),
+        make_adaptive(schedule_raw.get("adaptive", {}), base_dir),
+    )
     gen_raw = _mapping(raw.get("generation", {}), "generation")
     _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed", "verification"})
     if "verification" in gen_raw:
@@ -166,8 +189,10 @@ def make_cascade(
         if not r or isinstance(drafters[r - 1], MaGConfig):
             raise ConfigError(f"schedule.adaptive.{tier}: not a model drafter (drafters: {names})")
         if not schedule.is_leaf(r) and adaptive[tier].rule != "specdec":  # type: ignore[index]
-            raise ConfigError(f"schedule.adaptive.{tier}: this tier reviews (its K-matrix row is not zero); a "
-                              "reviewing tier stops its part early only by SpecDec++ (rule: specdec, with a head)")
+            raise ConfigError(
+                f"schedule.adaptive.{tier}: this tier reviews (its K-matrix row is not zero); a "
+                "reviewing tier stops its part early only by SpecDec++ (rule: specdec, with a head)"
+            )
     return CascadeConfig(target, tuple(drafters), schedule, float(leniency), lookup, dict(adaptive or {}))
 
 
@@ -222,7 +247,13 @@ def drafter_from_arg(arg: str, index: int, dtype: str, device: str) -> ModelTier
     """A command-line drafter: `mag`, or a model directory (named after it)."""
     if arg == MAG:
         return MaGConfig()
-    return _model_tier({"path": arg}, f"--drafter[{index}]", Path(arg).name or f"drafter{index}", {"dtype": dtype, "device": device}, Path("."))
+    return _model_tier(
+        {"path": arg},
+        f"--drafter[{index}]",
+        Path(arg).name or f"drafter{index}",
+        {"dtype": dtype, "device": device},
+        Path("."),
+    )
 
 
 def target_from_arg(path: str, dtype: str, device: str) -> ModelTierConfig:
@@ -258,5 +289,3 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
     if name == MAG:
         raise ConfigError(f"{where}.name: 'mag' is reserved for the Max-Gram drafter")
     return ModelTierConfig(str(name), path, dtype, device, key=where)
-
-

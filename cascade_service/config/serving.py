@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..scheduling.trial import ARMS
 from .base import ConfigError, ModelTierConfig, _check_int, _mapping, _only, _resolve
@@ -15,8 +16,14 @@ if TYPE_CHECKING:
     from . import CascadeConfig
 
 
-DEPLOYMENT_OPTIONS = {"num_replicas", "ray_actor_options", "autoscaling_config", "max_ongoing_requests",
-                      "max_queued_requests", "graceful_shutdown_timeout_s"}
+DEPLOYMENT_OPTIONS = {
+    "num_replicas",
+    "ray_actor_options",
+    "autoscaling_config",
+    "max_ongoing_requests",
+    "max_queued_requests",
+    "graceful_shutdown_timeout_s",
+}
 
 
 MAX_SHUTDOWN_GRACE_S = 3600
@@ -68,18 +75,31 @@ class ServingConfig:
 
 
 # The settings of serving.admission (api.admission.Limits' fields).
-ADMISSION_KEYS = ("workers", "max_queued", "max_pending", "max_calls_per_key", "max_streams_per_connection",
-                  "body_timeout_s", "max_probes", "max_message_bytes")
+ADMISSION_KEYS = (
+    "workers",
+    "max_queued",
+    "max_pending",
+    "max_calls_per_key",
+    "max_streams_per_connection",
+    "body_timeout_s",
+    "max_probes",
+    "max_message_bytes",
+)
 
 
 def _load_arms(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
     # membership first: then every item is a string, and the set of them can be built
-    if not isinstance(value, list) or not value or any(arm not in ARMS for arm in value) \
-            or len(set(value)) != len(value):
-        raise ConfigError(f"serving.load_arms must be a non-empty list of distinct arms among {list(ARMS)}, "
-                          f"got {value!r}")
+    if (
+        not isinstance(value, list)
+        or not value
+        or any(arm not in ARMS for arm in value)
+        or len(set(value)) != len(value)
+    ):
+        raise ConfigError(
+            f"serving.load_arms must be a non-empty list of distinct arms among {list(ARMS)}, got {value!r}"
+        )
     return tuple(value)
 
 
@@ -98,13 +118,33 @@ def _admission(value: Any) -> dict[str, float]:
 
 
 def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
-    _only(raw, "serving.", {"grpc_port", "redis_url", "session_namespace", "session_ttl_s", "colocate",
-                            "groups", "torch_threads", "deployments", "api_keys_file", "tls_cert_file",
-                            "tls_key_file", "adapt_to_load", "load_arms", "shutdown_grace_s", "admission",
-                            "max_sessions_per_key"})
-    serving = ServingConfig(**{k: v for k, v in raw.items()
-                               if k not in ("deployments", "colocate", "groups", "load_arms", "admission")},
-                            load_arms=_load_arms(raw.get("load_arms")), admission=_admission(raw.get("admission")))
+    _only(
+        raw,
+        "serving.",
+        {
+            "grpc_port",
+            "redis_url",
+            "session_namespace",
+            "session_ttl_s",
+            "colocate",
+            "groups",
+            "torch_threads",
+            "deployments",
+            "api_keys_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "adapt_to_load",
+            "load_arms",
+            "shutdown_grace_s",
+            "admission",
+            "max_sessions_per_key",
+        },
+    )
+    serving = ServingConfig(
+        **{k: v for k, v in raw.items() if k not in ("deployments", "colocate", "groups", "load_arms", "admission")},
+        load_arms=_load_arms(raw.get("load_arms")),
+        admission=_admission(raw.get("admission")),
+    )
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
     if serving.max_sessions_per_key is not None:
@@ -113,13 +153,20 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
         _check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
     grace = serving.shutdown_grace_s
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
-        raise ConfigError(f"serving.shutdown_grace_s must be a number of seconds in [0, {MAX_SHUTDOWN_GRACE_S}], "
-                          f"got {grace!r}")
+        raise ConfigError(
+            f"serving.shutdown_grace_s must be a number of seconds in [0, {MAX_SHUTDOWN_GRACE_S}], got {grace!r}"
+        )
     if not isinstance(serving.adapt_to_load, bool):
         raise ConfigError(f"serving.adapt_to_load must be true or false, got {serving.adapt_to_load!r}")
     serving = replace(serving, redis_url=resolve_redis_url(serving.redis_url, "serving.redis_url"))
-    if not isinstance(serving.session_namespace, str) or not serving.session_namespace or ":" in serving.session_namespace:
-        raise ConfigError(f"serving.session_namespace must be a non-empty string without ':', got {serving.session_namespace!r}")
+    if (
+        not isinstance(serving.session_namespace, str)
+        or not serving.session_namespace
+        or ":" in serving.session_namespace
+    ):
+        raise ConfigError(
+            f"serving.session_namespace must be a non-empty string without ':', got {serving.session_namespace!r}"
+        )
     files = {}
     for name in ("api_keys_file", "tls_cert_file", "tls_key_file"):
         value = getattr(serving, name)
@@ -133,21 +180,34 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
     if not isinstance(colocate, list) or any(name not in model_tiers for name in colocate):
         raise ConfigError(f"serving.colocate must list model tiers ({', '.join(model_tiers)}), got {colocate!r}")
     groups = raw.get("groups", [])
-    grouped = [name for group in groups for name in group] if isinstance(groups, list) and all(
-        isinstance(g, list) and g for g in groups) else None
-    if grouped is None or len(set(grouped)) != len(grouped) or any(
-            n not in model_tiers or n in colocate for n in grouped):
-        raise ConfigError(f"serving.groups must be disjoint non-empty lists of model tiers not in serving.colocate, "
-                          f"got {groups!r}")
+    grouped = (
+        [name for group in groups for name in group]
+        if isinstance(groups, list) and all(isinstance(g, list) and g for g in groups)
+        else None
+    )
+    if (
+        grouped is None
+        or len(set(grouped)) != len(grouped)
+        or any(n not in model_tiers or n in colocate for n in grouped)
+    ):
+        raise ConfigError(
+            f"serving.groups must be disjoint non-empty lists of model tiers not in serving.colocate, got {groups!r}"
+        )
     names = {"coordinator"} | {deployment_name(group) for group in tier_groups(model_tiers, colocate, groups)}
     deployments = _mapping(raw.get("deployments", {}), "serving.deployments")
     for name, options in deployments.items():
         if name not in names:
             raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
         _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
-    return replace(serving, colocate=tuple(colocate), groups=tuple(tuple(g) for g in groups),
-                   deployments={k: dict(v) for k, v in deployments.items()}, api_keys_file=files["api_keys_file"],
-                   tls_cert_file=files["tls_cert_file"], tls_key_file=files["tls_key_file"])
+    return replace(
+        serving,
+        colocate=tuple(colocate),
+        groups=tuple(tuple(g) for g in groups),
+        deployments={k: dict(v) for k, v in deployments.items()},
+        api_keys_file=files["api_keys_file"],
+        tls_cert_file=files["tls_cert_file"],
+        tls_key_file=files["tls_key_file"],
+    )
 
 
 ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -166,8 +226,10 @@ def resolve_redis_url(value: Any, where: str) -> str | None:
     def lookup(match: re.Match) -> str:
         found = os.environ.get(match.group(1))
         if not found:
-            raise ConfigError(f"{where} reads {match.group(0)}, which is not set in this process's environment "
-                              f"(set it on every node, as the deploy files do, or write the URL out)")
+            raise ConfigError(
+                f"{where} reads {match.group(0)}, which is not set in this process's environment "
+                f"(set it on every node, as the deploy files do, or write the URL out)"
+            )
         return found
 
     url = ENV_REFERENCE.sub(lookup, value) if isinstance(value, str) else value
@@ -178,7 +240,9 @@ def resolve_redis_url(value: Any, where: str) -> str | None:
     return url
 
 
-def tier_groups(model_tiers: Sequence[str], colocate: Sequence[str], groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+def tier_groups(
+    model_tiers: Sequence[str], colocate: Sequence[str], groups: Sequence[Sequence[str]]
+) -> list[tuple[str, ...]]:
     """The tier deployments: each configured group, then every other non-colocated model tier alone."""
     grouped = {name for group in groups for name in group}
     return [tuple(g) for g in groups] + [(n,) for n in model_tiers if n not in grouped and n not in colocate]

@@ -8,8 +8,8 @@ anywhere. Every tier is reached through `core.tier.Tier`, whether it runs here o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import torch
 
@@ -83,8 +83,15 @@ class CascadeTier:
 
     system = True
 
-    def __init__(self, reviewer: Tier, drafters: Sequence[tuple[Tier, int]], leniency: float, state: RequestState,
-                 final: bool = False, stopper: DraftStopper | None = None):
+    def __init__(
+        self,
+        reviewer: Tier,
+        drafters: Sequence[tuple[Tier, int]],
+        leniency: float,
+        state: RequestState,
+        final: bool = False,
+        stopper: DraftStopper | None = None,
+    ):
         self.name = reviewer.name
         self.reviewer = reviewer
         self.drafters = list(drafters)
@@ -135,8 +142,9 @@ class CascadeTier:
     def _ask(self, request: DraftRequest, ctx: Context, want: int, limit: int, min_match: int = 0) -> DraftRequest:
         return replace(request, context=ctx, want=want, limit=limit, seed=self.state.seed(), min_match=min_match)
 
-    def _round(self, request: DraftRequest, ctx: Context, limit: int,
-               usage: Usage) -> tuple[Draft, torch.Tensor | None]:
+    def _round(
+        self, request: DraftRequest, ctx: Context, limit: int, usage: Usage
+    ) -> tuple[Draft, torch.Tensor | None]:
         # `want` is ignored: this reviewer's block size comes from its own K-matrix row (paper §3.3),
         # whatever its parent still needs, so every K-matrix entry runs (docs/algorithm.md, "How a
         # K-matrix runs"). The only hard bound is `limit`: block + replacement/bonus never exceeds it,
@@ -171,9 +179,18 @@ class CascadeTier:
                     break  # its stopping rule ended its part of the block: the next drafter takes over
         policy.drafted()
         st = self.state
-        review = self.reviewer.review(ReviewRequest(
-            request.request_id, ctx, block, self.leniency, st.sampling, st.seed(),
-            st.verification if self.final else EXACT, hidden=self.stopper is not None))
+        review = self.reviewer.review(
+            ReviewRequest(
+                request.request_id,
+                ctx,
+                block,
+                self.leniency,
+                st.sampling,
+                st.seed(),
+                st.verification if self.final else EXACT,
+                hidden=self.stopper is not None,
+            )
+        )
         absorb(usage, review.usage)
         verdict = review.verdict
         usage.reviewer(self.name).record(block.origins, verdict.accepted)
@@ -227,8 +244,10 @@ def build_cascade(
         stopper = None
         if spec is not None:
             if state.make_stopper is None:
-                raise ValueError(f"adaptive draft length for reviewing tier {tier.name!r} needs its model in this "
-                                 "process (or its whole sub-cascade in its replica)")
+                raise ValueError(
+                    f"adaptive draft length for reviewing tier {tier.name!r} needs its model in this "
+                    "process (or its whole sub-cascade in its replica)"
+                )
             stopper = state.make_stopper(spec)
         systems[r] = CascadeTier(tier, row, 1.0 if final else leniency, state, final, stopper)
         state.stats.reviewer(tier.name)

@@ -9,7 +9,7 @@ target call) of the drafter that proposes it,
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def ewif(alphas: Sequence[float], costs: Sequence[float]) -> float:

@@ -8,7 +8,7 @@ classes, so a tier does the same work wherever the coordinator is.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,8 +46,17 @@ class ModelTier:
         counters = usage.tier(self.name)
         stopper = self._stopper(request.adaptive.get(self.name))
         before = self.scorer.tokens_processed
-        draft = draft_autoregressive(self.scorer, request.context, request.k, request.sampling, seeded(request.seed),
-                                     request.eos_ids, self.vocab_size, counters, stopper)
+        draft = draft_autoregressive(
+            self.scorer,
+            request.context,
+            request.k,
+            request.sampling,
+            seeded(request.seed),
+            request.eos_ids,
+            self.vocab_size,
+            counters,
+            stopper,
+        )
         counters.tokens_processed = self.scorer.tokens_processed - before
         counters.tokens_out = len(draft)
         return DraftReply(draft, usage, stopped=stopper is not None and len(draft) < request.want)
@@ -59,8 +68,16 @@ class ModelTier:
             self.scorer.keep_hidden = True  # type: ignore[attr-defined]  # HFScorer's option
         rule = final_rule(request.sampling.greedy, request.verification)
         before = self.scorer.tokens_processed
-        verdict = score_and_review(self.scorer, request.context, request.block, rule, request.leniency,
-                                   request.sampling, seeded(request.seed), counters)
+        verdict = score_and_review(
+            self.scorer,
+            request.context,
+            request.block,
+            rule,
+            request.leniency,
+            request.sampling,
+            seeded(request.seed),
+            counters,
+        )
         counters.tokens_processed = self.scorer.tokens_processed - before
         hidden = self.scorer.last_hidden if request.hidden else None  # type: ignore[attr-defined]
         return ReviewReply(verdict, usage, hidden)
@@ -120,9 +137,17 @@ class MaGTier:
         return DraftReply(Draft(tokens, [1.0] * len(tokens), dists, [name] * len(tokens)), usage)
 
 
-def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: SamplingParams,
-                         generator: torch.Generator, eos_ids: frozenset[int], vocab_size: int,
-                         counters: TierCounters, stopper: DraftStopper | None = None) -> Draft:
+def draft_autoregressive(
+    scorer: Scorer,
+    ctx: Context,
+    k: int,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    eos_ids: frozenset[int],
+    vocab_size: int,
+    counters: TierCounters,
+    stopper: DraftStopper | None = None,
+) -> Draft:
     """Up to k tokens from `scorer` alone, one forward pass each; stops after an EOS, or earlier when
     `stopper` (adaptive draft length) says so."""
     tokens: list[int] = []
@@ -148,8 +173,16 @@ def draft_autoregressive(scorer: Scorer, ctx: Context, k: int, sampling: Samplin
     return Draft(tokens, token_probs, dists, [scorer.name] * len(tokens))
 
 
-def score_and_review(scorer: Scorer, ctx: Context, block: Draft, rule: ReviewRule, leniency: float,
-                     sampling: SamplingParams, generator: torch.Generator, counters: TierCounters) -> Verdict:
+def score_and_review(
+    scorer: Scorer,
+    ctx: Context,
+    block: Draft,
+    rule: ReviewRule,
+    leniency: float,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    counters: TierCounters,
+) -> Verdict:
     """Score context + block in ONE forward pass (k + 1 distributions) and review the block."""
     probs = sampling.probs(_score(scorer, ctx.extend(block.tokens), len(block) + 1, counters))
     return rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
@@ -163,9 +196,11 @@ def _score(scorer: Scorer, ctx: Context, n: int, counters: TierCounters) -> torc
     return logits
 
 
-def local_tiers(vocab_size: int, target: Scorer, drafters: Sequence[Scorer | MaxGram],
-                make_stopper: StopperFactory | None = None) -> tuple[ModelTier, list[Tier]]:
+def local_tiers(
+    vocab_size: int, target: Scorer, drafters: Sequence[Scorer | MaxGram], make_stopper: StopperFactory | None = None
+) -> tuple[ModelTier, list[Tier]]:
     """The tiers of one request whose models (and MaG) all run in this process: (target, drafters)."""
+
     def tier(t: Scorer | MaxGram) -> Tier:
         return MaGTier(t, vocab_size) if isinstance(t, MaxGram) else ModelTier(t, vocab_size, make_stopper)
 

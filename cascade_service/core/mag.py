@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class BigramTable:
         self._next = [int(t) for t in next_tokens]  # -1: never seen as a predecessor
 
     @classmethod
-    def from_tokens(cls, stream: Iterable[int], vocab_size: int) -> "BigramTable":
+    def from_tokens(cls, stream: Iterable[int], vocab_size: int) -> BigramTable:
         """Count bigrams in `stream`; ties between followers go to the smallest token id."""
         keys, counts = _count_pairs(_chunks(stream), vocab_size)
         prev, follower = keys // vocab_size, keys % vocab_size
@@ -64,7 +64,7 @@ class BigramTable:
         Path(path).write_text(json.dumps(doc, separators=(",", ":")))
 
     @classmethod
-    def load(cls, path: str | Path) -> "BigramTable":
+    def load(cls, path: str | Path) -> BigramTable:
         """Read a table written by `save`; raise ValueError on anything else."""
         try:
             doc = json.loads(Path(path).read_text())
@@ -144,12 +144,12 @@ class _Trie:
     An overlay (base given) adds nodes on top of a base trie without changing it.
     """
 
-    def __init__(self, max_ngram: int, base: "_Trie | None" = None):
+    def __init__(self, max_ngram: int, base: _Trie | None = None):
         self.max_ngram = max_ngram
         self.base = base
         self.edges: dict[tuple[int, int], int] = {}
         self.follow: list[int] = []
-        self.first_id = 1 if base is None else base.first_id + len(base.follow)  # 0 is the root
+        self.first_id: int = 1 if base is None else base.first_id + len(base.follow)  # 0 is the root
         self.ops = 0
 
     def child(self, node: int, token: int) -> int | None:

@@ -17,4 +17,4 @@ def quoted(value: Any, limit: int = MAX_QUOTED_CHARS) -> str:
     if isinstance(value, (str, bytes)) and len(value) > limit:
         return f"{value[:limit]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
     text = repr(value)
-    return text if len(text) <= 2 * limit else text[:2 * limit] + "..."
+    return text if len(text) <= 2 * limit else text[: 2 * limit] + "..."

@@ -69,8 +69,7 @@ def check_stop(stop: Any) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = (stop,)  # one stop string, not its characters
     stop = tuple(stop)
-    if (len(stop) > MAX_STOP_STRINGS
-            or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stop)):
+    if len(stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stop):
         raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
     return stop
 
@@ -97,10 +96,12 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         # Numbers from YAML or JSON arrive as ints where floats are meant: stored as floats, so that
         # equal settings compare equal whatever way they came in.
-        checked = {"max_new_tokens": check_max_new_tokens(self.max_new_tokens),
-                   "temperature": check_temperature(self.temperature),
-                   "top_p": check_top_p(self.top_p),
-                   "seed": check_seed(self.seed),
-                   "stop_threshold": check_stop_threshold(self.stop_threshold)}
+        checked = {
+            "max_new_tokens": check_max_new_tokens(self.max_new_tokens),
+            "temperature": check_temperature(self.temperature),
+            "top_p": check_top_p(self.top_p),
+            "seed": check_seed(self.seed),
+            "stop_threshold": check_stop_threshold(self.stop_threshold),
+        }
         for name, value in checked.items():
             object.__setattr__(self, name, value)

@@ -41,9 +41,7 @@ class Verdict:
 
 
 class ReviewRule(Protocol):
-    def review(
-        self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator
-    ) -> Verdict:
+    def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
         """target_probs: [len(block) + 1, V]; row i scores block position i, the last row the bonus.
         `block.dists`, when present, is on target_probs' device, in float32 (`Draft.for_reviewer`)."""
         ...
@@ -56,9 +54,7 @@ class GreedyReview:
     target(x) > draft(x) / l. The final review passes l = 1, so the output is the target's greedy one.
     """
 
-    def review(
-        self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator
-    ) -> Verdict:
+    def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
         k = len(block)
         best = target_probs.argmax(dim=-1).tolist()  # [k + 1]
         rows = torch.arange(k, device=target_probs.device)
@@ -79,27 +75,26 @@ class GreedyReview:
 class SamplingReview:
     """Temperature > 0: speculative sampling with leniency, reporting true proposal distributions."""
 
-    def review(
-        self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator
-    ) -> Verdict:
+    def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
         k = len(block)
         assert block.dists is not None or k == 0, "sampling review needs the drafts' distributions"
+        drafts = block.dists if block.dists is not None else target_probs[:0]  # [k, V]
         accepted = k
         if k:
             rows = torch.arange(k, device=target_probs.device)
             p_x = target_probs[rows, block.tokens]  # [k]
-            q_x = block.dists[rows, block.tokens].clamp_min(1e-30)  # [k]
+            q_x = drafts[rows, block.tokens].clamp_min(1e-30)  # [k]
             keep = uniform((k,), target_probs, generator) < torch.clamp(leniency * p_x / q_x, max=1.0)
             rejected = (~keep).nonzero()
             accepted = int(rejected[0]) if len(rejected) else k
         if accepted < k:
-            token = sample(residual(target_probs[accepted], block.dists[accepted]), generator)
+            token = sample(residual(target_probs[accepted], drafts[accepted]), generator)
         else:
             token = sample(target_probs[k], generator)
         # Emitted positions 0..accepted: reviewed drafts (the replacement included) follow the
         # reviewed mixture; a bonus token follows the reviewer's own distribution.
         n_reviewed = min(accepted + 1, k)
-        dists = reviewed_proposal(target_probs[:n_reviewed], block.dists[:n_reviewed], leniency) if k else target_probs[:0]
+        dists = reviewed_proposal(target_probs[:n_reviewed], drafts[:n_reviewed], leniency) if k else target_probs[:0]
         if accepted == k:
             dists = torch.cat([dists, target_probs[k : k + 1]])
         tokens = block.tokens[:accepted] + [token]

@@ -33,8 +33,9 @@ class Rule:
     needs_rows = False  # compares whole distributions: greedy drafts must carry their rows
     fuzzy = False  # decides by a divergence threshold, not by speculative sampling
 
-    def pi(self, draft_probs: torch.Tensor, target_probs: torch.Tensor, alpha: float,
-           beta: float | None) -> torch.Tensor:
+    def pi(
+        self, draft_probs: torch.Tensor, target_probs: torch.Tensor, alpha: float, beta: float | None
+    ) -> torch.Tensor:
         return target_probs
 
     def keep_greedy(self, draft_prob: float, target_prob: float, target_max: float, alpha: float) -> bool:
@@ -64,8 +65,9 @@ class Deferral(Rule):
     low, high, strict = -1.0, 1.0, -1.0
     reads_confidence = True
 
-    def defers(self, draft_max: float, target_max: float, alpha: float, draft_probs: torch.Tensor,
-               target_probs: torch.Tensor) -> bool:
+    def defers(
+        self, draft_max: float, target_max: float, alpha: float, draft_probs: torch.Tensor, target_probs: torch.Tensor
+    ) -> bool:
         raise NotImplementedError
 
     def pi(self, draft_probs, target_probs, alpha, beta):  # type: ignore[no-untyped-def]
@@ -111,8 +113,9 @@ class TokenSpecific(Rule):
 
     low, high, strict = -1.0, 1.0, -1.0
 
-    def unacceptable(self, draft_probs: torch.Tensor, target_probs: torch.Tensor, target_max: float,
-                     alpha: float) -> torch.Tensor:
+    def unacceptable(
+        self, draft_probs: torch.Tensor, target_probs: torch.Tensor, target_max: float, alpha: float
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def pi(self, draft_probs, target_probs, alpha, beta):  # type: ignore[no-untyped-def]
@@ -170,11 +173,23 @@ class Fuzzy(Rule):
         return float(divergence(self.kind, target_probs, draft_probs)) < alpha
 
 
-REGISTRY: dict[str, Rule] = {rule.name: rule for rule in (
-    Exact(), Lossy(), Chow(), Diff(), Opt(), TokenV1(), TokenV2(), TokenV3(),
-    Fuzzy("js", "keep iff JS(p, q) < alpha (nats)"), Fuzzy("kl", "keep iff KL(p || q) < alpha"),
-    Fuzzy("kl-rev", "keep iff KL(q || p) < alpha"), Fuzzy("tv", "keep iff TV(p, q) < alpha"),
-)}
+REGISTRY: dict[str, Rule] = {
+    rule.name: rule
+    for rule in (
+        Exact(),
+        Lossy(),
+        Chow(),
+        Diff(),
+        Opt(),
+        TokenV1(),
+        TokenV2(),
+        TokenV3(),
+        Fuzzy("js", "keep iff JS(p, q) < alpha (nats)"),
+        Fuzzy("kl", "keep iff KL(p || q) < alpha"),
+        Fuzzy("kl-rev", "keep iff KL(q || p) < alpha"),
+        Fuzzy("tv", "keep iff TV(p, q) < alpha"),
+    )
+}
 """Every final-verifier rule by name: the one place the CLI, the API, the docs and the verifier pick from."""
 
 RULES = tuple(REGISTRY)

@@ -89,9 +89,7 @@ def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Ten
     return torch.where(mass > 0, diff / mass.clamp_min(1e-30), target_probs)
 
 
-def reviewed_proposal(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor, leniency: float
-) -> torch.Tensor:
+def reviewed_proposal(target_probs: torch.Tensor, draft_probs: torch.Tensor, leniency: float) -> torch.Tensor:
     """The true distribution of the token a (lenient) review emits at one position, [..., V].
 
     A draft x ~ draft is kept with probability min(1, l * target(x) / draft(x)), else replaced by a

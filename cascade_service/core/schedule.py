@@ -33,8 +33,8 @@ No drafters at all: K = [] (plain autoregressive decoding).
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Collection, Sequence
 
 MAX_ENTRY = 256  # a block longer than this would never be accepted whole; it only wastes compute
 LEAF_ONLY = ("mag",)
@@ -62,18 +62,14 @@ class Schedule:
         object.__setattr__(self, "k", k)
 
     @classmethod
-    def parse(
-        cls, k_matrix: object, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY
-    ) -> "Schedule":
+    def parse(cls, k_matrix: object, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> Schedule:
         """Validate `k_matrix` against `drafters` (largest first), raising ScheduleError."""
         drafters = tuple(drafters)
         _check_leaf_only(drafters, leaf_only)
         return cls(drafters, k_matrix)  # type: ignore[arg-type]
 
     @classmethod
-    def from_json(
-        cls, text: str, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY
-    ) -> "Schedule":
+    def from_json(cls, text: str, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> Schedule:
         """Parse a K-matrix written as JSON, e.g. "[[5, 14, 10], [0, 1, 10], [0, 0, 10]]"."""
         try:
             k_matrix = json.loads(text)
@@ -82,7 +78,7 @@ class Schedule:
         return cls.parse(k_matrix, drafters, leaf_only)
 
     @classmethod
-    def default(cls, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> "Schedule":
+    def default(cls, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> Schedule:
         """A plain vertical cascade: each tier reviews only the next one, 5 tokens (10 from MaG, the paper's figure)."""
         n = len(drafters)
         # MaG proposes for free, so a longer block from it costs nothing but target compute.
@@ -148,9 +144,7 @@ def _normalize(k_matrix: object, drafters: tuple[str, ...]) -> tuple[tuple[int, 
         if not isinstance(row, (list, tuple)):
             raise ScheduleError(f"K-matrix must be a list of lists: row {r} is {type(row).__name__}")
         if len(row) != n:
-            raise ScheduleError(
-                f"row {r} must have {n} entries, one per drafter ({names}); got {len(row)}"
-            )
+            raise ScheduleError(f"row {r} must have {n} entries, one per drafter ({names}); got {len(row)}")
         rows.append(tuple(_entry(v, r, c) for c, v in enumerate(row)))
     return tuple(rows)
 
@@ -190,7 +184,15 @@ def _check_reachable(k: tuple[tuple[int, ...], ...], drafters: tuple[str, ...]) 
         if not used[c]:
             # Name the first entry that would never run: the dead tier's own row, if it has one.
             row = k[c + 1] if c + 1 < len(k) else ()
-            dead = next((f"; so K[{c + 1}][{j}] = {q} ({d!r} reviewing {drafters[j]!r}) can never run"
-                         for j, q in enumerate(row) if q), "")
-            raise ScheduleError(f"drafter {d!r} is never used: no reachable row gives it tokens "
-                                f"(column {c} is 0 in every row that runs){dead}")
+            dead = next(
+                (
+                    f"; so K[{c + 1}][{j}] = {q} ({d!r} reviewing {drafters[j]!r}) can never run"
+                    for j, q in enumerate(row)
+                    if q
+                ),
+                "",
+            )
+            raise ScheduleError(
+                f"drafter {d!r} is never used: no reachable row gives it tokens "
+                f"(column {c} is 0 in every row that runs){dead}"
+            )

@@ -8,8 +8,8 @@ MaG costs 0.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 
 @dataclass
@@ -104,9 +104,7 @@ class CascadeStats:
     def swi(self, costs: Mapping[str, float]) -> float:
         """costs: drafter name -> cost relative to one target call; tiers not listed cost 0 (MaG)."""
         spent = self.target_calls + sum(
-            counters.calls * costs.get(name, 0.0)
-            for name, counters in self.tiers.items()
-            if name != self.target
+            counters.calls * costs.get(name, 0.0) for name, counters in self.tiers.items() if name != self.target
         )
         return self.generated / spent if spent else 0.0
 
@@ -176,12 +174,17 @@ def absorb(into: CascadeStats | Usage, usage: Usage) -> None:
         ours.drafted += r.drafted
         ours.accepted += r.accepted
         ours.rejections += r.rejections
-        for mine_pos, theirs in ((ours.drafted_by_position, r.drafted_by_position),
-                                 (ours.accepted_by_position, r.accepted_by_position)):
+        for mine_pos, theirs in (
+            (ours.drafted_by_position, r.drafted_by_position),
+            (ours.accepted_by_position, r.accepted_by_position),
+        ):
             _grow(mine_pos, len(theirs))
             for i, v in enumerate(theirs):
                 mine_pos[i] += v
-        for by, sent in ((ours.drafted_by_drafter, r.drafted_by_drafter), (ours.accepted_by_drafter, r.accepted_by_drafter)):
+        for by, sent in (
+            (ours.drafted_by_drafter, r.drafted_by_drafter),
+            (ours.accepted_by_drafter, r.accepted_by_drafter),
+        ):
             for k, v in sent.items():
                 by[k] = by.get(k, 0) + v
     if isinstance(into, CascadeStats):

@@ -14,8 +14,9 @@ its tiers run in this process or elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,8 @@ from .sampling import SamplingParams
 from .stats import Usage
 from .types import Context, Draft
 from .verify import EXACT, Verification
+
+GREEDY = SamplingParams()  # frozen: one shared default
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class DraftRequest:
     context: Context
     want: int
     limit: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = GREEDY
     seed: int = 0
     eos_ids: frozenset[int] = frozenset()
     adaptive: Mapping[str, AdaptiveLength] = field(default_factory=dict)
@@ -77,7 +80,7 @@ class ReviewRequest:
     context: Context
     block: Draft
     leniency: float = 1.0
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = GREEDY
     seed: int = 0
     verification: Verification = EXACT
     hidden: bool = False

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -22,7 +23,7 @@ class Context:
     tokens: list[int]
     stable: int
 
-    def extend(self, more: Sequence[int]) -> "Context":
+    def extend(self, more: Sequence[int]) -> Context:
         if not more:
             return self
         return Context(self.tokens + list(more), self.stable)
@@ -51,7 +52,8 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def __add__(self, other: "Draft") -> "Draft":
+    def __add__(self, other: Draft) -> Draft:
+        dists: torch.Tensor | None
         if self.dists is not None and other.dists is not None:
             dists = join_rows(self.dists, other.dists)  # drafters may sit on different devices
         elif (self.dists is None or not self) and (other.dists is None or not other):
@@ -71,7 +73,7 @@ class Draft:
             return self
         return Draft(self.tokens, self.token_probs, to_reviewer(self.dists, target_probs), self.origins)
 
-    def head(self, n: int) -> "Draft":
+    def head(self, n: int) -> Draft:
         return Draft(
             self.tokens[:n],
             self.token_probs[:n],

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .placement import uniform
+from .quote import quoted
+from .review import ReviewRule, Verdict, rule_for
 from .rules import (  # noqa: F401 - the registry's names are part of this module's interface
     _TINY,
     ALPHA_RANGE,
@@ -67,10 +69,9 @@ from .rules import (  # noqa: F401 - the registry's names are part of this modul
     tuned_beta,
     tv,
 )
-from .quote import quoted
-from .review import ReviewRule, Verdict, rule_for
 from .sampling import residual, sample
 from .types import Draft
+
 
 @dataclass(frozen=True)
 class Verification:
@@ -95,13 +96,19 @@ class Verification:
         upper_ok = alpha < high if family.open_high else alpha <= high
         if not (low <= alpha and upper_ok):
             bracket = ")" if family.open_high else "]"
-            raise ValueError(f"verification.alpha for rule {quoted(self.rule)} must be in [{low:g}, {high:g}{bracket}, "
-                             f"got {quoted(alpha)}")
+            raise ValueError(
+                f"verification.alpha for rule {quoted(self.rule)} must be in [{low:g}, {high:g}{bracket}, "
+                f"got {quoted(alpha)}"
+            )
         if isinstance(family, Lossy) and self.beta is not None:
-            if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or \
-                    not (self.beta >= 1.0 - alpha and math.isfinite(self.beta)):
-                raise ValueError(f"verification.beta must be a finite number >= 1 - alpha = {1.0 - alpha:g}, "
-                                 f"got {quoted(self.beta)}")
+            if (
+                isinstance(self.beta, bool)
+                or not isinstance(self.beta, (int, float))
+                or not (self.beta >= 1.0 - alpha and math.isfinite(self.beta))
+            ):
+                raise ValueError(
+                    f"verification.beta must be a finite number >= 1 - alpha = {1.0 - alpha:g}, got {quoted(self.beta)}"
+                )
 
     @property
     def knob(self) -> float:
@@ -149,8 +156,7 @@ class VerifyReview:
         self.v = verification
         self.greedy = greedy
 
-    def review(self, block: Draft, target_probs: torch.Tensor, leniency: float,
-               generator: torch.Generator) -> Verdict:
+    def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
         if self.greedy:
             return self._greedy(block, target_probs)
         return self._sampling(block, target_probs, generator)
@@ -164,8 +170,15 @@ class VerifyReview:
         for i in range(k):
             x = block.tokens[i]
             if x != best[i]:
-                if not self._keep_greedy(v, alpha, x, float(block.token_probs[i]), p[i], p_max[i],
-                                         None if block.dists is None else block.dists[i]):
+                if not self._keep_greedy(
+                    v,
+                    alpha,
+                    x,
+                    float(block.token_probs[i]),
+                    p[i],
+                    p_max[i],
+                    None if block.dists is None else block.dists[i],
+                ):
                     break
                 off += 1
                 loss += math.log(p_max[i]) - math.log(max(float(p[i, x]), _TINY))
@@ -175,8 +188,15 @@ class VerifyReview:
         return Verdict(accepted, token, probs, None, off_target=off, tv=float(off), ll_loss=loss)
 
     @staticmethod
-    def _keep_greedy(v: Verification, alpha: float, x: int, draft_prob: float, target_probs: torch.Tensor,
-                     target_max: float, draft_row: torch.Tensor | None) -> bool:
+    def _keep_greedy(
+        v: Verification,
+        alpha: float,
+        x: int,
+        draft_prob: float,
+        target_probs: torch.Tensor,
+        target_max: float,
+        draft_row: torch.Tensor | None,
+    ) -> bool:
         rule = v.family
         if rule.fuzzy:
             if draft_row is None:
@@ -189,10 +209,11 @@ class VerifyReview:
     def _sampling(self, block: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
         k, v = len(block), self.v
         assert block.dists is not None or k == 0, "sampling review needs the drafts' distributions"
+        drafts = block.dists if block.dists is not None else p[:0]  # [k, V]
         fuzzy = v.family.fuzzy
         accepted, token, off, deviation, loss = k, None, 0, 0.0, 0.0
         for i in range(k):
-            q_i, p_i, x = block.dists[i], p[i], block.tokens[i]
+            q_i, p_i, x = drafts[i], p[i], block.tokens[i]
             if fuzzy:
                 keep = v.family.keep(p_i, q_i, v.knob)
                 out = q_i if keep else p_i
@@ -209,6 +230,7 @@ class VerifyReview:
                 deviation += gap
                 loss += float(((p_i - out) * p_i.clamp_min(_TINY).log()).sum())
             if not keep:
+                assert replacement is not None
                 accepted, token = i, sample(replacement, generator)
                 break
         if token is None:

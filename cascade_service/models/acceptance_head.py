@@ -63,8 +63,13 @@ class AcceptanceHead(nn.Module):
         return torch.sigmoid(self(hidden))
 
     def config(self) -> dict:
-        return {"format": FORMAT, "hidden_size": self.hidden_size, "depth": self.depth,
-                "tie_blocks": self.tie_blocks, **self.meta}
+        return {
+            "format": FORMAT,
+            "hidden_size": self.hidden_size,
+            "depth": self.depth,
+            "tie_blocks": self.tie_blocks,
+            **self.meta,
+        }
 
     def save(self, out_dir: str | Path) -> Path:
         """Write head.safetensors + head.json into `out_dir` (created if missing); returns the dir."""
@@ -76,7 +81,7 @@ class AcceptanceHead(nn.Module):
         return out
 
     @classmethod
-    def load(cls, head_dir: str | Path, device: str | torch.device = "cpu") -> "AcceptanceHead":
+    def load(cls, head_dir: str | Path, device: str | torch.device = "cpu") -> AcceptanceHead:
         """Load a head written by `save`; raises FileNotFoundError / ValueError on anything else."""
         path = Path(head_dir).expanduser()
         if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
@@ -111,6 +116,8 @@ class HeadCache:
 
     def stopper(self, spec: AdaptiveLength, hidden_size: int | None = None) -> DraftStopper:
         if spec.head is not None and hidden_size is not None and self.load(spec.head).hidden_size != hidden_size:
-            raise ValueError(f"head {spec.head!r} was trained on hidden size {self.load(spec.head).hidden_size}, "
-                             f"this drafter has {hidden_size}")
+            raise ValueError(
+                f"head {spec.head!r} was trained on hidden size {self.load(spec.head).hidden_size}, "
+                f"this drafter has {hidden_size}"
+            )
         return make_stopper(spec, self.load)

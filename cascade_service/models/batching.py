@@ -27,14 +27,14 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
 
-from cascade_service.scheduling.load import ROW_POSITIONS, PassTimer, charge, pads_within
-
+from cascade_service.scheduling.passes import ROW_POSITIONS, PassTimer, charge, pads_within
 
 
 class PassModel(Protocol):
@@ -45,10 +45,12 @@ class PassModel(Protocol):
     device: torch.device
     module: Any
 
-    def _forward(self, tokens: Sequence[int], cache: DynamicCache | None, keep: int,
-                 with_hidden: bool = False) -> Any: ...
+    def _forward(
+        self, tokens: Sequence[int], cache: DynamicCache | None, keep: int, with_hidden: bool = False
+    ) -> Any: ...
 
     def _sync(self) -> None: ...
+
 
 # Tokens per pass of a long prompt's prefill while other requests decode (ForwardBatcher.forward):
 # between two chunks they get a pass, so a chunk's pass must cost well under theirs. Measured with
@@ -76,7 +78,7 @@ class _Pass:
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
-    charged: float = 0.0  # this row's share of the pass's seconds (scheduling.load.charge)
+    charged: float = 0.0  # this row's share of the pass's seconds (scheduling.passes.charge)
 
 
 class ForwardBatcher:
@@ -163,8 +165,11 @@ class ForwardBatcher:
             # Not below the clock: time a request spent elsewhere (new, or between two calls of a
             # session) is no credit to jump ahead of those that kept the model busy meanwhile.
             self._used[cache] = max(self._used.get(cache, 0.0), self._clock)
-            alone = not self._busy and not self._pending and (self._expected <= 1
-                                                               or time.perf_counter() >= self._gather_until)
+            alone = (
+                not self._busy
+                and not self._pending
+                and (self._expected <= 1 or time.perf_counter() >= self._gather_until)
+            )
             if alone:
                 self._busy = True
                 # As if chosen by _take: time a request had while alone is no debt to those who come.
@@ -213,8 +218,7 @@ class ForwardBatcher:
         dear request wait while the others catch up, and nothing starves: a waiting request's time
         stands still while the others' grows.
         """
-        first = (min(self._pending, key=lambda item: self._used.get(item.cache, 0.0)) if self.FAIR
-                 else self._pending[0])
+        first = min(self._pending, key=lambda item: self._used.get(item.cache, 0.0)) if self.FAIR else self._pending[0]
         self._clock = max(self._clock, self._used.get(first.cache, 0.0))
         batch = take_batch([first] + [item for item in self._pending if item is not first], self.max_batch)
         self._pending = [item for item in self._pending if all(item is not b for b in batch)]
@@ -249,7 +253,7 @@ class ForwardBatcher:
             self.timer.record(len(batch), sum(tokens), seconds, max(tokens))
             for item, result, share in zip(batch, results, self.timer.shares(tokens, seconds)):
                 item.result, item.charged = result, share
-        except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
+        except BaseException as exc:
             for item in batch:
                 item.error = exc
         finally:
@@ -288,7 +292,7 @@ def take_batch(pending: list[_Pass], max_batch: int) -> list[_Pass]:
     cache and attended to, so one 4,000-token conversation beside 16 short ones made every row copy and
     attend over 4,000 keys (on the demo zoo's large model, CPU: a 2 s pass instead of 35 ms, +1 GB).
     So a batch is grown from the first waiting pass with the passes closest to it while both stay
-    within PAD_WASTE of the real work (scheduling.load.pads_within): queries rows x S against sum s_i; keys
+    within PAD_WASTE of the real work (scheduling.passes.pads_within): queries rows x S against sum s_i; keys
     rows x (L + S + ROW_POSITIONS) against sum (L_i + s_i + ROW_POSITIONS), where ROW_POSITIONS is what
     a row costs whatever its cache. The others wait for the next pass, which starts as soon as this one
     ends; the first waiting pass is always in this one.
@@ -324,23 +328,29 @@ def forward_batch(model: PassModel, batch: list[_Pass]) -> list[object]:
     mask = torch.ones((len(batch), width + steps), dtype=torch.long, device=device)
     positions = torch.empty((len(batch), steps), dtype=torch.long, device=device)
     for i, item in enumerate(batch):
-        ids[i, :news[i]] = torch.tensor(item.fed, dtype=torch.long, device=device)
-        mask[i, :width - past[i]] = 0
+        ids[i, : news[i]] = torch.tensor(item.fed, dtype=torch.long, device=device)
+        mask[i, : width - past[i]] = 0
         positions[i] = torch.arange(past[i], past[i] + steps, device=device)
     packed = _pack([item.cache for item in batch], past, width, model)
     # Only the rows some request asked for go through the LM head (a prefill asks for one of many).
     wanted = sorted({j for item, s in zip(batch, news) for j in range(s - item.keep, s)})
     index = {j: k for k, j in enumerate(wanted)}
-    out = model.module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=packed,
-                       use_cache=True, logits_to_keep=torch.tensor(wanted, device=device),
-                       output_hidden_states=any(item.with_hidden for item in batch))
+    out = model.module(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=packed,
+        use_cache=True,
+        logits_to_keep=torch.tensor(wanted, device=device),
+        output_hidden_states=any(item.with_hidden for item in batch),
+    )
     results: list[object] = []
     for i, (item, s) in enumerate(zip(batch, news)):
         rows = [index[j] for j in range(s - item.keep, s)]
         logits = out.logits[i, rows].float()  # [keep, V]
         _append(item.cache, packed, i, width, s)
         if item.with_hidden:
-            results.append((logits, out.hidden_states[-1][i, s - item.keep:s].float()))
+            results.append((logits, out.hidden_states[-1][i, s - item.keep : s].float()))
         else:
             results.append(logits)
     return results
@@ -349,9 +359,13 @@ def forward_batch(model: PassModel, batch: list[_Pass]) -> list[object]:
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) per layer, each [1, kv_heads, len, head_dim]; empty for a fresh cache."""
     if hasattr(cache, "layers"):  # transformers 5.x
-        return [(layer.keys, layer.values) for layer in cache.layers if getattr(layer, "keys", None) is not None
-                and layer.keys.numel()]
-    return list(zip(cache.key_cache, cache.value_cache))  # 4.x
+        # Each layer type transformers has is read the same way; its stubs do not say so.
+        return [
+            (layer.keys, layer.values)  # type: ignore[union-attr,misc]
+            for layer in cache.layers
+            if getattr(layer, "keys", None) is not None and layer.keys.numel()  # type: ignore[union-attr]
+        ]
+    return list(zip(cache.key_cache, cache.value_cache))  # type: ignore[attr-defined]  # 4.x
 
 
 def _pack(caches: list[DynamicCache], past: list[int], width: int, model: PassModel) -> DynamicCache:
@@ -366,8 +380,8 @@ def _pack(caches: list[DynamicCache], past: list[int], width: int, model: PassMo
         for i, n in enumerate(past):
             if n:
                 k, v = layers[i][layer]
-                keys[i, :, width - n:] = k[0]
-                values[i, :, width - n:] = v[0]
+                keys[i, :, width - n :] = k[0]
+                values[i, :, width - n :] = v[0]
         packed.update(keys, values, layer)
     return packed
 
@@ -375,5 +389,8 @@ def _pack(caches: list[DynamicCache], past: list[int], width: int, model: PassMo
 def _append(cache: DynamicCache, packed: DynamicCache, row: int, width: int, new: int) -> None:
     # The packed cache now holds width + S positions per row; this row's real new ones follow `width`.
     for layer, (keys, values) in enumerate(_layers(packed)):
-        cache.update(keys[row:row + 1, :, width:width + new].clone(), values[row:row + 1, :, width:width + new].clone(),
-                     layer)
+        cache.update(
+            keys[row : row + 1, :, width : width + new].clone(),
+            values[row : row + 1, :, width : width + new].clone(),
+            layer,
+        )

@@ -7,18 +7,17 @@ import json
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import transformers
-from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from cascade_service.core.types import Context
 
 from .batching import ForwardBatcher, default_prefill_chunk
-
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -39,7 +38,7 @@ def _parse_dtype(dtype: str) -> torch.dtype | str:
 
 
 def resolve_device(device: str) -> torch.device:
-    """"cpu" | "cuda" | "cuda:N" | "auto" -> the device it names on this machine.
+    """ "cpu" | "cuda" | "cuda:N" | "auto" -> the device it names on this machine.
 
     Raises ValueError for another string and for a CUDA device this machine does not have, so a
     tier fails before its weights are read rather than in `.to()` after.
@@ -52,8 +51,9 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (resolved.index or 0) >= count:
-            raise ValueError(f"{device} does not exist (this machine has {count} CUDA "
-                             f"device{'' if count == 1 else 's'})")
+            raise ValueError(
+                f"{device} does not exist (this machine has {count} CUDA device{'' if count == 1 else 's'})"
+            )
     return resolved
 
 
@@ -116,7 +116,9 @@ class HFModel:
         self.eos_token_ids: set[int] = _eos_ids(module)
         # The positions the model holds: a learned position table (GPT-2's n_positions) indexes out of
         # range past it, and rotary models were never trained there. None: the config names no limit.
-        positions = getattr(module.config, "max_position_embeddings", None) or getattr(module.config, "n_positions", None)
+        positions = getattr(module.config, "max_position_embeddings", None) or getattr(
+            module.config, "n_positions", None
+        )
         self.max_positions: int | None = int(positions) if positions else None
         # A prefill of a long prompt would otherwise materialise [S, V] logits only to drop all but n.
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
@@ -141,9 +143,7 @@ class HFModel:
         return self._forward(tokens, cache, keep, with_hidden=with_hidden)
 
     @classmethod
-    def load(
-        cls, path: str | Path, dtype: str = "float32", device: str = "cpu", name: str | None = None
-    ) -> "HFModel":
+    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", name: str | None = None) -> HFModel:
         """Load a local Hugging Face model directory in eval mode on `device`.
 
         dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto".
@@ -157,14 +157,16 @@ class HFModel:
         module.eval().to(target)
         return cls(module, name or local.resolve().name)
 
-    def scorer(self) -> "HFScorer":
+    def scorer(self) -> HFScorer:
         """A fresh scorer (own KV cache) for one request."""
         return HFScorer(self)
 
     def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Plain no-cache forward: [len(tokens), V] float32 logits on the model's device."""
         with torch.inference_mode():
-            return self._forward(tokens, None, len(tokens))
+            logits = self._forward(tokens, None, len(tokens))
+        assert isinstance(logits, torch.Tensor)  # without hidden states
+        return logits
 
     def step_time_s(self, context_len: int = 64, repeats: int = 7) -> float:
         """Median wall time of one single-token decode step over a `context_len`-token KV cache.
@@ -186,7 +188,7 @@ class HFModel:
             cache = DynamicCache()
             if context_len:
                 self._forward(prefix[:context_len], cache, 1)
-            for i in range(warmup + repeats):
+            for _ in range(warmup + repeats):
                 self._sync()
                 began = time.perf_counter()
                 self._forward(prefix[context_len:], cache, 1)
@@ -200,8 +202,9 @@ class HFModel:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _forward(self, tokens: Sequence[int], cache: DynamicCache | None, keep: int,
-                 with_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, tokens: Sequence[int], cache: DynamicCache | None, keep: int, with_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, S]
         extra = {"logits_to_keep": keep} if self._keeps_logits else {}
         if with_hidden:

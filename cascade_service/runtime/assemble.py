@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from ..config import CascadeConfig, GenerationConfig, ServingConfig
 from ..coordinator import Coordinator, TierFactory, Tokenizer, smallest_context
 from ..core.adaptive import StopperFactory
-from ..core.policy import BlockPolicy
 from ..core.mag import BigramTable
-from ..sessions import SessionStore
+from ..core.policy import BlockPolicy
 from ..extras import require
+from ..sessions import SessionStore
 from ..startup import check_vocabularies
 
 if TYPE_CHECKING:
@@ -39,14 +39,24 @@ class TierFacts:
 
     @classmethod
     def of(cls, model: HFModel) -> TierFacts:
-        return cls(model.vocab_size, model.num_parameters, tuple(sorted(model.eos_token_ids)), model.max_positions,
-                   str(model.device))
+        return cls(
+            model.vocab_size,
+            model.num_parameters,
+            tuple(sorted(model.eos_token_ids)),
+            model.max_positions,
+            str(model.device),
+        )
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> TierFacts:
         """From a replica's info() reply (a mapping, as it crosses a Ray handle)."""
-        return cls(int(info["vocab_size"]), int(info["num_parameters"]), tuple(int(t) for t in info["eos_token_ids"]),
-                   None if info.get("max_positions") is None else int(info["max_positions"]), str(info["device"]))
+        return cls(
+            int(info["vocab_size"]),
+            int(info["num_parameters"]),
+            tuple(int(t) for t in info["eos_token_ids"]),
+            None if info.get("max_positions") is None else int(info["max_positions"]),
+            str(info["device"]),
+        )
 
     def info(self) -> dict[str, Any]:
         """The reply a tier replica gives: these facts as plain values."""
@@ -55,28 +65,49 @@ class TierFacts:
 
 def hf_tokenizer(tokenizer: Any) -> Tokenizer:
     """The coordinator's view of a `transformers` tokenizer."""
-    return Tokenizer(lambda text: list(tokenizer(text)["input_ids"]),
-                     lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
+    return Tokenizer(
+        lambda text: list(tokenizer(text)["input_ids"]),
+        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+    )
 
 
-def assemble_coordinator(cascade: CascadeConfig, facts: Mapping[str, TierFacts], tokenizer: Tokenizer,
-                         tiers: TierFactory, store: SessionStore, defaults: GenerationConfig, *,
-                         bigram: BigramTable | None = None, make_stopper: StopperFactory | None = None,
-                         policies: Callable[[], BlockPolicy] | None = None) -> Coordinator:
+def assemble_coordinator(
+    cascade: CascadeConfig,
+    facts: Mapping[str, TierFacts],
+    tokenizer: Tokenizer,
+    tiers: TierFactory,
+    store: SessionStore,
+    defaults: GenerationConfig,
+    *,
+    bigram: BigramTable | None = None,
+    make_stopper: StopperFactory | None = None,
+    policies: Callable[[], BlockPolicy] | None = None,
+) -> Coordinator:
     """A coordinator over model tiers described by `facts` (tier name -> TierFacts, the target's
     included). A drafter whose vocabulary is not the target's fails here, before any request."""
     check_vocabularies(cascade, {name: f.vocab_size for name, f in facts.items()}, tokenizers=False)
     target = facts[cascade.target.name]
     return Coordinator(
-        cascade, tokenizer, target.vocab_size, frozenset(target.eos_token_ids), tiers=tiers, store=store,
-        defaults=defaults, bigram=bigram, make_stopper=make_stopper, policies=policies,
-        param_costs={name: f.num_parameters / target.num_parameters for name, f in facts.items()
-                     if name != cascade.target.name},
-        max_context=smallest_context(f.max_positions for f in facts.values()))
+        cascade,
+        tokenizer,
+        target.vocab_size,
+        frozenset(target.eos_token_ids),
+        tiers=tiers,
+        store=store,
+        defaults=defaults,
+        bigram=bigram,
+        make_stopper=make_stopper,
+        policies=policies,
+        param_costs={
+            name: f.num_parameters / target.num_parameters for name, f in facts.items() if name != cascade.target.name
+        },
+        max_context=smallest_context(f.max_positions for f in facts.values()),
+    )
 
 
-def session_store(serving: ServingConfig, embedded: Callable[[], SessionStore],
-                  redis_url: str | None = None) -> SessionStore:
+def session_store(
+    serving: ServingConfig, embedded: Callable[[], SessionStore], redis_url: str | None = None
+) -> SessionStore:
     """Redis where `redis_url` (the command line's, which wins) or serving.redis_url names it, else
     `embedded()`: the wiring's own store (in memory for one process, an actor for a Ray cluster)."""
     url = redis_url or serving.redis_url
@@ -84,8 +115,12 @@ def session_store(serving: ServingConfig, embedded: Callable[[], SessionStore],
         require("redis", "a Redis session store (serving.redis_url, --redis-url)")
         from ..sessions.redis_store import RedisStore
 
-        return RedisStore(url, namespace=serving.session_namespace, ttl_s=serving.session_ttl_s,
-                          max_sessions_per_owner=serving.max_sessions_per_key)
+        return RedisStore(
+            url,
+            namespace=serving.session_namespace,
+            ttl_s=serving.session_ttl_s,
+            max_sessions_per_owner=serving.max_sessions_per_key,
+        )
     return embedded()
 
 

@@ -59,7 +59,7 @@ class InProcessWorker:
                 self.process.kill()
                 self.process.wait()
 
-    def __enter__(self) -> "InProcessWorker":
+    def __enter__(self) -> InProcessWorker:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -88,7 +88,7 @@ def _serve(config_path: str, torch_threads: int | None) -> int:
             result = engine.generate([int(t) for t in request["ids"]], gen)
             seconds = time.perf_counter() - start
             reply = {"tokens": result.token_ids, "seconds": seconds, "target_calls": result.stats.target_calls}
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+        except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(reply) + "\n")
         out.flush()

@@ -39,164 +39,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Sequence
-
-import torch
+from collections.abc import Callable, Sequence
 
 from ..core.policy import SOURCES
+from .passes import PassTimer, charged
 from .trial import ARMS, ArmTrial, Round
-PAD_WASTE = 1.5  # a batched pass processes at most this many padded positions per real one (models/batching.py)
-# What a row costs a batched pass whatever its cache's length, in cached positions (its bookkeeping, its
-# own tensors): so short caches of different lengths still share a pass. On the demo zoo's large model
-# (CPU) 16 one-token rows took 35 ms over 32 cached positions each and 65 ms over 256, one row 12.6 ms:
-# ~1.2 ms a row against ~8.5 us a cached position a row, a row worth ~150 positions. Rounded up, since
-# each pass also pays a fixed part that joining shares; on a GPU positions are cheaper still.
-ROW_POSITIONS = 256
-
-_charged = threading.local()
-
-
-def charge(seconds: float, inline_cpu_s: float = 0.0) -> None:
-    """Add to the calling thread's compute clock its share of a (batched) forward pass it waited for.
-
-    inline_cpu_s: CPU time this thread spent running that pass itself (a lone caller's inline pass),
-    which the share already counts.
-    """
-    _charged.seconds = getattr(_charged, "seconds", 0.0) + seconds
-    _charged.inline = getattr(_charged, "inline", 0.0) + inline_cpu_s
-
-
-def charged() -> float:
-    """The calling thread's compute clock: its shares of the forward passes it took part in, plus the
-    CPU time it spent outside them (the cascade's own work: MaG, reviews, sampling).
-
-    A request decodes in one thread, so the difference over a round's drafting is what drafting cost:
-    its share of each batched pass rather than the wall time it waited (which counts other requests'
-    work as its own and would make drafting look dear exactly when the machine is busy), and the
-    Python around the passes, which on a CPU is not small.
-    """
-    return getattr(_charged, "seconds", 0.0) + time.thread_time() - getattr(_charged, "inline", 0.0)
-
-
-@dataclass(frozen=True)
-class PassCost:
-    """A forward pass over R requests and T tokens takes fixed_s + per_request_s * R + per_token_s * T.
-
-    fixed_s is what batching shares (reading the weights, launching the pass); per_request_s is what
-    it does not (each row's own cache and bookkeeping); per_token_s is the compute.
-    """
-
-    fixed_s: float
-    per_request_s: float
-    per_token_s: float
-
-
-class PassTimer:
-    """Recent (requests, tokens, seconds) of one model's passes, fitted to a PassCost by least squares.
-
-    `row_seconds` prices a row of a given length against the same window. Thread-safe; the fit is
-    redone at most every REFIT passes (a round asks for it, and rounds outnumber passes).
-    """
-
-    REFIT = 8
-
-    def __init__(self, window: int = 256, min_passes: int = 16):
-        # (requests, new tokens in all, seconds, the longest row's new tokens)
-        self._passes: deque[tuple[int, int, float, int]] = deque(maxlen=window)
-        self._lock = threading.Lock()
-        self.min_passes = min_passes
-        self._recorded = 0
-        # (at _recorded, cost, {n: a row of n tokens' expected seconds}, the passes fitted): replaced
-        # whole, so the many readers per pass need no lock
-        self._fitted: tuple[int, PassCost | None, dict[int, float], list] = (-1, None, {}, [])
-
-    def shares(self, tokens: Sequence[int], seconds: float) -> list[float]:
-        """Split a pass's `seconds` among its rows by the fitted cost: fixed part evenly, the rest by
-        tokens (by tokens alone before a fit)."""
-        cost = self.cost()
-        if cost is None:
-            weights = [float(t) for t in tokens]
-        else:
-            each = cost.fixed_s / len(tokens) + cost.per_request_s
-            weights = [each + cost.per_token_s * t for t in tokens]
-        total = sum(weights)
-        return [seconds * w / total if total > 0 else seconds / len(tokens) for w in weights]
-
-    def record(self, requests: int, tokens: int, seconds: float, longest: int | None = None) -> None:
-        """A pass over `requests` rows, `tokens` new tokens in all, the longest row `longest` of them."""
-        with self._lock:
-            longest = longest if longest is not None else -(-tokens // max(requests, 1))
-            self._passes.append((requests, tokens, seconds, longest))
-            self._recorded += 1
-
-    def row_seconds(self, n: int) -> float | None:
-        """What a row of n new tokens is expected to cost a pass: its share of the fixed part, its own
-        part and its positions, padding included. Averaged over the recent passes, each one priced as
-        the batcher would have treated the row: joined to it where `take_batch` allows (the fixed part
-        shared by one more row, the row padded to the pass's longest), otherwise alone. So a one-token
-        plain step is cheap among one-token steps, dear beside twenty-token verifications it must be
-        padded to or cannot join. None before a cost is fitted."""
-        fitted = self._fit()
-        if fitted[1] is None:
-            return None
-        seconds = fitted[2].get(n)
-        if seconds is None:  # priced on demand, once per fit: most fits are only read by `shares`
-            seconds = fitted[2][n] = _row_seconds(fitted[1], fitted[3], n)
-        return seconds
-
-    def cost(self) -> PassCost | None:
-        """The fitted cost, or None before enough passes of at least two token counts were seen.
-
-        Without passes of different batch sizes the per-request term cannot be told from the fixed
-        one; it is then 0 (all of it counted as fixed).
-        """
-        return self._fit()[1]
-
-    def _fit(self) -> tuple[int, PassCost | None, dict[int, float], list]:
-        fitted = self._fitted
-        if fitted[0] >= 0 and self._recorded - fitted[0] < self.REFIT:
-            return fitted
-        with self._lock:
-            passes, recorded = list(self._passes), self._recorded
-        fitted = (recorded, _least_squares(passes, self.min_passes), {}, passes)
-        self._fitted = fitted
-        return fitted
-
-
-def _row_seconds(cost: PassCost, passes: list[tuple[int, int, float, int]], n: int) -> float:
-    """A row of n tokens' expected cost over recent passes (see PassTimer.row_seconds)."""
-    alone = cost.fixed_s + cost.per_request_s + cost.per_token_s * n
-    if not passes:
-        return alone
-    total = 0.0
-    for requests, tokens, _, longest in passes:
-        # The pass less one average row is what the other requests would bring (a pass of one row
-        # was this request's own: there is nobody to share with).
-        others, their_tokens = requests - 1, tokens - tokens / requests
-        width = max(longest, n)
-        if others > 0 and pads_within(others + 1, width, their_tokens + n):  # take_batch would join
-            total += cost.fixed_s / (others + 1) + cost.per_request_s + cost.per_token_s * width
-        else:
-            total += alone
-    return total / len(passes)
-
-
-def pads_within(rows: int, padded: int, real: float) -> bool:
-    """Whether `rows` rows each padded to `padded` positions hold at most PAD_WASTE per `real` one."""
-    return rows * padded <= PAD_WASTE * real
-
-
-def _least_squares(passes: list[tuple[int, int, float, int]], min_passes: int) -> PassCost | None:
-    if len(passes) < min_passes or len({t for _, t, _, _ in passes}) < 2:
-        return None
-    rows_vary = len({r for r, _, _, _ in passes}) > 1
-    x = torch.tensor([[1.0, float(r), float(t)] if rows_vary else [1.0, float(t)] for r, t, _, _ in passes],
-                     dtype=torch.float64)
-    y = torch.tensor([[s] for _, _, s, _ in passes], dtype=torch.float64)
-    coef = [max(float(c), 0.0) for c in torch.linalg.lstsq(x, y).solution.flatten()]
-    return PassCost(coef[0], coef[1], coef[2]) if rows_vary else PassCost(coef[0], 0.0, coef[1])
 
 
 class Evidence:
@@ -214,8 +61,10 @@ class Evidence:
         d = self.decay
         weights, sums = self.table
         reach = min(cap, len(weights) - 1)
-        self.table = ([w * d + (1.0 if k <= reach else 0.0) for k, w in enumerate(weights)],
-                      [a * d + (min(accepted, k) if k <= reach else 0.0) for k, a in enumerate(sums)])
+        self.table = (
+            [w * d + (1.0 if k <= reach else 0.0) for k, w in enumerate(weights)],
+            [a * d + (min(accepted, k) if k <= reach else 0.0) for k, a in enumerate(sums)],
+        )
 
     def at(self, k: int) -> tuple[float, float]:
         """(weight, mean of min(accepted, k)); weight 0 where no round offered k drafts."""
@@ -234,8 +83,9 @@ class LoadModel:
     WARMUP = 32  # a source's first rounds draft all they are offered: evidence on every k to start from
     DRAFT_SMOOTHING = 0.05  # EWMA of drafting seconds per drafted token
 
-    def __init__(self, timer: PassTimer, max_block: int, arms: Sequence[str] = ARMS,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, timer: PassTimer, max_block: int, arms: Sequence[str] = ARMS, clock: Callable[[], float] = time.monotonic
+    ):
         if max_block < 0:
             raise ValueError(f"max_block must be >= 0, got {max_block}")
         unknown = [a for a in arms if a not in ARMS]
@@ -250,7 +100,7 @@ class LoadModel:
         self._rounds = 0
         self._observed = {s: 0 for s in SOURCES}
 
-    def budget(self) -> "DraftBudget":
+    def budget(self) -> DraftBudget:
         return DraftBudget(self)
 
     def warming_up(self, source: str) -> bool:
@@ -287,7 +137,9 @@ class LoadModel:
             return offered
         best, best_rate = 0, 0.0
         for k in range(offered + 1):
-            seconds = self.timer.row_seconds(k + 1) + draft_s_per_token * k
+            row_s = self.timer.row_seconds(k + 1)
+            assert row_s is not None  # a cost was fitted: every row is priced
+            seconds = row_s + draft_s_per_token * k
             rate = expected(k) / seconds if seconds > 0 else float("inf")
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
@@ -353,6 +205,7 @@ class DraftBudget:
         offered = max(0, min(offered, self.model.max_block))
         if self._round is None:
             self.begin()
+        assert self._round is not None
         arm = self._round.arm
         self._source = source
         if not _drafts(arm, source):

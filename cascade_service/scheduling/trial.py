@@ -12,8 +12,8 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 ARMS = ("full", "budget", "lookup", "plain")
 """How much a round may draft, tried against each other by ArmTrial:

@@ -14,6 +14,7 @@ place independently; a Serve config file (deploy/serve_config.yaml) may override
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -22,9 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import ray
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.auth import authenticate_context, load_api_keys
@@ -32,8 +31,6 @@ from ..api.backend import UNARY, RecordingContext, Reply, request_type
 from ..api.health import check_reply, watch_reply
 from ..api.servicer import (
     CascadeServicer,
-    Overloaded,
-    Unavailable,
     fail,
 )
 from ..config import (
@@ -48,7 +45,6 @@ from ..config import (
     resolve_redis_url,
     tier_groups,
 )
-from ..scheduling.load import DraftBudget, LoadModel, PassTimer
 from ..core.local import ModelTier
 from ..core.mag import BigramTable
 from ..core.tier import Tier
@@ -60,15 +56,18 @@ from ..runtime.assemble import (
     hf_tokenizer,
     session_store,
 )
+from ..scheduling.load import DraftBudget, LoadModel
+from ..scheduling.passes import PassTimer
 from ..startup import check_vocabularies
-from .bridge import Offloaded, await_, in_bridge, iterate_bridged, run_bridged
-from .session_actor import actor_store
 from ..transport.remote import RemoteTier
+from .bridge import Offloaded, iterate_bridged, run_bridged
 from .calls import Calls, Stopped, raise_if_failed, reply_for
+from .session_actor import actor_store
 from .tier import check_adaptive_reviewers, replica_tier, system_heads
 from .tier_deployment import (
     DEFAULT_MAX_ONGOING,
     TierDeployment,
+    invoker,
     replica_gpus,
 )
 
@@ -89,9 +88,16 @@ GRPC_SERVICER_FUNCTIONS = [
 # (info, counters, release) return at once; what blocks (a tier's block calls; on the coordinator, a
 # colocated tier's passes and the session store) goes to the replica's own thread pool, so the loop
 # stays free to take concurrent calls. The coordinator's decodes run on the loop (serving/bridge.py).
-LOCAL_ACTOR_OPTIONS = {"num_cpus": 0.25, "runtime_env": {"env_vars": {
-    "OMP_WAIT_POLICY": "PASSIVE", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "0"}}}
+LOCAL_ACTOR_OPTIONS = {
+    "num_cpus": 0.25,
+    "runtime_env": {
+        "env_vars": {
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+            "RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "0",
+        }
+    },
+}
 
 
 WATCH_POLL_S = 5.0  # how often a health Watch looks for a change of status
@@ -103,8 +109,13 @@ DEFAULT_MAX_QUEUED = 64  # per deployment handle; `serving.deployments.<name>.ma
 class CoordinatorDeployment:
     """The ingress: gRPC methods of cascade.v1.CascadeService (+ grpc.health.v1.Health/Check)."""
 
-    def __init__(self, config_path: str, tiers: dict[str, DeploymentHandle], redis_url: str | None = None,
-                 max_ongoing: int = DEFAULT_MAX_ONGOING):
+    def __init__(
+        self,
+        config_path: str,
+        tiers: dict[str, DeploymentHandle],
+        redis_url: str | None = None,
+        max_ongoing: int = DEFAULT_MAX_ONGOING,
+    ):
         self.config: Config = load_config(config_path)
         if redis_url:  # the command line's --redis-url wins over the config's serving.redis_url
             self.config = replace(self.config, serving=replace(self.config.serving, redis_url=redis_url))
@@ -137,8 +148,9 @@ class CoordinatorDeployment:
                 if colocated:  # they follow the coordinator's GPUs, as a tier replica's tiers follow its own
                     gpus = replica_gpus()
                     colocated = [replica_tier(t, gpus, COORDINATOR) for t in colocated]
-                self.local = {t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
-                              for t in colocated}
+                self.local = {
+                    t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name) for t in colocated
+                }
                 for model in self.local.values():  # concurrent requests share a colocated tier's passes
                     model.enable_batching()
                 facts = {name: TierFacts.of(model) for name, model in self.local.items()}
@@ -147,21 +159,27 @@ class CoordinatorDeployment:
                 self.systems = set(system_heads(cascade, serving))
                 mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
                 coordinator = assemble_coordinator(
-                    cascade, facts, hf_tokenizer(load_tokenizer(cascade.target.path)), self._remote_tiers,
-                    Offloaded(session_store(serving, lambda: actor_store(serving)), self.pool), self.config.generation,
+                    cascade,
+                    facts,
+                    hf_tokenizer(load_tokenizer(cascade.target.path)),
+                    self._remote_tiers,
+                    Offloaded(session_store(serving, lambda: actor_store(serving)), self.pool),
+                    self.config.generation,
                     bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
                     make_stopper=self.heads.stopper,  # SpecDec++ at a colocated reviewing tier
-                    policies=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None)
+                    policies=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None,
+                )
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 
     def _remote_tiers(self, request_id: str) -> dict[str, Tier]:
         # Colocated: no hop, but their forward passes block, so a bridged decode awaits them on the pool.
-        tiers: dict[str, Tier] = {name: ModelTier(Offloaded(model.scorer(), self.pool), model.vocab_size,
-                                                  self.heads.stopper)
-                                  for name, model in self.local.items()}
+        tiers: dict[str, Tier] = {
+            name: ModelTier(Offloaded(model.scorer(), self.pool), model.vocab_size, self.heads.stopper)
+            for name, model in self.local.items()
+        }
         for name, handle in self.handles.items():
-            tiers[name] = RemoteTier(name, request_id, _invoker(name, handle), system=name in self.systems)
+            tiers[name] = RemoteTier(name, request_id, invoker(name, handle), system=name in self.systems)
         return tiers
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
@@ -223,8 +241,8 @@ class CoordinatorDeployment:
         try:
             with self._calls.admit():
                 servicer = await self._servicer_ready()
-                chunks = lambda: _serve(servicer, method, request_type(method).FromString(body), context)
-                async for chunk in iterate_bridged(chunks):
+                request = request_type(method).FromString(body)
+                async for chunk in iterate_bridged(functools.partial(_serve, servicer, method, request, context)):
                     yield "OK", "", chunk.SerializeToString()
         except Stopped as exc:
             yield reply_for(exc)
@@ -270,30 +288,6 @@ class CoordinatorDeployment:
             return False
 
 
-def _invoker(name: str, handle: DeploymentHandle):
-    # Serve's direct gRPC transport instead of Ray object references: measured here, a no-op call
-    # takes 4.0 ms instead of 8.0 ms (median), and a round makes one or two such calls per tier.
-    handle = handle.options(_by_reference=False)
-    def invoke(method: str, data: bytes) -> bytes:
-        if method == "release":  # fire and forget: nothing waits on a cache being freed (LRU backs it up)
-            handle.release.remote(data)
-            return b""
-        try:
-            response = getattr(handle, method).remote(data)
-            # On the coordinator a decode is bridged onto the event loop, where it must await the reply.
-            return await_(response) if in_bridge() else response.result()
-        except BackPressureError as exc:
-            raise Overloaded(f"tier {name!r} is at its queue limit; retry later") from exc
-        except ray.exceptions.RayError as exc:
-            raise Unavailable(f"tier {name!r} unavailable ({type(exc).__name__}); retry the request") from exc
-        except Exception as exc:  # Serve's own errors (no replica, shutting down) are not RayErrors
-            if type(exc).__module__.startswith("ray."):
-                raise Unavailable(f"tier {name!r} unavailable ({type(exc).__name__}); retry the request") from exc
-            raise
-
-    return invoke
-
-
 def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any) -> Any:
     """Call a servicer method in a bridged decode. A caller that hangs up or runs out of time has
     Serve cancel this call: the CancelledError is raised inside the decode at the await it waits on,
@@ -323,18 +317,23 @@ def app_builder(args: dict[str, Any]):
     mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
     mag_args = {"bigram": mag.bigram, "max_ngram": mag.max_ngram} if mag else None
     systems = system_heads(config.cascade, serving)  # each replica learns its sub-cascades once, here
-    handles = {}
+    handles: dict[str, Any] = {}
     for group in tier_groups(list(by_name), serving.colocate, serving.groups):
         name = deployment_name(group)
         options = _options(serving, name, local)
-        handle = TierDeployment.options(name=name, **options).bind(
+        # serve.deployment makes the classes Deployments; mypy sees the classes (attr-defined below).
+        handle = TierDeployment.options(name=name, **options).bind(  # type: ignore[attr-defined]
             [asdict(by_name[n]) for n in group],
-            mag_args if len(group) > 1 else None, serving.torch_threads, options["max_ongoing_requests"],
-            {n: asdict(spec) for n, spec in systems.items() if n in group})
+            mag_args if len(group) > 1 else None,
+            serving.torch_threads,
+            options["max_ongoing_requests"],
+            {n: asdict(spec) for n, spec in systems.items() if n in group},
+        )
         handles |= {n: handle for n in group}
     options = _options(serving, COORDINATOR, local)
-    return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(
-        path, handles, redis_url, options["max_ongoing_requests"])
+    return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(  # type: ignore[attr-defined]
+        path, handles, redis_url, options["max_ongoing_requests"]
+    )
 
 
 def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
@@ -371,7 +370,8 @@ def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> 
 def _ray_arms(arms: Sequence[str] | None) -> tuple[str, ...]:
     """serving.load_arms as the Ray app runs them: RAY_ARMS when None; the "budget" arm is refused."""
     if arms is not None and "budget" in arms:
-        raise ConfigError("serving.load_arms: the Ray app cannot run the 'budget' arm (its cost model needs "
-                          f"the tiers' passes in the coordinator's process); choose among {list(RAY_ARMS)}")
+        raise ConfigError(
+            "serving.load_arms: the Ray app cannot run the 'budget' arm (its cost model needs "
+            f"the tiers' passes in the coordinator's process); choose among {list(RAY_ARMS)}"
+        )
     return tuple(arms) if arms else RAY_ARMS
-

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import greenlet
 
@@ -59,7 +60,7 @@ async def run_bridged(fn: Callable[..., T], *args: Any) -> T:
     while not child.dead:
         try:
             value = await pending
-        except BaseException:  # noqa: BLE001 - raised inside fn, where its handlers and finally blocks run
+        except BaseException:
             pending = child.throw(*sys.exc_info())
         else:
             pending = child.switch(value)

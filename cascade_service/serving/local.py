@@ -14,10 +14,11 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
+from ..api.admission import limits_from
 from ..api.auth import ApiKeys, TlsFiles
 from ..api.backend import Reply
 from ..api.edge import health_request, is_serving, start_edge
-from ..api.admission import limits_from
+from ..api.frontend_server import FrontendServer
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
@@ -32,8 +33,14 @@ class HandleBackend:
     def __init__(self, handle: DeploymentHandle):
         self.handle = handle.options(_by_reference=False)  # Serve's direct transport: half the latency
 
-    def call(self, method: str, body: bytes, timeout_s: float | None, owner: str = "",
-             on_end: Callable[[Callable[[], None]], bool] | None = None) -> Reply:
+    def call(
+        self,
+        method: str,
+        body: bytes,
+        timeout_s: float | None,
+        owner: str = "",
+        on_end: Callable[[Callable[[], None]], bool] | None = None,
+    ) -> Reply:
         response = self.handle.rpc.remote(method, body, owner)
         # A client that hangs up cancels the coordinator's call, which stops decoding at its next round
         # (after a normal end, cancelling a finished response does nothing).
@@ -48,7 +55,7 @@ class HandleBackend:
             return "CANCELLED", f"{method}: cancelled by the client", b""
         except BackPressureError:
             return "RESOURCE_EXHAUSTED", "the coordinator is at its queue limit; retry later", b""
-        except Exception as exc:  # noqa: BLE001 - Ray / Serve errors: the coordinator is not reachable
+        except Exception as exc:
             return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
 
     def stream(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
@@ -75,7 +82,7 @@ class _ReplyStream:
         except BackPressureError:
             self.closed = True
             return "RESOURCE_EXHAUSTED", "the coordinator is at its queue limit; retry later", b""
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.closed = True
             return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
 
@@ -101,9 +108,17 @@ class LocalService:
     coordinator's methods by name, as on a cluster (`deploy/serve_config.yaml`).
     """
 
-    def __init__(self, config_path: str, port: int = 0, redis_url: str | None = None, host: str = "127.0.0.1",
-                 num_cpus: int | None = None, frontend: str = "edge", api_keys: ApiKeys | None = None,
-                 tls: TlsFiles | None = None):
+    def __init__(
+        self,
+        config_path: str,
+        port: int = 0,
+        redis_url: str | None = None,
+        host: str = "127.0.0.1",
+        num_cpus: int | None = None,
+        frontend: str = "edge",
+        api_keys: ApiKeys | None = None,
+        tls: TlsFiles | None = None,
+    ):
         if frontend not in FRONTENDS:
             raise ValueError(f"frontend must be one of {FRONTENDS}, got {frontend!r}")
         if frontend == "ray" and (api_keys is not None or tls is not None):
@@ -117,8 +132,8 @@ class LocalService:
         self.api_keys = api_keys
         self.tls = tls
         self.started_ray = False
-        self.server = None
-        self.checker = None
+        self.server: FrontendServer | None = None
+        self.checker: FrontendServer | None = None
         self.handle: DeploymentHandle | None = None
 
     @property
@@ -130,14 +145,23 @@ class LocalService:
         limits = limits_from(config.serving.admission, workers=EDGE_WORKERS)
         if not ray.is_initialized():
             runtime_env = loopback_ray()
-            ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, num_cpus=self.num_cpus,
-                     log_to_driver=False, logging_level=logging.WARNING, runtime_env=runtime_env)
+            ray.init(
+                namespace=RAY_NAMESPACE,
+                include_dashboard=False,
+                num_cpus=self.num_cpus,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+                runtime_env=runtime_env,
+            )
             self.started_ray = True
         if self.frontend == "ray":
             self.port = self.port or _free_port(self.host)
             # Serve's HTTP proxy comes with its gRPC proxy; it gets a loopback port of its own.
-            serve.start(proxy_location="HeadOnly", http_options={"host": self.host, "port": _free_port(self.host)},
-                        grpc_options={"port": self.port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
+            serve.start(
+                proxy_location="HeadOnly",
+                http_options={"host": self.host, "port": _free_port(self.host)},
+                grpc_options={"port": self.port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
+            )
             self.deploy()
             self.wait_ready()
             _wait_for_proxy(self.address)
@@ -145,8 +169,9 @@ class LocalService:
         # No Serve proxies: our edge is the only listener.
         serve.start(proxy_location="Disabled")
         self.deploy()
-        self.server, self.port, self.checker = start_edge(HandleBackend(self._handle()), self.host, self.port,
-                                                         api_keys=self.api_keys, tls=self.tls, limits=limits)
+        self.server, self.port, self.checker = start_edge(
+            HandleBackend(self._handle()), self.host, self.port, api_keys=self.api_keys, tls=self.tls, limits=limits
+        )
         self.wait_ready()
         return self.address
 
@@ -176,8 +201,9 @@ class LocalService:
         (by_reference=True: Ray object references, Serve's default; False: its direct transport, ours)."""
         config = load_config(self.config_path)
         models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig)]
-        name = next(deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups)
-                    if tier in g)
+        name = next(
+            deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups) if tier in g
+        )
         handle = serve.get_deployment_handle(name, app_name=APP_NAME).options(_by_reference=by_reference)
         seconds = []
         for _ in range(n):
@@ -208,7 +234,7 @@ class LocalService:
             log.debug("no coordinator to drain", exc_info=True)
         try:
             serve.delete(APP_NAME)
-        except Exception:  # noqa: BLE001 - stopping is best effort
+        except Exception:
             pass
         if self.started_ray:
             serve.shutdown()

@@ -40,8 +40,8 @@ def setup_worker() -> None:
 
         def narrowed(server, address: str, _original=original):
             if address.startswith("[::]:"):
-                address = "127.0.0.1:" + address[len("[::]:"):]
+                address = "127.0.0.1:" + address[len("[::]:") :]
             return _original(server, address)
 
-        narrowed._cascade_loopback = True
+        setattr(narrowed, "_cascade_loopback", True)  # noqa: B010 - a mark on a function object
         setattr(module, name, narrowed)

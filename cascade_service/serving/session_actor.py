@@ -65,7 +65,7 @@ class ActorStore:
 def actor_store(serving: ServingConfig) -> SessionStore:
     """The cluster's embedded store: one detached actor, created on first use (runtime.session_store
     picks Redis instead where the config names it)."""
-    actor = SessionActor.options(name=SESSION_ACTOR, namespace=RAY_NAMESPACE, lifetime="detached",
-                                 get_if_exists=True, num_cpus=0).remote(serving.session_ttl_s,
-                                                                        serving.max_sessions_per_key)
+    actor = SessionActor.options(  # type: ignore[attr-defined]  # ray.remote's wrapper, unseen by mypy
+        name=SESSION_ACTOR, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0
+    ).remote(serving.session_ttl_s, serving.max_sessions_per_key)
     return ActorStore(actor)

@@ -99,13 +99,18 @@ def replica_tier(tier: ModelTierConfig, gpus: Sequence[int], deployment: str) ->
     """
     if not gpus:
         if tier.device.startswith("cuda"):
-            tier_device(tier, hint=f"; its deployment {deployment} was given no GPU "
-                                   f"(serving.deployments.{deployment}.ray_actor_options.num_gpus)")
+            tier_device(
+                tier,
+                hint=f"; its deployment {deployment} was given no GPU "
+                f"(serving.deployments.{deployment}.ray_actor_options.num_gpus)",
+            )
         return tier
     index = (torch.device(tier.device).index or 0) if tier.device.startswith("cuda") else 0
     if index >= len(gpus):
-        raise ConfigError(f"{where(tier, 'device')}: {tier.device}, but its deployment {deployment} was given "
-                          f"{len(gpus)} GPU{'' if len(gpus) == 1 else 's'}")
+        raise ConfigError(
+            f"{where(tier, 'device')}: {tier.device}, but its deployment {deployment} was given "
+            f"{len(gpus)} GPU{'' if len(gpus) == 1 else 's'}"
+        )
     return replace(tier, device=f"cuda:{gpus[index]}")
 
 
@@ -141,8 +146,14 @@ class TierGroup:
     per block of each tier. It is fixed at deployment, with each sub-cascade's schedule parsed once.
     """
 
-    def __init__(self, tiers: list[ModelTierConfig], bigram: str | None = None, max_ngram: int = 16,
-                 max_cached_requests: int = MAX_CACHED_REQUESTS, systems: Mapping[str, SubCascade] | None = None):
+    def __init__(
+        self,
+        tiers: list[ModelTierConfig],
+        bigram: str | None = None,
+        max_ngram: int = 16,
+        max_cached_requests: int = MAX_CACHED_REQUESTS,
+        systems: Mapping[str, SubCascade] | None = None,
+    ):
         self.servers = {t.name: TierServer(t, max_cached_requests) for t in tiers}
         self.heads = HeadCache()
         self.bigram = BigramTable.load(bigram) if bigram else None
@@ -160,9 +171,12 @@ class TierGroup:
     def counters(self) -> dict[str, int]:
         """What an operator watches: calls served, requests holding a KV cache, cache misses, and the
         forward passes that concurrent requests shared (batch size > 1; 0 while batching is off)."""
-        return {"calls": self.calls, "cached_requests": self.cached_requests(),
-                "cache_misses": sum(server.cache_misses for server in self.servers.values()),
-                "batched_passes": sum(_batched_passes(server.model) for server in self.servers.values())}
+        return {
+            "calls": self.calls,
+            "cached_requests": self.cached_requests(),
+            "cache_misses": sum(server.cache_misses for server in self.servers.values()),
+            "batched_passes": sum(_batched_passes(server.model) for server in self.servers.values()),
+        }
 
     def info(self) -> dict[str, Any]:
         return {name: server.info() for name, server in self.servers.items()}
@@ -209,11 +223,20 @@ class TierGroup:
         rid = request.request_id
         stats = CascadeStats(name)
         head = self.servers[name].model
-        state = RequestState(request.sampling, torch.Generator().manual_seed(request.seed), stats, head.vocab_size,
-                             request.eos_ids, adaptive=dict(request.adaptive), make_stopper=self.heads.stopper,
-                             request_id=rid)
-        tiers: list[Tier] = [MaGTier(self._mag(rid), head.vocab_size) if n == MAG else self.servers[n].request_tier(rid)
-                             for n in sub.tiers]
+        state = RequestState(
+            request.sampling,
+            torch.Generator().manual_seed(request.seed),
+            stats,
+            head.vocab_size,
+            request.eos_ids,
+            adaptive=dict(request.adaptive),
+            make_stopper=self.heads.stopper,
+            request_id=rid,
+        )
+        tiers: list[Tier] = [
+            MaGTier(self._mag(rid), head.vocab_size) if n == MAG else self.servers[n].request_tier(rid)
+            for n in sub.tiers
+        ]
         system = build_cascade(tiers[0], tiers[1:], schedule, sub.leniency, state, strict_top=False)
         reply = system.draft(request)
         for tier in stats.tiers:  # every tier inside is listed, as the coordinator's own stats list theirs
@@ -239,13 +262,13 @@ def system_heads(cascade: CascadeConfig, serving: ServingConfig) -> dict[str, Su
     for group in serving.groups:
         for name in group:
             h = names.index(name)
-            below = set(names[h + 1:])
+            below = set(names[h + 1 :])
             if h == 0 or cascade.schedule.is_leaf(h) or not below <= set(group) | {MAG}:
                 continue
             reach, todo = set(), [h]
             while todo:  # every tier the sub-cascade reaches from h
                 r = todo.pop()
-                for c, _ in (cascade.schedule.row(r) if r < len(k) else []):
+                for c, _ in cascade.schedule.row(r) if r < len(k) else []:
                     if c + 1 not in reach:
                         reach.add(c + 1)
                         todo.append(c + 1)
@@ -262,5 +285,7 @@ def check_adaptive_reviewers(cascade: CascadeConfig, serving: ServingConfig) -> 
     for tier in cascade.adaptive:
         r = names.index(tier)
         if not cascade.schedule.is_leaf(r) and tier not in serving.colocate and tier not in systems:
-            raise ConfigError(f"schedule.adaptive.{tier}: a reviewing tier with an acceptance head must be in "
-                              "serving.colocate, or in a serving.groups group that holds its whole sub-cascade")
+            raise ConfigError(
+                f"schedule.adaptive.{tier}: a reviewing tier with an acceptance head must be in "
+                "serving.colocate, or in a serving.groups group that holds its whole sub-cascade"
+            )

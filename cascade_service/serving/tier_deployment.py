@@ -10,8 +10,12 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
 
+from ..api.servicer import Overloaded, Unavailable
 from ..config import ModelTierConfig, deployment_name
+from .bridge import await_, in_bridge
 from .tier import SubCascade, TierGroup, replica_tier
 
 # Calls a replica works on at once (Serve's own default is 5): a tier batches concurrent requests'
@@ -29,13 +33,20 @@ def tier_deployment_name(tier: str) -> str:
 class TierDeployment:
     """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them.
 
-    Block calls (draft, review) carry the tier protocol's bytes (transport.codec) and block on forward passes, so each runs on a thread of the
-    replica's own pool, one per call Serve lets in (max_ongoing); every model batches the forward
-    passes of those concurrent calls, so requests decoding at once share passes.
+    Block calls (draft, review) carry the tier protocol's bytes (transport.codec) and block on forward
+    passes, so each runs on a thread of the replica's own pool, one per call Serve lets in
+    (max_ongoing); every model batches the forward passes of those concurrent calls, so requests
+    decoding at once share passes.
     """
 
-    def __init__(self, tiers: list[dict[str, Any]], mag: dict[str, Any] | None = None, torch_threads: int | None = None,
-                 max_ongoing: int = DEFAULT_MAX_ONGOING, systems: dict[str, dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        tiers: list[dict[str, Any]],
+        mag: dict[str, Any] | None = None,
+        torch_threads: int | None = None,
+        max_ongoing: int = DEFAULT_MAX_ONGOING,
+        systems: dict[str, dict[str, Any]] | None = None,
+    ):
         if torch_threads:
             import torch
 
@@ -44,8 +55,12 @@ class TierDeployment:
         # Each tier follows the GPUs Ray gave this replica (serving.tier.replica_tier).
         name, gpus = deployment_name([t["name"] for t in tiers]), replica_gpus()
         group = [replica_tier(ModelTierConfig(**t), gpus, name) for t in tiers]
-        self.group = TierGroup(group, mag.get("bigram"), mag.get("max_ngram", 16),
-                               systems={n: SubCascade.of(spec) for n, spec in (systems or {}).items()})
+        self.group = TierGroup(
+            group,
+            mag.get("bigram"),
+            mag.get("max_ngram", 16),
+            systems={n: SubCascade.of(spec) for n, spec in (systems or {}).items()},
+        )
         for server in self.group.servers.values():
             server.model.enable_batching()
         self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
@@ -81,3 +96,28 @@ def replica_gpus() -> list[int]:
     if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "").lower() in ("1", "true"):
         return [int(i) for i in ids]
     return list(range(len(ids)))
+
+
+def invoker(name: str, handle: DeploymentHandle):
+    # Serve's direct gRPC transport instead of Ray object references: measured here, a no-op call
+    # takes 4.0 ms instead of 8.0 ms (median), and a round makes one or two such calls per tier.
+    handle = handle.options(_by_reference=False)
+
+    def invoke(method: str, data: bytes) -> bytes:
+        if method == "release":  # fire and forget: nothing waits on a cache being freed (LRU backs it up)
+            handle.release.remote(data)
+            return b""
+        try:
+            response = getattr(handle, method).remote(data)
+            # On the coordinator a decode is bridged onto the event loop, where it must await the reply.
+            return await_(response) if in_bridge() else response.result()
+        except BackPressureError as exc:
+            raise Overloaded(f"tier {name!r} is at its queue limit; retry later") from exc
+        except ray.exceptions.RayError as exc:
+            raise Unavailable(f"tier {name!r} unavailable ({type(exc).__name__}); retry the request") from exc
+        except Exception as exc:  # Serve's own errors (no replica, shutting down) are not RayErrors
+            if type(exc).__module__.startswith("ray."):
+                raise Unavailable(f"tier {name!r} unavailable ({type(exc).__name__}); retry the request") from exc
+            raise
+
+    return invoke

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from cascade_service.sessions.store import (
     MAX_SESSION_TOKENS,
@@ -37,9 +37,7 @@ class MemoryStore:
         self._sessions: dict[str, tuple[SessionRecord, float]] = {}  # id -> (record, expires_at)
         self._next_sweep = 0.0
 
-    def create(
-        self, token_ids: Sequence[int] = (), session_id: str | None = None, owner: str = ""
-    ) -> SessionRecord:
+    def create(self, token_ids: Sequence[int] = (), session_id: str | None = None, owner: str = "") -> SessionRecord:
         tokens = check_token_ids(token_ids)
         session_id = new_session_id() if session_id is None else session_id
         check_session_id(session_id)
@@ -72,9 +70,7 @@ class MemoryStore:
             if record is None:
                 raise SessionNotFound(session_id)
             if record.version != expected_version:
-                raise SessionConflict(
-                    f"session {session_id!r} is at version {record.version}, not {expected_version}"
-                )
+                raise SessionConflict(f"session {session_id!r} is at version {record.version}, not {expected_version}")
             length = len(record.token_ids) + len(tokens)
             if length > MAX_SESSION_TOKENS:
                 raise too_long(session_id, length)

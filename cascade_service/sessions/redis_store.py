@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import cast
 from urllib.parse import urlsplit
 
 import redis
@@ -41,8 +42,9 @@ _NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 # KEYS[1] session key, KEYS[2] the owner's set of session ids; ARGV: tokens, owner, ttl_ms (0 = no
 # expiry), the owner's session limit (0 = none), the session key prefix, the session id.
-# 1 = created, 0 = id taken, -1 = the owner holds its limit. Without a limit no owner set is kept. Ids whose session expired are dropped from
-# the owner's set before it is counted (at most `limit` lookups), so the count is of live sessions.
+# 1 = created, 0 = id taken, -1 = the owner holds its limit. Without a limit no owner set is kept. Ids whose session
+# expired are dropped from the owner's set before it is counted (at most `limit` lookups), so the count is of live
+# sessions.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local limit = tonumber(ARGV[4])
@@ -114,9 +116,7 @@ class RedisStore:
         self._create = self._client.register_script(_CREATE)
         self._append = self._client.register_script(_APPEND)
 
-    def create(
-        self, token_ids: Sequence[int] = (), session_id: str | None = None, owner: str = ""
-    ) -> SessionRecord:
+    def create(self, token_ids: Sequence[int] = (), session_id: str | None = None, owner: str = "") -> SessionRecord:
         tokens = check_token_ids(token_ids)
         session_id = new_session_id() if session_id is None else session_id
         check_session_id(session_id)
@@ -138,7 +138,9 @@ class RedisStore:
             tokens, version, owner = self._client.hmget(self._key(session_id), ["tokens", "version", "owner"])
         if version is None:
             raise SessionNotFound(session_id)
-        return SessionRecord(session_id, _unpack(tokens or b""), int(version), (owner or b"").decode())
+        # The client returns bytes (decode_responses is off).
+        raw, who = cast(bytes, tokens or b""), cast(bytes, owner or b"")
+        return SessionRecord(session_id, _unpack(raw), int(version), who.decode())
 
     def append(self, session_id: str, token_ids: Sequence[int], expected_version: int) -> SessionRecord:
         check_session_id(session_id)
@@ -192,9 +194,7 @@ def redact_url(url: str) -> str:
         user = parts.username or ""
         netloc = f"{user}:***@{netloc.rpartition('@')[2]}"
     query = "&".join(
-        "password=***" if field.partition("=")[0] == "password" else field
-        for field in parts.query.split("&")
-        if field
+        "password=***" if field.partition("=")[0] == "password" else field for field in parts.query.split("&") if field
     )
     return parts._replace(netloc=netloc, query=query).geturl()
 

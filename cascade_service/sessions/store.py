@@ -12,8 +12,9 @@ import hmac
 import operator
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from ..core.quote import quoted
 
@@ -140,17 +141,13 @@ def check_owner(owner: str) -> str:
 
 
 def too_long(session_id: str, length: int) -> ValueError:
-    return ValueError(
-        f"session {session_id!r} would hold {length} tokens; the limit is {MAX_SESSION_TOKENS}"
-    )
+    return ValueError(f"session {session_id!r} would hold {length} tokens; the limit is {MAX_SESSION_TOKENS}")
 
 
 class SessionStore(Protocol):
     """Where sessions live. Every method may raise StoreUnavailable when the backend is down."""
 
-    def create(
-        self, token_ids: Sequence[int] = (), session_id: str | None = None, owner: str = ""
-    ) -> SessionRecord:
+    def create(self, token_ids: Sequence[int] = (), session_id: str | None = None, owner: str = "") -> SessionRecord:
         """A new session at version 0 (a fresh id when none is given); SessionExists if the id is taken."""
         ...
 

@@ -32,11 +32,19 @@ from ..core.verify import Verification
 def encode_draft_request(request: DraftRequest, tier: str) -> bytes:
     """`request` for tier `tier` of the replica that receives it."""
     return pb.DraftRequest(
-        request_id=request.request_id, tier=tier, context=_context_out(request.context), want=request.want,
-        limit=request.limit, sampling=_sampling_out(request.sampling), seed=request.seed,
-        eos_ids=sorted(request.eos_ids), min_match=request.min_match,
-        adaptive={name: pb.Adaptive(rule=a.rule, threshold=a.threshold, head=a.head or "")
-                  for name, a in request.adaptive.items()},
+        request_id=request.request_id,
+        tier=tier,
+        context=_context_out(request.context),
+        want=request.want,
+        limit=request.limit,
+        sampling=_sampling_out(request.sampling),
+        seed=request.seed,
+        eos_ids=sorted(request.eos_ids),
+        min_match=request.min_match,
+        adaptive={
+            name: pb.Adaptive(rule=a.rule, threshold=a.threshold, head=a.head or "")
+            for name, a in request.adaptive.items()
+        },
     ).SerializeToString()
 
 
@@ -44,13 +52,23 @@ def decode_draft_request(data: bytes) -> tuple[str, DraftRequest]:
     """(tier, request)."""
     m = _parse(pb.DraftRequest, data)
     adaptive = {name: AdaptiveLength(a.rule, a.threshold, a.head or None) for name, a in m.adaptive.items()}
-    return m.tier, DraftRequest(m.request_id, _context_in(m.context), m.want, m.limit, _sampling_in(m.sampling),
-                                m.seed, frozenset(m.eos_ids), adaptive, m.min_match)
+    return m.tier, DraftRequest(
+        m.request_id,
+        _context_in(m.context),
+        m.want,
+        m.limit,
+        _sampling_in(m.sampling),
+        m.seed,
+        frozenset(m.eos_ids),
+        adaptive,
+        m.min_match,
+    )
 
 
 def encode_draft_reply(reply: DraftReply) -> bytes:
-    return pb.DraftReply(block=_block_out(reply.draft), usage=_usage_out(reply.usage),
-                         stopped=reply.stopped).SerializeToString()
+    return pb.DraftReply(
+        block=_block_out(reply.draft), usage=_usage_out(reply.usage), stopped=reply.stopped
+    ).SerializeToString()
 
 
 def decode_draft_reply(data: bytes) -> DraftReply:
@@ -60,14 +78,21 @@ def decode_draft_reply(data: bytes) -> DraftReply:
 
 def encode_review_request(request: ReviewRequest, tier: str) -> bytes:
     if request.hidden:
-        raise ValueError("hidden states do not cross the wire: a reviewing tier with an acceptance head must run "
-                         "where the cascade above it runs")
+        raise ValueError(
+            "hidden states do not cross the wire: a reviewing tier with an acceptance head must run "
+            "where the cascade above it runs"
+        )
     v = request.verification
     rule = pb.FinalRule(rule=v.rule, alpha=v.alpha, beta=v.beta)  # None leaves an optional field unset
     return pb.ReviewRequest(
-        request_id=request.request_id, tier=tier, context=_context_out(request.context),
-        block=_block_out(request.block), leniency=request.leniency, sampling=_sampling_out(request.sampling),
-        seed=request.seed, verification=rule,
+        request_id=request.request_id,
+        tier=tier,
+        context=_context_out(request.context),
+        block=_block_out(request.block),
+        leniency=request.leniency,
+        sampling=_sampling_out(request.sampling),
+        seed=request.seed,
+        verification=rule,
     ).SerializeToString()
 
 
@@ -75,16 +100,31 @@ def decode_review_request(data: bytes) -> tuple[str, ReviewRequest]:
     """(tier, request)."""
     m = _parse(pb.ReviewRequest, data)
     r = m.verification
-    verification = Verification(r.rule or "exact", r.alpha if r.HasField("alpha") else None,
-                                r.beta if r.HasField("beta") else None)
-    return m.tier, ReviewRequest(m.request_id, _context_in(m.context), _block_in(m.block), m.leniency,
-                                 _sampling_in(m.sampling), m.seed, verification)
+    verification = Verification(
+        r.rule or "exact", r.alpha if r.HasField("alpha") else None, r.beta if r.HasField("beta") else None
+    )
+    return m.tier, ReviewRequest(
+        m.request_id,
+        _context_in(m.context),
+        _block_in(m.block),
+        m.leniency,
+        _sampling_in(m.sampling),
+        m.seed,
+        verification,
+    )
 
 
 def encode_review_reply(reply: ReviewReply) -> bytes:
     v = reply.verdict
-    verdict = pb.Verdict(accepted=v.accepted, token=v.token, token_probs=v.token_probs, dists=_rows_out(v.dists),
-                         off_target=v.off_target, tv=v.tv, ll_loss=v.ll_loss)
+    verdict = pb.Verdict(
+        accepted=v.accepted,
+        token=v.token,
+        token_probs=v.token_probs,
+        dists=_rows_out(v.dists),
+        off_target=v.off_target,
+        tv=v.tv,
+        ll_loss=v.ll_loss,
+    )
     return pb.ReviewReply(verdict=verdict, usage=_usage_out(reply.usage)).SerializeToString()
 
 
@@ -170,23 +210,57 @@ def _rows_in(parent, field: str) -> torch.Tensor | None:  # type: ignore[no-unty
 
 def _usage_out(u: Usage) -> pb.Usage:
     return pb.Usage(
-        tiers={n: pb.TierCounters(calls=c.calls, tokens_processed=c.tokens_processed, tokens_out=c.tokens_out,
-                                  time_s=c.time_s, hops=c.hops) for n, c in u.tiers.items()},
-        reviews={n: pb.ReviewCounters(reviews=r.reviews, drafted=r.drafted, accepted=r.accepted,
-                                      rejections=r.rejections, drafted_by_position=r.drafted_by_position,
-                                      accepted_by_position=r.accepted_by_position,
-                                      drafted_by_drafter=r.drafted_by_drafter,
-                                      accepted_by_drafter=r.accepted_by_drafter) for n, r in u.reviews.items()},
-        off_target=u.off_target, tv=u.tv, ll_loss=u.ll_loss)
+        tiers={
+            n: pb.TierCounters(
+                calls=c.calls,
+                tokens_processed=c.tokens_processed,
+                tokens_out=c.tokens_out,
+                time_s=c.time_s,
+                hops=c.hops,
+            )
+            for n, c in u.tiers.items()
+        },
+        reviews={
+            n: pb.ReviewCounters(
+                reviews=r.reviews,
+                drafted=r.drafted,
+                accepted=r.accepted,
+                rejections=r.rejections,
+                drafted_by_position=r.drafted_by_position,
+                accepted_by_position=r.accepted_by_position,
+                drafted_by_drafter=r.drafted_by_drafter,
+                accepted_by_drafter=r.accepted_by_drafter,
+            )
+            for n, r in u.reviews.items()
+        },
+        off_target=u.off_target,
+        tv=u.tv,
+        ll_loss=u.ll_loss,
+    )
 
 
 def _usage_in(m: pb.Usage) -> Usage:
     return Usage(
-        tiers={n: TierCounters(c.calls, c.tokens_processed, c.tokens_out, c.time_s, c.hops) for n, c in m.tiers.items()},
-        reviews={n: ReviewCounters(r.reviews, r.drafted, r.accepted, r.rejections, list(r.drafted_by_position),
-                                   list(r.accepted_by_position), _counts(r.drafted_by_drafter),
-                                   _counts(r.accepted_by_drafter)) for n, r in m.reviews.items()},
-        off_target=m.off_target, tv=m.tv, ll_loss=m.ll_loss)
+        tiers={
+            n: TierCounters(c.calls, c.tokens_processed, c.tokens_out, c.time_s, c.hops) for n, c in m.tiers.items()
+        },
+        reviews={
+            n: ReviewCounters(
+                r.reviews,
+                r.drafted,
+                r.accepted,
+                r.rejections,
+                list(r.drafted_by_position),
+                list(r.accepted_by_position),
+                _counts(r.drafted_by_drafter),
+                _counts(r.accepted_by_drafter),
+            )
+            for n, r in m.reviews.items()
+        },
+        off_target=m.off_target,
+        tv=m.tv,
+        ll_loss=m.ll_loss,
+    )
 
 
 def _counts(m: Mapping[str, int]) -> dict[str, int]:

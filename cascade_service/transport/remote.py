@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..core.stats import Usage
 from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
@@ -56,8 +56,10 @@ class RemoteTier:
 
     def review(self, request: ReviewRequest) -> ReviewReply:
         if request.hidden:
-            raise ValueError(f"adaptive draft length for reviewing tier {self.name!r} needs its model in this "
-                             "process (or its whole sub-cascade in its replica)")
+            raise ValueError(
+                f"adaptive draft length for reviewing tier {self.name!r} needs its model in this "
+                "process (or its whole sub-cascade in its replica)"
+            )
         start = time.perf_counter()
         reply = decode_review_reply(self.invoke("review", encode_review_request(request, self.name)))
         self._hop(reply.usage, time.perf_counter() - start)
@@ -69,7 +71,7 @@ class RemoteTier:
             return  # never called: the replica holds nothing for it
         try:
             self.invoke("release", encode_release(request))
-        except Exception:  # noqa: BLE001 - a cache we cannot free is evicted by the replica's LRU anyway
+        except Exception:
             log.warning("could not release tier %s for request %s", self.name, request.request_id)
 
     def _hop(self, usage: Usage, elapsed: float) -> None:

@@ -8,9 +8,9 @@ modules, so the counts are the same kind of figure as `CascadeStats` calls (one 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -28,13 +28,15 @@ class HFRun:
 
 
 @contextmanager
-def count_forwards(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, int]]:
+def count_forwards(modules: Mapping[str, torch.nn.Module]) -> Iterator[dict[str, int]]:
     """Count top-level forward calls of each named module while the block runs."""
     counts = {name: 0 for name in modules}
     handles = []
     for name, module in modules.items():
+
         def hook(_module, _inputs, _output, name=name):
             counts[name] += 1
+
         handles.append(module.register_forward_hook(hook))
     try:
         yield counts
@@ -65,7 +67,10 @@ def hf_assisted(
 
 
 def hf_prompt_lookup(
-    model: HFModel, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+    model: HFModel,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
     num_tokens: int = PROMPT_LOOKUP_TOKENS,
 ) -> HFRun:
     """Greedy prompt-lookup decoding (n-gram matches in the context draft, the target verifies)."""
@@ -73,8 +78,12 @@ def hf_prompt_lookup(
 
 
 def _generate(
-    model: HFModel, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
-    extra: dict, assistant: HFModel | None,
+    model: HFModel,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    extra: dict,
+    assistant: HFModel | None,
 ) -> HFRun:
     if not prompt_ids:
         raise ValueError("prompt must hold at least one token")
@@ -84,7 +93,7 @@ def _generate(
     if assistant is not None:
         modules[assistant.name] = assistant.module
     with torch.inference_mode(), count_forwards(modules) as counts, _quiet():
-        out = model.module.generate(
+        out = model.module.generate(  # type: ignore[operator]  # transformers' stubs type generate oddly
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
@@ -94,11 +103,13 @@ def _generate(
             pad_token_id=_pad_id(model, eos),
             # Unset sampling knobs a checkpoint's generation_config may carry, so greedy stays plain
             # greedy (and transformers does not warn about flags that greedy ignores).
-            temperature=None, top_p=None, top_k=None,
+            temperature=None,
+            top_p=None,
+            top_k=None,
             **extra,
         )  # [1, S + n]
     drafter_calls = {assistant.name: counts[assistant.name]} if assistant is not None else {}
-    return HFRun(out[0, ids.shape[1]:].tolist(), counts[model.name], drafter_calls)
+    return HFRun(out[0, ids.shape[1] :].tolist(), counts[model.name], drafter_calls)
 
 
 @contextmanager

@@ -9,18 +9,16 @@ times slower per decode step than the drafters, and the drafters are distilled t
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
 import shutil
 import sys
 import sysconfig
-import textwrap
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 import transformers
@@ -30,8 +28,9 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from transformers.utils import logging as hf_logging
 
 from cascade_service.core.mag import BigramTable
-from cascade_service.zoo import train
 from cascade_service.models.hf import HFModel
+from cascade_service.zoo import train
+from cascade_service.zoo.prompts import extract_prompts, write_prompts
 from cascade_service.zoo.tiny import BOS, EOS, PAD
 
 BUILDER_VERSION = 1  # bump when the artefacts a spec produces change
@@ -39,13 +38,25 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Held out of training; prompts come from HELD_OUT_MODULES (real library code, not tests).
 HELD_OUT_DIRS = frozenset({"test", "tests", "idlelib"})
 HELD_OUT_MODULES = (
-    "argparse", "calendar", "csv", "difflib", "fractions", "ftplib", "gettext", "ipaddress",
-    "mailbox", "pprint", "sched", "shlex", "statistics", "tarfile", "textwrap",
+    "argparse",
+    "calendar",
+    "csv",
+    "difflib",
+    "fractions",
+    "ftplib",
+    "gettext",
+    "ipaddress",
+    "mailbox",
+    "pprint",
+    "sched",
+    "shlex",
+    "statistics",
+    "tarfile",
+    "textwrap",
 )
 # Left out altogether: not the stdlib, or generated data tables rather than code (codec charmaps,
 # pydoc's topic dump, this build's sysconfig values).
 _NOT_CODE = frozenset({"site-packages", "__pycache__", "encodings", "pydoc_data"})
-_PROMPT_LINES = (2, 4, 80)  # body lines after the docstring (min), lines left to continue (min), lines (max)
 TIERS = ("large", "base", "small")
 
 
@@ -83,20 +94,30 @@ class ZooSpec:
 PRESETS = {
     # ~28M / 6.3M / 2.6M parameters; sized for a 2-core CPU in under 10 minutes (see report.json).
     "demo": ZooSpec(
-        name="demo", vocab_size=4096, corpus_chars=None,
+        name="demo",
+        vocab_size=4096,
+        corpus_chars=None,
         large=Shape(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408),
         base=Shape(hidden=384, layers=2, heads=6, kv_heads=3, intermediate=1024),
         small=Shape(hidden=256, layers=1, heads=4, kv_heads=2, intermediate=704),
-        schedule=train.Schedule(batch=2, seq_len=256, lm_steps=380, distill_steps=100, lm_lr=1e-3, drafter_lr=2e-3, embed_lr=0.15),
+        schedule=train.Schedule(
+            batch=2, seq_len=256, lm_steps=380, distill_steps=100, lm_lr=1e-3, drafter_lr=2e-3, embed_lr=0.15
+        ),
     ),
     # Pipeline checks in CI: seconds, and the models learn only a little.
     "test": ZooSpec(
-        name="test", vocab_size=512, corpus_chars=1_000_000,
+        name="test",
+        vocab_size=512,
+        corpus_chars=1_000_000,
         large=Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=176),
         base=Shape(hidden=48, layers=1, heads=4, kv_heads=2, intermediate=128),
         small=Shape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=88),
-        schedule=train.Schedule(batch=4, seq_len=64, lm_steps=60, distill_steps=20, lm_lr=3e-3, drafter_lr=3e-3, threads=1),
-        eval_prompts=2, eval_steps=8, eval_windows=2,
+        schedule=train.Schedule(
+            batch=4, seq_len=64, lm_steps=60, distill_steps=20, lm_lr=3e-3, drafter_lr=3e-3, threads=1
+        ),
+        eval_prompts=2,
+        eval_steps=8,
+        eval_windows=2,
     ),
 }
 
@@ -133,8 +154,12 @@ def _stamp(spec: ZooSpec, files: Sequence[Path]) -> dict:
     for path in files:
         digest.update(str(path.relative_to(STDLIB)).encode() + b"\0" + path.read_bytes() + b"\0")
     return {
-        "builder": BUILDER_VERSION, "spec": asdict(spec), "corpus_sha256": digest.hexdigest(),
-        "python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+        "builder": BUILDER_VERSION,
+        "spec": asdict(spec),
+        "corpus_sha256": digest.hexdigest(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
     }
 
 
@@ -149,8 +174,10 @@ def build_zoo(preset: str | ZooSpec, out_dir: str | Path, progress: bool = True)
     spec = PRESETS[preset] if isinstance(preset, str) else preset
     out = Path(out_dir).expanduser()
     paths = {name: out / name for name in TIERS} | {
-        "bigram": out / "bigram.json", "report": out / "report.json",
-        "prompts": out / "prompts.jsonl", "tune_prompts": out / "tune_prompts.jsonl",
+        "bigram": out / "bigram.json",
+        "report": out / "report.json",
+        "prompts": out / "prompts.jsonl",
+        "tune_prompts": out / "tune_prompts.jsonl",
     }
     marker = out / "zoo.json"
     stamp = _stamp(spec, corpus_files() + held_out_modules())
@@ -191,8 +218,8 @@ def _build(spec: ZooSpec, paths: dict[str, Path], progress: bool) -> dict:
     held = [_read(p) for p in held_out_modules()]
     picked = extract_prompts(held, tokenizer, spec.prompts + spec.tune_prompts, spec.max_prompt_tokens)
     tune = set(range(3, len(picked), 4)[: spec.tune_prompts])  # every 4th, spread over the modules
-    _write_prompts(paths["prompts"], [p for i, p in enumerate(picked) if i not in tune])
-    _write_prompts(paths["tune_prompts"], [p for i, p in enumerate(picked) if i in tune])
+    write_prompts(paths["prompts"], [p for i, p in enumerate(picked) if i not in tune])
+    write_prompts(paths["tune_prompts"], [p for i, p in enumerate(picked) if i in tune])
     lap("corpus")
     family = {name: _new_model(getattr(spec, name), tokenizer, spec.seed * 100 + i) for i, name in enumerate(TIERS)}
     with train.threads(spec.schedule.threads):
@@ -209,12 +236,24 @@ def _build(spec: ZooSpec, paths: dict[str, Path], progress: bool) -> dict:
         tiers[name]["train"] = log.summary()
     timings["total"] = round(time.perf_counter() - began, 2)
     return {
-        "preset": spec.name, "spec": asdict(spec), "build_s": timings,
-        "corpus": {"files": len(texts), "chars": sum(map(len, texts)), "tokens": int(stream.numel()),
-                   "held_out_modules": [p.name for p in held_out_modules()], "held_out_dirs": sorted(HELD_OUT_DIRS)},
-        "vocab_size": len(tokenizer), "tiers": tiers,
-        "agreement_eval": {"prompts": spec.eval_prompts, "greedy_steps": spec.eval_steps,
-                           "windows": spec.eval_windows, "window_tokens": spec.schedule.seq_len},
+        "preset": spec.name,
+        "spec": asdict(spec),
+        "build_s": timings,
+        "corpus": {
+            "files": len(texts),
+            "chars": sum(map(len, texts)),
+            "tokens": int(stream.numel()),
+            "held_out_modules": [p.name for p in held_out_modules()],
+            "held_out_dirs": sorted(HELD_OUT_DIRS),
+        },
+        "vocab_size": len(tokenizer),
+        "tiers": tiers,
+        "agreement_eval": {
+            "prompts": spec.eval_prompts,
+            "greedy_steps": spec.eval_steps,
+            "windows": spec.eval_windows,
+            "window_tokens": spec.schedule.seq_len,
+        },
     }
 
 
@@ -234,8 +273,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, progress: bool = True
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     texts = list(texts)
     bpe.train_from_iterator(tqdm(texts, desc="train tokenizer", unit="file", disable=not progress), trainer)
@@ -253,47 +294,19 @@ def encode_files(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], progr
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def extract_prompts(sources: Sequence[str], tokenizer, count: int, max_tokens: int) -> list[str]:
-    """`count` function openings (def line, docstring, the first body lines), evenly spread over all
-    documented functions in `sources`, each at most `max_tokens` tokens and with code left to write."""
-    candidates: list[str] = []
-    for source in sources:
-        lines = source.splitlines(keepends=True)
-        nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        for node in sorted(nodes, key=lambda n: n.lineno):
-            prompt = _function_opening(node, lines, tokenizer, max_tokens)
-            if prompt is not None and prompt not in candidates:
-                candidates.append(prompt)
-    if len(candidates) < count:
-        raise ValueError(f"only {len(candidates)} usable functions in the held-out sources, need {count}")
-    return [candidates[i * len(candidates) // count] for i in range(count)]
-
-
-def _function_opening(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str], tokenizer, max_tokens: int):
-    min_body, min_left, max_lines = _PROMPT_LINES
-    if ast.get_docstring(node) is None or len(node.body) < 2:
-        return None
-    body = lines[node.lineno - 1 : node.end_lineno]  # from the def line (decorators excluded)
-    shortest = node.body[0].end_lineno - node.lineno + 1 + min_body
-    best = None
-    for n in range(shortest, min(len(body) - min_left, max_lines) + 1):
-        text = textwrap.dedent("".join(body[:n]))
-        if len(tokenizer(text).input_ids) > max_tokens:
-            break
-        best = text
-    return best
-
-
-def _write_prompts(path: Path, prompts: Sequence[str]) -> None:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-
-
 def _new_model(shape: Shape, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     with torch.random.fork_rng(devices=[]):  # seeded init without disturbing the caller's RNG
         torch.manual_seed(seed)
@@ -302,7 +315,9 @@ def _new_model(shape: Shape, tokenizer: PreTrainedTokenizerFast, seed: int) -> L
 
 def _save(module: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path) -> None:
     module.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     shutil.rmtree(path, ignore_errors=True)
     module.save_pretrained(path)
@@ -334,9 +349,11 @@ def _evaluate(spec: ZooSpec, paths: dict[str, Path], tokenizer, held_stream: tor
 
 def format_report(report: dict) -> str:
     """A few lines for a terminal: one row per tier, then the build time."""
-    rows = [f"zoo {report['preset']}: {report['corpus']['tokens']:,} corpus tokens, vocab {report['vocab_size']}",
-            f"{'tier':6} {'params':>8} {'step ms 1t/2t':>14} {'ratio 1t/2t':>12} {'greedy':>7} {'forced':>7} "
-            f"{'loss':>6} {'train loss':>10}"]
+    rows = [
+        f"zoo {report['preset']}: {report['corpus']['tokens']:,} corpus tokens, vocab {report['vocab_size']}",
+        f"{'tier':6} {'params':>8} {'step ms 1t/2t':>14} {'ratio 1t/2t':>12} {'greedy':>7} {'forced':>7} "
+        f"{'loss':>6} {'train loss':>10}",
+    ]
     for name, t in report["tiers"].items():
         ms, ratio = t["step_ms"], t["step_ratio"]
         rows.append(

@@ -15,9 +15,9 @@ import json.decoder
 import math
 import shutil
 import textwrap
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import transformers
@@ -99,14 +99,23 @@ def _config(arch: str, tier: TierSpec, vocab_size: int, tokenizer: PreTrainedTok
     )
     if arch == "gpt2":
         return GPT2Config(
-            vocab_size=vocab_size, n_embd=tier.hidden, n_layer=tier.layers, n_head=tier.heads,
-            n_positions=2048, **ids,
+            vocab_size=vocab_size,
+            n_embd=tier.hidden,
+            n_layer=tier.layers,
+            n_head=tier.heads,
+            n_positions=2048,
+            **ids,
         )
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     return config_class(
-        vocab_size=vocab_size, hidden_size=tier.hidden, intermediate_size=2 * tier.hidden,
-        num_hidden_layers=tier.layers, num_attention_heads=tier.heads,
-        num_key_value_heads=max(1, tier.heads // 2), max_position_embeddings=4096, **ids,
+        vocab_size=vocab_size,
+        hidden_size=tier.hidden,
+        intermediate_size=2 * tier.hidden,
+        num_hidden_layers=tier.layers,
+        num_attention_heads=tier.heads,
+        num_key_value_heads=max(1, tier.heads // 2),
+        max_position_embeddings=4096,
+        **ids,
     )
 
 
@@ -143,8 +152,12 @@ def _perturb(module: PreTrainedModel, relative_std: float, seed: int) -> None:
 def _spec(arch: str, seed: int, vocab_size: int) -> dict:
     corpus = hashlib.sha256("".join(_corpus()).encode()).hexdigest()
     return {
-        "builder": _BUILDER_VERSION, "arch": arch, "seed": seed, "vocab_size": vocab_size,
-        "transformers": transformers.__version__, "corpus_sha256": corpus,
+        "builder": _BUILDER_VERSION,
+        "arch": arch,
+        "seed": seed,
+        "vocab_size": vocab_size,
+        "transformers": transformers.__version__,
+        "corpus_sha256": corpus,
         "tiers": {name: asdict(tier) for name, tier in TIERS.items()},
     }
 
@@ -184,12 +197,14 @@ def _write_models(paths: dict[str, Path], arch: str, seed: int, tokenizer: PreTr
             module = AutoModelForCausalLM.from_config(_config(arch, tier, vocab_size, tokenizer))
             _init_weights(module, seed * 1000 + tier.seed_offset)
         else:
+            assert target is not None  # TIERS lists the target first
             module = copy.deepcopy(target)
             _perturb(module, tier.noise, seed * 1000 + tier.seed_offset)
         if target is None:
             target = module
         module.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
         shutil.rmtree(paths[name], ignore_errors=True)
@@ -215,9 +230,7 @@ def greedy_tokens(model: HFModel, prompt_ids: Sequence[int], steps: int) -> list
     return out
 
 
-def agreement(
-    model_a: HFModel, model_b: HFModel, prompts_ids: Sequence[Sequence[int]], steps: int
-) -> float:
+def agreement(model_a: HFModel, model_b: HFModel, prompts_ids: Sequence[Sequence[int]], steps: int) -> float:
     """Fraction of positions along model_a's greedy trajectories where model_b's argmax is the same."""
     matched = total = 0
     for prompt in prompts_ids:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -20,22 +20,19 @@ lr 5e-5).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import math
 import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from cascade_service.core.request import check_temperature
 from cascade_service.core.sampling import sharpen
 from cascade_service.models.acceptance_head import AcceptanceHead
 
@@ -108,8 +105,9 @@ def _draw(logp: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def respond(target, prompts: torch.Tensor, new_tokens: int, temperature: float,
-            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def respond(
+    target, prompts: torch.Tensor, new_tokens: int, temperature: float, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample responses, KV-cached, full vocabulary: [B, P] -> X [B, N] and target log-probs [B, N, V]
     (row i: log target_probs(.|prompt, X_<i) at `temperature`, the distribution X_i was drawn from)."""
     out = target(input_ids=prompts, use_cache=True, logits_to_keep=1)
@@ -139,25 +137,42 @@ def _views(drafter, prompts, target_tokens, target_logp, views, mix, temperature
         from_target = torch.rand(draft_tokens.shape, generator=gen) < mix  # r = share of X (Sec. 7.2)
         mixed = torch.where(from_target, target_tokens, draft_tokens)
         out = drafter(input_ids=torch.cat([prompts, mixed], dim=1), output_hidden_states=True)
-        parts.append({
-            "prompts": prompts, "target_tokens": target_tokens, "draft_tokens": draft_tokens, "mixed": mixed,
-            "labelled": ~from_target & ~after_eos,
-            "labels": (lp - lq).clamp(max=0.0).exp().nan_to_num(0.0),  # greedy: -inf - 0 -> 0
-            "draft_prob": confidence.gather(-1, draft_tokens[..., None]).squeeze(-1),
-            "draft_max": confidence.max(-1).values,
-            # hidden_states[-1] is the final-norm output the LM head reads; position P+i holds Z_i.
-            "features": out.hidden_states[-1][:, prompt_len:].float(),
-        })
+        parts.append(
+            {
+                "prompts": prompts,
+                "target_tokens": target_tokens,
+                "draft_tokens": draft_tokens,
+                "mixed": mixed,
+                "labelled": ~from_target & ~after_eos,
+                "labels": (lp - lq).clamp(max=0.0).exp().nan_to_num(0.0),  # greedy: -inf - 0 -> 0
+                "draft_prob": confidence.gather(-1, draft_tokens[..., None]).squeeze(-1),
+                "draft_max": confidence.max(-1).values,
+                # hidden_states[-1] is the final-norm output the LM head reads; position P+i holds Z_i.
+                "features": out.hidden_states[-1][:, prompt_len:].float(),
+            }
+        )
     # Interleave so that row r is view r % views of response r // views.
     return {k: torch.stack([p[k] for p in parts], dim=1).flatten(0, 1) for k in parts[0]}
 
 
-def build_data(target, drafter, prompts: torch.Tensor, response_len: int, *, views: int = 1, mix: float = 0.15,
-               temperature: float = 1.0, seed: int = 0, eos_ids: Sequence[int] = ()) -> HeadData:
+def build_data(
+    target,
+    drafter,
+    prompts: torch.Tensor,
+    response_len: int,
+    *,
+    views: int = 1,
+    mix: float = 0.15,
+    temperature: float = 1.0,
+    seed: int = 0,
+    eos_ids: Sequence[int] = (),
+) -> HeadData:
     """The offline data set for HF causal LMs `target` and `drafter` (frozen, eval mode); T = 0 is greedy."""
     if not 0.0 <= mix < 1.0 or not temperature >= 0.0 or response_len < 1 or views < 1:
-        raise ValueError(f"need 0 <= mix < 1, temperature >= 0, response_len >= 1, views >= 1; "
-                         f"got {mix}, {temperature}, {response_len}, {views}")
+        raise ValueError(
+            f"need 0 <= mix < 1, temperature >= 0, response_len >= 1, views >= 1; "
+            f"got {mix}, {temperature}, {response_len}, {views}"
+        )
     gen = torch.Generator().manual_seed(seed)
     parts: list[dict] = []
     for start in range(0, len(prompts), _SEQ_CHUNK):
@@ -181,8 +196,18 @@ def _lr(step: int, total: int, peak: float) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def fit(head: AcceptanceHead, features: torch.Tensor, labels: torch.Tensor, *, steps: int, batch: int,
-        lr: float, w_rej: float, seed: int, weight_decay: float = 0.0) -> list[float]:
+def fit(
+    head: AcceptanceHead,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    w_rej: float,
+    seed: int,
+    weight_decay: float = 0.0,
+) -> list[float]:
     """Train `head` in place on cached features [M, H] and labels [M]; returns the per-step losses."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
@@ -240,11 +265,28 @@ def evaluate(head: AcceptanceHead, features: torch.Tensor, labels: torch.Tensor,
     }
 
 
-def train_head(target_dir: str | Path, drafter_dir: str | Path, out_dir: str | Path, *, texts: Sequence[str],
-               steps: int = 800, depth: int = 3, w_rej: float = 6.0, seed: int = 0, sequences: int = 128,
-               views: int = 4, prompt_len: int = 64, response_len: int = 128, mix: float = 0.15,
-               temperature: float = 1.0, lr: float = 1e-3, batch: int = 1024, eval_fraction: float = 0.2,
-               tie_blocks: bool = False, progress: bool = False) -> dict:
+def train_head(
+    target_dir: str | Path,
+    drafter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    texts: Sequence[str],
+    steps: int = 800,
+    depth: int = 3,
+    w_rej: float = 6.0,
+    seed: int = 0,
+    sequences: int = 128,
+    views: int = 4,
+    prompt_len: int = 64,
+    response_len: int = 128,
+    mix: float = 0.15,
+    temperature: float = 1.0,
+    lr: float = 1e-3,
+    batch: int = 1024,
+    eval_fraction: float = 0.2,
+    tie_blocks: bool = False,
+    progress: bool = False,
+) -> dict:
     """Build data from training-split `texts`, train a head for the drafter, save it to `out_dir`.
 
     Defaults: the paper's recommended depth 3 and w_rej 6, r = 0.15, T = 1 (use the serving
@@ -257,38 +299,71 @@ def train_head(target_dir: str | Path, drafter_dir: str | Path, out_dir: str | P
     )
 
     if steps < 1 or batch < 1 or not 0.0 < eval_fraction < 1.0 or not w_rej > 0.0 or not lr > 0.0:
-        raise ValueError(f"need steps, batch >= 1, 0 < eval_fraction < 1, w_rej, lr > 0; "
-                         f"got {steps}, {batch}, {eval_fraction}, {w_rej}, {lr}")
+        raise ValueError(
+            f"need steps, batch >= 1, 0 < eval_fraction < 1, w_rej, lr > 0; "
+            f"got {steps}, {batch}, {eval_fraction}, {w_rej}, {lr}"
+        )
     began = time.perf_counter()
     target = HFModel.load(target_dir, name=Path(target_dir).name)
     drafter = HFModel.load(drafter_dir, name=Path(drafter_dir).name)
     if target.vocab_size != drafter.vocab_size:
         raise ValueError(f"target and drafter vocabularies differ: {target.vocab_size} vs {drafter.vocab_size}")
     prompts = prompt_windows(load_tokenizer(drafter_dir), texts, sequences, prompt_len, seed)
-    _say(progress, f"data: {sequences} responses x {response_len} tokens x {views} views, "
-                   f"target {target.name}, drafter {drafter.name}")
-    data = build_data(target.module, drafter.module, prompts, response_len, views=views, mix=mix,
-                      temperature=temperature, seed=seed, eos_ids=sorted(drafter.eos_token_ids | target.eos_token_ids))
+    _say(
+        progress,
+        f"data: {sequences} responses x {response_len} tokens x {views} views, "
+        f"target {target.name}, drafter {drafter.name}",
+    )
+    data = build_data(
+        target.module,
+        drafter.module,
+        prompts,
+        response_len,
+        views=views,
+        mix=mix,
+        temperature=temperature,
+        seed=seed,
+        eos_ids=sorted(drafter.eos_token_ids | target.eos_token_ids),
+    )
     data_s = time.perf_counter() - began
     held = max(1, round(sequences * eval_fraction))  # split by response: held-out tokens share no context
     train_x, train_y, _, _ = data.rows(slice(0, sequences - held))
     eval_set = data.rows(slice(sequences - held, sequences))
     torch.manual_seed(seed)
     head = AcceptanceHead(drafter.config.hidden_size, depth, tie_blocks)
-    before = (evaluate(head, train_x, train_y, w_rej)["weighted_bce"], evaluate(head, *eval_set[:2], w_rej))
+    before = (evaluate(head, train_x, train_y, w_rej)["weighted_bce"], evaluate(head, eval_set[0], eval_set[1], w_rej))
     _say(progress, f"training: {len(train_y)} examples, {steps} steps (data took {data_s:.0f} s)")
     losses = fit(head, train_x, train_y, steps=steps, batch=batch, lr=lr, w_rej=w_rej, seed=seed)
     summary = {
-        "target": target.name, "drafter": drafter.name,
-        "examples": {"train": len(train_y), "eval": len(eval_set[1]), "responses": sequences,
-                     "eval_responses": held, "views": views},
-        "recipe": {"prompt_len": prompt_len, "response_len": response_len, "mix": mix, "temperature": temperature,
-                   "w_rej": w_rej, "depth": depth, "tie_blocks": tie_blocks, "steps": steps, "batch": batch,
-                   "lr": lr, "seed": seed},
-        "train_loss": {"before": before[0], "last_steps": round(statistics.fmean(losses[-_LOSS_WINDOW:]), 4),
-                       "after": evaluate(head, train_x, train_y, w_rej)["weighted_bce"]},
+        "target": target.name,
+        "drafter": drafter.name,
+        "examples": {
+            "train": len(train_y),
+            "eval": len(eval_set[1]),
+            "responses": sequences,
+            "eval_responses": held,
+            "views": views,
+        },
+        "recipe": {
+            "prompt_len": prompt_len,
+            "response_len": response_len,
+            "mix": mix,
+            "temperature": temperature,
+            "w_rej": w_rej,
+            "depth": depth,
+            "tie_blocks": tie_blocks,
+            "steps": steps,
+            "batch": batch,
+            "lr": lr,
+            "seed": seed,
+        },
+        "train_loss": {
+            "before": before[0],
+            "last_steps": round(statistics.fmean(losses[-_LOSS_WINDOW:]), 4),
+            "after": evaluate(head, train_x, train_y, w_rej)["weighted_bce"],
+        },
         "eval_before": before[1],
-        "eval": evaluate(head, *eval_set[:2], w_rej),
+        "eval": evaluate(head, eval_set[0], eval_set[1], w_rej),
         "eval_baselines": _baselines(float(train_y.mean()), *eval_set[1:]),
         "time_s": {"data": round(data_s, 1), "total": round(time.perf_counter() - began, 1)},
     }
@@ -299,74 +374,26 @@ def train_head(target_dir: str | Path, drafter_dir: str | Path, out_dir: str | P
 
 def _baselines(train_mean: float, labels: torch.Tensor, draft_prob: torch.Tensor, draft_max: torch.Tensor) -> dict:
     # What the head must beat: the confidence heuristics' ranking, a constant's KL.
-    return {"auc_reject_draft_prob": round(soft_auc(-draft_prob, labels), 4),
-            "auc_reject_draft_max": round(soft_auc(-draft_max, labels), 4),
-            "kl_constant": round(_binary_kl(labels, torch.full_like(labels, train_mean)), 4)}
+    return {
+        "auc_reject_draft_prob": round(soft_auc(-draft_prob, labels), 4),
+        "auc_reject_draft_max": round(soft_auc(-draft_max, labels), 4),
+        "kl_constant": round(_binary_kl(labels, torch.full_like(labels, train_mean)), 4),
+    }
 
 
 def _describe(model, path: str | Path) -> dict:
     digest = hashlib.sha256()
     for weights in sorted(Path(path).glob("*.safetensors")):
         digest.update(weights.read_bytes())
-    return {"name": model.name, "path": str(Path(path).resolve()), "hidden_size": model.config.hidden_size,
-            "vocab_size": model.vocab_size, "weights_sha256": digest.hexdigest()}
+    return {
+        "name": model.name,
+        "path": str(Path(path).resolve()),
+        "hidden_size": model.config.hidden_size,
+        "vocab_size": model.vocab_size,
+        "weights_sha256": digest.hexdigest(),
+    }
 
 
 def _say(progress: bool, message: str) -> None:
     if progress:
         print(message, file=sys.stderr, flush=True)
-
-
-def _bounded(kind: type, low: float, high: float = math.inf):
-    def parse(text: str):
-        value = kind(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {text}")
-        return value
-    return parse
-
-
-def _temperature(text: str) -> float:
-    try:
-        return check_temperature(float(text))  # the request's own rule: the head serves such requests
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("temperature ")) from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `cascade-service train-head`."""
-    parser.add_argument("--preset", default="demo", choices=sorted(RUN_PRESETS), help="which zoo (built if missing)")
-    parser.add_argument("--drafter", default="small", choices=["small", "base"], help="the zoo drafter it is for")
-    parser.add_argument("--reviewer", default="large", choices=["large", "base"],
-                        help="the tier whose acceptance the head predicts: the one that reviews this drafter's "
-                             "tokens in the cascade it will serve (base only for small)")
-    parser.add_argument("--out", help="output directory (default: <zoo>/head-<drafter>, or "
-                                      "<zoo>/head-<drafter>-under-base with --reviewer base)")
-    parser.add_argument("--steps", type=_bounded(int, 1), help="optimizer steps (default: per preset)")
-    parser.add_argument("--depth", type=_bounded(int, 0, 64), default=3, help="residual blocks D (paper: 3)")
-    parser.add_argument("--w-rej", type=_bounded(float, 1e-6), default=6.0,
-                        help="BCE weight of rejections (paper: 6, paired with threshold h = 0.7)")
-    parser.add_argument("--temperature", type=_temperature, default=1.0,
-                        help="temperature of responses and labels: the serving one (0 = greedy; paper: 1)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Train a head on a zoo (built first if missing); prints the summary as JSON on stdout."""
-    from cascade_service.cli.parser import UsageError
-    from cascade_service.zoo.build import PRESETS, _training_texts, build_zoo
-    from cascade_service.paths import zoo_dir
-
-    if args.reviewer == "base" and args.drafter != "small":
-        raise UsageError(f"--reviewer base reviews only small, not {args.drafter!r}")
-    paths = build_zoo(args.preset, zoo_dir(args.preset))
-    sizes = RUN_PRESETS[args.preset] | ({"steps": args.steps} if args.steps is not None else {})
-    default = f"head-{args.drafter}" + ("" if args.reviewer == "large" else f"-under-{args.reviewer}")
-    out = Path(args.out).expanduser() if args.out else zoo_dir(args.preset) / default
-    texts = _training_texts(PRESETS[args.preset].corpus_chars, progress=False)  # never the held-out modules
-    # The reviewer plays the paper's target: it writes the responses and its distribution labels them.
-    summary = train_head(paths[args.reviewer], paths[args.drafter], out, texts=texts, depth=args.depth, w_rej=args.w_rej,
-                         temperature=args.temperature, seed=args.seed, progress=True, **sizes)
-    print(json.dumps(summary, indent=1))
-    print(f"head written to {out}", file=sys.stderr)
-    return 0

@@ -19,8 +19,10 @@ READY = "serving cascade.v1.CascadeService on"
 
 def write_config(path: Path, tiny_family: dict[str, Any], grace_s: float) -> Path:
     raw = {
-        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
-                  "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
+        "tiers": {
+            "target": {"name": "target", "path": str(tiny_family["target"])},
+            "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}],
+        },
         "schedule": {"k_matrix": [[4, 2], [0, 6]], "leniency": 1.5},
         "generation": {"max_new_tokens": 16},
         "serving": {"torch_threads": 1, "shutdown_grace_s": grace_s},
@@ -36,8 +38,23 @@ class ServeProcess:
         # A Ray of its own for the child: it must not join a cluster this test session started.
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cascade_service.cli", "serve", "--config", str(config), "--grpc-port", "0",
-             "--frontend", frontend], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "cascade_service.cli",
+                "serve",
+                "--config",
+                str(config),
+                "--grpc-port",
+                "0",
+                "--frontend",
+                frontend,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.stderr: list[str] = []
         threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True).start()
         deadline = time.monotonic() + timeout_s

@@ -13,25 +13,29 @@ import pytest
 import yaml
 
 from cascade_service.client import CascadeClient
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.serving.app import APP_NAME, tier_deployment_name
 from cascade_service.serving.local import LocalService
+from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
 
 REQUESTS = 8
-PROMPTS = [p[:4 + 2 * i] for i, p in enumerate(random_prompts(REQUESTS, 20, seed=71))]  # ragged prompts
+PROMPTS = [p[: 4 + 2 * i] for i, p in enumerate(random_prompts(REQUESTS, 20, seed=71))]  # ragged prompts
 BUDGETS = [12 + 7 * i for i in range(REQUESTS)]  # requests end at different rounds: the batch changes
 
 
 @pytest.fixture(scope="module")
 def service(tiny_family, tmp_path_factory):
-    raw = {"tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
-                     "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
-           "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5},
-           # adapt_to_load: the coordinator's trial of arms (the K-matrix, lookups, plain) runs under
-           # these requests; whichever arm a round gets, no token may change
-           "serving": {"torch_threads": 1, "adapt_to_load": True}}
+    raw = {
+        "tiers": {
+            "target": {"name": "target", "path": str(tiny_family["target"])},
+            "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}],
+        },
+        "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5},
+        # adapt_to_load: the coordinator's trial of arms (the K-matrix, lookups, plain) runs under
+        # these requests; whichever arm a round gets, no token may change
+        "serving": {"torch_threads": 1, "adapt_to_load": True},
+    }
     path = tmp_path_factory.mktemp("batched") / "batched.yaml"
     path.write_text(yaml.safe_dump(raw))
     with LocalService(str(path), num_cpus=4) as svc:
@@ -54,7 +58,7 @@ def test_concurrent_requests_share_the_targets_passes_and_each_equals_the_oracle
             start.wait()  # all at once, so their tier calls overlap
             try:
                 outputs[i] = client.generate(prompt_token_ids=PROMPTS[i], max_new_tokens=BUDGETS[i]).token_ids
-            except Exception as exc:  # noqa: BLE001 - reported by the assertion below, not lost in the thread
+            except Exception as exc:
                 outputs[i] = exc
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(REQUESTS)]

@@ -57,8 +57,9 @@ class Served:
 
 @pytest.fixture(scope="module", params=FRONTENDS)
 def served(request, tiny_family, tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp(f"conformance-{request.param}") / "service.yaml", tiny_family,
-                          GRACE_S)
+    config = write_config(
+        tmp_path_factory.mktemp(f"conformance-{request.param}") / "service.yaml", tiny_family, GRACE_S
+    )
     server = ServeProcess(config, request.param)
     channel = grpc.insecure_channel(server.address)
     yield Served(request.param, server.address, server.process, channel)
@@ -102,8 +103,10 @@ def test_greedy_output_is_the_oracles_and_a_stream_yields_the_same_tokens(served
 def test_health_check_and_watch(served):
     health = health_pb2_grpc.HealthStub(served.channel)
     for service in ("", "cascade.v1.CascadeService"):
-        assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
         watch = health.Watch(health_pb2.HealthCheckRequest(service=service), timeout=30)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         watch.cancel()
@@ -117,20 +120,37 @@ def test_health_check_and_watch(served):
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
 def test_reflection_lists_the_services_in_both_versions(served, version):
     # Each version's own message classes, as a client of that version has them.
-    request, response = ((reflection.ServerReflectionRequest, reflection.ServerReflectionResponse) if version == "v1"
-                         else (reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse))
-    info = served.channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                                        request_serializer=request.SerializeToString,
-                                        response_deserializer=response.FromString)
-    replies = list(info(iter([request(list_services=""),
-                              request(file_containing_symbol="cascade.v1.CascadeService"),
-                              request(file_containing_symbol=f"grpc.reflection.{version}.ServerReflection"),
-                              request(file_containing_symbol="no.Such")]),
-                        timeout=30))
+    request, response = (
+        (reflection.ServerReflectionRequest, reflection.ServerReflectionResponse)
+        if version == "v1"
+        else (reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse)
+    )
+    info = served.channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=request.SerializeToString,
+        response_deserializer=response.FromString,
+    )
+    replies = list(
+        info(
+            iter(
+                [
+                    request(list_services=""),
+                    request(file_containing_symbol="cascade.v1.CascadeService"),
+                    request(file_containing_symbol=f"grpc.reflection.{version}.ServerReflection"),
+                    request(file_containing_symbol="no.Such"),
+                ]
+            ),
+            timeout=30,
+        )
+    )
     names = {s.name for s in replies[0].list_services_response.service}
     # Exactly these: on Ray's proxy, not its own RayServeAPIService.
-    assert names == {"cascade.v1.CascadeService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-                     "grpc.reflection.v1alpha.ServerReflection"}
+    assert names == {
+        "cascade.v1.CascadeService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
     api = descriptor_pb2.FileDescriptorProto.FromString(replies[1].file_descriptor_response.file_descriptor_proto[0])
     assert api.name == "cascade/v1/cascade.proto" and "GenerateRequest" in [m.name for m in api.message_type]
     itself = descriptor_pb2.FileDescriptorProto.FromString(replies[2].file_descriptor_response.file_descriptor_proto[0])
@@ -154,7 +174,10 @@ def test_bad_requests_fail_with_the_same_status_message_and_field(served, stream
 def test_the_sdk_exposes_the_field_violations(served):
     _, field, message = BAD_REQUESTS[0]
     with CascadeClient(served.address, timeout_s=60) as client:
-        for call in (lambda: client.generate("x", max_new_tokens=0), lambda: list(client.stream("x", max_new_tokens=0))):
+        for call in (
+            lambda: client.generate("x", max_new_tokens=0),
+            lambda: list(client.stream("x", max_new_tokens=0)),
+        ):
             with pytest.raises(errors.InvalidArgument) as caught:
                 call()
             assert caught.value.field_violations == (errors.FieldViolation(field, message),)
@@ -164,7 +187,10 @@ def test_the_sdk_exposes_the_field_violations(served):
 def test_an_unknown_session_is_not_found_in_one_line(served, streaming):
     call = served.stub.GenerateStream if streaming else served.stub.Generate
     error = _error(call, pb.GenerateRequest(session_id="no-such-session", prompt="x"), timeout=60)
-    assert (error.code(), error.details()) == (grpc.StatusCode.NOT_FOUND, "session_id: session 'no-such-session' not found")
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.NOT_FOUND,
+        "session_id: session 'no-such-session' not found",
+    )
     assert status_details(error).code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
@@ -174,21 +200,29 @@ def test_sessions_round_trip_and_their_errors_are_one_line(served, tiny_family):
     created = stub.CreateSession(pb.CreateSessionRequest(session_id=session_id, prompt_token_ids=[5, 6, 7]), timeout=60)
     assert (created.session_id, list(created.token_ids)) == (session_id, [5, 6, 7])
     error = _error(stub.CreateSession, pb.CreateSessionRequest(session_id=session_id), timeout=60)
-    assert (error.code(), error.details()) == (grpc.StatusCode.ALREADY_EXISTS,
-                                               f"session_id: session {session_id!r} already exists")
-    reply = stub.Generate(pb.GenerateRequest(session_id=session_id, prompt_token_ids=[8], max_new_tokens=6,
-                                             temperature=0), timeout=120)
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.ALREADY_EXISTS,
+        f"session_id: session {session_id!r} already exists",
+    )
+    reply = stub.Generate(
+        pb.GenerateRequest(session_id=session_id, prompt_token_ids=[8], max_new_tokens=6, temperature=0), timeout=120
+    )
     assert list(reply.token_ids) == oracle(tiny_family["target"], [5, 6, 7, 8], 6)
     assert reply.session_length == 10
     stored = stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=60)
     assert list(stored.token_ids) == [5, 6, 7, 8, *reply.token_ids] and stored.version == 1
     assert stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=60).deleted
     error = _error(stub.GetSession, pb.GetSessionRequest(session_id=session_id), timeout=60)
-    assert (error.code(), error.details()) == (grpc.StatusCode.NOT_FOUND, f"session_id: session {session_id!r} not found")
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.NOT_FOUND,
+        f"session_id: session {session_id!r} not found",
+    )
 
 
 def test_a_deadline_and_a_cancel_end_the_call_with_their_status(served):
-    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4000, temperature=0)  # within the 4,096 positions
+    long = pb.GenerateRequest(
+        prompt_token_ids=[3, 4, 5], max_new_tokens=4000, temperature=0
+    )  # within the 4,096 positions
     error = _error(served.stub.Generate, long, timeout=0.5)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stream = served.stub.GenerateStream(long, timeout=120)
@@ -235,7 +269,9 @@ def test_a_node_js_client_sees_the_same_contract(served, tiny_family):
 
 def test_sigterm_drains_calls_in_flight_and_exits_0_within_the_grace_period(served):
     """Runs last for each frontend: it stops the server."""
-    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4000, temperature=0)  # within the 4,096 positions
+    long = pb.GenerateRequest(
+        prompt_token_ids=[3, 4, 5], max_new_tokens=4000, temperature=0
+    )  # within the 4,096 positions
     stream = served.stub.GenerateStream(long, timeout=300)
     assert next(stream).token_ids  # a call in flight
     processes = tree(served.process.pid)

@@ -19,9 +19,9 @@ from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.core.verify import Verification
 from cascade_service.engine import Engine
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.serving.app import APP_NAME, tier_deployment_name
 from cascade_service.serving.local import LocalService
+from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
 
@@ -32,15 +32,24 @@ K = [[4, 2, 0], [0, 2, 6], [0, 0, 6]]
 @pytest.fixture(scope="module")
 def config_path(tiny_family, tmp_path_factory, redis_server):
     raw = {
-        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
-                  "drafters": [{"name": "close", "path": str(tiny_family["close"])},
-                               {"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
+        "tiers": {
+            "target": {"name": "target", "path": str(tiny_family["target"])},
+            "drafters": [
+                {"name": "close", "path": str(tiny_family["close"])},
+                {"name": "mid", "path": str(tiny_family["mid"])},
+                {"kind": "mag"},
+            ],
+        },
         "schedule": {"k_matrix": K, "leniency": 1.5, "lookup": {"min_match": 2, "tokens": 10}},
         "generation": {"max_new_tokens": 16},
         # A tight coordinator queue (one at work, one waiting) for the overload test; the other tests
         # send one request at a time.
-        "serving": {"redis_url": redis_server.url, "session_namespace": "e2e", "torch_threads": 1,
-                    "deployments": {"coordinator": {"max_ongoing_requests": 1, "max_queued_requests": 1}}},
+        "serving": {
+            "redis_url": redis_server.url,
+            "session_namespace": "e2e",
+            "torch_threads": 1,
+            "deployments": {"coordinator": {"max_ongoing_requests": 1, "max_queued_requests": 1}},
+        },
     }
     path = tmp_path_factory.mktemp("e2e") / "service.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -147,7 +156,9 @@ def test_bad_input_is_invalid_argument_and_the_service_keeps_answering(tiny_fami
         list(client.stream(prompt_token_ids=PROMPTS[1], top_p=2.0))
     with pytest.raises(errors.NotFound, match="session_id"):
         client.generate(prompt_token_ids=PROMPTS[1], session_id="missing")
-    assert client.generate(prompt_token_ids=PROMPTS[1], max_new_tokens=5).token_ids == oracle(tiny_family["target"], PROMPTS[1], 5)
+    assert client.generate(prompt_token_ids=PROMPTS[1], max_new_tokens=5).token_ids == oracle(
+        tiny_family["target"], PROMPTS[1], 5
+    )
 
 
 def test_tiers_free_each_requests_kv_cache_when_it_ends(client):
@@ -171,16 +182,21 @@ def test_a_plain_grpc_call_without_a_deadline_is_served(tiny_family, service):
     with grpc.insecure_channel(service.address) as channel:
         stub = pb_grpc.CascadeServiceStub(channel)
         reply = stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=6))
-        streamed = [t for c in stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=6))
-                    for t in c.token_ids]
+        streamed = [
+            t
+            for c in stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=6))
+            for t in c.token_ids
+        ]
     assert list(reply.token_ids) == streamed == oracle(tiny_family["target"], PROMPTS[1], 6)
 
 
 def _tier_counters() -> dict[str, dict[str, int]]:
     from ray import serve
 
-    return {tier: serve.get_deployment_handle(tier_deployment_name(tier), app_name=APP_NAME).counters.remote().result()
-            for tier in ("target", "close", "mid")}
+    return {
+        tier: serve.get_deployment_handle(tier_deployment_name(tier), app_name=APP_NAME).counters.remote().result()
+        for tier in ("target", "close", "mid")
+    }
 
 
 def _calls() -> int:
@@ -216,7 +232,8 @@ def test_a_client_deadline_or_cancel_stops_the_tiers_work_and_frees_their_caches
     if how == "unary-cancel":  # a client that hangs up on a unary call (no deadline)
         with grpc.insecure_channel(service.address) as channel:
             call = pb_grpc.CascadeServiceStub(channel).Generate.future(
-                pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG))
+                pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG)
+            )
             time.sleep(1.5)
             assert call.cancel(), call.exception() or len(call.result().token_ids)
     elif how == "deadline":
@@ -234,8 +251,10 @@ def test_a_client_deadline_or_cancel_stops_the_tiers_work_and_frees_their_caches
     after = _calls()
     print(f"{how}: {at_cancel - before} tier calls before the cancel, {after - at_cancel} after")
     assert after - at_cancel <= AFTER_CANCEL_CALLS
-    assert client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=8).token_ids == \
-        client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=16).token_ids[:8]
+    assert (
+        client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=8).token_ids
+        == client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=16).token_ids[:8]
+    )
 
 
 def test_health_is_serving(client):
@@ -257,8 +276,10 @@ def test_embedded_session_store_survives_an_app_restart_and_colocated_target_is_
     # No Redis: sessions live in a detached Ray actor, which outlives the app; the target runs inside
     # the coordinator's replica (serving.colocate), the drafters in their own deployments.
     raw = {
-        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
-                  "drafters": [{"name": "close", "path": str(tiny_family["close"])}, {"kind": "mag"}]},
+        "tiers": {
+            "target": {"name": "target", "path": str(tiny_family["target"])},
+            "drafters": [{"name": "close", "path": str(tiny_family["close"])}, {"kind": "mag"}],
+        },
         "schedule": {"k_matrix": [[4, 0], [0, 6]], "lookup": {"min_match": 2, "tokens": 10}},
         "serving": {"colocate": ["target"]},
     }

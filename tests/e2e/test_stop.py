@@ -25,7 +25,9 @@ STOP_BOUND_S = 45.0  # beyond the grace: stopping Serve and Ray on the edge
 @pytest.mark.parametrize("frontend, times", [("standalone", 5), ("edge", 2)])
 def test_sigterm_with_a_call_in_flight_exits_0_and_leaves_no_process(frontend, times, tiny_family, tmp_path):
     config = write_config(tmp_path / "service.yaml", tiny_family, GRACE_S)
-    long = pb.GenerateRequest(prompt_token_ids=[3, 4, 5], max_new_tokens=4000, temperature=0)  # within the 4,096 positions
+    long = pb.GenerateRequest(
+        prompt_token_ids=[3, 4, 5], max_new_tokens=4000, temperature=0
+    )  # within the 4,096 positions
     for attempt in range(times):
         served = ServeProcess(config, frontend)
         with grpc.insecure_channel(served.address) as channel:

@@ -18,15 +18,18 @@ import ray
 import yaml
 
 from cascade_service.client import CascadeClient, errors
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.serving.local import LocalService
+from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
 
 
 def _replicas(deployment: str) -> list[tuple[str, str]]:
-    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if "SERVE_REPLICA" in a["name"] and f"#{deployment}#" in a["name"]]
+    return [
+        (a["name"], a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "SERVE_REPLICA" in a["name"] and f"#{deployment}#" in a["name"]
+    ]
 
 
 def _kill(deployment: str) -> None:
@@ -59,10 +62,14 @@ def _when_back(call, timeout_s: float = 120.0):
 
 @pytest.fixture(scope="module")
 def service(tiny_family, tmp_path_factory, redis_server):
-    raw = {"tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
-                     "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
-           "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5},
-           "serving": {"torch_threads": 1, "redis_url": redis_server.url, "session_namespace": "fault"}}
+    raw = {
+        "tiers": {
+            "target": {"name": "target", "path": str(tiny_family["target"])},
+            "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}],
+        },
+        "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5},
+        "serving": {"torch_threads": 1, "redis_url": redis_server.url, "session_namespace": "fault"},
+    }
     path = tmp_path_factory.mktemp("fault") / "fault.yaml"
     path.write_text(yaml.safe_dump(raw))
     with LocalService(str(path), num_cpus=4) as svc:
@@ -83,7 +90,7 @@ def test_killing_a_tier_replica_mid_generation_never_gives_wrong_tokens(tiny_fam
         if outcome == "completed":
             assert tokens == expected  # rebuilt from the context: exactly the target's tokens
         else:
-            assert tokens == expected[:len(tokens)]  # what was streamed before the failure is right
+            assert tokens == expected[: len(tokens)]  # what was streamed before the failure is right
         again = _when_back(lambda: client.generate(prompt_token_ids=prompt, max_new_tokens=40).token_ids)
         assert again == expected[:40]
 
@@ -105,4 +112,4 @@ def test_a_session_survives_a_coordinator_restart_mid_generation(tiny_family, se
         more = _when_back(lambda: client.generate(session_id=session.session_id, max_new_tokens=12))
         assert more.session_length == len(held) + 12
     expected = oracle(tiny_family["target"], prompt, len(held) - len(prompt) + 12)
-    assert held[len(prompt):] + more.token_ids == expected
+    assert held[len(prompt) :] + more.token_ids == expected

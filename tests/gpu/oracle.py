@@ -27,9 +27,14 @@ def load(target_dir: str | Path, device: str, dtype: str):
 def generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     device = next(model.parameters()).device
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=max_new_tokens,
-                             pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device))
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt], device=device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def tolerance(model, value: float) -> float:
@@ -56,7 +61,7 @@ def assert_greedy(model, prompt: list[int], got: list[int], max_new_tokens: int)
         row = logits(model, prompt + got[:part])[-1]
         gap = abs(float(row[got[part]] - row[expected[part]]))
         assert gap <= tolerance(model, float(row.max())), f"parted from generate() at {part} without a tie"
-    rows = logits(model, prompt + got)[len(prompt) - 1:-1]  # [len(got), V]
+    rows = logits(model, prompt + got)[len(prompt) - 1 : -1]  # [len(got), V]
     for i, (row, token) in enumerate(zip(rows, got)):
         best = float(row.max())
         assert best - float(row[token]) <= tolerance(model, best), f"token {i} is not the target's argmax"

@@ -24,9 +24,9 @@ from cascade_service.config import (
     ModelTierConfig,
     make_cascade,
 )
-from cascade_service.core.local import local_tiers
 from cascade_service.core.cascade import RequestState, build_cascade
 from cascade_service.core.decode import decode
+from cascade_service.core.local import local_tiers
 from cascade_service.core.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.schedule import Schedule
@@ -70,8 +70,11 @@ def test_greedy_cascade_on_cuda_equals_generate_on_the_targets_device(tiny_famil
 
 VOCAB, LENGTH, SAMPLES = 4, 3, 4000
 TOY_PROMPT = [0, 1, 2, 0, 1]
-TOY_PLACEMENTS = {"all_on_cuda": ("cuda", "cuda"), "target_cuda_drafters_cpu": ("cuda", "cpu"),
-                  "target_cpu_drafters_cuda": ("cpu", "cuda")}
+TOY_PLACEMENTS = {
+    "all_on_cuda": ("cuda", "cuda"),
+    "target_cuda_drafters_cpu": ("cuda", "cpu"),
+    "target_cpu_drafters_cuda": ("cpu", "cuda"),
+}
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["t1", "t0.7_p0.9"])
@@ -92,9 +95,17 @@ def test_output_distribution_on_cuda_equals_the_target_distribution(placement, s
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 
 
-@pytest.mark.parametrize("verification", [Verification(), Verification("lossy", 0.3, None), Verification("diff", 0.2),
-                                          Verification("token-v3", 0.2), Verification("fuzzy-js", 0.05)],
-                         ids=lambda v: v.rule)
+@pytest.mark.parametrize(
+    "verification",
+    [
+        Verification(),
+        Verification("lossy", 0.3, None),
+        Verification("diff", 0.2),
+        Verification("token-v3", 0.2),
+        Verification("fuzzy-js", 0.05),
+    ],
+    ids=lambda v: v.rule,
+)
 @pytest.mark.parametrize("placement", ["all_on_cuda", "target_cuda_drafters_cpu", "target_cpu_drafters_cuda"])
 def test_sampled_requests_on_cuda_run_and_are_reproducible_per_seed(tiny_family, placement, verification):
     engine = _engine(tiny_family, placement)
@@ -119,7 +130,7 @@ def test_concurrent_requests_share_batched_passes_on_cuda(tiny_family):
     engine = _engine(tiny_family, "all_on_cuda")
     for model in engine.models():
         model.enable_batching()
-    prompts = [p[:3 + 2 * i] for i, p in enumerate(random_prompts(6, 20, seed=8))]
+    prompts = [p[: 3 + 2 * i] for i, p in enumerate(random_prompts(6, 20, seed=8))]
     outputs: list[list[int] | None] = [None] * len(prompts)
     start = threading.Barrier(len(prompts))
 
@@ -148,9 +159,25 @@ def test_the_cli_generates_with_tiers_on_cuda(tiny_family, capsys):
 
     from cascade_service.cli import main
 
-    code = main(["generate", "--target", str(tiny_family["target"]), "--drafter", str(tiny_family["close"]), "mag",
-                 "--device", "cuda", "--prompt", "def f(x):", "--max-new-tokens", "12", "--temperature", "0.7",
-                 "--json"])
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(tiny_family["target"]),
+            "--drafter",
+            str(tiny_family["close"]),
+            "mag",
+            "--device",
+            "cuda",
+            "--prompt",
+            "def f(x):",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0.7",
+            "--json",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert len(json.loads(out)["token_ids"]) == 12

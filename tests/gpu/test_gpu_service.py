@@ -25,17 +25,23 @@ PROMPTS = random_prompts(3, 10, seed=31)
 
 
 def _raw(family, target_device: str, serving: dict | None = None) -> dict:
-    return {"tiers": {"target": {"name": "target", "path": str(family["target"]), "device": target_device},
-                      "drafters": [{"name": "close", "path": str(family["close"]), "device": "cpu"}, {"kind": "mag"}]},
-            "schedule": {"k_matrix": [[4, 2], [0, 6]], "leniency": 1.5},
-            "serving": {"torch_threads": 1, **(serving or {})}}
+    return {
+        "tiers": {
+            "target": {"name": "target", "path": str(family["target"]), "device": target_device},
+            "drafters": [{"name": "close", "path": str(family["close"]), "device": "cpu"}, {"kind": "mag"}],
+        },
+        "schedule": {"k_matrix": [[4, 2], [0, 6]], "leniency": 1.5},
+        "serving": {"torch_threads": 1, **(serving or {})},
+    }
 
 
 def _check(client: CascadeClient, oracle) -> None:
     for prompt in PROMPTS:
         assert_greedy(oracle, prompt, client.generate(prompt_token_ids=prompt, max_new_tokens=24).token_ids, 24)
-    sampled = [client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=16, temperature=0.8, seed=s).token_ids
-               for s in (5, 5)]
+    sampled = [
+        client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=16, temperature=0.8, seed=s).token_ids
+        for s in (5, 5)
+    ]
     assert len(sampled[0]) == 16 and sampled[0] == sampled[1]
 
 
@@ -55,8 +61,8 @@ def test_a_ray_tier_given_a_gpu_runs_on_it_and_serves_exactly(tiny_family, tmp_p
     from ray import serve
 
     from cascade_service.serving.app import APP_NAME
-    from cascade_service.serving.tier_deployment import tier_deployment_name
     from cascade_service.serving.local import LocalService
+    from cascade_service.serving.tier_deployment import tier_deployment_name
 
     gpu_tier = {tier_deployment_name("target"): {"ray_actor_options": {"num_gpus": 1, "num_cpus": 0.5}}}
     path = tmp_path / "gpu.yaml"

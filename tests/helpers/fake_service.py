@@ -109,8 +109,9 @@ def retry_info_status(delay_s: float) -> bytes:
     retry.retry_delay.FromNanoseconds(int(delay_s * 1e9))
     detail = any_pb2.Any()
     detail.Pack(retry)
-    return status_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0], message="warming up",
-                             details=[detail]).SerializeToString()
+    return status_pb2.Status(
+        code=grpc.StatusCode.UNAVAILABLE.value[0], message="warming up", details=[detail]
+    ).SerializeToString()
 
 
 def midstream_code(request: pb.GenerateRequest) -> grpc.StatusCode | None:

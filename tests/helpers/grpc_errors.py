@@ -12,9 +12,16 @@ from cascade_service.api.v1 import cascade_pb2 as pb
 BAD_REQUESTS = [
     (pb.GenerateRequest(prompt="x", max_new_tokens=0), "max_new_tokens", "max_new_tokens must be in [1, 4096], got 0"),
     (pb.GenerateRequest(prompt="x", temperature=-1), "temperature", "temperature must be in [0, 100], got -1.0"),
-    (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), "prompt", "prompt: give prompt or prompt_token_ids, not both"),
-    (pb.GenerateRequest(prompt="x", verification=pb.Verification(rule="lossy", beta=1.0, tune_beta=True)),
-     "verification.beta", "verification.beta: give beta or tune_beta, not both"),
+    (
+        pb.GenerateRequest(prompt="x", prompt_token_ids=[1]),
+        "prompt",
+        "prompt: give prompt or prompt_token_ids, not both",
+    ),
+    (
+        pb.GenerateRequest(prompt="x", verification=pb.Verification(rule="lossy", beta=1.0, tune_beta=True)),
+        "verification.beta",
+        "verification.beta: give beta or tune_beta, not both",
+    ),
 ]
 
 

@@ -20,12 +20,10 @@ def oracle(target_dir, prompt, max_new_tokens, eos_id=None):
             pad_token_id=0,
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def make_engine(family, names, k_matrix, leniency, bigram=None, lookup=None, loopback=False):
-    drafters = [
-        MaGConfig(bigram=bigram) if n == "mag" else ModelTierConfig(n, str(family[n])) for n in names
-    ]
+    drafters = [MaGConfig(bigram=bigram) if n == "mag" else ModelTierConfig(n, str(family[n])) for n in names]
     cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency, lookup)
     return Engine(cascade, loopback=loopback)

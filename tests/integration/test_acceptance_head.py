@@ -5,11 +5,12 @@ import argparse
 import pytest
 import torch
 
+from cascade_service.cli import train_head as train_head_cli
 from cascade_service.core.adaptive import SpecDecPPStopper
 from cascade_service.core.types import Context
-from cascade_service.zoo import train_head as th
 from cascade_service.models.acceptance_head import AcceptanceHead
 from cascade_service.models.hf import HFModel
+from cascade_service.zoo import train_head as th
 from cascade_service.zoo.tiny import random_prompts
 
 
@@ -89,13 +90,14 @@ def test_mixing_labels_only_drafted_positions_and_features_are_the_drafters_hidd
     row = 5
     hidden = plain_hidden(drafter, data.prompts[row].tolist() + data.mixed[row].tolist())  # [P+N, H]
     # No shift: the feature at response position i is the hidden state at the position holding Z_i.
-    assert torch.allclose(data.features[row], hidden[data.prompts.shape[1]:], atol=1e-4)
+    assert torch.allclose(data.features[row], hidden[data.prompts.shape[1] :], atol=1e-4)
 
 
 def test_greedy_labels_are_argmax_agreement(models):
     target, drafter = models
-    greedy = th.build_data(target.module, drafter.module, torch.tensor(random_prompts(2, 6, seed=4)), 8,
-                           mix=0.0, temperature=0.0, seed=0)
+    greedy = th.build_data(
+        target.module, drafter.module, torch.tensor(random_prompts(2, 6, seed=4)), 8, mix=0.0, temperature=0.0, seed=0
+    )
     row, i = 1, 5
     prefix = greedy.prompts[row].tolist() + greedy.target_tokens[row, :i].tolist()
     assert int(greedy.target_tokens[row, i]) == int(target.full_logits(prefix)[-1].argmax())
@@ -176,7 +178,7 @@ def test_stopper_with_a_head_reads_the_hidden_state_of_the_previous_candidate(mo
         probs = torch.softmax(scorer.logits(Context(ctx + block, len(ctx)), 1)[0], -1)
         block.append(int(probs.argmax()))
         stopper.should_stop(block[-1], probs, scorer.last_hidden[0])
-    candidates = plain_hidden(drafter, ctx + block)[len(ctx): len(ctx) + 3]  # e_1..e_3 (e_4 not yet seen)
+    candidates = plain_hidden(drafter, ctx + block)[len(ctx) : len(ctx) + 3]  # e_1..e_3 (e_4 not yet seen)
     assert stopper.accept_prob == pytest.approx(float(head.predict(candidates).prod()), rel=1e-5)
 
 
@@ -206,8 +208,24 @@ def test_train_head_for_a_drafter_under_base_is_labelled_by_base(test_zoo_home, 
 
     monkeypatch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
     out = tmp_path / "head"
-    assert main(["train-head", "--preset", "test", "--drafter", "small", "--reviewer", "base", "--out", str(out),
-                 "--steps", "5"]) == 0
+    assert (
+        main(
+            [
+                "train-head",
+                "--preset",
+                "test",
+                "--drafter",
+                "small",
+                "--reviewer",
+                "base",
+                "--out",
+                str(out),
+                "--steps",
+                "5",
+            ]
+        )
+        == 0
+    )
     head = AcceptanceHead.load(out)
     assert (head.meta["training"]["target"], head.meta["drafter"]["name"]) == ("base", "small")
     assert main(["train-head", "--preset", "test", "--drafter", "base", "--reviewer", "base"]) == 2
@@ -216,7 +234,7 @@ def test_train_head_for_a_drafter_under_base_is_labelled_by_base(test_zoo_home, 
 
 def test_cli_rejects_bad_values_by_argument():
     parser = argparse.ArgumentParser()
-    th.add_arguments(parser)
+    train_head_cli.add_arguments(parser)
     for bad in (["--steps", "0"], ["--depth", "-1"], ["--w-rej", "0"], ["--temperature", "-1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

@@ -48,24 +48,33 @@ def make_engine(family, k, adaptive=None):
 
 
 def test_adaptive_stopping_keeps_greedy_output_exact(tiny_family, tmp_path):
-    hidden = Engine(make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)).target.config.hidden_size
-    settings = {"specdec": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, 0.5)),
-                "confidence": AdaptiveLength("confidence", 0.3)}
+    hidden = Engine(
+        make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)
+    ).target.config.hidden_size
+    settings = {
+        "specdec": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, 0.5)),
+        "confidence": AdaptiveLength("confidence", 0.3),
+    }
     for name, spec in settings.items():
         engine = make_engine(tiny_family, [[8]], {"mid": spec})  # sd:mid, at most 8 drafts
         for prompt in PROMPTS:
-            assert engine.generate(prompt, GenerationConfig(max_new_tokens=N)).token_ids == \
-                oracle(tiny_family["target"], prompt, N), name
+            assert engine.generate(prompt, GenerationConfig(max_new_tokens=N)).token_ids == oracle(
+                tiny_family["target"], prompt, N
+            ), name
 
 
 def test_the_stopping_rule_sets_the_block_length(tiny_family, tmp_path):
-    hidden = Engine(make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)).target.config.hidden_size
+    hidden = Engine(
+        make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)
+    ).target.config.hidden_size
     fixed = make_engine(tiny_family, [[8]])
     pessimist = make_engine(tiny_family, [[8]], {"mid": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, -5.0))})
     confident = make_engine(tiny_family, [[8]], {"mid": AdaptiveLength("confidence", 0.999)})
     gen = GenerationConfig(max_new_tokens=N)
-    stats = {name: e.generate(PROMPTS[0], gen).stats for name, e in
-             (("fixed", fixed), ("pessimist", pessimist), ("confident", confident))}
+    stats = {
+        name: e.generate(PROMPTS[0], gen).stats
+        for name, e in (("fixed", fixed), ("pessimist", pessimist), ("confident", confident))
+    }
     drafted = {name: s.reviews["target"].drafted / s.reviews["target"].reviews for name, s in stats.items()}
     assert drafted["fixed"] > 6  # 8 per block but the last
     assert 1.5 < drafted["pessimist"] <= 2.0  # P(reject) > 0.5 from the second token on: blocks of 2
@@ -103,8 +112,9 @@ def test_specdec_stops_a_reviewing_tier_part_and_keeps_the_output_exact(tiny_fam
     target = ModelTierConfig("target", str(tiny_family["target"]))
     head = _head(tmp_path, _hidden(tiny_family, "close"), 0.0)
     fixed = Engine(make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0))
-    adaptive = Engine(make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0, None,
-                                   {"close": AdaptiveLength("specdec", 0.6, head)}))
+    adaptive = Engine(
+        make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0, None, {"close": AdaptiveLength("specdec", 0.6, head)})
+    )
     for prompt in PROMPTS:
         expected = oracle(tiny_family["target"], prompt, N)
         plain = fixed.generate(prompt, GenerationConfig(max_new_tokens=N))
@@ -121,12 +131,20 @@ def test_adaptive_through_the_service_equals_in_process(tiny_family, tmp_path):
     from cascade_service.client import CascadeClient
     from cascade_service.serving.local import LocalService
 
-    hidden = Engine(make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)).target.config.hidden_size
-    raw = {"tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
-                     "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}]},
-           "schedule": {"k_matrix": [[8]],
-                        "adaptive": {"mid": {"rule": "specdec", "threshold": 0.5, "head": _head(tmp_path, hidden, -5.0)}}},
-           "serving": {"torch_threads": 1}}
+    hidden = Engine(
+        make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)
+    ).target.config.hidden_size
+    raw = {
+        "tiers": {
+            "target": {"name": "target", "path": str(tiny_family["target"])},
+            "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}],
+        },
+        "schedule": {
+            "k_matrix": [[8]],
+            "adaptive": {"mid": {"rule": "specdec", "threshold": 0.5, "head": _head(tmp_path, hidden, -5.0)}},
+        },
+        "serving": {"torch_threads": 1},
+    }
     path = tmp_path / "adaptive.yaml"
     path.write_text(yaml.safe_dump(raw))
     engine = Engine(load_config(path).cascade)
@@ -157,17 +175,33 @@ def test_adaptive_config_and_cli_errors_name_the_field(tiny_family, tmp_path, ca
         AdaptiveLength("confidence", 1.5)
     with pytest.raises(ValueError, match="head"):
         AdaptiveLength("specdec", 0.5)
-    args = ["generate", "--target", str(tiny_family["target"]), "--drafter", str(tiny_family["mid"]),
-            "--k-matrix", "[[6]]", "--prompt", "abc", "--max-new-tokens", "8", "--json"]
+    args = [
+        "generate",
+        "--target",
+        str(tiny_family["target"]),
+        "--drafter",
+        str(tiny_family["mid"]),
+        "--k-matrix",
+        "[[6]]",
+        "--prompt",
+        "abc",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]
     assert main(args + ["--adaptive-length", "confidence", "--stop-threshold", "0.4"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"]
-    for bad, flag in ((["--adaptive-length", "confidence"], "--stop-threshold"),
-                      (["--adaptive-length", "confidence", "--stop-threshold", "2"], "--stop-threshold"),
-                      (["--adaptive-length", "specdec", "--stop-threshold", "0.5"], "--head"),
-                      (["--stop-threshold", "0.5"], "--stop-threshold: no tier of this cascade has an acceptance head"),
-                      (["--stop-threshold", "1.5"], "--stop-threshold must be in (0, 1)"),
-                      (["--head", "x"], "--head and --adaptive-tier go with --adaptive-length"),
-                      (["--adaptive-length", "specdec", "--stop-threshold", "0.5", "--head", str(tmp_path / "none")],
-                       "acceptance head")):
+    for bad, flag in (
+        (["--adaptive-length", "confidence"], "--stop-threshold"),
+        (["--adaptive-length", "confidence", "--stop-threshold", "2"], "--stop-threshold"),
+        (["--adaptive-length", "specdec", "--stop-threshold", "0.5"], "--head"),
+        (["--stop-threshold", "0.5"], "--stop-threshold: no tier of this cascade has an acceptance head"),
+        (["--stop-threshold", "1.5"], "--stop-threshold must be in (0, 1)"),
+        (["--head", "x"], "--head and --adaptive-tier go with --adaptive-length"),
+        (
+            ["--adaptive-length", "specdec", "--stop-threshold", "0.5", "--head", str(tmp_path / "none")],
+            "acceptance head",
+        ),
+    ):
         assert main(args + bad) == 2, bad
         assert flag in capsys.readouterr().err

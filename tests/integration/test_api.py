@@ -19,8 +19,8 @@ from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
+from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.grpc_errors import BAD_REQUESTS, field_violations, status_details
 from ..helpers.oracle import oracle
@@ -30,9 +30,18 @@ PROMPT = random_prompts(1, 12, seed=21)[0]
 
 @pytest.fixture(scope="module")
 def engine(tiny_family):
-    drafters = [ModelTierConfig("close", str(tiny_family["close"])), ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()]
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])), drafters,
-                           [[4, 2, 0], [0, 2, 6], [0, 0, 6]], 1.5, Lookup(2, 10))
+    drafters = [
+        ModelTierConfig("close", str(tiny_family["close"])),
+        ModelTierConfig("mid", str(tiny_family["mid"])),
+        MaGConfig(),
+    ]
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        drafters,
+        [[4, 2, 0], [0, 2, 6], [0, 0, 6]],
+        1.5,
+        Lookup(2, 10),
+    )
     return Engine(cascade)
 
 
@@ -98,31 +107,32 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
     assert "".join(c.text for c in streamed) == cut.text
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"prompt": ""}, "prompt"),
-    ({"prompt_token_ids": [1, 2, 10**6]}, "prompt_token_ids"),
-    ({"prompt": "x", "prompt_token_ids": [1]}, "prompt"),
-    ({"prompt_token_ids": [1, 2], "max_new_tokens": 0}, "max_new_tokens"),
-    ({"prompt_token_ids": [1, 2], "max_new_tokens": 10**6}, "max_new_tokens"),
-    ({"prompt_token_ids": [1, 2], "temperature": -1.0}, "temperature"),
-    ({"prompt_token_ids": [1, 2], "top_p": 0.0}, "top_p"),
-    ({"prompt_token_ids": [1, 2], "top_p": 1.5}, "top_p"),
-    ({"prompt_token_ids": [1, 2], "stop": [""]}, "stop"),
-    ({"prompt_token_ids": [1, 2], "verification": "telepathy"}, "verification.rule"),
-    ({"prompt_token_ids": [1, 2], "session_id": "bad id!"}, "session_id"),
-    ({"prompt_token_ids": [1, 2], "stop_threshold": 1.5}, "stop_threshold"),
-    ({"prompt_token_ids": [1, 2], "stop_threshold": 0.0}, "stop_threshold"),
-    # In range, but this cascade has no acceptance head to apply it to: refused, not ignored.
-    ({"prompt_token_ids": [1, 2], "stop_threshold": 0.5}, "stop_threshold: no tier"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt_token_ids": [1, 2, 10**6]}, "prompt_token_ids"),
+        ({"prompt": "x", "prompt_token_ids": [1]}, "prompt"),
+        ({"prompt_token_ids": [1, 2], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt_token_ids": [1, 2], "max_new_tokens": 10**6}, "max_new_tokens"),
+        ({"prompt_token_ids": [1, 2], "temperature": -1.0}, "temperature"),
+        ({"prompt_token_ids": [1, 2], "top_p": 0.0}, "top_p"),
+        ({"prompt_token_ids": [1, 2], "top_p": 1.5}, "top_p"),
+        ({"prompt_token_ids": [1, 2], "stop": [""]}, "stop"),
+        ({"prompt_token_ids": [1, 2], "verification": "telepathy"}, "verification.rule"),
+        ({"prompt_token_ids": [1, 2], "session_id": "bad id!"}, "session_id"),
+        ({"prompt_token_ids": [1, 2], "stop_threshold": 1.5}, "stop_threshold"),
+        ({"prompt_token_ids": [1, 2], "stop_threshold": 0.0}, "stop_threshold"),
+        # In range, but this cascade has no acceptance head to apply it to: refused, not ignored.
+        ({"prompt_token_ids": [1, 2], "stop_threshold": 0.5}, "stop_threshold: no tier"),
+    ],
+)
 def test_bad_fields_are_invalid_argument_naming_the_field(client, kwargs, field):
     name = field.split(":")[0]  # the field path, without the rest of the message matched
     for call in (lambda: client.generate(**kwargs), lambda: list(client.stream(**kwargs))):
         with pytest.raises(errors.InvalidArgument, match=field.replace(".", r"\.")) as caught:
             call()
         assert caught.value.field_violations == (errors.FieldViolation(name, caught.value.details),)
-
-
 
 
 def _failed(call, request) -> grpc.RpcError:
@@ -160,7 +170,9 @@ def test_unknown_session_is_not_found_and_the_server_keeps_answering(tiny_family
     with pytest.raises(errors.InvalidArgument, match="session_id") as caught:
         client.get_session("")
     assert caught.value.field_violations == (errors.FieldViolation("session_id", "session_id: required"),)
-    assert client.generate(prompt_token_ids=PROMPT, max_new_tokens=5).token_ids == oracle(tiny_family["target"], PROMPT, 5)
+    assert client.generate(prompt_token_ids=PROMPT, max_new_tokens=5).token_ids == oracle(
+        tiny_family["target"], PROMPT, 5
+    )
 
 
 def test_health_and_reflection(client, engine):

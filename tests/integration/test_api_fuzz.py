@@ -27,16 +27,31 @@ from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
 
-FIELDS = ("prompt", "prompt_token_ids", "session_id", "max_new_tokens", "temperature", "top_p", "seed", "stop",
-          "verification.rule", "verification.alpha", "verification.beta")
+FIELDS = (
+    "prompt",
+    "prompt_token_ids",
+    "session_id",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "verification.rule",
+    "verification.alpha",
+    "verification.beta",
+)
 DEFAULT_BUDGET = 8
 VOCAB = 320  # the tiny family's vocabulary
 
 
 @pytest.fixture(scope="module")
 def stub(tiny_family):
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     engine = Engine(cascade)
     assert engine.target.vocab_size == VOCAB
     from cascade_service.sessions import MemoryStore
@@ -49,34 +64,46 @@ def stub(tiny_family):
 
 
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, 0.5, 1.0, -1.0]))
-requests = st.fixed_dictionaries({}, optional={
-    "prompt": st.text(max_size=40),
-    "prompt_token_ids": st.lists(st.integers(-2**31, 2**31 - 1) | st.integers(0, VOCAB - 1), max_size=12),
-    "session_id": st.text(max_size=12) | st.sampled_from(["no-such-session", "ok_id-1"]),
-    "max_new_tokens": st.integers(-2**31, 2**31 - 1) | st.integers(1, 12),
-    "temperature": floats,
-    "top_p": floats,
-    "seed": st.integers(0, 2**64 - 1),
-    "stop": st.lists(st.text(max_size=6), max_size=3),
-    "verification": st.fixed_dictionaries(
-        {"rule": st.sampled_from(RULES) | st.text(max_size=8)},
-        optional={"alpha": floats, "beta": floats, "tune_beta": st.booleans()}),
-})
+requests = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.text(max_size=40),
+        "prompt_token_ids": st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(0, VOCAB - 1), max_size=12),
+        "session_id": st.text(max_size=12) | st.sampled_from(["no-such-session", "ok_id-1"]),
+        "max_new_tokens": st.integers(-(2**31), 2**31 - 1) | st.integers(1, 12),
+        "temperature": floats,
+        "top_p": floats,
+        "seed": st.integers(0, 2**64 - 1),
+        "stop": st.lists(st.text(max_size=6), max_size=3),
+        "verification": st.fixed_dictionaries(
+            {"rule": st.sampled_from(RULES) | st.text(max_size=8)},
+            optional={"alpha": floats, "beta": floats, "tune_beta": st.booleans()},
+        ),
+    },
+)
 
 
 # Mostly well-formed requests: these decode, so the outputs' checks run too.
-valid_source = st.one_of(st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=30)}),
-                         st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1,
-                                                                             max_size=12)}))
-plausible = st.tuples(valid_source, st.fixed_dictionaries({}, optional={
-    "max_new_tokens": st.integers(1, 12),
-    "temperature": st.floats(0.0, 2.0),
-    "top_p": st.floats(0.05, 1.0),
-    "seed": st.integers(0, 2**63 - 1),
-    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2),
-    "verification": st.fixed_dictionaries({"rule": st.sampled_from(RULES)},
-                                          optional={"alpha": st.floats(-1.0, 0.95)}),
-})).map(lambda pair: {**pair[0], **pair[1]})
+valid_source = st.one_of(
+    st.fixed_dictionaries({"prompt": st.text(min_size=1, max_size=30)}),
+    st.fixed_dictionaries({"prompt_token_ids": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)}),
+)
+plausible = st.tuples(
+    valid_source,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "max_new_tokens": st.integers(1, 12),
+            "temperature": st.floats(0.0, 2.0),
+            "top_p": st.floats(0.05, 1.0),
+            "seed": st.integers(0, 2**63 - 1),
+            "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2),
+            "verification": st.fixed_dictionaries(
+                {"rule": st.sampled_from(RULES)}, optional={"alpha": st.floats(-1.0, 0.95)}
+            ),
+        },
+    ),
+).map(lambda pair: {**pair[0], **pair[1]})
 OUTCOMES: dict[str, int] = {}
 
 
@@ -115,8 +142,11 @@ def _check(stub, fields: dict) -> None:
             else:
                 tokens = [t for chunk in stub.GenerateStream(request, timeout=60) for t in chunk.token_ids]
         except grpc.RpcError as err:
-            assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), \
-                (err.code(), err.details(), fields)
+            assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (
+                err.code(),
+                err.details(),
+                fields,
+            )
             assert any(name in err.details() for name in FIELDS), (err.details(), fields)
             _check_details(err)
             outcome = f"{err.code().name}: {err.details().split(' ')[0].rstrip(':')}"

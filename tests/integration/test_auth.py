@@ -1,11 +1,10 @@
-"""Access control (api/auth.py): API keys, sessions bound to the key that made them, TLS, and `serve`'s
-loopback rule. The standalone server on loopback with tiny models, the real client SDK; the edge with a
-fake backend (no Ray) for the owner id it forwards.
+"""Access control (api/auth.py): API keys, sessions bound to the key that made them, and TLS (`serve`'s
+loopback rule: test_serve_access.py). The standalone server on loopback with tiny models, the real client
+SDK; the edge with a fake backend (no Ray) for the owner id it forwards.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import grpc
@@ -13,45 +12,36 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cascade_service.api.auth import ApiKeys, TlsFiles, load_api_keys, owner_id
+from cascade_service.api.auth import TlsFiles, load_api_keys, owner_id
 from cascade_service.api.backend import RecordingContext
 from cascade_service.api.edge import start_edge
 from cascade_service.api.server import start_server
 from cascade_service.api.servicer import CascadeServicer
 from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.cli import UsageError, main
-from cascade_service.cli.serve import serve_access
+from cascade_service.cli import main
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import (
     GenerationConfig,
     MaGConfig,
     ModelTierConfig,
-    load_config,
     make_cascade,
 )
 from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
+from cascade_service.zoo.tiny import random_prompts
 
-from ..helpers.tls import self_signed_cert
+from ..helpers.access import KEY_A, KEY_B
 
 PROMPT = random_prompts(1, 12, seed=21)[0]
-KEY_A, KEY_B = "key-alpha-0123456789", "key-bravo-9876543210"
-
-
-@pytest.fixture(scope="module")
-def keys_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("keys") / "api_keys.txt"
-    path.write_text(f"# comment line\n{KEY_A} alice\n\n{KEY_B}   bob  # trailing comment\n")
-    return path
 
 
 @pytest.fixture(scope="module")
 def coordinator(tiny_family):
     drafters = [ModelTierConfig("close", str(tiny_family["close"])), MaGConfig()]
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])), drafters,
-                           [[4, 0], [0, 6]], 1.5, Lookup(2, 10))
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])), drafters, [[4, 0], [0, 6]], 1.5, Lookup(2, 10)
+    )
     return Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8))
 
 
@@ -60,13 +50,6 @@ def target(coordinator, keys_file):
     server, port = start_server(coordinator, api_keys=load_api_keys(keys_file))
     yield f"127.0.0.1:{port}"
     server.stop(0)
-
-
-@pytest.fixture(scope="module")
-def cert(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1 / localhost: (cert file, key file, cert PEM bytes)."""
-    pytest.importorskip("cryptography")
-    return self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
 # ---- keys ----------------------------------------------------------------------------------------
@@ -97,8 +80,12 @@ def test_no_key_or_a_wrong_key_is_unauthenticated_and_the_key_is_never_echoed(ta
         with pytest.raises(errors.Unauthenticated):
             client.create_session(prompt_token_ids=PROMPT)
     with CascadeClient(target, timeout_s=30, api_key="wrong-key-xyz") as client:
-        for call in (lambda: client.generate(prompt_token_ids=PROMPT), lambda: client.get_session("s-1"),
-                     lambda: client.delete_session("s-1"), lambda: list(client.stream(prompt_token_ids=PROMPT))):
+        for call in (
+            lambda: client.generate(prompt_token_ids=PROMPT),
+            lambda: client.get_session("s-1"),
+            lambda: client.delete_session("s-1"),
+            lambda: list(client.stream(prompt_token_ids=PROMPT)),
+        ):
             with pytest.raises(errors.Unauthenticated, match="unknown API key") as info:
                 call()
             assert "wrong-key-xyz" not in info.value.details
@@ -109,16 +96,19 @@ def test_a_right_key_works_and_health_and_reflection_need_none(target):
     with CascadeClient(target, timeout_s=60, api_key=KEY_A) as client:
         result = client.generate(prompt_token_ids=PROMPT, max_new_tokens=6)
         assert len(result.token_ids) == 6
-        assert [t for c in client.stream(prompt_token_ids=PROMPT, max_new_tokens=6) for t in c.token_ids] == \
-            result.token_ids
+        assert [
+            t for c in client.stream(prompt_token_ids=PROMPT, max_new_tokens=6) for t in c.token_ids
+        ] == result.token_ids
     with CascadeClient(target, timeout_s=30) as anonymous:
         assert anonymous.health() == "SERVING"
     with grpc.insecure_channel(target) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="cascade.v1.CascadeService"), timeout=10)
+            health_pb2.HealthCheckRequest(service="cascade.v1.CascadeService"), timeout=10
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         answers = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
         services = {s.name for a in answers for s in a.list_services_response.service}
     assert "cascade.v1.CascadeService" in services
 
@@ -127,15 +117,20 @@ def test_a_right_key_works_and_health_and_reflection_need_none(target):
 
 
 def test_a_session_belongs_to_the_key_that_created_it(target, coordinator):
-    with CascadeClient(target, timeout_s=60, api_key=KEY_A) as a, \
-            CascadeClient(target, timeout_s=60, api_key=KEY_B) as b:
+    with (
+        CascadeClient(target, timeout_s=60, api_key=KEY_A) as a,
+        CascadeClient(target, timeout_s=60, api_key=KEY_B) as b,
+    ):
         session = a.create_session(prompt_token_ids=PROMPT)
         sid = session.session_id
         stored = coordinator.store.get(sid)
         assert stored.owner == owner_id(KEY_A) and KEY_A not in stored.owner
-        for call in (lambda: b.get_session(sid), lambda: b.delete_session(sid),
-                     lambda: b.generate(prompt_token_ids=[5], session_id=sid, max_new_tokens=4),
-                     lambda: list(b.stream(prompt_token_ids=[5], session_id=sid, max_new_tokens=4))):
+        for call in (
+            lambda: b.get_session(sid),
+            lambda: b.delete_session(sid),
+            lambda: b.generate(prompt_token_ids=[5], session_id=sid, max_new_tokens=4),
+            lambda: list(b.stream(prompt_token_ids=[5], session_id=sid, max_new_tokens=4)),
+        ):
             with pytest.raises(errors.PermissionDenied, match="session_id") as info:
                 call()
             assert sid in info.value.details and KEY_A not in info.value.details
@@ -152,8 +147,10 @@ def test_a_session_belongs_to_the_key_that_created_it(target, coordinator):
 def test_without_keys_sessions_are_anonymous_and_open_but_keyed_ones_stay_closed(coordinator):
     server, port = start_server(coordinator)
     try:
-        with CascadeClient(f"127.0.0.1:{port}", timeout_s=60) as c, \
-                CascadeClient(f"127.0.0.1:{port}", timeout_s=60, api_key="ignored-without-keys") as d:
+        with (
+            CascadeClient(f"127.0.0.1:{port}", timeout_s=60) as c,
+            CascadeClient(f"127.0.0.1:{port}", timeout_s=60, api_key="ignored-without-keys") as d,
+        ):
             session = c.create_session(prompt_token_ids=PROMPT)
             assert coordinator.store.get(session.session_id).owner == ""
             assert d.get_session(session.session_id).token_ids == PROMPT  # a key changes nothing here
@@ -198,15 +195,17 @@ class FakeBackend:
 
 def test_the_edge_checks_keys_and_forwards_the_callers_owner_id(coordinator, keys_file):
     backend = FakeBackend(coordinator)
-    server, port, checker = start_edge(backend, api_keys=load_api_keys(keys_file))
+    server, port, _ = start_edge(backend, api_keys=load_api_keys(keys_file))
     try:
         edge = f"127.0.0.1:{port}"
         with CascadeClient(edge, timeout_s=60) as anonymous:
             with pytest.raises(errors.Unauthenticated):
                 anonymous.create_session(prompt_token_ids=PROMPT)
         assert backend.owners == []  # refused at the edge: nothing forwarded
-        with CascadeClient(edge, timeout_s=60, api_key=KEY_A) as a, \
-                CascadeClient(edge, timeout_s=60, api_key=KEY_B) as b:
+        with (
+            CascadeClient(edge, timeout_s=60, api_key=KEY_A) as a,
+            CascadeClient(edge, timeout_s=60, api_key=KEY_B) as b,
+        ):
             sid = a.create_session(prompt_token_ids=PROMPT).session_id
             with pytest.raises(errors.PermissionDenied, match=sid):
                 b.get_session(sid)
@@ -238,74 +237,6 @@ def test_tls_round_trip_with_a_self_signed_certificate(coordinator, keys_file, c
                 plaintext.generate(prompt_token_ids=PROMPT, max_new_tokens=4)
     finally:
         server.stop(0)
-
-
-# ---- `serve`: the loopback rule ------------------------------------------------------------------
-
-
-@pytest.fixture
-def config_file(tiny_family, tmp_path):
-    path = tmp_path / "config.yaml"
-    path.write_text(f"tiers:\n  target: {{path: {tiny_family['target']}}}\n  drafters: [mag]\n")
-    return path
-
-
-def _serve_args(config_file, *argv):
-    args = argparse.Namespace(config=str(config_file), host="127.0.0.1", api_keys=None, tls_cert=None,
-                              tls_key=None, frontend="edge")
-    for flag, value in zip(argv[::2], argv[1::2]):
-        setattr(args, flag.lstrip("-").replace("-", "_"), value)
-    return args
-
-
-@pytest.mark.parametrize("extra, missing", [
-    ([], "--api-keys and --tls-cert/--tls-key"),
-    (["--api-keys", "KEYS"], "--tls-cert/--tls-key"),
-    (["--tls-cert", "CERT", "--tls-key", "KEY"], "--api-keys"),
-])
-def test_serve_refuses_a_non_loopback_host_without_keys_and_tls(config_file, keys_file, cert, capsys, extra, missing):
-    files = {"KEYS": str(keys_file), "CERT": cert[0], "KEY": cert[1]}
-    argv = ["serve", "--config", str(config_file), "--host", "0.0.0.0", *[files.get(a, a) for a in extra]]
-    assert main(argv) == 2  # refused before anything starts or binds
-    err = capsys.readouterr().err
-    assert "--host 0.0.0.0" in err and f"missing {missing}" in err
-    assert KEY_A not in err
-
-
-def test_serve_accepts_a_non_loopback_host_with_keys_and_tls_from_flags_or_config(config_file, keys_file, cert,
-                                                                                   tmp_path):
-    # serve_access only: binding beyond loopback is never done in tests.
-    keys, tls = serve_access(_serve_args(config_file, "--host", "0.0.0.0", "--api-keys", str(keys_file),
-                                         "--tls-cert", cert[0], "--tls-key", cert[1]), load_config(config_file))
-    assert isinstance(keys, ApiKeys) and len(keys) == 2 and tls == TlsFiles(cert[0], cert[1])
-    configured = tmp_path / "with_access.yaml"
-    configured.write_text(config_file.read_text() + f"serving:\n  api_keys_file: {keys_file}\n"
-                          f"  tls_cert_file: {cert[0]}\n  tls_key_file: {cert[1]}\n")
-    keys, tls = serve_access(_serve_args(configured, "--host", "0.0.0.0"), load_config(configured))
-    assert len(keys) == 2 and tls is not None
-    assert serve_access(_serve_args(config_file), load_config(config_file)) == (None, None)  # loopback: open
-
-
-def test_serve_access_refuses_half_a_tls_pair_the_ray_frontend_and_an_unreadable_keys_file(config_file, cert, tmp_path):
-    config = load_config(config_file)
-    with pytest.raises(UsageError, match="go together"):
-        serve_access(_serve_args(config_file, "--tls-cert", cert[0]), config)
-    with pytest.raises(UsageError, match="--frontend edge"):
-        serve_access(_serve_args(config_file, "--tls-cert", cert[0], "--tls-key", cert[1], "--frontend", "ray"), config)
-    with pytest.raises(UsageError, match="cannot read"):
-        serve_access(_serve_args(config_file, "--api-keys", str(tmp_path / "missing")), config)
-
-
-def test_config_access_fields_are_paths_relative_to_the_config(config_file, tmp_path):
-    from cascade_service.config import ConfigError
-
-    rel = tmp_path / "rel.yaml"
-    rel.write_text(config_file.read_text() + "serving:\n  api_keys_file: keys.txt\n")
-    assert load_config(rel).serving.api_keys_file == str(tmp_path / "keys.txt")
-    for bad in ("serving:\n  api_keys_file: 3\n", "serving:\n  tls_cert_file: c.pem\n"):
-        rel.write_text(config_file.read_text() + bad)
-        with pytest.raises(ConfigError, match="serving"):
-            load_config(rel)
 
 
 # ---- Ray Serve's gRPC proxy (a cluster's front end) runs no interceptor: the coordinator checks ----
@@ -369,12 +300,22 @@ def test_the_coordinator_checks_keys_of_calls_from_rays_proxy(coordinator, confi
     assert len(asyncio.run(deployment.Generate(request, ProxyContext(KEY_B))).token_ids) == 3
 
 
-def test_the_client_command_takes_the_key_from_the_environment_and_speaks_tls(coordinator, keys_file, cert,
-                                                                              capsys, monkeypatch):
+def test_the_client_command_takes_the_key_from_the_environment_and_speaks_tls(
+    coordinator, keys_file, cert, capsys, monkeypatch
+):
     cert_file, key_file, _ = cert
     server, port = start_server(coordinator, api_keys=load_api_keys(keys_file), tls=TlsFiles(cert_file, key_file))
-    argv = ["client", "session-create", "--target", f"127.0.0.1:{port}", "--tls", "--root-cert", cert_file,
-            "--prompt", "x = 1"]
+    argv = [
+        "client",
+        "session-create",
+        "--target",
+        f"127.0.0.1:{port}",
+        "--tls",
+        "--root-cert",
+        cert_file,
+        "--prompt",
+        "x = 1",
+    ]
     try:
         monkeypatch.delenv("CASCADE_API_KEY", raising=False)
         assert main(argv) != 0

@@ -29,8 +29,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_works_without_the_extras(tiny_family):
-    done = _cli("generate", "--target", str(tiny_family["target"]), "--drafter", str(tiny_family["mid"]), "mag",
-                "--k-matrix", "[[3, 1], [0, 3]]", "--prompt", "hello world", "--max-new-tokens", "8", "--json")
+    done = _cli(
+        "generate",
+        "--target",
+        str(tiny_family["target"]),
+        "--drafter",
+        str(tiny_family["mid"]),
+        "mag",
+        "--k-matrix",
+        "[[3, 1], [0, 3]]",
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["token_ids"]) == 8
 

@@ -24,8 +24,8 @@ from ..helpers.threads import concurrently
 
 
 def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
-    from cascade_service.scheduling.load import PAD_WASTE
     from cascade_service.models.batching import take_batch
+    from cascade_service.scheduling.passes import PAD_WASTE
 
     def passes(*lengths):
         return [_Pass([0] * n, DynamicCache(), 1, False) for n in lengths]
@@ -50,14 +50,14 @@ def _cached(past: int, new: int = 1) -> _Pass:
 
 
 def _padding_within_bounds(batch: list[_Pass]) -> bool:
-    from cascade_service.scheduling.load import PAD_WASTE, ROW_POSITIONS
+    from cascade_service.scheduling.passes import PAD_WASTE, ROW_POSITIONS
 
     past = [p.cache.get_seq_length() for p in batch]
     news = [len(p.fed) for p in batch]
     width, steps, rows = max(past), max(news), len(batch)
-    return (rows * steps <= PAD_WASTE * sum(news)
-            and rows * (width + steps + ROW_POSITIONS) <= PAD_WASTE * sum(p + s + ROW_POSITIONS
-                                                                          for p, s in zip(past, news)))
+    return rows * steps <= PAD_WASTE * sum(news) and rows * (width + steps + ROW_POSITIONS) <= PAD_WASTE * sum(
+        p + s + ROW_POSITIONS for p, s in zip(past, news)
+    )
 
 
 def test_a_long_cache_is_not_batched_with_short_ones_and_the_oldest_pass_always_goes():
@@ -127,8 +127,9 @@ def test_a_chunked_prefill_gives_the_logits_and_cache_of_one_pass(tiny_family_fa
             torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
             assert chunked.get_seq_length() == whole.get_seq_length() == len(prompt)
             # The caches hold the same keys and values: the next step gives the same logits.
-            torch.testing.assert_close(batcher.forward([7], chunked, 1), model._forward([7], whole, 1),
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                batcher.forward([7], chunked, 1), model._forward([7], whole, 1), rtol=1e-4, atol=1e-4
+            )
     finally:
         batcher.close()
 
@@ -191,8 +192,12 @@ def test_a_prefill_is_cut_small_while_another_request_decodes_and_its_passes_run
 def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family, monkeypatch):
     from cascade_service.models.batching import ForwardBatcher
 
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     engine = Engine(cascade)
     monkeypatch.setattr(ForwardBatcher, "LONE_CHUNK", 40)  # chunks of 40 and of 16 as the traffic goes
     engine.target.enable_batching(prefill_chunk=16)

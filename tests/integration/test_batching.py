@@ -59,13 +59,17 @@ def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, a
 
 
 def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family):
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     engine = Engine(cascade)
     engine.target.enable_batching()
     engine.drafters[0].enable_batching()
     prompts = random_prompts(10, 10, seed=21)
-    prompts = [p[:4 + i] for i, p in enumerate(prompts)]  # ragged prompts too
+    prompts = [p[: 4 + i] for i, p in enumerate(prompts)]  # ragged prompts too
     budgets = [6 + 9 * i for i in range(10)]
     outputs: list[list[int] | None] = [None] * 10
     start = threading.Barrier(10)
@@ -86,12 +90,18 @@ def test_the_standalone_server_batches_concurrent_grpc_requests_exactly(tiny_fam
     from cascade_service.config import Config
     from cascade_service.standalone import start_standalone
 
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("close", str(tiny_family["close"])),
-                            ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
-                           [[4, 2, 0], [0, 2, 6], [0, 0, 6]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [
+            ModelTierConfig("close", str(tiny_family["close"])),
+            ModelTierConfig("mid", str(tiny_family["mid"])),
+            MaGConfig(),
+        ],
+        [[4, 2, 0], [0, 2, 6], [0, 0, 6]],
+        1.5,
+    )
     served = start_standalone(Config(cascade))
-    prompts = [p[:3 + 2 * i] for i, p in enumerate(random_prompts(8, 20, seed=8))]
+    prompts = [p[: 3 + 2 * i] for i, p in enumerate(random_prompts(8, 20, seed=8))]
     budgets = [40 - 4 * i for i in range(8)]
     outputs: list[list[int] | None] = [None] * 8
     start = threading.Barrier(8)
@@ -139,9 +149,13 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
     from cascade_service.core.cascade import Lookup
     from cascade_service.sessions import MemoryStore
 
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5,
-                           Lookup(2, 6) if lookup else None)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+        Lookup(2, 6) if lookup else None,
+    )
     coordinator = Engine(cascade).coordinator(MemoryStore())
     budgets: list[_CyclingBudget] = []
     coordinator.policies = lambda: budgets.append(_CyclingBudget()) or budgets[-1]
@@ -158,8 +172,12 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
 def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     from cascade_service.sessions import MemoryStore
 
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     engine = Engine(cascade)
     for model in engine.models():
         model.enable_batching()

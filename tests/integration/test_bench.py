@@ -30,8 +30,13 @@ PROMPTS = [
     "import os\n",
 ]
 FIGURES = {
-    "tokens_per_s": float, "speedup_vs_hf_ar": float, "swi_params": float, "swi_measured": float,
-    "target_calls_per_token": float, "mean_accepted_length": float, "identical_to_hf_ar": bool,
+    "tokens_per_s": float,
+    "speedup_vs_hf_ar": float,
+    "swi_params": float,
+    "swi_measured": float,
+    "target_calls_per_token": float,
+    "mean_accepted_length": float,
+    "identical_to_hf_ar": bool,
 }
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -59,9 +64,22 @@ def inputs(tiny_family, tmp_path_factory):
 def bench_out(inputs):
     out, stdout = inputs / "out", io.StringIO()
     with contextlib.redirect_stdout(stdout):  # capsys is function-scoped; this run is shared
-        code = run_bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
-                      "--methods", ",".join(METHODS), "--max-new-tokens", "16", "--sd-k-sweep", "1,3",
-                      "--repeats", "1", "--out", str(out))
+        code = run_bench(
+            "--config",
+            str(inputs / "config.yaml"),
+            "--prompts",
+            str(inputs / "prompts.jsonl"),
+            "--methods",
+            ",".join(METHODS),
+            "--max-new-tokens",
+            "16",
+            "--sd-k-sweep",
+            "1,3",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        )
     assert code == 0
     return out, stdout.getvalue()
 
@@ -147,7 +165,9 @@ def test_hf_ar_always_runs_first_as_the_reference(inputs):
 
 def test_csd_takes_its_schedule_from_the_tuned_config_with_exactly_its_drafters(inputs):
     config = load_config(inputs / "config.yaml").cascade
-    tuned = make_cascade(config.target, [d for d in config.drafters if d.name in ("close", "mag")], [[3, 1], [0, 7]], 2.0)
+    tuned = make_cascade(
+        config.target, [d for d in config.drafters if d.name in ("close", "mag")], [[3, 1], [0, 7]], 2.0
+    )
     plain, with_tuned = (
         {m.name: m for m in parse_methods("csd:close+mag,csd:close+mid+mag", config, [2], extra)}
         for extra in ((), (tuned,))
@@ -162,19 +182,45 @@ def test_csd_takes_its_schedule_from_the_tuned_config_with_exactly_its_drafters(
 @pytest.mark.parametrize("method", ["csd:nope", "frob", "hf-assisted:mag", "sd:close+mid", "csd:mag+close"])
 def test_bad_method_names_raise_value_error_naming_the_method(inputs, tmp_path, method):
     with pytest.raises(ValueError, match=method.replace("+", r"\+")):
-        run_bench("--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
-               "--methods", f"ar,{method}", "--out", str(tmp_path))
+        run_bench(
+            "--config",
+            str(inputs / "config.yaml"),
+            "--prompts",
+            str(inputs / "prompts.jsonl"),
+            "--methods",
+            f"ar,{method}",
+            "--out",
+            str(tmp_path),
+        )
 
 
 # --- bench --lossy and --adaptive (issue 5) ---------------------------------------------------------
+
 
 def test_bench_lossy_writes_curves_and_accounts_the_deviation(inputs, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(lossy.GRIDS, "token-v3", (-1.0, 0.9))
     monkeypatch.setitem(lossy.GRIDS, "lossy", (0.0, 0.9))
     out = tmp_path / "lossy"
-    assert run_bench("--lossy", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
-                  "--rules", "token-v3,lossy", "--temperature", "1.0", "--seeds", "0", "--max-new-tokens", "12",
-                  "--out", str(out)) == 0
+    assert (
+        run_bench(
+            "--lossy",
+            "--config",
+            str(inputs / "config.yaml"),
+            "--prompts",
+            str(inputs / "prompts.jsonl"),
+            "--rules",
+            "token-v3,lossy",
+            "--temperature",
+            "1.0",
+            "--seeds",
+            "0",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     results = json.loads((out / "lossy.json").read_text())
     assert results["exact"]["tv_per_token"] == 0.0 and results["exact"]["off_target_tokens"] == 0
     for rule in ("token-v3", "lossy"):
@@ -193,15 +239,45 @@ def _adaptive(inputs, tiny_family, tmp_path, drafter: str, *flags: str) -> dict:
 
     AcceptanceHead(HFModel.load(tiny_family[drafter]).config.hidden_size, depth=1).save(tmp_path / "head")
     out = tmp_path / "adaptive"
-    assert run_bench("--adaptive", "--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"),
-                  "--drafter", drafter, "--head", str(tmp_path / "head"), "--max-k", "6", "--repeats", "1",
-                  *flags, "--out", str(out)) == 0
+    assert (
+        run_bench(
+            "--adaptive",
+            "--config",
+            str(inputs / "config.yaml"),
+            "--prompts",
+            str(inputs / "prompts.jsonl"),
+            "--drafter",
+            drafter,
+            "--head",
+            str(tmp_path / "head"),
+            "--max-k",
+            "6",
+            "--repeats",
+            "1",
+            *flags,
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     return json.loads((out / "adaptive.json").read_text())
 
 
 def test_bench_adaptive_is_exact_and_summarises_against_the_best_fixed_k(inputs, tiny_family, tmp_path):
-    results = _adaptive(inputs, tiny_family, tmp_path, "mid", "--sd-k-sweep", "1,3", "--thresholds", "0.5",
-                        "--confidence", "0.4", "--max-new-tokens", "10")
+    results = _adaptive(
+        inputs,
+        tiny_family,
+        tmp_path,
+        "mid",
+        "--sd-k-sweep",
+        "1,3",
+        "--thresholds",
+        "0.5",
+        "--confidence",
+        "0.4",
+        "--max-new-tokens",
+        "10",
+    )
     assert set(results["methods"]) == {"fixed K=1", "fixed K=3", "specdec h=0.5", "confidence h=0.4"}
     assert all(m["identical"] for m in results["methods"].values())
     assert results["best_fixed"] in ("fixed K=1", "fixed K=3")
@@ -211,8 +287,22 @@ def test_bench_adaptive_is_exact_and_summarises_against_the_best_fixed_k(inputs,
 
 def test_bench_adaptive_at_a_reviewing_tier_is_exact_and_stops_early(inputs, tiny_family, tmp_path):
     """--reviews: close reviews mid's drafts and SpecDec++ ends close's part of the target's block."""
-    results = _adaptive(inputs, tiny_family, tmp_path, "close", "--reviews", "mid", "--other-k", "2",
-                        "--sd-k-sweep", "1,4", "--thresholds", "0.01", "--max-new-tokens", "12")
+    results = _adaptive(
+        inputs,
+        tiny_family,
+        tmp_path,
+        "close",
+        "--reviews",
+        "mid",
+        "--other-k",
+        "2",
+        "--sd-k-sweep",
+        "1,4",
+        "--thresholds",
+        "0.01",
+        "--max-new-tokens",
+        "12",
+    )
     assert (results["reviews"], results["other_k"]) == ("mid", 2)
     assert set(results["methods"]) == {"fixed K=1", "fixed K=4", "specdec h=0.01"}  # no confidence rule here
     assert all(m["identical"] for m in results["methods"].values())
@@ -225,8 +315,24 @@ def test_bench_adaptive_at_a_reviewing_tier_is_exact_and_stops_early(inputs, tin
 
 def test_bench_adaptive_at_a_tier_drafting_under_a_reviewer_is_exact_and_stops_early(inputs, tiny_family, tmp_path):
     """--under: mid drafts for close, which reviews it; SpecDec++ ends mid's block, not close's."""
-    results = _adaptive(inputs, tiny_family, tmp_path, "mid", "--under", "close", "--other-k", "3",
-                        "--sd-k-sweep", "1,5", "--thresholds", "0.01", "--confidence", "0.4", "--max-new-tokens", "12")
+    results = _adaptive(
+        inputs,
+        tiny_family,
+        tmp_path,
+        "mid",
+        "--under",
+        "close",
+        "--other-k",
+        "3",
+        "--sd-k-sweep",
+        "1,5",
+        "--thresholds",
+        "0.01",
+        "--confidence",
+        "0.4",
+        "--max-new-tokens",
+        "12",
+    )
     assert (results["under"], results["other_k"]) == ("close", 3)
     assert set(results["methods"]) == {"fixed K=1", "fixed K=5", "specdec h=0.01", "confidence h=0.4"}
     assert all(m["identical"] for m in results["methods"].values())
@@ -237,13 +343,28 @@ def test_bench_adaptive_at_a_tier_drafting_under_a_reviewer_is_exact_and_stops_e
 
 
 def test_the_recorded_command_repeats_every_tuned_config():
-    from cascade_service.bench.cli import _command
+    from cascade_service.bench.runs import command_line
 
     parser = argparse.ArgumentParser(prog="cascade-service")
     add_bench_command(parser.add_subparsers(dest="command", required=True), argparse.ArgumentParser)
-    args = parser.parse_args(["bench", "--config", "c.yaml", "--prompts", "p.jsonl", "--methods", "hf-ar",
-                              "--tuned", "a.yaml", "--tuned", "b.yaml", "--out", "o"])
-    assert "--tuned a.yaml --tuned b.yaml" in _command(args)
+    args = parser.parse_args(
+        [
+            "bench",
+            "--config",
+            "c.yaml",
+            "--prompts",
+            "p.jsonl",
+            "--methods",
+            "hf-ar",
+            "--tuned",
+            "a.yaml",
+            "--tuned",
+            "b.yaml",
+            "--out",
+            "o",
+        ]
+    )
+    assert "--tuned a.yaml --tuned b.yaml" in command_line(args)
 
 
 def test_bench_modes_reject_mixed_flags(inputs):

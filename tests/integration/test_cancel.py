@@ -19,8 +19,8 @@ from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
+from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.slow import Requests
 
@@ -30,8 +30,12 @@ LONG = 4000  # within the 4,096 positions; a full decode: >= 4096 / 5 target pas
 
 @pytest.fixture()
 def served(tiny_family):
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     coordinator = Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=16))
     requests = Requests(coordinator)
     server, port = start_server(coordinator)

@@ -193,7 +193,10 @@ def test_a_retry_info_delay_is_bounded_by_the_calls_timeout(make_server):
 
 def test_the_rich_details_reach_the_exception(server):
     with CascadeClient(server.target) as client:
-        for call in (lambda: client.generate("rich:INVALID_ARGUMENT"), lambda: list(client.stream("rich:INVALID_ARGUMENT"))):
+        for call in (
+            lambda: client.generate("rich:INVALID_ARGUMENT"),
+            lambda: list(client.stream("rich:INVALID_ARGUMENT")),
+        ):
             with pytest.raises(errors.InvalidArgument) as info:
                 call()
             message = "max_new_tokens: asked to fail with INVALID_ARGUMENT"

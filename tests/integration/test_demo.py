@@ -12,7 +12,9 @@ def test_demo_decodes_held_out_prompts_and_reports_identical_tokens(test_zoo_hom
     monkeypatch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
     assert main(["demo", "--preset", "test", "--prompts", "2", "--max-new-tokens", "12", "--passes", "2"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith(("ar (large alone)", "csd in-process", "csd via service"))]
+    rows = [
+        line for line in out.splitlines() if line.startswith(("ar (large alone)", "csd in-process", "csd via service"))
+    ]
     assert len(rows) == 3
     assert all(row.split()[-1] == "True" for row in rows), out  # in-process and served tokens equal the large's
     assert out.count("--- continuation:") == 2
@@ -25,14 +27,21 @@ def test_in_process_worker_decodes_in_a_child_process_and_reports_errors(tiny_fa
 
     import yaml
 
-    from cascade_service.runtime.inprocess import InProcessWorker
     from cascade_service.config import GenerationConfig, load_config
     from cascade_service.engine import Engine
+    from cascade_service.runtime.inprocess import InProcessWorker
 
     tiny_config = tmp_path / "tiny.yaml"
-    tiny_config.write_text(yaml.safe_dump({"tiers": {
-        "target": {"name": "target", "path": str(tiny_family["target"])},
-        "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]}}))
+    tiny_config.write_text(
+        yaml.safe_dump(
+            {
+                "tiers": {
+                    "target": {"name": "target", "path": str(tiny_family["target"])},
+                    "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}],
+                }
+            }
+        )
+    )
     engine = Engine(load_config(tiny_config).cascade)
     ids = [5, 9, 13, 2, 7]
     with InProcessWorker(str(tiny_config), torch_threads=1) as worker:
@@ -54,7 +63,11 @@ def test_demo_schedule_is_the_tuned_one_in_configs_demo_yaml():
 
     config = load_config(Path(__file__).parents[2] / "configs" / "demo.yaml")
     cascade = config.cascade
-    assert (cascade.schedule.to_lists(), cascade.leniency, cascade.lookup) == (DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP)
+    assert (cascade.schedule.to_lists(), cascade.leniency, cascade.lookup) == (
+        DEMO_K_MATRIX,
+        DEMO_LENIENCY,
+        DEMO_LOOKUP,
+    )
     embedded = LAYOUTS["embedded"]
     assert config.serving.colocate == tuple(embedded["colocate"])
     assert config.serving.groups == tuple(map(tuple, embedded["groups"]))

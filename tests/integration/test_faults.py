@@ -14,18 +14,22 @@ from cascade_service.api.server import start_server
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions.redis_store import RedisStore
+from cascade_service.zoo.tiny import random_prompts
 
-from ..redis_server import RedisServer
 from ..helpers.oracle import oracle
+from ..redis_server import RedisServer
 
 
 def test_redis_down_fails_session_calls_while_stateless_generation_stays_exact(tiny_family):
     prompt = random_prompts(1, 10, seed=91)[0]
     expected = oracle(tiny_family["target"], prompt, 12)
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     engine = Engine(cascade)
     with RedisServer() as redis:
         store = RedisStore(redis.url, namespace="faults", socket_timeout_s=1.0)
@@ -34,10 +38,12 @@ def test_redis_down_fails_session_calls_while_stateless_generation_stays_exact(t
             with CascadeClient(f"127.0.0.1:{port}", timeout_s=60) as client:
                 session = client.create_session(prompt_token_ids=prompt)
                 redis.stop()
-                for call in (lambda: client.get_session(session.session_id),
-                             lambda: client.create_session(prompt_token_ids=[1, 2]),
-                             lambda: client.generate(session_id=session.session_id, prompt_token_ids=[3]),
-                             lambda: client.delete_session(session.session_id)):
+                for call in (
+                    lambda: client.get_session(session.session_id),
+                    lambda: client.create_session(prompt_token_ids=[1, 2]),
+                    lambda: client.generate(session_id=session.session_id, prompt_token_ids=[3]),
+                    lambda: client.delete_session(session.session_id),
+                ):
                     start = time.monotonic()
                     with pytest.raises(errors.Unavailable):
                         call()

@@ -134,9 +134,7 @@ def test_step_time_is_measured_once_and_cached(tiny_family):
 def test_close_drafter_agrees_more_than_unrelated(tiny_family):
     target = _load(tiny_family["target"])
     prompts = random_prompts(8, 8, seed=1)
-    rates = {
-        name: agreement(target, _load(tiny_family[name]), prompts, 48) for name in ("close", "mid", "unrelated")
-    }
+    rates = {name: agreement(target, _load(tiny_family[name]), prompts, 48) for name in ("close", "mid", "unrelated")}
     print(f"greedy agreement with target: {rates}")
     assert 0.6 <= rates["close"] <= 0.95
     assert 0.3 <= rates["mid"] < rates["close"]

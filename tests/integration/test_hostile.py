@@ -18,8 +18,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from cascade_service.api.auth import ApiKeys
 from cascade_service.api.admission import Limits
+from cascade_service.api.auth import ApiKeys
 from cascade_service.api.server import start_server
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.config import (
@@ -29,27 +29,35 @@ from cascade_service.config import (
     make_cascade,
 )
 from cascade_service.engine import Engine
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.sessions import MemoryStore
+from cascade_service.zoo.tiny import random_prompts
 
-from ..helpers.grpc_errors import field_violations, status_details
 from ..helpers.oracle import oracle
+from ..helpers.raw_grpc import (
+    CASCADE_METHODS,
+    GENERATE,
+    HEALTH,
+    REFLECTION,
+    STREAMING,
+    health_check,
+    idle_call,
+    own_channel,
+    raw_call,
+    violated_fields,
+)
 
 PROMPT = random_prompts(1, 10, seed=31)[0]
-GENERATE = "/cascade.v1.CascadeService/Generate"
-CASCADE_METHODS = [f"/cascade.v1.CascadeService/{m}" for m in
-                   ("Generate", "GenerateStream", "CreateSession", "GetSession", "DeleteSession")]
-STREAMING = {"/cascade.v1.CascadeService/GenerateStream", "/grpc.health.v1.Health/Watch"}
-REFLECTION = ["/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-              "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"]
-HEALTH = ["/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"]
 KEYS = ApiKeys([("alice-key", "alice"), ("bob-key", "bob")])
 
 
 @pytest.fixture(scope="module")
 def coordinator(tiny_family):
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     return Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8))
 
 
@@ -59,48 +67,15 @@ def _serve(coordinator: Any, **limits: Any) -> tuple[Any, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def _channel(address: str) -> grpc.aio.Channel:
-    # A connection of its own (grpc shares one per target across channels by default).
-    return grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-
-
-def _idle(channel: grpc.aio.Channel, path: str, metadata: Any = None) -> Any:
-    """A call that sends its headers and never a message (nor its half-close)."""
-    return channel.stream_stream(path)(metadata=metadata)
-
-
 async def _generate(channel: grpc.aio.Channel, metadata: Any = None, timeout: float = 60) -> pb.GenerateResponse:
-    call = channel.unary_unary(GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
-                               response_deserializer=pb.GenerateResponse.FromString)
-    return await call(pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=8, temperature=0),
-                      metadata=metadata, timeout=timeout)
-
-
-async def _health(channel: grpc.aio.Channel, timeout: float = 5) -> int:
-    call = channel.unary_unary("/grpc.health.v1.Health/Check",
-                               request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                               response_deserializer=health_pb2.HealthCheckResponse.FromString)
-    return (await call(health_pb2.HealthCheckRequest(), timeout=timeout)).status
-
-
-async def _raw(channel: grpc.aio.Channel, path: str, body: bytes, timeout: float = 30) -> grpc.aio.AioRpcError:
-    """Send `body` as the one message of `path`; the error the call ends with."""
-    if path in STREAMING or path in REFLECTION:
-        call = channel.stream_stream(path)(iter([body]), timeout=timeout)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            async for _ in call:
-                pass
-        return caught.value
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await channel.unary_unary(path)(body, timeout=timeout)
-    return caught.value
-
-
-def _fields(error: grpc.aio.AioRpcError) -> list[str]:
-    """The fields of the FieldViolations in the error's details trailer (which repeats its code and message)."""
-    status = status_details(error)
-    assert (status.code, status.message) == (error.code().value[0], error.details())
-    return field_violations(status)
+    call = channel.unary_unary(
+        GENERATE,
+        request_serializer=pb.GenerateRequest.SerializeToString,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    return await call(
+        pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=8, temperature=0), metadata=metadata, timeout=timeout
+    )
 
 
 def test_idle_calls_cost_no_worker_and_health_answers_beside_them(coordinator, tiny_family):
@@ -110,17 +85,17 @@ def test_idle_calls_cost_no_worker_and_health_answers_beside_them(coordinator, t
     expected = oracle(tiny_family["target"], PROMPT, 8)
 
     async def run() -> tuple[float, float]:
-        channels = [_channel(address) for _ in range(8)]
+        channels = [own_channel(address) for _ in range(8)]
         alone = time.perf_counter()
         assert list((await _generate(channels[0])).token_ids) == expected
         alone = time.perf_counter() - alone
         paths = [*CASCADE_METHODS, *REFLECTION, *HEALTH]
-        idle = [_idle(channels[i % 8], paths[i % len(paths)]) for i in range(400)]
+        idle = [idle_call(channels[i % 8], paths[i % len(paths)]) for i in range(400)]
         await asyncio.sleep(1.0)  # every idle call is open at the server
         beside = time.perf_counter()
         assert list((await _generate(channels[0], timeout=30)).token_ids) == expected
         beside = time.perf_counter() - beside
-        assert await _health(channels[1]) == health_pb2.HealthCheckResponse.SERVING
+        assert await health_check(channels[1]) == health_pb2.HealthCheckResponse.SERVING
         assert not any(call.done() for call in idle)  # they were all still waiting
         for call in idle:
             call.cancel()
@@ -140,9 +115,9 @@ def test_a_call_without_a_key_is_refused_on_its_headers(coordinator):
     server, address = _serve(coordinator, api_keys=KEYS, body_timeout_s=120)
 
     async def run() -> None:
-        async with _channel(address) as channel:
+        async with own_channel(address) as channel:
             for metadata in (None, (("authorization", "Bearer nobody"),)):
-                call = _idle(channel, GENERATE, metadata)  # never sends a body
+                call = idle_call(channel, GENERATE, metadata)  # never sends a body
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await asyncio.wait_for(call.read(), 5)
                 assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -160,12 +135,16 @@ def test_a_body_that_does_not_come_ends_the_call_within_the_body_timeout(coordin
     server, address = _serve(coordinator, body_timeout_s=0.5)
 
     async def run() -> None:
-        async with _channel(address) as channel:
-            for path in (GENERATE, "/cascade.v1.CascadeService/GenerateStream", "/grpc.health.v1.Health/Check",
-                         REFLECTION[0]):
+        async with own_channel(address) as channel:
+            for path in (
+                GENERATE,
+                "/cascade.v1.CascadeService/GenerateStream",
+                "/grpc.health.v1.Health/Check",
+                REFLECTION[0],
+            ):
                 start = time.perf_counter()
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await asyncio.wait_for(_idle(channel, path).read(), 10)
+                    await asyncio.wait_for(idle_call(channel, path).read(), 10)
                 took = time.perf_counter() - start
                 assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, path
                 assert caught.value.details() == "request: the message did not arrive within 0.5 s"
@@ -187,14 +166,14 @@ def test_calls_waiting_for_a_body_are_bounded_and_health_answers_past_the_bound(
     server, address = _serve(coordinator, max_pending=5, body_timeout_s=120)  # probes have their own bound
 
     async def run() -> None:
-        async with _channel(address) as channel:
-            idle = [_idle(channel, GENERATE) for _ in range(5)]
+        async with own_channel(address) as channel:
+            idle = [idle_call(channel, GENERATE) for _ in range(5)]
             await asyncio.sleep(0.5)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await asyncio.wait_for(_idle(channel, GENERATE).read(), 5)
+                await asyncio.wait_for(idle_call(channel, GENERATE).read(), 5)
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert caught.value.details() == "5 calls are waiting for their request; retry later"
-            assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert await health_check(channel) == health_pb2.HealthCheckResponse.SERVING
             for call in idle:
                 call.cancel()
             await asyncio.sleep(0.3)
@@ -211,8 +190,8 @@ def test_one_key_is_held_to_its_limit_and_another_key_is_served(coordinator):
     alice, bob = (("authorization", "Bearer alice-key"),), (("authorization", "Bearer bob-key"),)
 
     async def run() -> None:
-        async with _channel(address) as channel:
-            idle = [_idle(channel, GENERATE, alice) for _ in range(3)]
+        async with own_channel(address) as channel:
+            idle = [idle_call(channel, GENERATE, alice) for _ in range(3)]
             await asyncio.sleep(0.5)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await _generate(channel, metadata=alice)
@@ -235,16 +214,18 @@ def test_health_answers_while_every_worker_is_busy_and_the_queue_is_full(coordin
     long = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=4000, temperature=0)  # within the 4,096 positions
 
     async def run() -> None:
-        async with _channel(address) as channel:
-            stream = channel.unary_stream("/cascade.v1.CascadeService/GenerateStream",
-                                          request_serializer=pb.GenerateRequest.SerializeToString,
-                                          response_deserializer=pb.GenerateChunk.FromString)(long, timeout=120)
+        async with own_channel(address) as channel:
+            stream = channel.unary_stream(
+                "/cascade.v1.CascadeService/GenerateStream",
+                request_serializer=pb.GenerateRequest.SerializeToString,
+                response_deserializer=pb.GenerateChunk.FromString,
+            )(long, timeout=120)
             assert (await stream.read()).token_ids  # the one worker is busy
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await _generate(channel)
             assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             start = time.perf_counter()
-            assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert await health_check(channel) == health_pb2.HealthCheckResponse.SERVING
             assert time.perf_counter() - start < 2.0
             stream.cancel()
             await asyncio.sleep(0.5)  # the worker comes back once the decode sees the cancel
@@ -258,33 +239,40 @@ def test_health_answers_while_every_worker_is_busy_and_the_queue_is_full(coordin
 
 def _bad_bodies() -> list[tuple[str, bytes, str | None]]:
     """(what, bytes, the field the error must name, or None where no field can be known)."""
-    request = pb.GenerateRequest(prompt="hi", prompt_token_ids=[5, 6, 7], session_id="s",
-                                 verification=pb.Verification(rule="exact")).SerializeToString()
+    request = pb.GenerateRequest(
+        prompt="hi", prompt_token_ids=[5, 6, 7], session_id="s", verification=pb.Verification(rule="exact")
+    ).SerializeToString()
     bad_utf8 = b"\x0a\x02\xc3\x28"  # prompt (field 1) = b"\xc3\x28"
     nested = b"\x4a\x04\x0a\x02\xff\xfe"  # verification (9) { rule (1) = b"\xff\xfe" }
     packed = b"\x12\x03\x05\x06\x87"  # prompt_token_ids packed, last varint cut
-    return [("truncated", request[:-2], "verification"), ("invalid UTF-8", bad_utf8, "prompt"),
-            ("nested invalid UTF-8", nested, "verification.rule"), ("cut varint", packed, "prompt_token_ids"),
-            ("wire type 7 on prompt", b"\x0f", "prompt"), ("field number 0", b"\x07", "request"), ("tag past the end", b"\x80", "request")]
+    return [
+        ("truncated", request[:-2], "verification"),
+        ("invalid UTF-8", bad_utf8, "prompt"),
+        ("nested invalid UTF-8", nested, "verification.rule"),
+        ("cut varint", packed, "prompt_token_ids"),
+        ("wire type 7 on prompt", b"\x0f", "prompt"),
+        ("field number 0", b"\x07", "request"),
+        ("tag past the end", b"\x80", "request"),
+    ]
 
 
 def test_bytes_that_are_no_message_get_invalid_argument_naming_the_field(coordinator):
     server, address = _serve(coordinator)
 
     async def run() -> None:
-        async with _channel(address) as channel:
+        async with own_channel(address) as channel:
             for what, body, field in _bad_bodies():
                 for path in ("/cascade.v1.CascadeService/Generate", "/cascade.v1.CascadeService/GenerateStream"):
-                    error = await _raw(channel, path, body)
+                    error = await raw_call(channel, path, body)
                     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, path, error.details())
                     assert error.details().startswith(f"{field}: not a valid cascade.v1.GenerateRequest"), what
-                    assert _fields(error) == ([field] if field != "request" else []), what
+                    assert violated_fields(error) == ([field] if field != "request" else []), what
             # Unary and streaming alike, on every method, health and reflection included.
             for path in [*CASCADE_METHODS, *HEALTH, *REFLECTION]:
-                error = await _raw(channel, path, b"\x0a\x05ab")  # a string field cut short
+                error = await raw_call(channel, path, b"\x0a\x05ab")  # a string field cut short
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, error.details())
                 assert "not a valid" in error.details()
-            error = await _raw(channel, "/grpc.health.v1.Health/Check", b"\x0a\x02\xc3\x28")
+            error = await raw_call(channel, "/grpc.health.v1.Health/Check", b"\x0a\x02\xc3\x28")
             assert error.details() == "service: not a valid grpc.health.v1.HealthCheckRequest (not UTF-8)"
 
     try:
@@ -302,7 +290,7 @@ def test_random_bytes_on_every_method_never_get_internal(coordinator):
 
     async def run() -> dict[str, int]:
         seen: dict[str, int] = {}
-        async with _channel(address) as channel:
+        async with own_channel(address) as channel:
             for i, body in enumerate(bodies):
                 path = [*CASCADE_METHODS, *HEALTH][i % 7]
                 try:
@@ -333,7 +321,7 @@ def test_a_unary_call_with_two_messages_is_invalid_argument(coordinator):
     body = pb.GenerateRequest(prompt_token_ids=PROMPT).SerializeToString()
 
     async def run() -> None:
-        async with _channel(address) as channel:
+        async with own_channel(address) as channel:
             call = channel.stream_stream(GENERATE)(iter([body, body]), timeout=30)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 async for _ in call:
@@ -354,20 +342,22 @@ def test_long_bad_values_are_quoted_short_and_the_error_arrives_whole(coordinato
     long_id, long_rule = "s" * 65536 + "\n", "\x00" + "r" * 65535
 
     async def run() -> None:
-        async with _channel(address) as channel:
-            for request, field in ((pb.GenerateRequest(prompt="x", session_id=long_id), "session_id"),
-                                   (pb.GenerateRequest(prompt="x", verification=pb.Verification(rule=long_rule)),
-                                    "verification.rule")):
+        async with own_channel(address) as channel:
+            for request, field in (
+                (pb.GenerateRequest(prompt="x", session_id=long_id), "session_id"),
+                (pb.GenerateRequest(prompt="x", verification=pb.Verification(rule=long_rule)), "verification.rule"),
+            ):
                 for path in ("/cascade.v1.CascadeService/Generate", "/cascade.v1.CascadeService/GenerateStream"):
-                    error = await _raw(channel, path, request.SerializeToString())
+                    error = await raw_call(channel, path, request.SerializeToString())
                     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, error.details()[:200])
                     assert len(error.details()) < 300, error.details()
                     assert error.details().endswith(("(65537 characters)", "(65536 characters)")), error.details()
-                    assert _fields(error) == [field]
-            for path, body in (("/cascade.v1.CascadeService/GetSession", pb.GetSessionRequest(session_id=long_id)),
-                               ("/cascade.v1.CascadeService/CreateSession",
-                                pb.CreateSessionRequest(session_id=long_id, prompt="x"))):
-                error = await _raw(channel, path, body.SerializeToString())
+                    assert violated_fields(error) == [field]
+            for path, body in (
+                ("/cascade.v1.CascadeService/GetSession", pb.GetSessionRequest(session_id=long_id)),
+                ("/cascade.v1.CascadeService/CreateSession", pb.CreateSessionRequest(session_id=long_id, prompt="x")),
+            ):
+                error = await raw_call(channel, path, body.SerializeToString())
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and len(error.details()) < 300
 
     try:

@@ -32,8 +32,12 @@ def family(tiny_family_factory):
 
 @pytest.fixture(scope="module")
 def coordinator(family):
-    cascade = make_cascade(ModelTierConfig("target", str(family["target"])),
-                           [ModelTierConfig("mid", str(family["mid"])), MaGConfig()], [[4, 2], [0, 6]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(family["target"])),
+        [ModelTierConfig("mid", str(family["mid"])), MaGConfig()],
+        [[4, 2], [0, 6]],
+        1.5,
+    )
     return Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=16))
 
 
@@ -56,12 +60,21 @@ def test_a_request_that_fills_the_context_exactly_is_exact(coordinator, family):
     assert result.token_ids == oracle(family["target"], prompt, 8) and result.finish_reason == "length"
 
 
-@pytest.mark.parametrize("prompt_len, max_new, message", [
-    (CONTEXT - 8, 9, ("max_new_tokens: the prompt's 2040 tokens plus max_new_tokens 9 exceed the model's "
-                      "context of 2048 positions (at most 8 new tokens fit)")),
-    (CONTEXT, None, "prompt: 2048 tokens, more than the limit of 2047 (the model holds 2048 positions)"),
-    (40_000, None, "prompt: 40000 tokens, more than the limit of 2047 (the model holds 2048 positions)"),
-])
+@pytest.mark.parametrize(
+    "prompt_len, max_new, message",
+    [
+        (
+            CONTEXT - 8,
+            9,
+            (
+                "max_new_tokens: the prompt's 2040 tokens plus max_new_tokens 9 exceed the model's "
+                "context of 2048 positions (at most 8 new tokens fit)"
+            ),
+        ),
+        (CONTEXT, None, "prompt: 2048 tokens, more than the limit of 2047 (the model holds 2048 positions)"),
+        (40_000, None, "prompt: 40000 tokens, more than the limit of 2047 (the model holds 2048 positions)"),
+    ],
+)
 def test_past_the_context_is_refused_before_any_work(coordinator, prompt_len, max_new, message):
     with pytest.raises(ValueError) as caught:
         coordinator.params(prompt_ids=_prompt(prompt_len), max_new_tokens=max_new)
@@ -72,13 +85,14 @@ def test_a_session_cannot_outgrow_the_context(coordinator, family):
     history = _prompt(CONTEXT - 48, seed=1)
     record = coordinator.create_session(prompt_ids=history)
     with pytest.raises(ValueError) as caught:
-        coordinator.generate(coordinator.params(session_id=record.session_id, prompt_ids=[5] * 40,
-                                                max_new_tokens=9))
-    assert str(caught.value).startswith("max_new_tokens: the session's 2000 tokens plus the prompt's 40 plus "
-                                        "max_new_tokens 9 exceed")
+        coordinator.generate(coordinator.params(session_id=record.session_id, prompt_ids=[5] * 40, max_new_tokens=9))
+    assert str(caught.value).startswith(
+        "max_new_tokens: the session's 2000 tokens plus the prompt's 40 plus max_new_tokens 9 exceed"
+    )
     assert coordinator.get_session(record.session_id).token_ids == tuple(history)  # no effect
-    result = coordinator.generate(coordinator.params(session_id=record.session_id, prompt_ids=[5] * 40,
-                                                     temperature=0))  # the default, cut to 8
+    result = coordinator.generate(
+        coordinator.params(session_id=record.session_id, prompt_ids=[5] * 40, temperature=0)
+    )  # the default, cut to 8
     assert result.token_ids == oracle(family["target"], history + [5] * 40, 8)
     assert result.session_length == CONTEXT
     with pytest.raises(ValueError, match="^prompt: the session's 2048 tokens plus the prompt's 1 leave no room"):

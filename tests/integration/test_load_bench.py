@@ -16,8 +16,12 @@ from ..helpers.bench import run_bench
 
 @pytest.fixture(scope="module")
 def address(tiny_family):
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     server, port = start_server(Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8)))
     yield f"127.0.0.1:{port}"
     server.stop(0)
@@ -25,8 +29,22 @@ def address(tiny_family):
 
 def test_load_levels_report_latency_throughput_errors_and_server_memory(address, tmp_path, capsys):
     out = tmp_path / "load"
-    assert run_bench("--load", "--target", address, "--concurrency", "1,3", "--duration", "1.5",
-                  "--max-new-tokens", "6", "--out", str(out)) == 0
+    assert (
+        run_bench(
+            "--load",
+            "--target",
+            address,
+            "--concurrency",
+            "1,3",
+            "--duration",
+            "1.5",
+            "--max-new-tokens",
+            "6",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     results = json.loads((out / "load.json").read_text())
     assert [level["concurrency"] for level in results["levels"]] == [1, 3]
     for level in results["levels"]:
@@ -61,8 +79,24 @@ def test_load_requests_carry_the_temperature_asked_for(address, tmp_path, monkey
 
     monkeypatch.setattr(CascadeClient, "generate", recording)
     out = tmp_path / "load"
-    assert run_bench("--load", "--target", address, "--concurrency", "2", "--duration", "0.5", "--max-new-tokens", "4",
-                  "--temperature", "0.7", "--out", str(out)) == 0
+    assert (
+        run_bench(
+            "--load",
+            "--target",
+            address,
+            "--concurrency",
+            "2",
+            "--duration",
+            "0.5",
+            "--max-new-tokens",
+            "4",
+            "--temperature",
+            "0.7",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     results = json.loads((out / "load.json").read_text())
     assert sent and set(sent) == {0.7} and results["levels"][0]["errors"] == 0
     assert "--temperature 0.7" in results["command"]
@@ -72,13 +106,35 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
     import yaml
 
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "tiers": {"target": {"name": "target", "path": str(tiny_family["target"])},
-                  "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}]},
-        "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5}, "serving": {"torch_threads": 1}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "tiers": {
+                    "target": {"name": "target", "path": str(tiny_family["target"])},
+                    "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}],
+                },
+                "schedule": {"k_matrix": [[3, 1], [0, 3]], "leniency": 1.5},
+                "serving": {"torch_threads": 1},
+            }
+        )
+    )
     out = tmp_path / "load"
-    assert run_bench("--load", "--config", str(config), "--concurrency", "1,3", "--duration", "1.5",
-                  "--max-new-tokens", "6", "--out", str(out)) == 0
+    assert (
+        run_bench(
+            "--load",
+            "--config",
+            str(config),
+            "--concurrency",
+            "1,3",
+            "--duration",
+            "1.5",
+            "--max-new-tokens",
+            "6",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     results = json.loads((out / "load.json").read_text())
     runs = results["runs"]
     assert [(r["mode"], r["concurrency"]) for r in runs] == [("cascade", 1), ("plain", 1), ("cascade", 3), ("plain", 3)]

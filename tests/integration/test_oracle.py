@@ -77,12 +77,14 @@ def test_greedy_cascade_equals_transformers_generate(tiny_family, oracle_cache, 
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))
-def test_greedy_cascade_through_the_wire_codec_equals_transformers_generate(tiny_family, oracle_cache, bigram_path,
-                                                                           setup):
+def test_greedy_cascade_through_the_wire_codec_equals_transformers_generate(
+    tiny_family, oracle_cache, bigram_path, setup
+):
     # Every tier behind the codec: each draft, review and release crosses as bytes, as to a remote tier.
     names, k_matrix = SETUPS[setup]
-    engine = make_engine(tiny_family, names, k_matrix, 1.5, bigram_path, Lookup(2, 8) if "mag" in names else None,
-                     loopback=True)
+    engine = make_engine(
+        tiny_family, names, k_matrix, 1.5, bigram_path, Lookup(2, 8) if "mag" in names else None, loopback=True
+    )
     for prompt in (SHORT, LONG):
         result = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
         assert result.token_ids == oracle_cache(prompt, 40)
@@ -114,8 +116,10 @@ def test_every_k_matrix_entry_runs_and_is_counted(tiny_family, oracle_cache, big
 def test_mag_lookup_gate_at_the_target_is_exact(tiny_family, oracle_cache, bigram_path, setup, lookup):
     # The gate's use of MaG is counted apart (tier `mag_lookup`), so its tokens are told from MaG's
     # K-matrix ones; row 0 gives MaG nothing anyway.
-    names, k_matrix = {"csd_close_mid_mag": SETUPS["csd_close_mid_mag"],
-                       "csd_unrelated_mag": (["unrelated", "mag"], [[3, 0], [0, 4]])}[setup]
+    names, k_matrix = {
+        "csd_close_mid_mag": SETUPS["csd_close_mid_mag"],
+        "csd_unrelated_mag": (["unrelated", "mag"], [[3, 0], [0, 4]]),
+    }[setup]
     engine = make_engine(tiny_family, names, k_matrix, 2.0, bigram_path, lookup)
     gated = 0
     for prompt in (SHORT, LONG, MEDIUM):
@@ -186,9 +190,14 @@ def test_kv_caches_never_reprefill_the_prefix(tiny_family, oracle_cache):
 def _generate(target_dir, prompt, max_new_tokens, dtype):
     model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=dtype).eval()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return model, out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return model, out[0, len(prompt) :].tolist()
 
 
 def _mixed_engine(family, target_dtype, drafter_dtype):
@@ -198,8 +207,9 @@ def _mixed_engine(family, target_dtype, drafter_dtype):
 
 
 @pytest.mark.parametrize("drafter_dtype", ["bfloat16", "float16"])
-def test_greedy_cascade_with_low_precision_drafters_equals_transformers_generate(tiny_family, oracle_cache,
-                                                                                 drafter_dtype):
+def test_greedy_cascade_with_low_precision_drafters_equals_transformers_generate(
+    tiny_family, oracle_cache, drafter_dtype
+):
     # Invariant 6: drafters' dtypes change what they propose, never what the float32 target emits.
     engine = _mixed_engine(tiny_family, "float32", drafter_dtype)
     for prompt in (SHORT, LONG):
@@ -221,7 +231,7 @@ def test_greedy_cascade_with_a_bfloat16_target_is_its_argmax_path_up_to_bfloat16
         got = engine.generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
         model, expected = _generate(tiny_family["target"], prompt, 40, torch.bfloat16)
         with torch.inference_mode():
-            logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1].float()  # [40, V]
+            logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1].float()  # [40, V]
             part = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
             if part is not None:
                 row = model(torch.tensor([prompt + got[:part]])).logits[0, -1].float()

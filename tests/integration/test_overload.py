@@ -28,8 +28,12 @@ CALLS = 8
 
 
 def test_calls_beyond_the_bound_get_resource_exhausted_and_admitted_ones_stay_exact(tiny_family):
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])),
-                           [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()], [[3, 1], [0, 3]], 1.5)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
     coordinator = Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=24))
     Requests(coordinator)  # slowed target: each call takes a second or so
     server, port = start_server(coordinator, workers=2, max_queued=1)
@@ -62,7 +66,9 @@ def test_calls_beyond_the_bound_get_resource_exhausted_and_admitted_ones_stay_ex
         assert 2 <= len(served) <= 3 and exhausted, outcomes  # workers run, one waits, the rest are refused
         assert all(tokens == expected for tokens in served)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # and it answers again afterwards
-            reply = pb_grpc.CascadeServiceStub(channel).Generate(pb.GenerateRequest(prompt_token_ids=PROMPT), timeout=60)
+            reply = pb_grpc.CascadeServiceStub(channel).Generate(
+                pb.GenerateRequest(prompt_token_ids=PROMPT), timeout=60
+            )
         assert list(reply.token_ids) == expected
     finally:
         server.stop(0)

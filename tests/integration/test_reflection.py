@@ -41,15 +41,18 @@ CASCADE, HEALTH = "cascade.v1.CascadeService", "grpc.health.v1.Health"
 V1, V1ALPHA = "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"
 ADVERTISED = {CASCADE, HEALTH, V1, V1ALPHA}
 # Each version's own classes: a v1 client has no v1alpha module, and the reverse.
-MESSAGES = {"v1": (reflection.ServerReflectionRequest, reflection.ServerReflectionResponse),
-            "v1alpha": (reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse)}
+MESSAGES = {
+    "v1": (reflection.ServerReflectionRequest, reflection.ServerReflectionResponse),
+    "v1alpha": (reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse),
+}
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 
 
 @pytest.fixture(scope="module")
 def coordinator(tiny_family):
-    cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])), [MaGConfig()], [[4]], 1.5,
-                           Lookup(2, 10))
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])), [MaGConfig()], [[4]], 1.5, Lookup(2, 10)
+    )
     return Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=4))
 
 
@@ -66,9 +69,11 @@ def _info(channel: Any, version: str, requests: tuple[dict[str, Any], ...]) -> A
     """A ServerReflectionInfo call of `version` on a sync or asyncio channel, carrying `requests`
     (each the fields of a request), no key sent."""
     request_class, response_class = MESSAGES[version]
-    info = channel.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-                                 request_serializer=request_class.SerializeToString,
-                                 response_deserializer=response_class.FromString)
+    info = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=request_class.SerializeToString,
+        response_deserializer=response_class.FromString,
+    )
     return info(iter([request_class(**fields) for fields in requests]), timeout=30)
 
 
@@ -90,8 +95,9 @@ async def _ask_aio(channel: grpc.aio.Channel, version: str, *requests: dict[str,
 
 def _files(reply: Any) -> list[descriptor_pb2.FileDescriptorProto]:
     assert reply.WhichOneof("message_response") == "file_descriptor_response", reply
-    return [descriptor_pb2.FileDescriptorProto.FromString(b)
-            for b in reply.file_descriptor_response.file_descriptor_proto]
+    return [
+        descriptor_pb2.FileDescriptorProto.FromString(b) for b in reply.file_descriptor_response.file_descriptor_proto
+    ]
 
 
 def _pool_of(files: list[descriptor_pb2.FileDescriptorProto]) -> descriptor_pool.DescriptorPool:
@@ -115,15 +121,22 @@ def test_reflection_describes_the_service_without_a_key(served, version):
     address, _ = served
     with grpc.insecure_channel(address) as channel:
         listed, api, v1_file, v1alpha_file, by_name, unknown = _ask(
-            channel, version, {"list_services": ""}, {"file_containing_symbol": CASCADE},
-            {"file_containing_symbol": V1}, {"file_containing_symbol": V1ALPHA},
-            {"file_by_filename": "grpc/reflection/v1/reflection.proto"}, {"file_containing_symbol": "no.such.Symbol"})
+            channel,
+            version,
+            {"list_services": ""},
+            {"file_containing_symbol": CASCADE},
+            {"file_containing_symbol": V1},
+            {"file_containing_symbol": V1ALPHA},
+            {"file_by_filename": "grpc/reflection/v1/reflection.proto"},
+            {"file_containing_symbol": "no.such.Symbol"},
+        )
     assert {s.name for s in listed.list_services_response.service} == ADVERTISED
     files = _files(api)
     assert files[0].name == "cascade/v1/cascade.proto"
     generate_request = _pool_of(files).FindMessageTypeByName("cascade.v1.GenerateRequest")
-    assert [(f.name, f.number, f.type) for f in generate_request.fields] == \
-        [(f.name, f.number, f.type) for f in pb.GenerateRequest.DESCRIPTOR.fields]
+    assert [(f.name, f.number, f.type) for f in generate_request.fields] == [
+        (f.name, f.number, f.type) for f in pb.GenerateRequest.DESCRIPTOR.fields
+    ]
     for reply, package in ((v1_file, "grpc.reflection.v1"), (v1alpha_file, "grpc.reflection.v1alpha")):
         [file] = _files(reply)
         assert file.package == package and [s.name for s in file.service] == ["ServerReflection"]
@@ -143,8 +156,11 @@ def test_a_client_built_from_reflection_alone_calls_generate(served):
         method = pool.FindServiceByName(CASCADE).methods_by_name["Generate"]
         request_class = message_factory.GetMessageClass(method.input_type)
         response_class = message_factory.GetMessageClass(method.output_type)
-        generate = channel.unary_unary(f"/{CASCADE}/Generate", request_serializer=request_class.SerializeToString,
-                                       response_deserializer=response_class.FromString)
+        generate = channel.unary_unary(
+            f"/{CASCADE}/Generate",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=response_class.FromString,
+        )
         request = request_class(prompt_token_ids=[5, 6, 7], max_new_tokens=3, temperature=0)
         if key is not None:
             with pytest.raises(grpc.RpcError) as refused:
@@ -174,8 +190,9 @@ def test_an_asyncio_server_serves_both_versions():
     assert asyncio.run(run()) == {"v1": {"x.Only", V1, V1ALPHA}, "v1alpha": {"x.Only", V1, V1ALPHA}}
 
 
-@pytest.mark.parametrize("functions", [GRPC_SERVICER_FUNCTIONS, GRPC_SERVICER_FUNCTIONS[::-1]],
-                         ids=["as-deployed", "reversed"])
+@pytest.mark.parametrize(
+    "functions", [GRPC_SERVICER_FUNCTIONS, GRPC_SERVICER_FUNCTIONS[::-1]], ids=["as-deployed", "reversed"]
+)
 def test_on_rays_proxy_server_v1_is_answered_by_the_proxy_beside_v1alpha(functions):
     grpc_util = pytest.importorskip("ray.serve._private.grpc_util")
     from ray.serve.config import gRPCOptions
@@ -208,10 +225,13 @@ def test_on_rays_proxy_server_v1_is_answered_by_the_proxy_beside_v1alpha(functio
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 answers = {}
                 for version in MESSAGES:
-                    listed, api = await _ask_aio(channel, version, {"list_services": ""},
-                                                 {"file_containing_symbol": CASCADE})
-                    answers[version] = ({s.name for s in listed.list_services_response.service},
-                                        [f.name for f in _files(api)])
+                    listed, api = await _ask_aio(
+                        channel, version, {"list_services": ""}, {"file_containing_symbol": CASCADE}
+                    )
+                    answers[version] = (
+                        {s.name for s in listed.list_services_response.service},
+                        [f.name for f in _files(api)],
+                    )
                 return answers
         finally:
             await server.stop(0)

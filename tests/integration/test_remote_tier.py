@@ -15,11 +15,11 @@ from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.coordinator import Coordinator, Tokenizer
 from cascade_service.core.cascade import Lookup
 from cascade_service.models.hf import load_tokenizer
-from cascade_service.zoo.tiny import random_prompts
 from cascade_service.serving.tier import SubCascade, TierGroup
+from cascade_service.sessions import MemoryStore
 from cascade_service.transport.codec import decode_draft_reply, decode_review_reply
 from cascade_service.transport.remote import RemoteTier
-from cascade_service.sessions import MemoryStore
+from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
 
@@ -33,8 +33,13 @@ def _model(group: TierGroup):
 def _coordinator(family, max_cached: int, log: list):
     tiers = {n: ModelTierConfig(n, str(family[n])) for n in ("target", "close", "mid")}
     servers = {n: TierGroup([t], max_cached_requests=max_cached) for n, t in tiers.items()}
-    cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
-                           [[4, 2, 0], [0, 2, 6], [0, 0, 6]], 1.5, Lookup(2, 10))
+    cascade = make_cascade(
+        tiers["target"],
+        [tiers["close"], tiers["mid"], MaGConfig()],
+        [[4, 2, 0], [0, 2, 6], [0, 0, 6]],
+        1.5,
+        Lookup(2, 10),
+    )
 
     def invoker(name):
         def invoke(method, data):
@@ -42,13 +47,18 @@ def _coordinator(family, max_cached: int, log: list):
             reply = getattr(servers[name], method)(data)
             log.append((name, method, reply))
             return reply
+
         return invoke
 
     tok = load_tokenizer(str(family["target"]))
     coordinator = Coordinator(
-        cascade, Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
-        _model(servers["target"]).vocab_size, frozenset(_model(servers["target"]).eos_token_ids),
-        tiers=lambda rid: {n: RemoteTier(n, rid, invoker(n)) for n in servers}, store=MemoryStore())
+        cascade,
+        Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
+        _model(servers["target"]).vocab_size,
+        frozenset(_model(servers["target"]).eos_token_ids),
+        tiers=lambda rid: {n: RemoteTier(n, rid, invoker(n)) for n in servers},
+        store=MemoryStore(),
+    )
     return coordinator, servers
 
 
@@ -74,8 +84,12 @@ def test_remote_tiers_are_exact_with_and_without_cache_hits(tiny_family, max_cac
 
 def test_remote_sampling_is_reproducible_per_seed(tiny_family):
     coordinator, _ = _coordinator(tiny_family, 256, [])
-    runs = [coordinator.generate(coordinator.params(prompt_ids=PROMPTS[0], max_new_tokens=12, temperature=1.0, seed=s)).token_ids
-            for s in (7, 7, 8)]
+    runs = [
+        coordinator.generate(
+            coordinator.params(prompt_ids=PROMPTS[0], max_new_tokens=12, temperature=1.0, seed=s)
+        ).token_ids
+        for s in (7, 7, 8)
+    ]
     assert runs[0] == runs[1] and len(runs[0]) == 12
 
 
@@ -89,13 +103,26 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
     BigramTable.from_tokens([t for p in random_prompts(20, 30, seed=3) for t in p], 320).save(bigram)
     # target reviews close's system; close reviews mid's; mid reviews MaG: close's whole sub-cascade
     # lies in the group {close, mid} + MaG, so one call drafts close's contribution
-    cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig(bigram=str(bigram))],
-                           [[4, 0, 0], [0, 2, 0], [0, 0, 5]], 2.0)
+    cascade = make_cascade(
+        tiers["target"],
+        [tiers["close"], tiers["mid"], MaGConfig(bigram=str(bigram))],
+        [[4, 0, 0], [0, 2, 0], [0, 0, 5]],
+        2.0,
+    )
     heads = system_heads(cascade, ServingConfig(groups=(("close", "mid"),)))  # the deployment's sub-cascades
-    assert heads == {"close": SubCascade(("close", "mid", "mag"), ((2, 0), (0, 5)), 2.0),
-                     "mid": SubCascade(("mid", "mag"), ((5,),), 2.0)}
-    assert system_heads(make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
-                                      [[4, 2, 0], [0, 2, 0], [0, 0, 5]], 2.0), ServingConfig(groups=(("close",),))) == {}
+    assert heads == {
+        "close": SubCascade(("close", "mid", "mag"), ((2, 0), (0, 5)), 2.0),
+        "mid": SubCascade(("mid", "mag"), ((5,),), 2.0),
+    }
+    assert (
+        system_heads(
+            make_cascade(
+                tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()], [[4, 2, 0], [0, 2, 0], [0, 0, 5]], 2.0
+            ),
+            ServingConfig(groups=(("close",),)),
+        )
+        == {}
+    )
     target = TierGroup([tiers["target"]])
     group = TierGroup([tiers["close"], tiers["mid"]], str(bigram), systems={"close": heads["close"]})
     calls: list[str] = []
@@ -104,16 +131,23 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
         def invoke(method, data):
             calls.append(method)
             return getattr(server, method)(data)
+
         return invoke
 
     tok = load_tokenizer(str(tiny_family["target"]))
     coordinator = Coordinator(
-        cascade, Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
-        target.servers["target"].model.vocab_size, frozenset(target.servers["target"].model.eos_token_ids),
-        tiers=lambda rid: {"target": RemoteTier("target", rid, via(target)),
-                           "close": RemoteTier("close", rid, via(group), system=True),
-                           "mid": RemoteTier("mid", rid, via(group))},
-        store=MemoryStore(), bigram=BigramTable.load(bigram))
+        cascade,
+        Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
+        target.servers["target"].model.vocab_size,
+        frozenset(target.servers["target"].model.eos_token_ids),
+        tiers=lambda rid: {
+            "target": RemoteTier("target", rid, via(target)),
+            "close": RemoteTier("close", rid, via(group), system=True),
+            "mid": RemoteTier("mid", rid, via(group)),
+        },
+        store=MemoryStore(),
+        bigram=BigramTable.load(bigram),
+    )
     for prompt in PROMPTS:
         result = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=20))
         assert result.token_ids == oracle(tiny_family["target"], prompt, 20)
@@ -133,8 +167,14 @@ def test_a_reviewing_tier_with_a_head_must_review_where_its_hidden_states_are(ti
 
     tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}
     adaptive = {"close": AdaptiveLength("specdec", 0.5, "head-dir")}
-    cascade = make_cascade(tiers["target"], [tiers["close"], tiers["mid"], MaGConfig()],
-                           [[4, 0, 0], [0, 2, 0], [0, 0, 5]], 2.0, None, adaptive)
+    cascade = make_cascade(
+        tiers["target"],
+        [tiers["close"], tiers["mid"], MaGConfig()],
+        [[4, 0, 0], [0, 2, 0], [0, 0, 5]],
+        2.0,
+        None,
+        adaptive,
+    )
     with pytest.raises(ConfigError, match="schedule.adaptive.close: a reviewing tier"):
         check_adaptive_reviewers(cascade, ServingConfig())
     check_adaptive_reviewers(cascade, ServingConfig(colocate=("close",)))

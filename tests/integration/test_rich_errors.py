@@ -29,8 +29,12 @@ BUSY = "tier 'mid' is at its queue limit; retry later"
 DOWN = "tier 'mid' unavailable (ActorDiedError); retry the request"
 MISSING = "session_id: session 'gone' not found"
 # prompt -> (code name, message) the fake deployment answers with
-FAILURES = {"bad": ("INVALID_ARGUMENT", BETA), "busy": ("RESOURCE_EXHAUSTED", BUSY),
-            "down": ("UNAVAILABLE", DOWN), "missing": ("NOT_FOUND", MISSING)}
+FAILURES = {
+    "bad": ("INVALID_ARGUMENT", BETA),
+    "busy": ("RESOURCE_EXHAUSTED", BUSY),
+    "down": ("UNAVAILABLE", DOWN),
+    "missing": ("NOT_FOUND", MISSING),
+}
 
 
 class FakeDeployment:
@@ -128,8 +132,14 @@ def test_the_standalone_servers_own_busy_and_unavailable_carry_retry_info():
                 retry = error_details_pb2.RetryInfo()
                 assert [d.Unpack(retry) for d in status.details] == [True]
                 assert retry.retry_delay.ToNanoseconds() == int(RETRY_DELAY_S[code] * 1e9)
-        with CascadeClient(f"127.0.0.1:{port}", timeout_s=30) as client, pytest.raises(errors.ResourceExhausted) as busy:
+        with (
+            CascadeClient(f"127.0.0.1:{port}", timeout_s=30) as client,
+            pytest.raises(errors.ResourceExhausted) as busy,
+        ):
             client.create_session()
-        assert (busy.value.details, busy.value.retry_delay_s) == (BUSY, RETRY_DELAY_S[grpc.StatusCode.RESOURCE_EXHAUSTED])
+        assert (busy.value.details, busy.value.retry_delay_s) == (
+            BUSY,
+            RETRY_DELAY_S[grpc.StatusCode.RESOURCE_EXHAUSTED],
+        )
     finally:
         server.stop(0)

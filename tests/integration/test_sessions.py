@@ -8,7 +8,8 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -166,9 +167,7 @@ def test_sessions_expire_after_ttl_and_append_refreshes_it(make_store):
         store.get(kept.session_id)
 
 
-@pytest.mark.parametrize(
-    "bad_id", ["", "-leading-dash", "_x", "a" * 129, "has space", "a/b", "a*", "é", "ok\n", 7]
-)
+@pytest.mark.parametrize("bad_id", ["", "-leading-dash", "_x", "a" * 129, "has space", "a/b", "a*", "é", "ok\n", 7])
 def test_bad_session_ids_raise_value_error_everywhere(store, bad_id):
     with pytest.raises(ValueError, match="session_id must match"):
         store.create([1], session_id=bad_id)
@@ -340,8 +339,9 @@ def test_an_owner_holds_at_most_its_quota_of_live_sessions(kind, redis_server):
     if kind == "memory":
         store: Any = MemoryStore(ttl_s=1.0, max_sessions_per_owner=2)
     else:
-        store = RedisStore(redis_server.url, namespace=f"quota-{uuid.uuid4().hex[:8]}", ttl_s=1,
-                           max_sessions_per_owner=2)
+        store = RedisStore(
+            redis_server.url, namespace=f"quota-{uuid.uuid4().hex[:8]}", ttl_s=1, max_sessions_per_owner=2
+        )
     alice, bob = "a" * 32, "b" * 32
     first = store.create([1], owner=alice)
     store.create([2], owner=alice)

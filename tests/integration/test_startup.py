@@ -24,17 +24,25 @@ no_gpu = pytest.mark.skipif(GPUS > 0, reason="needs a machine without CUDA devic
 
 
 def _raw(family, drafter_path=None, **drafter):
-    return {"tiers": {"target": {"name": "large", "path": str(family["target"])},
-                      "drafters": [{"name": "base", "path": str(family["mid"])},
-                                   {"name": "small", "path": str(drafter_path or family["close"]), **drafter},
-                                   {"kind": "mag"}]}}
+    return {
+        "tiers": {
+            "target": {"name": "large", "path": str(family["target"])},
+            "drafters": [
+                {"name": "base", "path": str(family["mid"])},
+                {"name": "small", "path": str(drafter_path or family["close"]), **drafter},
+                {"kind": "mag"},
+            ],
+        }
+    }
 
 
 @pytest.fixture
 def no_weights(monkeypatch):
     """Fails the test if any weights load: the checks must come first."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded before the start-up checks failed")
+
     monkeypatch.setattr(hf.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
@@ -43,34 +51,53 @@ def test_a_device_this_machine_lacks_fails_before_any_weights_load(tiny_family, 
     with pytest.raises(ConfigError) as err:
         Engine(config.cascade)
     plural = "" if GPUS == 1 else "s"
-    assert str(err.value) == (f"tiers.drafters[1].device (tier 'small'): cuda:{GPUS + 5} does not exist "
-                              f"(this machine has {GPUS} CUDA device{plural})")
+    assert str(err.value) == (
+        f"tiers.drafters[1].device (tier 'small'): cuda:{GPUS + 5} does not exist "
+        f"(this machine has {GPUS} CUDA device{plural})"
+    )
 
 
 @no_gpu
 def test_cuda_without_a_gpu_fails_naming_the_tier(tiny_family, no_weights):
     raw = _raw(tiny_family)
     raw["tiers"]["target"]["device"] = "cuda"
-    with pytest.raises(ConfigError, match=r"^tiers\.target\.device \(tier 'large'\): cuda does not exist "
-                                          r"\(this machine has 0 CUDA devices\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiers\.target\.device \(tier 'large'\): cuda does not exist "
+        r"\(this machine has 0 CUDA devices\)$",
+    ):
         Engine(parse_config(raw).cascade)
 
 
 def test_a_tier_built_in_code_is_named_by_its_place_in_the_cascade(tiny_family, no_weights):
     from cascade_service.config import MaGConfig, make_cascade
 
-    cascade = make_cascade(ModelTierConfig("t", str(tiny_family["target"])),
-                           [ModelTierConfig("m", str(tiny_family["mid"])),
-                            ModelTierConfig("c", str(tiny_family["close"]), device="cuda:99"), MaGConfig()], None, 1.0)
+    cascade = make_cascade(
+        ModelTierConfig("t", str(tiny_family["target"])),
+        [
+            ModelTierConfig("m", str(tiny_family["mid"])),
+            ModelTierConfig("c", str(tiny_family["close"]), device="cuda:99"),
+            MaGConfig(),
+        ],
+        None,
+        1.0,
+    )
     with pytest.raises(ConfigError, match=r"^tiers\.drafters\[1\]\.device \(tier 'c'\): cuda:99 does not exist"):
         Engine(cascade)
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("dtype", "float64", r"tiers\.drafters\[1\]\.dtype must be one of float32, float16, bfloat16, auto, got 'float64'"),
-    ("device", "gpu", r"tiers\.drafters\[1\]\.device must be cpu, cuda, cuda:N or auto, got 'gpu'"),
-    ("device", "cuda:x", r"tiers\.drafters\[1\]\.device must be cpu, cuda, cuda:N or auto, got 'cuda:x'"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        (
+            "dtype",
+            "float64",
+            r"tiers\.drafters\[1\]\.dtype must be one of float32, float16, bfloat16, auto, got 'float64'",
+        ),
+        ("device", "gpu", r"tiers\.drafters\[1\]\.device must be cpu, cuda, cuda:N or auto, got 'gpu'"),
+        ("device", "cuda:x", r"tiers\.drafters\[1\]\.device must be cpu, cuda, cuda:N or auto, got 'cuda:x'"),
+    ],
+)
 def test_an_unknown_dtype_or_device_is_refused_when_the_config_is_parsed(tiny_family, field, value, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_config(_raw(tiny_family, **{field: value}))
@@ -96,12 +123,20 @@ def _other_token_ids(path):
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (_other_vocab_size, r"a vocabulary of 384 tokens, the target's \(tiers\.target\.path \(tier 'large'\)\) has 320"),
-    (_other_token_ids, r"its tokenizer maps tokens to other ids than the target's"),
-], ids=["config_vocab_size", "tokenizer_ids"])
-def test_a_drafter_with_another_vocabulary_fails_before_any_weights_load(tiny_family, tmp_path, no_weights,
-                                                                         edit, needle):
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (
+            _other_vocab_size,
+            r"a vocabulary of 384 tokens, the target's \(tiers\.target\.path \(tier 'large'\)\) has 320",
+        ),
+        (_other_token_ids, r"its tokenizer maps tokens to other ids than the target's"),
+    ],
+    ids=["config_vocab_size", "tokenizer_ids"],
+)
+def test_a_drafter_with_another_vocabulary_fails_before_any_weights_load(
+    tiny_family, tmp_path, no_weights, edit, needle
+):
     config = parse_config(_raw(tiny_family, _copy(tiny_family, tmp_path, edit)))
     with pytest.raises(ConfigError, match=r"^tiers\.drafters\[1\]\.path \(tier 'small'\): " + needle):
         Engine(config.cascade)
@@ -123,11 +158,14 @@ def test_a_tier_server_refuses_a_device_this_machine_lacks(tiny_family, no_weigh
         TierServer(ModelTierConfig("close", str(tiny_family["close"]), device=f"cuda:{GPUS + 1}"))
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--device", "cuda:7"], "--target.device (tier 'target'): cuda:7 does not exist"),
-    (["--dtype", "float64"], "--target.dtype must be one of"),
-    (["--device", "tpu"], "--target.device must be cpu, cuda, cuda:N or auto"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--device", "cuda:7"], "--target.device (tier 'target'): cuda:7 does not exist"),
+        (["--dtype", "float64"], "--target.dtype must be one of"),
+        (["--device", "tpu"], "--target.device must be cpu, cuda, cuda:N or auto"),
+    ],
+)
 def test_the_cli_reports_a_bad_device_or_dtype_in_one_line(tiny_family, capsys, argv, needle):
     if GPUS > 7 and "cuda:7" in argv:
         pytest.skip("this machine has a cuda:7")
@@ -150,8 +188,11 @@ def test_a_ray_replica_spreads_its_tiers_over_the_gpus_it_was_given():
     assert replica_tier(_tier("cuda:1"), [0, 1], "tier-large-base").device == "cuda:1"
     # With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES every GPU stays visible: Ray's ids are torch's.
     assert replica_tier(_tier("cuda:1"), [2, 5], "tier-large-base").device == "cuda:5"
-    with pytest.raises(ConfigError, match=r"^tiers\.target\.device \(tier 'large'\): cuda:1, but its deployment "
-                                          r"tier-large was given 1 GPU$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^tiers\.target\.device \(tier 'large'\): cuda:1, but its deployment "
+        r"tier-large was given 1 GPU$",
+    ):
         replica_tier(_tier("cuda:1"), [0], "tier-large")
 
 
@@ -162,7 +203,10 @@ def test_a_ray_replica_given_no_gpu_keeps_the_configured_device():
 
 @no_gpu
 def test_a_ray_replica_given_no_gpu_says_which_option_gives_it_one():
-    with pytest.raises(ConfigError, match=r"cuda does not exist \(this machine has 0 CUDA devices\); its deployment "
-                                          r"tier-large was given no GPU "
-                                          r"\(serving\.deployments\.tier-large\.ray_actor_options\.num_gpus\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cuda does not exist \(this machine has 0 CUDA devices\); its deployment "
+        r"tier-large was given no GPU "
+        r"\(serving\.deployments\.tier-large\.ray_actor_options\.num_gpus\)",
+    ):
         replica_tier(_tier("cuda"), [], "tier-large")

@@ -8,9 +8,9 @@ import yaml
 
 from cascade_service.cli import main
 from cascade_service.config import GenerationConfig, load_config
-from cascade_service.engine import Engine
 from cascade_service.core.cascade import Lookup
 from cascade_service.core.schedule import Schedule
+from cascade_service.engine import Engine
 from cascade_service.tune import candidate_grid
 
 
@@ -28,8 +28,10 @@ def test_grid_holds_only_valid_schedules_around_k_star():
 
 def test_tune_writes_a_loadable_config_with_the_measured_best_schedule(tiny_family, tmp_path, capsys):
     config = {
-        "tiers": {"target": {"path": str(tiny_family["target"])},
-                  "drafters": [{"name": "close", "path": str(tiny_family["close"])}, {"kind": "mag"}]},
+        "tiers": {
+            "target": {"path": str(tiny_family["target"])},
+            "drafters": [{"name": "close", "path": str(tiny_family["close"])}, {"kind": "mag"}],
+        },
         "schedule": {"k_matrix": [[2, 0], [0, 4]], "leniency": 1.0},
     }
     source = tmp_path / "in.yaml"
@@ -37,8 +39,10 @@ def test_tune_writes_a_loadable_config_with_the_measured_best_schedule(tiny_fami
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):\n", "class A:\n    x = 1\n"]))
     out = tmp_path / "tuned.yaml"
-    assert main(["tune", "--config", str(source), "--prompts", str(prompts), "--out", str(out),
-                 "--max-new-tokens", "16"]) == 0
+    assert (
+        main(["tune", "--config", str(source), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "16"])
+        == 0
+    )
     err = capsys.readouterr().err
     assert "k* =" in err and "stage 4" in err
     assert out.read_text().startswith("# Tuned by `cascade-service tune`")

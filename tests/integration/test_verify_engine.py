@@ -49,7 +49,7 @@ def test_off_target_count_matches_an_independent_teacher_forced_target(tiny_fami
         sequence = prompt + result.token_ids
         with torch.inference_mode():
             logits = model(torch.tensor([sequence])).logits[0]
-        best = logits[len(prompt) - 1: len(sequence) - 1].argmax(dim=-1).tolist()
+        best = logits[len(prompt) - 1 : len(sequence) - 1].argmax(dim=-1).tolist()
         differs = sum(a != b for a, b in zip(result.token_ids, best))
         assert result.stats.off_target_tokens == differs
         assert result.stats.tv_deviation == pytest.approx(differs)
@@ -59,16 +59,33 @@ def test_off_target_count_matches_an_independent_teacher_forced_target(tiny_fami
 
 
 def test_cli_generate_with_a_lossy_rule_reports_the_accounting(tiny_family, capsys):
-    args = ["generate", "--target", str(tiny_family["target"]), "--drafter", str(tiny_family["mid"]), "mag",
-            "--k-matrix", "[[4,2],[0,4]]", "--prompt", "hello world", "--max-new-tokens", "12", "--json"]
+    args = [
+        "generate",
+        "--target",
+        str(tiny_family["target"]),
+        "--drafter",
+        str(tiny_family["mid"]),
+        "mag",
+        "--k-matrix",
+        "[[4,2],[0,4]]",
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     assert main(args + ["--verify", "token-v3", "--alpha", "0.5"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["verification"] == "token-v3 (alpha 0.5)"
     assert isinstance(stats["off_target_tokens"], int) and stats["tv_deviation"] >= 0
     assert main(args + ["--verify", "lossy", "--alpha", "0.2", "--beta", "tuned"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["verification"] == "lossy (alpha 0.2, beta tuned)"
-    for bad, flag in ((["--verify", "token-v9"], "--verify"), (["--verify", "token-v3", "--alpha", "2"], "--alpha"),
-                      (["--alpha", "0.1"], "--alpha"), (["--verify", "lossy", "--alpha", "0.5", "--beta", "0.1"], "--beta"),
-                      (["--verify", "lossy", "--beta", "x"], "--beta")):
+    for bad, flag in (
+        (["--verify", "token-v9"], "--verify"),
+        (["--verify", "token-v3", "--alpha", "2"], "--alpha"),
+        (["--alpha", "0.1"], "--alpha"),
+        (["--verify", "lossy", "--alpha", "0.5", "--beta", "0.1"], "--beta"),
+        (["--verify", "lossy", "--beta", "x"], "--beta"),
+    ):
         assert main(args + bad) == 2
         assert flag in capsys.readouterr().err

@@ -85,7 +85,11 @@ def test_bigram_table_loads_with_the_zoo_vocabulary(zoo):
 def test_the_same_spec_builds_byte_identical_tokenizer_weights_table_and_prompts(tmp_path):
     base = PRESETS["test"]
     spec = replace(
-        base, corpus_chars=300_000, eval_prompts=1, eval_steps=2, eval_windows=1,
+        base,
+        corpus_chars=300_000,
+        eval_prompts=1,
+        eval_steps=2,
+        eval_windows=1,
         schedule=replace(base.schedule, lm_steps=6, distill_steps=3),
     )
     first = build_zoo(spec, tmp_path / "a", progress=False)

@@ -8,8 +8,10 @@ from cascade_service.core.cascade import Lookup
 
 def _raw(**schedule):
     return {
-        "tiers": {"target": {"name": "large", "path": "/m/large"},
-                  "drafters": [{"name": "base", "path": "/m/base"}, {"kind": "mag"}]},
+        "tiers": {
+            "target": {"name": "large", "path": "/m/large"},
+            "drafters": [{"name": "base", "path": "/m/base"}, {"kind": "mag"}],
+        },
         "schedule": schedule,
     }
 
@@ -23,16 +25,19 @@ def test_lookup_and_schedule_parse_into_objects():
     assert parse_config(_raw()).cascade.lookup is None  # off unless asked for
 
 
-@pytest.mark.parametrize("schedule, needle", [
-    ({"lookup": {"min_match": 0}}, "lookup.min_match"),
-    ({"lookup": {"tokens": 1000}}, "lookup.tokens"),
-    ({"lookup": {"tokens": True}}, "lookup.tokens"),
-    ({"lookup": {"min_len": 2}}, "schedule.lookup.min_len"),
-    ({"lookup": [2, 10]}, "schedule.lookup"),
-    ({"leniency": 0.5}, "schedule.leniency"),
-    ({"k_matrix": [[1, 2], [3, 4]]}, "schedule.k_matrix"),
-    ({"beam": 2}, "schedule.beam"),
-])
+@pytest.mark.parametrize(
+    "schedule, needle",
+    [
+        ({"lookup": {"min_match": 0}}, "lookup.min_match"),
+        ({"lookup": {"tokens": 1000}}, "lookup.tokens"),
+        ({"lookup": {"tokens": True}}, "lookup.tokens"),
+        ({"lookup": {"min_len": 2}}, "schedule.lookup.min_len"),
+        ({"lookup": [2, 10]}, "schedule.lookup"),
+        ({"leniency": 0.5}, "schedule.leniency"),
+        ({"k_matrix": [[1, 2], [3, 4]]}, "schedule.k_matrix"),
+        ({"beam": 2}, "schedule.beam"),
+    ],
+)
 def test_bad_schedule_values_name_their_field(schedule, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         parse_config(_raw(**schedule))
@@ -47,27 +52,39 @@ def test_lookup_without_mag_is_rejected():
 
 def test_serving_section_parses_and_names_bad_fields():
     raw = _raw()
-    raw["serving"] = {"grpc_port": 9100, "redis_url": "redis://127.0.0.1:6379/0", "torch_threads": 1,
-                      "adapt_to_load": True, "load_arms": ["plain", "lookup"],
-                      "deployments": {"tier-large": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}}}
+    raw["serving"] = {
+        "grpc_port": 9100,
+        "redis_url": "redis://127.0.0.1:6379/0",
+        "torch_threads": 1,
+        "adapt_to_load": True,
+        "load_arms": ["plain", "lookup"],
+        "deployments": {"tier-large": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}},
+    }
     serving = parse_config(raw).serving
     assert serving.adapt_to_load and not parse_config(_raw()).serving.adapt_to_load
     assert serving.load_arms == ("plain", "lookup") and parse_config(_raw()).serving.load_arms is None
     grouped = parse_config({**raw, "serving": {"groups": [["large", "base"]], "deployments": {"tier-large-base": {}}}})
     assert grouped.serving.groups == (("large", "base"),)
     assert serving.grpc_port == 9100 and serving.deployments["tier-large"]["num_replicas"] == 2
-    for bad, needle in [({"grpc_port": 0}, "serving.grpc_port"), ({"redis_url": "http://x"}, "serving.redis_url"),
-                        ({"colocate": ["moon"]}, "serving.colocate"), ({"colocate": "large"}, "serving.colocate"),
-                        ({"colocate": ["large"], "deployments": {"tier-large": {}}}, "serving.deployments.tier-large"),
-                        ({"groups": [["base"], ["base"]]}, "serving.groups"), ({"groups": [["mag"]]}, "serving.groups"),
-                        ({"groups": [["large", "base"]], "deployments": {"tier-base": {}}}, "serving.deployments.tier-base"),
-                        ({"deployments": {"tier-huge": {}}}, "serving.deployments.tier-huge"),
-                        ({"deployments": {"coordinator": {"replicas": 2}}}, "serving.deployments.coordinator.replicas"),
-                        ({"session_namespace": "a:b"}, "serving.session_namespace"), ({"port": 1}, "serving.port"),
-                        ({"adapt_to_load": "yes"}, "serving.adapt_to_load"),
-                        ({"load_arms": []}, "serving.load_arms"), ({"load_arms": "plain"}, "serving.load_arms"),
-                        ({"load_arms": ["plain", "plain"]}, "serving.load_arms"),
-                        ({"load_arms": ["greedy"]}, "serving.load_arms")]:
+    for bad, needle in [
+        ({"grpc_port": 0}, "serving.grpc_port"),
+        ({"redis_url": "http://x"}, "serving.redis_url"),
+        ({"colocate": ["moon"]}, "serving.colocate"),
+        ({"colocate": "large"}, "serving.colocate"),
+        ({"colocate": ["large"], "deployments": {"tier-large": {}}}, "serving.deployments.tier-large"),
+        ({"groups": [["base"], ["base"]]}, "serving.groups"),
+        ({"groups": [["mag"]]}, "serving.groups"),
+        ({"groups": [["large", "base"]], "deployments": {"tier-base": {}}}, "serving.deployments.tier-base"),
+        ({"deployments": {"tier-huge": {}}}, "serving.deployments.tier-huge"),
+        ({"deployments": {"coordinator": {"replicas": 2}}}, "serving.deployments.coordinator.replicas"),
+        ({"session_namespace": "a:b"}, "serving.session_namespace"),
+        ({"port": 1}, "serving.port"),
+        ({"adapt_to_load": "yes"}, "serving.adapt_to_load"),
+        ({"load_arms": []}, "serving.load_arms"),
+        ({"load_arms": "plain"}, "serving.load_arms"),
+        ({"load_arms": ["plain", "plain"]}, "serving.load_arms"),
+        ({"load_arms": ["greedy"]}, "serving.load_arms"),
+    ]:
         raw["serving"] = bad
         with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
             parse_config(raw)

@@ -19,100 +19,40 @@ import yaml
 serve_schema = pytest.importorskip("ray.serve.schema")
 from ray.serve.config import AutoscalingConfig  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
+from ..helpers.deploy_files import (  # noqa: E402
+    ACCELERATOR_PREFIX,
+    DEPLOY,
+    ROOT,
+    app_of,
+    cluster_worker_types,
+    deployments_of,
+    field_names,
+    load_yaml,
+    ray_pod_templates,
+    rayservice_worker_groups,
+    redis_objects,
+    requested,
+    serve_configs,
+    validate_model,
+)
+
 DEPLOYMENTS = {"coordinator", "tier-large", "tier-base", "tier-small"}
 IMPORT_PATH = "cascade_service.serving.app:app_builder"
 CASCADE_SERVICER = "cascade_service.api.proxy.add_cascade_service"
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 REFLECTION_SERVICER = "cascade_service.api.reflection.add_reflection_v1"
-ACCELERATOR_PREFIX = "accelerator_type:"  # the resource Ray turns ray_actor_options.accelerator_type into
 REDIS_URL_ENV = "CASCADE_REDIS_URL"
 REDIS_URL_REFERENCE = "${" + REDIS_URL_ENV + "}"  # how every deploy file names the session store
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
-def _load(name: str):
-    return yaml.safe_load((DEPLOY / name).read_text())
-
-
-def _load_all(name: str) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all((DEPLOY / name).read_text()) if doc]
-
-
-def _redis_objects() -> dict[str, dict]:
-    """kuberay/redis.yaml by kind: Deployment, Service, NetworkPolicy."""
-    docs = _load_all("kuberay/redis.yaml")
-    by_kind = {doc["kind"]: doc for doc in docs}
-    assert len(by_kind) == len(docs), "one object of each kind"
-    return by_kind
-
-
-def _ray_pod_templates() -> dict[str, dict]:
-    """RayService pod templates by group: `head` and every worker group."""
-    cluster = _load("kuberay/rayservice.yaml")["spec"]["rayClusterConfig"]
-    return {"head": cluster["headGroupSpec"]["template"],
-            **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}}
-
-
-def _validate(model, raw: dict):
-    # pydantic v2 in current Ray; v1's parse_obj kept for older installs.
-    return model.model_validate(raw) if hasattr(model, "model_validate") else model.parse_obj(raw)
-
-
-def _field_names(model) -> set[str]:
-    fields = getattr(model, "model_fields", None) or model.__fields__
-    return set(fields) | {f.alias for f in fields.values() if getattr(f, "alias", None)}
-
-
-def _serve_configs() -> dict[str, dict]:
-    rayservice = _load("kuberay/rayservice.yaml")
-    return {
-        "serve_config.yaml": _load("serve_config.yaml"),
-        "rayservice serveConfigV2": yaml.safe_load(rayservice["spec"]["serveConfigV2"]),
-    }
-
-
-def _app(config: dict) -> dict:
-    (app,) = config["applications"]
-    return app
-
-
-def _deployments(config: dict) -> dict[str, dict]:
-    return {d["name"]: d for d in _app(config)["deployments"]}
-
-
-def _requested(deployment: dict) -> dict[str, float]:
-    """Ray resources one replica asks for, accelerator_type spelled as Ray schedules it."""
-    options = deployment.get("ray_actor_options", {})
-    wanted = {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
-    if options.get("accelerator_type"):
-        wanted[ACCELERATOR_PREFIX + options["accelerator_type"]] = 0.001
-    return {k: v for k, v in wanted.items() if v}
-
-
-def _cluster_worker_types() -> dict[str, tuple[dict, int]]:
-    """cluster.yaml worker node types -> (resources, max_workers)."""
-    cluster = _load("cluster.yaml")
-    return {name: (spec["resources"], spec.get("max_workers", 0))
-            for name, spec in cluster["available_node_types"].items() if name != cluster["head_node_type"]}
-
-
-def _rayservice_worker_groups() -> dict[str, tuple[dict, int]]:
-    """RayService worker groups -> (resources as Ray's KubeRay autoscaler reads them, maxReplicas)."""
-    from ray.autoscaler._private.kuberay.autoscaling_config import _get_ray_resources_from_group_spec
-
-    groups = _load("kuberay/rayservice.yaml")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    return {g["groupName"]: (_get_ray_resources_from_group_spec(g, is_head=False), g["maxReplicas"]) for g in groups}
-
-
-PLACEMENTS = {"cluster.yaml": _cluster_worker_types, "rayservice worker groups": _rayservice_worker_groups}
+PLACEMENTS = {"cluster.yaml": cluster_worker_types, "rayservice worker groups": rayservice_worker_groups}
 
 
 @pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
 def test_serve_config_parses_with_rays_own_schema(source):
-    config = _serve_configs()[source]
-    parsed = _validate(serve_schema.ServeDeploySchema, config)
+    config = serve_configs()[source]
+    parsed = validate_model(serve_schema.ServeDeploySchema, config)
     assert [app.name for app in parsed.applications] == ["cascade"]
     assert parsed.grpc_options.port == 9000
 
@@ -121,35 +61,37 @@ def test_serve_config_parses_with_rays_own_schema(source):
 def test_serve_config_has_no_keys_ray_would_silently_ignore(source):
     # Ray's schemas ignore unknown keys (forward compatibility), so a typo such as `num_gpu` would pass
     # the schema and then do nothing. Every key must be a field of the model that reads it.
-    config = _serve_configs()[source]
-    checks = [(config, serve_schema.ServeDeploySchema, "top level"),
-              (config["http_options"], serve_schema.HTTPOptionsSchema, "http_options"),
-              (config["grpc_options"], serve_schema.gRPCOptionsSchema, "grpc_options"),
-              (_app(config), serve_schema.ServeApplicationSchema, "application")]
-    for d in _app(config)["deployments"]:
+    config = serve_configs()[source]
+    checks = [
+        (config, serve_schema.ServeDeploySchema, "top level"),
+        (config["http_options"], serve_schema.HTTPOptionsSchema, "http_options"),
+        (config["grpc_options"], serve_schema.gRPCOptionsSchema, "grpc_options"),
+        (app_of(config), serve_schema.ServeApplicationSchema, "application"),
+    ]
+    for d in app_of(config)["deployments"]:
         checks.append((d, serve_schema.DeploymentSchema, d["name"]))
         checks.append((d.get("ray_actor_options", {}), serve_schema.RayActorOptionsSchema, d["name"]))
         checks.append((d.get("autoscaling_config") or {}, AutoscalingConfig, d["name"]))
     for raw, model, where in checks:
-        assert set(raw) <= _field_names(model), f"{source} {where}: unknown {set(raw) - _field_names(model)}"
+        assert set(raw) <= field_names(model), f"{source} {where}: unknown {set(raw) - field_names(model)}"
 
 
 @pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
 def test_both_configs_override_exactly_the_four_deployments_the_app_creates(source):
-    assert set(_deployments(_serve_configs()[source])) == DEPLOYMENTS
+    assert set(deployments_of(serve_configs()[source])) == DEPLOYMENTS
 
 
 def test_rayservice_holds_the_same_application_as_serve_config():
-    local, kube = _serve_configs().values()
-    assert _deployments(kube) == _deployments(local)
+    local, kube = serve_configs().values()
+    assert deployments_of(kube) == deployments_of(local)
     assert kube["grpc_options"] == local["grpc_options"]
     for key in ("name", "import_path", "runtime_env"):
-        assert _app(kube)[key] == _app(local)[key]
+        assert app_of(kube)[key] == app_of(local)[key]
 
 
 @pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
 def test_application_uses_the_builder_and_its_args(source):
-    app = _app(_serve_configs()[source])
+    app = app_of(serve_configs()[source])
     assert app["import_path"] == IMPORT_PATH
     assert set(app["args"]) <= {"config", "redis_url"} and app["args"]["config"].endswith(".yaml")
     assert app["args"]["redis_url"] == REDIS_URL_REFERENCE
@@ -158,7 +100,7 @@ def test_application_uses_the_builder_and_its_args(source):
 
 @pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
 def test_tiers_get_gpus_and_coordinator_gets_none(source):
-    deployments = _deployments(_serve_configs()[source])
+    deployments = deployments_of(serve_configs()[source])
     assert not deployments["coordinator"]["ray_actor_options"].get("num_gpus")
     for tier in ("large", "base", "small"):
         options = deployments[f"tier-{tier}"]["ray_actor_options"]
@@ -170,7 +112,7 @@ def test_every_accelerator_type_is_one_ray_knows(source):
     import ray.util.accelerators as accelerators
 
     known = {v for k, v in vars(accelerators).items() if k.isupper() and isinstance(v, str)}
-    used = {d["ray_actor_options"].get("accelerator_type") for d in _deployments(_serve_configs()[source]).values()}
+    used = {d["ray_actor_options"].get("accelerator_type") for d in deployments_of(serve_configs()[source]).values()}
     assert used - {None} <= known, used - {None} - known
     assert used - {None} == {"H100", "A10G", "L4"}
 
@@ -179,8 +121,8 @@ def test_every_accelerator_type_is_one_ray_knows(source):
 @pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
 def test_every_replica_fits_a_worker_that_offers_its_custom_resources(source, placement):
     workers = PLACEMENTS[placement]()
-    for name, deployment in _deployments(_serve_configs()[source]).items():
-        wanted = _requested(deployment)
+    for name, deployment in deployments_of(serve_configs()[source]).items():
+        wanted = requested(deployment)
         fits = [w for w, (offered, _) in workers.items() if all(offered.get(k, 0) >= v for k, v in wanted.items())]
         assert fits, f"{placement}: no worker type offers {wanted} for {name}"
 
@@ -190,7 +132,7 @@ def test_every_replica_fits_a_worker_that_offers_its_custom_resources(source, pl
 def test_tier_workers_can_hold_max_replicas(source, placement):
     # A tier resource exists only on its own workers, so their total at max size bounds the tier's replicas.
     workers = PLACEMENTS[placement]()
-    for name, deployment in _deployments(_serve_configs()[source]).items():
+    for name, deployment in deployments_of(serve_configs()[source]).items():
         for resource, per_replica in deployment["ray_actor_options"].get("resources", {}).items():
             capacity = sum(offered.get(resource, 0) * most for offered, most in workers.values())
             needed = deployment["autoscaling_config"]["max_replicas"] * per_replica
@@ -202,17 +144,17 @@ def test_cluster_yaml_passes_the_cluster_launchers_schema():
     import ray.autoscaler
 
     schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
-    cluster = _load("cluster.yaml")
+    cluster = load_yaml("cluster.yaml")
     jsonschema.validate(cluster, schema)
     assert cluster["available_node_types"][cluster["head_node_type"]]["resources"].get("GPU", 0) == 0
 
 
 def test_kuberay_gpu_groups_select_the_gpu_product_their_tier_asks_for():
-    groups = _load("kuberay/rayservice.yaml")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    offered = _rayservice_worker_groups()
+    groups = load_yaml("kuberay/rayservice.yaml")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    offered = rayservice_worker_groups()
     for group in groups:
         resources, _ = offered[group["groupName"]]
-        kinds = [k[len(ACCELERATOR_PREFIX):] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
+        kinds = [k[len(ACCELERATOR_PREFIX) :] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
         product = group["template"]["spec"].get("nodeSelector", {}).get("nvidia.com/gpu.product", "")
         gpus = group["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", "0")
         assert [kind in product for kind in kinds] == [True] * len(kinds), (group["groupName"], product)
@@ -220,7 +162,7 @@ def test_kuberay_gpu_groups_select_the_gpu_product_their_tier_asks_for():
 
 
 def test_kuberay_head_exposes_the_grpc_port():
-    spec = _load("kuberay/rayservice.yaml")["spec"]
+    spec = load_yaml("kuberay/rayservice.yaml")["spec"]
     port = yaml.safe_load(spec["serveConfigV2"])["grpc_options"]["port"]
     head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert port in {p["containerPort"] for p in head["ports"]}
@@ -237,7 +179,7 @@ def test_grpc_servicer_functions_are_the_apps_and_import(source):
     """The deploy files register exactly what `serve --frontend ray` registers, and each path imports."""
     from cascade_service.serving.app import GRPC_SERVICER_FUNCTIONS
 
-    grpc_options = _serve_configs()[source]["grpc_options"]
+    grpc_options = serve_configs()[source]["grpc_options"]
     functions = grpc_options["grpc_servicer_functions"]
     assert functions == GRPC_SERVICER_FUNCTIONS
     assert functions == [CASCADE_SERVICER, HEALTH_SERVICER, REFLECTION_SERVICER]
@@ -257,25 +199,28 @@ def test_the_app_config_named_in_args_loads_and_builds_exactly_these_deployments
 
     monkeypatch.setenv("CASCADE_SERVICE_HOME", "/models")
     monkeypatch.setenv(REDIS_URL_ENV, "redis://cascade-redis:6379/0")
-    args = _app(_serve_configs()[source])["args"]
+    args = app_of(serve_configs()[source])["args"]
     assert args["config"].startswith("/app/configs/")
     config = load_config(Path(__file__).parents[2] / "configs" / args["config"].removeprefix("/app/configs/"))
     models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig)]
-    built = {COORDINATOR} | {deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups)}
-    assert built == set(_deployments(_serve_configs()[source]))
+    built = {COORDINATOR} | {
+        deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups)
+    }
+    assert built == set(deployments_of(serve_configs()[source]))
 
 
 # Sessions: one Redis URL, read from the environment, that every kind of cluster sets.
 
+
 def _app_config_raw(source: str) -> dict:
     """The cascade-service config the app's args name, as written in configs/ (no expansion)."""
-    path = _app(_serve_configs()[source])["args"]["config"]
+    path = app_of(serve_configs()[source])["args"]["config"]
     return yaml.safe_load((ROOT / "configs" / path.removeprefix("/app/configs/")).read_text())
 
 
 @pytest.mark.parametrize("source", ["serve_config.yaml", "rayservice serveConfigV2"])
 def test_the_app_and_its_config_read_the_redis_url_from_the_environment(source):
-    assert _app(_serve_configs()[source])["args"]["redis_url"] == REDIS_URL_REFERENCE
+    assert app_of(serve_configs()[source])["args"]["redis_url"] == REDIS_URL_REFERENCE
     assert _app_config_raw(source)["serving"]["redis_url"] == REDIS_URL_REFERENCE
 
 
@@ -284,7 +229,7 @@ def test_the_app_builder_binds_the_url_the_environment_gives(source, monkeypatch
     from cascade_service.config import ConfigError
     from cascade_service.serving.app import app_builder
 
-    args = dict(_app(_serve_configs()[source])["args"])
+    args = dict(app_of(serve_configs()[source])["args"])
     args["config"] = str(ROOT / "configs" / args["config"].removeprefix("/app/configs/"))
     monkeypatch.setenv("CASCADE_SERVICE_HOME", "/models")
     monkeypatch.setenv(REDIS_URL_ENV, "redis://sessions.example:6380/2")
@@ -297,10 +242,10 @@ def test_the_app_builder_binds_the_url_the_environment_gives(source, monkeypatch
 
 
 def test_every_ray_pod_gets_the_redis_url_of_the_redis_service():
-    redis = _redis_objects()
+    redis = redis_objects()
     service, pod = redis["Service"]["spec"], redis["Deployment"]["spec"]["template"]
     (port,) = service["ports"]
-    for group, template in _ray_pod_templates().items():
+    for group, template in ray_pod_templates().items():
         ray_container = template["spec"]["containers"][0]  # the one KubeRay runs `ray start` in
         env = {e["name"]: e.get("value") for e in ray_container.get("env", [])}
         url = urlsplit(env.get(REDIS_URL_ENV) or "")
@@ -314,7 +259,7 @@ def test_every_ray_pod_gets_the_redis_url_of_the_redis_service():
 
 
 def test_the_redis_deployment_selects_its_pods_and_the_network_policy_admits_ray_pods():
-    redis = _redis_objects()
+    redis = redis_objects()
     labels = redis["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert redis["Deployment"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert redis["Deployment"]["spec"]["replicas"] == 1  # sessions live in one instance
@@ -327,7 +272,7 @@ def test_the_redis_deployment_selects_its_pods_and_the_network_policy_admits_ray
 
 
 def test_cluster_launcher_containers_get_a_redis_url_every_node_can_reach():
-    options = _load("cluster.yaml")["docker"]["run_options"]
+    options = load_yaml("cluster.yaml")["docker"]["run_options"]
     urls = [o.split("=", 1)[1] for o in options if re.match(rf"(--env|-e)[ =]{REDIS_URL_ENV}=", o)]
     assert len(urls) == 1, options
     url = urlsplit(urls[0])
@@ -354,10 +299,16 @@ K8S_VERSIONS = ["1.28", "latest"]
 
 
 def _k8s_objects() -> dict[str, dict]:
-    objects = {f"rayservice {group}": {"apiVersion": "v1", "kind": "PodTemplate",
-                                       "metadata": {"name": f"cascade-{group}"}, "template": template}
-               for group, template in _ray_pod_templates().items()}
-    return objects | {f"redis.yaml {kind}": doc for kind, doc in _redis_objects().items()}
+    objects = {
+        f"rayservice {group}": {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": f"cascade-{group}"},
+            "template": template,
+        }
+        for group, template in ray_pod_templates().items()
+    }
+    return objects | {f"redis.yaml {kind}": doc for kind, doc in redis_objects().items()}
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -372,12 +323,12 @@ def test_kubernetes_objects_validate_against_the_api_schema(name, version):
 def test_kubernetes_validation_catches_a_wrong_pod_template():
     import kubernetes_validate
 
-    template = copy.deepcopy(_ray_pod_templates()["head"])
+    template = copy.deepcopy(ray_pod_templates()["head"])
     template["spec"]["containers"][0]["ports"][0]["containerPort"] = "9000"  # a string, not a port
     bad = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "bad"}, "template": template}
     with pytest.raises(kubernetes_validate.ValidationError, match="is not of type 'integer'"):
         kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
-    template = copy.deepcopy(_ray_pod_templates()["cpu"])
+    template = copy.deepcopy(ray_pod_templates()["cpu"])
     template["spec"]["containers"][0]["envv"] = []  # a typo kubectl would drop or refuse
     bad["template"] = template
     with pytest.raises(kubernetes_validate.ValidationError, match="'envv' was unexpected"):
@@ -386,7 +337,7 @@ def test_kubernetes_validation_catches_a_wrong_pod_template():
 
 def test_every_ray_pod_that_hosts_replicas_mounts_the_model_zoo():
     # Coordinators read the target's tokenizer and MaG's bigram table; tiers read their weights.
-    for group, template in _ray_pod_templates().items():
+    for group, template in ray_pod_templates().items():
         if group == "head":
             continue  # num-cpus 0: no replicas
         mounts = {m["mountPath"]: m["name"] for m in template["spec"]["containers"][0].get("volumeMounts", [])}

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cascade_service.core import review as review_module
-from cascade_service.core.local import local_tiers
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
+from cascade_service.core.local import local_tiers
 from cascade_service.core.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.schedule import Schedule
@@ -36,15 +36,26 @@ def _tiers(target_dtype=torch.float32, drafter_dtype=torch.float32):
     return target, base, small
 
 
-def _sample_cascade(drafter_names, k_matrix, leniency, sampling, samples=SAMPLES, seed=0, lookup=None,
-                    dtypes=(torch.float32, torch.float32), wire=False):
+def _sample_cascade(
+    drafter_names,
+    k_matrix,
+    leniency,
+    sampling,
+    samples=SAMPLES,
+    seed=0,
+    lookup=None,
+    dtypes=(torch.float32, torch.float32),
+    wire=False,
+):
     target, base, small = _tiers(*dtypes)
     models = {"base": base, "small": small}
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
     schedule = Schedule.parse(k_matrix, drafter_names)
     counts: Counter = Counter()
     for i in range(samples):
-        state = RequestState(sampling, torch.Generator().manual_seed(seed * 1_000_003 + i), CascadeStats("target"), VOCAB)
+        state = RequestState(
+            sampling, torch.Generator().manual_seed(seed * 1_000_003 + i), CascadeStats("target"), VOCAB
+        )
         drafters = [MaxGram(bigram) if n == "mag" else models[n] for n in drafter_names]
         top, below = local_tiers(VOCAB, target, drafters)
         if wire:  # every tier behind the wire codec, as a remote tier is
@@ -77,8 +88,9 @@ def test_cascade_output_distribution_equals_target_distribution(case, sampling):
 def test_the_distribution_is_exact_through_the_wire_codec(case):
     # Drafts' rows, seeds and verdicts cross as bytes (transport.codec) and the output is still the target's.
     names, k, leniency, *lookup = CASES[case]
-    counts, expected = _sample_cascade(names, k, leniency, SamplingParams(1.0), lookup=lookup[0] if lookup else None,
-                                       wire=True)
+    counts, expected = _sample_cascade(
+        names, k, leniency, SamplingParams(1.0), lookup=lookup[0] if lookup else None, wire=True
+    )
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 
@@ -88,14 +100,17 @@ def test_the_wire_codec_changes_no_sampled_token():
     names, k, leniency, lookup = CASES["csd_base_mag_lookup"]
     for seed in range(3):
         here, _ = _sample_cascade(names, k, leniency, SamplingParams(1.0), samples=20, seed=seed, lookup=lookup)
-        wired, _ = _sample_cascade(names, k, leniency, SamplingParams(1.0), samples=20, seed=seed, lookup=lookup,
-                                   wire=True)
+        wired, _ = _sample_cascade(
+            names, k, leniency, SamplingParams(1.0), samples=20, seed=seed, lookup=lookup, wire=True
+        )
         assert here == wired
 
 
 # Invariant 6: each tier computes in its own dtype (logits in it), every review in float32.
-DTYPES = {"target_bf16_drafters_f32": (torch.bfloat16, torch.float32),
-          "target_f32_drafters_bf16": (torch.float32, torch.bfloat16)}
+DTYPES = {
+    "target_bf16_drafters_f32": (torch.bfloat16, torch.float32),
+    "target_f32_drafters_bf16": (torch.float32, torch.bfloat16),
+}
 
 
 @pytest.mark.parametrize("dtypes", sorted(DTYPES))
@@ -118,7 +133,7 @@ def test_greedy_output_is_the_targets_argmax_path_with_mixed_dtypes(dtypes):
         greedy.append(int(target.row(greedy).argmax()))
     names, k, leniency = CASES["csd_base_small_mag_lenient"]
     counts, _ = _sample_cascade(names, k, leniency, SamplingParams(0.0), samples=5, dtypes=DTYPES[dtypes])
-    assert counts == Counter({tuple(greedy[len(PROMPT):]): 5})
+    assert counts == Counter({tuple(greedy[len(PROMPT) :]): 5})
 
 
 def test_distribution_check_detects_a_one_token_bias():
@@ -143,7 +158,7 @@ def test_reviewing_against_inner_reviewer_probs_is_detected(monkeypatch):
     # The pitfall the design warns about: with leniency > 1, passing the inner reviewer's own
     # distribution upward (instead of the reviewed mixture) biases the output. The check must see it.
     monkeypatch.setattr(review_module, "reviewed_proposal", lambda target_probs, draft_probs, leniency: target_probs)
-    names, k, leniency = CASES["csd_base_small_mag_lenient"]
+    names, k, _ = CASES["csd_base_small_mag_lenient"]
     counts, expected = _sample_cascade(names, k, 3.0, SamplingParams(1.0))
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert rejects, f"the biased cascade passed (chi-square {stat:.1f} <= {crit:.1f})"
@@ -162,4 +177,4 @@ def test_a_vanishing_temperature_samples_the_greedy_continuation(temperature):
     greedy = list(PROMPT)
     for _ in range(LENGTH):
         greedy.append(int(target.row(greedy).argmax()))
-    assert counts == Counter({tuple(greedy[len(PROMPT):]): 20})
+    assert counts == Counter({tuple(greedy[len(PROMPT) :]): 20})

@@ -34,7 +34,7 @@ def _final_stage() -> list[dict]:
     """Instructions after the last FROM: what the image is made of."""
     structure = [i for i in _dockerfile().structure if i["instruction"] != "COMMENT"]
     last_from = max(n for n, i in enumerate(structure) if i["instruction"] == "FROM")
-    return structure[last_from + 1:]
+    return structure[last_from + 1 :]
 
 
 def _only(instruction: str) -> str:
@@ -53,8 +53,11 @@ def _pyproject() -> dict:
 def _requirement(name: str) -> Requirement:
     project = _pyproject()["project"]
     # The image installs the dependencies and the [serve] extra (Ray, Redis): what the cluster runs.
-    (found,) = [r for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["serve"])
-                if r.name == name]
+    (found,) = [
+        r
+        for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["serve"])
+        if r.name == name
+    ]
     return found
 
 
@@ -98,23 +101,33 @@ def _run_with_stub_pip(script: str, tmp_path: Path, **env: str) -> tuple[int, li
     """Run one RUN step under sh with `pip` recording its arguments: (exit status, pip argv, -r file)."""
     stubs = tmp_path / "bin"
     stubs.mkdir(exist_ok=True)
-    (stubs / "pip").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$PIP_LOG"\nprev=\n'
-                               'for a in "$@"; do [ "$prev" = -r ] && cp "$a" "$PIP_LOG.r"; prev=$a; done\n')
+    (stubs / "pip").write_text(
+        '#!/bin/sh\nprintf "%s\\n" "$@" > "$PIP_LOG"\nprev=\n'
+        'for a in "$@"; do [ "$prev" = -r ] && cp "$a" "$PIP_LOG.r"; prev=$a; done\n'
+    )
     (stubs / "pip").chmod(0o755)
     (stubs / "python").symlink_to(sys.executable)
     log = tmp_path / "pip.log"
-    result = subprocess.run(["sh", "-c", script], env={**os.environ, **env, "PATH": f"{stubs}:{os.environ['PATH']}",
-                                                       "PIP_LOG": str(log)}, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        ["sh", "-c", script],
+        env={**os.environ, **env, "PATH": f"{stubs}:{os.environ['PATH']}", "PIP_LOG": str(log)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     argv = log.read_text().splitlines() if log.exists() else []
     requirements = (tmp_path / "pip.log.r").read_text() if (tmp_path / "pip.log.r").exists() else ""
     return result.returncode, argv, requirements
 
 
-@pytest.mark.parametrize("variant, index", [
-    ("cuda", None),  # PyPI's own Linux wheel is the CUDA build
-    ("cpu", "https://download.pytorch.org/whl/cpu"),
-    ("cu128", "https://download.pytorch.org/whl/cu128"),
-])
+@pytest.mark.parametrize(
+    "variant, index",
+    [
+        ("cuda", None),  # PyPI's own Linux wheel is the CUDA build
+        ("cpu", "https://download.pytorch.org/whl/cpu"),
+        ("cu128", "https://download.pytorch.org/whl/cu128"),
+    ],
+)
 def test_torch_variant_picks_the_wheel_index(variant, index, tmp_path):
     args = _dockerfile().args
     assert args["TORCH_VARIANT"] == "cuda", "the deploy files run the tiers on GPUs"
@@ -166,6 +179,7 @@ def test_the_tools_cluster_managers_run_in_the_container_are_installed():
 
 # The build context.
 
+
 def _ignore_regex(pattern: str) -> re.Pattern:
     """A .dockerignore pattern as a regex (Go's filepath.Match, plus `**` for any number of directories)."""
     out, i = "", 0
@@ -178,7 +192,7 @@ def _ignore_regex(pattern: str) -> re.Pattern:
             out, i = out + ("[^/]*" if pattern[i] == "*" else "[^/]"), i + 1
         elif pattern[i] == "[":
             end = pattern.index("]", i)
-            out, i = out + pattern[i:end + 1], end + 1
+            out, i = out + pattern[i : end + 1], end + 1
         else:
             out, i = out + re.escape(pattern[i]), i + 1
     return re.compile(out)
@@ -207,24 +221,34 @@ def test_everything_the_dockerfile_copies_is_in_the_build_context():
     assert {"pyproject.toml", "README.md", "cascade_service", "configs"} <= set(sources)
     for source in sources:
         path = ROOT / source
-        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        files = (
+            [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        )
         assert files, source
         for file in files:
             assert not _ignored(file.relative_to(ROOT).as_posix()), file
 
 
 def test_the_build_context_leaves_out_the_checkouts_other_contents():
-    for path in (".git/HEAD", ".venv/bin/python", "tests/unit/test_image.py", "deploy/cluster.yaml",
-                 "cascade_service/__pycache__/cli.cpython-311.pyc", "cascade_service.egg-info/PKG-INFO"):
+    for path in (
+        ".git/HEAD",
+        ".venv/bin/python",
+        "tests/unit/test_image.py",
+        "deploy/cluster.yaml",
+        "cascade_service/__pycache__/cli.cpython-311.pyc",
+        "cascade_service.egg-info/PKG-INFO",
+    ):
         assert _ignored(path), path
 
 
 # One image name everywhere.
 
+
 def _images(node) -> list[str]:
     if isinstance(node, dict):
-        return [v for k, v in node.items() if k == "image" and isinstance(v, str)] + \
-            [i for v in node.values() for i in _images(v)]
+        return [v for k, v in node.items() if k == "image" and isinstance(v, str)] + [
+            i for v in node.values() for i in _images(v)
+        ]
     return [i for v in node for i in _images(v)] if isinstance(node, list) else []
 
 

@@ -68,5 +68,6 @@ def test_nothing_unpickles_or_evaluates_data():
                 bare = isinstance(func, ast.Name) or owner == "builtins"  # `module.eval()` is torch's eval mode
                 assert not (bare and name in UNSAFE_CALLS), f"{rel}:{node.lineno} calls {name}"
                 assert not (owner == "torch" and name == "load"), f"{rel}:{node.lineno} calls torch.load (pickle)"
-                assert not (owner == "yaml" and name in ("load", "unsafe_load", "full_load")), \
+                assert not (owner == "yaml" and name in ("load", "unsafe_load", "full_load")), (
                     f"{rel}:{node.lineno} calls yaml.{name}; use yaml.safe_load"
+                )

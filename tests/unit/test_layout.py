@@ -27,5 +27,6 @@ def test_no_test_module_imports_another():
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ImportFrom) and node.module:
                 last = node.module.split(".")[-1]
-                assert not last.startswith("test_"), \
+                assert not last.startswith("test_"), (
                     f"{path.relative_to(ROOT)} imports from test module {node.module}; share it through tests/helpers"
+                )

@@ -8,15 +8,16 @@ import random
 import pytest
 
 from cascade_service.config import ConfigError
-from cascade_service.scheduling.load import DraftBudget, LoadModel, PassTimer, expected_tokens
+from cascade_service.scheduling.load import DraftBudget, LoadModel, expected_tokens
+from cascade_service.scheduling.passes import PassTimer
 from cascade_service.scheduling.trial import ARMS, ArmTrial
-
 
 BUDGET = ("budget",)  # the cost model alone decides (no trial of arms)
 
 
-def _timer(fixed_s: float, per_token_s: float, batch: int, per_request_s: float = 0.0,
-           rows: tuple[int, ...] = (1, 1, 2, 1)) -> PassTimer:
+def _timer(
+    fixed_s: float, per_token_s: float, batch: int, per_request_s: float = 0.0, rows: tuple[int, ...] = (1, 1, 2, 1)
+) -> PassTimer:
     """Passes of `batch` requests (one of `batch - 1`, so the per-request part can be fitted), every row
     of a pass as long as the next entry of `rows`."""
     timer = PassTimer(min_passes=4)
@@ -58,7 +59,9 @@ def test_stop_speculating_when_the_batch_makes_passes_compute_bound():
     assert model.best_block(0.95, 6, draft_s_per_token=0.0001) == 0
     # The same load, but the others verify 4-token rows: a plain step would be padded to 4 anyway, so
     # good drafts pay, up to the longest row that still joins their passes.
-    drafting = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64, rows=(4, 4, 4, 4)), max_block=6, arms=BUDGET)
+    drafting = LoadModel(
+        _timer(fixed_s=0.020, per_token_s=0.0005, batch=64, rows=(4, 4, 4, 4)), max_block=6, arms=BUDGET
+    )
     assert 3 <= drafting.best_block(0.95, 6, draft_s_per_token=0.0001) <= 5  # 6 drafts no longer join
     assert drafting.timer.row_seconds(1) == pytest.approx(drafting.timer.row_seconds(4))
 
@@ -148,7 +151,7 @@ def test_a_pass_is_charged_to_its_rows_by_the_fitted_cost():
 def test_the_compute_clock_is_per_thread():
     import threading
 
-    from cascade_service.scheduling.load import charge, charged
+    from cascade_service.scheduling.passes import charge, charged
 
     start = charged()
     charge(0.25)
@@ -169,6 +172,7 @@ def test_a_row_is_priced_as_the_batcher_would_treat_it():
         timer.record(requests, requests * n, fixed + per_token * requests * n, n)
     cost = timer.cost()
     assert cost.fixed_s == pytest.approx(fixed) and cost.per_token_s == pytest.approx(per_token)
+
     # Each pass less one average row is what the others bring; the batcher would join a row of n
     # tokens to 16 (or 15) rows of 21 and pad it to 21 (16 x 21 <= 1.5 x (15 x 21 + n)); the one-row
     # pass was this request's own, so there the row runs alone.
@@ -193,8 +197,9 @@ class _Clock:
         return self.t
 
 
-def _closed_loop(trial: ArmTrial, clock: _Clock, streams: int, speed: dict[str, tuple[int, float]],
-                 seconds: float) -> dict[str, int]:
+def _closed_loop(
+    trial: ArmTrial, clock: _Clock, streams: int, speed: dict[str, tuple[int, float]], seconds: float
+) -> dict[str, int]:
     """`streams` requests that start a round as soon as their last one ends; a round under arm a commits
     speed[a][0] tokens in speed[a][1] seconds (+-30%, seeded). Returns the rounds run under each arm."""
     rng = random.Random(7)
@@ -305,8 +310,13 @@ def test_the_ray_coordinator_tries_every_arm_but_the_cost_model():
     from cascade_service.core.cascade import Lookup
     from cascade_service.serving.app import _load_budgets
 
-    cascade = make_cascade(ModelTierConfig("large", "/m/large"), [ModelTierConfig("small", "/m/small"), MaGConfig()],
-                           [[3, 1], [0, 2]], 1.0, Lookup(2, 12))
+    cascade = make_cascade(
+        ModelTierConfig("large", "/m/large"),
+        [ModelTierConfig("small", "/m/small"), MaGConfig()],
+        [[3, 1], [0, 2]],
+        1.0,
+        Lookup(2, 12),
+    )
     budget = _load_budgets(cascade)()
     # The coordinator cannot charge remote drafters' passes, so the cost model's arm is left out.
     assert budget.model.trial.arms == ("full", "lookup", "plain") and budget.model.max_block == 12

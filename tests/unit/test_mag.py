@@ -1,5 +1,6 @@
 """MaG (paper §3): longest suffix, earliest occurrence, virtual extension, bigram fill; bounded cost."""
 
+import itertools
 import json
 import random
 from collections import Counter
@@ -197,7 +198,7 @@ def test_bigram_counts_across_chunks_match_a_counter(monkeypatch):
     monkeypatch.setattr(mag, "_CHUNK", 7)  # pairs straddle chunk edges and merges happen often
     rng = random.Random(1)
     stream = [rng.randrange(6) for _ in range(500)]
-    counts = Counter(zip(stream, stream[1:]))
+    counts = Counter(itertools.pairwise(stream))
     table = BigramTable.from_tokens(iter(stream), 6)
     for prev in range(6):
         best = min(((-c, nxt) for (p, nxt), c in counts.items() if p == prev), default=None)

@@ -16,9 +16,9 @@ import torch
 
 from cascade_service.core import placement
 from cascade_service.core import sampling as sampling_module
-from cascade_service.core.local import local_tiers
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
+from cascade_service.core.local import local_tiers
 from cascade_service.core.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.schedule import Schedule
@@ -51,16 +51,23 @@ MODES = {
 }
 
 
-def _decode(devices: dict[str, str], sampling: SamplingParams, verification: Verification, seed: int,
-            lookup: Lookup | None = None) -> list[int]:
+def _decode(
+    devices: dict[str, str],
+    sampling: SamplingParams,
+    verification: Verification,
+    seed: int,
+    lookup: Lookup | None = None,
+) -> list[int]:
     target = ToyScorer("target", VOCAB, seed=1, device=devices["target"])
     base = ToyScorer("base", VOCAB, seed=2, base=target, noise=1.5, device=devices["base"])
     small = ToyScorer("small", VOCAB, seed=3, base=target, noise=3.0, device=devices["small"])
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
-    state = RequestState(sampling, torch.Generator().manual_seed(seed), CascadeStats("target"), VOCAB,
-                         verification=verification)
-    system = build_cascade(*local_tiers(VOCAB, target, [base, small, MaxGram(bigram)]), Schedule.parse(K_MATRIX, NAMES), 2.0, state,
-                           lookup)
+    state = RequestState(
+        sampling, torch.Generator().manual_seed(seed), CascadeStats("target"), VOCAB, verification=verification
+    )
+    system = build_cascade(
+        *local_tiers(VOCAB, target, [base, small, MaxGram(bigram)]), Schedule.parse(K_MATRIX, NAMES), 2.0, state, lookup
+    )
     return [t for chunk in decode(system, PROMPT, LENGTH, state) for t in chunk]
 
 
@@ -87,12 +94,14 @@ def test_the_check_refuses_what_cuda_refuses():
     with VirtualDevices():
         on_gpu = torch.full((2, VOCAB), 0.25, device="cuda:0")
         on_cpu = torch.full((2, VOCAB), 0.25)
-        for fault in (lambda: torch.multinomial(on_gpu[0], 1, generator=torch.Generator()),
-                      lambda: torch.rand(2, generator=torch.Generator(device="cuda:0")),
-                      lambda: torch.cat([on_cpu, on_gpu]),
-                      lambda: on_gpu - on_cpu,
-                      lambda: on_gpu.to("cuda:1") * on_gpu,
-                      lambda: on_gpu.numpy()):
+        for fault in (
+            lambda: torch.multinomial(on_gpu[0], 1, generator=torch.Generator()),
+            lambda: torch.rand(2, generator=torch.Generator(device="cuda:0")),
+            lambda: torch.cat([on_cpu, on_gpu]),
+            lambda: on_gpu - on_cpu,
+            lambda: on_gpu.to("cuda:1") * on_gpu,
+            lambda: on_gpu.numpy(),
+        ):
             with pytest.raises(DeviceMismatch):
                 fault()
         assert device_of(on_gpu.cpu() - on_cpu) == "cpu" and str(on_gpu.device) == "cuda:0"
@@ -100,7 +109,9 @@ def test_the_check_refuses_what_cuda_refuses():
 
 def test_the_check_catches_a_request_generator_used_on_another_device(monkeypatch):
     # The fault before placement: every draw used the request's CPU generator, wherever the logits were.
-    same = lambda source, device: source
+    def same(source, device):
+        return source
+
     monkeypatch.setattr(placement, "generator_for", same)
     monkeypatch.setattr(sampling_module, "generator_for", same)
     with VirtualDevices(), pytest.raises(DeviceMismatch, match="generator"):

@@ -49,12 +49,15 @@ def test_a_loopback_listener_is_found_with_its_owner_and_its_tree(child):
     assert listener_tree_rss(port) is None
 
 
-@pytest.mark.parametrize("hex_addr, address", [
-    ("0100007F", "127.0.0.1"),  # /proc/net/tcp: one little-endian word
-    ("00000000000000000000000001000000", "::1"),  # /proc/net/tcp6: four of them
-    ("0000000000000000FFFF00000100007F", "::ffff:127.0.0.1"),  # how gRPC's dual-stack loopback shows
-    ("00000000000000000000000000000000", "::"),
-])
+@pytest.mark.parametrize(
+    "hex_addr, address",
+    [
+        ("0100007F", "127.0.0.1"),  # /proc/net/tcp: one little-endian word
+        ("00000000000000000000000001000000", "::1"),  # /proc/net/tcp6: four of them
+        ("0000000000000000FFFF00000100007F", "::ffff:127.0.0.1"),  # how gRPC's dual-stack loopback shows
+        ("00000000000000000000000000000000", "::"),
+    ],
+)
 def test_proc_net_addresses_are_read_word_by_word(hex_addr, address):
     assert procfs._host(hex_addr) == ipaddress.ip_address(address)
 
@@ -67,10 +70,19 @@ def test_a_vanished_process_reads_as_nothing(child):
     assert "time.sleep" in procfs.command(child)
 
 
-@pytest.mark.parametrize("address, loopback", [
-    ("127.0.0.1", True), ("127.3.2.1", True), ("::1", True), ("::ffff:127.0.0.1", True),
-    ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("::ffff:10.0.0.5", False),
-])
+@pytest.mark.parametrize(
+    "address, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("::ffff:10.0.0.5", False),
+    ],
+)
 def test_loopback_includes_ipv4_mapped_loopback_and_nothing_else(address, loopback):
     assert procfs.is_loopback(ipaddress.ip_address(address)) is loopback
 
@@ -78,6 +90,10 @@ def test_loopback_includes_ipv4_mapped_loopback_and_nothing_else(address, loopba
 def test_only_listeners_beyond_loopback_are_reported():
     # Servers here may bind loopback only, so wildcard listeners are stood in for, not opened.
     me = os.getpid()
-    found = [(ipaddress.ip_address("127.0.0.1"), 1001, me), (ipaddress.ip_address("0.0.0.0"), 1002, me),
-             (ipaddress.ip_address("::ffff:127.0.0.1"), 1003, me), (ipaddress.ip_address("::"), 1004, me)]
+    found = [
+        (ipaddress.ip_address("127.0.0.1"), 1001, me),
+        (ipaddress.ip_address("0.0.0.0"), 1002, me),
+        (ipaddress.ip_address("::ffff:127.0.0.1"), 1003, me),
+        (ipaddress.ip_address("::"), 1004, me),
+    ]
     assert procfs.beyond_loopback(found) == [("0.0.0.0", 1002, procfs.command(me)), ("::", 1004, procfs.command(me))]

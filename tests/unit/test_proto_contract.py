@@ -32,8 +32,14 @@ def described() -> descriptor_pb2.FileDescriptorProto:
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.pb"
-        args = ["protoc", f"-I{PROTO.parents[2]}", f"-I{include}", "--include_source_info",
-                f"--descriptor_set_out={out}", "cascade/v1/cascade.proto"]
+        args = [
+            "protoc",
+            f"-I{PROTO.parents[2]}",
+            f"-I{include}",
+            "--include_source_info",
+            f"--descriptor_set_out={out}",
+            "cascade/v1/cascade.proto",
+        ]
         assert protoc.main(args) == 0
         files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     return files.file[0]
@@ -57,27 +63,33 @@ def test_every_request_field_and_every_rpc_is_documented(described):
             if message.name in REQUESTS and not comments.get((4, m, 2, f), "").strip():
                 undocumented.append(f"{message.name}.{field.name}")
     # GetSession/DeleteSession's lone session_id is self-explanatory; everything else says its rule.
-    assert set(undocumented) <= {"GetSessionRequest.session_id", "DeleteSessionRequest.session_id",
-                                 "Verification.rule"}, undocumented
+    assert set(undocumented) <= {
+        "GetSessionRequest.session_id",
+        "DeleteSessionRequest.session_id",
+        "Verification.rule",
+    }, undocumented
     service = described.service[0]
     for i, method in enumerate(service.method):
         assert comments.get((6, 0, 2, i), "").strip() or method.name.endswith("Session"), method.name
 
 
-@pytest.mark.parametrize("phrase", [
-    f"max_new_tokens = 4; in [1, {request.MAX_NEW_TOKENS}]",
-    f"temperature = 5; in [0, {request.MAX_TEMPERATURE:g}]",
-    "top_p = 6; in (0, 1]",
-    "seed = 7; in [0, 2^63)",
-    f"At most {request.MAX_STOP_STRINGS}, each non-empty and at most {request.MAX_STOP_CHARS} characters",
-    f"The prompt is at most {coordinator.MAX_PROMPT_TOKENS:,} tokens",
-    "prompt (text) or prompt_token_ids, never both",
-    f"Session ids match {store.SESSION_ID_PATTERN}",
-    f"a session holds at most {store.MAX_SESSION_TOKENS:,} tokens",
-    "outside (0, 1), or when no tier of the cascade has an acceptance head",
-    "every int64 here is a count that stays below 2^53",
-    "grpc.reflection.v1 and v1alpha",
-])
+@pytest.mark.parametrize(
+    "phrase",
+    [
+        f"max_new_tokens = 4; in [1, {request.MAX_NEW_TOKENS}]",
+        f"temperature = 5; in [0, {request.MAX_TEMPERATURE:g}]",
+        "top_p = 6; in (0, 1]",
+        "seed = 7; in [0, 2^63)",
+        f"At most {request.MAX_STOP_STRINGS}, each non-empty and at most {request.MAX_STOP_CHARS} characters",
+        f"The prompt is at most {coordinator.MAX_PROMPT_TOKENS:,} tokens",
+        "prompt (text) or prompt_token_ids, never both",
+        f"Session ids match {store.SESSION_ID_PATTERN}",
+        f"a session holds at most {store.MAX_SESSION_TOKENS:,} tokens",
+        "outside (0, 1), or when no tier of the cascade has an acceptance head",
+        "every int64 here is a count that stays below 2^53",
+        "grpc.reflection.v1 and v1alpha",
+    ],
+)
 def test_the_proto_states_each_limit_the_server_enforces(phrase):
     assert phrase in _text()
 
@@ -96,13 +108,27 @@ def test_the_proto_lists_every_verification_rule_and_its_range():
 
 def test_only_documented_counters_are_64_bit(described):
     """int64 is read as Long or string in JavaScript; each one here is a counter (< 2^53, as the file says)."""
-    counters = {f"{m.name}.{f.name}" for m in described.message_type for f in m.field
-                if f.type == descriptor_pb2.FieldDescriptorProto.TYPE_INT64}
-    assert counters == {"TierStats.calls", "TierStats.tokens_processed", "TierStats.hops", "TierStats.drafted",
-                        "TierStats.accepted", "GenerateStats.generated_tokens", "GenerateStats.target_calls",
-                        "GenerateStats.accepted_by_position", "GenerateStats.drafted_by_position",
-                        "GenerateStats.off_target_tokens", "GenerateResponse.session_length",
-                        "GenerateChunk.session_length", "Session.version"}
+    counters = {
+        f"{m.name}.{f.name}"
+        for m in described.message_type
+        for f in m.field
+        if f.type == descriptor_pb2.FieldDescriptorProto.TYPE_INT64
+    }
+    assert counters == {
+        "TierStats.calls",
+        "TierStats.tokens_processed",
+        "TierStats.hops",
+        "TierStats.drafted",
+        "TierStats.accepted",
+        "GenerateStats.generated_tokens",
+        "GenerateStats.target_calls",
+        "GenerateStats.accepted_by_position",
+        "GenerateStats.drafted_by_position",
+        "GenerateStats.off_target_tokens",
+        "GenerateResponse.session_length",
+        "GenerateChunk.session_length",
+        "Session.version",
+    }
 
 
 def test_lint_rules(described):

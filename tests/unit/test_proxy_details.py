@@ -59,6 +59,7 @@ def ray_like_factory(service_method: str, streaming_type: gRPCStreamingType) -> 
             context.set_trailing_metadata((("x-other", "kept"), (DETAILS_KEY, b"the replica's own")))
 
     if streaming_type == gRPCStreamingType.UNARY_STREAM:
+
         async def unary_stream(request: str, context: AioContext) -> Any:
             yield b"chunk"
             end(request, context)
@@ -73,8 +74,12 @@ def ray_like_factory(service_method: str, streaming_type: gRPCStreamingType) -> 
 
 
 def _handlers(server: gRPCGenericServer) -> dict[str, Any]:
-    return {name: handler for handlers in server.generic_rpc_handlers for h in handlers
-            for name, handler in h._method_handlers.items()}
+    return {
+        name: handler
+        for handlers in server.generic_rpc_handlers
+        for h in handlers
+        for name, handler in h._method_handlers.items()
+    }
 
 
 def _serve(scenario: Any) -> Any:

@@ -21,12 +21,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _layout(file: descriptor_pb2.FileDescriptorProto) -> list:
     """Messages and fields with the package taken out of every type name."""
+
     def local(name: str) -> str:
         return name.removeprefix(f".{file.package}.")
 
-    return [(m.name, [(f.name, f.number, f.type, f.label, f.oneof_index if f.HasField("oneof_index") else None,
-                       local(f.type_name)) for f in m.field], [o.name for o in m.oneof_decl])
-            for m in file.message_type]
+    return [
+        (
+            m.name,
+            [
+                (
+                    f.name,
+                    f.number,
+                    f.type,
+                    f.label,
+                    f.oneof_index if f.HasField("oneof_index") else None,
+                    local(f.type_name),
+                )
+                for f in m.field
+            ],
+            [o.name for o in m.oneof_decl],
+        )
+        for m in file.message_type
+    ]
 
 
 def test_the_v1_file_is_v1alpha_under_v1s_names():
@@ -41,9 +57,15 @@ def test_the_v1_file_is_v1alpha_under_v1s_names():
     assert message_fields and all(f.type_name.startswith(".grpc.reflection.v1.") for f in message_fields)
     [service] = v1.service
     assert service.name == "ServerReflection"
-    assert [(m.name, m.input_type, m.output_type, m.client_streaming, m.server_streaming) for m in service.method] \
-        == [("ServerReflectionInfo", ".grpc.reflection.v1.ServerReflectionRequest",
-             ".grpc.reflection.v1.ServerReflectionResponse", True, True)]
+    assert [(m.name, m.input_type, m.output_type, m.client_streaming, m.server_streaming) for m in service.method] == [
+        (
+            "ServerReflectionInfo",
+            ".grpc.reflection.v1.ServerReflectionRequest",
+            ".grpc.reflection.v1.ServerReflectionResponse",
+            True,
+            True,
+        )
+    ]
     assert not v1.options.deprecated  # v1alpha's file is; v1 is the current version
 
 
@@ -52,8 +74,10 @@ def test_the_v1_service_is_in_the_default_pool_and_a_second_import_is_harmless()
     reflection._register_v1()
     service = descriptor_pool.Default().FindServiceByName(reflection.V1)
     assert service.file.name == reflection.V1_FILE
-    assert service.methods_by_name["ServerReflectionInfo"].input_type.full_name == \
-        "grpc.reflection.v1.ServerReflectionRequest"
+    assert (
+        service.methods_by_name["ServerReflectionInfo"].input_type.full_name
+        == "grpc.reflection.v1.ServerReflectionRequest"
+    )
     assert descriptor_pool.Default().FindFileContainingSymbol(reflection.V1).name == reflection.V1_FILE
 
 
@@ -64,7 +88,8 @@ def test_v1s_messages_are_v1alphas_on_the_wire():
     assert (as_alpha.host, as_alpha.file_containing_symbol) == ("h", "cascade.v1.CascadeService")
     alpha_reply = reflection_pb2.ServerReflectionResponse(
         original_request=as_alpha,
-        list_services_response=reflection_pb2.ListServiceResponse(service=[{"name": reflection.V1}]))
+        list_services_response=reflection_pb2.ListServiceResponse(service=[{"name": reflection.V1}]),
+    )
     reply = reflection.ServerReflectionResponse.FromString(alpha_reply.SerializeToString())
     assert reply.WhichOneof("message_response") == "list_services_response"
     assert [s.name for s in reply.list_services_response.service] == [reflection.V1]
@@ -94,6 +119,13 @@ def test_a_v1_file_added_by_someone_else_first_is_kept(name):
         assert reflection.ServerReflectionRequest.DESCRIPTOR.full_name == "grpc.reflection.v1.ServerReflectionRequest"
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", script], check=False, cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

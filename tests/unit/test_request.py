@@ -12,11 +12,23 @@ from cascade_service.core.request import MAX_NEW_TOKENS, GenerationConfig, check
 from cascade_service.core.sampling import SamplingParams
 
 BAD = [
-    ("max_new_tokens", 0), ("max_new_tokens", MAX_NEW_TOKENS + 1), ("max_new_tokens", True), ("max_new_tokens", 2.0),
-    ("temperature", -1.0), ("temperature", 100.5), ("temperature", math.nan), ("temperature", "hot"),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", False),
-    ("seed", -1), ("seed", 2**63), ("seed", "7"),
-    ("stop_threshold", 0.0), ("stop_threshold", 1.0), ("stop_threshold", math.inf),
+    ("max_new_tokens", 0),
+    ("max_new_tokens", MAX_NEW_TOKENS + 1),
+    ("max_new_tokens", True),
+    ("max_new_tokens", 2.0),
+    ("temperature", -1.0),
+    ("temperature", 100.5),
+    ("temperature", math.nan),
+    ("temperature", "hot"),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", False),
+    ("seed", -1),
+    ("seed", 2**63),
+    ("seed", "7"),
+    ("stop_threshold", 0.0),
+    ("stop_threshold", 1.0),
+    ("stop_threshold", math.inf),
 ]
 
 

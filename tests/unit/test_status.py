@@ -46,8 +46,10 @@ MESSAGES = [
     ("verification.rule must be one of exact, lossy; got 'x'", "verification.rule"),
     ("verification.alpha for rule 'chow' must be in [-1, 1], got 2.0", "verification.alpha"),
     ("stop_threshold must be in (0, 1), got 1.5", "stop_threshold"),
-    ("stop_threshold: no tier of this cascade has an acceptance head (schedule.adaptive with rule specdec)",
-     "stop_threshold"),
+    (
+        "stop_threshold: no tier of this cascade has an acceptance head (schedule.adaptive with rule specdec)",
+        "stop_threshold",
+    ),
     ("verification.alpha must be a number, got 'x'", "verification.alpha"),
     ("verification.beta must be a finite number >= 1 - alpha = 0.5, got 0.1", "verification.beta"),
     ("session_id must match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}, got '!'", "session_id"),
@@ -80,8 +82,10 @@ RAISED = [
     (lambda: Verification("chow", 2.0), "verification.alpha"),
     (lambda: Verification("chow", float("nan")), "verification.alpha"),
     (lambda: Verification("lossy", 0.5, 0.1), "verification.beta"),
-    (lambda: _verification(pb.GenerateRequest(verification=pb.Verification(rule="lossy", beta=1.0, tune_beta=True))),
-     "verification.beta"),
+    (
+        lambda: _verification(pb.GenerateRequest(verification=pb.Verification(rule="lossy", beta=1.0, tune_beta=True))),
+        "verification.beta",
+    ),
     (lambda: _verification(pb.GenerateRequest(verification=pb.Verification(rule="telepathy"))), "verification.rule"),
     (lambda: _require_id(""), "session_id"),
     (lambda: check_session_id("bad id!"), "session_id"),
@@ -122,8 +126,9 @@ def test_abort_ends_the_call_with_the_same_status_as_to_status():
     context = Context()
     with pytest.raises(RuntimeError, match="aborted"):
         abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "tier 'mid' is at its queue limit; retry later")
-    expected = rpc_status.to_status(rich_status(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                "tier 'mid' is at its queue limit; retry later"))
+    expected = rpc_status.to_status(
+        rich_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "tier 'mid' is at its queue limit; retry later")
+    )
     assert (context.status.code, context.status.details) == (expected.code, expected.details)
     assert context.status.trailing_metadata == expected.trailing_metadata
 
@@ -165,7 +170,9 @@ def test_the_sdk_reads_field_violations_and_retry_delay_and_survives_a_bad_trail
     again = pickle.loads(pickle.dumps(error))
     assert (type(again), again.field_violations, again.details) == (type(error), error.field_violations, message)
     busy = rich_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "the coordinator is at its queue limit; retry later")
-    error = errors.from_rpc_error(_Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "x", ((DETAILS_KEY, busy.SerializeToString()),)))
+    error = errors.from_rpc_error(
+        _Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "x", ((DETAILS_KEY, busy.SerializeToString()),))
+    )
     assert error.retry_delay_s == pytest.approx(1.0) and error.field_violations == ()
     for trailing in ((), None, ((DETAILS_KEY, b"\xff not a status"),)):
         error = errors.from_rpc_error(_Failed(grpc.StatusCode.INVALID_ARGUMENT, "x", trailing))
@@ -183,8 +190,12 @@ def test_the_sdk_sleeps_as_retry_info_says_within_its_bounds():
     status = rich_status(grpc.StatusCode.UNAVAILABLE, "x")
     del status.details[:]
     status.details.add().Pack(far)
-    assert sync.retry_delay_s(_Failed(grpc.StatusCode.UNAVAILABLE, "x", ((DETAILS_KEY, status.SerializeToString()),)),
-                              0.05, None) == sync.MAX_RETRY_DELAY_S
+    assert (
+        sync.retry_delay_s(
+            _Failed(grpc.StatusCode.UNAVAILABLE, "x", ((DETAILS_KEY, status.SerializeToString()),)), 0.05, None
+        )
+        == sync.MAX_RETRY_DELAY_S
+    )
 
 
 class _ProxyContext:

@@ -18,7 +18,9 @@ from cascade_service.core.types import Context, Draft
 from cascade_service.core.verify import RULES, Verification
 from cascade_service.transport import codec
 
-NAMES = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF, blacklist_categories=("Cs",)), min_size=1, max_size=12)
+NAMES = st.text(
+    st.characters(min_codepoint=33, max_codepoint=0x2FFF, blacklist_categories=("Cs",)), min_size=1, max_size=12
+)
 TOKENS = st.lists(st.integers(0, 2**31 - 1), max_size=12)
 PROB = st.floats(0.0, 1.0, allow_nan=False)
 COUNT = st.integers(0, 2**53)
@@ -42,24 +44,47 @@ def drafts(draw, rows: bool | None = None):
     n = len(tokens)
     with_rows = draw(st.booleans()) if rows is None else rows
     vocab = draw(st.integers(1, 9))
-    dists = torch.tensor(draw(st.lists(st.lists(PROB, min_size=vocab, max_size=vocab), min_size=n, max_size=n)),
-                         dtype=torch.float32).reshape(n, vocab) if with_rows else None
-    return Draft(tokens, draw(st.lists(PROB, min_size=n, max_size=n)), dists,
-                 draw(st.lists(NAMES, min_size=n, max_size=n)))
+    dists = (
+        torch.tensor(
+            draw(st.lists(st.lists(PROB, min_size=vocab, max_size=vocab), min_size=n, max_size=n)), dtype=torch.float32
+        ).reshape(n, vocab)
+        if with_rows
+        else None
+    )
+    return Draft(
+        tokens, draw(st.lists(PROB, min_size=n, max_size=n)), dists, draw(st.lists(NAMES, min_size=n, max_size=n))
+    )
 
 
 @st.composite
 def usages(draw):
-    tiers = draw(st.dictionaries(NAMES, st.builds(TierCounters, COUNT, COUNT, COUNT, st.floats(0, 1e6), COUNT),
-                                 max_size=4))
-    reviews = draw(st.dictionaries(NAMES, st.builds(
-        ReviewCounters, COUNT, COUNT, COUNT, COUNT, st.lists(COUNT, max_size=5), st.lists(COUNT, max_size=5),
-        st.dictionaries(NAMES, COUNT, max_size=3), st.dictionaries(NAMES, COUNT, max_size=3)), max_size=3))
+    tiers = draw(
+        st.dictionaries(NAMES, st.builds(TierCounters, COUNT, COUNT, COUNT, st.floats(0, 1e6), COUNT), max_size=4)
+    )
+    reviews = draw(
+        st.dictionaries(
+            NAMES,
+            st.builds(
+                ReviewCounters,
+                COUNT,
+                COUNT,
+                COUNT,
+                COUNT,
+                st.lists(COUNT, max_size=5),
+                st.lists(COUNT, max_size=5),
+                st.dictionaries(NAMES, COUNT, max_size=3),
+                st.dictionaries(NAMES, COUNT, max_size=3),
+            ),
+            max_size=3,
+        )
+    )
     return Usage(tiers, reviews, draw(COUNT), draw(st.floats(0, 1e6)), draw(st.floats(-1e6, 1e6)))
 
 
-ADAPTIVE = st.one_of(st.builds(AdaptiveLength, st.just("confidence"), st.floats(1e-6, 0.999999)),
-                     st.builds(AdaptiveLength, st.just("specdec"), st.floats(1e-6, 0.999999), NAMES))
+ADAPTIVE = st.one_of(
+    st.builds(AdaptiveLength, st.just("confidence"), st.floats(1e-6, 0.999999)),
+    st.builds(AdaptiveLength, st.just("specdec"), st.floats(1e-6, 0.999999), NAMES),
+)
 
 
 @st.composite
@@ -85,9 +110,18 @@ def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(request_id=NAMES, tier=NAMES, context=contexts(), want=st.integers(0, 2**20), limit=st.integers(0, 2**20),
-       sampling=samplings(), seed=st.integers(0, 2**62), eos=st.frozensets(st.integers(0, 2**31 - 1), max_size=4),
-       adaptive=st.dictionaries(NAMES, ADAPTIVE, max_size=3), min_match=st.integers(0, 256))
+@given(
+    request_id=NAMES,
+    tier=NAMES,
+    context=contexts(),
+    want=st.integers(0, 2**20),
+    limit=st.integers(0, 2**20),
+    sampling=samplings(),
+    seed=st.integers(0, 2**62),
+    eos=st.frozensets(st.integers(0, 2**31 - 1), max_size=4),
+    adaptive=st.dictionaries(NAMES, ADAPTIVE, max_size=3),
+    min_match=st.integers(0, 256),
+)
 def test_a_draft_request_round_trips(request_id, tier, context, want, limit, sampling, seed, eos, adaptive, min_match):
     request = DraftRequest(request_id, context, want, limit, sampling, seed, eos, adaptive, min_match)
     assert codec.decode_draft_request(codec.encode_draft_request(request, tier)) == (tier, request)
@@ -102,27 +136,60 @@ def test_a_draft_reply_round_trips(draft, usage, stopped):
 
 
 @settings(max_examples=150, deadline=None)
-@given(request_id=NAMES, tier=NAMES, context=contexts(), block=drafts(), leniency=st.floats(1.0, 1e6),
-       sampling=samplings(), seed=st.integers(0, 2**62), verification=verifications())
+@given(
+    request_id=NAMES,
+    tier=NAMES,
+    context=contexts(),
+    block=drafts(),
+    leniency=st.floats(1.0, 1e6),
+    sampling=samplings(),
+    seed=st.integers(0, 2**62),
+    verification=verifications(),
+)
 def test_a_review_request_round_trips(request_id, tier, context, block, leniency, sampling, seed, verification):
     request = ReviewRequest(request_id, context, block, leniency, sampling, seed, verification)
     name, back = codec.decode_review_request(codec.encode_review_request(request, tier))
     assert name == tier
     _same_draft(block, back.block)
-    assert (back.request_id, back.context, back.leniency, back.sampling, back.seed, back.verification) == \
-        (request_id, context, leniency, sampling, seed, verification)
+    assert (back.request_id, back.context, back.leniency, back.sampling, back.seed, back.verification) == (
+        request_id,
+        context,
+        leniency,
+        sampling,
+        seed,
+        verification,
+    )
 
 
 @settings(max_examples=150, deadline=None)
-@given(block=drafts(), token=st.integers(0, 2**31 - 1), usage=usages(), off=st.integers(0, 2**31),
-       tv=st.floats(0, 100), loss=st.floats(-100, 100))
+@given(
+    block=drafts(),
+    token=st.integers(0, 2**31 - 1),
+    usage=usages(),
+    off=st.integers(0, 2**31),
+    tv=st.floats(0, 100),
+    loss=st.floats(-100, 100),
+)
 def test_a_review_reply_round_trips(block, token, usage, off, tv, loss):
-    verdict = Verdict(len(block), token, block.token_probs + [0.5], None if block.dists is None else
-                      torch.cat([block.dists, block.dists[:1] if len(block) else block.dists]), off, tv, loss)
+    verdict = Verdict(
+        len(block),
+        token,
+        block.token_probs + [0.5],
+        None if block.dists is None else torch.cat([block.dists, block.dists[:1] if len(block) else block.dists]),
+        off,
+        tv,
+        loss,
+    )
     back = codec.decode_review_reply(codec.encode_review_reply(ReviewReply(verdict, usage)))
     v = back.verdict
-    assert (v.accepted, v.token, v.token_probs, v.off_target, v.tv, v.ll_loss) == \
-        (verdict.accepted, token, verdict.token_probs, off, tv, loss)
+    assert (v.accepted, v.token, v.token_probs, v.off_target, v.tv, v.ll_loss) == (
+        verdict.accepted,
+        token,
+        verdict.token_probs,
+        off,
+        tv,
+        loss,
+    )
     _same_rows(verdict.dists, v.dists)
     assert back.usage == usage
 
@@ -143,10 +210,13 @@ def test_hidden_states_never_cross_the_wire():
         codec.encode_review_request(request, "t")
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"\xff\xff\xff", "malformed DraftRequest"),
-    ("not bytes", "arrives as bytes"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\xff\xff\xff", "malformed DraftRequest"),
+        ("not bytes", "arrives as bytes"),
+    ],
+)
 def test_malformed_bytes_fail_as_value_errors(data, message):
     with pytest.raises(ValueError, match=message):
         codec.decode_draft_request(data)
@@ -164,7 +234,9 @@ def test_decoding_checks_what_the_types_check():
     short = pb.DraftReply(block=pb.Block(tokens=[1, 2], token_probs=[0.5]))
     with pytest.raises(ValueError, match="block: 2 tokens but 1 token_probs"):
         codec.decode_draft_reply(short.SerializeToString())
-    torn = pb.DraftReply(block=pb.Block(tokens=[1], token_probs=[0.5], dists=pb.Rows(rows=1, cols=4, float32=b"\0" * 3)))
+    torn = pb.DraftReply(
+        block=pb.Block(tokens=[1], token_probs=[0.5], dists=pb.Rows(rows=1, cols=4, float32=b"\0" * 3))
+    )
     with pytest.raises(ValueError, match="dists: 3 bytes for a 1 x 4 float32 matrix"):
         codec.decode_draft_reply(torn.SerializeToString())
     unknown = pb.ReviewRequest(context=pb.Context(tokens=[1], stable=1), verification=pb.FinalRule(rule="bogus"))

@@ -10,22 +10,31 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
 import pytest
 import torch
 
-from cascade_service.core.local import local_tiers
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
+from cascade_service.core.local import local_tiers
 from cascade_service.core.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
 from cascade_service.core.types import Draft
-from cascade_service.core.verify import (FUZZY_RULES, RULES, STRICT_ALPHA, Verification, VerifyReview,
-                                         divergence, target_distribution, tuned_beta)
+from cascade_service.core.verify import (
+    FUZZY_RULES,
+    RULES,
+    STRICT_ALPHA,
+    Verification,
+    VerifyReview,
+    divergence,
+    target_distribution,
+    tuned_beta,
+)
 
 from .toy import ToyScorer, chi_square_rejects, exact_distribution
 
@@ -39,6 +48,7 @@ def _dist(seed: int, peak: float = 2.0) -> list[float]:
 
 # --- independent references (plain Python, from the notes' formulas) ------------------------------
 
+
 def ref_pi(rule: str, a: float, q: list[float], p: list[float], beta: float = 1.0) -> list[float]:
     qm, pm = max(q), max(p)
     if rule == "lossy":
@@ -49,8 +59,11 @@ def ref_pi(rule: str, a: float, q: list[float], p: list[float], beta: float = 1.
     if rule in ("chow", "diff", "opt"):
         defer = {"chow": qm < 1 - a, "diff": qm < pm - a, "opt": qm <= pm - a * total_variation}[rule]
         return list(p) if defer else list(q)
-    r = {"token-v1": [qv < pm - a for qv in q], "token-v2": [pv < pm - a for pv in p],
-         "token-v3": [pv < (1 - a) * pm for pv in p]}[rule]
+    r = {
+        "token-v1": [qv < pm - a for qv in q],
+        "token-v2": [pv < pm - a for pv in p],
+        "token-v3": [pv < (1 - a) * pm for pv in p],
+    }[rule]
     eta = sum(qv for qv, rv in zip(q, r) if rv)
     return [qv * (not rv) + pv * eta for qv, pv, rv in zip(q, p, r)]
 
@@ -75,8 +88,9 @@ def _first_tokens(v: Verification, q: list[float], p: list[float], n: int, seed:
     return counts
 
 
-CASES = [(rule, a) for rule in ("chow", "diff", "opt") for a in (0.05, 0.3)] + \
-        [(rule, a) for rule in ("token-v1", "token-v2", "token-v3") for a in (0.1, 0.5)]
+CASES = [(rule, a) for rule in ("chow", "diff", "opt") for a in (0.05, 0.3)] + [
+    (rule, a) for rule in ("token-v1", "token-v2", "token-v3") for a in (0.1, 0.5)
+]
 
 
 @pytest.mark.parametrize("rule,alpha", CASES)
@@ -132,8 +146,13 @@ def _sample(v: Verification, samples: int = SAMPLES):
     for i in range(samples):
         state = RequestState(sampling, torch.Generator().manual_seed(i), CascadeStats("target"), 4, verification=v)
         # MaG drafts straight to the target through the gate (point masses) and through base's review
-        system = build_cascade(*local_tiers(4, target, [base, MaxGram(bigram)]), Schedule.parse([[2, 1], [0, 2]], ["base", "mag"]),
-                               2.0, state, Lookup(1, 2))
+        system = build_cascade(
+            *local_tiers(4, target, [base, MaxGram(bigram)]),
+            Schedule.parse([[2, 1], [0, 2]], ["base", "mag"]),
+            2.0,
+            state,
+            Lookup(1, 2),
+        )
         counts[tuple(t for chunk in decode(system, PROMPT, LENGTH, state) for t in chunk)] += 1
     return counts, exact_distribution(target, PROMPT, LENGTH, sampling)
 
@@ -153,6 +172,7 @@ def test_a_lossy_knob_is_detected_as_not_exact(rule, alpha):
 
 
 # --- greedy forms ------------------------------------------------------------------------------------
+
 
 def _greedy_block(seed: int, k: int = 6):
     g = torch.Generator().manual_seed(seed)
@@ -188,14 +208,15 @@ def test_opt_equals_diff_under_greedy():
 
 @pytest.mark.parametrize("rule", FUZZY_RULES)
 def test_fuzzy_greedy_keeps_while_the_divergence_is_under_t(rule):
-    kind = rule[len("fuzzy-"):]
+    kind = rule[len("fuzzy-") :]
     for seed in range(20):
         block, p = _greedy_block(seed)
         for t in (0.05, 0.3, 1.0):
             verdict = VerifyReview(Verification(rule, t), greedy=True).review(block, p, 1.0, None)
             kept = 0
-            while kept < len(block) and (block.tokens[kept] == int(p[kept].argmax())
-                                         or float(divergence(kind, p[kept], block.dists[kept])) < t):
+            while kept < len(block) and (
+                block.tokens[kept] == int(p[kept].argmax()) or float(divergence(kind, p[kept], block.dists[kept])) < t
+            ):
                 kept += 1
             assert verdict.accepted == kept
 
@@ -226,6 +247,7 @@ def test_lossy_greedy_is_exact_and_strict_greedy_rules_keep_only_argmax():
 
 # --- knobs -------------------------------------------------------------------------------------------
 
+
 def _acceptance(v: Verification, q: torch.Tensor, p: torch.Tensor) -> float:
     pi = target_distribution(v, q, p)
     return float((q * torch.clamp(pi / q, max=1.0)).sum())
@@ -238,7 +260,7 @@ def test_acceptance_never_falls_as_alpha_grows(rule):
     for seed in range(30):
         q, p = torch.tensor(_dist(100 + seed, 1.2)), torch.tensor(_dist(200 + seed, 1.8))
         rates = [_acceptance(Verification(rule, a), q, p) for a in alphas]
-        assert all(b >= a - 1e-6 for a, b in zip(rates, rates[1:])), (rule, seed, rates)
+        assert all(b >= a - 1e-6 for a, b in itertools.pairwise(rates)), (rule, seed, rates)
         assert rates[0] == pytest.approx(1 - float((q - p).clamp_min(0).sum()), abs=1e-6)  # strict: SD's rate
 
 
@@ -254,7 +276,7 @@ def test_token_rules_span_sd_to_the_drafter_but_not_monotonically(rule):
         rates = [_acceptance(Verification(rule, -1 + 2 * i / 20), q, p) for i in range(21)]
         assert rates[0] == pytest.approx(1 - float((q - p).clamp_min(0).sum()), abs=1e-6)
         assert rates[-1] == pytest.approx(1.0, abs=1e-6)
-        falls += any(b < a - 1e-4 for a, b in zip(rates, rates[1:]))
+        falls += any(b < a - 1e-4 for a, b in itertools.pairwise(rates))
     assert falls > 0  # the non-monotonicity is real, for all three rules
 
 

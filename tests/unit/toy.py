@@ -16,8 +16,17 @@ from cascade_service.core.types import Context
 
 
 class ToyScorer:
-    def __init__(self, name: str, vocab: int, seed: int, scale: float = 2.0, base: "ToyScorer | None" = None,
-                 noise: float = 0.0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    def __init__(
+        self,
+        name: str,
+        vocab: int,
+        seed: int,
+        scale: float = 2.0,
+        base: ToyScorer | None = None,
+        noise: float = 0.0,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ):
         g = torch.Generator().manual_seed(seed)
         if base is None:
             last = torch.randn(vocab, vocab, generator=g) * scale
@@ -46,7 +55,9 @@ class ToyScorer:
         return torch.stack([self.row(ctx.tokens[: end - n + 1 + j]) for j in range(n)])
 
 
-def exact_distribution(model: ToyScorer, prompt: list[int], length: int, sampling: SamplingParams) -> dict[tuple, float]:
+def exact_distribution(
+    model: ToyScorer, prompt: list[int], length: int, sampling: SamplingParams
+) -> dict[tuple, float]:
     """P(continuation) for every continuation of `length` tokens, by enumeration."""
     out = {}
     for seq in itertools.product(range(model.vocab), repeat=length):
@@ -58,7 +69,9 @@ def exact_distribution(model: ToyScorer, prompt: list[int], length: int, samplin
     return out
 
 
-def chi_square_rejects(counts: dict[tuple, int], expected: dict[tuple, float], n: int, z: float = 3.09) -> tuple[bool, float, float]:
+def chi_square_rejects(
+    counts: dict[tuple, int], expected: dict[tuple, float], n: int, z: float = 3.09
+) -> tuple[bool, float, float]:
     """Pearson chi-square goodness of fit at alpha ~= 0.001 (z = 3.09), Wilson-Hilferty critical value.
 
     Cells with expected count < 5 are pooled so the chi-square approximation holds.
