@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from cascade_service.client import CascadeClient
-from cascade_service.serving.app import APP_NAME, tier_deployment_name
+from cascade_service.serving.app import APP_NAME
 from cascade_service.serving.local import LocalService
+from cascade_service.serving.tier_deployment import tier_deployment_name
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle

@@ -19,8 +19,9 @@ from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.core.verify import Verification
 from cascade_service.engine import Engine
-from cascade_service.serving.app import APP_NAME, tier_deployment_name
+from cascade_service.serving.app import APP_NAME
 from cascade_service.serving.local import LocalService
+from cascade_service.serving.tier_deployment import tier_deployment_name
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
