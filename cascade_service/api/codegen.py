@@ -1,11 +1,12 @@
-"""Generate the gRPC stubs in `cascade_service/api/v1/` from `protos/`, reproducibly.
+"""Generate the gRPC stubs in `cascade_service/api/` from `protos/`, reproducibly.
 
     python -m cascade_service.api.codegen          # rewrite the stubs
     python -m cascade_service.api.codegen --check  # exit 1 if the committed stubs are stale
 
-protoc writes `from cascade.v1 import cascade_pb2` into the gRPC module, an import that only works with
-`protos/`'s output folder on sys.path, and names the message classes' module `cascade.v1.cascade_pb2`;
-both are rewritten so the stubs live inside the package. The protoc version is part of the output, so
+Each proto package has its folder: cascade.v1 (the client API) in `api/v1/`, cascade.tier.v1 (the
+tier API) in `api/tier/v1/`. protoc writes `from cascade.v1 import cascade_pb2` into the gRPC module,
+an import that only works with `protos/`'s output folder on sys.path, and names the message classes'
+module `cascade.v1.cascade_pb2`; both are rewritten so the stubs live inside the package. The protoc version is part of the output, so
 `--check` needs the pinned grpcio-tools.
 """
 
@@ -18,13 +19,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "protos"
-PROTOS = ("cascade/v1/cascade.proto", "cascade/v1/tier.proto")
-OUT_DIR = Path(__file__).resolve().parent / "v1"
-_HEADER = '"""Generated from protos/cascade/v1/*.proto by `python -m cascade_service.api.codegen`; do not edit."""\n'
+API_DIR = Path(__file__).resolve().parent
+# proto file -> (its folder of stubs under api/, the proto's module name)
+PROTOS = {
+    "cascade/v1/cascade.proto": ("v1", "cascade_pb2"),
+    "cascade/tier/v1/tier.proto": ("tier/v1", "tier_pb2"),
+}
+_HEADER = '"""Generated from protos/{} by `python -m cascade_service.api.codegen`; do not edit."""\n'
 
 
-def generate() -> dict[str, str]:
-    """{file name: contents} of the generated stubs."""
+def generate() -> dict[Path, str]:
+    """{path under api/: contents} of the generated stubs."""
     import grpc_tools
     from grpc_tools import protoc  # build-time tool: imported only here
 
@@ -41,16 +46,17 @@ def generate() -> dict[str, str]:
         ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed: {' '.join(args)}")
-        files = {}
-        for path in sorted((Path(tmp) / "cascade" / "v1").iterdir()):
-            text = path.read_text()
-            for module in ("cascade_pb2", "tier_pb2"):
-                text = text.replace(f"from cascade.v1 import {module}", f"from . import {module}")
+        files: dict[Path, str] = {}
+        for proto, (folder, module) in PROTOS.items():
+            package = str(Path(proto).parent).replace("/", ".")  # cascade.tier.v1
+            target = "cascade_service.api." + folder.replace("/", ".")
+            for path in sorted((Path(tmp) / Path(proto).parent).glob(f"{module}*")):
+                text = path.read_text().replace(f"from {package} import {module}", f"from . import {module}")
                 # Message classes take their __module__ from this string; it must be the real module so
                 # that pickling a message by reference (Ray does, between processes) finds it again.
-                text = text.replace(f"'cascade.v1.{module}'", f"'cascade_service.api.v1.{module}'")
-            files[path.name] = text
-    files["__init__.py"] = _HEADER
+                text = text.replace(f"'{package}.{module}'", f"'{target}.{module}'")
+                files[Path(folder) / path.name] = text
+            files[Path(folder) / "__init__.py"] = _HEADER.format(proto)
     return files
 
 
@@ -60,17 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     check = parser.parse_args(argv).check
     files = generate()
     stale = [
-        name for name, text in files.items() if not (OUT_DIR / name).exists() or (OUT_DIR / name).read_text() != text
+        str(name)
+        for name, text in files.items()
+        if not (API_DIR / name).exists() or (API_DIR / name).read_text() != text
     ]
     if check:
         if stale:
             print(f"stale gRPC stubs: {', '.join(stale)}; run `python -m cascade_service.api.codegen`", file=sys.stderr)
             return 1
         return 0
-    OUT_DIR.mkdir(exist_ok=True)
     for name, text in files.items():
-        (OUT_DIR / name).write_text(text)
-    print(f"wrote {len(files)} files to {OUT_DIR}")
+        (API_DIR / name).parent.mkdir(parents=True, exist_ok=True)
+        (API_DIR / name).write_text(text)
+    print(f"wrote {len(files)} files under {API_DIR}")
     return 0
 
 

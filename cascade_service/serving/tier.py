@@ -1,8 +1,9 @@
-"""What one tier replica does: draft or review whole blocks for many requests, each with its KV cache.
+"""What one tier server does: draft or review whole blocks for many requests, each with its KV cache.
 
-Plain Python (no Ray): `serving.app` wraps it in a deployment. Calls arrive and replies leave as
-`transport.codec` bytes, never pickled client data: the coordinator is the only caller. The work is
-done by the same `core.local` tiers the in-process wiring uses.
+Plain Python: `serving.app` wraps it in a Ray deployment, `transport.server` in a gRPC server. Calls
+arrive and replies leave as `transport.codec` bytes (`transport.host.TierHost` decodes them and
+rebuilds each call's context), never pickled client data. The work is done by the same `core.local`
+tiers the in-process wiring uses.
 
 KV caches are soft state. A request's scorer is kept under its request id (LRU, bounded); a call that
 finds none (another replica served the previous round, the replica restarted, the entry was evicted)
@@ -27,20 +28,17 @@ from ..core.local import MaGTier, ModelTier
 from ..core.mag import BigramTable, MaxGram
 from ..core.schedule import Schedule
 from ..core.stats import CascadeStats
-from ..core.tier import DraftReply, DraftRequest, Tier
+from ..core.tier import DraftReply, DraftRequest, ReviewRequest, Tier
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
 from ..runtime.assemble import TierFacts
 from ..startup import tier_device, where
-from ..transport.codec import (
-    decode_draft_request,
-    decode_release,
-    decode_review_request,
-    encode_draft_reply,
-    encode_review_reply,
-)
+from ..transport.host import TierHost, UnknownTier
 
 MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used request's cache is dropped
+# The most tokens a call's block may hold (a draft's limit, a review's block): a K-matrix row's sum,
+# entries at most core.schedule.MAX_ENTRY each, fits many times over; more is a hostile call.
+MAX_BLOCK = 1024
 
 
 class TierServer:
@@ -59,6 +57,30 @@ class TierServer:
 
     def info(self) -> dict[str, Any]:
         return {"name": self.tier.name, **TierFacts.of(self.model).info()}
+
+    def check(self, request: DraftRequest | ReviewRequest) -> None:
+        """A call this tier can take: its tokens in the vocabulary, its block and context within limits.
+        ValueError names the field; the tier keeps serving."""
+        vocab, tokens = self.model.vocab_size, request.context.tokens
+        _check_ids(tokens, vocab, "context.tokens")
+        if isinstance(request, DraftRequest):
+            block, blocks = request.limit, "limit"
+        else:
+            block, blocks = len(request.block.tokens), "block.tokens"
+            _check_ids(request.block.tokens, vocab, "block.tokens")
+            dists = request.block.dists
+            if dists is not None and dists.shape[1] != vocab:
+                raise ValueError(f"block.dists: {dists.shape[1]} columns, but tier {self.tier.name!r} has {vocab} tokens")
+        if block > MAX_BLOCK:
+            raise ValueError(f"{blocks}: {block} tokens in one block; at most {MAX_BLOCK}")
+        if not tokens:
+            raise ValueError("context.tokens: empty; a call extends at least one token")
+        limit = self.model.max_positions
+        if limit is not None and len(tokens) + (request.want if isinstance(request, DraftRequest) else block) > limit:
+            raise ValueError(
+                f"context.tokens: {len(tokens)} tokens and a block of {block} exceed tier "
+                f"{self.tier.name!r}'s {limit} positions"
+            )
 
     def request_tier(self, request_id: str) -> ModelTier:
         """This request's tier: its scorer (KV cache), with this replica's acceptance heads."""
@@ -139,7 +161,8 @@ class SubCascade:
 
 
 class TierGroup:
-    """The model tiers one replica hosts (usually one), plus MaG when a member runs its sub-cascade.
+    """The model tiers one server hosts (usually one), plus MaG when a member runs its sub-cascade or
+    `mag` asks to serve it as a tier of its own.
 
     `systems` names the members that run their whole sub-cascade (they reviewing the members and MaG
     below them) for one draft, in this process: one call where separate deployments would need one
@@ -153,6 +176,7 @@ class TierGroup:
         max_ngram: int = 16,
         max_cached_requests: int = MAX_CACHED_REQUESTS,
         systems: Mapping[str, SubCascade] | None = None,
+        mag: bool = False,
     ):
         self.servers = {t.name: TierServer(t, max_cached_requests) for t in tiers}
         self.heads = HeadCache()
@@ -164,9 +188,13 @@ class TierGroup:
             missing = [t for t in sub.tiers if t != MAG and t not in self.servers]
             if missing or sub.tiers[0] != name:
                 raise ConfigError(f"sub-cascade of {name!r}: {', '.join(missing) or sub.tiers[0]} not in this group")
+        self.serves_mag = mag
         self._mags: OrderedDict[str, MaxGram] = OrderedDict()
         self._lock = threading.Lock()
         self.calls = 0  # block calls served (draft, review): shows whether work goes on
+        self.host = TierHost(self._route, max_cached_requests)
+        # MaG's vocabulary, for checking its calls: the group's models' (or the config's, when alone).
+        self.mag_vocab = next((s.model.vocab_size for s in self.servers.values()), None)
 
     def counters(self) -> dict[str, int]:
         """What an operator watches: calls served, requests holding a KV cache, cache misses, and the
@@ -179,28 +207,50 @@ class TierGroup:
         }
 
     def info(self) -> dict[str, Any]:
-        return {name: server.info() for name, server in self.servers.items()}
+        """Each hosted model tier's facts (`TierFacts.info()`), with `system` and `max_block`."""
+        info = {
+            name: {**server.info(), "system": name in self.systems, "max_block": MAX_BLOCK}
+            for name, server in self.servers.items()
+        }
+        if self.serves_mag:
+            info[MAG] = {"name": MAG, "system": False, "max_block": MAX_BLOCK}
+        return info
 
     def draft(self, data: bytes) -> bytes:
         """A DraftRequest -> a DraftReply (transport.codec); a system member runs its sub-cascade."""
-        name, request = decode_draft_request(data)
         self._count()
-        if name in self.systems:
-            return encode_draft_reply(self._system(name, request))
-        return encode_draft_reply(self._server(name).request_tier(request.request_id).draft(request))
+        return self.host.draft(data)
 
     def review(self, data: bytes) -> bytes:
         """A ReviewRequest -> a ReviewReply (transport.codec)."""
-        name, request = decode_review_request(data)
         self._count()
-        return encode_review_reply(self._server(name).request_tier(request.request_id).review(request))
+        return self.host.review(data)
 
     def release(self, data: bytes) -> bool:
         """A ReleaseRequest: drop the request's caches; True if this replica held any."""
-        request_id = decode_release(data).request_id
+        request_id = self.host.release(data)
         with self._lock:
             had_mag = self._mags.pop(request_id, None) is not None
         return any([server.release(request_id) for server in self.servers.values()]) or had_mag
+
+    def _route(self, name: str, request: DraftRequest | ReviewRequest) -> Tier:
+        """The tier that serves `request` (its context whole), after checking the call."""
+        rid = request.request_id
+        if not rid:
+            raise ValueError("request_id: empty; every call names its request (its KV cache lives under it)")
+        if name == MAG and self.serves_mag:
+            if not isinstance(request, DraftRequest):
+                raise ValueError("tier: 'mag' drafts but cannot review")
+            if self.mag_vocab is not None:
+                _check_ids(request.context.tokens, self.mag_vocab, "context.tokens")
+            if request.limit > MAX_BLOCK:
+                raise ValueError(f"limit: {request.limit} tokens in one block; at most {MAX_BLOCK}")
+            return MaGTier(self._mag(rid), self.mag_vocab or 0)
+        server = self._server(name)
+        server.check(request)
+        if name in self.systems and isinstance(request, DraftRequest):
+            return _System(self, name)
+        return server.request_tier(rid)
 
     def cached_requests(self) -> int:
         with self._lock:
@@ -210,7 +260,8 @@ class TierGroup:
     def _server(self, name: str) -> TierServer:
         server = self.servers.get(name)
         if server is None:
-            raise ValueError(f"tier: {name!r} is not served here (this replica has {', '.join(self.servers)})")
+            hosted = [*self.servers, *([MAG] if self.serves_mag else [])]
+            raise UnknownTier(f"tier: {name!r} is not served here (this server has {', '.join(hosted)})")
         return server
 
     def _count(self) -> None:
@@ -245,6 +296,9 @@ class TierGroup:
             reply.usage.reviewer(reviewer)
         return reply
 
+    def cached_contexts(self) -> int:
+        return len(self.host.contexts)
+
     def _mag(self, request_id: str) -> MaxGram:
         with self._lock:
             mag = self._mags.pop(request_id, None) or MaxGram(self.bigram, self.max_ngram)
@@ -252,6 +306,30 @@ class TierGroup:
             while len(self._mags) > self.max_cached:
                 self._mags.popitem(last=False)
             return mag
+
+
+class _System:
+    """A group member's whole sub-cascade as the tier a draft call routes to (`TierGroup._system`)."""
+
+    system = True
+
+    def __init__(self, group: TierGroup, name: str):
+        self.group, self.name = group, name
+
+    def draft(self, request: DraftRequest) -> DraftReply:
+        return self.group._system(self.name, request)
+
+    def review(self, request: ReviewRequest) -> Any:
+        raise TypeError("a sub-cascade reviews through its head tier")
+
+    def release(self, request: Any) -> None:
+        """Its tiers' caches are released by the group."""
+
+
+def _check_ids(tokens: Sequence[int], vocab: int, field: str) -> None:
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{field}: token id {bad} outside the vocabulary [0, {vocab})")
 
 
 def system_heads(cascade: CascadeConfig, serving: ServingConfig) -> dict[str, SubCascade]:

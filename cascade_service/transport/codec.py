@@ -1,4 +1,4 @@
-"""The wire codec of the tier protocol: `core.tier`'s typed messages <-> protobuf bytes (protos/cascade/v1/tier.proto).
+"""The wire codec of the tier protocol: `core.tier`'s typed messages <-> protobuf bytes (protos/cascade/tier/v1/tier.proto).
 
 One place turns every message a tier call sends or answers into bytes and back, so what crosses a
 process boundary is a declared schema, never pickled objects or hand-built dicts. Probability rows
@@ -6,19 +6,28 @@ travel as float32 bytes (`core.placement.to_host`: the receiver may have no GPU,
 no bfloat16) and arrive as CPU tensors; the reviewer that takes them moves them to its device
 (`core.placement.to_reviewer`). Probabilities that are scalars travel as doubles, exactly.
 
+Contexts travel as deltas: a request names the `Address` of the call (the tier it is for, and how much
+of the context the server already holds, with a digest of it), and carries only the tokens after
+that. The server rebuilds the whole context from what it kept (`transport.contexts`), or answers
+"resend" (a reply that decodes to None) when it holds another prefix; the caller then sends the whole
+context. So a round costs the new tokens on the wire, not the sequence, and a server that lost its
+state (a restart, a failover, an eviction) never computes on a wrong context.
+
 Decoding checks what the types check (a temperature out of range, an unknown rule, a negative
 count), so a malformed message fails as ValueError, naming what is wrong.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from ..api.v1 import tier_pb2 as pb
+from ..api.tier.v1 import tier_pb2 as pb
 from ..core.adaptive import AdaptiveLength
 from ..core.placement import to_host
 from ..core.review import Verdict
@@ -29,12 +38,29 @@ from ..core.types import Context, Draft
 from ..core.verify import Verification
 
 
-def encode_draft_request(request: DraftRequest, tier: str) -> bytes:
-    """`request` for tier `tier` of the replica that receives it."""
+@dataclass(frozen=True)
+class Address:
+    """Where a call goes on the server: tier `tier`, whose context the server holds up to `offset`
+    tokens already (their digest: `prefix`, see `prefix_digest`). offset 0: the call carries it all."""
+
+    tier: str
+    offset: int = 0
+    prefix: int = 0
+
+
+def prefix_digest(tokens: Sequence[int]) -> int:
+    """A 64-bit digest of a token prefix: the server checks it before trusting what it kept."""
+    data = np.asarray(tokens, dtype="<i4").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def encode_draft_request(request: DraftRequest, tier: str, offset: int = 0) -> bytes:
+    """`request` for tier `tier` of the server that receives it, which holds its first `offset`
+    context tokens already (0: send them all)."""
     return pb.DraftRequest(
         request_id=request.request_id,
         tier=tier,
-        context=_context_out(request.context),
+        context=_context_out(request.context, offset),
         want=request.want,
         limit=request.limit,
         sampling=_sampling_out(request.sampling),
@@ -48,11 +74,11 @@ def encode_draft_request(request: DraftRequest, tier: str) -> bytes:
     ).SerializeToString()
 
 
-def decode_draft_request(data: bytes) -> tuple[str, DraftRequest]:
-    """(tier, request)."""
+def decode_draft_request(data: bytes) -> tuple[Address, DraftRequest]:
+    """(address, request); the request's context holds the tokens from address.offset on."""
     m = _parse(pb.DraftRequest, data)
     adaptive = {name: AdaptiveLength(a.rule, a.threshold, a.head or None) for name, a in m.adaptive.items()}
-    return m.tier, DraftRequest(
+    return _address(m), DraftRequest(
         m.request_id,
         _context_in(m.context),
         m.want,
@@ -71,12 +97,22 @@ def encode_draft_reply(reply: DraftReply) -> bytes:
     ).SerializeToString()
 
 
-def decode_draft_reply(data: bytes) -> DraftReply:
+def decode_draft_reply(data: bytes) -> DraftReply | None:
+    """The reply; None when the server asks for the whole context (`RESEND`)."""
     m = _parse(pb.DraftReply, data)
+    if m.resend:
+        return None
     return DraftReply(_block_in(m.block), _usage_in(m.usage), m.stopped)
 
 
-def encode_review_request(request: ReviewRequest, tier: str) -> bytes:
+# The server's answer to a call whose context prefix it does not hold, by method.
+RESEND = {
+    "draft": pb.DraftReply(resend=True).SerializeToString(),
+    "review": pb.ReviewReply(resend=True).SerializeToString(),
+}
+
+
+def encode_review_request(request: ReviewRequest, tier: str, offset: int = 0) -> bytes:
     if request.hidden:
         raise ValueError(
             "hidden states do not cross the wire: a reviewing tier with an acceptance head must run "
@@ -87,7 +123,7 @@ def encode_review_request(request: ReviewRequest, tier: str) -> bytes:
     return pb.ReviewRequest(
         request_id=request.request_id,
         tier=tier,
-        context=_context_out(request.context),
+        context=_context_out(request.context, offset),
         block=_block_out(request.block),
         leniency=request.leniency,
         sampling=_sampling_out(request.sampling),
@@ -96,14 +132,14 @@ def encode_review_request(request: ReviewRequest, tier: str) -> bytes:
     ).SerializeToString()
 
 
-def decode_review_request(data: bytes) -> tuple[str, ReviewRequest]:
-    """(tier, request)."""
+def decode_review_request(data: bytes) -> tuple[Address, ReviewRequest]:
+    """(address, request); the request's context holds the tokens from address.offset on."""
     m = _parse(pb.ReviewRequest, data)
     r = m.verification
     verification = Verification(
         r.rule or "exact", r.alpha if r.HasField("alpha") else None, r.beta if r.HasField("beta") else None
     )
-    return m.tier, ReviewRequest(
+    return _address(m), ReviewRequest(
         m.request_id,
         _context_in(m.context),
         _block_in(m.block),
@@ -128,8 +164,11 @@ def encode_review_reply(reply: ReviewReply) -> bytes:
     return pb.ReviewReply(verdict=verdict, usage=_usage_out(reply.usage)).SerializeToString()
 
 
-def decode_review_reply(data: bytes) -> ReviewReply:
+def decode_review_reply(data: bytes) -> ReviewReply | None:
+    """The reply; None when the server asks for the whole context (`RESEND`)."""
     m = _parse(pb.ReviewReply, data)
+    if m.resend:
+        return None
     v = m.verdict
     verdict = Verdict(v.accepted, v.token, list(v.token_probs), _rows_in(v, "dists"), v.off_target, v.tv, v.ll_loss)
     return ReviewReply(verdict, _usage_in(m.usage))
@@ -157,15 +196,25 @@ def _parse(kind, data: bytes):  # type: ignore[no-untyped-def]  # protobuf's gen
     return message
 
 
-def _context_out(ctx: Context) -> pb.Context:
-    return pb.Context(tokens=ctx.tokens, stable=ctx.stable)
+def _context_out(ctx: Context, offset: int) -> pb.Context:
+    if not 0 <= offset <= len(ctx.tokens):
+        raise ValueError(f"context offset {offset} outside its {len(ctx.tokens)} tokens")
+    if not offset:
+        return pb.Context(tokens=ctx.tokens, stable=ctx.stable)
+    prefix = prefix_digest(ctx.tokens[:offset])
+    return pb.Context(tokens=ctx.tokens[offset:], stable=ctx.stable, offset=offset, prefix=prefix)
 
 
 def _context_in(m: pb.Context) -> Context:
+    """The tokens from m.offset on (the server puts the held prefix before them)."""
     tokens = list(m.tokens)
-    if m.stable > len(tokens):
-        raise ValueError(f"context.stable {m.stable} exceeds its {len(tokens)} tokens")
+    if m.stable > m.offset + len(tokens):
+        raise ValueError(f"context.stable {m.stable} exceeds its {m.offset + len(tokens)} tokens")
     return Context(tokens, m.stable)
+
+
+def _address(m) -> Address:  # type: ignore[no-untyped-def]  # a generated DraftRequest or ReviewRequest
+    return Address(m.tier, m.context.offset, m.context.prefix)
 
 
 def _sampling_out(s: SamplingParams) -> pb.Sampling:

@@ -1,9 +1,11 @@
 """The coordinator's side of a tier in another process: `core.tier.Tier` over a byte transport.
 
 `invoke(method, data) -> data` is all it knows of the transport (a Ray Serve deployment handle in
-`serving.app`, a direct call in tests); what it sends and receives is `transport.codec`'s encoding of
-`core.tier`'s messages. Each call carries the full context: the replica that answers may not be the
-one that answered last round, and the context lets it rebuild its KV cache (see `serving.tier`).
+`serving.app`, a gRPC channel in `transport.client`, a direct call in tests); what it sends and
+receives is `transport.codec`'s encoding of `core.tier`'s messages. A call carries the context tokens
+after what it sent last time (the server kept those, `transport.host`); a server that holds something
+else (another replica answered, it restarted) answers "resend" and gets the whole context, from which
+it rebuilds its KV cache. So a replica change costs one prefill and never changes a token.
 """
 
 from __future__ import annotations
@@ -12,24 +14,27 @@ import logging
 import time
 from collections.abc import Callable
 
+from typing import TypeVar
+
 from ..core.stats import Usage
 from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
 from .codec import (
     decode_draft_reply,
-    decode_draft_request,
-    decode_release,
     decode_review_reply,
-    decode_review_request,
-    encode_draft_reply,
     encode_draft_request,
     encode_release,
-    encode_review_reply,
     encode_review_request,
 )
+from .host import TierHost
 
 log = logging.getLogger(__name__)
 
 Invoke = Callable[[str, bytes], bytes]
+Reply = TypeVar("Reply", DraftReply, ReviewReply)
+
+
+class TierProtocolError(RuntimeError):
+    """The server broke the protocol (asked for the whole context after it got it)."""
 
 
 class RemoteTier:
@@ -46,10 +51,14 @@ class RemoteTier:
         self.system = system
         self.hops = 0
         self.hop_s = 0.0  # wall time of calls, transport included
+        self.resends = 0  # calls the server asked to send again with the whole context
+        self.bytes_out = 0  # request bytes sent, resends included
+        self.bytes_in = 0
+        self._sent: list[int] = []  # the context of the last call that succeeded: the server holds it
 
     def draft(self, request: DraftRequest) -> DraftReply:
         start = time.perf_counter()
-        reply = decode_draft_reply(self.invoke("draft", encode_draft_request(request, self.name)))
+        reply = self._call("draft", request, encode_draft_request, decode_draft_reply)
         self._hop(reply.usage, time.perf_counter() - start)
         reply.draft.origins = [self.name] * len(reply.draft)
         return reply
@@ -61,8 +70,32 @@ class RemoteTier:
                 "process (or its whole sub-cascade in its replica)"
             )
         start = time.perf_counter()
-        reply = decode_review_reply(self.invoke("review", encode_review_request(request, self.name)))
+        reply = self._call("review", request, encode_review_request, decode_review_reply)
         self._hop(reply.usage, time.perf_counter() - start)
+        return reply
+
+    def _call(
+        self,
+        method: str,
+        request: DraftRequest | ReviewRequest,
+        encode: Callable[..., bytes],
+        decode: Callable[[bytes], Reply | None],
+    ) -> Reply:
+        tokens = request.context.tokens
+        offset = _common_prefix(self._sent, tokens)
+        reply = decode(self._invoke(method, encode(request, self.name, offset)))
+        if reply is None and offset:  # the server holds another prefix: send it all
+            self.resends += 1
+            reply = decode(self._invoke(method, encode(request, self.name, 0)))
+        if reply is None:
+            raise TierProtocolError(f"tier {self.name!r} asked for the whole context after getting it")
+        self._sent = list(tokens)
+        return reply
+
+    def _invoke(self, method: str, data: bytes) -> bytes:
+        self.bytes_out += len(data)
+        reply = self.invoke(method, data)
+        self.bytes_in += len(reply)
         return reply
 
     def release(self, request: Release) -> None:
@@ -83,19 +116,31 @@ class RemoteTier:
             counters.time_s = elapsed
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (the context grew): one comparison in C
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
 def loopback(tier: Tier, request_id: str = "") -> RemoteTier:
-    """`tier` behind the wire codec in this process: every message it gets and gives crosses as bytes.
+    """`tier` behind the wire codec and a `TierHost` in this process: every message it gets and gives
+    crosses as bytes, contexts as deltas, as they would to a tier server.
 
     The reference transport: tests run the cascade through it to show that the codec loses nothing.
     """
+    host = TierHost(lambda name, request: tier)
 
     def invoke(method: str, data: bytes) -> bytes:
         if method == "draft":
-            return encode_draft_reply(tier.draft(decode_draft_request(data)[1]))
+            return host.draft(data)
         if method == "review":
-            return encode_review_reply(tier.review(decode_review_request(data)[1]))
+            return host.review(data)
         if method == "release":
-            tier.release(decode_release(data))
+            tier.release(Release(host.release(data)))
             return b""
         raise ValueError(f"method: unknown tier call {method!r}")
 

@@ -9,9 +9,11 @@ def test_committed_stubs_match_the_protos():
 
 def test_the_check_fails_on_a_stale_stub(tmp_path, monkeypatch):
     for name, text in codegen.generate().items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    (tmp_path / "cascade_pb2.py").write_text("# edited by hand\n")
-    monkeypatch.setattr(codegen, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(codegen, "API_DIR", tmp_path)
+    assert codegen.main(["--check"]) == 0
+    (tmp_path / "tier" / "v1" / "tier_pb2.py").write_text("# edited by hand\n")
     assert codegen.main(["--check"]) == 1
 
 
@@ -24,3 +26,6 @@ def test_message_classes_pickle_by_reference():
     assert pb.GenerateRequest.__module__ == "cascade_service.api.v1.cascade_pb2"
     request = pb.GenerateRequest(prompt="x", max_new_tokens=3)
     assert pickle.loads(pickle.dumps(request)) == request
+    from cascade_service.api.tier.v1 import tier_pb2
+
+    assert tier_pb2.DraftRequest.__module__ == "cascade_service.api.tier.v1.tier_pb2"

@@ -124,7 +124,7 @@ def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> None:
 )
 def test_a_draft_request_round_trips(request_id, tier, context, want, limit, sampling, seed, eos, adaptive, min_match):
     request = DraftRequest(request_id, context, want, limit, sampling, seed, eos, adaptive, min_match)
-    assert codec.decode_draft_request(codec.encode_draft_request(request, tier)) == (tier, request)
+    assert codec.decode_draft_request(codec.encode_draft_request(request, tier)) == (codec.Address(tier), request)
 
 
 @settings(max_examples=150, deadline=None)
@@ -148,8 +148,8 @@ def test_a_draft_reply_round_trips(draft, usage, stopped):
 )
 def test_a_review_request_round_trips(request_id, tier, context, block, leniency, sampling, seed, verification):
     request = ReviewRequest(request_id, context, block, leniency, sampling, seed, verification)
-    name, back = codec.decode_review_request(codec.encode_review_request(request, tier))
-    assert name == tier
+    address, back = codec.decode_review_request(codec.encode_review_request(request, tier))
+    assert address == codec.Address(tier)
     _same_draft(block, back.block)
     assert (back.request_id, back.context, back.leniency, back.sampling, back.seed, back.verification) == (
         request_id,
@@ -194,6 +194,26 @@ def test_a_review_reply_round_trips(block, token, usage, off, tv, loss):
     assert back.usage == usage
 
 
+@settings(max_examples=100, deadline=None)
+@given(context=contexts(), data=st.data())
+def test_a_context_crosses_as_the_tokens_after_the_offset_with_a_digest_of_the_rest(context, data):
+    offset = data.draw(st.integers(0, len(context.tokens)))
+    request = DraftRequest("r", context, 1, 1)
+    address, back = codec.decode_draft_request(codec.encode_draft_request(request, "t", offset))
+    assert back.context.tokens == context.tokens[offset:] and back.context.stable == context.stable
+    assert address == codec.Address("t", offset, codec.prefix_digest(context.tokens[:offset]) if offset else 0)
+
+
+def test_an_offset_outside_the_context_is_refused():
+    with pytest.raises(ValueError, match="offset 3 outside its 2 tokens"):
+        codec.encode_draft_request(DraftRequest("r", Context([1, 2], 2), 1, 1), "t", 3)
+
+
+def test_a_resend_reply_decodes_to_none():
+    assert codec.decode_draft_reply(codec.RESEND["draft"]) is None
+    assert codec.decode_review_reply(codec.RESEND["review"]) is None
+
+
 def test_a_release_round_trips():
     assert codec.decode_release(codec.encode_release(Release("r-1"))) == Release("r-1")
 
@@ -223,7 +243,7 @@ def test_malformed_bytes_fail_as_value_errors(data, message):
 
 
 def test_decoding_checks_what_the_types_check():
-    from cascade_service.api.v1 import tier_pb2 as pb
+    from cascade_service.api.tier.v1 import tier_pb2 as pb
 
     hot = pb.DraftRequest(context=pb.Context(tokens=[1], stable=1), sampling=pb.Sampling(temperature=math.inf))
     with pytest.raises(ValueError, match="temperature"):

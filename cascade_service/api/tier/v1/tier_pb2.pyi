@@ -7,12 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Context(_message.Message):
-    __slots__ = ("tokens", "stable")
+    __slots__ = ("tokens", "stable", "offset", "prefix")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STABLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     stable: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., stable: _Optional[int] = ...) -> None: ...
+    offset: int
+    prefix: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., stable: _Optional[int] = ..., offset: _Optional[int] = ..., prefix: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "rows")
@@ -174,14 +178,16 @@ class Usage(_message.Message):
     def __init__(self, tiers: _Optional[_Mapping[str, TierCounters]] = ..., reviews: _Optional[_Mapping[str, ReviewCounters]] = ..., off_target: _Optional[int] = ..., tv: _Optional[float] = ..., ll_loss: _Optional[float] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("block", "usage", "stopped")
+    __slots__ = ("block", "usage", "stopped", "resend")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    RESEND_FIELD_NUMBER: _ClassVar[int]
     block: Block
     usage: Usage
     stopped: bool
-    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stopped: _Optional[bool] = ...) -> None: ...
+    resend: bool
+    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stopped: _Optional[bool] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class ReviewRequest(_message.Message):
     __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification")
@@ -222,15 +228,55 @@ class Verdict(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., token_probs: _Optional[_Iterable[float]] = ..., dists: _Optional[_Union[Rows, _Mapping]] = ..., off_target: _Optional[int] = ..., tv: _Optional[float] = ..., ll_loss: _Optional[float] = ...) -> None: ...
 
 class ReviewReply(_message.Message):
-    __slots__ = ("verdict", "usage")
+    __slots__ = ("verdict", "usage", "resend")
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    RESEND_FIELD_NUMBER: _ClassVar[int]
     verdict: Verdict
     usage: Usage
-    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    resend: bool
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierInfo(_message.Message):
+    __slots__ = ("name", "vocab_size", "num_parameters", "eos_token_ids", "max_positions", "device", "system", "max_block")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    num_parameters: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_positions: int
+    device: str
+    system: bool
+    max_block: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_parameters: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., system: _Optional[bool] = ..., max_block: _Optional[int] = ...) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("tiers", "version")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierInfo]
+    version: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierInfo, _Mapping]]] = ..., version: _Optional[str] = ...) -> None: ...
