@@ -6,8 +6,8 @@
 Each proto package has its folder: cascade.v1 (the client API) in `api/v1/`, cascade.tier.v1 (the
 tier API) in `api/tier/v1/`. protoc writes `from cascade.v1 import cascade_pb2` into the gRPC module,
 an import that only works with `protos/`'s output folder on sys.path, and names the message classes'
-module `cascade.v1.cascade_pb2`; both are rewritten so the stubs live inside the package. The protoc version is part of the output, so
-`--check` needs the pinned grpcio-tools.
+module `cascade.v1.cascade_pb2`; both are rewritten so the stubs live inside the package. The protoc
+version is part of the output, so `--check` needs the pinned grpcio-tools.
 """
 
 from __future__ import annotations

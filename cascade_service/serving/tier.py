@@ -70,7 +70,9 @@ class TierServer:
             _check_ids(request.block.tokens, vocab, "block.tokens")
             dists = request.block.dists
             if dists is not None and dists.shape[1] != vocab:
-                raise ValueError(f"block.dists: {dists.shape[1]} columns, but tier {self.tier.name!r} has {vocab} tokens")
+                raise ValueError(
+                    f"block.dists: {dists.shape[1]} columns, but tier {self.tier.name!r} has {vocab} tokens"
+                )
         if block > MAX_BLOCK:
             raise ValueError(f"{blocks}: {block} tokens in one block; at most {MAX_BLOCK}")
         if not tokens:

@@ -1,4 +1,4 @@
-"""The wire codec of the tier protocol: `core.tier`'s typed messages <-> protobuf bytes (protos/cascade/tier/v1/tier.proto).
+"""The wire codec of the tier protocol: `core.tier`'s messages <-> protobuf bytes (protos/cascade/tier/v1/).
 
 One place turns every message a tier call sends or answers into bytes and back, so what crosses a
 process boundary is a declared schema, never pickled objects or hand-built dicts. Probability rows

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-
 from typing import TypeVar
 
 from ..core.stats import Usage
