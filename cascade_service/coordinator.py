@@ -239,7 +239,10 @@ class Coordinator:
         if self.policies is not None:
             state.policy = self.policies()
         drafters: list[Tier] = [
-            MaGTier(MaxGram(self.bigram, d.max_ngram), self.vocab_size) if isinstance(d, MaGConfig) else tiers[d.name]
+            # MaG runs here unless the config names a tier server for it (then `tiers` holds it)
+            MaGTier(MaxGram(self.bigram, d.max_ngram), self.vocab_size)
+            if isinstance(d, MaGConfig) and d.name not in tiers
+            else tiers[d.name]
             for d in self.cascade.drafters
         ]
         system = build_cascade(

@@ -1,17 +1,20 @@
 """The in-process wiring: loaded tiers + the core cascade, one fresh cascade per request.
 
 Models are loaded once and shared; each request gets its own scorers (KV caches), MaG index, RNG and
-counters, so concurrent requests never see each other's state.
+counters, so concurrent requests never see each other's state. A tier the config names by `address`
+is not loaded: it is reached on its tier server over gRPC (`transport.client`), and the cascade calls
+it through the same `Tier` protocol.
 """
 
 from __future__ import annotations
 
 import copy
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CascadeConfig, GenerationConfig, MaGConfig, make_cascade, request_state
+from .config import CascadeConfig, GenerationConfig, MaGConfig, TierClientConfig, make_cascade, request_state
 from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
@@ -19,15 +22,18 @@ from .core.decode import decode
 from .core.local import MaGTier, ModelTier
 from .core.mag import BigramTable, MaxGram
 from .core.stats import CascadeStats
-from .core.tier import Tier
+from .core.tier import Release, Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
-from .runtime.assemble import assemble_coordinator, model_facts
+from .runtime.assemble import TierFacts, assemble_coordinator
 from .scheduling.load import LoadModel
 from .scheduling.trial import ARMS
 from .sessions import SessionStore
 from .startup import check_tiers, check_vocabularies
+from .transport.client import RemoteModel, connect
 from .transport.remote import loopback
+
+Drafter = HFModel | MaGConfig | RemoteModel
 
 
 @dataclass
@@ -39,27 +45,33 @@ class Generation:
 class Engine:
     """Target + drafters loaded from local directories, ready to generate."""
 
-    def __init__(self, cascade: CascadeConfig, loopback: bool = False):
+    def __init__(self, cascade: CascadeConfig, loopback: bool = False, tier_client: TierClientConfig | None = None):
         """`loopback`: every tier behind the wire codec (transport.remote.loopback), as a remote tier
-        would be; tests use it to show that the codec changes no token."""
+        would be; tests use it to show that the codec changes no token. `tier_client`: how to reach
+        the tiers named by address (the config's serving.tier_client)."""
         self.cascade = cascade
         self.loopback = loopback
         check_tiers(cascade)  # a device this machine lacks or a foreign vocabulary fails before any weights load
+        self.remote = connect(cascade, tier_client or TierClientConfig())  # asks each tier server what it hosts
         t = cascade.target
-        self.target = HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name)
-        self.drafters: list[HFModel | MaGConfig] = []
+        self.target: HFModel | RemoteModel = self.remote.get(t.name) or HFModel.load(
+            t.path, dtype=t.dtype, device=t.device, name=t.name
+        )
+        self.drafters: list[Drafter] = []
         self.bigram: BigramTable | None = None
         for d in cascade.drafters:
-            if isinstance(d, MaGConfig):
+            if d.name in self.remote:
+                self.drafters.append(self.remote[d.name])
+            elif isinstance(d, MaGConfig):
                 self.drafters.append(d)
                 self.bigram = BigramTable.load(d.bigram) if d.bigram else None
             else:
                 self.drafters.append(HFModel.load(d.path, dtype=d.dtype, device=d.device, name=d.name))
         # Again with the weights' own counts (the LM heads' rows), which config.json may not record.
-        check_vocabularies(cascade, {m.name: m.vocab_size for m in self.models()}, tokenizers=False)
+        check_vocabularies(cascade, {m.name: m.vocab_size for m in self.tiers()}, tokenizers=False)
         self.tokenizer = load_tokenizer(t.path)
         self.eos_ids = frozenset(self.target.eos_token_ids)
-        self.heads = HeadCache(self.target.device)
+        self.heads = HeadCache(self.target.device if isinstance(self.target, HFModel) else "cpu")
         self._check_heads(cascade)
 
     def _check_heads(self, cascade: CascadeConfig) -> None:
@@ -105,17 +117,28 @@ class Engine:
             gen, stats, self.target.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper
         )
         vocab = self.target.vocab_size
+        rid = uuid.uuid4().hex  # a remote tier's calls for this request stick to one replica by it
+        state.request_id = rid
         drafters: list[Tier] = [
-            self._wire(MaGTier(MaxGram(self.bigram, d.max_ngram), vocab)) if isinstance(d, MaGConfig) else self._tier(d)
+            self._wire(MaGTier(MaxGram(self.bigram, d.max_ngram), vocab))
+            if isinstance(d, MaGConfig)
+            else self._tier(d, rid)
             for d in self.drafters
         ]
+        target = self._tier(self.target, rid)
         system = build_cascade(
-            self._tier(self.target), drafters, self.cascade.schedule, self.cascade.leniency, state, self.cascade.lookup
+            target, drafters, self.cascade.schedule, self.cascade.leniency, state, self.cascade.lookup
         )
-        yield from decode(system, list(prompt_ids), gen.max_new_tokens, state)
+        try:
+            yield from decode(system, list(prompt_ids), gen.max_new_tokens, state)
+        finally:
+            for tier in (target, *drafters):  # a tier server's caches of this request (a local one: garbage)
+                tier.release(Release(rid))
 
-    def _tier(self, model: HFModel) -> Tier:
-        """One request's tier of a loaded model (its own KV cache)."""
+    def _tier(self, model: HFModel | RemoteModel, request_id: str) -> Tier:
+        """One request's tier of a model (its own KV cache, here or on its tier server)."""
+        if isinstance(model, RemoteModel):
+            return model.tier(request_id)
         return self._wire(ModelTier(model.scorer(), model.vocab_size, self.make_stopper))
 
     def _wire(self, tier: Tier) -> Tier:
@@ -145,7 +168,7 @@ class Engine:
         batched passes (scheduling.load); needs batching on the target (`HFModel.enable_batching`).
         arms: the ways of drafting its trial chooses between (scheduling.trial.ARMS, all of them when None).
         """
-        models = {model.name: model for model in self.models()}
+        models = {model.name: model for model in self.tiers()} | self.remote  # MaG's server too
         policies = None
         if adapt_to_load:
             if self.target.batcher is None:
@@ -155,9 +178,9 @@ class Engine:
             ).budget  # per request
         return assemble_coordinator(
             self.cascade,
-            model_facts(self.models()),
+            {m.name: m.facts() if isinstance(m, RemoteModel) else TierFacts.of(m) for m in self.tiers()},
             Tokenizer(self.encode, self.decode_text),
-            tiers=lambda request_id: {name: self._tier(m) for name, m in models.items()},
+            tiers=lambda request_id: {name: self._tier(m, request_id) for name, m in models.items()},
             store=store,
             defaults=defaults or GenerationConfig(),
             bigram=self.bigram,
@@ -165,9 +188,22 @@ class Engine:
             policies=policies,
         )
 
+    def local_target(self) -> HFModel:
+        """The target's weights in this process; a benchmark that measures them refuses a remote target."""
+        if not isinstance(self.target, HFModel):
+            raise ValueError(
+                f"tiers.target.address: this needs the target's weights in this process, not on {self.target.name!r}'s "
+                "tier server"
+            )
+        return self.target
+
     def models(self) -> list[HFModel]:
-        """The loaded model tiers, target first."""
-        return [self.target] + [d for d in self.drafters if isinstance(d, HFModel)]
+        """The model tiers loaded in this process, target first."""
+        return [m for m in (self.target, *self.drafters) if isinstance(m, HFModel)]
+
+    def tiers(self) -> list[HFModel | RemoteModel]:
+        """Every tier with a model, here or on a tier server (MaG's server included), target first."""
+        return [m for m in (self.target, *self.drafters) if isinstance(m, HFModel | RemoteModel) and not _is_mag(m)]
 
     def param_costs(self) -> dict[str, float]:
         return {m.name: m.num_parameters / self.target.num_parameters for m in self.drafters if isinstance(m, HFModel)}
@@ -175,8 +211,12 @@ class Engine:
     def swi_costs(self) -> dict[str, dict[str, float]]:
         """Drafter costs relative to the target: parameter ratio and measured step-time ratio."""
         models = [d for d in self.drafters if isinstance(d, HFModel)]
-        target_step = self.target.step_time_s()
+        target_step = self.local_target().step_time_s()
         return {
             "params": self.param_costs(),
             "measured": {m.name: m.step_time_s() / target_step for m in models},
         }
+
+
+def _is_mag(model: HFModel | RemoteModel) -> bool:
+    return isinstance(model, RemoteModel) and model.mag

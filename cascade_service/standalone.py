@@ -62,7 +62,7 @@ def start_standalone(
         import torch
 
         torch.set_num_threads(config.serving.torch_threads)
-    engine = Engine(cascade)
+    engine = Engine(cascade, tier_client=config.serving.tier_client)
     for model in engine.models():
         model.enable_batching(max_batch)
     store = session_store(

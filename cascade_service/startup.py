@@ -43,9 +43,11 @@ def model_tiers(cascade: CascadeConfig) -> list[tuple[str, ModelTierConfig]]:
 
 
 def check_devices(cascade: CascadeConfig) -> None:
-    """Every model tier's device exists in this process (before any tier loads: the first bad one fails)."""
+    """Every model tier's device exists in this process (before any tier loads: the first bad one fails).
+    A tier named by address runs on its tier server, which checks its own."""
     for key, tier in model_tiers(cascade):
-        tier_device(tier, key)
+        if not tier.remote:
+            tier_device(tier, key)
 
 
 def check_vocabularies(cascade: CascadeConfig, sizes: Mapping[str, int] | None = None, tokenizers: bool = True) -> None:
@@ -56,7 +58,7 @@ def check_vocabularies(cascade: CascadeConfig, sizes: Mapping[str, int] | None =
     process that loads it checks it). tokenizers: compare the tokenizers too.
     """
     if sizes is None:
-        sizes = {t.name: n for _, t in model_tiers(cascade) if (n := config_vocab_size(t.path)) is not None}
+        sizes = {t.name: n for _, t in model_tiers(cascade) if t.path and (n := config_vocab_size(t.path)) is not None}
     target = cascade.target
     for key, tier in model_tiers(cascade)[1:]:
         if target.name in sizes and tier.name in sizes and sizes[tier.name] != sizes[target.name]:
@@ -65,7 +67,7 @@ def check_vocabularies(cascade: CascadeConfig, sizes: Mapping[str, int] | None =
                 f"({where(target, 'path', 'tiers.target')}) has {sizes[target.name]}: "
                 "every tier must share the target's vocabulary"
             )
-        if not (tokenizers and Path(tier.path).is_dir() and Path(target.path).is_dir()):
+        if not (tokenizers and tier.path and target.path and Path(tier.path).is_dir() and Path(target.path).is_dir()):
             continue
         if same_tokenizer(tier.path, target.path) is False:
             raise ConfigError(

@@ -170,7 +170,7 @@ def tune(
     config = load_config(config_path)
     if not config.cascade.drafters:
         raise ValueError(f"{config_path}: no drafters to tune")
-    engine = Engine(config.cascade)
+    engine = Engine(config.cascade, tier_client=config.serving.tier_client)
     prompts = [engine.encode(p) for p in read_prompts(prompts_path)]
     costs = engine.swi_costs()
     _log("measuring lone-drafter acceptance (EWIF, Corollary 4.2):")

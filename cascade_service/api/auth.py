@@ -156,15 +156,46 @@ class _OwnerContext:
 
 @dataclass(frozen=True)
 class TlsFiles:
+    """A server's certificate and key (PEM); `client_ca_file`: also require every client to present a
+    certificate signed by this CA (mutual TLS), as a tier server asks of its coordinators."""
+
     cert_file: str
     key_file: str
+    client_ca_file: str | None = None
 
     def credentials(self) -> grpc.ServerCredentials:
-        try:
-            cert, key = Path(self.cert_file).read_bytes(), Path(self.key_file).read_bytes()
-        except OSError as exc:
-            raise ValueError(f"TLS: cannot read {exc.filename} ({type(exc).__name__})") from None
-        return grpc.ssl_server_credentials([(key, cert)])
+        cert, key = _read(self.cert_file), _read(self.key_file)
+        if self.client_ca_file is None:
+            return grpc.ssl_server_credentials([(key, cert)])
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=_read(self.client_ca_file), require_client_auth=True
+        )
+
+
+@dataclass(frozen=True)
+class ChannelTls:
+    """A client's TLS: the CA that signed the server's certificate (None: the system's roots), and the
+    client's own certificate and key where the server asks for one (mutual TLS)."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("TLS: a client certificate needs its key, and a key its certificate")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file) if self.ca_file else None,
+            private_key=_read(self.key_file) if self.key_file else None,
+            certificate_chain=_read(self.cert_file) if self.cert_file else None,
+        )
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"TLS: cannot read {exc.filename} ({type(exc).__name__})") from None
 
 
 def bind(server: grpc.Server, host: str, port: int, tls: TlsFiles | None) -> int:

@@ -26,20 +26,13 @@ from ..sessions import (
     SessionQuotaExceeded,
     StoreUnavailable,
 )
+from ..transport.errors import Overloaded, Unavailable
 from .auth import owner_of
 from .status import set_status
 from .v1 import cascade_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cascade.v1.CascadeService"
-
-
-class Unavailable(Exception):
-    """A tier could not be reached (replica died, deployment restarting): retryable."""
-
-
-class Overloaded(Exception):
-    """A deployment's bounded queue is full (the wiring raises it): RESOURCE_EXHAUSTED, retry later."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = _engine(args.model)
     batcher = engine.target.batcher
     assert batcher is not None
-    limit = getattr(engine.target.config, "max_position_embeddings", None) or 2048
+    limit = getattr(engine.local_target().config, "max_position_embeddings", None) or 2048
     if args.long_prompt + 16 > limit:
         parser.error(f"--long-prompt must leave room to stream below the model's {limit} positions")
     vocab = engine.target.vocab_size
@@ -143,7 +143,7 @@ def _engine(path: str | None) -> Engine:
         path = str(large if large.is_dir() else build_family(Path(tempfile.mkdtemp()) / "tiny")["target"])
     engine = Engine(make_cascade(ModelTierConfig("target", path), [], [], 1.0))
     engine.eos_ids = frozenset()  # every request decodes its whole budget: equal work per run
-    engine.target.enable_batching()
+    engine.local_target().enable_batching()
     return engine
 
 

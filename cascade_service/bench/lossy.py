@@ -123,7 +123,7 @@ def _score(engine: Engine, prompt: list[int], out: list[int]) -> tuple[int, floa
     """(tokens equal to the target's argmax, summed target log-probability) over `out`, one pass."""
     if not out:
         return 0, 0.0
-    logits = engine.target.scorer().logits(Context(prompt + out, 0), len(out))  # row j predicts out[j]
+    logits = engine.local_target().scorer().logits(Context(prompt + out, 0), len(out))  # row j predicts out[j]
     logp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(out)
     agree = int((logits.argmax(dim=-1).cpu() == ids).sum())

@@ -207,7 +207,7 @@ def run_adaptive(args: argparse.Namespace) -> int:
     # The confidence rule reads the drafter's distribution, which a reviewing tier does not sample from.
     confidence_hs = [] if args.reviews else float_list(args.confidence, "--confidence")
     table = adaptive.methods(drafter, ks, args.max_k, args.head, specdec_hs, confidence_hs)
-    engine = Engine(config.cascade)
+    engine = Engine(config.cascade, tier_client=config.serving.tier_client)
     prompts = [engine.encode(t) for t in read_prompts(args.prompts)]
     command = shlex.join(
         [

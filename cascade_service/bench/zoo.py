@@ -13,7 +13,7 @@ class Zoo:
     def __init__(self, cascade: CascadeConfig):
         # One Engine over the whole config loads every tier (and MaG's bigram table) exactly once.
         self._full = Engine(cascade)
-        self.target: HFModel = self._full.target
+        self.target: HFModel = self._full.local_target()
         self.eos_ids: list[int] = sorted(self._full.eos_ids)
         self._drafters = {d.name: d for d in self._full.drafters}  # name -> HFModel | MaGConfig
         self._engines: dict[CascadeConfig, Engine] = {}

@@ -196,7 +196,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     if not prompt:
         raise UsageError("the prompt is empty")
-    engine = Engine(config.cascade)
+    engine = Engine(config.cascade, tier_client=config.serving.tier_client)
     prompt_ids = engine.encode(prompt)
     result = engine.generate(prompt_ids, config.generation)
     text = engine.decode_text(result.token_ids)

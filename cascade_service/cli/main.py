@@ -12,6 +12,7 @@ from .client import add_client
 from .generate import add_generate
 from .parser import Parser, UsageError
 from .serve import add_serve_command
+from .tier import add_tier_command
 
 
 def _add_zoo(sub: argparse._SubParsersAction) -> None:
@@ -111,6 +112,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_train_head,
     _add_bench,
     add_serve_command,
+    add_tier_command,
     add_client,
 ]
 

@@ -28,6 +28,7 @@ from .base import (
     ConfigError,
     MaGConfig,
     ModelTierConfig,
+    _addresses,
     _check_int,
     _mapping,
     _only,
@@ -39,6 +40,7 @@ from .serving import (  # noqa: F401 - part of this package's interface
     ENV_REFERENCE,
     MAX_SHUTDOWN_GRACE_S,
     ServingConfig,
+    TierClientConfig,
     _serving,
     deployment_name,
     resolve_redis_url,
@@ -265,20 +267,27 @@ def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTier
         return MaGConfig()
     item = _mapping(item, where)
     if item.get("kind") == MAG or (item.get("name") == MAG and "path" not in item):
-        _only(item, where + ".", {"kind", "name", "bigram", "max_ngram"})
+        _only(item, where + ".", {"kind", "name", "bigram", "max_ngram", "address"})
         bigram = item.get("bigram")
         max_ngram = item.get("max_ngram", 16)
         _check_int(max_ngram, where + ".max_ngram", 1, 64)
-        return MaGConfig(item.get("name", MAG), _resolve(bigram, base_dir) if bigram else None, max_ngram)
+        address = _addresses(item["address"], where + ".address") if "address" in item else ()
+        return MaGConfig(item.get("name", MAG), _resolve(bigram, base_dir) if bigram else None, max_ngram, address)
     return _model_tier(item, where, None, defaults, base_dir)
 
 
 def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:
     item = _mapping(item, where)
-    _only(item, where + ".", {"name", "path", "dtype", "device", "kind"})
-    if not isinstance(item.get("path"), str) or not item["path"]:
+    _only(item, where + ".", {"name", "path", "dtype", "device", "kind", "address"})
+    address = _addresses(item["address"], where + ".address") if "address" in item else ()
+    if address and "path" not in item:
+        if where.endswith("target"):
+            raise ConfigError(f"{where}.path: a remote target still needs the directory of its tokenizer")
+        if not item.get("name"):
+            raise ConfigError(f"{where}.name: a remote tier without a path needs a name (its name on the tier server)")
+    elif not isinstance(item.get("path"), str) or not item["path"]:
         raise ConfigError(f"{where}.path must be a local model directory")
-    path = _resolve(item["path"], base_dir)
+    path = _resolve(item["path"], base_dir) if "path" in item else ""
     name = item.get("name") or default_name or Path(path).name
     dtype = item.get("dtype", defaults.get("dtype", "float32"))
     if dtype not in DTYPES:
@@ -288,4 +297,4 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
         raise ConfigError(f"{where}.device must be cpu, cuda, cuda:N or auto, got {device!r}")
     if name == MAG:
         raise ConfigError(f"{where}.name: 'mag' is reserved for the Max-Gram drafter")
-    return ModelTierConfig(str(name), path, dtype, device, key=where)
+    return ModelTierConfig(str(name), path, dtype, device, key=where, address=address)

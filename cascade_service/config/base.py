@@ -26,6 +26,14 @@ class ModelTierConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"; in a Ray replica given GPUs, those (serving.tier)
     # Where the config set this tier ("tiers.drafters[1]", "--target"), for errors; "" when built in code.
     key: str = field(default="", compare=False)
+    # host:port of the tier server(s) that serve this tier (`cascade-service tier`), replicas of one
+    # another; the coordinator then reaches it over gRPC and loads no weights. `path` is then optional,
+    # except for the target: the coordinator reads its tokenizer from there.
+    address: tuple[str, ...] = ()
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.address)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,26 @@ class MaGConfig:
     name: str = MAG
     bigram: str | None = None  # JSON bigram table (zoo build writes one); none: n-gram matches only
     max_ngram: int = 16  # longest suffix MaG looks up; bounds its per-call work
+    address: tuple[str, ...] = ()  # a tier server hosting MaG (`cascade-service tier --tier mag`)
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.address)
+
+
+ADDRESS = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})")
+
+
+def _addresses(value: Any, where: str) -> tuple[str, ...]:
+    """`address`: one host:port, or a non-empty list of distinct ones (replicas)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or len(set(map(str, items))) != len(items):
+        raise ConfigError(f"{where} must be host:port or a list of distinct host:port, got {value!r}")
+    for item in items:
+        match = ADDRESS.fullmatch(item) if isinstance(item, str) else None
+        if match is None or not 1 <= int(match.group(2)) <= 65535:
+            raise ConfigError(f"{where}: {item!r} is not host:port (a port in 1..65535)")
+    return tuple(items)
 
 
 def _resolve(path: str, base_dir: Path) -> str:

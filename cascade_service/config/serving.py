@@ -27,6 +27,26 @@ DEPLOYMENT_OPTIONS = {
 
 
 MAX_SHUTDOWN_GRACE_S = 3600
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True)
+class TierClientConfig:
+    """How the coordinator reaches the tiers a config names by `address` (transport.client).
+
+    TLS is on when `tls` is true or any file is given: `ca_file` the CA of the tier servers'
+    certificates (none: the system's roots), `cert_file`/`key_file` the coordinator's own certificate
+    for servers that ask for one (mutual TLS). `api_key` is sent as `authorization: Bearer`; `${NAME}`
+    in it is read from the environment. `timeout_s` bounds one tier call; a replica that does not
+    answer within it is failed over.
+    """
+
+    tls: bool = False
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,8 @@ class ServingConfig:
     # What the standalone server and the edge admit (api.admission.Limits, docs/service.md "Admission"):
     # any of ADMISSION_KEYS; unset ones keep their defaults (workers: the frontend's own).
     admission: dict[str, float] = field(default_factory=dict)
+    # How the coordinator reaches tiers named by address (TierClientConfig).
+    tier_client: TierClientConfig = field(default_factory=TierClientConfig)
 
 
 # The settings of serving.admission (api.admission.Limits' fields).
@@ -117,6 +139,52 @@ def _admission(value: Any) -> dict[str, float]:
     return {k: (float(v) if k == "body_timeout_s" else int(v)) for k, v in raw.items()}
 
 
+def _tier_client(value: Any, cascade: CascadeConfig, base_dir: Path) -> TierClientConfig:
+    raw = _mapping(value if value is not None else {}, "serving.tier_client")
+    where = "serving.tier_client."
+    _only(raw, where, {"tls", "ca_file", "cert_file", "key_file", "api_key", "timeout_s"})
+    files = {}
+    for name in ("ca_file", "cert_file", "key_file"):
+        path = raw.get(name)
+        if path is not None and not (isinstance(path, str) and path):
+            raise ConfigError(f"{where}{name} must be a file path (a string), got {path!r}")
+        files[name] = None if path is None else _resolve(path, base_dir)
+    if (files["cert_file"] is None) != (files["key_file"] is None):
+        raise ConfigError(f"{where}cert_file and {where}key_file go together")
+    tls = raw.get("tls", False)
+    if not isinstance(tls, bool):
+        raise ConfigError(f"{where}tls must be true or false, got {tls!r}")
+    timeout = raw.get("timeout_s", 30.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+        raise ConfigError(f"{where}timeout_s must be a number of seconds in (0, 3600], got {timeout!r}")
+    key = raw.get("api_key")
+    if key is not None:
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{where}api_key must be a non-empty string")
+        key = _env(key, where + "api_key")
+    client = TierClientConfig(
+        tls or any(files.values()), files["ca_file"], files["cert_file"], files["key_file"], key, float(timeout)
+    )
+    for tier in cascade.tiers:
+        exposed = [a for a in tier.address if a.rsplit(":", 1)[0] not in LOOPBACK]
+        if exposed and not client.tls:
+            raise ConfigError(
+                f"{tier.name}.address: {exposed[0]} is not a loopback address; reach it over TLS "
+                f"(serving.tier_client.tls, ca_file) with an api_key"
+            )
+    return client
+
+
+def _env(value: str, where: str) -> str:
+    def lookup(match: re.Match) -> str:
+        found = os.environ.get(match.group(1))
+        if not found:
+            raise ConfigError(f"{where} reads {match.group(0)}, which is not set in this process's environment")
+        return found
+
+    return ENV_REFERENCE.sub(lookup, value)
+
+
 def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
     _only(
         raw,
@@ -138,12 +206,15 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
             "shutdown_grace_s",
             "admission",
             "max_sessions_per_key",
+            "tier_client",
         },
     )
+    structured = ("deployments", "colocate", "groups", "load_arms", "admission", "tier_client")
     serving = ServingConfig(
-        **{k: v for k, v in raw.items() if k not in ("deployments", "colocate", "groups", "load_arms", "admission")},
+        **{k: v for k, v in raw.items() if k not in structured},
         load_arms=_load_arms(raw.get("load_arms")),
         admission=_admission(raw.get("admission")),
+        tier_client=_tier_client(raw.get("tier_client"), cascade, base_dir),
     )
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
@@ -175,7 +246,8 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
         files[name] = None if value is None else _resolve(value, base_dir)
     if (files["tls_cert_file"] is None) != (files["tls_key_file"] is None):
         raise ConfigError("serving.tls_cert_file and serving.tls_key_file go together")
-    model_tiers = [t.name for t in cascade.tiers if isinstance(t, ModelTierConfig)]
+    # Tiers named by address are served elsewhere: no deployment, no colocation, no group here.
+    model_tiers = [t.name for t in cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote]
     colocate = raw.get("colocate", [])
     if not isinstance(colocate, list) or any(name not in model_tiers for name in colocate):
         raise ConfigError(f"serving.colocate must list model tiers ({', '.join(model_tiers)}), got {colocate!r}")

@@ -74,7 +74,8 @@ def _serve(config_path: str, torch_threads: int | None) -> int:
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    cascade = Engine(load_config(config_path).cascade)
+    config = load_config(config_path)
+    cascade = Engine(config.cascade, tier_client=config.serving.tier_client)
     variants = {"csd": cascade, "ar": cascade.variant([])}
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")

@@ -179,6 +179,7 @@ class TierGroup:
         max_cached_requests: int = MAX_CACHED_REQUESTS,
         systems: Mapping[str, SubCascade] | None = None,
         mag: bool = False,
+        mag_vocab: int | None = None,
     ):
         self.servers = {t.name: TierServer(t, max_cached_requests) for t in tiers}
         self.heads = HeadCache()
@@ -196,7 +197,7 @@ class TierGroup:
         self.calls = 0  # block calls served (draft, review): shows whether work goes on
         self.host = TierHost(self._route, max_cached_requests)
         # MaG's vocabulary, for checking its calls: the group's models' (or the config's, when alone).
-        self.mag_vocab = next((s.model.vocab_size for s in self.servers.values()), None)
+        self.mag_vocab = next((s.model.vocab_size for s in self.servers.values()), mag_vocab)
 
     def counters(self) -> dict[str, int]:
         """What an operator watches: calls served, requests holding a KV cache, cache misses, and the
@@ -297,6 +298,12 @@ class TierGroup:
         for reviewer in stats.reviews:
             reply.usage.reviewer(reviewer)
         return reply
+
+    def close(self) -> None:
+        """Stop the models' batching threads (the server is going away)."""
+        for server in self.servers.values():
+            if server.model.batcher is not None:
+                server.model.batcher.close()
 
     def cached_contexts(self) -> int:
         return len(self.host.contexts)

@@ -13,8 +13,8 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from ..api.servicer import Overloaded, Unavailable
 from ..config import ModelTierConfig, deployment_name
+from ..transport.errors import Overloaded, Unavailable
 from .bridge import await_, in_bridge
 from .tier import SubCascade, TierGroup, replica_tier
 

@@ -1,0 +1,218 @@
+"""A tier as a gRPC service of its own: cascade.tier.v1.Tier over a `TierGroup` (`cascade-service tier`).
+
+The server is a `grpc.aio` server on an event loop of its own. A call is checked on the loop (its API
+key, its deadline, the queue) and only then takes a worker thread for its forward passes, so idle,
+unauthenticated or refused calls cost no worker. Concurrent calls share forward passes: each model
+batches the passes of the calls on its workers (`models.batching`), as a Ray tier replica does.
+
+Status codes: a malformed or out-of-range call is INVALID_ARGUMENT naming the field, a tier this
+server does not host NOT_FOUND, a call without a valid key UNAUTHENTICATED, a full queue
+RESOURCE_EXHAUSTED, a call whose deadline passed while it waited DEADLINE_EXCEEDED, a server that is
+stopping UNAVAILABLE. None of them stops the server. Health (grpc.health.v1) and reflection are served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+
+from .. import __version__
+from ..api.auth import ApiKeys, TlsFiles, bearer, bind
+from ..api.reflection import enable_reflection
+from ..api.tier.v1 import tier_pb2 as pb
+from .host import UnknownTier
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Tier"].full_name  # cascade.tier.v1.Tier
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+DEFAULT_WORKERS = 64  # calls at work at once (each holds a thread while its passes run; they batch)
+DEFAULT_MAX_QUEUED = 256  # calls waiting for a worker; beyond, RESOURCE_EXHAUSTED
+# Sampling sends full distribution rows (block x vocabulary float32): room for a long block of a large
+# vocabulary, and a bound on what one call can make the server buffer.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class Served(Protocol):
+    """What a tier server serves: encoded calls in, encoded replies out (`serving.tier.TierGroup`)."""
+
+    mag_vocab: int | None
+
+    def draft(self, data: bytes) -> bytes: ...
+
+    def review(self, data: bytes) -> bytes: ...
+
+    def release(self, data: bytes) -> bool: ...
+
+    def info(self) -> Mapping[str, Mapping[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+class TierService:
+    """cascade.tier.v1.Tier's methods over `group`, as raw-bytes handlers (the group decodes)."""
+
+    def __init__(
+        self,
+        group: Served,
+        api_keys: ApiKeys | None = None,
+        workers: int = DEFAULT_WORKERS,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+    ):
+        self.group = group
+        self.api_keys = api_keys
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tier-call")
+        self.capacity = workers + max_queued
+        self.in_flight = 0  # on the loop only
+        self.stopping = False
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        def method(call: Callable[[bytes], bytes]) -> grpc.RpcMethodHandler:
+            async def handle(data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                return await self._serve(call, data, context)
+
+            # No (de)serializers: the bytes go to the group as they came, and come back as it made them.
+            return grpc.unary_unary_rpc_method_handler(handle)
+
+        methods = {
+            "Draft": method(self.group.draft),
+            "Review": method(self.group.review),
+            "Release": method(self._release),
+            "Info": method(self._info),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+    async def _serve(self, call: Callable[[bytes], bytes], data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if self.api_keys is not None and self.api_keys.check(bearer(context.invocation_metadata())) is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: a valid API key is required")
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the tier server is stopping; retry on another replica")
+        if self.in_flight >= self.capacity:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.capacity} calls are open; retry later")
+        self.in_flight += 1
+        try:
+            remaining = context.time_remaining()
+            future = asyncio.get_running_loop().run_in_executor(self.pool, _guarded, call, data, remaining)
+            code, message, reply = await future
+        finally:
+            self.in_flight -= 1
+        if code is not None:
+            await context.abort(code, message)
+        return reply
+
+    def _release(self, data: bytes) -> bytes:
+        return pb.ReleaseReply(held=self.group.release(data)).SerializeToString()
+
+    def _info(self, data: bytes) -> bytes:
+        pb.InfoRequest.FromString(data)  # an InfoRequest has no fields; bytes that are not one fail here
+        tiers = []
+        for name, info in self.group.info().items():
+            tiers.append(
+                pb.TierInfo(
+                    name=name,
+                    vocab_size=info.get("vocab_size", self.group.mag_vocab or 0),
+                    num_parameters=info.get("num_parameters", 0),
+                    eos_token_ids=info.get("eos_token_ids", []),
+                    max_positions=info.get("max_positions") or 0,
+                    device=info.get("device", "cpu"),
+                    system=info["system"],
+                    max_block=info["max_block"],
+                )
+            )
+        return pb.InfoReply(tiers=tiers, version=__version__).SerializeToString()
+
+
+def _guarded(call: Callable[[bytes], bytes], data: bytes, remaining: float | None) -> tuple[Any, str, bytes]:
+    """Run a call on a worker: (None, "", reply), or (status code, message, b"") for one that fails."""
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed while it waited", b""
+    try:
+        return None, "", call(data)
+    except UnknownTier as exc:
+        return grpc.StatusCode.NOT_FOUND, str(exc), b""
+    except (ValueError, TypeError) as exc:
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), b""
+    except Exception as exc:
+        log.exception("tier call failed")
+        return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the tier server's log", b""
+
+
+class TierServer:
+    """A running tier server: `port` is the bound one; `stop(grace)` ends it."""
+
+    def __init__(self, service: TierService, host: str, port: int, tls: TlsFiles | None):
+        self.service = service
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="tier-server", daemon=True)
+        self._thread.start()
+        self.health = health_aio.HealthServicer()
+        try:
+            self.server, self.port = self._await(self._start(host, port, tls))
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
+
+    async def _start(self, host: str, port: int, tls: TlsFiles | None) -> tuple[grpc.aio.Server, int]:
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers((self.service.handlers(),))
+        from grpc_health.v1 import health_pb2_grpc
+
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        enable_reflection(server, [SERVICE, HEALTH])
+        bound = bind(server, host, port, tls)
+        await server.start()
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return server, bound
+
+    def _await(self, coroutine: Any, timeout_s: float | None = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Answer health NOT_SERVING and new calls UNAVAILABLE, let calls at work finish for `grace_s`."""
+
+        async def stop() -> None:
+            self.service.stopping = True
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace_s)
+
+        try:
+            self._await(stop(), timeout_s=grace_s + 30.0)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.service.pool.shutdown(wait=False, cancel_futures=True)
+            self.service.group.close()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
+def start_tier_server(
+    group: Any,  # serving.tier.TierGroup, or any `Served`
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_keys: ApiKeys | None = None,
+    tls: TlsFiles | None = None,
+    workers: int = DEFAULT_WORKERS,
+    max_queued: int = DEFAULT_MAX_QUEUED,
+    max_batch: int = 64,
+) -> TierServer:
+    """Serve `group` on host:port (0 picks a free port), each model batching concurrent calls' passes."""
+    for server in getattr(group, "servers", {}).values():
+        if server.model.batcher is None:
+            server.model.enable_batching(max_batch)
+    return TierServer(TierService(group, api_keys, workers, max_queued), host, port, tls)
