@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
@@ -138,6 +139,8 @@ def _guarded(call: Callable[[bytes], bytes], data: bytes, remaining: float | Non
         return None, "", call(data)
     except UnknownTier as exc:
         return grpc.StatusCode.NOT_FOUND, str(exc), b""
+    except DecodeError as exc:
+        return grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {exc}", b""
     except (ValueError, TypeError) as exc:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), b""
     except Exception as exc:
@@ -154,6 +157,8 @@ class TierServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="tier-server", daemon=True)
         self._thread.start()
         self.health = health_aio.HealthServicer()
+        self._stop_lock = threading.Lock()
+        self._stopped = False
         try:
             self.server, self.port = self._await(self._start(host, port, tls))
         except BaseException:
@@ -182,7 +187,12 @@ class TierServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 
     def stop(self, grace_s: float = 0.0) -> None:
-        """Answer health NOT_SERVING and new calls UNAVAILABLE, let calls at work finish for `grace_s`."""
+        """Answer health NOT_SERVING and new calls UNAVAILABLE, let calls at work finish for `grace_s`.
+        Stopping a stopped server does nothing."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
 
         async def stop() -> None:
             self.service.stopping = True
