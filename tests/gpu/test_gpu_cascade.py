@@ -35,7 +35,7 @@ from cascade_service.core.verify import Verification
 from cascade_service.engine import Engine
 from cascade_service.zoo.tiny import random_prompts
 
-from ..unit.toy import ToyScorer, chi_square_rejects, exact_distribution
+from ..helpers.toy import ToyScorer, chi_square_rejects, exact_distribution
 from .oracle import GPU, assert_greedy, load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CUDA")]

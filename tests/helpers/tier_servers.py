@@ -9,6 +9,8 @@ from pathlib import Path
 
 from cascade_service.cli.tier import tier_group
 from cascade_service.config import CascadeConfig, Config, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.core.tier import Tier
+from cascade_service.transport.host import TierHost
 from cascade_service.transport.server import TierServer, start_tier_server
 
 
@@ -47,3 +49,34 @@ def running(*servers: TierServer) -> Iterator[None]:
     finally:
         for server in servers:
             server.stop()
+
+
+class HostedTiers:
+    """In-process tiers behind a `TierHost`, served as a tier server serves its group (for toy models):
+    `register(tier, request_id)` hosts one request's tier; calls for it are routed to it."""
+
+    mag_vocab = None
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.tiers: dict[tuple[str, str], Tier] = {}
+        self.host = TierHost(lambda name, request: self.tiers[(name, request.request_id)])
+
+    def register(self, tier: Tier, request_id: str) -> None:
+        self.tiers[(tier.name, request_id)] = tier
+
+    def draft(self, data: bytes) -> bytes:
+        return self.host.draft(data)
+
+    def review(self, data: bytes) -> bytes:
+        return self.host.review(data)
+
+    def release(self, data: bytes) -> bool:
+        request_id = self.host.release(data)
+        return bool([self.tiers.pop(key) for key in list(self.tiers) if key[1] == request_id])
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -122,8 +122,10 @@ def test_an_unknown_request_id_is_no_error(channel):
 def test_health_and_reflection_are_served(channel):
     stub = health_pb2_grpc.HealthStub(channel)
     for service in ("", SERVICE):
-        assert stub.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
-    from cascade_service.api.reflection import v1_info, ServerReflectionRequest
+        assert (
+            stub.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        )
+    from cascade_service.api.reflection import ServerReflectionRequest, v1_info
 
     replies = list(v1_info(channel)(iter([ServerReflectionRequest(list_services="")]), timeout=10))
     names = {s.name for s in replies[0].list_services_response.service}

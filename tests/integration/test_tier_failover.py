@@ -70,10 +70,10 @@ def test_with_no_replica_left_the_call_fails_unavailable(tiny_family):
 
 
 def test_the_edge_answers_unavailable_when_a_tier_is_down(tiny_family):
-    from cascade_service.config import Config
-    from cascade_service.standalone import start_standalone
     from cascade_service.api.v1 import cascade_pb2 as pb
     from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
+    from cascade_service.config import Config
+    from cascade_service.standalone import start_standalone
 
     cascade = tiny_cascade(tiny_family, mag=False)
     server = serve_group(cascade, ["close"])

@@ -107,3 +107,32 @@ def test_a_tier_the_server_does_not_host_fails_at_start(tiny_family):
     server = serve_group(cascade, ["mid"])
     with running(server), pytest.raises(ConfigError, match="hosts mid, not 'close'"):
         Engine(addressed(cascade, {"close": server}))
+
+
+def test_the_distribution_is_exact_with_remote_tiers_over_grpc():
+    # Toy tiers behind a real tier server: rows, seeds and verdicts cross gRPC, contexts as deltas.
+    from cascade_service.core.sampling import SamplingParams
+    from cascade_service.transport.client import TierReplicas
+    from cascade_service.transport.remote import RemoteTier
+    from cascade_service.transport.server import start_tier_server
+
+    from ..helpers.tier_servers import HostedTiers
+    from ..helpers.toy import chi_square_rejects
+    from ..helpers.toy_cascade import CASES, SAMPLES, VOCAB, sample_cascade
+
+    hosted = HostedTiers(VOCAB)
+    server = start_tier_server(hosted)
+    replicas = TierReplicas([f"127.0.0.1:{server.port}"])
+
+    def remote(tier, request_id):  # every drafter on the tier server; the target here
+        if tier.name == "target":
+            return tier
+        hosted.register(tier, request_id)
+        return RemoteTier(tier.name, request_id, replicas.invoker(request_id), system=tier.system)
+
+    names, k, leniency = CASES["csd_base_small_mag_lenient"]
+    with running(server):
+        # Half the in-process test's samples: each costs a few loopback gRPC calls.
+        counts, expected = sample_cascade(names, k, leniency, SamplingParams(1.0), samples=SAMPLES // 2, wrap=remote)
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES // 2)
+    assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"

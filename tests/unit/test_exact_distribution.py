@@ -14,72 +14,17 @@ import pytest
 import torch
 
 from cascade_service.core import review as review_module
-from cascade_service.core.cascade import Lookup, RequestState, build_cascade
-from cascade_service.core.decode import decode
-from cascade_service.core.local import local_tiers
-from cascade_service.core.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
-from cascade_service.core.schedule import Schedule
-from cascade_service.core.stats import CascadeStats
-from cascade_service.transport.remote import loopback
 
-from .toy import ToyScorer, chi_square_rejects, exact_distribution
-
-VOCAB, LENGTH, SAMPLES = 4, 3, 4000
-PROMPT = [0, 1, 2, 0, 1]
-
-
-def _tiers(target_dtype=torch.float32, drafter_dtype=torch.float32):
-    target = ToyScorer("target", VOCAB, seed=1, dtype=target_dtype)
-    base = ToyScorer("base", VOCAB, seed=2, base=target, noise=1.5, dtype=drafter_dtype)
-    small = ToyScorer("small", VOCAB, seed=3, base=target, noise=3.0, dtype=drafter_dtype)
-    return target, base, small
-
-
-def _sample_cascade(
-    drafter_names,
-    k_matrix,
-    leniency,
-    sampling,
-    samples=SAMPLES,
-    seed=0,
-    lookup=None,
-    dtypes=(torch.float32, torch.float32),
-    wire=False,
-):
-    target, base, small = _tiers(*dtypes)
-    models = {"base": base, "small": small}
-    bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
-    schedule = Schedule.parse(k_matrix, drafter_names)
-    counts: Counter = Counter()
-    for i in range(samples):
-        state = RequestState(
-            sampling, torch.Generator().manual_seed(seed * 1_000_003 + i), CascadeStats("target"), VOCAB
-        )
-        drafters = [MaxGram(bigram) if n == "mag" else models[n] for n in drafter_names]
-        top, below = local_tiers(VOCAB, target, drafters)
-        if wire:  # every tier behind the wire codec, as a remote tier is
-            top, below = loopback(top), [loopback(t) for t in below]
-        system = build_cascade(top, below, schedule, leniency, state, lookup)
-        out = [t for chunk in decode(system, PROMPT, LENGTH, state) for t in chunk]
-        counts[tuple(out)] += 1
-    return counts, exact_distribution(target, PROMPT, LENGTH, sampling)
-
-
-CASES = {
-    "sd_small": (["small"], [[3]], 1.0),
-    # PROMPT repeats [0, 1], so the MaG gate opens at the target on the first round and later ones
-    "csd_base_mag_lookup": (["base", "mag"], [[2, 0], [0, 3]], 2.0, Lookup(1, 3)),
-    "csd_base_mag_lenient": (["base", "mag"], [[2, 2], [0, 3]], 3.0),
-    "csd_base_small_mag_lenient": (["base", "small", "mag"], [[2, 1, 1], [0, 2, 2], [0, 0, 3]], 2.0),
-}
+from ..helpers.toy import chi_square_rejects, exact_distribution
+from ..helpers.toy_cascade import CASES, LENGTH, PROMPT, SAMPLES, sample_cascade, toy_tiers
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["t1", "t0.7_p0.9"])
 def test_cascade_output_distribution_equals_target_distribution(case, sampling):
     names, k, leniency, *lookup = CASES[case]
-    counts, expected = _sample_cascade(names, k, leniency, sampling, lookup=lookup[0] if lookup else None)
+    counts, expected = sample_cascade(names, k, leniency, sampling, lookup=lookup[0] if lookup else None)
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 
@@ -88,7 +33,7 @@ def test_cascade_output_distribution_equals_target_distribution(case, sampling):
 def test_the_distribution_is_exact_through_the_wire_codec(case):
     # Drafts' rows, seeds and verdicts cross as bytes (transport.codec) and the output is still the target's.
     names, k, leniency, *lookup = CASES[case]
-    counts, expected = _sample_cascade(
+    counts, expected = sample_cascade(
         names, k, leniency, SamplingParams(1.0), lookup=lookup[0] if lookup else None, wire=True
     )
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
@@ -99,8 +44,8 @@ def test_the_wire_codec_changes_no_sampled_token():
     # Each tier call carries its seed, so the same request gives the same tokens in process and through the codec.
     names, k, leniency, lookup = CASES["csd_base_mag_lookup"]
     for seed in range(3):
-        here, _ = _sample_cascade(names, k, leniency, SamplingParams(1.0), samples=20, seed=seed, lookup=lookup)
-        wired, _ = _sample_cascade(
+        here, _ = sample_cascade(names, k, leniency, SamplingParams(1.0), samples=20, seed=seed, lookup=lookup)
+        wired, _ = sample_cascade(
             names, k, leniency, SamplingParams(1.0), samples=20, seed=seed, lookup=lookup, wire=True
         )
         assert here == wired
@@ -119,20 +64,20 @@ def test_output_distribution_equals_the_target_distribution_with_mixed_dtypes(ca
     # The oracle enumerates the target in its own dtype: a bfloat16 target's distribution is the
     # softmax of its bfloat16 logits, and that is what the cascade must sample from.
     names, k, leniency = CASES[case]
-    counts, expected = _sample_cascade(names, k, leniency, SamplingParams(1.0), dtypes=DTYPES[dtypes])
-    assert _tiers(*DTYPES[dtypes])[0].row(PROMPT).dtype == DTYPES[dtypes][0]
+    counts, expected = sample_cascade(names, k, leniency, SamplingParams(1.0), dtypes=DTYPES[dtypes])
+    assert toy_tiers(*DTYPES[dtypes])[0].row(PROMPT).dtype == DTYPES[dtypes][0]
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 
 
 @pytest.mark.parametrize("dtypes", sorted(DTYPES))
 def test_greedy_output_is_the_targets_argmax_path_with_mixed_dtypes(dtypes):
-    target = _tiers(*DTYPES[dtypes])[0]
+    target = toy_tiers(*DTYPES[dtypes])[0]
     greedy = list(PROMPT)
     for _ in range(LENGTH):
         greedy.append(int(target.row(greedy).argmax()))
     names, k, leniency = CASES["csd_base_small_mag_lenient"]
-    counts, _ = _sample_cascade(names, k, leniency, SamplingParams(0.0), samples=5, dtypes=DTYPES[dtypes])
+    counts, _ = sample_cascade(names, k, leniency, SamplingParams(0.0), samples=5, dtypes=DTYPES[dtypes])
     assert counts == Counter({tuple(greedy[len(PROMPT) :]): 5})
 
 
@@ -140,7 +85,7 @@ def test_distribution_check_detects_a_one_token_bias():
     # Power of the check: samples from the target distribution with 0.03 of mass moved onto one token
     # at the first position must be rejected at the same sample size.
     sampling = SamplingParams(1.0)
-    target, _, _ = _tiers()
+    target, _, _ = toy_tiers()
     expected = exact_distribution(target, PROMPT, LENGTH, sampling)
     # biased = 0.97 * target + 0.03 * (target conditioned on the first token being 1)
     first_one = sum(p for seq, p in expected.items() if seq[0] == 1)
@@ -159,7 +104,7 @@ def test_reviewing_against_inner_reviewer_probs_is_detected(monkeypatch):
     # distribution upward (instead of the reviewed mixture) biases the output. The check must see it.
     monkeypatch.setattr(review_module, "reviewed_proposal", lambda target_probs, draft_probs, leniency: target_probs)
     names, k, _ = CASES["csd_base_small_mag_lenient"]
-    counts, expected = _sample_cascade(names, k, 3.0, SamplingParams(1.0))
+    counts, expected = sample_cascade(names, k, 3.0, SamplingParams(1.0))
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert rejects, f"the biased cascade passed (chi-square {stat:.1f} <= {crit:.1f})"
 
@@ -172,8 +117,8 @@ def test_a_vanishing_temperature_samples_the_greedy_continuation(temperature):
     probs = sampling.probs(torch.tensor([[1.0, 3.0, 2.0, 3.0], [-4.0, 0.0, 9.0, 1.0]]))
     assert torch.isfinite(probs).all()
     assert probs.tolist() == [[0.0, 0.5, 0.0, 0.5], [0.0, 0.0, 1.0, 0.0]]
-    counts, _ = _sample_cascade(["base", "mag"], [[2, 2], [0, 3]], 1.0, sampling, samples=20)
-    target = _tiers()[0]
+    counts, _ = sample_cascade(["base", "mag"], [[2, 2], [0, 3]], 1.0, sampling, samples=20)
+    target = toy_tiers()[0]
     greedy = list(PROMPT)
     for _ in range(LENGTH):
         greedy.append(int(target.row(greedy).argmax()))

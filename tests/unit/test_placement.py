@@ -26,7 +26,7 @@ from cascade_service.core.stats import CascadeStats
 from cascade_service.core.types import Draft
 from cascade_service.core.verify import EXACT, Verification
 
-from .toy import ToyScorer
+from ..helpers.toy import ToyScorer
 from .virtual_devices import DeviceMismatch, VirtualDevices, device_of
 
 VOCAB, LENGTH = 4, 8

@@ -36,7 +36,7 @@ from cascade_service.core.verify import (
     tuned_beta,
 )
 
-from .toy import ToyScorer, chi_square_rejects, exact_distribution
+from ..helpers.toy import ToyScorer, chi_square_rejects, exact_distribution
 
 V = 5
 
