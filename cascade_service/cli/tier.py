@@ -60,6 +60,10 @@ def _run_tier(args: argparse.Namespace) -> int:
         if not lo <= value <= 4096:
             raise UsageError(f"{flag} must be in [{lo}, 4096], got {value}")
     config = load_config(args.config)
+    if config.serving.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.serving.torch_threads)
     group = tier_group(config, args.tier)
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     keys = load_api_keys(args.api_keys) if args.api_keys else None

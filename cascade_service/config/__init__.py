@@ -41,6 +41,7 @@ from .serving import (  # noqa: F401 - part of this package's interface
     MAX_SHUTDOWN_GRACE_S,
     ServingConfig,
     TierClientConfig,
+    TierServerConfig,
     _serving,
     deployment_name,
     resolve_redis_url,

@@ -23,6 +23,7 @@ DEPLOYMENT_OPTIONS = {
     "max_ongoing_requests",
     "max_queued_requests",
     "graceful_shutdown_timeout_s",
+    "grpc_port",  # ours, not Ray's: a tier deployment's tier API port (TierServerConfig)
 }
 
 
@@ -47,6 +48,20 @@ class TierClientConfig:
     key_file: str | None = None
     api_key: str | None = field(default=None, repr=False)
     timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class TierServerConfig:
+    """Who may call the tier API where the Ray app serves it (a tier deployment given
+    `serving.deployments.tier-<name>.grpc_port`): its replicas listen on host:grpc_port (several replicas
+    on one node share the port, SO_REUSEPORT). Off loopback it needs API keys and TLS, as the edge;
+    `client_ca_file` also requires each coordinator's certificate (mutual TLS)."""
+
+    host: str = "127.0.0.1"
+    api_keys_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    client_ca_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,8 @@ class ServingConfig:
     admission: dict[str, float] = field(default_factory=dict)
     # How the coordinator reaches tiers named by address (TierClientConfig).
     tier_client: TierClientConfig = field(default_factory=TierClientConfig)
+    # Who may call the tier API of the Ray app's tier deployments (TierServerConfig).
+    tier_server: TierServerConfig = field(default_factory=TierServerConfig)
 
 
 # The settings of serving.admission (api.admission.Limits' fields).
@@ -175,6 +192,30 @@ def _tier_client(value: Any, cascade: CascadeConfig, base_dir: Path) -> TierClie
     return client
 
 
+def _tier_server(value: Any, base_dir: Path) -> TierServerConfig:
+    raw = _mapping(value if value is not None else {}, "serving.tier_server")
+    where = "serving.tier_server."
+    _only(raw, where, {"host", "api_keys_file", "tls_cert_file", "tls_key_file", "client_ca_file"})
+    host = raw.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"{where}host must be a host name or address, got {host!r}")
+    files = {}
+    for name in ("api_keys_file", "tls_cert_file", "tls_key_file", "client_ca_file"):
+        path = raw.get(name)
+        if path is not None and not (isinstance(path, str) and path):
+            raise ConfigError(f"{where}{name} must be a file path (a string), got {path!r}")
+        files[name] = None if path is None else _resolve(path, base_dir)
+    if (files["tls_cert_file"] is None) != (files["tls_key_file"] is None):
+        raise ConfigError(f"{where}tls_cert_file and {where}tls_key_file go together")
+    if files["client_ca_file"] and not files["tls_cert_file"]:
+        raise ConfigError(f"{where}client_ca_file needs tls_cert_file and tls_key_file")
+    if host not in LOOPBACK and (files["api_keys_file"] is None or files["tls_cert_file"] is None):
+        raise ConfigError(
+            f"{where}host: {host} is not loopback; the tier API is served there only with api_keys_file and TLS"
+        )
+    return TierServerConfig(host, **files)
+
+
 def _env(value: str, where: str) -> str:
     def lookup(match: re.Match) -> str:
         found = os.environ.get(match.group(1))
@@ -207,14 +248,16 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
             "admission",
             "max_sessions_per_key",
             "tier_client",
+            "tier_server",
         },
     )
-    structured = ("deployments", "colocate", "groups", "load_arms", "admission", "tier_client")
+    structured = ("deployments", "colocate", "groups", "load_arms", "admission", "tier_client", "tier_server")
     serving = ServingConfig(
         **{k: v for k, v in raw.items() if k not in structured},
         load_arms=_load_arms(raw.get("load_arms")),
         admission=_admission(raw.get("admission")),
         tier_client=_tier_client(raw.get("tier_client"), cascade, base_dir),
+        tier_server=_tier_server(raw.get("tier_server"), base_dir),
     )
     _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
     _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
@@ -271,6 +314,12 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
         if name not in names:
             raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
         _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
+        if "grpc_port" in options:
+            if name == "coordinator":
+                raise ConfigError(
+                    "serving.deployments.coordinator.grpc_port: only a tier deployment serves the tier API"
+                )
+            _check_int(options["grpc_port"], f"serving.deployments.{name}.grpc_port", 1, 65535)
     return replace(
         serving,
         colocate=tuple(colocate),

@@ -59,6 +59,7 @@ from ..runtime.assemble import (
 from ..scheduling.load import DraftBudget, LoadModel
 from ..scheduling.passes import PassTimer
 from ..startup import check_vocabularies
+from ..transport.client import RemoteModel, connect
 from ..transport.remote import RemoteTier
 from .bridge import Offloaded, iterate_bridged, run_bridged
 from .calls import Calls, Stopped, raise_if_failed, reply_for
@@ -127,6 +128,7 @@ class CoordinatorDeployment:
         self.local: dict[str, Any] = {}  # colocated model tiers, loaded with the servicer
         self.heads = HeadCache()  # acceptance heads of colocated tiers (adaptive draft length)
         self.systems: set[str] = set()  # group members that run their sub-cascade in their replica
+        self.remote: dict[str, RemoteModel] = {}  # tiers named by address (transport.client)
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
         # Decodes run on the event loop (serving/bridge.py); this pool runs what blocks a thread: a
@@ -156,8 +158,11 @@ class CoordinatorDeployment:
                 facts = {name: TierFacts.of(model) for name, model in self.local.items()}
                 for handle in {id(h): h for h in self.handles.values()}.values():
                     facts |= {name: TierFacts.from_info(i) for name, i in handle.info.remote().result().items()}
+                # Tiers named by address: on tier servers of their own, reached over gRPC.
+                self.remote = connect(cascade, serving.tier_client)
+                facts |= {name: model.facts() for name, model in self.remote.items() if not model.mag}
                 self.systems = set(system_heads(cascade, serving))
-                mag = next((d for d in cascade.drafters if not isinstance(d, ModelTierConfig)), None)
+                mag = next((d for d in cascade.drafters if isinstance(d, MaGConfig) and not d.remote), None)
                 coordinator = assemble_coordinator(
                     cascade,
                     facts,
@@ -180,6 +185,8 @@ class CoordinatorDeployment:
         }
         for name, handle in self.handles.items():
             tiers[name] = RemoteTier(name, request_id, invoker(name, handle), system=name in self.systems)
+        for name, model in self.remote.items():
+            tiers[name] = model.tier(request_id)
         return tiers
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
@@ -313,14 +320,17 @@ def app_builder(args: dict[str, Any]):
     # cannot read are checked by the coordinator, once the tiers are up).
     check_vocabularies(config.cascade)
     local = bool(args.get("local", False))
-    by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig)}
-    mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig)), None)
+    # A tier named by address is served by its own tier server (`cascade-service tier`): no deployment.
+    by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote}
+    mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig) and not d.remote), None)
     mag_args = {"bigram": mag.bigram, "max_ngram": mag.max_ngram} if mag else None
     systems = system_heads(config.cascade, serving)  # each replica learns its sub-cascades once, here
     handles: dict[str, Any] = {}
     for group in tier_groups(list(by_name), serving.colocate, serving.groups):
         name = deployment_name(group)
         options = _options(serving, name, local)
+        port = options.pop("grpc_port", None)  # ours: the tier API on each replica, beside the handle
+        grpc = {**asdict(serving.tier_server), "port": port} if port else None
         # serve.deployment makes the classes Deployments; mypy sees the classes (attr-defined below).
         handle = TierDeployment.options(name=name, **options).bind(  # type: ignore[attr-defined]
             [asdict(by_name[n]) for n in group],
@@ -328,6 +338,7 @@ def app_builder(args: dict[str, Any]):
             serving.torch_threads,
             options["max_ongoing_requests"],
             {n: asdict(spec) for n, spec in systems.items() if n in group},
+            grpc,
         )
         handles |= {n: handle for n in group}
     options = _options(serving, COORDINATOR, local)

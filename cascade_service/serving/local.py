@@ -199,18 +199,22 @@ class LocalService:
     def trivial_call_latencies(self, tier: str, n: int, by_reference: bool = False) -> list[float]:
         """Seconds per no-op call to a tier's deployment from this process: the transport's floor
         (by_reference=True: Ray object references, Serve's default; False: its direct transport, ours)."""
-        config = load_config(self.config_path)
-        models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig)]
-        name = next(
-            deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups) if tier in g
-        )
-        handle = serve.get_deployment_handle(name, app_name=APP_NAME).options(_by_reference=by_reference)
+        handle = self.tier_handle(tier).options(_by_reference=by_reference)
         seconds = []
         for _ in range(n):
             start = time.perf_counter()
             handle.cached_requests.remote().result()
             seconds.append(time.perf_counter() - start)
         return seconds
+
+    def tier_handle(self, tier: str) -> DeploymentHandle:
+        """The handle of the deployment that hosts `tier`, from this process."""
+        config = load_config(self.config_path)
+        models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote]
+        name = next(
+            deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups) if tier in g
+        )
+        return serve.get_deployment_handle(name, app_name=APP_NAME)
 
     def _handle(self) -> DeploymentHandle:
         # Always the current app's ingress: after a restart the old handle's deployment is gone.

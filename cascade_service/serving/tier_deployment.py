@@ -46,6 +46,7 @@ class TierDeployment:
         torch_threads: int | None = None,
         max_ongoing: int = DEFAULT_MAX_ONGOING,
         systems: dict[str, dict[str, Any]] | None = None,
+        grpc: dict[str, Any] | None = None,
     ):
         if torch_threads:
             import torch
@@ -64,6 +65,12 @@ class TierDeployment:
         for server in self.group.servers.values():
             server.model.enable_batching()
         self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
+        # The tier API over gRPC as well (serving.deployments.<name>.grpc_port): coordinators outside
+        # this cluster reach the same group, and their calls batch with the handle calls.
+        self.grpc_server = _tier_api(self.group, grpc, max_ongoing) if grpc else None
+
+    def grpc_port(self) -> int | None:
+        return None if self.grpc_server is None else self.grpc_server.port
 
     def info(self) -> dict[str, Any]:
         return self.group.info()
@@ -87,6 +94,16 @@ class TierDeployment:
 
     def counters(self) -> dict[str, int]:
         return self.group.counters()
+
+
+def _tier_api(group: TierGroup, grpc: dict[str, Any], workers: int):  # -> transport.server.TierServer
+    from ..api.auth import TlsFiles, load_api_keys
+    from ..transport.server import start_tier_server
+
+    keys = load_api_keys(grpc["api_keys_file"]) if grpc.get("api_keys_file") else None
+    cert, key, ca = grpc.get("tls_cert_file"), grpc.get("tls_key_file"), grpc.get("client_ca_file")
+    tls = TlsFiles(cert, key, ca) if cert and key else None
+    return start_tier_server(group, grpc["host"], grpc["port"], keys, tls, workers=workers, reuse_port=True)
 
 
 def replica_gpus() -> list[int]:

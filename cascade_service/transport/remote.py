@@ -53,6 +53,10 @@ class RemoteTier:
         self.resends = 0  # calls the server asked to send again with the whole context
         self.bytes_out = 0  # request bytes sent, resends included
         self.bytes_in = 0
+        # Token ids that had to cross (new context tokens and blocks out, drafts and verdicts back): what
+        # bytes_out + bytes_in are weighed against (bench.transport).
+        self.ids_out = 0
+        self.ids_in = 0
         self._sent: list[int] = []  # the context of the last call that succeeded: the server holds it
 
     def draft(self, request: DraftRequest) -> DraftReply:
@@ -89,6 +93,8 @@ class RemoteTier:
         if reply is None:
             raise TierProtocolError(f"tier {self.name!r} asked for the whole context after getting it")
         self._sent = list(tokens)
+        self.ids_out += len(tokens) - offset + (len(request.block) if isinstance(request, ReviewRequest) else 0)
+        self.ids_in += len(reply.draft) if isinstance(reply, DraftReply) else 2  # a verdict: count and token
         return reply
 
     def _invoke(self, method: str, data: bytes) -> bytes:

@@ -151,7 +151,7 @@ def _guarded(call: Callable[[bytes], bytes], data: bytes, remaining: float | Non
 class TierServer:
     """A running tier server: `port` is the bound one; `stop(grace)` ends it."""
 
-    def __init__(self, service: TierService, host: str, port: int, tls: TlsFiles | None):
+    def __init__(self, service: TierService, host: str, port: int, tls: TlsFiles | None, reuse_port: bool = False):
         self.service = service
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="tier-server", daemon=True)
@@ -160,16 +160,18 @@ class TierServer:
         self._stop_lock = threading.Lock()
         self._stopped = False
         try:
-            self.server, self.port = self._await(self._start(host, port, tls))
+            self.server, self.port = self._await(self._start(host, port, tls, reuse_port))
         except BaseException:
             self.loop.call_soon_threadsafe(self.loop.stop)
             raise
 
-    async def _start(self, host: str, port: int, tls: TlsFiles | None) -> tuple[grpc.aio.Server, int]:
+    async def _start(self, host: str, port: int, tls: TlsFiles | None, reuse_port: bool) -> tuple[grpc.aio.Server, int]:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
+            # Off, so a port in use fails loudly; on for a Ray tier deployment's replicas, which share
+            # their node's port (the kernel spreads connections over them).
+            ("grpc.so_reuseport", int(reuse_port)),
         ]
         server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((self.service.handlers(),))
@@ -220,9 +222,10 @@ def start_tier_server(
     workers: int = DEFAULT_WORKERS,
     max_queued: int = DEFAULT_MAX_QUEUED,
     max_batch: int = 64,
+    reuse_port: bool = False,
 ) -> TierServer:
     """Serve `group` on host:port (0 picks a free port), each model batching concurrent calls' passes."""
     for server in getattr(group, "servers", {}).values():
         if server.model.batcher is None:
             server.model.enable_batching(max_batch)
-    return TierServer(TierService(group, api_keys, workers, max_queued), host, port, tls)
+    return TierServer(TierService(group, api_keys, workers, max_queued), host, port, tls, reuse_port)
