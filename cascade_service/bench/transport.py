@@ -3,7 +3,7 @@
     python -m cascade_service.bench.transport [--prompts 6] [--max-new-tokens 64] [--calls 300]
 
 1. Per call: a tier call that runs no forward pass (a draft of 0 tokens after a real context) to the
-   `small` tier, `--calls` times each way, alternated in blocks: the Tier protocol in this process; the
+   target tier, `--calls` times each way, alternated in blocks: the Tier protocol in this process; the
    wire codec in this process (loopback); gRPC to a tier server in another process; a Ray Serve handle
    to a tier deployment. Median and p99 in milliseconds: the transport's own cost per hop.
 2. End to end, tokens/s (median over prompts of each prompt's tokens/s): the cascade in this process;
@@ -43,7 +43,7 @@ from ..transport.client import TierReplicas
 from ..transport.remote import RemoteTier, loopback
 from ..zoo.build import build_zoo
 
-CALL_TIER = "small"
+CALL_TIER = "large"  # the target: a plain model tier on every transport
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         calls: dict[str, Callable[[], Any]] = {
             "in-process": _draft_call(local._tier(small, "bench")),
             "codec (loopback)": _draft_call(loopback(local._tier(small, "bench"))),
-            "gRPC": _draft_call(
-                RemoteTier(CALL_TIER, "bench", TierReplicas([addresses[CALL_TIER]]).invoker("bench"))
-            ),
+            "gRPC": _draft_call(RemoteTier(CALL_TIER, "bench", TierReplicas([addresses[CALL_TIER]]).invoker("bench"))),
         }
         timings: dict[str, list[float]] = {name: [] for name in calls}
 
@@ -103,11 +101,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, call in calls.items():
                 timings[name] += _times(call, args.calls // 3, context)
 
-    print("\nper call (a 0-token draft of tier small after the prompt; ms):")
+    print(f"\nper call (a 0-token draft of tier {CALL_TIER} after the prompt; ms):")
     for name, seconds in timings.items():
         seconds = sorted(seconds)
         p99 = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))]
-        print(f"  {name:<22} median {1000 * statistics.median(seconds):7.3f}   p99 {1000 * p99:7.3f}   n {len(seconds)}")
+        print(
+            f"  {name:<22} median {1000 * statistics.median(seconds):7.3f}   p99 {1000 * p99:7.3f}   n {len(seconds)}"
+        )
     print("\nend to end (tokens/s, median over prompts; x: against the first row of its coordinator):")
     base = {"in-process": e2e["in-process"], "Ray app, handles": e2e.get("Ray app, handles", [])}
     for name, rates in e2e.items():

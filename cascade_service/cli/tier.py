@@ -103,7 +103,10 @@ def tier_group(config: Config, names: list[str]):  # -> serving.tier.TierGroup (
             raise ConfigError(f"{tier.name}.path: a tier server loads its weights from a local directory")
     mag = next((d for d in cascade.drafters if isinstance(d, MaGConfig)), None)
     model_names = tuple(t.name for t in models)
-    systems = system_heads(cascade, ServingConfig(groups=(model_names,))) if model_names else {}
+    # A member runs its sub-cascade here only when every tier of it is named (MaG included): `--tier small`
+    # serves small alone, `--tier small --tier mag` small reviewing MaG in one call.
+    heads = system_heads(cascade, ServingConfig(groups=(model_names,))) if model_names else {}
+    systems = {name: sub for name, sub in heads.items() if set(sub.tiers) <= set(names)}
     serves_mag = any(isinstance(by_name[n], MaGConfig) for n in names)
     mag_vocab = None
     if serves_mag and not models:  # MaG alone: its vocabulary (for checking calls) from any model tier's files
