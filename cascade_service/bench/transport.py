@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             remote.generate(x[:8], GenerationConfig(max_new_tokens=4))
             local.generate(x[:8], GenerationConfig(max_new_tokens=4))
         for x in ids:
-            mine = _timed(lambda: local.generate(x, gen), e2e["in-process"])
-            theirs = _timed(lambda: remote.generate(x, gen), e2e["in-process coordinator, gRPC tiers"])
+            mine = _timed(local, x, gen, e2e["in-process"])
+            theirs = _timed(remote, x, gen, e2e["in-process coordinator, gRPC tiers"])
             assert theirs.token_ids == mine.token_ids, "gRPC tiers and in-process disagree"
             reference.append(mine.token_ids)
         rounds = sum(r.hops for r in recorded if r.name == local.target.name)
@@ -208,9 +208,9 @@ def _times(call: Callable[[Context], Any], n: int, context: Context) -> list[flo
     return seconds
 
 
-def _timed(run: Callable[[], Any], rates: list[float]) -> Any:
+def _timed(engine: Engine, prompt: list[int], gen: GenerationConfig, rates: list[float]) -> Any:
     start = time.perf_counter()
-    result = run()
+    result = engine.generate(prompt, gen)
     rates.append(len(result.token_ids) / (time.perf_counter() - start))
     return result
 
