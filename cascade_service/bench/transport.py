@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         # 1. per call
         context = Context(ids[0], len(ids[0]))
         small = next(m for m in local.models() if m.name == CALL_TIER)
-        calls: dict[str, Callable[[], Any]] = {
+        calls: dict[str, Callable[[Context], Any]] = {
             "in-process": _draft_call(local._tier(small, "bench")),
             "codec (loopback)": _draft_call(loopback(local._tier(small, "bench"))),
             "gRPC": _draft_call(RemoteTier(CALL_TIER, "bench", TierReplicas([addresses[CALL_TIER]]).invoker("bench"))),
