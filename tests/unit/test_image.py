@@ -260,7 +260,12 @@ def test_every_image_the_deploy_files_name_is_the_one_the_dockerfile_builds():
                 found.setdefault(image, set()).add(path.relative_to(DEPLOY).as_posix())
     redis = {image for image in found if image.partition(":")[0] == REDIS_IMAGE_REPOSITORY}
     assert set(found) - redis == {IMAGE}, found
-    assert found[IMAGE] == {"cluster.yaml", "kuberay/rayservice.yaml"}
+    assert found[IMAGE] == {
+        "cluster.yaml",
+        "kuberay/rayservice.yaml",
+        "heterogeneous/rayservice.yaml",
+        "heterogeneous/tier-servers.yaml",
+    }
     assert all(where == {"kuberay/redis.yaml"} for image, where in found.items() if image in redis)
 
 
