@@ -8,12 +8,17 @@ live replica in its order, which is told the whole context (`transport.remote`) 
 cache from it: the request completes with the same tokens. Only when no replica answers does the call
 fail, as `transport.errors.Unavailable` (the edge's UNAVAILABLE). A replica that failed is tried last
 for a while (`DOWN_S`), then again.
+
+A name that resolves to several addresses (a Kubernetes headless Service: one per pod) stands for
+all of them, each a replica, resolved again every `RESOLVE_S`; one long-lived HTTP/2 connection to a
+load-balanced virtual IP would instead pin every request of a coordinator to one pod.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +38,7 @@ from .server import MAX_MESSAGE_BYTES, SERVICE
 log = logging.getLogger(__name__)
 
 DOWN_S = 5.0  # a replica that failed is tried after the others for this long
+RESOLVE_S = 30.0  # how often a configured name is resolved again (replicas that come and go)
 METHODS = {"draft": "Draft", "review": "Review", "release": "Release", "info": "Info"}
 # Codes after which the same call may go to another replica: it did not run, or its server went away
 # (a tier call is a pure function of what it carries, so running it again changes nothing).
@@ -40,73 +46,70 @@ FAILOVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc
 
 
 class TierReplicas:
-    """The replicas of one tier server (one or more addresses of the same tiers)."""
+    """The replicas of one tier server: the configured addresses, a name among them that resolves to
+    several IPv4 addresses (a Kubernetes headless Service: one per pod) standing for each of them.
+    Names are resolved again every `RESOLVE_S`, so replicas that come and go are followed."""
 
     def __init__(self, addresses: Sequence[str], channel: TierClientConfig | None = None, name: str = ""):
         channel = channel or TierClientConfig()
         if not addresses:
             raise ValueError("a remote tier needs at least one address")
-        self.addresses = tuple(addresses)
-        self.name = name or ",".join(self.addresses)
+        self.configured = tuple(addresses)
+        self.name = name or ",".join(self.configured)
         self.settings = channel
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
         tls = ChannelTls(channel.ca_file, channel.cert_file, channel.key_file) if channel.tls else None
-        credentials = tls.credentials() if tls else None
-        self.channels = [
-            grpc.secure_channel(a, credentials, options) if credentials else grpc.insecure_channel(a, options)
-            for a in self.addresses
-        ]
-        self._stubs = [{m: ch.unary_unary(f"/{SERVICE}/{rpc}") for m, rpc in METHODS.items()} for ch in self.channels]
+        self._credentials = tls.credentials() if tls else None
         self._metadata = (("authorization", f"Bearer {channel.api_key}"),) if channel.api_key else None
-        self._down_until = [0.0] * len(self.addresses)
         self._lock = threading.Lock()
+        self._stubs: dict[str, dict[str, Any]] = {}  # replica address -> method -> callable
+        self._channels: dict[str, grpc.Channel] = {}
+        self._down_until: dict[str, float] = {}
         self._releasing: set[Any] = set()
+        self._resolved_at = -RESOLVE_S
+        self.addresses: tuple[str, ...] = ()
         self.failovers = 0
+        self._refresh()
 
-    def order(self, request_id: str) -> list[int]:
-        """Replica indices in this request's order (rendezvous hashing: each request has its own, and
-        a replica leaving moves only its own requests)."""
+    def order(self, request_id: str) -> list[str]:
+        """Replicas in this request's order (rendezvous hashing: each request has its own, and a
+        replica leaving or joining moves only its own share of requests)."""
+        self._refresh()
 
-        def weight(i: int) -> bytes:
-            return hashlib.blake2b(f"{request_id}\0{self.addresses[i]}".encode(), digest_size=8).digest()
+        def weight(address: str) -> bytes:
+            return hashlib.blake2b(f"{request_id}\0{address}".encode(), digest_size=8).digest()
 
-        return sorted(range(len(self.addresses)), key=weight, reverse=True)
+        return sorted(self.addresses, key=weight, reverse=True)
 
     def invoker(self, request_id: str) -> Invoke:
         """`transport.remote.Invoke` for one request: sticky to its replica, failing over in its order."""
-        order = self.order(request_id)
-        current: list[int] = []  # the replica the request is on, once chosen
+        current: list[str] = []  # the replica the request is on, once chosen
 
         def invoke(method: str, data: bytes) -> bytes:
             if method == "release":
                 if current:
                     self._release(current[0], data)
                 return b""
-            candidates = current + [i for i in self._live_first(order) if i not in current]
+            order = self.order(request_id)
+            candidates = current + [a for a in self._live_first(order) if a not in current]
             failures = []
-            for i in candidates:
+            for address in candidates:
                 try:
-                    reply = self._call(i, method, data)
+                    reply = self._call(address, method, data)
                 except grpc.RpcError as exc:
                     code = exc.code()  # type: ignore[attr-defined]  # grpc.Call's
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise Overloaded(f"tier {self.name!r} at {self.addresses[i]} is at its queue limit") from exc
+                        raise Overloaded(f"tier server {address} is at its queue limit") from exc
                     if code not in FAILOVER:
                         raise RuntimeError(
-                            f"tier {self.name!r} at {self.addresses[i]} refused a call: {code.name} {exc.details()}"  # type: ignore[attr-defined]
+                            f"tier server {address} refused a call: {code.name} {exc.details()}"  # type: ignore[attr-defined]
                         ) from exc
-                    failures.append(f"{self.addresses[i]} {code.name}")
-                    self._mark_down(i)
+                    failures.append(f"{address} {code.name}")
+                    self._mark_down(address)
                     continue
-                if current and current[0] != i:
+                if current and current[0] != address:
                     self.failovers += 1
-                    log.warning(
-                        "request %s moved from %s to %s", request_id, self.addresses[current[0]], self.addresses[i]
-                    )
-                current[:] = [i]
+                    log.warning("request %s moved from %s to %s", request_id, current[0], address)
+                current[:] = [address]
                 return reply
             raise Unavailable(f"tier server {self.name} unavailable (no replica answered: {'; '.join(failures)})")
 
@@ -116,30 +119,59 @@ class TierReplicas:
         """The tiers the server hosts (`pb.TierInfo`), from the first replica that answers."""
         request = pb.InfoRequest().SerializeToString()
         failures = []
-        for i in self._live_first(list(range(len(self.addresses)))):
+        for address in self._live_first(list(self.addresses)):
             try:
-                return list(pb.InfoReply.FromString(self._call(i, "info", request, blocking=True)).tiers)
+                return list(pb.InfoReply.FromString(self._call(address, "info", request, blocking=True)).tiers)
             except grpc.RpcError as exc:
-                failures.append(f"{self.addresses[i]}: {exc.code().name} {exc.details()}")  # type: ignore[attr-defined]
+                failures.append(f"{address}: {exc.code().name} {exc.details()}")  # type: ignore[attr-defined]
         raise Unavailable(f"tier server {self.name} unavailable ({'; '.join(failures)})")
 
     def close(self) -> None:
-        for channel in self.channels:
+        for channel in self._channels.values():
             channel.close()
 
-    def _call(self, i: int, method: str, data: bytes, blocking: bool = False) -> bytes:
-        stub = self._stubs[i][method]
+    def _refresh(self) -> None:
+        """Resolve the configured names again once RESOLVE_S has passed; open channels to new replicas."""
+        now = time.monotonic()
+        if now - self._resolved_at < RESOLVE_S:
+            return
+        found = [(replica, host) for address in self.configured for replica, host in _replicas(address)]
+        with self._lock:
+            self._resolved_at = now
+            for replica, host in found:
+                if replica not in self._channels:
+                    self._channels[replica] = self._open(replica, host)
+                    self._stubs[replica] = {
+                        m: self._channels[replica].unary_unary(f"/{SERVICE}/{rpc}") for m, rpc in METHODS.items()
+                    }
+            self.addresses = tuple(dict.fromkeys(replica for replica, _ in found))
+
+    def _open(self, replica: str, host: str) -> grpc.Channel:
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if self._credentials is None:
+            return grpc.insecure_channel(replica, options)
+        if replica.rsplit(":", 1)[0] != host:  # a pod's IP: its certificate names the Service
+            options.append(("grpc.ssl_target_name_override", host))
+        return grpc.secure_channel(replica, self._credentials, options)
+
+    def _call(self, address: str, method: str, data: bytes, blocking: bool = False) -> bytes:
+        stub = self._stubs[address][method]
         timeout = self.settings.timeout_s
         if not blocking and in_bridge():  # a decode on the Ray coordinator's event loop awaits the call
             return await_(_AwaitableFuture(stub.future(data, timeout=timeout, metadata=self._metadata)))
         return stub(data, timeout=timeout, metadata=self._metadata)
 
-    def _release(self, i: int, data: bytes) -> None:
+    def _release(self, address: str, data: bytes) -> None:
         """Fire and forget: nothing waits on a cache being freed (the server's LRU backs it up)."""
         try:
-            future = self._stubs[i]["release"].future(data, timeout=self.settings.timeout_s, metadata=self._metadata)
+            future = self._stubs[address]["release"].future(
+                data, timeout=self.settings.timeout_s, metadata=self._metadata
+            )
         except Exception:
-            log.warning("could not release a request on %s", self.addresses[i])
+            log.warning("could not release a request on %s", address)
             return
         # A gRPC future that is garbage-collected cancels its call: hold it until it is done.
         with self._lock:
@@ -150,15 +182,29 @@ class TierReplicas:
         with self._lock:
             self._releasing.discard(future)
 
-    def _live_first(self, order: list[int]) -> list[int]:
+    def _live_first(self, order: list[str]) -> list[str]:
         now = time.monotonic()
         with self._lock:
-            down = {i for i in order if self._down_until[i] > now}
-        return [i for i in order if i not in down] + [i for i in order if i in down]
+            down = {a for a in order if self._down_until.get(a, 0.0) > now}
+        return [a for a in order if a not in down] + [a for a in order if a in down]
 
-    def _mark_down(self, i: int) -> None:
+    def _mark_down(self, address: str) -> None:
         with self._lock:
-            self._down_until[i] = time.monotonic() + DOWN_S
+            self._down_until[address] = time.monotonic() + DOWN_S
+
+
+def _replicas(address: str) -> list[tuple[str, str]]:
+    """(replica address, host) for a configured host:port: one per IPv4 address when a name resolves
+    to several (a headless Service), else the address itself (gRPC resolves it)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        infos = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return [(address, host)]  # not resolvable now: gRPC keeps trying, and reports UNAVAILABLE
+    ips = sorted({info[4][0] for info in infos})
+    if len(ips) <= 1:
+        return [(address, host)]
+    return [(f"{ip}:{port}", host) for ip in ips]
 
 
 class RemoteModel:

@@ -46,6 +46,7 @@ def test_each_drafter_is_reached_by_a_service_of_its_own_and_the_target_is_loade
         service = services[host]
         assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
         assert service["spec"]["selector"]["tier"] == drafter.name
+        assert service["spec"]["clusterIP"] == "None"  # headless: one replica per pod (transport.client)
     client = config.serving.tier_client
     assert client.tls and client.ca_file and client.cert_file and client.key_file and client.api_key == "a-key"
 
