@@ -160,12 +160,7 @@ def _tier_client(value: Any, cascade: CascadeConfig, base_dir: Path) -> TierClie
     raw = _mapping(value if value is not None else {}, "serving.tier_client")
     where = "serving.tier_client."
     _only(raw, where, {"tls", "ca_file", "cert_file", "key_file", "api_key", "timeout_s"})
-    files = {}
-    for name in ("ca_file", "cert_file", "key_file"):
-        path = raw.get(name)
-        if path is not None and not (isinstance(path, str) and path):
-            raise ConfigError(f"{where}{name} must be a file path (a string), got {path!r}")
-        files[name] = None if path is None else _resolve(path, base_dir)
+    files = _paths(raw, ("ca_file", "cert_file", "key_file"), where, base_dir)
     if (files["cert_file"] is None) != (files["key_file"] is None):
         raise ConfigError(f"{where}cert_file and {where}key_file go together")
     tls = raw.get("tls", False)
@@ -199,12 +194,7 @@ def _tier_server(value: Any, base_dir: Path) -> TierServerConfig:
     host = raw.get("host", "127.0.0.1")
     if not isinstance(host, str) or not host:
         raise ConfigError(f"{where}host must be a host name or address, got {host!r}")
-    files = {}
-    for name in ("api_keys_file", "tls_cert_file", "tls_key_file", "client_ca_file"):
-        path = raw.get(name)
-        if path is not None and not (isinstance(path, str) and path):
-            raise ConfigError(f"{where}{name} must be a file path (a string), got {path!r}")
-        files[name] = None if path is None else _resolve(path, base_dir)
+    files = _paths(raw, ("api_keys_file", "tls_cert_file", "tls_key_file", "client_ca_file"), where, base_dir)
     if (files["tls_cert_file"] is None) != (files["tls_key_file"] is None):
         raise ConfigError(f"{where}tls_cert_file and {where}tls_key_file go together")
     if files["client_ca_file"] and not files["tls_cert_file"]:
@@ -214,6 +204,17 @@ def _tier_server(value: Any, base_dir: Path) -> TierServerConfig:
             f"{where}host: {host} is not loopback; the tier API is served there only with api_keys_file and TLS"
         )
     return TierServerConfig(host, **files)
+
+
+def _paths(raw: dict[str, Any], names: Sequence[str], where: str, base_dir: Path) -> dict[str, str | None]:
+    """The file paths `names` of `raw` (each absent, or a string), relative to the config's folder."""
+    files: dict[str, str | None] = {}
+    for name in names:
+        path = raw.get(name)
+        if path is not None and not (isinstance(path, str) and path):
+            raise ConfigError(f"{where}{name} must be a file path (a string), got {path!r}")
+        files[name] = None if path is None else _resolve(path, base_dir)
+    return files
 
 
 def _env(value: str, where: str) -> str:
@@ -281,12 +282,12 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
         raise ConfigError(
             f"serving.session_namespace must be a non-empty string without ':', got {serving.session_namespace!r}"
         )
-    files = {}
-    for name in ("api_keys_file", "tls_cert_file", "tls_key_file"):
-        value = getattr(serving, name)
-        if value is not None and not (isinstance(value, str) and value):
-            raise ConfigError(f"serving.{name} must be a file path (a string), got {value!r}")
-        files[name] = None if value is None else _resolve(value, base_dir)
+    files = _paths(
+        {n: getattr(serving, n) for n in ("api_keys_file", "tls_cert_file", "tls_key_file")},
+        ("api_keys_file", "tls_cert_file", "tls_key_file"),
+        "serving.",
+        base_dir,
+    )
     if (files["tls_cert_file"] is None) != (files["tls_key_file"] is None):
         raise ConfigError("serving.tls_cert_file and serving.tls_key_file go together")
     # Tiers named by address are served elsewhere: no deployment, no colocation, no group here.
