@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -30,7 +31,6 @@ from ..api.auth import ChannelTls
 from ..api.tier.v1 import tier_pb2 as pb
 from ..config import CascadeConfig, ConfigError, MaGConfig, TierClientConfig
 from ..runtime.assemble import TierFacts
-from ..serving.bridge import await_, in_bridge
 from .errors import Overloaded, Unavailable
 from .remote import Invoke, RemoteTier
 from .server import MAX_MESSAGE_BYTES, SERVICE
@@ -160,8 +160,9 @@ class TierReplicas:
     def _call(self, address: str, method: str, data: bytes, blocking: bool = False) -> bytes:
         stub = self._stubs[address][method]
         timeout = self.settings.timeout_s
-        if not blocking and in_bridge():  # a decode on the Ray coordinator's event loop awaits the call
-            return await_(_AwaitableFuture(stub.future(data, timeout=timeout, metadata=self._metadata)))
+        bridge = _bridge()
+        if not blocking and bridge is not None and bridge.in_bridge():  # a decode on the Ray coordinator's loop
+            return bridge.await_(_AwaitableFuture(stub.future(data, timeout=timeout, metadata=self._metadata)))
         return stub(data, timeout=timeout, metadata=self._metadata)
 
     def _release(self, address: str, data: bytes) -> None:
@@ -191,6 +192,12 @@ class TierReplicas:
     def _mark_down(self, address: str) -> None:
         with self._lock:
             self._down_until[address] = time.monotonic() + DOWN_S
+
+
+def _bridge() -> Any:
+    """`serving.bridge` where a bridged decode may run (the Ray app imported it), else None: a bare
+    install has no greenlet, and nothing there runs bridged."""
+    return sys.modules.get("cascade_service.serving.bridge")
 
 
 def _replicas(address: str) -> list[tuple[str, str]]:

@@ -3,12 +3,14 @@
 The configs point at `$CASCADE_SERVICE_HOME/zoo/{demo,test,tiny}`. The `test` zoo has the same tier
 names (large, base, small, bigram) as the demo zoo and trains in under a minute, so it stands in
 for `demo` here; `tiny` is the random-weight family. Device and dtype are set to CPU float32: the
-schedule, not the placement, is what this checks (the GPU suite covers placement).
+schedule, not the placement, is what this checks (the GPU suite covers placement). Tiers a config
+names by address run on tier servers started here on loopback, built from the same config.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,15 +39,43 @@ def _on_cpu(tier):
 
 
 def test_every_shipped_config_is_checked():
-    assert {p.name for p in CONFIGS} >= {"demo.yaml", "test.yaml", "tiny.yaml", "cluster.yaml"}
+    assert {p.name for p in CONFIGS} >= {"demo.yaml", "test.yaml", "tiny.yaml", "cluster.yaml", "heterogeneous.yaml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_configured_drafter_drafts(home, path, monkeypatch):
     monkeypatch.setenv("CASCADE_SERVICE_HOME", str(home))
     monkeypatch.setenv("CASCADE_REDIS_URL", "redis://127.0.0.1:6379/0")  # cluster.yaml reads it; never dialled here
+    monkeypatch.setenv("CASCADE_TIER_KEY", "unused")  # heterogeneous.yaml's; its servers here are loopback
     cascade = load_config(path).cascade
     cascade = replace(cascade, target=_on_cpu(cascade.target), drafters=tuple(map(_on_cpu, cascade.drafters)))
+    with ExitStack() as servers:
+        cascade = _served_here(cascade, servers)
+        _drafters_draft(home, path, cascade)
+
+
+def _served_here(cascade, servers: ExitStack):
+    """The cascade with each address replaced by a tier server on loopback hosting those tiers."""
+    from cascade_service.cli.tier import tier_group
+    from cascade_service.config import Config
+    from cascade_service.transport.server import start_tier_server
+
+    local = replace(cascade, target=replace(cascade.target, address=()))
+    local = replace(local, drafters=tuple(replace(d, address=()) for d in cascade.drafters))
+    moved = {}
+    for address in dict.fromkeys(t.address for t in cascade.tiers if t.address):
+        names = [t.name for t in cascade.tiers if t.address == address]
+        server = start_tier_server(tier_group(Config(local), names))
+        servers.callback(server.stop)
+        moved |= {name: (f"127.0.0.1:{server.port}",) for name in names}
+    return replace(
+        cascade,
+        target=replace(cascade.target, address=moved.get(cascade.target.name, ())),
+        drafters=tuple(replace(d, address=moved.get(d.name, ())) for d in cascade.drafters),
+    )
+
+
+def _drafters_draft(home: Path, path: Path, cascade) -> None:
     engine = Engine(cascade)
     prompts = [json.loads(line)["prompt"] for line in (home / "zoo" / "test" / "prompts.jsonl").open()][:3]
     tiers: dict[str, dict[str, int]] = {}

@@ -11,9 +11,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cascade_service"
 ALLOWED = {
     "ray": ("serving/",),
     # bench/idle.py is a hostile client on purpose (calls that send headers and never a body), which the
-    # SDK in client/ cannot be asked to make.
-    "grpc": ("api/", "client/", "bench/idle.py"),
-    "grpc_health": ("api/", "client/", "bench/idle.py"),
+    # SDK in client/ cannot be asked to make. transport/ serves and calls the tier API.
+    "grpc": ("api/", "client/", "bench/idle.py", "transport/client.py", "transport/server.py"),
+    "grpc_health": ("api/", "client/", "bench/idle.py", "transport/server.py"),
     "grpc_reflection": ("api/",),
     "redis": ("sessions/redis_store.py",),
     "greenlet": ("serving/bridge.py",),
