@@ -7,6 +7,7 @@ models, or `transport.remote.RemoteTier`s over Ray Serve), sessions from any `Se
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats
 from .core.tier import Release, Tier
 from .core.verify import Verification
+from .metrics import Metrics, RequestTimes
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 
 MAX_PROMPT_TOKENS = 32_768
@@ -96,6 +98,8 @@ class Coordinator:
     # Positions the smallest model tier holds (its max_position_embeddings); None: no limit known. A
     # request's context (session history + prompt) plus its new tokens must fit.
     max_context: int | None = None
+    # Prometheus metrics of finished requests (metrics.py); None: none recorded.
+    metrics: Metrics | None = None
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -195,8 +199,10 @@ class Coordinator:
         out: list[int] = []
         new: list[int] = []
         finish = "length"
+        clock = _Clock(self.metrics)
         try:
             for new in self._decode(request_id, tiers, context, params.gen, stats):
+                clock.tokens(len(new))
                 if cancelled():
                     raise Cancelled(f"the request was cancelled after {len(out)} tokens")
                 cut = text.feed(new)
@@ -212,6 +218,7 @@ class Coordinator:
                     yield Chunk(new, delta)
                 new = []
         finally:
+            clock.stop()
             for tier in tiers.values():  # their KV caches (a remote tier frees its replica's, if it called it)
                 tier.release(Release(request_id))
         stats.generated = len(out)
@@ -219,6 +226,7 @@ class Coordinator:
         if record is not None:
             updated = self.store.append(record.session_id, list(params.prompt_ids) + out, record.version)
             session_length = len(updated.token_ids)
+        clock.finished(stats, len(context), finish)
         yield Chunk(new, text.take(final=True), finish, stats, session_length)
 
     def generate(self, params: GenerateParams, cancelled: Callable[[], bool] = _never) -> Chunk:
@@ -337,3 +345,37 @@ class _TextStream:
         end = max(end, self.sent)
         delta, self.sent = self.text[self.sent : end], end
         return delta
+
+
+class _Clock:
+    """A request's timings for its metrics: running while it decodes, first token, gaps, end to end.
+    Times run from the start of its decode; the front end records the time it queued before."""
+
+    def __init__(self, metrics: Metrics | None):
+        self.metrics = metrics
+        self.start = self.last = time.monotonic()
+        self.first: float | None = None
+        self.gaps: list[tuple[float, int]] = []
+        self.running = metrics is not None
+        if metrics is not None:
+            metrics.running.inc()
+
+    def tokens(self, n: int) -> None:
+        if not n or self.metrics is None:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now - self.start
+        else:
+            self.gaps.append((now - self.last, n))
+        self.last = now
+
+    def stop(self) -> None:
+        if self.running and self.metrics is not None:
+            self.metrics.running.dec()
+            self.running = False
+
+    def finished(self, stats: CascadeStats, prompt_tokens: int, finish: str) -> None:
+        if self.metrics is not None:
+            times = RequestTimes(0.0, self.first, self.gaps, time.monotonic() - self.start)
+            self.metrics.request(stats, prompt_tokens, times, finish)

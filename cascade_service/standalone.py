@@ -12,6 +12,7 @@ from typing import Any
 
 from .api.admission import limits_from
 from .api.auth import ApiKeys, TlsFiles
+from .api.frontend_server import HttpOptions
 from .api.server import MAX_QUEUED_RPCS, start_server
 from .config import Config, make_cascade
 from .coordinator import Coordinator
@@ -28,6 +29,11 @@ class Standalone:
     port: int
     engine: Engine
     coordinator: Coordinator
+
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's bound port, where one is served."""
+        return self.server.http_port
 
     def stop(self, grace_s: float | None = None) -> None:
         self.server.stop(grace_s).wait()
@@ -47,10 +53,12 @@ def start_standalone(
     max_streams: int = DEFAULT_MAX_STREAMS,
     max_batch: int = 64,
     adapt_to_load: bool = False,
+    http_port: int | None = None,
 ) -> Standalone:
     """Load the config's tiers, turn on batching, serve gRPC on host:port (0 picks a free port).
 
     plain: serve the target alone, no speculation (the baseline a load test compares against).
+    http_port: also serve the OpenAI-compatible HTTP API and /metrics there (0 picks a free port).
     adapt_to_load: each round's drafting follows measured acceptance and what the load makes of each way
     of drafting (scheduling.load) instead of the fixed K-matrix; also on where the config's
     serving.adapt_to_load is.
@@ -79,5 +87,24 @@ def start_standalone(
         arms=config.serving.load_arms,
     )
     limits = limits_from(config.serving.admission, workers=max_streams, max_queued=MAX_QUEUED_RPCS)
-    server, bound = start_server(coordinator, host, port, api_keys=api_keys, tls=tls, limits=limits)
+    http = openai_options(http_port, engine.cascade.target.name, engine) if http_port is not None else None
+    server, bound = start_server(coordinator, host, port, api_keys=api_keys, tls=tls, limits=limits, http=http)
     return Standalone(server, bound, engine, coordinator)
+
+
+def openai_options(port: int, model: str, engine: Engine) -> HttpOptions:
+    """The OpenAI-compatible HTTP API for the engine's cascade, named `model`."""
+    from .api.openai_http import openai_app
+    from .metrics import default_metrics
+
+    tokenizer = engine.tokenizer
+    chat = None
+    if getattr(tokenizer, "chat_template", None):
+
+        def chat(messages: list[dict]) -> str:
+            return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    return HttpOptions(
+        port,
+        lambda frontend: openai_app(frontend, model, lambda text: len(engine.encode(text)), default_metrics(), chat),
+    )

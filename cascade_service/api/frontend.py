@@ -93,11 +93,11 @@ class Frontend:
 
     async def _unary(self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         try:
-            with self._open(context) as owner:
+            with self.open_call(context.invocation_metadata()) as owner:
                 body = await self._body(requests, request_type(method))
                 call = CallHooks()
-                async with self._admitted(call):
-                    reply = await self._run(
+                async with self.admitted(call):
+                    reply = await self.run(
                         call,
                         functools.partial(self.backend.call, method, body, time_left(context), owner, call.on_end),
                     )
@@ -115,11 +115,11 @@ class Frontend:
         self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         try:
-            with self._open(context) as owner:
+            with self.open_call(context.invocation_metadata()) as owner:
                 body = await self._body(requests, request_type(method))
                 call = CallHooks()
-                async with self._admitted(call):
-                    async for code, details, payload in self._replies(call, method, body, context, owner):
+                async with self.admitted(call):
+                    async for code, details, payload in self.replies(call, method, body, time_left(context), owner):
                         if call.stopped:
                             code, details = "UNAVAILABLE", STOPPING
                         if code != "OK":
@@ -177,20 +177,20 @@ class Frontend:
 
     # --- admission ---------------------------------------------------------------------------------
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
+    def _authenticate(self, metadata: Any) -> str:
         if self.api_keys is None:
             return ""
-        owner, message = authenticate(self.api_keys, context.invocation_metadata())
+        owner, message = authenticate(self.api_keys, metadata)
         if owner is None:
             raise Refused(grpc.StatusCode.UNAUTHENTICATED, message)
         return owner
 
     @contextlib.contextmanager
-    def _open(self, context: grpc.aio.ServicerContext) -> Iterator[str]:
-        """The caller's owner id, counted against its key's limit while the call is open."""
+    def open_call(self, metadata: Any) -> Iterator[str]:
+        """The caller's owner id (its key from `metadata`), counted against the key's limit while open."""
         if self.stopping:
             raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
-        owner = self._authenticate(context)
+        owner = self._authenticate(metadata)
         if self.api_keys is not None and self._per_key[owner] >= self.limits.max_calls_per_key:
             raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -263,9 +263,9 @@ class Frontend:
             ) from None
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, call: CallHooks) -> AsyncIterator[None]:
+    async def admitted(self, call: CallHooks) -> AsyncIterator[None]:
         """A worker (or a place in the queue for one) for an admitted call, which a drain can cancel.
-        The worker itself is given back by the thread's completion (`_run`, `_replies`)."""
+        The worker itself is given back by the thread's completion (`run`, `replies`)."""
         if self.stopping:
             raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         self._calls.add(call)
@@ -306,7 +306,7 @@ class Frontend:
 
     # --- running on a worker ---------------------------------------------------------------------------
 
-    async def _run(self, call: CallHooks, work: Callable[[], Reply]) -> Reply:
+    async def run(self, call: CallHooks, work: Callable[[], Reply]) -> Reply:
         """work() on a worker thread. The worker is given back when the thread is done, not when the
         client leaves: a cancelled call's thread runs until the backend notices the cancel."""
         future = asyncio.get_running_loop().run_in_executor(self.pool, work)
@@ -317,8 +317,8 @@ class Frontend:
             call.end()  # the client hung up, or its deadline passed
             raise
 
-    async def _replies(
-        self, call: CallHooks, method: str, body: bytes, context: grpc.aio.ServicerContext, owner: str
+    async def replies(
+        self, call: CallHooks, method: str, body: bytes, timeout_s: float | None, owner: str
     ) -> AsyncIterator[Reply]:
         """A stream's replies: one worker thread iterates the backend's stream and hands each reply to
         the loop."""
@@ -327,7 +327,7 @@ class Frontend:
 
         def pump() -> None:
             try:
-                replies = self.backend.stream(method, body, time_left(context), owner)
+                replies = self.backend.stream(method, body, timeout_s, owner)
                 close = getattr(replies, "close", None)
                 if close is not None and not call.on_end(close):
                     close()

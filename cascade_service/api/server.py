@@ -16,7 +16,7 @@ from ..coordinator import Coordinator
 from .admission import Limits
 from .auth import ApiKeys, TlsFiles
 from .backend import RecordingContext, Reply, request_type
-from .frontend_server import FrontendServer, start_frontend
+from .frontend_server import FrontendServer, HttpOptions, start_frontend
 from .servicer import CascadeServicer
 
 # Calls beyond the workers wait for one, up to this many; past that a call gets RESOURCE_EXHAUSTED
@@ -114,13 +114,15 @@ def start_server(
     tls: TlsFiles | None = None,
     max_queued: int = MAX_QUEUED_RPCS,
     limits: Limits | None = None,
+    http: HttpOptions | None = None,
 ) -> tuple[FrontendServer, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one).
 
     api_keys: when given, every CascadeService call needs one of them (`api.auth`); tls: serve TLS.
     workers calls run at once and max_queued more wait; past that a call gets RESOURCE_EXHAUSTED.
     `limits` sets these and the rest of admission (`api.admission.Limits`); it wins over both.
+    http: also serve the HTTP API (`api.openai_http`) on its port, on the same admission.
     """
     limits = limits or Limits(workers=workers, max_queued=max_queued)
-    server = start_frontend(LocalBackend(CascadeServicer(coordinator)), host, port, limits, api_keys, tls)
+    server = start_frontend(LocalBackend(CascadeServicer(coordinator)), host, port, limits, api_keys, tls, http=http)
     return server, server.port

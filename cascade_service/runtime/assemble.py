@@ -20,6 +20,7 @@ from ..core.adaptive import StopperFactory
 from ..core.mag import BigramTable
 from ..core.policy import BlockPolicy
 from ..extras import require
+from ..metrics import default_metrics
 from ..sessions import SessionStore
 from ..startup import check_vocabularies
 
@@ -102,6 +103,7 @@ def assemble_coordinator(
             name: f.num_parameters / target.num_parameters for name, f in facts.items() if name != cascade.target.name
         },
         max_context=smallest_context(f.max_positions for f in facts.values()),
+        metrics=default_metrics(),
     )
 
 

@@ -1,0 +1,155 @@
+"""The OpenAI-compatible HTTP API of the standalone server, with the real `openai` package as client,
+and curl for the SSE framing; `/metrics` in Prometheus' text format with the `cascade:` names."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from cascade_service.config import Config, GenerationConfig
+from cascade_service.standalone import start_standalone
+from cascade_service.zoo.tiny import random_prompts
+
+from ..helpers.access import KEY_A, write_keys
+from ..helpers.oracle import oracle
+from ..helpers.tier_servers import tiny_cascade
+
+PROMPT = random_prompts(1, 10, seed=53)[0]
+N = 16
+
+
+@pytest.fixture(scope="module")
+def server(tiny_family, tmp_path_factory):
+    from cascade_service.api.auth import load_api_keys
+
+    keys = load_api_keys(write_keys(tmp_path_factory.mktemp("keys") / "keys"))
+    config = Config(tiny_cascade(tiny_family), GenerationConfig(max_new_tokens=N))
+    standalone = start_standalone(config, api_keys=keys, http_port=0)
+    yield standalone
+    standalone.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=KEY_A, max_retries=0)
+
+
+def test_completions_stream_and_not_give_the_same_greedy_text_as_grpc(server, client, tiny_family):
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0)
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0, stream=True)
+        if chunk.choices
+    )
+    assert reply.choices[0].text == streamed
+    assert reply.usage.prompt_tokens == len(PROMPT) and reply.usage.completion_tokens == N
+    assert reply.choices[0].finish_reason == "length"
+    cascade = reply.model_extra["cascade"]
+    assert cascade["target_calls"] > 0
+    # The same request over gRPC gives the same text, and the oracle's tokens.
+    from cascade_service.client import CascadeClient
+
+    with CascadeClient(f"127.0.0.1:{server.port}", api_key=KEY_A) as grpc_client:
+        direct = grpc_client.generate(prompt_token_ids=PROMPT, max_new_tokens=N)
+    assert reply.choices[0].text == direct.text
+    assert list(direct.token_ids) == oracle(tiny_family["target"], PROMPT, N)
+
+
+def test_models_lists_the_target(client):
+    assert [m.id for m in client.models.list().data] == ["target"]
+
+
+@pytest.mark.parametrize(
+    "fields, status, param",
+    [
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"temperature": -1}, 400, "temperature"),
+        ({"n": 2}, 400, "n"),
+        ({"verification": {"rule": "bogus"}}, 400, "verification.rule"),
+        ({"stop_threshold": 0.5}, 400, "stop_threshold"),
+        ({"bogus_field": 1}, 400, "bogus_field"),
+    ],
+)
+def test_bad_fields_are_400s_naming_the_field(server, fields, status, param):
+    body = {"model": "target", "prompt": PROMPT, "max_tokens": 4} | fields
+    code, reply = _post(server, "/v1/completions", body)
+    assert code == status, reply
+    error = reply["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_keys_and_models_are_checked(server, client):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).completions.create(
+            model="target", prompt="x", max_tokens=2
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}])
+
+
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_sse_framing_with_curl(server):
+    assert shutil.which("curl"), "curl is part of the CI image"
+    body = json.dumps({"model": "target", "prompt": PROMPT, "max_tokens": 6, "stream": True})
+    out = subprocess.run(
+        [
+            "curl",
+            "-sN",
+            f"http://127.0.0.1:{server.http_port}/v1/completions",
+            "-H",
+            f"Authorization: Bearer {KEY_A}",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    events = [e for e in out.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "cascade" in chunks[-1]
+
+
+def test_metrics_are_exported_with_cascade_names(server, client):
+    client.completions.create(model="target", prompt=PROMPT, max_tokens=8)
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    for name in (
+        "cascade:spec_decode_num_drafts_total",
+        "cascade:spec_decode_num_draft_tokens_total",
+        "cascade:spec_decode_num_accepted_tokens_total",
+        "cascade:spec_decode_num_accepted_tokens_per_pos_total",
+        "cascade:generation_tokens_total",
+        "cascade:time_to_first_token_seconds_bucket",
+        "cascade:e2e_request_latency_seconds_count",
+        "cascade:num_requests_running",
+        "cascade:tier_calls_total",
+        "cascade:requests_rejected_total",
+    ):
+        assert name in text, name
+    assert 'cascade:spec_decode_num_drafts_total{tier="target"}' in text
+    assert 'cascade:spec_decode_num_draft_tokens_total{drafter="close",tier="target"}' in text
