@@ -12,7 +12,7 @@ from typing import Any
 
 from .api.admission import limits_from
 from .api.auth import ApiKeys, TlsFiles
-from .api.frontend_server import HttpOptions
+from .api.openai_http import http_options
 from .api.server import MAX_QUEUED_RPCS, start_server
 from .config import Config, make_cascade
 from .coordinator import Coordinator
@@ -87,24 +87,7 @@ def start_standalone(
         arms=config.serving.load_arms,
     )
     limits = limits_from(config.serving.admission, workers=max_streams, max_queued=MAX_QUEUED_RPCS)
-    http = openai_options(http_port, engine.cascade.target.name, engine) if http_port is not None else None
+    name, tokenizer = engine.cascade.target.name, engine.tokenizer
+    http = http_options(http_port, name, tokenizer) if http_port is not None else None
     server, bound = start_server(coordinator, host, port, api_keys=api_keys, tls=tls, limits=limits, http=http)
     return Standalone(server, bound, engine, coordinator)
-
-
-def openai_options(port: int, model: str, engine: Engine) -> HttpOptions:
-    """The OpenAI-compatible HTTP API for the engine's cascade, named `model`."""
-    from .api.openai_http import openai_app
-    from .metrics import default_metrics
-
-    tokenizer = engine.tokenizer
-    chat = None
-    if getattr(tokenizer, "chat_template", None):
-
-        def chat(messages: list[dict]) -> str:
-            return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-
-    return HttpOptions(
-        port,
-        lambda frontend: openai_app(frontend, model, lambda text: len(engine.encode(text)), default_metrics(), chat),
-    )

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from .admission import Limits
 from .auth import ApiKeys, TlsFiles
 from .backend import Backend
-from .frontend_server import FrontendServer, start_frontend
+from .frontend_server import FrontendServer, HttpOptions, start_frontend
 from .server import MAX_QUEUED_RPCS
 
 
@@ -30,15 +30,16 @@ def start_edge(
     tls: TlsFiles | None = None,
     max_queued: int = MAX_QUEUED_RPCS,
     limits: Limits | None = None,
+    http: HttpOptions | None = None,
 ) -> tuple[FrontendServer, int, FrontendServer]:
     """Serve CascadeService + health + reflection on host:port, forwarding each admitted call's bytes
     to `backend`; returns (server, port, the server again as the health switch: its `set_serving`).
 
     Health answers NOT_SERVING until the wiring sees the app answer. api_keys, tls, workers, max_queued
-    and limits as `api.server.start_server` takes them.
+    and limits as `api.server.start_server` takes them; http: the OpenAI-compatible HTTP API too.
     """
     limits = limits or Limits(workers=workers, max_queued=max_queued)
-    server = start_frontend(backend, host, port, limits, api_keys, tls, serving=False)
+    server = start_frontend(backend, host, port, limits, api_keys, tls, serving=False, http=http)
     return server, server.port, server
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -24,42 +23,46 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..metrics import CONTENT_TYPE, Metrics
+from ..metrics import CONTENT_TYPE, Metrics, default_metrics
 from .admission import CallHooks, Refused
+from .frontend_server import HttpOptions
+from .openai_body import (
+    COMMON,
+    DISCONNECT_POLL_S,
+    FINISH,
+    HTTP_STATUS,
+    NEUTRAL,
+    HttpError,
+    auth_metadata,
+    completion_id,
+    error_body,
+    error_response,
+    json_body,
+    param_of,
+    plain,
+    put_prompt,
+    put_verification,
+    status_code,
+    usage,
+)
 from .v1 import cascade_pb2 as pb
 
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": 400,
-    "OUT_OF_RANGE": 400,
-    "FAILED_PRECONDITION": 400,
-    "UNAUTHENTICATED": 401,
-    "PERMISSION_DENIED": 403,
-    "NOT_FOUND": 404,
-    "ALREADY_EXISTS": 409,
-    "ABORTED": 409,
-    "RESOURCE_EXHAUSTED": 429,
-    "CANCELLED": 499,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
-ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-# Fields OpenAI clients send that this server takes only at their neutral value.
-NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "logprobs": None}
-NEUTRAL |= {"logit_bias": None, "suffix": None, "top_logprobs": None, "response_format": None}
-COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
-COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", *NEUTRAL}
-DISCONNECT_POLL_S = 0.25
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
 ChatTemplate = Callable[[list[dict[str, Any]]], str]
+
+
+def http_options(port: int, model: str, tokenizer: Any) -> HttpOptions:
+    """The HTTP API on `port` (0 picks one) for a `transformers` tokenizer's model named `model`; chat
+    where the tokenizer has a chat template."""
+    chat = None
+    if getattr(tokenizer, "chat_template", None):
+
+        def chat(messages: list[dict[str, Any]]) -> str:
+            return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def count(text: str) -> int:
+        return len(tokenizer(text)["input_ids"])
+
+    return HttpOptions(port, lambda frontend: openai_app(frontend, model, count, default_metrics(), chat))
 
 
 def openai_app(
@@ -90,10 +93,10 @@ class _Api:
 
     async def models(self, request: Request) -> Response:
         try:
-            with self.frontend.open_call(_auth(request)):
+            with self.frontend.open_call(auth_metadata(request)):
                 pass
         except Refused as refused:
-            return _error(HTTP_STATUS.get(refused.code.name, 500), refused.message)
+            return error_response(HTTP_STATUS.get(refused.code.name, 500), refused.message)
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "cascade-service"}
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -112,12 +115,12 @@ class _Api:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         try:
-            body = await _json(request)
+            body = await json_body(request)
             message, prompt = self._request(body, chat)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise HttpError(400, "stream must be true or false", "stream")
-            with self.frontend.open_call(_auth(request)) as owner:
+            with self.frontend.open_call(auth_metadata(request)) as owner:
                 if not stream:
                     return await self._unary(request, message, prompt, chat, owner)
             # A stream holds its key's slot, a worker and the queue while it runs: all taken in _events.
@@ -125,10 +128,10 @@ class _Api:
             return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
         except Refused as refused:
             self.metrics.refused(refused.code.name)
-            return _error(HTTP_STATUS.get(refused.code.name, 500), refused.message, _param(refused.message))
+            return error_response(HTTP_STATUS.get(refused.code.name, 500), refused.message, param_of(refused.message))
         except HttpError as error:
             self.metrics.refused(str(error.status))
-            return _error(error.status, error.message, error.param, error.code)
+            return error_response(error.status, error.message, error.param, error.code)
 
     def _request(self, body: Mapping[str, Any], chat: bool) -> tuple[pb.GenerateRequest, str]:
         allowed = COMMON | ({"messages"} if chat else {"prompt"})
@@ -146,7 +149,7 @@ class _Api:
             text = self._chat_prompt(body.get("messages"))
             message.prompt = text
         else:
-            text = _prompt(body.get("prompt"), message)
+            text = put_prompt(body.get("prompt"), message)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         for field, value, kind in (
             ("max_tokens", limit, int),
@@ -174,7 +177,7 @@ class _Api:
             if not isinstance(session, str):
                 raise HttpError(400, "session_id must be a string", "session_id")
             message.session_id = session
-        _verification(body.get("verification"), message)
+        put_verification(body.get("verification"), message)
         return message, text
 
     def _chat_prompt(self, messages: Any) -> str:
@@ -203,7 +206,7 @@ class _Api:
                     call.end()  # the decode stops at its next round and frees its KV caches
             code, details, payload = task.result()
         if code != "OK":
-            raise Refused(_code(code), details)
+            raise Refused(status_code(code), details)
         reply = pb.GenerateResponse.FromString(payload)
         return JSONResponse(self._completion(reply, message, prompt, chat))
 
@@ -216,13 +219,13 @@ class _Api:
             choice["text"] = reply.text
         prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
         return {
-            "id": _id(chat),
+            "id": completion_id(chat),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model,
             "choices": [choice],
-            "usage": _usage(prompt_tokens, len(reply.token_ids)),
-            "cascade": _plain(reply.stats),
+            "usage": usage(prompt_tokens, len(reply.token_ids)),
+            "cascade": plain(reply.stats),
         }
 
     async def _events(
@@ -230,10 +233,10 @@ class _Api:
     ) -> tuple[bytes, AsyncIterator[bytes]]:
         """The first event (so that a refusal is an HTTP status, not a 200 with an error event) and the rest."""
         frontend, call = self.frontend, CallHooks()
-        ident, created = _id(chat), int(time.time())
+        ident, created = completion_id(chat), int(time.time())
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
-        opened = frontend.open_call(_auth(request))
+        opened = frontend.open_call(auth_metadata(request))
         owner = opened.__enter__()
         admitted = frontend.admitted(call)
         try:
@@ -246,7 +249,7 @@ class _Api:
 
         def event(chunk: pb.GenerateChunk | None, first: bool, generated: int) -> bytes:
             if chunk is None:  # the usage chunk
-                data: dict[str, Any] = {"choices": [], "usage": _usage(prompt_tokens, generated)}
+                data: dict[str, Any] = {"choices": [], "usage": usage(prompt_tokens, generated)}
             else:
                 finish = FINISH.get(chunk.finish_reason, chunk.finish_reason) or None
                 if chat:
@@ -256,7 +259,7 @@ class _Api:
                     choice = {"index": 0, "text": chunk.text, "finish_reason": finish, "logprobs": None}
                 data = {"choices": [choice]}
                 if chunk.HasField("stats"):
-                    data["cascade"] = _plain(chunk.stats)
+                    data["cascade"] = plain(chunk.stats)
             head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
             return b"data: " + json.dumps(head | {"model": self.model} | data).encode() + b"\n\n"
 
@@ -266,7 +269,7 @@ class _Api:
             except StopAsyncIteration:
                 return None
             if code != "OK":
-                raise Refused(_code(code), details)
+                raise Refused(status_code(code), details)
             return pb.GenerateChunk.FromString(payload)
 
         async def close() -> None:
@@ -290,7 +293,7 @@ class _Api:
                     try:
                         chunk = await next_chunk()
                     except Refused as refused:  # mid-stream: the status can only go in an event
-                        error = _error_body(HTTP_STATUS.get(refused.code.name, 500), refused.message)
+                        error = error_body(HTTP_STATUS.get(refused.code.name, 500), refused.message)
                         yield b"data: " + json.dumps(error).encode() + b"\n\n"
                         break
                     if chunk is None:
@@ -305,7 +308,7 @@ class _Api:
 
         if first is None:
             await close()
-            raise Refused(_code("INTERNAL"), "the stream ended without a reply")
+            raise Refused(status_code("INTERNAL"), "the stream ended without a reply")
         return event(first, True, len(first.token_ids)), rest()
 
 
@@ -313,106 +316,3 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
     yield first
     async for item in rest:
         yield item
-
-
-def _prompt(value: Any, message: pb.GenerateRequest) -> str:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
-    if isinstance(value, str):
-        message.prompt = value
-        return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        if not all(-(2**31) <= t < 2**31 for t in value):
-            raise HttpError(400, "prompt: a token id out of range", "prompt")
-        message.prompt_token_ids.extend(value)
-        return ""
-    raise HttpError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
-
-
-def _verification(value: Any, message: pb.GenerateRequest) -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict) or set(value) - {"rule", "alpha", "beta", "tune_beta"}:
-        raise HttpError(400, "verification must be {rule, alpha, beta, tune_beta}", "verification")
-    v = message.verification
-    if "rule" in value:
-        if not isinstance(value["rule"], str):
-            raise HttpError(400, "verification.rule must be a string", "verification.rule")
-        v.rule = value["rule"]
-    for field in ("alpha", "beta"):
-        if value.get(field) is not None:
-            number = value[field]
-            if isinstance(number, bool) or not isinstance(number, (int, float)):
-                raise HttpError(400, f"verification.{field} must be a number", f"verification.{field}")
-            setattr(v, field, float(number))
-    if value.get("tune_beta") is not None:
-        if not isinstance(value["tune_beta"], bool):
-            raise HttpError(400, "verification.tune_beta must be true or false", "verification.tune_beta")
-        v.tune_beta = value["tune_beta"]
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body() or b"null")
-    except ValueError:
-        raise HttpError(400, "the body is not JSON") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "the body must be a JSON object")
-    return body
-
-
-def _auth(request: Request) -> list[tuple[str, str]]:
-    header = request.headers.get("authorization")
-    return [("authorization", header)] if header else []
-
-
-def _code(name: str) -> Any:
-    import grpc
-
-    return grpc.StatusCode[name] if name in grpc.StatusCode.__members__ else grpc.StatusCode.INTERNAL
-
-
-def _param(message: str) -> str | None:
-    """The field a refusal names: the servicer's messages start with it ("max_new_tokens must be ...")."""
-    head = message.split(":", 1)[0].split(" ", 1)[0]
-    return (
-        {"max_new_tokens": "max_tokens"}.get(head, head) if head.replace(".", "").replace("_", "").isalnum() else None
-    )
-
-
-def _plain(message: Any) -> Any:
-    """A message as plain JSON values, 64-bit integers as numbers (protobuf's JSON mapping makes them
-    strings, which OpenAI clients would pass on as such)."""
-    if not hasattr(message, "ListFields"):
-        return message
-    out: dict[str, Any] = {}
-    for field, value in message.ListFields():
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            out[field.name] = {k: _plain(v) for k, v in value.items()}
-        elif _repeated(field):
-            out[field.name] = [_plain(v) for v in value]
-        else:
-            out[field.name] = _plain(value)
-    return out
-
-
-def _repeated(field: Any) -> bool:
-    repeated = getattr(field, "is_repeated", None)  # protobuf 5.29+; `label` before
-    return bool(repeated) if repeated is not None else field.label == field.LABEL_REPEATED
-
-
-def _id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or str(status)}}
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(_error_body(status, message, param, code), status_code=status)

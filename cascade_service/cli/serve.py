@@ -42,6 +42,13 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         "standalone: one process, no Ray, every tier batching concurrent requests",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API and /metrics on this port (0: a free one), on the same "
+        "host, keys and TLS as gRPC (--frontend edge or standalone)",
+    )
+    p.add_argument(
         "--plain", action="store_true", help="with --frontend standalone: the target alone, no speculation (a baseline)"
     )
     p.add_argument(
@@ -66,6 +73,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     port = args.grpc_port if args.grpc_port is not None else config.serving.grpc_port
     if not 0 <= port <= 65535:
         raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
+    if args.http_port is not None and not 0 <= args.http_port <= 65535:
+        raise UsageError(f"--http-port must be in [0, 65535], got {args.http_port}")
+    if args.http_port is not None and args.frontend == "ray":
+        raise UsageError("--http-port needs --frontend edge or standalone (Ray's proxy serves gRPC only here)")
     grace = config.serving.shutdown_grace_s
     stop = threading.Event()
     _stop_on_signals(stop)
@@ -73,7 +84,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         from ..standalone import start_standalone
 
         standalone = start_standalone(
-            config, args.host, port, args.redis_url, api_keys, tls, plain=args.plain, adapt_to_load=args.adapt_to_load
+            config,
+            args.host,
+            port,
+            args.redis_url,
+            api_keys,
+            tls,
+            plain=args.plain,
+            adapt_to_load=args.adapt_to_load,
+            http_port=args.http_port,
         )
         try:
             print(
@@ -81,6 +100,11 @@ def _run_serve(args: argparse.Namespace) -> int:
                 f"(standalone{', plain' if args.plain else ''}; Ctrl-C stops)",
                 flush=True,
             )
+            if standalone.http_port is not None:
+                print(
+                    f"serving the OpenAI-compatible HTTP API on http://{args.host}:{standalone.http_port}/v1",
+                    flush=True,
+                )
             stop.wait()
         finally:
             _stopping(grace)
@@ -95,13 +119,22 @@ def _run_serve(args: argparse.Namespace) -> int:
     from ..serving.local import LocalService
 
     service = LocalService(
-        args.config, port, args.redis_url, args.host, frontend=args.frontend, api_keys=api_keys, tls=tls
+        args.config,
+        port,
+        args.redis_url,
+        args.host,
+        frontend=args.frontend,
+        api_keys=api_keys,
+        tls=tls,
+        http_port=args.http_port,
     )
     try:
         address = service.start()
         # ray.init replaced our SIGTERM handler with its own, which exits at once without draining.
         _stop_on_signals(stop)
         print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)
+        if service.http_port is not None:
+            print(f"serving the OpenAI-compatible HTTP API on http://{args.host}:{service.http_port}/v1", flush=True)
         stop.wait()
     finally:
         _stopping(grace)

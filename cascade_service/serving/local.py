@@ -20,6 +20,7 @@ from ..api.backend import Reply
 from ..api.edge import health_request, is_serving, start_edge
 from ..api.frontend_server import FrontendServer
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
+from ..models.hf import load_tokenizer
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
 from .session_actor import RAY_NAMESPACE
@@ -118,6 +119,7 @@ class LocalService:
         frontend: str = "edge",
         api_keys: ApiKeys | None = None,
         tls: TlsFiles | None = None,
+        http_port: int | None = None,
     ):
         if frontend not in FRONTENDS:
             raise ValueError(f"frontend must be one of {FRONTENDS}, got {frontend!r}")
@@ -131,6 +133,7 @@ class LocalService:
         self.frontend = frontend
         self.api_keys = api_keys
         self.tls = tls
+        self.http_port = http_port  # the edge's OpenAI-compatible HTTP API (api.openai_http); None: none
         self.started_ray = False
         self.server: FrontendServer | None = None
         self.checker: FrontendServer | None = None
@@ -169,9 +172,22 @@ class LocalService:
         # No Serve proxies: our edge is the only listener.
         serve.start(proxy_location="Disabled")
         self.deploy()
+        http = None
+        if self.http_port is not None:
+            from ..api.openai_http import http_options
+
+            http = http_options(self.http_port, config.cascade.target.name, load_tokenizer(config.cascade.target.path))
         self.server, self.port, self.checker = start_edge(
-            HandleBackend(self._handle()), self.host, self.port, api_keys=self.api_keys, tls=self.tls, limits=limits
+            HandleBackend(self._handle()),
+            self.host,
+            self.port,
+            api_keys=self.api_keys,
+            tls=self.tls,
+            limits=limits,
+            http=http,
         )
+        if self.http_port is not None:
+            self.http_port = self.server.http_port
         self.wait_ready()
         return self.address
 

@@ -1,0 +1,145 @@
+"""The OpenAI request and reply bodies of `api.openai_http`: fields in, errors and usage out."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from .v1 import cascade_pb2 as pb
+
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "OUT_OF_RANGE": 400,
+    "FAILED_PRECONDITION": 400,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "ABORTED": 409,
+    "RESOURCE_EXHAUSTED": 429,
+    "CANCELLED": 499,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
+ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+# Fields OpenAI clients send that this server takes only at their neutral value.
+NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "logprobs": None}
+NEUTRAL |= {"logit_bias": None, "suffix": None, "top_logprobs": None, "response_format": None}
+COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
+COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", *NEUTRAL}
+DISCONNECT_POLL_S = 0.25
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def put_prompt(value: Any, message: pb.GenerateRequest) -> str:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        message.prompt = value
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not all(-(2**31) <= t < 2**31 for t in value):
+            raise HttpError(400, "prompt: a token id out of range", "prompt")
+        message.prompt_token_ids.extend(value)
+        return ""
+    raise HttpError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+
+
+def put_verification(value: Any, message: pb.GenerateRequest) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or set(value) - {"rule", "alpha", "beta", "tune_beta"}:
+        raise HttpError(400, "verification must be {rule, alpha, beta, tune_beta}", "verification")
+    v = message.verification
+    if "rule" in value:
+        if not isinstance(value["rule"], str):
+            raise HttpError(400, "verification.rule must be a string", "verification.rule")
+        v.rule = value["rule"]
+    for field in ("alpha", "beta"):
+        if value.get(field) is not None:
+            number = value[field]
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise HttpError(400, f"verification.{field} must be a number", f"verification.{field}")
+            setattr(v, field, float(number))
+    if value.get("tune_beta") is not None:
+        if not isinstance(value["tune_beta"], bool):
+            raise HttpError(400, "verification.tune_beta must be true or false", "verification.tune_beta")
+        v.tune_beta = value["tune_beta"]
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except ValueError:
+        raise HttpError(400, "the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    return body
+
+
+def auth_metadata(request: Request) -> list[tuple[str, str]]:
+    header = request.headers.get("authorization")
+    return [("authorization", header)] if header else []
+
+
+def status_code(name: str) -> Any:
+    import grpc
+
+    return grpc.StatusCode[name] if name in grpc.StatusCode.__members__ else grpc.StatusCode.INTERNAL
+
+
+def param_of(message: str) -> str | None:
+    """The field a refusal names: the servicer's messages start with it ("max_new_tokens must be ...")."""
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    return (
+        {"max_new_tokens": "max_tokens"}.get(head, head) if head.replace(".", "").replace("_", "").isalnum() else None
+    )
+
+
+def plain(message: Any) -> Any:
+    """A message as plain JSON values, 64-bit integers as numbers (protobuf's JSON mapping makes them
+    strings, which OpenAI clients would pass on as such)."""
+    if not hasattr(message, "ListFields"):
+        return message
+    out: dict[str, Any] = {}
+    for field, value in message.ListFields():
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            out[field.name] = {k: plain(v) for k, v in value.items()}
+        elif _repeated(field):
+            out[field.name] = [plain(v) for v in value]
+        else:
+            out[field.name] = plain(value)
+    return out
+
+
+def _repeated(field: Any) -> bool:
+    repeated = getattr(field, "is_repeated", None)  # protobuf 5.29+; `label` before
+    return bool(repeated) if repeated is not None else field.label == field.LABEL_REPEATED
+
+
+def completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or str(status)}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
