@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2
 
+from ..metrics import default_metrics
 from .admission import CallHooks, Limits, Refused, abort, decode_body, time_left
 from .auth import ApiKeys, authenticate
 from .backend import STREAMING, UNARY, Backend, Reply, request_type
@@ -71,6 +73,7 @@ class Frontend:
         self._calls: set[CallHooks] = set()
         self._changed: asyncio.Event | None = None  # set when `serving` changes (health Watch)
         self._reflection = reflection_v1alpha.aio.ReflectionServicer(advertised(SERVICES))
+        default_metrics().waiting.set_function(lambda: len(self._waiting))
 
     # --- the handlers -------------------------------------------------------------------------------
 
@@ -108,6 +111,7 @@ class Frontend:
                     raise Refused(grpc.StatusCode[code], details)
                 return payload
         except Refused as refused:
+            default_metrics().refused(refused.code.name)
             await abort(context, refused.code, refused.message)
         raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
@@ -128,6 +132,7 @@ class Frontend:
                     if call.stopped:  # the backend ended quietly when the stop cancelled it
                         raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         except Refused as refused:
+            default_metrics().refused(refused.code.name)
             await abort(context, refused.code, refused.message)
 
     async def _check(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
@@ -270,7 +275,9 @@ class Frontend:
             raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         self._calls.add(call)
         try:
+            began = time.monotonic()
             await self._take_worker()
+            default_metrics().queue.observe(time.monotonic() - began)
             yield
         finally:
             self._calls.discard(call)

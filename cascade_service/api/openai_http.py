@@ -257,9 +257,10 @@ class _Api:
                     choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": chunk.text, "finish_reason": finish, "logprobs": None}
-                data = {"choices": [choice]}
-                if chunk.HasField("stats"):
-                    data["cascade"] = plain(chunk.stats)
+                # The chunk's token count rides in `cascade` (with the stats on the last chunk): clients
+                # that time tokens (bench --load --protocols) need it, and OpenAI clients ignore it.
+                stats = plain(chunk.stats) if chunk.HasField("stats") else {}
+                data = {"choices": [choice], "cascade": {"tokens": len(chunk.token_ids)} | stats}
             head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
             return b"data: " + json.dumps(head | {"model": self.model} | data).encode() + b"\n\n"
 

@@ -18,6 +18,7 @@ import grpc
 from ..coordinator import Cancelled, Chunk, Coordinator
 from ..core.stats import CascadeStats, TierCounters
 from ..core.verify import Verification
+from ..metrics import default_metrics
 from ..sessions import (
     SessionConflict,
     SessionExists,
@@ -56,6 +57,8 @@ def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.CANCELLED, str(exc)
     if isinstance(exc, (Overloaded, SessionQuotaExceeded)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, StoreUnavailable):
+        default_metrics().session_store_errors.inc()
     if isinstance(exc, (StoreUnavailable, Unavailable)):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, ValueError):

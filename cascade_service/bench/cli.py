@@ -80,6 +80,11 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     p.add_argument("--requests", type=int, default=10, help="with --idle: timed requests per level")
     p.add_argument("--workers", type=int, default=8, help="with --idle --config: calls the server runs at once")
     p.add_argument("--target", help="with --load or --idle: HOST:PORT of a running service on this machine")
+    p.add_argument(
+        "--protocols",
+        help="with --load --config: 'grpc,http' drives one server through gRPC and through the OpenAI-compatible "
+        "HTTP API side by side, with TTFT and ITL percentiles",
+    )
     p.add_argument("--concurrency", default="1,4,16", help="with --load: comma-separated client counts")
     p.add_argument("--duration", type=float, default=20.0, help="with --load: seconds per concurrency level")
     p.add_argument("--api-key", help="with --load: the API key to send")

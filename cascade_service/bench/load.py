@@ -244,7 +244,7 @@ def _scaling_lines(summary: dict) -> list[str]:
 class _ServerProcess:
     """`cascade-service serve --frontend standalone` in a child process on a free loopback port."""
 
-    def __init__(self, config_path: str, mode: str):
+    def __init__(self, config_path: str, mode: str, extra: Sequence[str] = ()):
         import subprocess
         import sys
 
@@ -261,6 +261,7 @@ class _ServerProcess:
             "--grpc-port",
             "0",
             *flags,
+            *extra,
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
 
@@ -279,6 +280,14 @@ class _ServerProcess:
                 if line.startswith("serving "):
                     return line.split(" on ", 1)[1].split()[0]
         raise TimeoutError(f"the server did not start within {timeout_s} s")
+
+    def wait_http(self, timeout_s: float = 60.0) -> int:
+        """The HTTP API's port, from the line `serve` prints after the gRPC one (with --http-port)."""
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if "HTTP API on http://" not in line:
+            raise RuntimeError(f"the server did not announce its HTTP API: {line!r}")
+        return int(line.rsplit(":", 1)[1].split("/")[0])
 
     def stop(self) -> None:
         import signal

@@ -91,6 +91,14 @@ def run_load(args: argparse.Namespace) -> int:
             args.out,
         ]
     )
+    if args.config and args.protocols:
+        from .protocols import PROTOCOLS, run_protocols
+
+        if sorted(args.protocols.split(",")) != sorted(PROTOCOLS):
+            raise ValueError(f"--protocols: give {','.join(PROTOCOLS)} (both, side by side)")
+        command += " --protocols " + args.protocols
+        run_protocols(args.config, concurrencies, args.duration, prompts, args.max_new_tokens, Path(args.out), command)
+        return 0
     if args.config:
         from ..config import load_config
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -106,6 +106,8 @@ class ForwardBatcher:
         self.prefill_chunk = prefill_chunk
         self.batch_sizes: dict[int, int] = {}
         self.timer = PassTimer()
+        # Called after each pass with (rows, seconds): the metrics of the tier (metrics.Metrics.forward_pass).
+        self.on_pass: Callable[[int, float], None] | None = None
         self._pending: list[_Pass] = []
         self._cond = threading.Condition()
         self._busy = False  # a pass is running (on the worker, or inline in a lone caller's thread)
@@ -251,6 +253,8 @@ class ForwardBatcher:
             seconds = time.perf_counter() - began
             tokens = [len(item.fed) for item in batch]
             self.timer.record(len(batch), sum(tokens), seconds, max(tokens))
+            if self.on_pass is not None:
+                self.on_pass(len(batch), seconds)
             for item, result, share in zip(batch, results, self.timer.shares(tokens, seconds)):
                 item.result, item.charged = result, share
         except BaseException as exc:

@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from cascade_service.core.types import Context
 
+from ..metrics import default_metrics
 from .batching import ForwardBatcher, default_prefill_chunk
 
 _DTYPES: dict[str, torch.dtype | str] = {
@@ -135,6 +136,8 @@ class HFModel:
         if self.batcher is None:
             chunk = default_prefill_chunk(self.device) if prefill_chunk is None else prefill_chunk
             self.batcher = ForwardBatcher(self, max_batch, chunk)
+            metrics = default_metrics()
+            self.batcher.on_pass = lambda rows, seconds: metrics.forward_pass(self.name, rows, seconds)
 
     def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
         """A cached forward pass for one request: through the batcher when batching is on."""

@@ -267,6 +267,14 @@ def _training_texts(limit: int | None, progress: bool) -> list[str]:
     return texts
 
 
+# The zoo's models know code, not dialogue: a chat turns into comments, and the reply is the code after
+# them. Enough for `/v1/chat/completions` to work as clients expect on the demo family.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}# {{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int, progress: bool = True) -> PreTrainedTokenizerFast:
     """A byte-level BPE (every byte a symbol, so any text round-trips) with <pad>, <s>, </s> as ids 0-2."""
     bpe = Tokenizer(models.BPE())
@@ -280,7 +288,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, progress: bool = True
     )
     texts = list(texts)
     bpe.train_from_iterator(tqdm(texts, desc="train tokenizer", unit="file", disable=not progress), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def encode_files(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], progress: bool = True) -> torch.Tensor:

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -153,3 +154,31 @@ def test_metrics_are_exported_with_cascade_names(server, client):
         assert name in text, name
     assert 'cascade:spec_decode_num_drafts_total{tier="target"}' in text
     assert 'cascade:spec_decode_num_draft_tokens_total{drafter="close",tier="target"}' in text
+
+
+def test_chat_works_where_the_tokenizer_has_a_template(test_zoo_home, monkeypatch):
+    # The zoo's tokenizers ship a chat template (zoo.build.CHAT_TEMPLATE): a chat is a prompt of comments.
+    from cascade_service.config import load_config
+    from cascade_service.models.hf import load_tokenizer
+
+    monkeypatch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "test.yaml")
+    messages = [{"role": "user", "content": "sum a list"}]
+    rendered = load_tokenizer(config.cascade.target.path).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == "# user: sum a list\n# assistant:\n"
+    standalone = start_standalone(config, http_port=0)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{standalone.http_port}/v1", api_key="none", max_retries=0)
+        model = config.cascade.target.name
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+        plain = client.completions.create(model=model, prompt=rendered, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content == plain.choices[0].text
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
+        streamed = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain.choices[0].text
+    finally:
+        standalone.stop()
