@@ -111,7 +111,7 @@ def test_a_client_that_disconnects_cancels_its_request(gated):
     time.sleep(0.5)
     gate.open.set()
     # The decode stops at its next round: far fewer than 32 target rounds, and the tier holds nothing.
-    assert _soon(lambda: server.service.group.cached_requests() == 0)
+    assert _soon(lambda: gate.group.cached_requests() == 0)
     time.sleep(0.5)
     assert gate.calls <= 4, gate.calls
 
