@@ -9,13 +9,18 @@ knows nothing of it. Counters appear in the exposition with `_total` appended (a
 Labels: `tier` is the reviewing tier (the target, or an inner reviewer: inner reviews show too),
 `drafter` the tier whose tokens were reviewed, `position` the 0-based position in the block, `rule`
 the final verifier's rule, `code` a gRPC status name (or HTTP status).
+
+In a Ray Serve replica the same records also go to Ray's metrics system (`Metrics.mirror_to_ray`), which
+each node's metrics agent exports for the cluster's Prometheus: Ray allows no `:` in a name and puts
+`ray_` in front, so `cascade:tier_calls` is scraped there as `ray_cascade_tier_calls` (docs/operations.md).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -23,6 +28,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .core.stats import CascadeStats
 
 PREFIX = "cascade:"
+RAY_PREFIX = "cascade_"  # Ray's exporter adds `ray_`; it refuses `:` in a name
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds, from a fraction of a millisecond (a CPU draft pass) to minutes (a long request).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -41,18 +47,97 @@ class RequestTimes:
     e2e_s: float
 
 
+class Family:
+    """One metric: recorded in this process's Prometheus registry and, once mirrored, in Ray's metrics
+    system as well. The calls are prometheus_client's: `labels(*values)` then `inc`, `dec`, `set` or
+    `observe`; or those directly on a metric without labels."""
+
+    def __init__(self, metric: Any, kind: str, name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]):
+        self.metric, self.kind, self.name, self.doc = metric, kind, name, doc
+        self.label_names, self.buckets = tuple(labels), tuple(buckets)
+        self.ray: Any = None  # a ray.util.metrics instrument, once mirrored
+
+    def labels(self, *values: str) -> _Child:
+        return _Child(self, self.metric.labels(*values), dict(zip(self.label_names, values)))
+
+    def inc(self, amount: float = 1.0) -> None:
+        _Child(self, self.metric, {}).inc(amount)
+
+    def dec(self, amount: float = 1.0) -> None:
+        _Child(self, self.metric, {}).dec(amount)
+
+    def set(self, value: float) -> None:
+        _Child(self, self.metric, {}).set(value)
+
+    def observe(self, value: float) -> None:
+        _Child(self, self.metric, {}).observe(value)
+
+    def mirror(self, make: Callable[..., Any]) -> None:
+        """Record into `make(...)`'s instrument too (ray.util.metrics' Counter, Gauge or Histogram)."""
+        if self.ray is not None:
+            return
+        name = RAY_PREFIX + self.name
+        if self.kind == "histogram":
+            self.ray = make(name, self.doc, boundaries=list(self.buckets), tag_keys=self.label_names)
+        else:
+            self.ray = make(name, self.doc, tag_keys=self.label_names)
+        if self.kind == "gauge" and not self.label_names:  # a gauge starts at what it holds now
+            self.ray.set(self.metric._value.get())
+
+
+class _Child:
+    def __init__(self, family: Family, metric: Any, tags: dict[str, str]):
+        self.family, self.metric, self.tags = family, metric, tags
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.metric.inc(amount)
+        ray = self.family.ray
+        if ray is not None:
+            if self.family.kind == "gauge":
+                ray.set(self.metric._value.get(), tags=self.tags)
+            elif amount > 0:  # Ray's counters take only positive steps
+                ray.inc(amount, tags=self.tags)
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.metric.dec(amount)
+        if self.family.ray is not None:
+            self.family.ray.set(self.metric._value.get(), tags=self.tags)
+
+    def set(self, value: float) -> None:
+        self.metric.set(value)
+        if self.family.ray is not None:
+            self.family.ray.set(value, tags=self.tags)
+
+    def observe(self, value: float) -> None:
+        self.metric.observe(value)
+        if self.family.ray is not None:
+            self.family.ray.observe(value, tags=self.tags)
+
+
 class Metrics:
     """The service's metrics on a registry of their own (`exposition()` renders them)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.families: list[Family] = []
 
-        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=r)
+        def add(metric: Any, kind: str, name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]) -> Family:
+            family = Family(metric, kind, name, doc, labels, buckets)
+            self.families.append(family)
+            return family
 
-        def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets=LATENCY_BUCKETS) -> Histogram:  # type: ignore[no-untyped-def]
-            return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets)
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Family:
+            return add(Counter(PREFIX + name, doc, labels, registry=r), "counter", name, doc, labels, ())
+
+        def gauge(name: str, doc: str) -> Family:
+            return add(Gauge(PREFIX + name, doc, registry=r), "gauge", name, doc, (), ())
+
+        def histogram(
+            name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS
+        ) -> Family:
+            metric = Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets)
+            return add(metric, "histogram", name, doc, labels, buckets)
 
         self.num_drafts = counter("spec_decode_num_drafts", "Draft blocks reviewed", ["tier"])
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens reviewed", ["tier", "drafter"])
@@ -67,8 +152,8 @@ class Metrics:
         self.drafted_per_pos = counter(
             "spec_decode_num_draft_tokens_per_pos", "Draft tokens reviewed at each block position", ["tier", "position"]
         )
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests decoding", registry=r)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests admitted and waiting for a worker", registry=r)
+        self.running = gauge("num_requests_running", "Requests decoding")
+        self.waiting = gauge("num_requests_waiting", "Requests admitted and waiting for a worker")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated by finished requests")
         self.requests = counter("request_success", "Requests finished", ["finish_reason"])
@@ -122,6 +207,19 @@ class Metrics:
             for _ in range(tokens):
                 self.itl.observe(gap / tokens)
         self.e2e.observe(times.e2e_s)
+
+    def mirror_to_ray(self) -> None:
+        """From now on, record into Ray's metrics system too (in a Ray worker: a Serve replica)."""
+        from ray.util import metrics as ray_metrics
+
+        kinds = {"counter": ray_metrics.Counter, "gauge": ray_metrics.Gauge, "histogram": ray_metrics.Histogram}
+        with self._lock:
+            for family in self.families:
+                family.mirror(kinds[family.kind])
+
+    def ray_names(self) -> set[str]:
+        """The names Ray's exporter gives this registry's metrics (`ray_cascade_...`), as `names()` does."""
+        return {"ray_" + RAY_PREFIX + name[len(PREFIX) :] for name in self.names()}
 
     def refused(self, code: str) -> None:
         self.rejected.labels(code).inc()

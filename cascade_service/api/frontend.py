@@ -73,7 +73,7 @@ class Frontend:
         self._calls: set[CallHooks] = set()
         self._changed: asyncio.Event | None = None  # set when `serving` changes (health Watch)
         self._reflection = reflection_v1alpha.aio.ReflectionServicer(advertised(SERVICES))
-        default_metrics().waiting.set_function(lambda: len(self._waiting))
+        default_metrics().waiting.set(0)
 
     # --- the handlers -------------------------------------------------------------------------------
 
@@ -294,6 +294,7 @@ class Frontend:
             )
         turn = asyncio.get_running_loop().create_future()
         self._waiting.append(turn)
+        self._count_waiting()
         try:
             await turn
         except asyncio.CancelledError:
@@ -301,15 +302,23 @@ class Frontend:
                 self._release_worker()  # handed a worker just as the caller left: pass it on
             else:
                 self._waiting.remove(turn)
+                self._count_waiting()
             raise
 
+    def _count_waiting(self) -> None:
+        # Set on each change rather than read at scrape time: Ray's metrics take pushed values.
+        default_metrics().waiting.set(len(self._waiting))
+
     def _release_worker(self) -> None:
-        while self._waiting:
-            turn = self._waiting.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
-        self._free += 1
+        try:
+            while self._waiting:
+                turn = self._waiting.popleft()
+                if not turn.done():
+                    turn.set_result(None)
+                    return
+            self._free += 1
+        finally:
+            self._count_waiting()
 
     # --- running on a worker ---------------------------------------------------------------------------
 

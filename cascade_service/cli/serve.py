@@ -46,7 +46,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="also serve the OpenAI-compatible HTTP API and /metrics on this port (0: a free one), on the same "
-        "host, keys and TLS as gRPC (--frontend edge or standalone)",
+        "host, keys and TLS as gRPC; with --frontend ray, Ray Serve's HTTP proxy serves it",
     )
     p.add_argument(
         "--plain", action="store_true", help="with --frontend standalone: the target alone, no speculation (a baseline)"
@@ -75,8 +75,6 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--grpc-port must be in [0, 65535], got {port}")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:
         raise UsageError(f"--http-port must be in [0, 65535], got {args.http_port}")
-    if args.http_port is not None and args.frontend == "ray":
-        raise UsageError("--http-port needs --frontend edge or standalone (Ray's proxy serves gRPC only here)")
     grace = config.serving.shutdown_grace_s
     stop = threading.Event()
     _stop_on_signals(stop)

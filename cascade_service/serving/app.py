@@ -2,10 +2,12 @@
 
     tier-<name>   TierDeployment: a TierServer (model + per-request KV caches); drafts/reviews blocks
                   for many requests at once, their forward passes batched
-    coordinator   CoordinatorDeployment: the gRPC ingress; runs core's cascade over RemoteTiers and
+    coordinator   CoordinatorDeployment: the ingress; runs core's cascade over RemoteTiers and
                   hosts MaG; sessions in Redis or in an in-cluster actor
 
-Ray Serve's gRPC proxy calls the coordinator's methods by RPC name (Generate, GenerateStream, ...).
+Ray Serve's gRPC proxy calls the coordinator's methods by RPC name (Generate, GenerateStream, ...); its
+HTTP proxy calls the coordinator's ASGI app, the OpenAI-compatible API (serving/replica_http.py).
+Every replica records its metrics in Ray's metrics system too (metrics.Metrics.mirror_to_ray).
 Each deployment takes its Ray Serve options (replicas, autoscaling, ray_actor_options with num_gpus /
 accelerator_type / custom resources) from the config's `serving.deployments`, so tiers scale and
 place independently; a Serve config file (deploy/serve_config.yaml) may override them again by name.
@@ -26,8 +28,10 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from ..api.admission import limits_from
 from ..api.auth import authenticate_context, load_api_keys
 from ..api.backend import UNARY, RecordingContext, Reply, request_type
+from ..api.frontend import Frontend
 from ..api.health import check_reply, watch_reply
 from ..api.servicer import (
     CascadeServicer,
@@ -48,6 +52,7 @@ from ..config import (
 from ..core.local import ModelTier
 from ..core.mag import BigramTable
 from ..core.tier import Tier
+from ..metrics import default_metrics
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
 from ..runtime.assemble import (
@@ -63,6 +68,7 @@ from ..transport.client import RemoteModel, connect
 from ..transport.remote import RemoteTier
 from .bridge import Offloaded, iterate_bridged, run_bridged
 from .calls import Calls, Stopped, raise_if_failed, reply_for
+from .replica_http import replica_app
 from .session_actor import actor_store
 from .tier import check_adaptive_reviewers, replica_tier, system_heads
 from .tier_deployment import (
@@ -107,8 +113,10 @@ DEFAULT_MAX_QUEUED = 64  # per deployment handle; `serving.deployments.<name>.ma
 
 
 @serve.deployment
+@serve.ingress()
 class CoordinatorDeployment:
-    """The ingress: gRPC methods of cascade.v1.CascadeService (+ grpc.health.v1.Health/Check)."""
+    """The ingress: gRPC methods of cascade.v1.CascadeService (+ grpc.health.v1.Health/Check), and
+    the OpenAI-compatible HTTP API as its ASGI app (`__serve_build_asgi_app__`)."""
 
     def __init__(
         self,
@@ -136,6 +144,20 @@ class CoordinatorDeployment:
         # per call Serve lets in, so those never queue behind the loop's small default executor.
         self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="coordinator-io")
         self._calls = Calls()
+        self.max_ongoing = max_ongoing
+        self.http: Frontend | None = None  # the HTTP API's front end, once Serve built the app
+        default_metrics().mirror_to_ray()
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        """The HTTP app Ray Serve's proxy routes to (called once, at replica start, on the replica's loop).
+
+        Its calls go through the same admission code as the edge's: serving.admission sized to the calls
+        Serve lets into this replica, the same API keys."""
+        cascade = self.config.cascade
+        limits = limits_from(self.config.serving.admission, workers=self.max_ongoing)
+        tokenizer = await asyncio.get_running_loop().run_in_executor(self.pool, load_tokenizer, cascade.target.path)
+        app, self.http = replica_app(self, cascade.target.name, tokenizer, limits, self.api_keys)
+        return app
 
     def _build(self) -> CascadeServicer:
         # Called from a worker thread: asking the tiers for their facts blocks on them.
@@ -261,7 +283,12 @@ class CoordinatorDeployment:
         """Stop taking calls (new ones, and health, answer UNAVAILABLE / NOT_SERVING), give those in
         flight grace_s to finish, then cancel the rest, each ending UNAVAILABLE with a message, before
         Serve stops this replica. Returns how many were cancelled. `serve` calls it on SIGTERM."""
-        return await self._calls.drain(grace_s)
+        if self.http is None:
+            return await self._calls.drain(grace_s)
+        # HTTP calls run through rpc / rpc_stream, so the calls' drain ends them; the HTTP front end
+        # stops taking new ones (503) and its health says so.
+        cancelled, _ = await asyncio.gather(self._calls.drain(grace_s), self.http.drain(grace_s))
+        return cancelled
 
     async def _servicer_ready(self) -> CascadeServicer:
         if self._servicer is not None:

@@ -133,7 +133,9 @@ class LocalService:
         self.frontend = frontend
         self.api_keys = api_keys
         self.tls = tls
-        self.http_port = http_port  # the edge's OpenAI-compatible HTTP API (api.openai_http); None: none
+        # The OpenAI-compatible HTTP API (api.openai_http): served by the edge, or by Serve's HTTP proxy
+        # (frontend "ray"); None: none (the proxy then listens on a loopback port nobody is told of).
+        self.http_port = http_port
         self.started_ray = False
         self.server: FrontendServer | None = None
         self.checker: FrontendServer | None = None
@@ -159,15 +161,20 @@ class LocalService:
             self.started_ray = True
         if self.frontend == "ray":
             self.port = self.port or _free_port(self.host)
-            # Serve's HTTP proxy comes with its gRPC proxy; it gets a loopback port of its own.
+            # Serve's HTTP proxy comes with its gRPC proxy and serves the coordinator's HTTP app (the
+            # OpenAI-compatible API): on http_port when asked for, else on a loopback port of its own.
+            http_port = self.http_port or _free_port(self.host)
             serve.start(
                 proxy_location="HeadOnly",
-                http_options={"host": self.host, "port": _free_port(self.host)},
+                http_options={"host": self.host, "port": http_port},
                 grpc_options={"port": self.port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
             )
             self.deploy()
             self.wait_ready()
             _wait_for_proxy(self.address)
+            if self.http_port is not None:
+                self.http_port = http_port
+                _wait_for_http(f"http://{self.host}:{http_port}/health")
             return self.address
         # No Serve proxies: our edge is the only listener.
         serve.start(proxy_location="Disabled")
@@ -273,6 +280,24 @@ def _free_port(host: str) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def _wait_for_http(url: str, timeout_s: float = 120.0) -> None:
+    """Until Serve's HTTP proxy routes to the app (it answers 404 or 503 before that)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve's HTTP proxy did not route {url} within {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def _wait_for_proxy(address: str, timeout_s: float = 120.0) -> None:

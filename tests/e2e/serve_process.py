@@ -15,6 +15,7 @@ import yaml
 from cascade_service import procfs
 
 READY = "serving cascade.v1.CascadeService on"
+HTTP_READY = "serving the OpenAI-compatible HTTP API on"
 
 
 def write_config(path: Path, tiny_family: dict[str, Any], grace_s: float) -> Path:
@@ -32,9 +33,10 @@ def write_config(path: Path, tiny_family: dict[str, Any], grace_s: float) -> Pat
 
 
 class ServeProcess:
-    """`serve --frontend F` on a free loopback port; `address` once it printed that it serves."""
+    """`serve --frontend F` on a free loopback port; `address` once it printed that it serves, and
+    `http_url` (the OpenAI-compatible API's base URL) with http=True."""
 
-    def __init__(self, config: Path, frontend: str, timeout_s: float = 300.0):
+    def __init__(self, config: Path, frontend: str, timeout_s: float = 300.0, http: bool = False):
         # A Ray of its own for the child: it must not join a cluster this test session started.
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.process = subprocess.Popen(
@@ -49,6 +51,7 @@ class ServeProcess:
                 "0",
                 "--frontend",
                 frontend,
+                *(["--http-port", "0"] if http else []),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -63,6 +66,11 @@ class ServeProcess:
             assert self.process.poll() is None and time.monotonic() < deadline, "".join(self.stderr)[-3000:]
             line = self.process.stdout.readline()
         self.address = line.split(" on ")[1].split()[0]
+        self.http_url: str | None = None
+        if http:
+            line = self.process.stdout.readline()
+            assert HTTP_READY in line, line + "".join(self.stderr)[-3000:]
+            self.http_url = line.split(" on ")[1].split()[0]
 
     def tree(self) -> set[int]:
         return tree(self.process.pid)

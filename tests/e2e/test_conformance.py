@@ -1,4 +1,5 @@
-"""One gRPC contract on every frontend, as a client in another language sees it.
+"""One gRPC contract (and one OpenAI-compatible HTTP API) on every frontend, as a client in another
+language sees it.
 
 Each frontend runs as a real `cascade-service serve` process (standalone: one process, no Ray; edge:
 our gRPC edge in front of the Ray Serve app; ray: Ray Serve's own gRPC proxy), and the same tests
@@ -7,18 +8,23 @@ goes over the wire: exact greedy output (the `transformers` oracle), stream == u
 health Check and Watch, reflection v1 and v1alpha, the same status code AND the same one-line
 message for every error on unary and streaming calls, the rich error details, deadlines, cancel,
 nothing listening beyond loopback, and SIGTERM: the process drains and exits 0 within the config's
-serving.shutdown_grace_s.
+serving.shutdown_grace_s. Each also serves HTTP (`--http-port 0`; on "ray", Ray Serve's HTTP proxy to
+the coordinator's ASGI app), checked with the real `openai` client: the same greedy text as gRPC.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import openai
 import pytest
 from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -49,6 +55,7 @@ class Served:
     address: str
     process: subprocess.Popen
     channel: grpc.Channel
+    http_url: str
 
     @property
     def stub(self) -> cascade_pb2_grpc.CascadeServiceStub:
@@ -60,9 +67,10 @@ def served(request, tiny_family, tmp_path_factory):
     config = write_config(
         tmp_path_factory.mktemp(f"conformance-{request.param}") / "service.yaml", tiny_family, GRACE_S
     )
-    server = ServeProcess(config, request.param)
+    server = ServeProcess(config, request.param, http=True)
     channel = grpc.insecure_channel(server.address)
-    yield Served(request.param, server.address, server.process, channel)
+    assert server.http_url is not None
+    yield Served(request.param, server.address, server.process, channel, server.http_url)
     channel.close()
     if server.process.poll() is None:  # the SIGTERM test did not run (e.g. -k): stop it anyway
         server.process.send_signal(signal.SIGTERM)
@@ -98,6 +106,36 @@ def test_greedy_output_is_the_oracles_and_a_stream_yields_the_same_tokens(served
         chunks = list(served.stub.GenerateStream(request, timeout=120))
         assert [t for c in chunks for t in c.token_ids] == expected
         assert chunks[-1].finish_reason == "length" and chunks[-1].stats.generated_tokens == 12
+
+
+def test_the_openai_client_gets_the_grpc_text_unary_and_streamed(served, tiny_family):
+    client = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=120)
+    prompt = random_prompts(1, 9, seed=11)[0]
+    direct = served.stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=12), timeout=120)
+    assert list(direct.token_ids) == oracle(tiny_family["target"], prompt, 12)
+    reply = client.completions.create(model="target", prompt=prompt, max_tokens=12, temperature=0)
+    assert reply.choices[0].text == direct.text and reply.usage.completion_tokens == 12
+    assert reply.model_extra["cascade"]["generated_tokens"] == 12
+    chunks = list(client.completions.create(model="target", prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.text
+    assert [m.id for m in client.models.list().data] == ["target"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="target", prompt=prompt, max_tokens=0)
+    assert caught.value.body["param"] == "max_tokens"
+    # /metrics (beside /v1) counts what this front end's process served.
+    with urllib.request.urlopen(served.http_url.removesuffix("/v1") + "/metrics", timeout=30) as page:
+        text = page.read().decode()
+    assert "cascade:spec_decode_num_drafts_total" in text and "cascade:generation_tokens_total" in text
+
+
+def test_http_errors_are_openai_error_bodies(served):
+    request = urllib.request.Request(
+        served.http_url + "/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 400
+    assert json.loads(caught.value.read())["error"]["type"] == "invalid_request_error"
 
 
 def test_health_check_and_watch(served):

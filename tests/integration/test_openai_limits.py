@@ -101,7 +101,7 @@ def test_a_full_queue_is_429_and_the_held_request_completes(gated):
 
 
 def test_a_client_that_disconnects_cancels_its_request(gated):
-    standalone, gate, server = gated
+    standalone, gate, _ = gated
     connection = http.client.HTTPConnection("127.0.0.1", standalone.http_port, timeout=60)
     body = {"model": "target", "prompt": PROMPT, "max_tokens": 32, "stream": True}
     connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
