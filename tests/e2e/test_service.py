@@ -3,12 +3,13 @@
 Greedy output through the service equals `transformers` greedy `generate()` (the oracle) and the
 in-process engine; streaming yields the same tokens; sessions live in Redis; the whole app (every
 tier and the coordinator) is restarted mid-conversation and the session continues with nothing lost;
-tier replicas free a request's KV cache when it ends.
+tier replicas free a request's KV cache when it ends; the replicas' metrics reach Ray's exporter.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import redis
@@ -27,6 +28,7 @@ from cascade_service.zoo.tiny import random_prompts
 from ..helpers.oracle import oracle
 
 PROMPTS = random_prompts(3, 10, seed=31)
+REPORT_INTERVAL = "RAY_metrics_report_interval_ms"
 K = [[4, 2, 0], [0, 2, 6], [0, 0, 6]]
 
 
@@ -59,10 +61,19 @@ def config_path(tiny_family, tmp_path_factory, redis_server):
 
 @pytest.fixture(scope="module")
 def service(config_path):
+    # Ray's workers report their metrics each second instead of every ten (the exporter test waits less).
+    before = os.environ.get(REPORT_INTERVAL)
+    os.environ[REPORT_INTERVAL] = "1000"
     svc = LocalService(str(config_path), port=0, num_cpus=4)
-    svc.start()
-    yield svc
-    svc.stop()
+    try:
+        svc.start()
+        yield svc
+        svc.stop()
+    finally:
+        if before is None:
+            os.environ.pop(REPORT_INTERVAL, None)
+        else:
+            os.environ[REPORT_INTERVAL] = before
 
 
 @pytest.fixture()
@@ -263,6 +274,41 @@ def test_health_is_serving(client):
 
 
 # Last in this module: it replaces the module's app with its own.
+def test_the_replicas_metrics_reach_rays_exporter_under_ray_names(service, client):
+    import time
+    import urllib.request
+
+    import ray
+
+    from cascade_service.metrics import Metrics
+
+    result = client.generate(prompt_token_ids=PROMPTS[2], max_new_tokens=16)
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    # From the coordinator (requests, acceptance) and from the tier replicas (their forward passes).
+    wanted = {
+        "ray_cascade_spec_decode_num_accepted_tokens_per_pos_total",
+        "ray_cascade_generation_tokens_total",
+        "ray_cascade_time_to_first_token_seconds_bucket",
+        "ray_cascade_tier_pass_seconds_bucket",
+        "ray_cascade_tier_batch_size_count",
+    }
+    deadline = time.monotonic() + 60
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as page:
+            samples = [line for line in page.read().decode().splitlines() if line.startswith("ray_cascade_")]
+        names = {line.split("{")[0].split(" ")[0] for line in samples}
+        if wanted <= names:
+            break
+        assert time.monotonic() < deadline, f"missing from Ray's exporter: {sorted(wanted - names)}"
+        time.sleep(1)
+    assert names <= Metrics().ray_names()  # the names docs/operations.md gives
+    generated = sum(float(line.rsplit(" ", 1)[1]) for line in samples if line.startswith("ray_cascade_generation_"))
+    assert generated >= result.stats["generated_tokens"] > 0
+    passes = [line for line in samples if line.startswith("ray_cascade_tier_pass_seconds_count")]
+    assert {"target", "close"} <= {m.group(1) for line in passes if (m := re.search(r'tier="([^"]+)"', line))}
+
+
 def test_every_listener_of_the_local_service_binds_loopback(service, client):
     """Ray, Serve replicas and our edge: no socket of this process tree listens beyond 127.0.0.1."""
     assert client.health() == "SERVING"
