@@ -10,15 +10,16 @@ Labels: `tier` is the reviewing tier (the target, or an inner reviewer: inner re
 `drafter` the tier whose tokens were reviewed, `position` the 0-based position in the block, `rule`
 the final verifier's rule, `code` a gRPC status name (or HTTP status).
 
-In a Ray Serve replica the same records also go to Ray's metrics system (`Metrics.mirror_to_ray`), which
+In a Ray Serve replica the same records also go to Ray's metrics system (`serving.ray_metrics`), which
 each node's metrics agent exports for the cluster's Prometheus: Ray allows no `:` in a name and puts
-`ray_` in front, so `cascade:tier_calls` is scraped there as `ray_cascade_tier_calls` (docs/operations.md).
+`ray_` in front, so `cascade:tier_calls` is scraped there as `ray_cascade_tier_calls_total`
+(docs/operations.md).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,11 +209,9 @@ class Metrics:
                 self.itl.observe(gap / tokens)
         self.e2e.observe(times.e2e_s)
 
-    def mirror_to_ray(self) -> None:
-        """From now on, record into Ray's metrics system too (in a Ray worker: a Serve replica)."""
-        from ray.util import metrics as ray_metrics
-
-        kinds = {"counter": ray_metrics.Counter, "gauge": ray_metrics.Gauge, "histogram": ray_metrics.Histogram}
+    def mirror(self, kinds: Mapping[str, Callable[..., Any]]) -> None:
+        """From now on, record into another metrics system too: `kinds` makes its instrument of each
+        kind ("counter", "gauge", "histogram"), as ray.util.metrics' classes do (serving.ray_metrics)."""
         with self._lock:
             for family in self.families:
                 family.mirror(kinds[family.kind])

@@ -1,15 +1,19 @@
-"""What a front end admits (`Limits`), how it refuses (`Refused`), and an admitted call's cancel hooks."""
+"""What a front end admits (`Limits`), how it refuses (`Refused`), an admitted call's cancel hooks, and
+the workers admitted calls wait for (`Workers`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from ..metrics import default_metrics
 from .decode import decode
 from .status import DETAILS_KEY, rich_status
 
@@ -114,3 +118,54 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     """End the call with code, message and the rich details trailer (raises, as context.abort does)."""
     trailer = ((DETAILS_KEY, rich_status(code, message).SerializeToString()),)
     await context.abort(code, message, trailing_metadata=trailer)
+
+
+class Workers:
+    """A front end's workers and the admitted calls waiting for one; used on the front end's loop.
+
+    `take()` returns once the caller holds a worker, RESOURCE_EXHAUSTED when `max_queued` calls wait
+    already; `release()` hands the worker to the call that waited longest, or back to the pool. The
+    number waiting is `cascade:num_requests_waiting`, set at each change (Ray's metrics take pushed
+    values, not callbacks)."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.free = limits.workers
+        self.waiting: deque[asyncio.Future] = deque()
+        self._count()
+
+    async def take(self) -> None:
+        if self.free > 0 and not self.waiting:
+            self.free -= 1
+            return
+        if len(self.waiting) >= self.limits.max_queued:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is at its limit ({self.limits.workers} calls running, "
+                f"{self.limits.max_queued} waiting); retry later",
+            )
+        turn = asyncio.get_running_loop().create_future()
+        self.waiting.append(turn)
+        self._count()
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # handed a worker just as the caller left: pass it on
+            else:
+                self.waiting.remove(turn)
+                self._count()
+            raise
+
+    def release(self) -> None:
+        while self.waiting:
+            turn = self.waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                break
+        else:
+            self.free += 1
+        self._count()
+
+    def _count(self) -> None:
+        default_metrics().waiting.set(len(self.waiting))

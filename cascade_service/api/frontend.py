@@ -30,7 +30,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -41,7 +41,7 @@ from grpc_reflection.v1alpha import reflection as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2
 
 from ..metrics import default_metrics
-from .admission import CallHooks, Limits, Refused, abort, decode_body, time_left
+from .admission import CallHooks, Limits, Refused, Workers, abort, decode_body, time_left
 from .auth import ApiKeys, authenticate
 from .backend import STREAMING, UNARY, Backend, Reply, request_type
 from .health import HEALTH_SERVICES, status_reply, watch_reply
@@ -65,15 +65,13 @@ class Frontend:
         self.serving = serving
         self.stopping = False
         self.pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="cascade-call")
-        self._free = limits.workers
-        self._waiting: deque[asyncio.Future] = deque()
+        self.workers = Workers(limits)
         self._pending = 0
         self._per_key: Counter[str] = Counter()
         self._probes = 0
         self._calls: set[CallHooks] = set()
         self._changed: asyncio.Event | None = None  # set when `serving` changes (health Watch)
         self._reflection = reflection_v1alpha.aio.ReflectionServicer(advertised(SERVICES))
-        default_metrics().waiting.set(0)
 
     # --- the handlers -------------------------------------------------------------------------------
 
@@ -276,49 +274,11 @@ class Frontend:
         self._calls.add(call)
         try:
             began = time.monotonic()
-            await self._take_worker()
+            await self.workers.take()
             default_metrics().queue.observe(time.monotonic() - began)
             yield
         finally:
             self._calls.discard(call)
-
-    async def _take_worker(self) -> None:
-        if self._free > 0 and not self._waiting:
-            self._free -= 1
-            return
-        if len(self._waiting) >= self.limits.max_queued:
-            raise Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the server is at its limit ({self.limits.workers} calls running, "
-                f"{self.limits.max_queued} waiting); retry later",
-            )
-        turn = asyncio.get_running_loop().create_future()
-        self._waiting.append(turn)
-        self._count_waiting()
-        try:
-            await turn
-        except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
-                self._release_worker()  # handed a worker just as the caller left: pass it on
-            else:
-                self._waiting.remove(turn)
-                self._count_waiting()
-            raise
-
-    def _count_waiting(self) -> None:
-        # Set on each change rather than read at scrape time: Ray's metrics take pushed values.
-        default_metrics().waiting.set(len(self._waiting))
-
-    def _release_worker(self) -> None:
-        try:
-            while self._waiting:
-                turn = self._waiting.popleft()
-                if not turn.done():
-                    turn.set_result(None)
-                    return
-            self._free += 1
-        finally:
-            self._count_waiting()
 
     # --- running on a worker ---------------------------------------------------------------------------
 
@@ -326,7 +286,7 @@ class Frontend:
         """work() on a worker thread. The worker is given back when the thread is done, not when the
         client leaves: a cancelled call's thread runs until the backend notices the cancel."""
         future = asyncio.get_running_loop().run_in_executor(self.pool, work)
-        future.add_done_callback(lambda _: self._release_worker())
+        future.add_done_callback(lambda _: self.workers.release())
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -356,7 +316,7 @@ class Frontend:
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
 
         future = loop.run_in_executor(self.pool, pump)
-        future.add_done_callback(lambda _: self._release_worker())
+        future.add_done_callback(lambda _: self.workers.release())
         try:
             while (item := await queue.get()) is not None:
                 if isinstance(item, BaseException):

@@ -7,7 +7,7 @@
 
 Ray Serve's gRPC proxy calls the coordinator's methods by RPC name (Generate, GenerateStream, ...); its
 HTTP proxy calls the coordinator's ASGI app, the OpenAI-compatible API (serving/replica_http.py).
-Every replica records its metrics in Ray's metrics system too (metrics.Metrics.mirror_to_ray).
+Every replica records its metrics in Ray's metrics system too (serving/ray_metrics.py).
 Each deployment takes its Ray Serve options (replicas, autoscaling, ray_actor_options with num_gpus /
 accelerator_type / custom resources) from the config's `serving.deployments`, so tiers scale and
 place independently; a Serve config file (deploy/serve_config.yaml) may override them again by name.
@@ -43,7 +43,6 @@ from ..config import (
     ConfigError,
     MaGConfig,
     ModelTierConfig,
-    ServingConfig,
     deployment_name,
     load_config,
     resolve_redis_url,
@@ -52,7 +51,6 @@ from ..config import (
 from ..core.local import ModelTier
 from ..core.mag import BigramTable
 from ..core.tier import Tier
-from ..metrics import default_metrics
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
 from ..runtime.assemble import (
@@ -68,6 +66,8 @@ from ..transport.client import RemoteModel, connect
 from ..transport.remote import RemoteTier
 from .bridge import Offloaded, iterate_bridged, run_bridged
 from .calls import Calls, Stopped, raise_if_failed, reply_for
+from .placement import deployment_options
+from .ray_metrics import mirror_to_ray
 from .replica_http import replica_app
 from .session_actor import actor_store
 from .tier import check_adaptive_reviewers, replica_tier, system_heads
@@ -87,29 +87,7 @@ GRPC_SERVICER_FUNCTIONS = [
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
     "cascade_service.api.reflection.add_reflection_v1",  # Ray's proxy serves v1alpha itself
 ]
-# Local default: tiers take turns within a request, so a fraction of a CPU each lets the whole app
-# fit a 2-core machine; a cluster config gives real resources per deployment. Passive OpenMP waits:
-# an idle tier's torch threads would otherwise spin for a while after each forward pass, taking the
-# cores the next tier in the round needs. User code on the replica's own loop and sync methods run
-# inline: each handoff between threads costs a context switch per hop, and the sync methods left
-# (info, counters, release) return at once; what blocks (a tier's block calls; on the coordinator, a
-# colocated tier's passes and the session store) goes to the replica's own thread pool, so the loop
-# stays free to take concurrent calls. The coordinator's decodes run on the loop (serving/bridge.py).
-LOCAL_ACTOR_OPTIONS = {
-    "num_cpus": 0.25,
-    "runtime_env": {
-        "env_vars": {
-            "OMP_WAIT_POLICY": "PASSIVE",
-            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-            "RAY_SERVE_RUN_SYNC_IN_THREADPOOL": "0",
-        }
-    },
-}
-
-
 WATCH_POLL_S = 5.0  # how often a health Watch looks for a change of status
-
-DEFAULT_MAX_QUEUED = 64  # per deployment handle; `serving.deployments.<name>.max_queued_requests` overrides
 
 
 @serve.deployment
@@ -146,7 +124,7 @@ class CoordinatorDeployment:
         self._calls = Calls()
         self.max_ongoing = max_ongoing
         self.http: Frontend | None = None  # the HTTP API's front end, once Serve built the app
-        default_metrics().mirror_to_ray()
+        mirror_to_ray()
 
     async def __serve_build_asgi_app__(self) -> Any:
         """The HTTP app Ray Serve's proxy routes to (called once, at replica start, on the replica's loop).
@@ -355,7 +333,7 @@ def app_builder(args: dict[str, Any]):
     handles: dict[str, Any] = {}
     for group in tier_groups(list(by_name), serving.colocate, serving.groups):
         name = deployment_name(group)
-        options = _options(serving, name, local)
+        options = deployment_options(serving, name, local)
         port = options.pop("grpc_port", None)  # ours: the tier API on each replica, beside the handle
         grpc = {**asdict(serving.tier_server), "port": port} if port else None
         # serve.deployment makes the classes Deployments; mypy sees the classes (attr-defined below).
@@ -368,27 +346,10 @@ def app_builder(args: dict[str, Any]):
             grpc,
         )
         handles |= {n: handle for n in group}
-    options = _options(serving, COORDINATOR, local)
+    options = deployment_options(serving, COORDINATOR, local)
     return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(  # type: ignore[attr-defined]
         path, handles, redis_url, options["max_ongoing_requests"]
     )
-
-
-def _options(serving: ServingConfig, name: str, local: bool) -> dict[str, Any]:
-    options = {k: v for k, v in serving.deployments.get(name, {}).items()}
-    # Bounded queues: a replica works on max_ongoing_requests at once and holds at most
-    # max_queued_requests more per caller; past that, callers get RESOURCE_EXHAUSTED instead of
-    # memory growing without bound (Serve's own default queue is unbounded). The replica sizes its
-    # thread pool from max_ongoing_requests as set here; a Serve config file that sets it again leaves
-    # the pool as it is (its threads start only as calls need them, so a larger pool costs nothing).
-    options.setdefault("max_ongoing_requests", DEFAULT_MAX_ONGOING)
-    options.setdefault("max_queued_requests", DEFAULT_MAX_QUEUED)
-    # A replica being stopped (a redeploy, a scale-down, `serve` on SIGTERM) lets its calls in flight
-    # finish for this long, then cancels them; each ends with a status.
-    options.setdefault("graceful_shutdown_timeout_s", serving.shutdown_grace_s)
-    if local:
-        options.setdefault("ray_actor_options", dict(LOCAL_ACTOR_OPTIONS))
-    return options
 
 
 RAY_ARMS = ("full", "lookup", "plain")

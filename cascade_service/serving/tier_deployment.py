@@ -14,9 +14,9 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from ..config import ModelTierConfig, deployment_name
-from ..metrics import default_metrics
 from ..transport.errors import Overloaded, Unavailable
 from .bridge import await_, in_bridge
+from .ray_metrics import mirror_to_ray
 from .tier import SubCascade, TierGroup, replica_tier
 
 # Calls a replica works on at once (Serve's own default is 5): a tier batches concurrent requests'
@@ -53,7 +53,7 @@ class TierDeployment:
             import torch
 
             torch.set_num_threads(torch_threads)
-        default_metrics().mirror_to_ray()  # the forward passes' metrics, for the cluster's Prometheus
+        mirror_to_ray()  # the forward passes' metrics, for the cluster's Prometheus
         mag = mag or {}
         # Each tier follows the GPUs Ray gave this replica (serving.tier.replica_tier).
         name, gpus = deployment_name([t["name"] for t in tiers]), replica_gpus()

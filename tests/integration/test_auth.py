@@ -277,7 +277,10 @@ def test_the_coordinator_checks_keys_of_calls_from_rays_proxy(coordinator, confi
 
     configured = tmp_path / "keys.yaml"
     configured.write_text(config_file.read_text() + f"serving:\n  api_keys_file: {keys_file}\n")
-    deployment = CoordinatorDeployment.func_or_class(str(configured), {})
+    # Serve's ingress wrapper has an async __init__ (the coordinator also serves HTTP): made as Serve does.
+    cls = CoordinatorDeployment.func_or_class
+    deployment = cls.__new__(cls)
+    asyncio.run(deployment.__init__(str(configured), {}))
     deployment._servicer = CascadeServicer(coordinator)  # no tiers to ask: the in-process coordinator
 
     async def stream(request, context):

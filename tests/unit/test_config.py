@@ -128,8 +128,8 @@ def test_shutdown_grace_must_be_seconds_in_range(grace):
 
 
 def test_shutdown_grace_defaults_to_ten_seconds_and_becomes_each_replicas_graceful_timeout():
-    from cascade_service.serving.app import _options
+    from cascade_service.serving.placement import deployment_options
 
     assert parse_config(_raw()).serving.shutdown_grace_s == 10.0
     serving = parse_config({**_raw(), "serving": {"shutdown_grace_s": 2.5}}).serving
-    assert _options(serving, "coordinator", local=False)["graceful_shutdown_timeout_s"] == 2.5
+    assert deployment_options(serving, "coordinator", local=False)["graceful_shutdown_timeout_s"] == 2.5

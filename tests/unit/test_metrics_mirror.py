@@ -35,9 +35,7 @@ class Recorder:
 def _mirrored() -> Metrics:
     metrics = Metrics()
     Recorder.made = {}
-    with metrics._lock:
-        for family in metrics.families:
-            family.mirror(Recorder)
+    metrics.mirror({"counter": Recorder, "gauge": Recorder, "histogram": Recorder})
     return metrics
 
 
