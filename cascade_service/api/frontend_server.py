@@ -79,7 +79,10 @@ class FrontendServer:
         import uvicorn
 
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto named, not left 0: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP,
+        # and accepted sockets inherit it. Without it a reused keep-alive connection waits out the
+        # client's delayed ACK (40 ms) between a reply's headers and its body.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host.strip("[]"), http.port))
         sock.listen(128)

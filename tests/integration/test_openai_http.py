@@ -182,3 +182,12 @@ def test_chat_works_where_the_tokenizer_has_a_template(test_zoo_home, monkeypatc
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain.choices[0].text
     finally:
         standalone.stop()
+
+
+def test_http_connections_send_without_nagle_delay(server):
+    import socket
+
+    # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP (accepted ones inherit the
+    # listener's); without it a keep-alive client waited 40 ms (its delayed ACK) for each reply's body.
+    listeners = [s for http_server in server.server._http.servers for s in http_server.sockets]
+    assert listeners and all(s.proto == socket.IPPROTO_TCP for s in listeners)
