@@ -19,12 +19,14 @@ each node's metrics agent exports for the cluster's Prometheus: Ray allows no `:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from .core.stats import CascadeStats
 
@@ -244,6 +246,40 @@ class Metrics:
                 else ("",)
             )
         }
+
+
+def merge_expositions(texts: Iterable[str]) -> bytes:
+    """Several processes' expositions as one, each sample summed over the processes by name and labels:
+    the edge's `/metrics` with its coordinator's and tiers' (their counters, histogram buckets, and the
+    gauges here, which count requests, all add up). `_created` timestamps are left out."""
+    families: dict[str, Metric] = {}
+    sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            if family.name.endswith("_created"):  # the text format parses them as gauges of their own
+                continue
+            families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            totals = sums.setdefault(family.name, {})
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    totals[key] = totals.get(key, 0.0) + sample.value
+    for name, family in families.items():
+        for (sample_name, labels), value in sums[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+    registry = CollectorRegistry()
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    """A collector of families made beforehand (prometheus_client collects through `collect`)."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
 
 
 _DEFAULT: Metrics | None = None

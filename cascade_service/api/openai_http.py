@@ -50,9 +50,10 @@ from .v1 import cascade_pb2 as pb
 ChatTemplate = Callable[[list[dict[str, Any]]], str]
 
 
-def http_options(port: int, model: str, tokenizer: Any) -> HttpOptions:
+def http_options(port: int, model: str, tokenizer: Any, exposition: Callable[[], bytes] | None = None) -> HttpOptions:
     """The HTTP API on `port` (0 picks one) for a `transformers` tokenizer's model named `model`; chat
-    where the tokenizer has a chat template."""
+    where the tokenizer has a chat template. `exposition`: what `/metrics` serves (it may block; default:
+    this process's metrics)."""
     chat = None
     if getattr(tokenizer, "chat_template", None):
 
@@ -62,7 +63,7 @@ def http_options(port: int, model: str, tokenizer: Any) -> HttpOptions:
     def count(text: str) -> int:
         return len(tokenizer(text)["input_ids"])
 
-    return HttpOptions(port, lambda frontend: openai_app(frontend, model, count, default_metrics(), chat))
+    return HttpOptions(port, lambda frontend: openai_app(frontend, model, count, default_metrics(), chat, exposition))
 
 
 def openai_app(
@@ -71,9 +72,10 @@ def openai_app(
     count_tokens: Callable[[str], int],
     metrics: Metrics,
     chat: ChatTemplate | None = None,
+    exposition: Callable[[], bytes] | None = None,
 ) -> Starlette:
     """The HTTP app for `frontend`'s backend; `model` is the name /v1/models lists and requests name."""
-    api = _Api(frontend, model, count_tokens, metrics, chat)
+    api = _Api(frontend, model, count_tokens, metrics, chat, exposition or metrics.exposition)
     return Starlette(
         routes=[
             Route("/v1/completions", api.completions, methods=["POST"]),
@@ -87,9 +89,16 @@ def openai_app(
 
 class _Api:
     def __init__(
-        self, frontend: Any, model: str, count: Callable[[str], int], metrics: Metrics, chat: ChatTemplate | None
+        self,
+        frontend: Any,
+        model: str,
+        count: Callable[[str], int],
+        metrics: Metrics,
+        chat: ChatTemplate | None,
+        exposition: Callable[[], bytes],
     ):
         self.frontend, self.model, self.count, self.metrics, self.chat = frontend, model, count, metrics, chat
+        self.exposition = exposition
 
     async def models(self, request: Request) -> Response:
         try:
@@ -101,7 +110,8 @@ class _Api:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def metrics_text(self, request: Request) -> Response:
-        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+        # Off the loop: the edge's gathers its deployments' over Ray handles.
+        return Response(await asyncio.to_thread(self.exposition), media_type=CONTENT_TYPE)
 
     async def health(self, request: Request) -> Response:
         ok = self.frontend.serving and not self.frontend.stopping

@@ -51,6 +51,7 @@ from ..config import (
 from ..core.local import ModelTier
 from ..core.mag import BigramTable
 from ..core.tier import Tier
+from ..metrics import default_metrics
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
 from ..runtime.assemble import (
@@ -267,6 +268,10 @@ class CoordinatorDeployment:
         # stops taking new ones (503) and its health says so.
         cancelled, _ = await asyncio.gather(self._calls.drain(grace_s), self.http.drain(grace_s))
         return cancelled
+
+    def metrics_text(self) -> str:
+        """This replica's metrics (the edge's `/metrics` merges them with its own and the tiers')."""
+        return default_metrics().exposition().decode()
 
     async def _servicer_ready(self) -> CascadeServicer:
         if self._servicer is not None:

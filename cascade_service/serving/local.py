@@ -20,6 +20,7 @@ from ..api.backend import Reply
 from ..api.edge import health_request, is_serving, start_edge
 from ..api.frontend_server import FrontendServer
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
+from ..metrics import default_metrics, merge_expositions
 from ..models.hf import load_tokenizer
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
@@ -183,7 +184,8 @@ class LocalService:
         if self.http_port is not None:
             from ..api.openai_http import http_options
 
-            http = http_options(self.http_port, config.cascade.target.name, load_tokenizer(config.cascade.target.path))
+            tokenizer = load_tokenizer(config.cascade.target.path)
+            http = http_options(self.http_port, config.cascade.target.name, tokenizer, self.metrics_text)
         self.server, self.port, self.checker = start_edge(
             HandleBackend(self._handle()),
             self.host,
@@ -229,6 +231,21 @@ class LocalService:
             handle.cached_requests.remote().result()
             seconds.append(time.perf_counter() - start)
         return seconds
+
+    def metrics_text(self) -> bytes:
+        """The edge's metrics merged with those of the coordinator and of each tier deployment (one
+        replica of each answers: all of them where each runs one, as here by default)."""
+        config = load_config(self.config_path)
+        models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote]
+        groups = tier_groups(models, config.serving.colocate, config.serving.groups)
+        handles = [self._handle()] + [serve.get_deployment_handle(deployment_name(g), APP_NAME) for g in groups]
+        texts = [default_metrics().exposition().decode()]
+        for response in [handle.metrics_text.remote() for handle in handles]:
+            try:
+                texts.append(response.result(timeout_s=10))
+            except Exception:  # a replica restarting: the page shows the others
+                log.warning("no metrics from a deployment", exc_info=True)
+        return merge_expositions(texts)
 
     def tier_handle(self, tier: str) -> DeploymentHandle:
         """The handle of the deployment that hosts `tier`, from this process."""

@@ -14,6 +14,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from ..config import ModelTierConfig, deployment_name
+from ..metrics import default_metrics
 from ..transport.errors import Overloaded, Unavailable
 from .bridge import await_, in_bridge
 from .ray_metrics import mirror_to_ray
@@ -90,6 +91,10 @@ class TierDeployment:
 
     def release(self, data: bytes) -> bool:
         return self.group.release(data)
+
+    def metrics_text(self) -> str:
+        """This replica's metrics: its forward passes (the edge's `/metrics` merges them)."""
+        return default_metrics().exposition().decode()
 
     def cached_requests(self) -> int:
         return self.group.cached_requests()

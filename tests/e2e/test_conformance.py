@@ -30,6 +30,7 @@ from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from cascade_service import procfs
 from cascade_service.api import reflection
@@ -122,10 +123,18 @@ def test_the_openai_client_gets_the_grpc_text_unary_and_streamed(served, tiny_fa
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="target", prompt=prompt, max_tokens=0)
     assert caught.value.body["param"] == "max_tokens"
-    # /metrics (beside /v1) counts what this front end's process served.
+    # /metrics (beside /v1) counts the requests decoded: the standalone process's own; the edge's merged
+    # with its coordinator's and tiers'; on "ray", the coordinator replica that answered.
     with urllib.request.urlopen(served.http_url.removesuffix("/v1") + "/metrics", timeout=30) as page:
-        text = page.read().decode()
-    assert "cascade:spec_decode_num_drafts_total" in text and "cascade:generation_tokens_total" in text
+        samples = {
+            (s.name, s.labels.get("tier")): s.value
+            for f in text_string_to_metric_families(page.read().decode())
+            for s in f.samples
+        }
+    assert samples[("cascade:generation_tokens_total", None)] >= 3 * 12  # the requests above
+    assert samples[("cascade:spec_decode_num_drafts_total", "target")] > 0
+    if served.frontend != "ray":
+        assert samples[("cascade:tier_pass_seconds_count", "target")] > 0
 
 
 def test_http_errors_are_openai_error_bodies(served):
