@@ -261,9 +261,8 @@ def merge_expositions(texts: Iterable[str]) -> bytes:
             families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             totals = sums.setdefault(family.name, {})
             for sample in family.samples:
-                if not sample.name.endswith("_created"):
-                    key = (sample.name, tuple(sorted(sample.labels.items())))
-                    totals[key] = totals.get(key, 0.0) + sample.value
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                totals[key] = totals.get(key, 0.0) + sample.value
     for name, family in families.items():
         for (sample_name, labels), value in sums[name].items():
             family.add_sample(sample_name, dict(labels), value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import time
@@ -235,10 +236,8 @@ class LocalService:
     def metrics_text(self) -> bytes:
         """The edge's metrics merged with those of the coordinator and of each tier deployment (one
         replica of each answers: all of them where each runs one, as here by default)."""
-        config = load_config(self.config_path)
-        models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote]
-        groups = tier_groups(models, config.serving.colocate, config.serving.groups)
-        handles = [self._handle()] + [serve.get_deployment_handle(deployment_name(g), APP_NAME) for g in groups]
+        names = dict.fromkeys(self._tier_deployments.values())
+        handles = [self._handle()] + [serve.get_deployment_handle(name, APP_NAME) for name in names]
         texts = [default_metrics().exposition().decode()]
         for response in [handle.metrics_text.remote() for handle in handles]:
             try:
@@ -249,12 +248,16 @@ class LocalService:
 
     def tier_handle(self, tier: str) -> DeploymentHandle:
         """The handle of the deployment that hosts `tier`, from this process."""
+        return serve.get_deployment_handle(self._tier_deployments[tier], app_name=APP_NAME)
+
+    @functools.cached_property
+    def _tier_deployments(self) -> dict[str, str]:
+        """Each model tier served by the app -> the deployment that hosts it (read from the config once,
+        not at every /metrics scrape)."""
         config = load_config(self.config_path)
         models = [t.name for t in config.cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote]
-        name = next(
-            deployment_name(g) for g in tier_groups(models, config.serving.colocate, config.serving.groups) if tier in g
-        )
-        return serve.get_deployment_handle(name, app_name=APP_NAME)
+        groups = tier_groups(models, config.serving.colocate, config.serving.groups)
+        return {tier: deployment_name(group) for group in groups for tier in group}
 
     def _handle(self) -> DeploymentHandle:
         # Always the current app's ingress: after a restart the old handle's deployment is gone.
