@@ -22,11 +22,27 @@ def _add_zoo(sub: argparse._SubParsersAction) -> None:
     build.add_argument(
         "--preset",
         default="demo",
-        choices=["demo", "test", "tiny"],
-        help="demo: trained family (<= 10 min); test: trained, tiny (<= 60 s); tiny: random weights (seconds)",
+        choices=["demo", "quality", "test", "tiny"],
+        help="demo: trained family (<= 10 min); quality: larger, trained longer (about an hour); "
+        "test: trained, tiny (<= 60 s); tiny: random weights (seconds)",
     )
     build.add_argument("--out", help="output directory (default: $CASCADE_SERVICE_HOME/zoo/<preset>)")
     build.set_defaults(run=_run_zoo_build)
+    evaluate = zoo_sub.add_parser(
+        "evaluate",
+        help="measure a built family (step costs, agreement, loss per token and per character, loops) "
+        "on code it never trained on",
+    )
+    evaluate.add_argument("dir", help="the zoo directory (holding large/, base/, small/)")
+    evaluate.add_argument("--prompts", help="JSON lines of prompts (default: the zoo's own prompts.jsonl)")
+    evaluate.add_argument("--out", help="also write the report here as JSON")
+    evaluate.set_defaults(run=_run_zoo_evaluate)
+
+
+def _run_zoo_evaluate(args: argparse.Namespace) -> int:
+    from ..zoo.compare import main_evaluate
+
+    return main_evaluate(args.dir, args.prompts, args.out)
 
 
 def _run_zoo_build(args: argparse.Namespace) -> int:
@@ -50,7 +66,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job: build the zoo if missing, decode prompts, print speeds")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=4, help="how many held-out prompts to decode")
-    p.add_argument("--preset", default="demo", choices=["demo", "test"], help="which zoo to use")
+    p.add_argument("--preset", default="demo", choices=["demo", "quality", "test"], help="which zoo to use")
     p.add_argument("--passes", type=int, default=3, help="timed passes over the prompts (after one warm-up)")
     p.add_argument(
         "--layout",

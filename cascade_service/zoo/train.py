@@ -1,10 +1,12 @@
 """Training and measurement for the offline zoo: the large model learns the corpus, drafters learn it.
 
-The large model is trained as a plain next-token LM. The drafters are distilled from it (Hinton et al.
-2015, at temperature 1): speculative decoding rewards a drafter for agreeing with the target, not for
-modelling the text, so their only loss is KL(large || drafter) on corpus windows. They train alongside
-the large model (its logits come free with its own training step) and then against the finished large
-model for a short phase that costs a teacher forward only.
+The large model is trained as a plain next-token LM on the pre-tokenized corpus, packed into windows
+that each epoch visits once in a fresh order; the head and its loss run fused (`fused.head_loss`).
+The drafters are distilled from it (Hinton et al. 2015, at temperature 1): speculative decoding rewards
+a drafter for agreeing with the target, not for modelling the text, so their only loss is
+KL(large || drafter) on corpus windows. They train alongside the large model (its last hidden states
+come free with its own training step) and then against the finished large model for a short phase
+that costs a teacher forward only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from cascade_service.models.hf import HFModel
-from cascade_service.zoo.tiny import greedy_tokens
+from cascade_service.zoo.fused import head_loss, teacher_distribution
 
 _WARMUP = 0.1  # fraction of steps with a linear learning-rate ramp
 _FLOOR = 0.1  # the cosine decays to this fraction of the peak
@@ -43,6 +46,13 @@ class Schedule:
     embed_lr: float = 0.1  # peak learning rate of every model's token embeddings
     head_lr_mult: float = 3.0  # output head's peak learning rate, relative to the blocks'
     threads: int = 2  # torch threads while training: results depend on it, so it is part of the spec
+    # Fraction of lm_steps before the drafters join: distilling a teacher that still knows little is
+    # mostly wasted, and a drafter step costs about half of the large model's on a CPU.
+    drafters_from: float = 0.0
+
+    @property
+    def drafters_start(self) -> int:
+        return round(self.lm_steps * self.drafters_from)
 
 
 @dataclass
@@ -51,12 +61,18 @@ class TrainLog:
 
     steps: int = 0
     tokens: int = 0
+    seconds: float = 0.0  # wall time of the steps this model took part in
     losses: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
         tail = self.losses[-_LOSS_WINDOW:]
         final = statistics.fmean(tail) if tail else math.nan
-        return {"steps": self.steps, "tokens": self.tokens, "final_loss": round(final, 4)}
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 1),
+            "final_loss": round(final, 4),
+        }
 
 
 @contextlib.contextmanager
@@ -97,8 +113,14 @@ class _Trainee:
         self.opt = torch.optim.AdamW(groups, lr=block_lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.log = TrainLog()
 
-    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.module(input_ids=inputs, use_cache=False).logits  # [B, S, V]
+    def hidden(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Last hidden states, one row per position: [B * S, d]."""
+        states = self.module.base_model(input_ids=inputs, use_cache=False).last_hidden_state  # [B, S, d]
+        return states.reshape(-1, states.shape[-1])
+
+    @property
+    def head(self) -> torch.Tensor:
+        return self.module.get_output_embeddings().weight  # [V, d]
 
     def step(self, loss: torch.Tensor, tokens: int) -> None:
         for group in self.opt.param_groups:
@@ -112,18 +134,17 @@ class _Trainee:
         self.log.losses.append(float(loss.detach()))
 
 
-def sample_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """`batch` random windows of `length` consecutive tokens: [batch, length]."""
-    starts = torch.randint(0, stream.numel() - length + 1, (batch,), generator=gen).tolist()
-    return torch.stack([stream[s : s + length] for s in starts])
-
-
-def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    # KL(teacher || student) per position, averaged: [B, S, V] -> scalar.
-    vocab = student_logits.shape[-1]
-    student = F.log_softmax(student_logits.reshape(-1, vocab), dim=-1)
-    teacher = F.log_softmax(teacher_logits.reshape(-1, vocab), dim=-1)
-    return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+def packed_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
+    """Batches of `batch` windows of `length` tokens, [batch, length], forever: the stream cut into
+    windows that overlap by one token (the last target of one is the first input of the next), every
+    window once per epoch in a fresh order."""
+    count = (stream.numel() - 1) // (length - 1)
+    if count < batch:
+        raise ValueError(f"a corpus of {stream.numel()} tokens holds fewer than {batch} windows of {length}")
+    while True:
+        starts = (torch.randperm(count, generator=gen) * (length - 1)).tolist()
+        for first in range(0, count - batch + 1, batch):
+            yield torch.stack([stream[s : s + length] for s in starts[first : first + batch]])
 
 
 def train_family(
@@ -135,29 +156,36 @@ def train_family(
     progress: bool = True,
 ) -> dict[str, TrainLog]:
     """Train `large` on `stream` (1-D token ids) and distill each drafter from it, in place."""
-    gen = torch.Generator().manual_seed(seed)
+    batches = packed_windows(stream, schedule.batch, schedule.seq_len + 1, torch.Generator().manual_seed(seed))
     teacher = _Trainee(large, schedule.lm_lr, schedule, schedule.lm_steps)
     total = schedule.lm_steps + schedule.distill_steps
-    students = {name: _Trainee(m, schedule.drafter_lr, schedule, total) for name, m in drafters.items()}
+    joined = schedule.drafters_start
+    students = {name: _Trainee(m, schedule.drafter_lr, schedule, total - joined) for name, m in drafters.items()}
     tokens = schedule.batch * schedule.seq_len
     bar = tqdm(total=total, desc="train large + drafters", unit="step", disable=not progress)
     for step in range(total):
-        window = sample_windows(stream, schedule.batch, schedule.seq_len + 1, gen)  # [B, S+1]
-        inputs, targets = window[:, :-1], window[:, 1:]  # [B, S] each
+        began = time.perf_counter()
+        window = next(batches)  # [B, S+1]
+        inputs, targets = window[:, :-1], window[:, 1:].reshape(-1)  # [B, S], [B * S]
         if step < schedule.lm_steps:
-            logits = teacher.logits(inputs)  # [B, S, V]
-            lm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            teacher.step(lm_loss, tokens)
-            target_logits = logits.detach()
+            states = teacher.hidden(inputs)  # [B * S, d]
+            if step >= joined:  # from the head as it was for this forward pass, not as the step leaves it
+                reference = teacher_distribution(states, teacher.head)
+            teacher.step(head_loss(states, teacher.head, targets=targets), tokens)
         else:
             if step == schedule.lm_steps:
                 bar.set_description("distill drafters")
                 large.eval()
             with torch.no_grad():
-                target_logits = teacher.logits(inputs)
-        for student in students.values():
-            student.step(_kl(student.logits(inputs), target_logits), tokens)
-        shown = {"large": teacher.log.losses[-1]} | {n: s.log.losses[-1] for n, s in students.items()}
+                reference = teacher_distribution(teacher.hidden(inputs), teacher.head)
+        learning = list(students.values()) if step >= joined else []
+        for student in learning:
+            student.step(head_loss(student.hidden(inputs), student.head, teacher=reference), tokens)
+        spent = time.perf_counter() - began
+        for log in ([teacher.log] if step < schedule.lm_steps else []) + [s.log for s in learning]:
+            log.seconds += spent
+        logs = {"large": teacher.log} | {n: s.log for n, s in students.items()}
+        shown = {n: log.losses[-1] for n, log in logs.items() if log.losses}
         bar.set_postfix({n: f"{v:.3f}" for n, v in shown.items()}, refresh=False)
         bar.update()
     bar.close()
@@ -179,15 +207,15 @@ def step_times_ms(models: dict[str, HFModel], thread_count: int, rounds: int = 5
 
 
 def greedy_agreement(
-    target: HFModel, drafters: dict[str, HFModel], prompts_ids: Sequence[Sequence[int]], steps: int
+    drafters: dict[str, HFModel], prompts_ids: Sequence[Sequence[int]], trajectories: Sequence[Sequence[int]]
 ) -> dict[str, float]:
-    """Per drafter: how often its argmax equals the target's along the target's greedy trajectories."""
-    trajectories = [greedy_tokens(target, prompt, steps) for prompt in prompts_ids]
+    """Per drafter: how often its argmax equals the target's along the target's greedy `trajectories`
+    (one per prompt)."""
     result = {}
     for name, drafter in drafters.items():
         matched = total = 0
         for prompt, chosen in zip(prompts_ids, trajectories):
-            rows = drafter.full_logits(list(prompt) + chosen)[len(prompt) - 1 : -1]  # [steps, V]
+            rows = drafter.full_logits(list(prompt) + list(chosen))[len(prompt) - 1 : -1]  # [steps, V]
             matched += sum(int(a == b) for a, b in zip(chosen, rows.argmax(-1).tolist()))
             total += len(chosen)
         result[name] = round(matched / max(1, total), 4)
@@ -195,7 +223,8 @@ def greedy_agreement(
 
 
 def teacher_forced(target: HFModel, models: dict[str, HFModel], windows: Sequence[Sequence[int]]) -> dict:
-    """On held-out windows: each model's next-token loss, and its top-1 agreement with the target."""
+    """On `windows` of text: each model's next-token loss (nats/token), and its top-1 agreement with the
+    target."""
     report: dict[str, dict[str, float]] = {}
     target_top = [target.full_logits(w)[:-1].argmax(-1) for w in windows]  # [len(w) - 1] each
     for name, model in models.items():
@@ -206,8 +235,5 @@ def teacher_forced(target: HFModel, models: dict[str, HFModel], windows: Sequenc
             losses.append(float(F.cross_entropy(logits, labels, reduction="sum")))
             agree += int((logits.argmax(-1) == top).sum())
             total += len(window) - 1
-        report[name] = {
-            "heldout_loss": round(sum(losses) / max(1, total), 4),
-            "teacher_forced_agreement": round(agree / max(1, total), 4),
-        }
+        report[name] = {"loss": round(sum(losses) / max(1, total), 4), "agreement": round(agree / max(1, total), 4)}
     return report

@@ -1,0 +1,146 @@
+"""What a zoo's report says about its family, measured on code the zoo never trained on.
+
+The evaluation source is the Python source of a few packages every install of this project has (its own
+dependencies' dependencies), so it exists on any machine that can build the zoo, and the zoo's corpus
+(the standard library) never contains it. Benchmarks and the demo read their prompts from it; tuning
+reads its prompts from held-out standard-library modules, so a schedule is never tuned on the prompts
+it is judged on.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from cascade_service.models.hf import HFModel
+from cascade_service.zoo import train
+from cascade_service.zoo.tiny import greedy_tokens
+
+# Pure-Python, documented library code that an install of this project always brings along: click (for
+# uvicorn), jinja2 (for torch), packaging (for transformers), tqdm (ours). Missing ones are skipped.
+EVAL_PACKAGES = ("click", "jinja2", "packaging", "tqdm")
+LOOP_WINDOW, LOOP_GRAM, LOOP_REPEATS = 32, 4, 4  # "ends in a loop": see ends_in_loop
+
+
+def eval_package_files(packages: Sequence[str] = EVAL_PACKAGES) -> dict[str, list[Path]]:
+    """Package name -> its *.py files, sorted, for the packages installed here (tests excluded)."""
+    found = {}
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(p for p in root.rglob("*.py") if not {"test", "tests"} & set(p.relative_to(root).parts))
+        if files:
+            found[name] = files
+    return found
+
+
+def eval_source_versions(packages: Sequence[str]) -> dict[str, str]:
+    versions = {}
+    for name in packages:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "unknown"
+    return versions
+
+
+def ends_in_loop(tokens: Sequence[int]) -> bool:
+    """True when some 4-gram occurs 4 or more times in the last 32 tokens: the continuation has fallen
+    into a cycle (``'name', 'name', 'name', ...``) rather than writing code."""
+    tail = list(tokens[-LOOP_WINDOW:])
+    grams = Counter(tuple(tail[i : i + LOOP_GRAM]) for i in range(len(tail) - LOOP_GRAM + 1))
+    return bool(grams) and max(grams.values()) >= LOOP_REPEATS
+
+
+def windows(stream: torch.Tensor, count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` tokens spread evenly over `stream`."""
+    stride = max(1, (stream.numel() - length) // count)
+    return [stream[i * stride : i * stride + length].tolist() for i in range(count)]
+
+
+def evaluate_family(
+    paths: dict[str, Path],
+    tiers: Sequence[str],
+    tokenizer: PreTrainedTokenizerFast,
+    held: dict[str, torch.Tensor],
+    prompts: Sequence[str],
+    *,
+    steps: int,
+    window_count: int,
+    window_len: int,
+    thread_count: int,
+    chars_per_token: dict[str, float],
+) -> dict:
+    """Per tier: size, decode step cost (absolute and relative to the first tier), greedy agreement with
+    the first tier on `prompts`, and teacher-forced loss and agreement on windows of each `held` stream;
+    for the first tier also how many of its greedy continuations end in a loop, with a few samples."""
+    loaded = {name: HFModel.load(paths[name], name=name) for name in tiers}
+    target_name = tiers[0]
+    target, drafters = loaded[target_name], {n: loaded[n] for n in tiers[1:]}
+    steps_ms = {n: train.step_times_ms(loaded, n) for n in (1, 2)}  # threads -> tier -> ms
+    prompt_ids = [tokenizer(p).input_ids for p in prompts]
+    with train.threads(thread_count):
+        continuations = [greedy_tokens(target, ids, steps) for ids in prompt_ids]
+        greedy = train.greedy_agreement(drafters, prompt_ids, continuations)
+        forced = {
+            source: train.teacher_forced(target, loaded, windows(s, window_count, window_len))
+            for source, s in held.items()
+        }
+    report: dict = {"tiers": {}}
+    for name, model in loaded.items():
+        report["tiers"][name] = {
+            "params": model.num_parameters,
+            "step_ms": {f"threads_{n}": steps_ms[n][name] for n in steps_ms},
+            "step_ratio": {f"threads_{n}": round(steps_ms[n][name] / steps_ms[n][target_name], 3) for n in steps_ms},
+            "greedy_agreement": greedy.get(name, 1.0),
+            **{
+                f"{source}_{key}": value for source, per_tier in forced.items() for key, value in per_tier[name].items()
+            },
+            **{
+                f"{source}_bits_per_char": round(per_tier[name]["loss"] / math.log(2) / chars_per_token[source], 4)
+                for source, per_tier in forced.items()
+            },
+        }
+    looped = [ends_in_loop(c) for c in continuations]
+    report["loops"] = {
+        "continuations": len(continuations),
+        "tokens": steps,
+        "ending_in_a_loop": sum(looped),
+        "rate": round(sum(looped) / max(1, len(looped)), 4),
+        "samples": [tokenizer.decode(c, skip_special_tokens=True) for c in continuations[:3]],
+    }
+    return report
+
+
+def format_report(report: dict) -> str:
+    """A few lines for a terminal: one row per tier, the loop rate, then the build time."""
+    sources = report["evaluation"]["sources"]
+    rows = [
+        f"zoo {report['preset']}: {report['corpus']['tokens']:,} corpus tokens, vocab {report['vocab_size']}, "
+        f"trained on {report['training']['tokens']:,} tokens at {report['training']['tokens_per_s']:,.0f} tok/s",
+        f"{'tier':6} {'params':>8} {'step ms 1t/2t':>14} {'ratio 1t/2t':>12} {'greedy':>7} "
+        + " ".join(f"{s + ' loss':>14}" for s in sources),
+    ]
+    for name, t in report["tiers"].items():
+        ms, ratio = t["step_ms"], t["step_ratio"]
+        rows.append(
+            f"{name:6} {t['params'] / 1e6:7.2f}M {ms['threads_1']:6.2f}/{ms['threads_2']:<7.2f} "
+            f"{ratio['threads_1']:5.2f}/{ratio['threads_2']:<6.2f} {t['greedy_agreement']:7.3f} "
+            + " ".join(f"{t[s + '_loss']:14.3f}" for s in sources)
+        )
+    loops = report["loops"]
+    rows.append(
+        f"large's greedy continuations ending in a loop: {loops['ending_in_a_loop']}/{loops['continuations']} "
+        f"({loops['tokens']} tokens each, prompts from {', '.join(report['evaluation']['packages'])})"
+    )
+    rows.append("build s: " + ", ".join(f"{k} {v:.1f}" for k, v in report["build_s"].items()))
+    return "\n".join(rows)
