@@ -206,15 +206,16 @@ class CoordinatorDeployment:
 
     async def GenerateStream(self, request, grpc_context) -> AsyncIterator[Any]:
         context = authenticate_context(self.api_keys, grpc_context)
-        if context is not None:
-            try:
-                with self._calls.admit():
-                    servicer = await self._servicer_ready()
-                    async for chunk in iterate_bridged(lambda: servicer.GenerateStream(request, context)):
-                        yield chunk
-            except Stopped as exc:
-                fail(grpc_context, exc, None)
-        raise_if_failed(grpc_context)
+        with self._calls.stream():
+            if context is not None:
+                try:
+                    with self._calls.admit():
+                        servicer = await self._servicer_ready()
+                        async for chunk in iterate_bridged(lambda: servicer.GenerateStream(request, context)):
+                            yield chunk
+                except Stopped as exc:
+                    fail(grpc_context, exc, None)
+            raise_if_failed(grpc_context)
 
     async def CreateSession(self, request, grpc_context):
         return await self._unary("CreateSession", request, grpc_context)
@@ -246,17 +247,18 @@ class CoordinatorDeployment:
 
     async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
         context = RecordingContext(owner)
-        try:
-            with self._calls.admit():
-                servicer = await self._servicer_ready()
-                request = request_type(method).FromString(body)
-                async for chunk in iterate_bridged(functools.partial(_serve, servicer, method, request, context)):
-                    yield "OK", "", chunk.SerializeToString()
-        except Stopped as exc:
-            yield reply_for(exc)
-            return
-        if context.code.name != "OK":
-            yield context.code.name, context.details, b""
+        with self._calls.stream():
+            try:
+                with self._calls.admit():
+                    servicer = await self._servicer_ready()
+                    request = request_type(method).FromString(body)
+                    async for chunk in iterate_bridged(functools.partial(_serve, servicer, method, request, context)):
+                        yield "OK", "", chunk.SerializeToString()
+            except Stopped as exc:
+                yield reply_for(exc)
+                return
+            if context.code.name != "OK":
+                yield context.code.name, context.details, b""
 
     async def drain(self, grace_s: float) -> int:
         """Stop taking calls (new ones, and health, answer UNAVAILABLE / NOT_SERVING), give those in

@@ -11,6 +11,10 @@ from ..api.backend import Reply
 from ..api.servicer import Unavailable, failure, status_for
 from ..api.status import STOPPING
 
+# How long a drain waits for cancelled streams to hand their status to Serve (bounded: a stream whose
+# consumer is gone never ends).
+STREAM_FLUSH_S = 5.0
+
 
 class Stopped(Unavailable):
     """A call refused or cancelled because the coordinator is draining (CoordinatorDeployment.drain)."""
@@ -29,6 +33,17 @@ class Calls:
     def __init__(self) -> None:
         self.stopping = False
         self.tasks: set[asyncio.Task] = set()
+        self.streams = 0  # streaming calls whose generator has not ended yet
+
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[None]:
+        """Around a whole streaming call, its last message or status included: a drain waits for these
+        to end, so Serve is not stopped while a status is still on its way to the proxy."""
+        self.streams += 1
+        try:
+            yield
+        finally:
+            self.streams -= 1
 
     @contextlib.contextmanager
     def admit(self) -> Iterator[None]:
@@ -56,6 +71,9 @@ class Calls:
         for task in left:
             task.cancel()
         while self.tasks:  # each ends with its status before the replica stops
+            await asyncio.sleep(0.01)
+        flushed = asyncio.get_running_loop().time() + STREAM_FLUSH_S
+        while self.streams and asyncio.get_running_loop().time() < flushed:
             await asyncio.sleep(0.01)
         return len(left)
 

@@ -99,6 +99,8 @@ FRONTENDS = ("edge", "ray")
 # The edge's calls in flight at once: each holds a thread that waits on the coordinator (which does the
 # work); serving.admission.workers overrides it.
 EDGE_WORKERS = 32
+# Seconds Ray's proxy gets to forward the statuses of streams a stop cancelled (see stop()).
+PROXY_SETTLE_S = 1.0
 
 
 class LocalService:
@@ -276,7 +278,13 @@ class LocalService:
         try:
             # Through Ray's proxy: the coordinator drains its own calls, and cancels what is left with
             # a status before Serve stops it (Serve's own deadline would kill the replica mid-call).
-            self._handle().drain.remote(0.0 if self.frontend == "edge" else grace_s).result(timeout_s=grace_s + 30)
+            cancelled = (
+                self._handle().drain.remote(0.0 if self.frontend == "edge" else grace_s).result(timeout_s=grace_s + 30)
+            )
+            if cancelled and self.frontend != "edge":
+                # The replica has handed each cancelled stream's status to Serve; give Ray's proxy a
+                # moment to write them to the clients before the app goes (else they read CANCELLED).
+                time.sleep(PROXY_SETTLE_S)
         except Exception:
             log.debug("no coordinator to drain", exc_info=True)
         try:
