@@ -22,14 +22,15 @@ from .config import (
 from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
-from .core.local import MaGTier
-from .core.mag import BigramTable, MaxGram
+from .core.mag import BigramTable
 from .core.policy import BlockPolicy
 from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats
+from .core.suffix import SuffixCache
 from .core.tier import Release, Tier
 from .core.verify import Verification
 from .metrics import Metrics, RequestTimes
+from .runtime.leaves import statistical_tier, suffix_caches
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 
 MAX_PROMPT_TOKENS = 32_768
@@ -100,6 +101,11 @@ class Coordinator:
     max_context: int | None = None
     # Prometheus metrics of finished requests (metrics.py); None: none recorded.
     metrics: Metrics | None = None
+    # Suffix decoding's caches of recent requests, one per suffix drafter (runtime.leaves).
+    suffix: dict[str, SuffixCache] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.suffix = self.suffix or suffix_caches(self.cascade)
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -248,7 +254,7 @@ class Coordinator:
             state.policy = self.policies()
         drafters: list[Tier] = [
             # MaG runs here unless the config names a tier server for it (then `tiers` holds it)
-            MaGTier(MaxGram(self.bigram, d.max_ngram), self.vocab_size)
+            statistical_tier(d, self.bigram, self.vocab_size, self.suffix)
             if isinstance(d, MaGConfig) and d.name not in tiers
             else tiers[d.name]
             for d in self.cascade.drafters

@@ -19,13 +19,14 @@ from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
 from .core.decode import decode
-from .core.local import MaGTier, ModelTier
-from .core.mag import BigramTable, MaxGram
+from .core.local import ModelTier
+from .core.mag import BigramTable
 from .core.stats import CascadeStats
 from .core.tier import Release, Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
 from .runtime.assemble import TierFacts, assemble_coordinator
+from .runtime.leaves import statistical_tier, suffix_caches
 from .scheduling.load import LoadModel
 from .scheduling.trial import ARMS
 from .sessions import SessionStore
@@ -59,6 +60,7 @@ class Engine:
         )
         self.drafters: list[Drafter] = []
         self.bigram: BigramTable | None = None
+        self.suffix = suffix_caches(cascade)  # suffix decoding's recent requests (runtime.leaves)
         for d in cascade.drafters:
             if d.name in self.remote:
                 self.drafters.append(self.remote[d.name])
@@ -66,7 +68,9 @@ class Engine:
                 self.drafters.append(d)
                 self.bigram = BigramTable.load(d.bigram) if d.bigram else None
             else:
-                self.drafters.append(HFModel.load(d.path, dtype=d.dtype, device=d.device, name=d.name))
+                self.drafters.append(
+                    HFModel.load(d.path, dtype=d.dtype, device=d.device, name=d.name, backend=d.backend)
+                )
         # Again with the weights' own counts (the LM heads' rows), which config.json may not record.
         check_vocabularies(cascade, {m.name: m.vocab_size for m in self.tiers()}, tokenizers=False)
         self.tokenizer = load_tokenizer(t.path)
@@ -105,6 +109,7 @@ class Engine:
         twin = copy.copy(self)
         twin.cascade = cascade
         twin.drafters = [by_name[n][1] for n in drafters]
+        twin.suffix = suffix_caches(cascade)  # each variant learns from its own requests only
         twin._check_heads(cascade)
         return twin
 
@@ -120,7 +125,7 @@ class Engine:
         rid = uuid.uuid4().hex  # a remote tier's calls for this request stick to one replica by it
         state.request_id = rid
         drafters: list[Tier] = [
-            self._wire(MaGTier(MaxGram(self.bigram, d.max_ngram), vocab))
+            self._wire(statistical_tier(d, self.bigram, vocab, self.suffix))
             if isinstance(d, MaGConfig)
             else self._tier(d, rid)
             for d in self.drafters

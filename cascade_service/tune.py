@@ -13,12 +13,12 @@ import itertools
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 
-from .config import MAG, GenerationConfig, load_config
+from .config import MAG, SUFFIX, GenerationConfig, load_config
 from .core.cascade import Lookup
 from .core.ewif import best_k
 from .core.schedule import Schedule, ScheduleError
@@ -129,7 +129,9 @@ def candidate_grid(drafters: Sequence[str], k_star: dict[str, int]) -> list[Cand
             Schedule.parse(k, drafters)
         except ScheduleError:
             continue  # e.g. a drafter that no reachable row uses
-        lookups = LOOKUPS if MAG in drafters else (None,)
+        # The gate goes in front of a statistical drafter: suffix decoding where the config has it, else MaG.
+        gate = next((name for name in (SUFFIX, MAG) if name in drafters), None)
+        lookups = tuple(lk if lk is None else replace(lk, tier=gate) for lk in LOOKUPS) if gate else (None,)
         grid += [Candidate(tuple(map(tuple, k)), lenience, lk) for lenience in leniencies for lk in lookups]
     return grid
 
@@ -203,6 +205,7 @@ def _write_config(source: Path, out: Path, best: Trial, trials: list[Trial], obj
         raw["schedule"]["lookup"] = {
             "min_match": best.candidate.lookup.min_match,
             "tokens": best.candidate.lookup.tokens,
+            "tier": best.candidate.lookup.tier,
         }
     lines = [f"# Tuned by `cascade-service tune` from {source} (objective {objective}); final stage:"]
     for t in trials:

@@ -183,6 +183,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--prompts: prompt {i + 1} encodes to no tokens")
     logs = run_bench(zoo, methods, prompts, args.max_new_tokens, args.repeats)
     costs = zoo.swi_costs()  # step times measured after the runs, on warm models
+    tiers = zoo.tier_costs()
     results = {
         "command": command_line(args),
         "config": config_summary(args.config, config.cascade),
@@ -192,6 +193,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "sd_k_sweep": sd_ks,
         "prompts": [{"prompt": t, "num_tokens": len(ids)} for t, ids in zip(texts, prompts)],
         "swi_costs": costs,
+        "tier_costs": tiers,
         "methods": summarize(methods, logs, costs),
     }
     out = Path(args.out)

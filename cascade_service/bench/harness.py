@@ -73,6 +73,7 @@ def run_bench(
     logs = {r.label: RunnerLog() for r in runners}
     bar = tqdm(total=repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=None)
     for _ in range(repeats):
+        zoo.forget()  # suffix decoding learns across prompts within a repeat, never from a repeat before
         for log in logs.values():
             log.times.append([])
             log.tokens.append([])

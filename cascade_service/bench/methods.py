@@ -17,7 +17,10 @@ from ..zoo.baselines import HFRun, hf_assisted, hf_greedy, hf_prompt_lookup
 from .zoo import Zoo
 
 REFERENCE = "hf-ar"
-USAGE = "hf-ar, ar, hf-prompt-lookup, hf-assisted:<tier>, sd:<tier>, csd:<tier>+<tier>+..."
+USAGE = "hf-ar, ar, hf-prompt-lookup, suffix, hf-assisted:<tier>, sd:<tier>, csd:<tier>+<tier>+..."
+# `suffix`: suffix decoding alone, as vLLM runs it: the target reviews its drafts directly, up to this
+# many a round (the drafter's own rule, factor x match length, usually stops it sooner).
+SUFFIX_MAX_TOKENS = 32
 
 
 @dataclass
@@ -72,7 +75,7 @@ class HFAssisted:
     assistant: str  # drafter tier name
 
     def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
-        assistant = zoo.model(self.assistant)
+        assistant = zoo.transformers_model(self.assistant)  # the baseline as transformers runs it
         return _from_hf(hf_assisted(zoo.target, assistant, prompt_ids, max_new_tokens, zoo.eos_ids))
 
     def describe(self) -> dict:
@@ -158,6 +161,13 @@ def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Se
         return Method(name, (EngineRunner(name, _cascade(name, config, (), None, 1.0)),))
     if name == "hf-prompt-lookup":
         return Method(name, (HFPromptLookup(),))
+    if name == "suffix":
+        if not any(d.name == "suffix" for d in config.drafters):
+            raise ValueError(
+                "method 'suffix': the config has no suffix drafter (add `- kind: suffix` to tiers.drafters)"
+            )
+        tiers = _tiers(name, "suffix", config)
+        return Method(name, (EngineRunner(name, _cascade(name, config, tiers, [[SUFFIX_MAX_TOKENS]], 1.0)),))
     if kind == "hf-assisted" and arg:
         tier = _tiers(name, arg, config)[0]
         if isinstance(tier, MaGConfig) or "+" in arg:

@@ -11,6 +11,8 @@ matplotlib.use("Agg")  # files only, no display; set before pyplot is imported
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
+from .costs import markdown as cost_table
+
 COLUMNS = (
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("speedup vs hf-ar", "speedup_vs_hf_ar", "{:.2f}x"),
@@ -23,7 +25,8 @@ COLUMNS = (
 
 
 def markdown(results: dict) -> str:
-    """One row per method, then one sweep table per SD method."""
+    """One row per method, then one sweep table per SD method, then what a user tunes a schedule by:
+    each tier's step cost, the predicted speedup beside the measured one, acceptance by position."""
     lines = [_header("method", *(title for title, _, _ in COLUMNS), "setup")]
     for name, figures in results["methods"].items():
         lines.append(_row(_label(name, figures), *_cells(figures), _setup(figures)))
@@ -32,7 +35,40 @@ def markdown(results: dict) -> str:
             lines += ["", f"SD sweep for `{name}` (best k = {figures['best_k']}):", ""]
             lines.append(_header("k", *(title for title, _, _ in COLUMNS)))
             lines += [_row(k, *_cells(f)) for k, f in figures["sweep"].items()]
+    if "tier_costs" in results:
+        lines += ["", "Step cost per tier (64 cached tokens, medians; 16 rows: one batched pass):", ""]
+        lines.append(cost_table(results["tier_costs"]).rstrip("\n"))
+    lines += _predicted(results["methods"])
+    lines += _acceptance(results["methods"])
     return "\n".join(lines) + "\n"
+
+
+def _predicted(methods: dict) -> list[str]:
+    """Predicted speedup over the target alone (SWI with measured step costs, i.e. EWIF realised on the
+    run's own acceptance) beside the measured one, against `ar` where it ran (the same decode loop)."""
+    base_name = "ar" if "ar" in methods else "hf-ar"
+    base = methods[base_name]["tokens_per_s"]
+    rows = [
+        _row(_label(n, f), f"{f['swi_measured']:.2f}x", f"{f['tokens_per_s'] / base:.2f}x" if base else "-")
+        for n, f in methods.items()
+        if f.get("acceptance_by_position")
+    ]
+    if not rows:
+        return []
+    head = ["", "Predicted (SWI on measured step costs) and measured speedup:", ""]
+    return [*head, _header("method", "predicted vs target alone", f"measured vs `{base_name}`"), *rows]
+
+
+def _acceptance(methods: dict, positions: int = 8) -> list[str]:
+    rows = [
+        _row(_label(n, f), f"`{reviewer}`", *(f"{a:.2f}" for a in rates[:positions]), *["-"] * (positions - len(rates)))
+        for n, f in methods.items()
+        for reviewer, rates in f.get("acceptance_by_position", {}).items()
+    ]
+    if not rows:
+        return []
+    head = ["", f"Acceptance by draft position (first {positions}), per reviewing tier:", ""]
+    return [*head, _header("method", "reviewer", *(str(i + 1) for i in range(positions))), *rows]
 
 
 def _label(name: str, figures: dict) -> str:

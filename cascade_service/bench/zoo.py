@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import CascadeConfig
+from ..config import CascadeConfig, ModelTierConfig
 from ..engine import Engine
 from ..models.hf import HFModel
 
@@ -13,6 +13,8 @@ class Zoo:
     def __init__(self, cascade: CascadeConfig):
         # One Engine over the whole config loads every tier (and MaG's bigram table) exactly once.
         self._full = Engine(cascade)
+        self._cascade = cascade
+        self._plain: dict[str, HFModel] = {}  # drafters on another backend, on transformers (transformers_model)
         self.target: HFModel = self._full.local_target()
         self.eos_ids: list[int] = sorted(self._full.eos_ids)
         self._drafters = {d.name: d for d in self._full.drafters}  # name -> HFModel | MaGConfig
@@ -33,8 +35,36 @@ class Zoo:
             )
         return self._engines[cascade]
 
+    def forget(self) -> None:
+        """Empty every engine's suffix cache of earlier requests: a benchmark's next repeat of the same
+        prompts must not find their own outputs there (that would measure memory, not drafting)."""
+        for engine in (self._full, *self._engines.values()):
+            for cache in engine.suffix.values():
+                cache.clear()
+
     def encode(self, text: str) -> list[int]:
         return self._full.encode(text)
+
+    def transformers_model(self, name: str) -> HFModel:
+        """Tier `name` on transformers' own forward: itself, or for a drafter on another backend
+        (models.lean) the same weights loaded again, once. Baselines built on transformers
+        (assisted generation) run this, never a rewrite of ours."""
+        model = self.model(name)
+        tier = next(d for d in self._cascade.drafters if d.name == name)
+        if not isinstance(tier, ModelTierConfig) or tier.backend == "hf":
+            return model
+        if name not in self._plain:
+            self._plain[name] = HFModel.load(tier.path, dtype=tier.dtype, device=tier.device, name=name)
+        return self._plain[name]
+
+    def tier_costs(self) -> dict[str, dict]:
+        """Each model tier's step cost at 1 and 16 rows (bench.costs), with transformers' beside a
+        drafter that runs on another backend."""
+        from .costs import tier_costs
+
+        models = {name: d for name, d in self._drafters.items() if isinstance(d, HFModel)}
+        plain = {name: self.transformers_model(name) for name in models}
+        return tier_costs(self.target, models, {n: m for n, m in plain.items() if m is not models[n]})
 
     def swi_costs(self) -> dict[str, dict[str, float]]:
         """{"params"|"measured": {drafter: cost relative to one target call}}; MaG is absent (cost 0)."""

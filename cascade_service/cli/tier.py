@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import threading
 
-from ..config import MAG, Config, ConfigError, MaGConfig, ModelTierConfig, ServingConfig, load_config
+from ..config import MAG, SUFFIX, Config, ConfigError, MaGConfig, ModelTierConfig, ServingConfig, load_config
 from .parser import UsageError
 from .serve import _stop_on_signals, _stopping
 
@@ -101,7 +101,9 @@ def tier_group(config: Config, names: list[str]):  # -> serving.tier.TierGroup (
     for tier in models:
         if not tier.path:
             raise ConfigError(f"{tier.name}.path: a tier server loads its weights from a local directory")
-    mag = next((d for d in cascade.drafters if isinstance(d, MaGConfig)), None)
+    if SUFFIX in names:
+        raise ConfigError(f"--tier {SUFFIX}: suffix decoding runs where the coordinator runs, not on a tier server")
+    mag = next((d for d in cascade.drafters if d.name == MAG and isinstance(d, MaGConfig)), None)
     model_names = tuple(t.name for t in models)
     # A member runs its sub-cascade here only when every tier of it is named (MaG included): `--tier small`
     # serves small alone, `--tier small --tier mag` small reviewing MaG in one call.

@@ -22,12 +22,15 @@ from ..core.schedule import Schedule, ScheduleError
 from ..core.stats import CascadeStats
 from ..core.verify import Verification
 from .base import (
+    BACKENDS,
     DEVICE,
     DTYPES,
     MAG,
+    SUFFIX,
     ConfigError,
     MaGConfig,
     ModelTierConfig,
+    SuffixConfig,
     _addresses,
     _check_int,
     _mapping,
@@ -68,6 +71,11 @@ class CascadeConfig:
         rows = self.schedule.to_lists()
         lookup = self.lookup.tokens if self.lookup is not None else 0
         return max(sum(rows[0]) if rows else 0, lookup)
+
+
+def local_mag(cascade: CascadeConfig) -> MaGConfig | None:
+    """The config's MaG drafter when no tier server hosts it (suffix decoding is not MaG)."""
+    return next((d for d in cascade.drafters if d.name == MAG and isinstance(d, MaGConfig) and not d.remote), None)
 
 
 def request_state(
@@ -185,8 +193,11 @@ def make_cascade(
         raise ConfigError(f"schedule.k_matrix: {exc}") from None
     if isinstance(leniency, bool) or not isinstance(leniency, (int, float)) or not leniency >= 1.0:
         raise ConfigError(f"schedule.leniency must be a number >= 1, got {leniency!r}")
-    if lookup is not None and not any(isinstance(d, MaGConfig) for d in drafters):
-        raise ConfigError("schedule.lookup needs the MaG drafter (kind: mag) among tiers.drafters")
+    if lookup is not None and not any(isinstance(d, MaGConfig) and d.name == lookup.tier for d in drafters):
+        raise ConfigError(
+            f"schedule.lookup.tier: {lookup.tier!r} is not a statistical drafter (kind: mag or suffix) "
+            "among tiers.drafters"
+        )
     for tier in adaptive or {}:
         r = names.index(tier) + 1 if tier in names else 0
         if not r or isinstance(drafters[r - 1], MaGConfig):
@@ -220,7 +231,7 @@ def make_adaptive(raw: Any, base_dir: Path = Path("."), where: str = "schedule.a
 def _lookup(raw: Any) -> Lookup | None:
     if raw is None:
         return None
-    _only(_mapping(raw, "schedule.lookup"), "schedule.lookup.", {"min_match", "tokens"})
+    _only(_mapping(raw, "schedule.lookup"), "schedule.lookup.", {"min_match", "tokens", "tier"})
     try:
         return Lookup(**raw)
     except ValueError as exc:
@@ -266,7 +277,11 @@ def target_from_arg(path: str, dtype: str, device: str) -> ModelTierConfig:
 def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTierConfig | MaGConfig:
     if item == MAG:
         return MaGConfig()
+    if item == SUFFIX:
+        return SuffixConfig()
     item = _mapping(item, where)
+    if item.get("kind") == SUFFIX:
+        return _suffix(item, where)
     if item.get("kind") == MAG or (item.get("name") == MAG and "path" not in item):
         _only(item, where + ".", {"kind", "name", "bigram", "max_ngram", "address"})
         bigram = item.get("bigram")
@@ -277,9 +292,23 @@ def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTier
     return _model_tier(item, where, None, defaults, base_dir)
 
 
+def _suffix(item: dict, where: str) -> SuffixConfig:
+    _only(item, where + ".", {"kind", "depth", "factor", "min_prob", "cache_tokens"})
+    depth, cache = item.get("depth", 24), item.get("cache_tokens", 32768)
+    _check_int(depth, where + ".depth", 2, 256)
+    _check_int(cache, where + ".cache_tokens", 0, 10_000_000)
+    numbers = {}
+    for key, default, lo, hi in (("factor", 1.0, 0.1, 64.0), ("min_prob", 0.1, 0.0, 1.0)):
+        value = item.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+            raise ConfigError(f"{where}.{key} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+        numbers[key] = float(value)
+    return SuffixConfig(depth=depth, factor=numbers["factor"], min_prob=numbers["min_prob"], cache_tokens=cache)
+
+
 def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:
     item = _mapping(item, where)
-    _only(item, where + ".", {"name", "path", "dtype", "device", "kind", "address"})
+    _only(item, where + ".", {"name", "path", "dtype", "device", "kind", "address", "backend"})
     address = _addresses(item["address"], where + ".address") if "address" in item else ()
     if address and "path" not in item:
         if where.endswith("target"):
@@ -296,6 +325,12 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
     device = item.get("device", defaults.get("device", "cpu"))
     if not isinstance(device, str) or not DEVICE.fullmatch(device):
         raise ConfigError(f"{where}.device must be cpu, cuda, cuda:N or auto, got {device!r}")
-    if name == MAG:
-        raise ConfigError(f"{where}.name: 'mag' is reserved for the Max-Gram drafter")
-    return ModelTierConfig(str(name), path, dtype, device, key=where, address=address)
+    if name in (MAG, SUFFIX):
+        raise ConfigError(f"{where}.name: {name!r} is reserved for a statistical drafter")
+    backend = item.get("backend", "hf")
+    if backend not in BACKENDS:
+        raise ConfigError(f"{where}.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "hf" and where.endswith("target"):
+        # A drafter's rounding never reaches the output (the target reviews it); the target's would.
+        raise ConfigError(f"{where}.backend must be hf: the output is the target's transformers forward")
+    return ModelTierConfig(str(name), path, dtype, device, key=where, address=address, backend=backend)

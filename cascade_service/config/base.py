@@ -10,7 +10,11 @@ from typing import Any
 from ..paths import expand
 
 MAG = "mag"
+SUFFIX = "suffix"
 DTYPES = ("float32", "float16", "bfloat16", "auto")
+# The forward a model tier runs on (models.lean.BACKENDS): transformers' own, or the lean rewrite that
+# drafters may use (their numerics never change the output; the target's do, so it runs "hf").
+BACKENDS = ("hf", "lean")
 DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?")  # whether such a device exists is checked where weights load
 
 
@@ -30,6 +34,7 @@ class ModelTierConfig:
     # another; the coordinator then reaches it over gRPC and loads no weights. `path` is then optional,
     # except for the target: the coordinator reads its tokenizer from there.
     address: tuple[str, ...] = ()
+    backend: str = "hf"  # BACKENDS
 
     @property
     def remote(self) -> bool:
@@ -46,6 +51,20 @@ class MaGConfig:
     @property
     def remote(self) -> bool:
         return bool(self.address)
+
+
+@dataclass(frozen=True)
+class SuffixConfig(MaGConfig):
+    """Suffix decoding (core.suffix) as a leaf drafter, named "suffix". A kind of statistical drafter,
+    as MaG is: everything that places or counts MaG (leaf only, no weights, no forward passes) holds
+    for it, and it runs where the coordinator runs (no address). MaG's bigram and max_ngram do not
+    apply to it."""
+
+    name: str = SUFFIX
+    depth: int = 24  # core.suffix.SuffixSettings
+    factor: float = 1.0
+    min_prob: float = 0.1
+    cache_tokens: int = 32768
 
 
 ADDRESS = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})")

@@ -36,8 +36,11 @@ class Lookup:
 
     min_match: int = 2
     tokens: int = 10
+    tier: str = "mag"  # the statistical drafter behind the gate: MaG, or suffix decoding ("suffix")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tier, str) or not self.tier:
+            raise ValueError(f"lookup.tier must name a drafter, got {self.tier!r}")
         for name, value in (("min_match", self.min_match), ("tokens", self.tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
                 raise ValueError(f"lookup.{name} must be an integer in [1, 256], got {value!r}")
@@ -254,9 +257,9 @@ def build_cascade(
     top = systems[0]
     assert isinstance(top, CascadeTier)
     if lookup is not None:
-        mags = [t for t in drafters if t.name == "mag"]
-        if not mags:
-            raise ValueError("lookup needs the MaG drafter among the drafters")
-        top.lookup = (mags[0], lookup)
-        state.stats.tier("mag_lookup")
+        gated = [t for t in drafters if t.name == lookup.tier]
+        if not gated:
+            raise ValueError(f"lookup needs the drafter {lookup.tier!r} among the drafters")
+        top.lookup = (gated[0], lookup)
+        state.stats.tier(f"{lookup.tier}_lookup")
     return top

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Protocol
 
 import torch
 
@@ -95,32 +97,54 @@ class ModelTier:
         return self._stoppers[spec]
 
 
+class Proposer(Protocol):
+    """A statistical drafter's per-request state: MaG (core.mag.MaxGram) or suffix decoding
+    (core.suffix.SuffixDecoder)."""
+
+    def propose(self, ctx: Context, k: int) -> list[int]: ...
+
+    def lookup(self, ctx: Context, k: int, min_match: int) -> list[int]: ...
+
+    def finish(self) -> None: ...
+
+    # True: a draft shorter than asked is the drafter's own decision (suffix decoding's confidence and
+    # length rules), so the cascade does not ask it again for the rest of the quota.
+    decides_length: bool
+
+
 class MaGTier:
-    """Max-Gram proposals as a tier: a point mass on each proposed token (Algorithm 1, base case).
+    """A statistical drafter (MaG, or suffix decoding named "suffix") as a tier: a point mass on each
+    proposed token (Algorithm 1, base case).
 
     A request with `min_match` (the lookup gate, `core.cascade.Lookup`) is counted apart, as tier
-    `mag_lookup`, so the stats show whether MaG drafted inside the K-matrix or only through the gate.
+    `<name>_lookup` (`mag_lookup`), so the stats show whether the drafter drafted inside the K-matrix
+    or only through the gate.
     """
 
-    name = "mag"
-    lookup_name = "mag_lookup"
     system = False
 
-    def __init__(self, mag: MaxGram, vocab_size: int):
+    def __init__(self, mag: Proposer, vocab_size: int, name: str = "mag"):
         self.mag = mag
         self.vocab_size = vocab_size
+        self.name = name
+        self.lookup_name = f"{name}_lookup"
 
     def draft(self, request: DraftRequest) -> DraftReply:
         ctx, k = request.context, request.k
         if request.min_match:
-            return self._timed(self.lookup_name, request.sampling, lambda: self.mag.lookup(ctx, k, request.min_match))
-        return self._timed(self.name, request.sampling, lambda: self.mag.propose(ctx, k))
+            reply = self._timed(self.lookup_name, request.sampling, lambda: self.mag.lookup(ctx, k, request.min_match))
+        else:
+            reply = self._timed(self.name, request.sampling, lambda: self.mag.propose(ctx, k))
+        if self.mag.decides_length and len(reply.draft) < k:
+            return replace(reply, stopped=True)
+        return reply
 
     def review(self, request: ReviewRequest) -> ReviewReply:
-        raise TypeError("MaG drafts but cannot review: no schedule gives it a row of its own")
+        raise TypeError(f"{self.name} drafts but cannot review: no schedule gives it a row of its own")
 
     def release(self, request: Release) -> None:
-        """The n-gram index goes with this object (one per request)."""
+        """The index goes with this object (one per request); suffix decoding keeps the sequence."""
+        self.mag.finish()
 
     def _timed(self, name: str, sampling: SamplingParams, propose: Callable[[], list[int]]) -> DraftReply:
         usage = Usage()

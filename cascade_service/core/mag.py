@@ -196,9 +196,14 @@ class _Trie:
 class MaxGram:
     """Per-request MaG state: proposes continuations of `ctx.tokens` (paper §3).
 
+    A short proposal is only a match that ran out: asked again, MaG matches the longer sequence
+    (`decides_length` False), as the paper's MaG does.
+
     `index_ops` counts dict lookups and insertions, cumulatively; a call adds
     O((new committed tokens + tail + k) * max_ngram) to it, independent of the sequence length.
     """
+
+    decides_length = False
 
     def __init__(self, bigram: BigramTable | None = None, max_ngram: int = 16):
         if max_ngram < 1:
@@ -229,6 +234,9 @@ class MaxGram:
         """
         seq = self._matched(ctx, k, min_match)
         return [] if seq is None else seq.extra
+
+    def finish(self) -> None:
+        """The request is over; MaG keeps nothing beyond it."""
 
     def _matched(self, ctx: Context, k: int, min_match: int) -> _Sequence | None:
         self._commit(ctx)

@@ -10,7 +10,8 @@ largest first; MaG, if present, is Tn. K is n x n non-negative ints:
   (horizontal cascade);
 - below the diagonal (c < r) must be 0: a tier reviews only drafters smaller than itself;
 - a reviewer T_r (r >= 1) whose row is all zeros is a leaf and drafts autoregressively alone; Tn has
-  no row and is always a leaf, which is why MaG (it cannot review) must be last.
+  no row and is always a leaf, which is why MaG (it cannot review) must be last; with MaG and
+  suffix decoding both, they are the last two and the first's row is all zeros.
 
 Every entry runs (invariant 7). An inner reviewer fills its block by its own row whatever its parent
 still needs, so K[r][c] > 0 is at least one call of T_{c+1}'s system per block of T_r; the parent
@@ -37,7 +38,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 MAX_ENTRY = 256  # a block longer than this would never be accepted whole; it only wastes compute
-LEAF_ONLY = ("mag",)
+LEAF_ONLY = ("mag", "suffix")  # statistical drafters: they draft, never review
 
 
 class ScheduleError(ValueError):
@@ -66,7 +67,11 @@ class Schedule:
         """Validate `k_matrix` against `drafters` (largest first), raising ScheduleError."""
         drafters = tuple(drafters)
         _check_leaf_only(drafters, leaf_only)
-        return cls(drafters, k_matrix)  # type: ignore[arg-type]
+        schedule = cls(drafters, k_matrix)  # type: ignore[arg-type]
+        for r, d in enumerate(drafters[:-1], start=1):
+            if d in leaf_only and any(schedule.k[r]):
+                raise ScheduleError(f"{d!r} cannot review: its row K[{r}] must be all zeros")
+        return schedule
 
     @classmethod
     def from_json(cls, text: str, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> Schedule:
@@ -127,9 +132,11 @@ def _check_names(drafters: tuple[str, ...]) -> None:
 
 
 def _check_leaf_only(drafters: tuple[str, ...], leaf_only: Collection[str]) -> None:
-    for d in drafters[:-1]:
-        if d in leaf_only:
-            raise ScheduleError(f"{d!r} cannot review: it must be the last drafter")
+    # Drafters that cannot review (MaG, suffix decoding) come last, after every model drafter; when
+    # there are two, the first has a row, which must be all zeros (Schedule.parse).
+    for i, d in enumerate(drafters[:-1]):
+        if d in leaf_only and any(later not in leaf_only for later in drafters[i + 1 :]):
+            raise ScheduleError(f"{d!r} cannot review: it must be the last drafter (or among the last, with MaG)")
 
 
 def _normalize(k_matrix: object, drafters: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:

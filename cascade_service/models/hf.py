@@ -18,7 +18,8 @@ from transformers.utils import logging as hf_logging
 from cascade_service.core.types import Context
 
 from ..metrics import default_metrics
-from .batching import ForwardBatcher, default_prefill_chunk
+from .batching import ForwardBatcher, _Pass, default_prefill_chunk, forward_batch
+from .lean import BACKENDS
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -146,19 +147,24 @@ class HFModel:
         return self._forward(tokens, cache, keep, with_hidden=with_hidden)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: str = "float32", device: str = "cpu", name: str | None = None) -> HFModel:
+    def load(
+        cls, path: str | Path, dtype: str = "float32", device: str = "cpu", name: str | None = None, backend: str = "hf"
+    ) -> HFModel:
         """Load a local Hugging Face model directory in eval mode on `device`.
 
-        dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto".
+        dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto";
+        backend: the forward that runs it (models.lean.BACKENDS: "hf", or "lean" for a drafter).
         Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
         """
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {sorted(BACKENDS)}")
         torch_dtype = _parse_dtype(dtype)
         target = resolve_device(device)
         local = _local_dir(path)
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per tier per process is only noise
         module = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
         module.eval().to(target)
-        return cls(module, name or local.resolve().name)
+        return cls(BACKENDS[backend](module), name or local.resolve().name)
 
     def scorer(self) -> HFScorer:
         """A fresh scorer (own KV cache) for one request."""
@@ -218,6 +224,27 @@ class HFModel:
             return logits
         # hidden_states[-1] is the final-norm output, i.e. what the LM head consumed.
         return logits, out.hidden_states[-1][0, -keep:].float()  # [keep, V], [keep, H]
+
+
+def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7) -> float:
+    """Median seconds of one pass feeding one token to each of `rows` requests with `context_len` cached."""
+    gen = torch.Generator().manual_seed(rows)
+    prompts = torch.randint(0, model.vocab_size, (rows, context_len + 1), generator=gen).tolist()
+    caches = [DynamicCache() for _ in range(rows)]
+    times = []
+    with torch.inference_mode():
+        for cache, prompt in zip(caches, prompts):
+            model._forward(prompt[:context_len], cache, 1)
+        for _ in range(2 + repeats):
+            batch = [_Pass([p[-1]], c, 1, False) for p, c in zip(prompts, caches)]
+            model._sync()
+            began = time.perf_counter()
+            forward_batch(model, batch)
+            model._sync()
+            times.append(time.perf_counter() - began)
+            for cache in caches:
+                cache.crop(-1)  # every repeat decodes against the same cache length
+    return statistics.median(times[2:])
 
 
 class HFScorer:

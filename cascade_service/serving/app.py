@@ -38,6 +38,7 @@ from ..api.servicer import (
     fail,
 )
 from ..config import (
+    MAG,
     CascadeConfig,
     Config,
     ConfigError,
@@ -152,7 +153,8 @@ class CoordinatorDeployment:
                     gpus = replica_gpus()
                     colocated = [replica_tier(t, gpus, COORDINATOR) for t in colocated]
                 self.local = {
-                    t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name) for t in colocated
+                    t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name, backend=t.backend)
+                    for t in colocated
                 }
                 for model in self.local.values():  # concurrent requests share a colocated tier's passes
                     model.enable_batching()
@@ -163,7 +165,9 @@ class CoordinatorDeployment:
                 self.remote = connect(cascade, serving.tier_client)
                 facts |= {name: model.facts() for name, model in self.remote.items() if not model.mag}
                 self.systems = set(system_heads(cascade, serving))
-                mag = next((d for d in cascade.drafters if isinstance(d, MaGConfig) and not d.remote), None)
+                mag = next(
+                    (d for d in cascade.drafters if d.name == MAG and isinstance(d, MaGConfig) and not d.remote), None
+                )
                 coordinator = assemble_coordinator(
                     cascade,
                     facts,
@@ -334,7 +338,9 @@ def app_builder(args: dict[str, Any]):
     local = bool(args.get("local", False))
     # A tier named by address is served by its own tier server (`cascade-service tier`): no deployment.
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote}
-    mag = next((d for d in config.cascade.drafters if isinstance(d, MaGConfig) and not d.remote), None)
+    mag = next(
+        (d for d in config.cascade.drafters if d.name == MAG and isinstance(d, MaGConfig) and not d.remote), None
+    )
     mag_args = {"bigram": mag.bigram, "max_ngram": mag.max_ngram} if mag else None
     systems = system_heads(config.cascade, serving)  # each replica learns its sub-cascades once, here
     handles: dict[str, Any] = {}

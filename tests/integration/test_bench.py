@@ -48,7 +48,7 @@ def inputs(tiny_family, tmp_path_factory):
         "tiers": {
             "target": {"name": "target", "path": str(tiny_family["target"])},
             "drafters": [
-                {"name": "close", "path": str(tiny_family["close"])},
+                {"name": "close", "path": str(tiny_family["close"]), "backend": "lean"},
                 {"name": "mid", "path": str(tiny_family["mid"])},
                 {"kind": "mag"},
             ],
@@ -151,10 +151,27 @@ def test_plots_are_png_files(bench_out):
 def test_results_md_has_a_row_per_method_and_is_printed(bench_out):
     out, stdout = bench_out
     table = (out / "results.md").read_text()
+    first = table.split("\n\n")[0]  # the methods table; the sections after it name methods again
     for method in METHODS:
-        assert sum(line.startswith(f"| `{method}` |") for line in table.splitlines()) == 1, method
+        assert sum(line.startswith(f"| `{method}` |") for line in first.splitlines()) == 1, method
     assert "SD sweep for `sd:close`" in table
     assert table in stdout
+
+
+def test_results_show_what_a_schedule_is_tuned_by(bench_out):
+    results, table = json.loads((bench_out[0] / "results.json").read_text()), (bench_out[0] / "results.md").read_text()
+    costs = results["tier_costs"]
+    assert {t: c["backend"] for t, c in costs.items()} == {"target": "hf", "close": "lean", "mid": "hf"}
+    for c in (costs["close"], costs["mid"]):
+        assert 0 < c["vs_target"]["1"] == pytest.approx(c["step_ms"]["1"] / costs["target"]["step_ms"]["1"])
+    assert set(costs["close"]["hf_step_ms"]) == {"1", "16"} and "hf_step_ms" not in costs["mid"]
+    assert "| `close` | lean |" in table and "| `mid` | hf |" in table
+    predicted = table.split("Predicted (SWI on measured step costs) and measured speedup:")[1].split("\n\n")[1]
+    swi = results["methods"]["sd:close"]["swi_measured"]
+    assert any(line.startswith("| `sd:close` |") and f"{swi:.2f}x" in line for line in predicted.splitlines())
+    assert "| `csd:close+mid+mag" in predicted and "| `hf-ar` |" not in predicted  # drafting methods only
+    acceptance = table.split("Acceptance by draft position")[1]
+    assert "| `csd:close+mid+mag" in acceptance and "| `target` |" in acceptance
 
 
 def test_hf_ar_always_runs_first_as_the_reference(inputs):

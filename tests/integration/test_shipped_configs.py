@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from cascade_service.config import MaGConfig, ModelTierConfig, load_config
-from cascade_service.core.local import MaGTier
 from cascade_service.engine import Engine
 from cascade_service.zoo.tiny import build_family
 
@@ -92,5 +91,6 @@ def _drafters_draft(home: Path, path: Path, cascade) -> None:
         assert tiers[drafter.name]["drafted"] > 0, (path.name, drafter.name, tiers)
         assert tiers[drafter.name]["calls"] > 0
     if cascade.lookup is not None:
-        assert MaGTier.lookup_name in tiers
-    assert any(isinstance(d, MaGConfig) for d in cascade.drafters) or MaGTier.lookup_name not in tiers
+        assert f"{cascade.lookup.tier}_lookup" in tiers
+    gated = {f"{d.name}_lookup" for d in cascade.drafters if isinstance(d, MaGConfig)}  # MaG or suffix decoding
+    assert {name for name in tiers if name.endswith("_lookup")} <= gated

@@ -43,10 +43,10 @@ def test_bad_schedule_values_name_their_field(schedule, needle):
         parse_config(_raw(**schedule))
 
 
-def test_lookup_without_mag_is_rejected():
+def test_lookup_without_its_statistical_drafter_is_rejected():
     raw = _raw(lookup={"min_match": 2})
     raw["tiers"]["drafters"] = [{"name": "base", "path": "/m/base"}]
-    with pytest.raises(ConfigError, match="schedule.lookup needs the MaG drafter"):
+    with pytest.raises(ConfigError, match="schedule.lookup.tier: .mag. is not a statistical drafter"):
         parse_config(raw)
 
 
