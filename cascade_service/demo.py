@@ -43,8 +43,9 @@ def demo_config(preset: str = "demo", layout: str = "embedded") -> Path:
         "tiers": {
             "target": {"name": "large", "path": str(zoo["large"])},
             "drafters": [
-                {"name": "base", "path": str(zoo["base"])},
-                {"name": "small", "path": str(zoo["small"])},
+                # Drafters on the lean forward (models/lean.py), as in configs/demo.yaml.
+                {"name": "base", "path": str(zoo["base"]), "backend": "lean"},
+                {"name": "small", "path": str(zoo["small"]), "backend": "lean"},
                 {"kind": "mag", "bigram": str(zoo["bigram"])},
             ],
         },

@@ -73,7 +73,9 @@ def _run_tier(args: argparse.Namespace) -> int:
         group, host, int(port_text), keys, tls, args.workers, args.max_queued, max_batch=args.max_batch
     )
     try:
-        hosted = ", ".join(f"{n}{' (sub-cascade)' if n in group.systems else ''}" for n in group.info())
+        hosted = ", ".join(
+            f"{n}{' (sub-cascade)' if n in group.systems else ''}" for n in (t.name for t in group.info().tiers)
+        )
         print(f"serving cascade.tier.v1.Tier [{hosted}] on {host}:{server.port} (Ctrl-C stops)", flush=True)
         stop.wait()
     finally:

@@ -199,19 +199,19 @@ ALPHA_RANGE = {n: (r.low, r.high) for n, r in REGISTRY.items()}
 STRICT_ALPHA = {n: r.strict for n, r in REGISTRY.items()}
 
 
-def divergence(kind: str, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Div(p, q) over the last axis for fuzzy acceptance: "js" (nats), "kl" KL(p||q), "kl-rev"
-    KL(q||p), "tv". Zero-probability entries contribute 0 (0 log 0 = 0); KL to a distribution that
-    misses p's support is +inf, which a threshold rejects."""
+def divergence(kind: str, target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Div(p, q) of the target's p and the draft's q over the last axis for fuzzy acceptance: "js"
+    (nats), "kl" KL(p||q), "kl-rev" KL(q||p), "tv". Zero-probability entries contribute 0 (0 log 0 =
+    0); KL to a distribution that misses p's support is +inf, which a threshold rejects."""
     if kind == "tv":
-        return 0.5 * (p - q).abs().sum(-1)
+        return 0.5 * (target_probs - draft_probs).abs().sum(-1)
     if kind == "kl":
-        return _kl(p, q)
+        return _kl(target_probs, draft_probs)
     if kind == "kl-rev":
-        return _kl(q, p)
+        return _kl(draft_probs, target_probs)
     if kind == "js":
-        m = 0.5 * (p + q)
-        return 0.5 * _kl(p, m) + 0.5 * _kl(q, m)
+        middle = 0.5 * (target_probs + draft_probs)
+        return 0.5 * _kl(target_probs, middle) + 0.5 * _kl(draft_probs, middle)
     raise ValueError(f"unknown divergence {quoted(kind)}")
 
 
@@ -226,10 +226,11 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).clamp_min(0).sum(-1)
 
 
-def tuned_beta(q: torch.Tensor, p: torch.Tensor, alpha: float, iterations: int = 60) -> float:
-    """beta >= 1 - alpha with sum max(0, q - p/(1-alpha)) = sum max(0, p/beta - q) (notes §2.2),
-    which makes lossy's pi a distribution. The right side falls from >= the left side at beta =
-    1 - alpha to 0 as beta grows, so bisection on log beta finds it."""
+def tuned_beta(draft_probs: torch.Tensor, target_probs: torch.Tensor, alpha: float, iterations: int = 60) -> float:
+    """beta >= 1 - alpha with sum max(0, q - p/(1-alpha)) = sum max(0, p/beta - q) (notes §2.2; q the
+    draft's, p the target's), which makes lossy's pi a distribution. The right side falls from >= the
+    left side at beta = 1 - alpha to 0 as beta grows, so bisection on log beta finds it."""
+    p, q = target_probs, draft_probs  # the notes' letters, in the formulas below
     scale = 1.0 - alpha
     rejected = float((q - p / scale).clamp_min(0).sum())
     if rejected <= 0.0:

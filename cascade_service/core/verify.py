@@ -142,11 +142,11 @@ def target_distribution(v: Verification, draft_probs: torch.Tensor, target_probs
     return v.family.pi(draft_probs, target_probs, v.knob, v.beta)
 
 
-def output_distribution(pi: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """What speculative sampling against pi with proposal q actually emits at a position:
-    min(q, pi) + (1 - sum min(q, pi)) * norm(max(0, pi - q)); equal to pi when pi sums to 1."""
-    kept = torch.minimum(q, pi)
-    return kept + (1.0 - kept.sum()).clamp_min(0.0) * residual(pi, q)
+def output_distribution(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """What speculative sampling against pi with proposal q (`draft_probs`) actually emits at a
+    position: min(q, pi) + (1 - sum min(q, pi)) * norm(max(0, pi - q)); equal to pi when pi sums to 1."""
+    kept = torch.minimum(draft_probs, pi)
+    return kept + (1.0 - kept.sum()).clamp_min(0.0) * residual(pi, draft_probs)
 
 
 class VerifyReview:
@@ -161,10 +161,10 @@ class VerifyReview:
             return self._greedy(block, target_probs)
         return self._sampling(block, target_probs, generator)
 
-    def _greedy(self, block: Draft, p: torch.Tensor) -> Verdict:
+    def _greedy(self, block: Draft, target_probs: torch.Tensor) -> Verdict:
         k, v, alpha = len(block), self.v, self.v.knob
-        best = p.argmax(dim=-1).tolist()
-        p_max = p.max(dim=-1).values.tolist()
+        best = target_probs.argmax(dim=-1).tolist()
+        target_max = target_probs.max(dim=-1).values.tolist()
         accepted = off = 0
         loss = 0.0
         for i in range(k):
@@ -175,16 +175,17 @@ class VerifyReview:
                     alpha,
                     x,
                     float(block.token_probs[i]),
-                    p[i],
-                    p_max[i],
+                    target_probs[i],
+                    target_max[i],
                     None if block.dists is None else block.dists[i],
                 ):
                     break
                 off += 1
-                loss += math.log(p_max[i]) - math.log(max(float(p[i, x]), _TINY))
+                loss += math.log(target_max[i]) - math.log(max(float(target_probs[i, x]), _TINY))
             accepted += 1
         token = best[accepted]
-        probs = [float(p[i, block.tokens[i]]) for i in range(accepted)] + [float(p[accepted, token])]
+        probs = [float(target_probs[i, block.tokens[i]]) for i in range(accepted)]
+        probs.append(float(target_probs[accepted, token]))
         return Verdict(accepted, token, probs, None, off_target=off, tv=float(off), ll_loss=loss)
 
     @staticmethod
@@ -206,37 +207,37 @@ class VerifyReview:
             return False  # a point mass carries no confidence
         return rule.keep_greedy(draft_prob, float(target_probs[x]), target_max, alpha)
 
-    def _sampling(self, block: Draft, p: torch.Tensor, generator: torch.Generator) -> Verdict:
+    def _sampling(self, block: Draft, target_probs: torch.Tensor, generator: torch.Generator) -> Verdict:
         k, v = len(block), self.v
         assert block.dists is not None or k == 0, "sampling review needs the drafts' distributions"
-        drafts = block.dists if block.dists is not None else p[:0]  # [k, V]
+        drafts = block.dists if block.dists is not None else target_probs[:0]  # [k, V]
         fuzzy = v.family.fuzzy
         accepted, token, off, deviation, loss = k, None, 0, 0.0, 0.0
         for i in range(k):
-            q_i, p_i, x = drafts[i], p[i], block.tokens[i]
+            draft_row, target_row, x = drafts[i], target_probs[i], block.tokens[i]
             if fuzzy:
-                keep = v.family.keep(p_i, q_i, v.knob)
-                out = q_i if keep else p_i
-                replacement = None if keep else p_i
+                keep = v.family.keep(target_row, draft_row, v.knob)
+                out = draft_row if keep else target_row
+                replacement = None if keep else target_row
             else:
-                pi = target_distribution(v, q_i, p_i)
-                ratio = float(pi[x]) / max(float(q_i[x]), _TINY)
-                keep = float(uniform((), p, generator)) < min(1.0, ratio)
-                out = output_distribution(pi, q_i)
-                replacement = None if keep else residual(pi, q_i)
-            gap = float(tv(out, p_i))
+                pi = target_distribution(v, draft_row, target_row)
+                ratio = float(pi[x]) / max(float(draft_row[x]), _TINY)
+                keep = float(uniform((), target_probs, generator)) < min(1.0, ratio)
+                out = output_distribution(pi, draft_row)
+                replacement = None if keep else residual(pi, draft_row)
+            gap = float(tv(out, target_row))
             if gap > 1e-6:
                 off += 1
                 deviation += gap
-                loss += float(((p_i - out) * p_i.clamp_min(_TINY).log()).sum())
+                loss += float(((target_row - out) * target_row.clamp_min(_TINY).log()).sum())
             if not keep:
                 assert replacement is not None
                 accepted, token = i, sample(replacement, generator)
                 break
         if token is None:
-            token = sample(p[k], generator)  # the bonus comes from p (q at k is never computed)
+            token = sample(target_probs[k], generator)  # the bonus comes from p (q at k is never computed)
         tokens = block.tokens[:accepted] + [token]
-        probs = [float(p[i, t]) for i, t in enumerate(tokens)]
+        probs = [float(target_probs[i, t]) for i, t in enumerate(tokens)]
         return Verdict(accepted, token, probs, None, off_target=off, tv=deviation, ll_loss=loss)
 
 

@@ -11,7 +11,7 @@ wiring's own store.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import CascadeConfig, GenerationConfig, ServingConfig
@@ -49,19 +49,15 @@ class TierFacts:
         )
 
     @classmethod
-    def from_info(cls, info: Mapping[str, Any]) -> TierFacts:
-        """From a replica's info() reply (a mapping, as it crosses a Ray handle)."""
+    def from_pb(cls, info: Any) -> TierFacts:
+        """From the tier API's `TierInfo` (a tier deployment's `info()`, decoded; 0 max_positions: no limit)."""
         return cls(
-            int(info["vocab_size"]),
-            int(info["num_parameters"]),
-            tuple(int(t) for t in info["eos_token_ids"]),
-            None if info.get("max_positions") is None else int(info["max_positions"]),
-            str(info["device"]),
+            int(info.vocab_size),
+            int(info.num_parameters),
+            tuple(int(t) for t in info.eos_token_ids),
+            int(info.max_positions) or None,
+            str(info.device),
         )
-
-    def info(self) -> dict[str, Any]:
-        """The reply a tier replica gives: these facts as plain values."""
-        return {**asdict(self), "eos_token_ids": list(self.eos_token_ids)}
 
 
 def hf_tokenizer(tokenizer: Any) -> Tokenizer:

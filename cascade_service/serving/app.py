@@ -37,6 +37,7 @@ from ..api.servicer import (
     CascadeServicer,
     fail,
 )
+from ..api.tier.v1 import tier_pb2 as pb
 from ..config import (
     MAG,
     CascadeConfig,
@@ -160,7 +161,8 @@ class CoordinatorDeployment:
                     model.enable_batching()
                 facts = {name: TierFacts.of(model) for name, model in self.local.items()}
                 for handle in {id(h): h for h in self.handles.values()}.values():
-                    facts |= {name: TierFacts.from_info(i) for name, i in handle.info.remote().result().items()}
+                    hosted = pb.InfoReply.FromString(handle.info.remote().result()).tiers  # protobuf on the handle
+                    facts |= {info.name: TierFacts.from_pb(info) for info in hosted}
                 # Tiers named by address: on tier servers of their own, reached over gRPC.
                 self.remote = connect(cascade, serving.tier_client)
                 facts |= {name: model.facts() for name, model in self.remote.items() if not model.mag}

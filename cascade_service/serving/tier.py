@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .. import __version__
+from ..api.tier.v1 import tier_pb2 as pb
 from ..config import MAG, CascadeConfig, ConfigError, ModelTierConfig, ServingConfig
 from ..core.adaptive import AdaptiveLength, DraftStopper
 from ..core.cascade import RequestState, build_cascade
@@ -55,8 +57,19 @@ class TierServer:
         self.cache_misses = 0
         self.heads = HeadCache(self.model.device)  # acceptance heads for adaptive draft length
 
-    def info(self) -> dict[str, Any]:
-        return {"name": self.tier.name, **TierFacts.of(self.model).info()}
+    def info(self, system: bool) -> pb.TierInfo:
+        """This tier as the tier API describes it (`system`: it runs its sub-cascade in one call)."""
+        facts = TierFacts.of(self.model)
+        return pb.TierInfo(
+            name=self.tier.name,
+            vocab_size=facts.vocab_size,
+            num_parameters=facts.num_parameters,
+            eos_token_ids=facts.eos_token_ids,
+            max_positions=facts.max_positions or 0,
+            device=facts.device,
+            system=system,
+            max_block=MAX_BLOCK,
+        )
 
     def check(self, request: DraftRequest | ReviewRequest) -> None:
         """A call this tier can take: its tokens in the vocabulary, its block and context within limits.
@@ -209,15 +222,13 @@ class TierGroup:
             "batched_passes": sum(_batched_passes(server.model) for server in self.servers.values()),
         }
 
-    def info(self) -> dict[str, Any]:
-        """Each hosted model tier's facts (`TierFacts.info()`), with `system` and `max_block`."""
-        info = {
-            name: {**server.info(), "system": name in self.systems, "max_block": MAX_BLOCK}
-            for name, server in self.servers.items()
-        }
+    def info(self) -> pb.InfoReply:
+        """What this group hosts, typed as the tier API's InfoReply (what a tier server's Info answers
+        and a tier deployment's handle carries, encoded): each model tier's facts, and MaG's."""
+        tiers = [server.info(system=name in self.systems) for name, server in self.servers.items()]
         if self.serves_mag:
-            info[MAG] = {"name": MAG, "system": False, "max_block": MAX_BLOCK}
-        return info
+            tiers.append(pb.TierInfo(name=MAG, vocab_size=self.mag_vocab or 0, device="cpu", max_block=MAX_BLOCK))
+        return pb.InfoReply(tiers=tiers, version=__version__)
 
     def draft(self, data: bytes) -> bytes:
         """A DraftRequest -> a DraftReply (transport.codec); a system member runs its sub-cascade."""

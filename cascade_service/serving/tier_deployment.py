@@ -76,7 +76,7 @@ class TierDeployment:
         return None if self.grpc_server is None else self.grpc_server.port
 
     def info(self) -> dict[str, Any]:
-        return self.group.info()
+        return self.group.info().SerializeToString()
 
     async def draft(self, data: bytes) -> bytes:
         return await self._blocking(self.group.draft, data)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -25,7 +25,6 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from .. import __version__
 from ..api.auth import ApiKeys, TlsFiles, bearer, bind
 from ..api.reflection import enable_reflection
 from ..api.tier.v1 import tier_pb2 as pb
@@ -53,7 +52,7 @@ class Served(Protocol):
 
     def release(self, data: bytes) -> bool: ...
 
-    def info(self) -> Mapping[str, Mapping[str, Any]]: ...
+    def info(self) -> pb.InfoReply: ...
 
     def close(self) -> None: ...
 
@@ -114,21 +113,7 @@ class TierService:
 
     def _info(self, data: bytes) -> bytes:
         pb.InfoRequest.FromString(data)  # an InfoRequest has no fields; bytes that are not one fail here
-        tiers = []
-        for name, info in self.group.info().items():
-            tiers.append(
-                pb.TierInfo(
-                    name=name,
-                    vocab_size=info.get("vocab_size", self.group.mag_vocab or 0),
-                    num_parameters=info.get("num_parameters", 0),
-                    eos_token_ids=info.get("eos_token_ids", []),
-                    max_positions=info.get("max_positions") or 0,
-                    device=info.get("device", "cpu"),
-                    system=info["system"],
-                    max_block=info["max_block"],
-                )
-            )
-        return pb.InfoReply(tiers=tiers, version=__version__).SerializeToString()
+        return self.group.info().SerializeToString()
 
 
 def _guarded(call: Callable[[bytes], bytes], data: bytes, remaining: float | None) -> tuple[Any, str, bytes]:

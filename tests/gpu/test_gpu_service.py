@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from cascade_service.api.tier.v1 import tier_pb2 as pb
 from cascade_service.client import CascadeClient
 from cascade_service.config import parse_config
 from cascade_service.zoo.tiny import random_prompts
@@ -70,10 +71,13 @@ def test_a_ray_tier_given_a_gpu_runs_on_it_and_serves_exactly(tiny_family, tmp_p
     service = LocalService(str(path), port=0, num_cpus=4)
     service.start()
     try:
-        info = serve.get_deployment_handle(tier_deployment_name("target"), app_name=APP_NAME).info.remote().result()
-        assert info["target"]["device"] == "cuda:0"  # the config said cpu: the GPU Ray gave it wins
-        close = serve.get_deployment_handle(tier_deployment_name("close"), app_name=APP_NAME).info.remote().result()
-        assert close["close"]["device"] == "cpu"
+
+        def devices(name: str) -> dict[str, str]:
+            handle = serve.get_deployment_handle(tier_deployment_name(name), app_name=APP_NAME)
+            return {t.name: t.device for t in pb.InfoReply.FromString(handle.info.remote().result()).tiers}
+
+        assert devices("target") == {"target": "cuda:0"}  # the config said cpu: the GPU Ray gave it wins
+        assert devices("close") == {"close": "cpu"}
         with CascadeClient(service.address, timeout_s=120) as client:
             _check(client, load(tiny_family["target"], "cuda", "float32"))
     finally:
