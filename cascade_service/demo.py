@@ -27,14 +27,22 @@ from .prompts import read_prompts
 DEMO_K_MATRIX = [[1, 0, 0], [0, 1, 0], [0, 0, 10]]  # = configs/demo.yaml
 DEMO_LENIENCY = 1.0
 DEMO_LOOKUP = Lookup(min_match=2, tokens=20)
-# Service layouts (docs/benchmarks.md "The service against in-process" measures each). "embedded", for one machine:
-# large inside the coordinator's replica (its reviews cost no hop) and base + small sharing a deployment, where base's
-# whole sub-cascade (base reviewing small reviewing MaG) runs in one call. "separate": a deployment per tier, as on a
-# cluster.
-LAYOUTS = {"embedded": {"colocate": ["large"], "groups": [["base", "small"]]}, "separate": {}}
+# Service layouts (docs/benchmarks.md "The service against in-process" measures each). "colocated", the default
+# on one machine: every model tier inside the coordinator's replica, so a round costs no Ray hop (a handle call is
+# 1.1-2 ms here, a round of the demo cascade about 5 ms; on one machine the tiers share its cores either way).
+# "embedded": large inside the coordinator and base + small sharing a deployment, where base's whole sub-cascade
+# (base reviewing small reviewing MaG) runs in one call. "separate": a deployment per tier, as on a cluster.
+LAYOUTS = {
+    # One torch thread: with two, the replica's tiny ops stalled on OpenMP barriers beside Ray's processes
+    # on a 2-core host (0.30x in-process instead of 0.64-0.71x).
+    "colocated": {"colocate": ["large", "base", "small"], "torch_threads": 1},
+    "embedded": {"colocate": ["large"], "groups": [["base", "small"]]},
+    "separate": {},
+}
+DEFAULT_LAYOUT = "colocated"
 
 
-def demo_config(preset: str = "demo", layout: str = "embedded") -> Path:
+def demo_config(preset: str = "demo", layout: str = DEFAULT_LAYOUT) -> Path:
     """Build the zoo if missing and write the demo's config beside it (absolute paths, tuned schedule)."""
     from .zoo.build import build_zoo
 
@@ -62,7 +70,7 @@ def demo_config(preset: str = "demo", layout: str = "embedded") -> Path:
 
 
 def run_demo(
-    max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", layout: str = "embedded", passes: int = 3
+    max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", layout: str = DEFAULT_LAYOUT, passes: int = 3
 ) -> int:
     """Decode prompts from code the zoo never trained on three ways: large alone and the cascade in-process
     (in a child process of their own), and the cascade through the service (Ray Serve tiers, gRPC edge,
@@ -84,7 +92,8 @@ def run_demo(
     # The in-process runs live in a child process: timed in this (Ray driver) process they would share
     # the CPU with Ray's threads and the gRPC edge, an unfair and unstable baseline on a small machine.
     with (
-        InProcessWorker(str(config_path)) as worker,
+        # One torch thread there too: the in-process baseline is fastest so (ar 651 against 565 tok/s with two).
+        InProcessWorker(str(config_path), torch_threads=1) as worker,
         LocalService(str(config_path)) as service,
         CascadeClient(service.address, timeout_s=600) as client,
     ):

@@ -16,7 +16,7 @@ import time
 
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
-from ..demo import LAYOUTS, demo_config
+from ..demo import demo_config
 from ..engine import Engine
 from ..paths import zoo_dir
 from ..prompts import read_prompts
@@ -36,8 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from ..serving.local import LocalService
 
-    if args.layout == "colocated":
-        LAYOUTS["colocated"] = {"colocate": ["large", "base", "small"]}
     path = demo_config("demo", args.layout)
     engine = Engine(load_config(path).cascade)
     texts = read_prompts(str(build_zoo("demo", zoo_dir("demo"))["prompts"]))[: args.prompts]

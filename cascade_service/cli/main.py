@@ -70,9 +70,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passes", type=int, default=3, help="timed passes over the prompts (after one warm-up)")
     p.add_argument(
         "--layout",
-        default="embedded",
-        choices=["embedded", "separate"],
-        help="embedded: large in the coordinator, base+small one deployment; separate: one per tier",
+        default="colocated",
+        choices=["colocated", "embedded", "separate"],
+        help="colocated: every model tier in the coordinator's replica (one machine); embedded: large in the "
+        "coordinator, base+small one deployment; separate: one deployment per tier",
     )
     p.set_defaults(run=_run_demo)
 

@@ -59,7 +59,7 @@ def test_demo_schedule_is_the_tuned_one_in_configs_demo_yaml():
     from pathlib import Path
 
     from cascade_service.config import load_config
-    from cascade_service.demo import DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP, LAYOUTS
+    from cascade_service.demo import DEFAULT_LAYOUT, DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP, LAYOUTS
 
     config = load_config(Path(__file__).parents[2] / "configs" / "demo.yaml")
     cascade = config.cascade
@@ -68,6 +68,5 @@ def test_demo_schedule_is_the_tuned_one_in_configs_demo_yaml():
         DEMO_LENIENCY,
         DEMO_LOOKUP,
     )
-    embedded = LAYOUTS["embedded"]
-    assert config.serving.colocate == tuple(embedded["colocate"])
-    assert config.serving.groups == tuple(map(tuple, embedded["groups"]))
+    assert config.serving.colocate == tuple(LAYOUTS[DEFAULT_LAYOUT]["colocate"])
+    assert config.serving.groups == ()
