@@ -33,7 +33,13 @@ from transformers.utils import logging as hf_logging
 
 from cascade_service.core.mag import BigramTable
 from cascade_service.zoo import train
-from cascade_service.zoo.evaluate import eval_package_files, eval_source_versions, evaluate_family, format_report
+from cascade_service.zoo.evaluate import (
+    encode_files,
+    eval_package_files,
+    eval_source_versions,
+    evaluate_sources,
+    format_report,
+)
 from cascade_service.zoo.prompts import extract_prompts, write_prompts
 from cascade_service.zoo.tiny import BOS, EOS, PAD
 
@@ -267,18 +273,16 @@ def _build(spec: ZooSpec, paths: dict[str, Path], progress: bool) -> dict:
         _save(module, tokenizer, paths[name])
     lap("train")
     sources = {"heldout": held, "external": external}  # held-out stdlib modules; the evaluation packages
-    streams = {name: encode_files(tokenizer, texts, progress=False) for name, texts in sources.items()}
-    evaluation = evaluate_family(
+    evaluation = evaluate_sources(
         paths,
         TIERS,
         tokenizer,
-        streams,
+        sources,
         prompts[: spec.eval_prompts],
         steps=spec.eval_steps,
-        window_count=spec.eval_windows,
+        windows=spec.eval_windows,
         window_len=spec.schedule.seq_len,
-        thread_count=spec.schedule.threads,
-        chars_per_token={name: sum(map(len, sources[name])) / max(1, streams[name].numel()) for name in sources},
+        threads=spec.schedule.threads,
     )
     lap("evaluate")
     for name, log in logs.items():
@@ -357,17 +361,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, progress: bool = True
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def encode_files(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], progress: bool = True) -> torch.Tensor:
-    """All texts as one token stream, each followed by EOS: [N] int64."""
-    ids: list[int] = []
-    chunk = 32
-    for start in tqdm(range(0, len(texts), chunk), desc="tokenize corpus", unit="chunk", disable=not progress):
-        for enc in tokenizer.backend_tokenizer.encode_batch(list(texts[start : start + chunk])):
-            ids.extend(enc.ids)
-            ids.append(tokenizer.eos_token_id)
-    return torch.tensor(ids, dtype=torch.int64)
 
 
 def _new_model(shape: Shape, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:

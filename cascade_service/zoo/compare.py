@@ -12,8 +12,8 @@ from pathlib import Path
 
 from cascade_service.models.hf import load_tokenizer
 from cascade_service.prompts import read_prompts
-from cascade_service.zoo.build import TIERS, _read, encode_files, held_out_modules
-from cascade_service.zoo.evaluate import eval_package_files, eval_source_versions, evaluate_family
+from cascade_service.zoo.build import TIERS, _read, held_out_modules
+from cascade_service.zoo.evaluate import eval_package_files, eval_source_versions, evaluate_sources
 
 
 def evaluate_dir(zoo: str | Path, prompts_path: str | Path | None = None, steps: int = 64, windows: int = 16) -> dict:
@@ -31,19 +31,7 @@ def evaluate_dir(zoo: str | Path, prompts_path: str | Path | None = None, steps:
         "heldout": [_read(p) for p in held_out_modules()],
         "external": [_read(p) for files in packages.values() for p in files],
     }
-    streams = {name: encode_files(tokenizer, texts, progress=False) for name, texts in sources.items()}
-    report = evaluate_family(
-        paths,
-        TIERS,
-        tokenizer,
-        streams,
-        prompts,
-        steps=steps,
-        window_count=windows,
-        window_len=256,
-        thread_count=2,
-        chars_per_token={n: sum(map(len, sources[n])) / max(1, streams[n].numel()) for n in sources},
-    )
+    report = evaluate_sources(paths, TIERS, tokenizer, sources, prompts, steps=steps, windows=windows)
     report["evaluation"] = {
         "zoo": str(root),
         "prompts": str(prompts_path or root / "prompts.jsonl"),

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast
 
 from cascade_service.models.hf import HFModel
@@ -144,3 +145,41 @@ def format_report(report: dict) -> str:
     )
     rows.append("build s: " + ", ".join(f"{k} {v:.1f}" for k, v in report["build_s"].items()))
     return "\n".join(rows)
+
+
+def encode_files(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], progress: bool = True) -> torch.Tensor:
+    """All texts as one token stream, each followed by EOS: [N] int64."""
+    ids: list[int] = []
+    chunk = 32
+    for start in tqdm(range(0, len(texts), chunk), desc="tokenize corpus", unit="chunk", disable=not progress):
+        for enc in tokenizer.backend_tokenizer.encode_batch(list(texts[start : start + chunk])):
+            ids.extend(enc.ids)
+            ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def evaluate_sources(
+    paths: dict[str, Path],
+    tiers: Sequence[str],
+    tokenizer: PreTrainedTokenizerFast,
+    sources: dict[str, list[str]],
+    prompts: list[str],
+    steps: int,
+    windows: int,
+    window_len: int = 256,
+    threads: int = 2,
+) -> dict:
+    """`evaluate_family` on named sources of text: each encoded once, losses per token and per character."""
+    streams = {name: encode_files(tokenizer, texts, progress=False) for name, texts in sources.items()}
+    return evaluate_family(
+        paths,
+        tiers,
+        tokenizer,
+        streams,
+        prompts,
+        steps=steps,
+        window_count=windows,
+        window_len=window_len,
+        thread_count=threads,
+        chars_per_token={name: sum(map(len, sources[name])) / max(1, streams[name].numel()) for name in sources},
+    )
