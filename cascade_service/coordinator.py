@@ -95,7 +95,9 @@ class Coordinator:
     bigram: BigramTable | None = None
     param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
     make_stopper: StopperFactory | None = None  # SpecDec++ at a reviewing tier local to this process
-    policies: Callable[[], BlockPolicy] | None = None  # the target's block policy per request; None: fixed K
+    # The target's block policy per request, given whether it is greedy (scheduling.load.BySampling);
+    # None: the fixed K-matrix.
+    policies: Callable[[bool], BlockPolicy] | None = None
     # Positions the smallest model tier holds (its max_position_embeddings); None: no limit known. A
     # request's context (session history + prompt) plus its new tokens must fit.
     max_context: int | None = None
@@ -251,7 +253,7 @@ class Coordinator:
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
         state.request_id = request_id
         if self.policies is not None:
-            state.policy = self.policies()
+            state.policy = self.policies(state.sampling.greedy)
         drafters: list[Tier] = [
             # MaG runs here unless the config names a tier server for it (then `tiers` holds it)
             statistical_tier(d, self.bigram, self.vocab_size, self.suffix)

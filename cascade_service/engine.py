@@ -27,7 +27,7 @@ from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
 from .runtime.assemble import TierFacts, assemble_coordinator
 from .runtime.leaves import statistical_tier, suffix_caches
-from .scheduling.load import LoadModel
+from .scheduling.load import BySampling, LoadModel
 from .scheduling.trial import ARMS
 from .sessions import SessionStore
 from .startup import check_tiers, check_vocabularies
@@ -178,9 +178,8 @@ class Engine:
         if adapt_to_load:
             if self.target.batcher is None:
                 raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
-            policies = LoadModel(
-                self.target.batcher.timer, self.cascade.max_block(), arms or ARMS
-            ).budget  # per request
+            timer, block = self.target.batcher.timer, self.cascade.max_block()
+            policies = BySampling(lambda: LoadModel(timer, block, arms or ARMS)).budget  # per request
         return assemble_coordinator(
             self.cascade,
             {m.name: m.facts() if isinstance(m, RemoteModel) else TierFacts.of(m) for m in self.tiers()},

@@ -78,7 +78,7 @@ def assemble_coordinator(
     *,
     bigram: BigramTable | None = None,
     make_stopper: StopperFactory | None = None,
-    policies: Callable[[], BlockPolicy] | None = None,
+    policies: Callable[[bool], BlockPolicy] | None = None,
 ) -> Coordinator:
     """A coordinator over model tiers described by `facts` (tier name -> TierFacts, the target's
     included). A drafter whose vocabulary is not the target's fails here, before any request."""

@@ -146,6 +146,22 @@ class LoadModel:
         return best
 
 
+class BySampling:
+    """One LoadModel for greedy requests and one for sampled ones, over the same target passes.
+
+    Greedy and sampled traffic accept differently (at temperature 1 a draft survives less often) and
+    the best way to draft flips with the load for sampled traffic first, so each keeps its own
+    evidence and its own trial of arms; a mix of the two is then served as each would be alone.
+    `budget(greedy)` is the coordinator's per-request policy factory.
+    """
+
+    def __init__(self, make: Callable[[], LoadModel]):
+        self.models = {True: make(), False: make()}
+
+    def budget(self, greedy: bool) -> DraftBudget:
+        return self.models[greedy].budget()
+
+
 class DraftBudget:
     """One request's budget: `__call__(source, offered)` gives this round's cap, `observe` learns from
     the review. The arm the model's ArmTrial picks for the round comes first: "full" drafts all that is

@@ -62,7 +62,7 @@ from ..runtime.assemble import (
     hf_tokenizer,
     session_store,
 )
-from ..scheduling.load import DraftBudget, LoadModel
+from ..scheduling.load import BySampling, DraftBudget, LoadModel
 from ..scheduling.passes import PassTimer
 from ..startup import check_vocabularies
 from ..transport.client import RemoteModel, connect
@@ -370,7 +370,7 @@ def app_builder(args: dict[str, Any]):
 RAY_ARMS = ("full", "lookup", "plain")
 
 
-def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> Callable[[], DraftBudget]:
+def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> Callable[[bool], DraftBudget]:
     """Load-adaptive speculation for the coordinator's requests (scheduling.load), without the "budget" arm.
 
     Its cost model needs the target's batched passes and each request's share of the drafters' ones,
@@ -378,7 +378,8 @@ def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> 
     which the coordinator sees (every tier's reply and queueing included).
     arms: serving.load_arms (None: RAY_ARMS).
     """
-    return LoadModel(PassTimer(), cascade.max_block(), arms=_ray_arms(arms)).budget
+    timer, block, ray_arms = PassTimer(), cascade.max_block(), _ray_arms(arms)
+    return BySampling(lambda: LoadModel(timer, block, arms=ray_arms)).budget  # greedy and sampled apart
 
 
 def _ray_arms(arms: Sequence[str] | None) -> tuple[str, ...]:

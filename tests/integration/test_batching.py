@@ -158,7 +158,7 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
     )
     coordinator = Engine(cascade).coordinator(MemoryStore())
     budgets: list[_CyclingBudget] = []
-    coordinator.policies = lambda: budgets.append(_CyclingBudget()) or budgets[-1]
+    coordinator.policies = lambda greedy: budgets.append(_CyclingBudget()) or budgets[-1]
     for prompt in random_prompts(3, 12, seed=44):
         prompt = prompt[:6] * 2  # repeats, so the MaG lookup finds matches
         out = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=30)).token_ids
@@ -184,7 +184,7 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     coordinator = engine.coordinator(MemoryStore(), adapt_to_load=True)
     made = []
     make = coordinator.policies
-    coordinator.policies = lambda: made.append(make()) or made[-1]
+    coordinator.policies = lambda greedy: made.append(make(greedy)) or made[-1]
     prompts = random_prompts(8, 10, seed=45)
     outputs: list[list[int] | None] = [None] * 8
 
@@ -197,4 +197,4 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
     assert len(made) == 8 and all(b.chosen for b in made)
     narrowed = engine.coordinator(MemoryStore(), adapt_to_load=True, arms=("plain", "lookup"))  # serving.load_arms
-    assert narrowed.policies().model.trial.arms == ("plain", "lookup")
+    assert narrowed.policies(True).model.trial.arms == ("plain", "lookup")

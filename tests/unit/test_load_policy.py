@@ -8,7 +8,7 @@ import random
 import pytest
 
 from cascade_service.config import ConfigError
-from cascade_service.scheduling.load import DraftBudget, LoadModel, expected_tokens
+from cascade_service.scheduling.load import BySampling, DraftBudget, LoadModel, expected_tokens
 from cascade_service.scheduling.passes import PassTimer
 from cascade_service.scheduling.trial import ARMS, ArmTrial
 
@@ -113,6 +113,16 @@ def test_a_new_request_starts_from_what_every_request_measured():
     busy = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=20, arms=BUDGET)
     _traffic(busy, "lookup", 20, accepted=0)
     assert busy.budget()("lookup", 20) == 0  # ... or none, where every request's lookups failed
+
+
+def test_greedy_and_sampled_traffic_keep_their_own_evidence_and_trial():
+    # Sampled rounds whose lookups all fail must not stop greedy requests drafting theirs.
+    timer = _timer(fixed_s=0.020, per_token_s=0.0004, batch=1)
+    both = BySampling(lambda: LoadModel(timer, max_block=20, arms=BUDGET))
+    assert both.models[True] is not both.models[False] and both.models[True].trial is not both.models[False].trial
+    _traffic(both.models[False], "lookup", 20, accepted=0)
+    _traffic(both.models[True], "lookup", 20, accepted=20)
+    assert both.budget(False)("lookup", 20) == 0 and both.budget(True)("lookup", 20) == 20
 
 
 def test_the_first_rounds_draft_as_configured_so_every_block_length_is_measured():
@@ -317,10 +327,10 @@ def test_the_ray_coordinator_tries_every_arm_but_the_cost_model():
         1.0,
         Lookup(2, 12),
     )
-    budget = _load_budgets(cascade)()
+    budget = _load_budgets(cascade)(True)
     # The coordinator cannot charge remote drafters' passes, so the cost model's arm is left out.
     assert budget.model.trial.arms == ("full", "lookup", "plain") and budget.model.max_block == 12
     # serving.load_arms narrows them, and cannot bring the cost model back in.
-    assert _load_budgets(cascade, ("plain", "lookup"))().model.trial.arms == ("plain", "lookup")
+    assert _load_budgets(cascade, ("plain", "lookup"))(False).model.trial.arms == ("plain", "lookup")
     with pytest.raises(ConfigError, match=r"serving\.load_arms: the Ray app cannot run the 'budget' arm"):
         _load_budgets(cascade, ("full", "budget"))
