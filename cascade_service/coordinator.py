@@ -103,11 +103,11 @@ class Coordinator:
     max_context: int | None = None
     # Prometheus metrics of finished requests (metrics.py); None: none recorded.
     metrics: Metrics | None = None
-    # Suffix decoding's caches of recent requests, one per suffix drafter (runtime.leaves).
-    suffix: dict[str, SuffixCache] = field(default_factory=dict)
+    # Suffix decoding's caches of recent requests, one per suffix drafter (runtime.leaves), from `cascade`.
+    suffix: dict[str, SuffixCache] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.suffix = self.suffix or suffix_caches(self.cascade)
+        self.suffix = suffix_caches(self.cascade)
 
     # --- requests ----------------------------------------------------------------------------------
 

@@ -189,23 +189,7 @@ class HFModel:
         return self._step_times[context_len]
 
     def _measure_step(self, context_len: int, repeats: int) -> float:
-        gen = torch.Generator().manual_seed(0)
-        prefix = torch.randint(0, self.vocab_size, (context_len + 1,), generator=gen).tolist()
-        warmup = 2
-        times = []
-        with torch.inference_mode():
-            cache = DynamicCache()
-            if context_len:
-                self._forward(prefix[:context_len], cache, 1)
-            for _ in range(warmup + repeats):
-                self._sync()
-                began = time.perf_counter()
-                self._forward(prefix[context_len:], cache, 1)
-                self._sync()
-                times.append(time.perf_counter() - began)
-                # Drop the step's token so every repeat decodes against the same cache length.
-                cache.crop(-1)
-        return statistics.median(times[warmup:])
+        return pass_time_s(self, 1, context_len, repeats)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -227,14 +211,16 @@ class HFModel:
 
 
 def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7) -> float:
-    """Median seconds of one pass feeding one token to each of `rows` requests with `context_len` cached."""
+    """Median seconds of one pass feeding one token to each of `rows` requests with `context_len` cached
+    (after 2 warm-up passes). One row is `HFModel.step_time_s`; more is a batched pass (models.batching)."""
     gen = torch.Generator().manual_seed(rows)
     prompts = torch.randint(0, model.vocab_size, (rows, context_len + 1), generator=gen).tolist()
     caches = [DynamicCache() for _ in range(rows)]
     times = []
     with torch.inference_mode():
         for cache, prompt in zip(caches, prompts):
-            model._forward(prompt[:context_len], cache, 1)
+            if context_len:
+                model._forward(prompt[:context_len], cache, 1)
         for _ in range(2 + repeats):
             batch = [_Pass([p[-1]], c, 1, False) for p, c in zip(prompts, caches)]
             model._sync()

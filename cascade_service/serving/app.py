@@ -39,14 +39,13 @@ from ..api.servicer import (
 )
 from ..api.tier.v1 import tier_pb2 as pb
 from ..config import (
-    MAG,
     CascadeConfig,
     Config,
     ConfigError,
-    MaGConfig,
     ModelTierConfig,
     deployment_name,
     load_config,
+    local_mag,
     resolve_redis_url,
     tier_groups,
 )
@@ -167,9 +166,7 @@ class CoordinatorDeployment:
                 self.remote = connect(cascade, serving.tier_client)
                 facts |= {name: model.facts() for name, model in self.remote.items() if not model.mag}
                 self.systems = set(system_heads(cascade, serving))
-                mag = next(
-                    (d for d in cascade.drafters if d.name == MAG and isinstance(d, MaGConfig) and not d.remote), None
-                )
+                mag = local_mag(cascade)
                 coordinator = assemble_coordinator(
                     cascade,
                     facts,
@@ -340,9 +337,7 @@ def app_builder(args: dict[str, Any]):
     local = bool(args.get("local", False))
     # A tier named by address is served by its own tier server (`cascade-service tier`): no deployment.
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote}
-    mag = next(
-        (d for d in config.cascade.drafters if d.name == MAG and isinstance(d, MaGConfig) and not d.remote), None
-    )
+    mag = local_mag(config.cascade)
     mag_args = {"bigram": mag.bigram, "max_ngram": mag.max_ngram} if mag else None
     systems = system_heads(config.cascade, serving)  # each replica learns its sub-cascades once, here
     handles: dict[str, Any] = {}

@@ -75,7 +75,8 @@ class TierDeployment:
     def grpc_port(self) -> int | None:
         return None if self.grpc_server is None else self.grpc_server.port
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> bytes:
+        """The tier API's InfoReply, encoded: what this replica hosts (serving.tier.TierGroup.info)."""
         return self.group.info().SerializeToString()
 
     async def draft(self, data: bytes) -> bytes:
