@@ -55,9 +55,7 @@ class Engine:
         check_tiers(cascade)  # a device this machine lacks or a foreign vocabulary fails before any weights load
         self.remote = connect(cascade, tier_client or TierClientConfig())  # asks each tier server what it hosts
         t = cascade.target
-        self.target: HFModel | RemoteModel = self.remote.get(t.name) or HFModel.load(
-            t.path, dtype=t.dtype, device=t.device, name=t.name
-        )
+        self.target: HFModel | RemoteModel = self.remote.get(t.name) or HFModel.for_tier(t)
         self.drafters: list[Drafter] = []
         self.bigram: BigramTable | None = None
         self.suffix = suffix_caches(cascade)  # suffix decoding's recent requests (runtime.leaves)
@@ -68,9 +66,7 @@ class Engine:
                 self.drafters.append(d)
                 self.bigram = BigramTable.load(d.bigram) if d.bigram else None
             else:
-                self.drafters.append(
-                    HFModel.load(d.path, dtype=d.dtype, device=d.device, name=d.name, backend=d.backend)
-                )
+                self.drafters.append(HFModel.for_tier(d))
         # Again with the weights' own counts (the LM heads' rows), which config.json may not record.
         check_vocabularies(cascade, {m.name: m.vocab_size for m in self.tiers()}, tokenizers=False)
         self.tokenizer = load_tokenizer(t.path)

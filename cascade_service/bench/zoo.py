@@ -54,7 +54,7 @@ class Zoo:
         if not isinstance(tier, ModelTierConfig) or tier.backend == "hf":
             return model
         if name not in self._plain:
-            self._plain[name] = HFModel.load(tier.path, dtype=tier.dtype, device=tier.device, name=name)
+            self._plain[name] = HFModel.for_tier(tier, backend="hf")
         return self._plain[name]
 
     def tier_costs(self) -> dict[str, dict]:

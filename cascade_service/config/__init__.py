@@ -25,6 +25,7 @@ from .base import (
     BACKENDS,
     DEVICE,
     DTYPES,
+    KV_STORAGES,
     MAG,
     SUFFIX,
     ConfigError,
@@ -144,6 +145,7 @@ def load_config(path: str | Path) -> Config:
 def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
     _only(raw, "", {"tiers", "schedule", "generation", "model", "serving"})
     model_defaults = _mapping(raw.get("model", {}), "model")
+    _only(model_defaults, "model.", {"dtype", "device", "kv"})  # what every model tier takes unless it says
     tiers = _mapping(raw.get("tiers"), "tiers")
     _only(tiers, "tiers.", {"target", "drafters"})
     target = _model_tier(tiers.get("target"), "tiers.target", "target", model_defaults, base_dir)
@@ -308,7 +310,7 @@ def _suffix(item: dict, where: str) -> SuffixConfig:
 
 def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:
     item = _mapping(item, where)
-    _only(item, where + ".", {"name", "path", "dtype", "device", "kind", "address", "backend"})
+    _only(item, where + ".", {"name", "path", "dtype", "device", "kind", "address", "backend", "kv"})
     address = _addresses(item["address"], where + ".address") if "address" in item else ()
     if address and "path" not in item:
         if where.endswith("target"):
@@ -333,4 +335,7 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
     if backend != "hf" and where.endswith("target"):
         # A drafter's rounding never reaches the output (the target reviews it); the target's would.
         raise ConfigError(f"{where}.backend must be hf: the output is the target's transformers forward")
-    return ModelTierConfig(str(name), path, dtype, device, key=where, address=address, backend=backend)
+    kv = item.get("kv", defaults.get("kv", "pool"))
+    if kv not in KV_STORAGES:
+        raise ConfigError(f"{where}.kv must be one of {', '.join(KV_STORAGES)}, got {kv!r}")
+    return ModelTierConfig(str(name), path, dtype, device, key=where, address=address, backend=backend, kv=kv)

@@ -15,6 +15,9 @@ DTYPES = ("float32", "float16", "bfloat16", "auto")
 # The forward a model tier runs on (models.lean.BACKENDS): transformers' own, or the lean rewrite that
 # drafters may use (their numerics never change the output; the target's do, so it runs "hf").
 BACKENDS = ("hf", "lean")
+# Where a model tier keeps its requests' KV caches (models.kvpool.STORAGES): slots of one pool that a
+# batched pass reads in place, or a DynamicCache per request packed into each batched pass.
+KV_STORAGES = ("pool", "dynamic")
 DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?")  # whether such a device exists is checked where weights load
 
 
@@ -35,6 +38,7 @@ class ModelTierConfig:
     # except for the target: the coordinator reads its tokenizer from there.
     address: tuple[str, ...] = ()
     backend: str = "hf"  # BACKENDS
+    kv: str = "pool"  # KV_STORAGES
 
     @property
     def remote(self) -> bool:

@@ -1,19 +1,12 @@
 """Continuous batching of one model's forward passes across concurrent requests (issue 7).
 
-Each request keeps its own KV cache (an `HFScorer` and its `DynamicCache`). A request thread that needs
-a forward pass hands it to the model's `ForwardBatcher` and waits; one worker thread runs what is
-pending as one batched pass, so a request joins or leaves between passes without waiting for the
-others, and the batch is what arrived while the previous pass ran (no timer). An idle model runs a
-lone request's pass at once, in the request's own thread.
-
-A batched pass over ragged requests: row i has L_i cached tokens and s_i new ones.
-    past   left-padded to L = max L_i: [pad x (L - L_i)] [cache_i]   (pads masked out)
-    input  right-padded to S = max s_i: [new_i] [pad x (S - s_i)]     (after the real tokens, so no real
-                                                                       query sees them: causality)
-    positions L_i + j, so rotary / absolute positions are each request's own.
-Every query sees at least its own key, so no attention row is fully masked. Afterwards each request's
-cache gets the keys/values of its s_i real new tokens appended, and its logits rows are gathered from
-the positions it asked for. A batch of one takes the plain single-request path unchanged.
+Each request keeps its own KV cache (an `HFScorer`'s slot of its model's pool, models.kvpool). A
+request thread that needs a forward pass hands it to the model's `ForwardBatcher` and waits; one worker
+thread runs what is pending as one batched pass, so a request joins or leaves between passes without
+waiting for the others, and the batch is what arrived while the previous pass ran (no timer). An idle
+model runs a lone request's pass at once, in the request's own thread. How a pass over several rows
+reads their caches is `forward_batch`'s: in place over pool slots (models.kvpool), or packed from
+per-request `DynamicCache`s (models.packed, `kv: dynamic`).
 
 Passes share a batch when they are alike in new tokens and in cached length (`take_batch`), so that
 neither padding outgrows the real work; a long prompt is fed in chunks (`ForwardBatcher.forward`), so
@@ -32,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
 
+from cascade_service.models.kvpool import KVCache, SlotCache, forward_rows
+from cascade_service.models.packed import forward_packed
 from cascade_service.scheduling.passes import ROW_POSITIONS, PassTimer, charge, pads_within
 
 
@@ -45,9 +39,7 @@ class PassModel(Protocol):
     device: torch.device
     module: Any
 
-    def _forward(
-        self, tokens: Sequence[int], cache: DynamicCache | None, keep: int, with_hidden: bool = False
-    ) -> Any: ...
+    def _forward(self, tokens: Sequence[int], cache: KVCache | None, keep: int, with_hidden: bool = False) -> Any: ...
 
     def _sync(self) -> None: ...
 
@@ -72,7 +64,7 @@ class _Pass:
     """One request's forward pass waiting for a batch."""
 
     fed: list[int]
-    cache: DynamicCache
+    cache: KVCache
     keep: int
     with_hidden: bool
     done: threading.Event = field(default_factory=threading.Event)
@@ -120,12 +112,12 @@ class ForwardBatcher:
         self._recent_rows: set[int] = set()  # ... of the last two passes
         # Fair turns (_take): the model seconds each request (its cache) has had, and the least of
         # those when the last batch was chosen, where a request that arrives (or comes back) starts.
-        self._used: weakref.WeakKeyDictionary[DynamicCache, float] = weakref.WeakKeyDictionary()
+        self._used: weakref.WeakKeyDictionary[KVCache, float] = weakref.WeakKeyDictionary()
         self._clock = 0.0
         self._worker = threading.Thread(target=self._run, name=f"batcher-{model.name}", daemon=True)
         self._worker.start()
 
-    def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
+    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False):
         """Like `HFModel._forward(tokens, cache, keep, with_hidden)`, batched with concurrent callers.
 
         Many tokens (a long prompt's prefill) are fed as passes of at most `prefill_chunk` tokens while
@@ -146,7 +138,7 @@ class ForwardBatcher:
                 cache.crop(cached - cache.get_seq_length())  # negative: positions to drop (4.x and 5.x)
             raise
 
-    def _chunk(self, cache: DynamicCache, rest: int) -> int:
+    def _chunk(self, cache: KVCache, rest: int) -> int:
         """The most tokens the next pass of the request owning `cache` may feed, of `rest` (0: all)."""
         if self.prefill_chunk == 0 or rest <= self.prefill_chunk:
             return 0  # nothing to cut: a decode step does not take the lock for it
@@ -154,7 +146,7 @@ class ForwardBatcher:
             others = bool(self._pending) or bool(self._recent_rows - {id(cache)})
         return self.prefill_chunk if others else max(self.prefill_chunk, self.LONE_CHUNK)
 
-    def _submit(self, tokens: list[int], cache: DynamicCache, keep: int, with_hidden: bool):
+    def _submit(self, tokens: list[int], cache: KVCache, keep: int, with_hidden: bool):
         """One pass, batched with concurrent callers' passes.
 
         When the model is idle and nothing waits, the caller runs its pass itself: a lone request pays
@@ -320,81 +312,11 @@ def _past(item: _Pass) -> int:
 
 
 def forward_batch(model: PassModel, batch: list[_Pass]) -> list[object]:
-    """One forward pass for several requests' (tokens, cache, keep); see the module docstring."""
+    """One forward pass for several requests' passes: in place over their pool slots (models.kvpool),
+    or packed from their own caches (models.packed); a lone pass is the model's own `_forward`."""
     if len(batch) == 1:
         one = batch[0]
         return [model._forward(one.fed, one.cache, one.keep, with_hidden=one.with_hidden)]
-    device = model.device
-    past = [item.cache.get_seq_length() for item in batch]
-    news = [len(item.fed) for item in batch]
-    width, steps = max(past), max(news)
-    ids = torch.zeros((len(batch), steps), dtype=torch.long, device=device)
-    mask = torch.ones((len(batch), width + steps), dtype=torch.long, device=device)
-    positions = torch.empty((len(batch), steps), dtype=torch.long, device=device)
-    for i, item in enumerate(batch):
-        ids[i, : news[i]] = torch.tensor(item.fed, dtype=torch.long, device=device)
-        mask[i, : width - past[i]] = 0
-        positions[i] = torch.arange(past[i], past[i] + steps, device=device)
-    packed = _pack([item.cache for item in batch], past, width, model)
-    # Only the rows some request asked for go through the LM head (a prefill asks for one of many).
-    wanted = sorted({j for item, s in zip(batch, news) for j in range(s - item.keep, s)})
-    index = {j: k for k, j in enumerate(wanted)}
-    out = model.module(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=packed,
-        use_cache=True,
-        logits_to_keep=torch.tensor(wanted, device=device),
-        output_hidden_states=any(item.with_hidden for item in batch),
-    )
-    results: list[object] = []
-    for i, (item, s) in enumerate(zip(batch, news)):
-        rows = [index[j] for j in range(s - item.keep, s)]
-        logits = out.logits[i, rows].float()  # [keep, V]
-        _append(item.cache, packed, i, width, s)
-        if item.with_hidden:
-            results.append((logits, out.hidden_states[-1][i, s - item.keep : s].float()))
-        else:
-            results.append(logits)
-    return results
-
-
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer, each [1, kv_heads, len, head_dim]; empty for a fresh cache."""
-    if hasattr(cache, "layers"):  # transformers 5.x
-        # Each layer type transformers has is read the same way; its stubs do not say so.
-        return [
-            (layer.keys, layer.values)  # type: ignore[union-attr,misc]
-            for layer in cache.layers
-            if getattr(layer, "keys", None) is not None and layer.keys.numel()  # type: ignore[union-attr]
-        ]
-    return list(zip(cache.key_cache, cache.value_cache))  # type: ignore[attr-defined]  # 4.x
-
-
-def _pack(caches: list[DynamicCache], past: list[int], width: int, model: PassModel) -> DynamicCache:
-    packed = DynamicCache()
-    if width == 0:
-        return packed
-    layers = [_layers(c) for c in caches]
-    template = next(kv for kv, n in zip(layers, past) if n)
-    for layer, (k0, v0) in enumerate(template):
-        keys = k0.new_zeros((len(caches), k0.shape[1], width, k0.shape[3]))
-        values = v0.new_zeros((len(caches), v0.shape[1], width, v0.shape[3]))
-        for i, n in enumerate(past):
-            if n:
-                k, v = layers[i][layer]
-                keys[i, :, width - n :] = k[0]
-                values[i, :, width - n :] = v[0]
-        packed.update(keys, values, layer)
-    return packed
-
-
-def _append(cache: DynamicCache, packed: DynamicCache, row: int, width: int, new: int) -> None:
-    # The packed cache now holds width + S positions per row; this row's real new ones follow `width`.
-    for layer, (keys, values) in enumerate(_layers(packed)):
-        cache.update(
-            keys[row : row + 1, :, width : width + new].clone(),
-            values[row : row + 1, :, width : width + new].clone(),
-            layer,
-        )
+    if isinstance(batch[0].cache, SlotCache):
+        return forward_rows(model, batch)
+    return forward_packed(model, batch)

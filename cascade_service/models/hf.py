@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -19,6 +20,7 @@ from cascade_service.core.types import Context
 
 from ..metrics import default_metrics
 from .batching import ForwardBatcher, _Pass, default_prefill_chunk, forward_batch
+from .kvpool import STORAGES, KVCache, KVPool, Row, SlotCache, forward_rows
 from .lean import BACKENDS
 
 _DTYPES: dict[str, torch.dtype | str] = {
@@ -107,11 +109,18 @@ def load_tokenizer(path: str | Path):
 class HFModel:
     """One loaded tier, shared read-only across requests; each request gets its own `scorer()`."""
 
-    def __init__(self, module: PreTrainedModel, name: str):
+    def __init__(self, module: PreTrainedModel, name: str, kv: str = "pool"):
+        if kv not in STORAGES:
+            raise ValueError(f"unknown kv storage {kv!r}; expected one of {sorted(STORAGES)}")
         self.module = module
         self.name = name
         self.config = module.config
         self.device = next(module.parameters()).device
+        self.dtype = next(module.parameters()).dtype
+        # Where requests' KV caches live (models.kvpool): slots of one pool a batched pass reads in
+        # place ("pool"), or a DynamicCache each, packed per batched pass ("dynamic").
+        self.kv = kv
+        self.kv_pool = KVPool()
         head = module.get_output_embeddings()
         self.vocab_size: int = head.weight.shape[0] if head is not None else module.config.vocab_size
         self.num_parameters: int = sum(p.numel() for p in module.parameters())
@@ -140,7 +149,11 @@ class HFModel:
             metrics = default_metrics()
             self.batcher.on_pass = lambda rows, seconds: metrics.forward_pass(self.name, rows, seconds)
 
-    def forward(self, tokens: Sequence[int], cache: DynamicCache, keep: int, with_hidden: bool = False):
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for one request, in this model's storage."""
+        return SlotCache(self.kv_pool) if self.kv == "pool" else DynamicCache()
+
+    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False):
         """A cached forward pass for one request: through the batcher when batching is on."""
         if self.batcher is not None:
             return self.batcher.forward(tokens, cache, keep, with_hidden)
@@ -148,12 +161,19 @@ class HFModel:
 
     @classmethod
     def load(
-        cls, path: str | Path, dtype: str = "float32", device: str = "cpu", name: str | None = None, backend: str = "hf"
+        cls,
+        path: str | Path,
+        dtype: str = "float32",
+        device: str = "cpu",
+        name: str | None = None,
+        backend: str = "hf",
+        kv: str = "pool",
     ) -> HFModel:
         """Load a local Hugging Face model directory in eval mode on `device`.
 
         dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto";
-        backend: the forward that runs it (models.lean.BACKENDS: "hf", or "lean" for a drafter).
+        backend: the forward that runs it (models.lean.BACKENDS: "hf", or "lean" for a drafter);
+        kv: where requests' KV caches live (models.kvpool.STORAGES: "pool" or "dynamic").
         Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
         """
         if backend not in BACKENDS:
@@ -164,7 +184,13 @@ class HFModel:
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per tier per process is only noise
         module = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
         module.eval().to(target)
-        return cls(BACKENDS[backend](module), name or local.resolve().name)
+        return cls(BACKENDS[backend](module), name or local.resolve().name, kv)
+
+    @classmethod
+    def for_tier(cls, tier: Any, **overrides: Any) -> HFModel:
+        """Load the model a config's tier names (a `config.ModelTierConfig`), with `overrides` of its fields."""
+        fields = {key: getattr(tier, key) for key in ("path", "dtype", "device", "name", "backend", "kv")}
+        return cls.load(**{**fields, **overrides})
 
     def scorer(self) -> HFScorer:
         """A fresh scorer (own KV cache) for one request."""
@@ -196,8 +222,13 @@ class HFModel:
             torch.cuda.synchronize(self.device)
 
     def _forward(
-        self, tokens: Sequence[int], cache: DynamicCache | None, keep: int, with_hidden: bool = False
+        self, tokens: Sequence[int], cache: KVCache | None, keep: int, with_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(cache, SlotCache):
+            result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = forward_rows(
+                self, [Row(tokens, cache, keep, with_hidden)]
+            )[0]
+            return result
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, S]
         extra = {"logits_to_keep": keep} if self._keeps_logits else {}
         if with_hidden:
@@ -215,7 +246,7 @@ def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int =
     (after 2 warm-up passes). One row is `HFModel.step_time_s`; more is a batched pass (models.batching)."""
     gen = torch.Generator().manual_seed(rows)
     prompts = torch.randint(0, model.vocab_size, (rows, context_len + 1), generator=gen).tolist()
-    caches = [DynamicCache() for _ in range(rows)]
+    caches = [model.new_cache() for _ in range(rows)]
     times = []
     with torch.inference_mode():
         for cache, prompt in zip(caches, prompts):
@@ -249,7 +280,7 @@ class HFScorer:
         self.name = model.name
         self.tokens_processed = 0
         self._model = model
-        self._cache = DynamicCache()
+        self._cache = model.new_cache()
         self._tokens: list[int] = []  # the tokens whose keys/values the cache holds, in order
         # self._tokens[:_trusted] are committed tokens of the request (they were below ctx.stable),
         # which never change, so the prefix match may skip them.
@@ -275,7 +306,7 @@ class HFScorer:
 
     def reset(self) -> None:
         """Drop the KV cache (frees its memory); the next call re-prefills. Counters are kept."""
-        self._cache = DynamicCache()
+        self._cache = self._model.new_cache()
         self._tokens = []
         self._trusted = 0
 

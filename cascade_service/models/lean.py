@@ -176,8 +176,11 @@ def _mask(attention_mask: torch.Tensor | None, batch: int, steps: int, past: int
 
     A single new token with no padding sees every key: no mask. A block of new tokens after a cache
     needs the causal mask shifted by the cache's length, which `is_causal` (aligned top-left) is not.
-    `attention_mask` [B, past + S] marks the batcher's left padding of shorter caches with 0.
+    `attention_mask` [B, past + S] marks the batcher's left padding of shorter caches with 0; a 4D
+    one (a pool pass's, models.kvpool) is already the whole additive mask.
     """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask
     if attention_mask is None and (steps == 1 or past == 0):
         return None  # a lone step, or a prompt from scratch (is_causal)
     width = past + steps

@@ -152,10 +152,7 @@ class CoordinatorDeployment:
                 if colocated:  # they follow the coordinator's GPUs, as a tier replica's tiers follow its own
                     gpus = replica_gpus()
                     colocated = [replica_tier(t, gpus, COORDINATOR) for t in colocated]
-                self.local = {
-                    t.name: HFModel.load(t.path, dtype=t.dtype, device=t.device, name=t.name, backend=t.backend)
-                    for t in colocated
-                }
+                self.local = {t.name: HFModel.for_tier(t) for t in colocated}
                 for model in self.local.values():  # concurrent requests share a colocated tier's passes
                     model.enable_batching()
                 facts = {name: TierFacts.of(model) for name, model in self.local.items()}

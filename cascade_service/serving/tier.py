@@ -50,7 +50,7 @@ class TierServer:
     def __init__(self, tier: ModelTierConfig, max_cached_requests: int = MAX_CACHED_REQUESTS):
         self.tier = tier
         tier_device(tier)  # a device this machine lacks fails here, naming the tier, before the weights load
-        self.model = HFModel.load(tier.path, dtype=tier.dtype, device=tier.device, name=tier.name, backend=tier.backend)
+        self.model = HFModel.for_tier(tier)
         self.max_cached = max_cached_requests
         self._scorers: OrderedDict[str, HFScorer] = OrderedDict()
         self._lock = threading.Lock()

@@ -12,7 +12,6 @@ import threading
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
@@ -24,9 +23,10 @@ from ..helpers.oracle import oracle
 from ..helpers.threads import concurrently
 
 
+@pytest.mark.parametrize("kv", ["pool", "dynamic"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, arch):
-    model = HFModel.load(tiny_family_factory(arch)["target"])
+def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, arch, kv):
+    model = HFModel.load(tiny_family_factory(arch)["target"], kv=kv)
     prompts = random_prompts(4, 12, seed=11)
     # Ragged: an empty cache (a prefill), short and long caches, 1 to 5 new tokens, different keeps.
     cached = [0, 3, 12, 7]
@@ -35,13 +35,13 @@ def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, a
     alone, together = [], []
     with torch.inference_mode():
         for p, n, tokens, keep in zip(prompts, cached, fed, keeps):
-            cache = DynamicCache()
+            cache = model.new_cache()
             if n:
                 model._forward(p[:n], cache, 1)
             alone.append(model._forward(tokens, cache, keep))
         caches = []
         for p, n in zip(prompts, cached):
-            cache = DynamicCache()
+            cache = model.new_cache()
             if n:
                 model._forward(p[:n], cache, 1)
             caches.append(cache)
@@ -56,11 +56,21 @@ def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, a
         for p, n, tokens, step in zip(prompts, cached, fed, nxt):
             ref = model.full_logits(p[:n] + tokens + [5])[-1:]
             torch.testing.assert_close(step, ref, rtol=1e-4, atol=1e-4)
+        # Rows out of slot order (a pool gathers them), one rolled back by two positions (a rejected
+        # draft): each still continues its own sequence.
+        caches[2].crop(-2)
+        order = [3, 0, 2]
+        last = forward_batch(model, [_Pass([7, 8], caches[i], 2, False) for i in order])
+        for i, got in zip(order, last):
+            seq = prompts[i][: cached[i]] + fed[i] + [5]
+            seq = (seq[:-2] if i == 2 else seq) + [7, 8]
+            torch.testing.assert_close(got, model.full_logits(seq)[-2:], rtol=1e-4, atol=1e-4)
 
 
-def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family):
+@pytest.mark.parametrize("kv", ["pool", "dynamic"])
+def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family, kv):
     cascade = make_cascade(
-        ModelTierConfig("target", str(tiny_family["target"])),
+        ModelTierConfig("target", str(tiny_family["target"]), kv=kv),
         [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
         [[3, 1], [0, 3]],
         1.5,
