@@ -89,6 +89,12 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     p.add_argument("--duration", type=float, default=20.0, help="with --load: seconds per concurrency level")
     p.add_argument("--api-key", help="with --load: the API key to send")
     p.add_argument(
+        "--blocks",
+        type=int,
+        default=1,
+        help="with --load --config: run the sweep this many times; ratios are medians of paired blocks",
+    )
+    p.add_argument(
         "--modes",
         default="cascade,plain",
         help="with --load --config: what to serve and compare: cascade (the K-matrix as configured), "

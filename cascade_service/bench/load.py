@@ -166,14 +166,20 @@ def run_modes(
     timeout_s: float = 300.0,
     modes: Sequence[str] = MODES[:2],
     temperature: float | None = None,
+    blocks: int = 1,
 ) -> dict:
     """The cascade against plain decoding of its target, under load, in one run.
 
     Starts two standalone servers (`serve --frontend standalone`, with and without `--plain`) on
     loopback, each in its own process, and alternates between them level by level (cascade, plain,
     next level...) so drift on a noisy machine hits both alike; the idle one waits on a condition.
-    Writes load.json: {"runs": [{"mode", "concurrency", "tokens_per_s", "p50_s", "p99_s", "errors", ...}]}.
+    `blocks` > 1 runs the whole sweep that many times: each ratio to plain is then the median of the
+    ratios within each block (paired blocks), and each mode's tokens/s the median of its blocks.
+    Writes load.json: {"runs": [{"mode", "block", "concurrency", "tokens_per_s", "p50_s", "p99_s",
+    "errors", ...}], "summary": {...}}.
     """
+    if blocks < 1:
+        raise ValueError(f"blocks must be >= 1, got {blocks}")
     servers = {mode: _ServerProcess(config_path, mode) for mode in modes}
     runs = []
     try:
@@ -182,17 +188,18 @@ def run_modes(
             run_level(
                 target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s, temperature
             )
-        for n in concurrencies:
-            for mode, target in targets.items():
-                level = run_level(
-                    target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature
-                ).summary()
-                runs.append({"mode": mode, **level})
-                print(
-                    f"{mode:>7} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
-                    f"tok/s, p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}",
-                    flush=True,
-                )
+        for block in range(blocks):
+            for n in concurrencies:
+                for mode, target in targets.items():
+                    level = run_level(
+                        target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature
+                    ).summary()
+                    runs.append({"mode": mode, "block": block, **level})
+                    print(
+                        f"{mode:>7} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
+                        f"tok/s, p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}",
+                        flush=True,
+                    )
     finally:
         for server in servers.values():
             server.stop()
@@ -212,21 +219,27 @@ def run_modes(
 
 
 def _scaling(runs: list[dict]) -> dict:
-    """Per mode, throughput relative to its own single stream; per level, each cascade mode / plain."""
-    by = {(r["mode"], r["concurrency"]): r["tokens_per_s"] for r in runs}
+    """Per mode, throughput relative to its own single stream; per level, each cascade mode / plain.
+
+    With several blocks, a ratio to plain is the median of the ratios within each block (paired), and
+    a mode's throughput the median of its blocks'."""
+    blocks = sorted({r.get("block", 0) for r in runs})
+    by = {(r["mode"], r["concurrency"], r.get("block", 0)): r["tokens_per_s"] for r in runs}
     levels = sorted({r["concurrency"] for r in runs})
-    summary: dict = {"cascade_over_plain": {}, "over_single_stream": {}}
+    summary: dict = {"cascade_over_plain": {}, "over_single_stream": {}, "blocks": len(blocks)}
+    ratios = {"cascade": "cascade_over_plain", "cascade-adaptive": "adaptive_over_plain"}
     for n in levels:
-        if by.get(("plain", n)) and ("cascade", n) in by:
-            summary["cascade_over_plain"][str(n)] = round(by[("cascade", n)] / by[("plain", n)], 3)
-        if by.get(("plain", n)) and ("cascade-adaptive", n) in by:
-            summary.setdefault("adaptive_over_plain", {})[str(n)] = round(
-                by[("cascade-adaptive", n)] / by[("plain", n)], 3
-            )
+        for mode, key in ratios.items():
+            paired = [
+                by[(mode, n, b)] / by[("plain", n, b)] for b in blocks if by.get(("plain", n, b)) and (mode, n, b) in by
+            ]
+            if paired:
+                summary.setdefault(key, {})[str(n)] = round(statistics.median(paired), 3)
     for mode in MODES:
-        base = by.get((mode, 1))
-        if base:
-            summary["over_single_stream"][mode] = {str(n): round(by[(mode, n)] / base, 2) for n in levels}
+        per_level = {n: [by[(mode, n, b)] for b in blocks if (mode, n, b) in by] for n in levels}
+        medians = {n: statistics.median(v) for n, v in per_level.items() if v}
+        if medians.get(1):
+            summary["over_single_stream"][mode] = {str(n): round(t / medians[1], 2) for n, t in medians.items()}
     return summary
 
 

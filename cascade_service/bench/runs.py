@@ -69,6 +69,7 @@ def run_load(args: argparse.Namespace) -> int:
     if not 0 < args.duration <= 3600:
         raise ValueError(f"--duration must be in (0, 3600] seconds, got {args.duration}")
     check_range(args.max_new_tokens, "--max-new-tokens", 1, 4096)
+    check_range(args.blocks, "--blocks", 1, 100)
     if args.temperature is not None:
         check_temperature_arg(args.temperature)
     prompts = read_prompts(args.prompts) if args.prompts else list(load.DEFAULT_PROMPTS)
@@ -114,9 +115,12 @@ def run_load(args: argparse.Namespace) -> int:
             prompts,
             args.max_new_tokens,
             Path(args.out),
-            command + (f" --modes {args.modes}" if args.modes != "cascade,plain" else ""),
+            command
+            + (f" --modes {args.modes}" if args.modes != "cascade,plain" else "")
+            + (f" --blocks {args.blocks}" if args.blocks != 1 else ""),
             modes=modes,
             temperature=args.temperature,
+            blocks=args.blocks,
         )
         return 0
     if ":" not in args.target:

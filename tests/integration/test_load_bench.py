@@ -150,3 +150,26 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
 def test_load_takes_a_target_or_a_config_not_both(tmp_path):
     with pytest.raises(ValueError, match="either --target"):
         run_bench("--load", "--target", "127.0.0.1:9000", "--config", "c.yaml", "--out", str(tmp_path))
+
+
+def test_paired_blocks_give_the_median_of_the_ratios_within_each_block():
+    from cascade_service.bench.load import _scaling
+
+    def run(mode, n, block, tps):
+        return {"mode": mode, "concurrency": n, "block": block, "tokens_per_s": tps}
+
+    # Block 1 ran on a slow machine: both modes halved. Pairing cancels that; the mean of the
+    # throughputs' ratio would not be 1.5 here.
+    runs = [
+        run("cascade", 4, 0, 150.0),
+        run("plain", 4, 0, 100.0),
+        run("cascade", 4, 1, 60.0),
+        run("plain", 4, 1, 50.0),
+    ]
+    runs += [run("cascade", 4, 2, 200.0), run("plain", 4, 2, 100.0)]
+    runs += [run("cascade", 1, b, 50.0) for b in range(3)] + [run("plain", 1, b, 40.0) for b in range(3)]
+    summary = _scaling(runs)
+    assert summary["blocks"] == 3
+    assert summary["cascade_over_plain"]["4"] == 1.5  # median of 1.5, 1.2, 2.0
+    assert summary["over_single_stream"]["cascade"]["4"] == 3.0  # median 150 over median 50
+    assert "adaptive_over_plain" not in summary
