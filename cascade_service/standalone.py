@@ -52,7 +52,7 @@ def start_standalone(
     plain: bool = False,
     max_streams: int = DEFAULT_MAX_STREAMS,
     max_batch: int = 64,
-    adapt_to_load: bool = False,
+    adapt_to_load: bool | None = None,
     http_port: int | None = None,
 ) -> Standalone:
     """Load the config's tiers, turn on batching, serve gRPC on host:port (0 picks a free port).
@@ -60,8 +60,8 @@ def start_standalone(
     plain: serve the target alone, no speculation (the baseline a load test compares against).
     http_port: also serve the OpenAI-compatible HTTP API and /metrics there (0 picks a free port).
     adapt_to_load: each round's drafting follows measured acceptance and what the load makes of each way
-    of drafting (scheduling.load) instead of the fixed K-matrix; also on where the config's
-    serving.adapt_to_load is.
+    of drafting (scheduling.load) instead of the fixed K-matrix; None: as the config's
+    serving.adapt_to_load says (on by default).
     """
     cascade = config.cascade
     if plain:
@@ -83,7 +83,11 @@ def start_standalone(
     coordinator = engine.coordinator(
         store,
         config.generation,
-        adapt_to_load=(adapt_to_load or config.serving.adapt_to_load) and not plain,
+        # Load adaptation prices the target's batched passes: an in-process target's (a remote one's
+        # passes are its tier server's business, so the K-matrix runs as configured there).
+        adapt_to_load=(config.serving.adapt_to_load if adapt_to_load is None else adapt_to_load)
+        and not plain
+        and getattr(engine.target, "batcher", None) is not None,
         arms=config.serving.load_arms,
     )
     limits = limits_from(config.serving.admission, workers=max_streams, max_queued=MAX_QUEUED_RPCS)

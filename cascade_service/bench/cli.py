@@ -98,7 +98,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
         "--modes",
         default="cascade,plain",
         help="with --load --config: what to serve and compare: cascade (the K-matrix as configured), "
-        "plain (the target alone), cascade-adaptive (draft budgets that follow acceptance and load)",
+        "plain (the target alone), cascade-adaptive (draft budgets that follow acceptance and load: "
+        "what serve runs by default)",
     )
     p.add_argument(
         "--adaptive",

@@ -152,7 +152,7 @@ def _mb(value: int | None) -> float | None:
     return None if value is None else round(value / 2**20, 1)
 
 
-MODES = ("cascade", "plain", "cascade-adaptive")  # served as: the K-matrix, --plain, --adapt-to-load
+MODES = ("cascade", "plain", "cascade-adaptive")  # served as: --fixed-schedule, --plain, --adapt-to-load (the default)
 
 
 def run_modes(
@@ -261,7 +261,7 @@ class _ServerProcess:
         import subprocess
         import sys
 
-        flags = {"cascade": [], "plain": ["--plain"], "cascade-adaptive": ["--adapt-to-load"]}[mode]
+        flags = {"cascade": ["--fixed-schedule"], "plain": ["--plain"], "cascade-adaptive": ["--adapt-to-load"]}[mode]
         args = [
             sys.executable,
             "-m",

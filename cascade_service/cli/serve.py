@@ -51,12 +51,21 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plain", action="store_true", help="with --frontend standalone: the target alone, no speculation (a baseline)"
     )
-    p.add_argument(
+    schedule = p.add_mutually_exclusive_group()
+    schedule.add_argument(
         "--adapt-to-load",
+        dest="adapt_to_load",
         action="store_true",
+        default=None,
         help="with --frontend standalone: choose each round's drafting from measured acceptance and what "
-        "the load makes of each way of drafting, instead of the fixed K-matrix (config: "
-        "serving.adapt_to_load, which the Ray app reads)",
+        "the load makes of each way of drafting (the default unless the config's serving.adapt_to_load "
+        "is false, which the Ray app reads)",
+    )
+    schedule.add_argument(
+        "--fixed-schedule",
+        dest="adapt_to_load",
+        action="store_false",
+        help="with --frontend standalone: every round runs the K-matrix as configured (a baseline)",
     )
     p.set_defaults(run=_run_serve)
 
@@ -108,10 +117,10 @@ def _run_serve(args: argparse.Namespace) -> int:
             _stopping(grace)
             standalone.stop(grace)
         return 0
-    if args.plain or args.adapt_to_load:
+    if args.plain or args.adapt_to_load is not None:
         raise UsageError(
-            "--plain and --adapt-to-load go with --frontend standalone (the Ray app reads "
-            "serving.adapt_to_load from the config)"
+            "--plain, --adapt-to-load and --fixed-schedule go with --frontend standalone (the Ray app "
+            "reads serving.adapt_to_load from the config)"
         )
     require("ray", f"serve --frontend {args.frontend} (the Ray Serve service)")
     from ..serving.local import LocalService

@@ -93,9 +93,11 @@ class ServingConfig:
     tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file: serve TLS
     tls_key_file: str | None = None  # PEM private key
     # Speculation that adapts to load (scheduling.load): each round's drafting is chosen from measured
-    # acceptance and what the load makes of each way of drafting. The standalone server's
-    # --adapt-to-load turns it on too.
-    adapt_to_load: bool = False
+    # acceptance and what the load makes of each way of drafting, greedy and sampled requests apart;
+    # on by default (the fixed K-matrix loses to plain decoding under load on a small host, and sampled
+    # at every load: docs/benchmarks.md "The default: speculation that adapts to load"). false: every
+    # round runs the K-matrix as configured (as `serve --fixed-schedule` does).
+    adapt_to_load: bool = True
     # The ways of drafting its trial chooses between, wherever speculation adapts to load (scheduling.trial.ARMS);
     # None: every one the frontend can run. E.g. [full, budget] on a pool where drafting always pays, to
     # spare the trial its exploring; one arm alone: that arm, no trial.

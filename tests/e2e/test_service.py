@@ -51,6 +51,9 @@ def config_path(tiny_family, tmp_path_factory, redis_server):
             "redis_url": redis_server.url,
             "session_namespace": "e2e",
             "torch_threads": 1,
+            # The K-matrix every round: lossy rules' output depends on what was drafted, and this module
+            # compares it with in-process runs of the same schedule.
+            "adapt_to_load": False,
             "deployments": {"coordinator": {"max_ongoing_requests": 1, "max_queued_requests": 1}},
         },
     }

@@ -95,6 +95,33 @@ def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family, 
     assert sum(shared.values()) >= 5, engine.target.batcher.batch_sizes  # the passes were really batched
 
 
+def test_the_standalone_server_adapts_to_load_unless_told_to_fix_the_schedule(tiny_family):
+    import dataclasses
+
+    from cascade_service.config import Config
+    from cascade_service.config.serving import ServingConfig
+    from cascade_service.standalone import start_standalone
+
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
+    fixed = Config(cascade, serving=dataclasses.replace(ServingConfig(), adapt_to_load=False))
+    cases = [(Config(cascade), None, True), (Config(cascade), False, False), (fixed, None, False), (fixed, True, True)]
+    prompt = random_prompts(1, 8, seed=2)[0]
+    for config, flag, adapts in cases:
+        served = start_standalone(config, adapt_to_load=flag)
+        try:
+            assert (served.coordinator.policies is not None) == adapts, (flag, config.serving.adapt_to_load)
+            # Either way a greedy request is the target's own continuation.
+            out = served.coordinator.generate(served.coordinator.params(prompt_ids=prompt, max_new_tokens=12))
+            assert out.token_ids == oracle(tiny_family["target"], prompt, 12)
+        finally:
+            served.stop()
+
+
 def test_the_standalone_server_batches_concurrent_grpc_requests_exactly(tiny_family):
     from cascade_service.client import CascadeClient
     from cascade_service.config import Config

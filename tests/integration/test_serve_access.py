@@ -81,3 +81,14 @@ def test_config_access_fields_are_paths_relative_to_the_config(config_file, tmp_
         rel.write_text(config_file.read_text() + bad)
         with pytest.raises(ConfigError, match="serving"):
             load_config(rel)
+
+
+@pytest.mark.parametrize("flag", ["--plain", "--adapt-to-load", "--fixed-schedule"])
+def test_the_standalone_schedule_flags_are_refused_with_ray(config_file, capsys, flag):
+    assert main(["serve", "--config", str(config_file), "--frontend", "ray", flag]) == 2
+    assert "go with --frontend standalone" in capsys.readouterr().err
+
+
+def test_adapting_and_fixing_the_schedule_are_exclusive(config_file, capsys):
+    assert main(["serve", "--config", str(config_file), "--adapt-to-load", "--fixed-schedule"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -56,12 +56,12 @@ def test_serving_section_parses_and_names_bad_fields():
         "grpc_port": 9100,
         "redis_url": "redis://127.0.0.1:6379/0",
         "torch_threads": 1,
-        "adapt_to_load": True,
+        "adapt_to_load": False,
         "load_arms": ["plain", "lookup"],
         "deployments": {"tier-large": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}},
     }
     serving = parse_config(raw).serving
-    assert serving.adapt_to_load and not parse_config(_raw()).serving.adapt_to_load
+    assert not serving.adapt_to_load and parse_config(_raw()).serving.adapt_to_load  # on by default
     assert serving.load_arms == ("plain", "lookup") and parse_config(_raw()).serving.load_arms is None
     grouped = parse_config({**raw, "serving": {"groups": [["large", "base"]], "deployments": {"tier-large-base": {}}}})
     assert grouped.serving.groups == (("large", "base"),)
