@@ -3,6 +3,7 @@
 `target` is a small random LM; `close` and `mid` are the target plus Gaussian weight noise (so they
 agree with its greedy choices often / less often, like real drafters of one family); `unrelated` is a
 smaller independent init that agrees at about chance. All share one byte-level BPE tokenizer.
+`arch="t5"` builds the same family as encoder-decoder models (T5), whose decoder starts from <pad>.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
     GenerationConfig,
     GPT2Config,
     LlamaConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    T5Config,
 )
 from transformers.utils import logging as hf_logging
 
@@ -37,13 +40,17 @@ from cascade_service.core.types import Context
 from cascade_service.models.hf import HFModel
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"  # ids 0, 1, 2: trained first, so fixed
-ARCHS = ("llama", "qwen2", "gpt2")
+ARCHS = ("llama", "qwen2", "gpt2", "t5")
 VOCAB_SIZE = 320  # 256 bytes + 3 specials + 61 merges: keeps the models tiny, any text encodable
 _BUILDER_VERSION = 1  # bump when the weights a spec produces change
 # Random LMs at the usual init (std 0.02) have near-uniform logits whose top-2 margins sit at float
 # rounding level, so a block forward and an incremental one could pick different argmaxes. A large
 # output-head gain makes logits std ~ this value: margins are orders of magnitude above rounding.
 _HEAD_GAIN = 10.0
+# T5 ties its head to the token table (transformers 5 always does), so the head's gain is the table's
+# too, and a large one makes the model copy its input; half of it, with a quarter of the drafters'
+# weight noise, gives varied continuations that the drafters follow a third of the time.
+_T5_HEAD_GAIN, _T5_NOISE = 5.0, 0.25
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,20 @@ def _config(arch: str, tier: TierSpec, vocab_size: int, tokenizer: PreTrainedTok
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,  # the head gets its own (large) init, see _HEAD_GAIN
     )
+    if arch == "t5":  # encoder-decoder: the decoder starts from <pad>, as T5's does
+        config = T5Config(
+            vocab_size=vocab_size,
+            d_model=tier.hidden,
+            d_kv=tier.hidden // tier.heads,
+            d_ff=2 * tier.hidden,
+            # Tied embeddings (transformers 5 ties T5's always); unscaled decoder outputs, as T5 v1.1.
+            num_layers=tier.layers,
+            num_decoder_layers=tier.layers,
+            num_heads=tier.heads,
+            **ids,
+        )
+        config.decoder_start_token_id = tokenizer.pad_token_id
+        return config
     if arch == "gpt2":
         return GPT2Config(
             vocab_size=vocab_size,
@@ -124,6 +145,7 @@ def _init_weights(module: PreTrainedModel, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     hidden = module.config.hidden_size
     head = module.get_output_embeddings().weight
+    gain = _T5_HEAD_GAIN if module.config.is_encoder_decoder else _HEAD_GAIN
     # Token and (GPT-2) position tables at unit scale: weak position embeddings let GPT-2 fall into
     # two-token greedy loops.
     tables = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
@@ -131,7 +153,7 @@ def _init_weights(module: PreTrainedModel, seed: int) -> None:
         for name, param in sorted(module.named_parameters()):
             noise = torch.randn(param.shape, generator=gen)
             if param is head:
-                param.copy_(noise * _HEAD_GAIN / math.sqrt(hidden))  # logits std ~ _HEAD_GAIN
+                param.copy_(noise * gain / math.sqrt(hidden))  # logits std ~ gain
             elif id(param) in tables:
                 param.copy_(noise)
             elif param.dim() == 1:
@@ -194,18 +216,20 @@ def _write_models(paths: dict[str, Path], arch: str, seed: int, tokenizer: PreTr
     target = None
     for name, tier in TIERS.items():
         if tier.noise is None:
-            module = AutoModelForCausalLM.from_config(_config(arch, tier, vocab_size, tokenizer))
+            auto = AutoModelForSeq2SeqLM if arch == "t5" else AutoModelForCausalLM
+            module = auto.from_config(_config(arch, tier, vocab_size, tokenizer))
             _init_weights(module, seed * 1000 + tier.seed_offset)
         else:
             assert target is not None  # TIERS lists the target first
             module = copy.deepcopy(target)
-            _perturb(module, tier.noise, seed * 1000 + tier.seed_offset)
+            _perturb(module, tier.noise * (_T5_NOISE if arch == "t5" else 1.0), seed * 1000 + tier.seed_offset)
         if target is None:
             target = module
         module.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            decoder_start_token_id=getattr(module.config, "decoder_start_token_id", None),
         )
         shutil.rmtree(paths[name], ignore_errors=True)
         module.save_pretrained(paths[name])
