@@ -22,6 +22,7 @@ from .config import (
 from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
+from .core.encdec import check_request, decoder_context
 from .core.mag import BigramTable
 from .core.policy import BlockPolicy
 from .core.request import GenerationConfig, check_stop
@@ -103,6 +104,8 @@ class Coordinator:
     max_context: int | None = None
     # Prometheus metrics of finished requests (metrics.py); None: none recorded.
     metrics: Metrics | None = None
+    # An encoder-decoder target's decoder start token (core.encdec); None: decoder-only.
+    decoder_start: int | None = None
     # Suffix decoding's caches of recent requests, one per suffix drafter (runtime.leaves), from `cascade`.
     suffix: dict[str, SuffixCache] = field(init=False)
 
@@ -129,6 +132,7 @@ class Coordinator:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
         ids = self._prompt_ids(prompt, prompt_ids)
         self._check_prompt_length(len(ids))
+        check_request(self.decoder_start, ids, session=bool(session_id))
         if session_id:
             check_session_id(session_id)
         elif not ids:
@@ -198,6 +202,8 @@ class Coordinator:
         context = list(record.token_ids if record else ()) + list(params.prompt_ids)
         if not context:
             raise ValueError("prompt: empty (the session has no history yet)")
+        if self.decoder_start is not None:  # the encoder's input, then where the decoder starts
+            context = decoder_context(context, self.decoder_start)
         if record is not None:
             params = self._fit(params, len(record.token_ids))  # before any work
         request_id = uuid.uuid4().hex
@@ -283,6 +289,7 @@ class Coordinator:
     # --- sessions ----------------------------------------------------------------------------------
 
     def create_session(self, session_id: str = "", prompt: str = "", prompt_ids: Sequence[int] = (), owner: str = ""):
+        check_request(self.decoder_start, (), session=True)
         ids = self._prompt_ids(prompt, prompt_ids)
         self._check_prompt_length(len(ids))  # a session no request could continue is refused up front
         if session_id:

@@ -19,12 +19,14 @@ from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
 from .core.decode import decode
+from .core.encdec import decoder_context
 from .core.local import ModelTier
 from .core.mag import BigramTable
 from .core.stats import CascadeStats
 from .core.tier import Release, Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
+from .models.seq2seq import decoder_start
 from .runtime.assemble import TierFacts, assemble_coordinator
 from .runtime.leaves import statistical_tier, suffix_caches
 from .scheduling.load import BySampling, LoadModel
@@ -131,10 +133,18 @@ class Engine:
             target, drafters, self.cascade.schedule, self.cascade.leniency, state, self.cascade.lookup
         )
         try:
-            yield from decode(system, list(prompt_ids), gen.max_new_tokens, state)
+            yield from decode(system, self.context_of(prompt_ids), gen.max_new_tokens, state)
         finally:
             for tier in (target, *drafters):  # a tier server's caches of this request (a local one: garbage)
                 tier.release(Release(rid))
+
+    def context_of(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The sequence the cascade extends for a prompt: the prompt itself, or for an encoder-decoder
+        family the prompt (the encoder's input) and the decoder start token (models.seq2seq)."""
+        start = self.target.facts().decoder_start if isinstance(self.target, RemoteModel) else None
+        if isinstance(self.target, HFModel) and self.target.encoder_decoder:
+            start = decoder_start(self.target)
+        return list(prompt_ids) if start is None else decoder_context(prompt_ids, start)
 
     def _tier(self, model: HFModel | RemoteModel, request_id: str) -> Tier:
         """One request's tier of a model (its own KV cache, here or on its tier server)."""

@@ -5,7 +5,9 @@ Each failure is a ConfigError naming the tier and its config key, e.g.
 - a tier's device exists on this machine (checked in the process that loads the tier: a Ray driver
   may have no GPU while the tier's replica has one);
 - every tier shares the target's vocabulary: config.json's vocab_size, and the token -> id map where
-  both directories ship a tokenizer (token ids are what tiers exchange).
+  both directories ship a tokenizer (token ids are what tiers exchange);
+- every model tier is of the target's kind, encoder-decoder or decoder-only (they extend one sequence
+  with one meaning: models.seq2seq).
 Unknown dtypes and malformed devices are refused earlier, when the config is parsed (config.py).
 """
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .config import CascadeConfig, ConfigError, ModelTierConfig
-from .models.hf import config_vocab_size, resolve_device, same_tokenizer
+from .models.hf import config_vocab_size, is_encoder_decoder, resolve_device, same_tokenizer
 
 
 def where(tier: ModelTierConfig, field: str, fallback: str = "") -> str:
@@ -77,7 +79,25 @@ def check_vocabularies(cascade: CascadeConfig, sizes: Mapping[str, int] | None =
             )
 
 
+def check_kinds(cascade: CascadeConfig) -> None:
+    """Every model tier is encoder-decoder if the target is, decoder-only if it is not (config.json's
+    is_encoder_decoder; a tier without a readable directory is checked where it loads)."""
+    target = cascade.target
+    if not (target.path and Path(target.path).is_dir()):
+        return
+    kind = is_encoder_decoder(target.path)
+    names = {True: "an encoder-decoder model", False: "a decoder-only model"}
+    for key, tier in model_tiers(cascade)[1:]:
+        if tier.path and Path(tier.path).is_dir() and is_encoder_decoder(tier.path) != kind:
+            raise ConfigError(
+                f"{where(tier, 'path', key)}: {names[not kind]}, the target "
+                f"({where(target, 'path', 'tiers.target')}) is {names[kind]}: a cascade's model tiers "
+                "must all be encoder-decoder or all decoder-only"
+            )
+
+
 def check_tiers(cascade: CascadeConfig) -> None:
-    """Both checks, devices first (they cost nothing); call before loading any tier."""
+    """The checks, devices first (they cost nothing); call before loading any tier."""
     check_devices(cascade)
+    check_kinds(cascade)
     check_vocabularies(cascade)

@@ -314,9 +314,8 @@ def _past(item: _Pass) -> int:
 def forward_batch(model: PassModel, batch: list[_Pass]) -> list[object]:
     """One forward pass for several requests' passes: in place over their pool slots (models.kvpool),
     or packed from their own caches (models.packed); a lone pass is the model's own `_forward`."""
-    if len(batch) == 1:
-        one = batch[0]
-        return [model._forward(one.fed, one.cache, one.keep, with_hidden=one.with_hidden)]
+    if len(batch) == 1 or getattr(model, "encoder_decoder", False):  # encoder-decoder: one row a pass
+        return [model._forward(one.fed, one.cache, one.keep, with_hidden=one.with_hidden) for one in batch]
     if isinstance(batch[0].cache, SlotCache):
         return forward_rows(model, batch)
     return forward_packed(model, batch)

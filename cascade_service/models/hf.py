@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from cascade_service.core.types import Context
@@ -59,6 +59,15 @@ def resolve_device(device: str) -> torch.device:
                 f"{device} does not exist (this machine has {count} CUDA device{'' if count == 1 else 's'})"
             )
     return resolved
+
+
+def is_encoder_decoder(path: str | Path) -> bool:
+    """Whether a model directory's config.json records an encoder-decoder model (no weights read)."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("is_encoder_decoder", False))
 
 
 def config_vocab_size(path: str | Path) -> int | None:
@@ -117,6 +126,9 @@ class HFModel:
         self.config = module.config
         self.device = next(module.parameters()).device
         self.dtype = next(module.parameters()).dtype
+        # An encoder-decoder model (T5, BART, Marian: models.seq2seq) keeps an encoder output and a
+        # decoder cache per request, and its passes run one request at a time.
+        self.encoder_decoder = bool(getattr(module.config, "is_encoder_decoder", False))
         # Where requests' KV caches live (models.kvpool): slots of one pool a batched pass reads in
         # place ("pool"), or a DynamicCache each, packed per batched pass ("dynamic").
         self.kv = kv
@@ -151,6 +163,10 @@ class HFModel:
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one request, in this model's storage."""
+        if self.encoder_decoder:
+            from .seq2seq import Seq2SeqCache
+
+            return Seq2SeqCache()
         return SlotCache(self.kv_pool) if self.kv == "pool" else DynamicCache()
 
     def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False):
@@ -182,7 +198,8 @@ class HFModel:
         target = resolve_device(device)
         local = _local_dir(path)
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per tier per process is only noise
-        module = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
+        auto = AutoModelForSeq2SeqLM if is_encoder_decoder(local) else AutoModelForCausalLM
+        module = auto.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
         module.eval().to(target)
         return cls(BACKENDS[backend](module), name or local.resolve().name, kv)
 
@@ -194,6 +211,10 @@ class HFModel:
 
     def scorer(self) -> HFScorer:
         """A fresh scorer (own KV cache) for one request."""
+        if self.encoder_decoder:
+            from .seq2seq import Seq2SeqScorer
+
+            return Seq2SeqScorer(self)
         return HFScorer(self)
 
     def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
@@ -224,6 +245,11 @@ class HFModel:
     def _forward(
         self, tokens: Sequence[int], cache: KVCache | None, keep: int, with_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.encoder_decoder:
+            from . import seq2seq
+
+            assert isinstance(cache, seq2seq.Seq2SeqCache)  # new_cache() made it
+            return seq2seq.forward(self, tokens, cache, keep, with_hidden)
         if isinstance(cache, SlotCache):
             result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = forward_rows(
                 self, [Row(tokens, cache, keep, with_hidden)]
@@ -247,6 +273,11 @@ def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int =
     gen = torch.Generator().manual_seed(rows)
     prompts = torch.randint(0, model.vocab_size, (rows, context_len + 1), generator=gen).tolist()
     caches = [model.new_cache() for _ in range(rows)]
+    if model.encoder_decoder:  # each row's decoder attends over an encoder output of its own
+        from .seq2seq import encode
+
+        for cache, prompt in zip(caches, prompts):
+            cache.encoder_out = encode(model, prompt[:32])  # type: ignore[union-attr]
     times = []
     with torch.inference_mode():
         for cache, prompt in zip(caches, prompts):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, EncoderDecoderCache
 
 FIRST_SLOTS = 4
 FIRST_CAPACITY = 128
@@ -120,8 +120,9 @@ STORAGES = {
     "dynamic": "a DynamicCache per request, packed into one per batched pass (models.packed)",
 }
 
-# A request's KV cache as the scorer and the batcher hold it: a pool slot, or its own (`kv: dynamic`).
-KVCache = SlotCache | DynamicCache
+# A request's KV cache as the scorer and the batcher hold it: a pool slot, or its own (`kv: dynamic`),
+# or an encoder-decoder model's (models.seq2seq.Seq2SeqCache).
+KVCache = SlotCache | DynamicCache | EncoderDecoderCache
 
 
 @dataclass

@@ -37,15 +37,21 @@ class TierFacts:
     eos_token_ids: tuple[int, ...]
     max_positions: int | None  # None: the model names no limit
     device: str
+    # An encoder-decoder model's decoder start token (a request's context is its prompt, then this:
+    # models.seq2seq); None for a decoder-only model.
+    decoder_start: int | None = None
 
     @classmethod
     def of(cls, model: HFModel) -> TierFacts:
+        from ..models.seq2seq import decoder_start
+
         return cls(
             model.vocab_size,
             model.num_parameters,
             tuple(sorted(model.eos_token_ids)),
             model.max_positions,
             str(model.device),
+            decoder_start(model) if model.encoder_decoder else None,
         )
 
     @classmethod
@@ -57,6 +63,7 @@ class TierFacts:
             tuple(int(t) for t in info.eos_token_ids),
             int(info.max_positions) or None,
             str(info.device),
+            int(info.decoder_start) if info.encoder_decoder else None,
         )
 
 
@@ -99,6 +106,7 @@ def assemble_coordinator(
             name: f.num_parameters / target.num_parameters for name, f in facts.items() if name != cascade.target.name
         },
         max_context=smallest_context(f.max_positions for f in facts.values()),
+        decoder_start=target.decoder_start,
         metrics=default_metrics(),
     )
 

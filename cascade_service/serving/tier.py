@@ -69,6 +69,8 @@ class TierServer:
             device=facts.device,
             system=system,
             max_block=MAX_BLOCK,
+            encoder_decoder=facts.decoder_start is not None,
+            decoder_start=facts.decoder_start or 0,
         )
 
     def check(self, request: DraftRequest | ReviewRequest) -> None:

@@ -230,14 +230,13 @@ class RemoteModel:
         self.max_positions = int(info.max_positions) or None
         self.device = info.device
         self.system = bool(info.system)
+        self._info = info  # the server's TierInfo: facts() reads it whole
 
     def tier(self, request_id: str) -> RemoteTier:
         return RemoteTier(self.name, request_id, self.replicas.invoker(request_id), system=self.system)
 
     def facts(self) -> TierFacts:
-        return TierFacts(
-            self.vocab_size, self.num_parameters, tuple(sorted(self.eos_token_ids)), self.max_positions, self.device
-        )
+        return TierFacts.from_pb(self._info)
 
 
 def connect(cascade: CascadeConfig, client: TierClientConfig) -> dict[str, RemoteModel]:

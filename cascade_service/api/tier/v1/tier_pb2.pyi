@@ -254,7 +254,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "num_parameters", "eos_token_ids", "max_positions", "device", "system", "max_block")
+    __slots__ = ("name", "vocab_size", "num_parameters", "eos_token_ids", "max_positions", "device", "system", "max_block", "encoder_decoder", "decoder_start")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,8 @@ class TierInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_DECODER_FIELD_NUMBER: _ClassVar[int]
+    DECODER_START_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     num_parameters: int
@@ -271,7 +273,9 @@ class TierInfo(_message.Message):
     device: str
     system: bool
     max_block: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_parameters: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., system: _Optional[bool] = ..., max_block: _Optional[int] = ...) -> None: ...
+    encoder_decoder: bool
+    decoder_start: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_parameters: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_positions: _Optional[int] = ..., device: _Optional[str] = ..., system: _Optional[bool] = ..., max_block: _Optional[int] = ..., encoder_decoder: _Optional[bool] = ..., decoder_start: _Optional[int] = ...) -> None: ...
 
 class InfoReply(_message.Message):
     __slots__ = ("tiers", "version")
