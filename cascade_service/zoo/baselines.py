@@ -73,7 +73,16 @@ def hf_prompt_lookup(
     eos_ids: Sequence[int],
     num_tokens: int = PROMPT_LOOKUP_TOKENS,
 ) -> HFRun:
-    """Greedy prompt-lookup decoding (n-gram matches in the context draft, the target verifies)."""
+    """Greedy prompt-lookup decoding (n-gram matches in the context draft, the target verifies).
+
+    Refused for an encoder-decoder model: transformers' prompt lookup then does not keep the model's
+    greedy output (on the tiny T5 family its second token already differs from plain `generate()`).
+    """
+    if model.encoder_decoder:
+        raise ValueError(
+            f"{model.name}: transformers' prompt lookup does not keep an encoder-decoder model's greedy "
+            "output; leave hf-prompt-lookup out (MaG and suffix decoding copy from the input instead)"
+        )
     return _generate(model, prompt_ids, max_new_tokens, eos_ids, {"prompt_lookup_num_tokens": num_tokens}, None)
 
 
@@ -109,7 +118,10 @@ def _generate(
             **extra,
         )  # [1, S + n]
     drafter_calls = {assistant.name: counts[assistant.name]} if assistant is not None else {}
-    return HFRun(out[0, ids.shape[1] :].tolist(), counts[model.name], drafter_calls)
+    # A decoder-only model returns the prompt and what follows; an encoder-decoder one (models.seq2seq)
+    # its decoder's sequence, from the decoder start token.
+    generated = out[0, 1:] if model.encoder_decoder else out[0, ids.shape[1] :]
+    return HFRun(generated.tolist(), counts[model.name], drafter_calls)
 
 
 @contextmanager

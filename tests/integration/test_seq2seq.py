@@ -214,3 +214,38 @@ def test_lossy_rules_and_hidden_states_run_on_encoder_decoder_tiers(t5):
     scorer.keep_hidden = True
     rows = scorer.logits(Context([*prompt, 0, 7, 9], len(prompt) + 1), 2)
     assert rows.shape[0] == 2 and scorer.last_hidden is not None and tuple(scorer.last_hidden.shape) == (2, 64)
+
+
+def test_bench_runs_an_encoder_decoder_family_exactly(t5, tmp_path):
+    import json
+
+    import yaml
+
+    from ..helpers.bench import run_bench
+
+    config = {
+        "tiers": {
+            "target": {"name": "target", "path": str(t5["target"])},
+            "drafters": [
+                {"name": "close", "path": str(t5["close"])},
+                {"name": "mid", "path": str(t5["mid"])},
+                {"kind": "mag"},
+            ],
+        },
+        "schedule": {"k_matrix": [[3, 1, 0], [0, 2, 4], [0, 0, 4]], "leniency": 1.0},
+    }
+    (tmp_path / "t5.yaml").write_text(yaml.safe_dump(config))
+    prompts = ["def parse_args(argv):\n", "for i in range(10):\n    print(i)\n"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    methods = ["hf-ar", "ar", "hf-assisted:close", "sd:close", "csd:close+mid+mag"]
+    args = ["--config", str(tmp_path / "t5.yaml"), "--prompts", str(tmp_path / "prompts.jsonl")]
+    args += ["--max-new-tokens", "12", "--sd-k-sweep", "2", "--repeats", "1", "--out", str(tmp_path / "out")]
+    assert run_bench(*args, "--methods", ",".join(methods)) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(results["methods"]) == methods
+    for method, figures in results["methods"].items():
+        assert figures["identical_to_hf_ar"] is True, method
+        assert all(p["identical_to_hf_ar"] for p in figures["per_prompt"]), method
+        assert figures["tokens_per_s"] > 0, method
+    with pytest.raises(ValueError, match="prompt lookup does not keep an encoder-decoder"):
+        run_bench(*args, "--methods", "hf-ar,hf-prompt-lookup")
