@@ -22,9 +22,10 @@ def _add_zoo(sub: argparse._SubParsersAction) -> None:
     build.add_argument(
         "--preset",
         default="demo",
-        choices=["demo", "quality", "test", "tiny"],
+        choices=["demo", "quality", "test", "tiny", "t5", "t5-test"],
         help="demo: trained family (<= 10 min); quality: larger, trained longer (about an hour); "
-        "test: trained, tiny (<= 60 s); tiny: random weights (seconds)",
+        "test: trained, tiny (<= 60 s); tiny: random weights (seconds); t5: an encoder-decoder family "
+        "trained on docstring -> code (minutes); t5-test: the same, tiny (seconds)",
     )
     build.add_argument("--out", help="output directory (default: $CASCADE_SERVICE_HOME/zoo/<preset>)")
     build.set_defaults(run=_run_zoo_build)
@@ -53,6 +54,10 @@ def _run_zoo_build(args: argparse.Namespace) -> int:
         from ..zoo.tiny import build_family
 
         paths = build_family(out)
+    elif args.preset.startswith("t5"):
+        from ..zoo.t5 import build_t5_zoo
+
+        paths = build_t5_zoo(args.preset, out)
     else:
         from ..zoo.build import build_zoo
 

@@ -249,3 +249,31 @@ def test_bench_runs_an_encoder_decoder_family_exactly(t5, tmp_path):
         assert figures["tokens_per_s"] > 0, method
     with pytest.raises(ValueError, match="prompt lookup does not keep an encoder-decoder"):
         run_bench(*args, "--methods", "hf-ar,hf-prompt-lookup")
+
+
+def test_the_t5_zoo_preset_builds_a_family_the_cascade_serves_exactly(tmp_path):
+    import json
+
+    from cascade_service.cli.main import main
+
+    out = tmp_path / "t5"
+    assert main(["zoo", "build", "--preset", "t5-test", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["pairs"]["train"] > 100 and set(report["tiers"]) == {"large", "base", "small"}
+    assert report["parameters"]["large"] > report["parameters"]["base"]
+    prompts = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 4 and all(p.startswith(("def ", "async def ")) for p in prompts)
+    family = {name: out / name for name in ("large", "base", "small")}
+    cascade = Engine(
+        make_cascade(
+            ModelTierConfig("large", str(family["large"])),
+            [ModelTierConfig("base", str(family["base"])), ModelTierConfig("small", str(family["small"])), MaGConfig()],
+            [[2, 1, 0], [0, 2, 3], [0, 0, 3]],
+            1.0,
+        )
+    )
+    for prompt in prompts[:2]:
+        ids = cascade.encode(prompt)
+        assert cascade.generate(ids, GenerationConfig(max_new_tokens=16)).token_ids == seq2seq_oracle(
+            family["large"], ids, 16
+        )
