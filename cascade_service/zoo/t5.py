@@ -29,6 +29,7 @@ from cascade_service.zoo.evaluate import eval_package_files
 from cascade_service.zoo.prompts import write_prompts
 
 TIERS = ("large", "base", "small")
+BUILDER_VERSION = 1  # bump when the artefacts a spec produces change
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class T5Spec:
     max_output: int = 96  # tokens of body (then </s>)
     corpus_chars: int | None = None  # a prefix of the sorted stdlib files this long; None: all
     prompts: int = 24
+    tune_prompts: int = 8
     seed: int = 0
 
 
@@ -85,6 +87,7 @@ T5_PRESETS = {
         max_output=48,
         corpus_chars=300_000,
         prompts=4,
+        tune_prompts=2,
     ),
 }
 
@@ -178,7 +181,7 @@ def _train(student, teacher, data, steps: int, spec: T5Spec, seed: int) -> list[
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     student.eval()
     return losses
 
@@ -203,8 +206,12 @@ def build_t5_zoo(preset: str, out_dir: str | Path, progress: bool = True) -> dic
         raise ValueError(f"unknown encoder-decoder preset {preset!r}; expected one of {sorted(T5_PRESETS)}")
     spec = T5_PRESETS[preset]
     out = Path(out_dir).expanduser()
-    paths = {name: out / name for name in TIERS} | {"report": out / "report.json", "prompts": out / "prompts.jsonl"}
-    marker, stamp = out / "zoo.json", {"spec": asdict(spec), "torch": torch.__version__}
+    paths = {name: out / name for name in TIERS} | {
+        "report": out / "report.json",
+        "prompts": out / "prompts.jsonl",  # for benchmarks: code the zoo never read
+        "tune_prompts": out / "tune_prompts.jsonl",  # for `tune`: the held-out stdlib modules
+    }
+    marker, stamp = out / "zoo.json", {"builder": BUILDER_VERSION, "spec": asdict(spec), "torch": torch.__version__}
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
         return paths
     marker.unlink(missing_ok=True)
@@ -218,7 +225,10 @@ def build_t5_zoo(preset: str, out_dir: str | Path, progress: bool = True) -> dic
         chars += len(texts[-1])
     tokenizer = train_tokenizer(texts, spec.vocab_size, progress=False)
     data = _encode(tokenizer, function_pairs(texts), spec)
-    held = _encode(tokenizer, function_pairs(_read(p) for p in held_out_modules()), spec)[:64]
+    held_pairs = function_pairs(_read(p) for p in held_out_modules())
+    held = _encode(tokenizer, held_pairs, spec)[:64]
+    tune = [s for s, _ in held_pairs[64:] if 0 not in tokenizer(s).input_ids[: spec.max_input]]
+    write_prompts(paths["tune_prompts"], [tune[i * len(tune) // spec.tune_prompts] for i in range(spec.tune_prompts)])
     external = [source for source, _ in function_pairs(_read(p) for f in eval_package_files().values() for p in f)]
     prompts = [s for s in external if 0 not in tokenizer(s).input_ids[: spec.max_input]]
     write_prompts(paths["prompts"], [prompts[i * len(prompts) // spec.prompts] for i in range(spec.prompts)])

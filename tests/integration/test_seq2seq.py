@@ -263,6 +263,8 @@ def test_the_t5_zoo_preset_builds_a_family_the_cascade_serves_exactly(tmp_path):
     assert report["parameters"]["large"] > report["parameters"]["base"]
     prompts = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(prompts) == 4 and all(p.startswith(("def ", "async def ")) for p in prompts)
+    tune = [json.loads(line)["prompt"] for line in (out / "tune_prompts.jsonl").read_text().splitlines()]
+    assert len(tune) == 2 and not set(tune) & set(prompts)
     family = {name: out / name for name in ("large", "base", "small")}
     cascade = Engine(
         make_cascade(

@@ -1,10 +1,11 @@
 """Every shipped config runs as its K-matrix says: each drafter it names drafts (invariant 7).
 
-The configs point at `$CASCADE_SERVICE_HOME/zoo/{demo,test,tiny}`. The `test` zoo has the same tier
-names (large, base, small, bigram) as the demo zoo and trains in under a minute, so it stands in
-for `demo` here; `tiny` is the random-weight family. Device and dtype are set to CPU float32: the
-schedule, not the placement, is what this checks (the GPU suite covers placement). Tiers a config
-names by address run on tier servers started here on loopback, built from the same config.
+The configs point at `$CASCADE_SERVICE_HOME/zoo/{demo,test,tiny,t5}`. The `test` zoo has the same
+tier names (large, base, small, bigram) as the demo zoo and trains in under a minute, so it stands in
+for `demo` here; `tiny` is the random-weight family; the `t5-test` preset stands in for `t5`. Device
+and dtype are set to CPU float32: the schedule, not the placement, is what this checks (the GPU suite
+covers placement). Tiers a config names by address run on tier servers started here on loopback,
+built from the same config.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def home(test_zoo_home: Path) -> Path:
         (zoo / "demo").symlink_to(zoo / "test", target_is_directory=True)
     if not (zoo / "tiny").exists():
         build_family(zoo / "tiny")
+    if not (zoo / "t5").exists():  # configs/t5.yaml's family: the t5-test preset stands in (seconds)
+        from cascade_service.zoo.t5 import build_t5_zoo
+
+        build_t5_zoo("t5-test", zoo / "t5")
     return test_zoo_home
 
 
