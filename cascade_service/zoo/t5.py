@@ -25,11 +25,11 @@ from transformers import AutoModelForSeq2SeqLM, GenerationConfig, PreTrainedToke
 
 from cascade_service.zoo import train
 from cascade_service.zoo.build import _read, corpus_files, held_out_modules, train_tokenizer
-from cascade_service.zoo.evaluate import eval_package_files
+from cascade_service.zoo.evaluate import ends_in_loop, eval_package_files
 from cascade_service.zoo.prompts import write_prompts
 
 TIERS = ("large", "base", "small")
-BUILDER_VERSION = 1  # bump when the artefacts a spec produces change
+BUILDER_VERSION = 2  # bump when the artefacts a spec produces change
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ T5_PRESETS = {
         large=T5Shape(d_model=128, layers=3, heads=4, d_ff=384),
         base=T5Shape(d_model=96, layers=2, heads=4, d_ff=256),
         small=T5Shape(d_model=64, layers=1, heads=2, d_ff=192),
-        steps=700,
-        distill_steps=150,
+        steps=1600,
+        distill_steps=250,
         batch=16,
         lr=3e-3,
     ),
@@ -187,6 +187,17 @@ def _train(student, teacher, data, steps: int, spec: T5Spec, seed: int) -> list[
 
 
 @torch.inference_mode()
+def loops(model, tokenizer, prompts: Sequence[str], steps: int = 64) -> dict:
+    """How many of `model`'s greedy continuations of `prompts` end in a loop (evaluate.ends_in_loop)."""
+    looped = 0
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt).input_ids])
+        out = model.generate(ids, do_sample=False, max_new_tokens=steps)[0, 1:].tolist()
+        looped += ends_in_loop(out)
+    return {"continuations": len(prompts), "greedy_steps": steps, "ending_in_a_loop": looped}
+
+
+@torch.inference_mode()
 def _evaluate(models: dict, data) -> dict:
     """Teacher-forced loss per body token and top-1 agreement with large, on held-out pairs."""
     batch = _batch(data)
@@ -231,7 +242,8 @@ def build_t5_zoo(preset: str, out_dir: str | Path, progress: bool = True) -> dic
     write_prompts(paths["tune_prompts"], [tune[i * len(tune) // spec.tune_prompts] for i in range(spec.tune_prompts)])
     external = [source for source, _ in function_pairs(_read(p) for f in eval_package_files().values() for p in f)]
     prompts = [s for s in external if 0 not in tokenizer(s).input_ids[: spec.max_input]]
-    write_prompts(paths["prompts"], [prompts[i * len(prompts) // spec.prompts] for i in range(spec.prompts)])
+    prompts = [prompts[i * len(prompts) // spec.prompts] for i in range(spec.prompts)]
+    write_prompts(paths["prompts"], prompts)
     family = {name: _new_model(getattr(spec, name), tokenizer, spec.seed * 100 + i) for i, name in enumerate(TIERS)}
     curves = {}
     with train.threads(2):
@@ -239,6 +251,7 @@ def build_t5_zoo(preset: str, out_dir: str | Path, progress: bool = True) -> dic
         for name in TIERS[1:]:
             curves[name] = _train(family[name], family["large"], data, spec.distill_steps, spec, spec.seed + 1)
         evaluation = _evaluate(family, held)
+        looped = loops(family["large"], tokenizer, prompts)
     for name, module in family.items():
         module.generation_config = GenerationConfig(
             eos_token_id=tokenizer.eos_token_id,
@@ -256,6 +269,7 @@ def build_t5_zoo(preset: str, out_dir: str | Path, progress: bool = True) -> dic
         "parameters": {name: sum(p.numel() for p in m.parameters()) for name, m in family.items()},
         "final_train_loss": {name: round(sum(c[-20:]) / len(c[-20:]), 3) for name, c in curves.items()},
         "tiers": evaluation,
+        "loops": looped,  # of large's greedy continuations of prompts.jsonl
     }
     paths["report"].write_text(json.dumps(report, indent=1) + "\n")
     marker.write_text(json.dumps(stamp, indent=1))

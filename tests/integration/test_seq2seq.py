@@ -261,6 +261,7 @@ def test_the_t5_zoo_preset_builds_a_family_the_cascade_serves_exactly(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["pairs"]["train"] > 100 and set(report["tiers"]) == {"large", "base", "small"}
     assert report["parameters"]["large"] > report["parameters"]["base"]
+    assert report["loops"]["continuations"] == 4 and 0 <= report["loops"]["ending_in_a_loop"] <= 4
     prompts = [json.loads(line)["prompt"] for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(prompts) == 4 and all(p.startswith(("def ", "async def ")) for p in prompts)
     tune = [json.loads(line)["prompt"] for line in (out / "tune_prompts.jsonl").read_text().splitlines()]
