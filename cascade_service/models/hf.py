@@ -219,6 +219,8 @@ class HFModel:
 
     def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Plain no-cache forward: [len(tokens), V] float32 logits on the model's device."""
+        if self.encoder_decoder:
+            raise ValueError(f"{self.name}: an encoder-decoder model scores a decoder sequence: use scorer()")
         with torch.inference_mode():
             logits = self._forward(tokens, None, len(tokens))
         assert isinstance(logits, torch.Tensor)  # without hidden states
