@@ -280,3 +280,36 @@ def test_the_t5_zoo_preset_builds_a_family_the_cascade_serves_exactly(tmp_path):
         assert cascade.generate(ids, GenerationConfig(max_new_tokens=16)).token_ids == seq2seq_oracle(
             family["large"], ids, 16
         )
+
+
+def test_specdec_and_confidence_stopping_on_an_encoder_decoder_drafter_stay_exact(t5, tmp_path):
+    from cascade_service.core.adaptive import AdaptiveLength
+    from cascade_service.models.acceptance_head import AcceptanceHead
+
+    head = AcceptanceHead(64, depth=1)  # the drafter's d_model; weights zero: it predicts sigmoid(bias)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.zero_()
+        head.out.bias.fill_(-5.0)  # a pessimist: stops after the first draft
+    head.save(tmp_path / "head")
+    prompt = random_prompts(1, 10, seed=41)[0]
+    expected = seq2seq_oracle(t5["target"], prompt, 16)
+    fixed = None
+    for spec in (None, AdaptiveLength("specdec", 0.5, str(tmp_path / "head")), AdaptiveLength("confidence", 0.999)):
+        cascade = Engine(
+            make_cascade(
+                ModelTierConfig("target", str(t5["target"])),
+                [ModelTierConfig("close", str(t5["close"]))],
+                [[6]],
+                1.0,
+                None,
+                {"close": spec} if spec else None,
+            )
+        )
+        out = cascade.generate(prompt, GenerationConfig(max_new_tokens=16))
+        assert out.token_ids == expected, spec
+        drafted = out.stats.reviews["target"].drafted
+        if spec is None:
+            fixed = drafted
+        else:
+            assert fixed is not None and drafted < fixed, spec  # the rule shortened the blocks
