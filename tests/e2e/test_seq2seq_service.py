@@ -28,10 +28,10 @@ def test_the_ray_app_serves_an_encoder_decoder_cascade_exactly(tiny_family_facto
     }
     path = tmp_path / "t5.yaml"
     path.write_text(yaml.safe_dump(raw))
-    try:
-        serve.delete(APP_NAME)  # another module's app may share this Ray; replace it
-    except Exception:  # no Serve running yet: nothing to replace
-        pass
+    import ray
+
+    if ray.is_initialized():  # another module's app may share this Ray: replace it (and never start
+        serve.delete(APP_NAME)  # Ray here: LocalService starts it bound to loopback)
     svc = LocalService(str(path), port=0)
     svc.start()
     model = AutoModelForSeq2SeqLM.from_pretrained(t5["target"], local_files_only=True).eval()
