@@ -20,8 +20,9 @@ from cascade_service.core.types import Context
 
 from ..metrics import default_metrics
 from .batching import ForwardBatcher, _Pass, default_prefill_chunk, forward_batch
-from .kvpool import STORAGES, KVCache, KVPool, Row, SlotCache, forward_rows
+from .kvpool import STORAGES, KVCache, KVPool, PoolPass, SlotCache
 from .lean import BACKENDS
+from .rows import last_rows
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -245,7 +246,7 @@ class HFModel:
             torch.cuda.synchronize(self.device)
 
     def _forward(
-        self, tokens: Sequence[int], cache: KVCache | None, keep: int, with_hidden: bool = False
+        self, tokens: Sequence[int], cache: KVCache | PoolPass | None, keep: int, with_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.encoder_decoder:
             from . import seq2seq
@@ -253,20 +254,19 @@ class HFModel:
             assert isinstance(cache, seq2seq.Seq2SeqCache)  # new_cache() made it
             return seq2seq.forward(self, tokens, cache, keep, with_hidden)
         if isinstance(cache, SlotCache):
-            result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = forward_rows(
-                self, [Row(tokens, cache, keep, with_hidden)]
-            )[0]
+            # A lone row over its pool slot: the model makes its mask and positions from the slot's
+            # length, as over a DynamicCache (models.kvpool.PoolPass).
+            with self.kv_pool.lock:
+                step = PoolPass(self.kv_pool, [cache], len(tokens))
+                result = self._forward(tokens, step, keep, with_hidden)
+                step.commit([len(tokens)])
             return result
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, S]
         extra = {"logits_to_keep": keep} if self._keeps_logits else {}
         if with_hidden:
             extra["output_hidden_states"] = True
         out = self.module(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
-        logits = out.logits[0, -keep:].float()  # [keep, V]
-        if not with_hidden:
-            return logits
-        # hidden_states[-1] is the final-norm output, i.e. what the LM head consumed.
-        return logits, out.hidden_states[-1][0, -keep:].float()  # [keep, V], [keep, H]
+        return last_rows(out.logits, out.hidden_states[-1] if with_hidden else None, keep)
 
 
 def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7) -> float:

@@ -21,6 +21,7 @@ x head_dim x the dtype's bytes.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import weakref
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
+
+from .rows import padded_inputs, split_outputs
 
 FIRST_SLOTS = 4
 FIRST_CAPACITY = 128
@@ -64,7 +67,7 @@ class KVPool:
     def __init__(self) -> None:
         self.lock = threading.RLock()  # one pass at a time, and growth between passes
         self._slots_lock = threading.Lock()
-        self._free: list[int] = []
+        self._free: list[int] = []  # a heap
         self._next = 0  # slots handed out so far (the highest index + 1)
         self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
@@ -72,14 +75,13 @@ class KVPool:
     def allocate(self) -> int:
         with self._slots_lock:
             if self._free:
-                self._free.sort()
-                return self._free.pop(0)  # lowest first: a steady batch stays a run of slots
+                return heapq.heappop(self._free)  # lowest first: a steady batch stays a run of slots
             self._next += 1
             return self._next - 1
 
     def release(self, slot: int) -> None:
         with self._slots_lock:
-            self._free.append(slot)
+            heapq.heappush(self._free, slot)
 
     @property
     def capacity(self) -> int:
@@ -98,8 +100,6 @@ class KVPool:
             self.keys.append(like.new_zeros((0, like.shape[1], 0, like.shape[3])))
             self.values.append(like.new_zeros((0, like.shape[1], 0, like.shape[3])))
         old = self.keys[layer]
-        if old.shape[0] >= slots and old.shape[2] >= positions:
-            return
         size = (_grown(old.shape[0], slots, FIRST_SLOTS), _grown(old.shape[2], positions, FIRST_CAPACITY))
         for store in (self.keys, self.values):
             grown = like.new_zeros((size[0], like.shape[1], size[1], like.shape[3]))
@@ -208,36 +208,17 @@ class PoolPass:
             cache.length += new
 
 
-@dataclass
-class Row:
-    """One request's part of a pass: the tokens it feeds, its cache, the last `keep` rows of logits
-    it wants, and whether it wants their final hidden states too."""
-
-    fed: Sequence[int]
-    cache: SlotCache
-    keep: int
-    with_hidden: bool = False
-
-
 def forward_rows(model: Any, rows: Sequence[Any]) -> list[Any]:
-    """One forward pass of `model` (an `HFModel`) over `rows` (each like `Row`), reading and writing
-    their slots in place.
+    """One forward pass of `model` (an `HFModel`) over two or more `rows` (each a batcher's pass: fed,
+    cache, keep, with_hidden), reading and writing their slots in place; a lone row's pass is
+    `HFModel._forward`'s.
 
     Returns per row its [keep, V] float32 logits, or (logits, hidden [keep, H]) where asked for.
     """
-    if len(rows) == 1:
-        return [_forward_one(model, rows[0])]
     device, pool = model.device, model.kv_pool
-    news = [len(row.fed) for row in rows]
-    steps = max(news)
-    ids = torch.zeros((len(rows), steps), dtype=torch.long, device=device)
-    for i, row in enumerate(rows):
-        ids[i, : news[i]] = torch.tensor(list(row.fed), dtype=torch.long, device=device)
-    # Only the rows some request asked for go through the LM head (a prefill asks for one of many).
-    wanted = sorted({j for row, s in zip(rows, news) for j in range(s - row.keep, s)})
-    index = {j: k for k, j in enumerate(wanted)}
+    ids, news, wanted = padded_inputs(rows, device)
     with pool.lock:
-        step = PoolPass(pool, [row.cache for row in rows], steps)
+        step = PoolPass(pool, [row.cache for row in rows], ids.shape[1])
         out = model.module(
             input_ids=ids,
             attention_mask=step.mask(model.dtype, device),
@@ -248,29 +229,4 @@ def forward_rows(model: Any, rows: Sequence[Any]) -> list[Any]:
             output_hidden_states=any(row.with_hidden for row in rows),
         )
         step.commit(news)
-    results: list[Any] = []
-    for i, (row, s) in enumerate(zip(rows, news)):
-        logits = out.logits[i, [index[j] for j in range(s - row.keep, s)]].float()  # [keep, V]
-        if row.with_hidden:
-            results.append((logits, out.hidden_states[-1][i, s - row.keep : s].float()))
-        else:
-            results.append(logits)
-    return results
-
-
-def _forward_one(model: Any, row: Any) -> Any:
-    """A lone row's pass: the model makes its mask and positions from the cache's length, as it
-    would over its own `DynamicCache` (what decoding one request pays per step, kept as lean)."""
-    ids = torch.tensor([list(row.fed)], dtype=torch.long, device=model.device)
-    with model.kv_pool.lock:
-        step = PoolPass(model.kv_pool, [row.cache], ids.shape[1])
-        out = model.module(
-            input_ids=ids,
-            past_key_values=step,
-            use_cache=True,
-            logits_to_keep=row.keep,
-            output_hidden_states=row.with_hidden,
-        )
-        step.commit([ids.shape[1]])
-    logits = out.logits[0, -row.keep :].float()
-    return (logits, out.hidden_states[-1][0, -row.keep :].float()) if row.with_hidden else logits
+    return split_outputs(out, rows, news, wanted)

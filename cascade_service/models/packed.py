@@ -22,25 +22,22 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from .rows import padded_inputs, split_outputs
+
 
 def forward_packed(model: Any, batch: Sequence[Any]) -> list[object]:
     """One forward pass for several requests' passes (fed, cache, keep, with_hidden) over their own
     `DynamicCache`s; see the module docstring."""
     device = model.device
     past = [item.cache.get_seq_length() for item in batch]
-    news = [len(item.fed) for item in batch]
-    width, steps = max(past), max(news)
-    ids = torch.zeros((len(batch), steps), dtype=torch.long, device=device)
+    ids, news, wanted = padded_inputs(batch, device)
+    width, steps = max(past), ids.shape[1]
     mask = torch.ones((len(batch), width + steps), dtype=torch.long, device=device)
     positions = torch.empty((len(batch), steps), dtype=torch.long, device=device)
-    for i, item in enumerate(batch):
-        ids[i, : news[i]] = torch.tensor(item.fed, dtype=torch.long, device=device)
+    for i in range(len(batch)):
         mask[i, : width - past[i]] = 0
         positions[i] = torch.arange(past[i], past[i] + steps, device=device)
     packed = _pack([item.cache for item in batch], past, width, model)
-    # Only the rows some request asked for go through the LM head (a prefill asks for one of many).
-    wanted = sorted({j for item, s in zip(batch, news) for j in range(s - item.keep, s)})
-    index = {j: k for k, j in enumerate(wanted)}
     out = model.module(
         input_ids=ids,
         attention_mask=mask,
@@ -50,16 +47,9 @@ def forward_packed(model: Any, batch: Sequence[Any]) -> list[object]:
         logits_to_keep=torch.tensor(wanted, device=device),
         output_hidden_states=any(item.with_hidden for item in batch),
     )
-    results: list[object] = []
     for i, (item, s) in enumerate(zip(batch, news)):
-        rows = [index[j] for j in range(s - item.keep, s)]
-        logits = out.logits[i, rows].float()  # [keep, V]
         _append(item.cache, packed, i, width, s)
-        if item.with_hidden:
-            results.append((logits, out.hidden_states[-1][i, s - item.keep : s].float()))
-        else:
-            results.append(logits)
-    return results
+    return split_outputs(out, batch, news, wanted)
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -20,6 +20,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from cascade_service.core.types import Context
 
 from .hf import HFModel, HFScorer
+from .rows import last_rows
 
 
 class Seq2SeqCache(EncoderDecoderCache):
@@ -61,10 +62,7 @@ def forward(
         use_cache=True,
         output_hidden_states=with_hidden,
     )
-    logits = out.logits[0, -keep:].float()  # [keep, V]
-    if not with_hidden:
-        return logits
-    return logits, out.decoder_hidden_states[-1][0, -keep:].float()
+    return last_rows(out.logits, out.decoder_hidden_states[-1] if with_hidden else None, keep)
 
 
 class Seq2SeqScorer(HFScorer):
