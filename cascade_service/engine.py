@@ -26,7 +26,6 @@ from .core.stats import CascadeStats
 from .core.tier import Release, Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
-from .models.seq2seq import decoder_start
 from .runtime.assemble import TierFacts, assemble_coordinator
 from .runtime.leaves import statistical_tier, suffix_caches
 from .scheduling.load import BySampling, LoadModel
@@ -141,9 +140,7 @@ class Engine:
     def context_of(self, prompt_ids: Sequence[int]) -> list[int]:
         """The sequence the cascade extends for a prompt: the prompt itself, or for an encoder-decoder
         family the prompt (the encoder's input) and the decoder start token (models.seq2seq)."""
-        start = self.target.facts().decoder_start if isinstance(self.target, RemoteModel) else None
-        if isinstance(self.target, HFModel) and self.target.encoder_decoder:
-            start = decoder_start(self.target)
+        start = self.target.decoder_start
         return list(prompt_ids) if start is None else decoder_context(prompt_ids, start)
 
     def _tier(self, model: HFModel | RemoteModel, request_id: str) -> Tier:

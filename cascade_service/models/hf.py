@@ -102,6 +102,16 @@ def _local_dir(path: str | Path) -> Path:
     return local
 
 
+def _decoder_start(config: Any, name: str) -> int:
+    """The token an encoder-decoder model's decoder starts from (its config's decoder_start_token_id)."""
+    start = getattr(config, "decoder_start_token_id", None)
+    if start is None:
+        start = getattr(config, "pad_token_id", None)  # T5's convention, and BART's fallback
+    if start is None:
+        raise ValueError(f"{name}: an encoder-decoder model without a decoder_start_token_id")
+    return int(start)
+
+
 def _eos_ids(module: PreTrainedModel) -> set[int]:
     ids: set[int] = set()
     for cfg in (getattr(module, "generation_config", None), module.config):
@@ -127,9 +137,11 @@ class HFModel:
         self.config = module.config
         self.device = next(module.parameters()).device
         self.dtype = next(module.parameters()).dtype
-        # An encoder-decoder model (T5, BART, Marian: models.seq2seq) keeps an encoder output and a
-        # decoder cache per request, and its passes run one request at a time.
-        self.encoder_decoder = bool(getattr(module.config, "is_encoder_decoder", False))
+        # An encoder-decoder model's (T5, BART, Marian: models.seq2seq) decoder start token: a request's
+        # context is its prompt, then this (core.encdec). None for a decoder-only model.
+        self.decoder_start: int | None = (
+            _decoder_start(module.config, name) if getattr(module.config, "is_encoder_decoder", False) else None
+        )
         # Where requests' KV caches live (models.kvpool): slots of one pool a batched pass reads in
         # place ("pool"), or a DynamicCache each, packed per batched pass ("dynamic").
         self.kv = kv
@@ -161,6 +173,12 @@ class HFModel:
             self.batcher = ForwardBatcher(self, max_batch, chunk)
             metrics = default_metrics()
             self.batcher.on_pass = lambda rows, seconds: metrics.forward_pass(self.name, rows, seconds)
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """An encoder-decoder model keeps an encoder output and a decoder cache per request, and its
+        passes run one request at a time (models.seq2seq)."""
+        return self.decoder_start is not None
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one request, in this model's storage."""

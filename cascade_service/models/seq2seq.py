@@ -12,7 +12,6 @@ rejection exactly as a decoder-only model's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
@@ -29,16 +28,6 @@ class Seq2SeqCache(EncoderDecoderCache):
     def __init__(self, encoder_out: torch.Tensor | None = None):
         super().__init__(DynamicCache(), DynamicCache())
         self.encoder_out = encoder_out  # [1, S_enc, d] of the request's encoder input
-
-
-def decoder_start(model: Any) -> int:
-    """The token an encoder-decoder model's decoder starts from (its config's decoder_start_token_id)."""
-    start = getattr(model.config, "decoder_start_token_id", None)
-    if start is None:
-        start = getattr(model.config, "pad_token_id", None)  # T5's convention, and BART's fallback
-    if start is None:
-        raise ValueError(f"{model.name}: an encoder-decoder model without a decoder_start_token_id")
-    return int(start)
 
 
 def encode(model: HFModel, encoder_ids: Sequence[int]) -> torch.Tensor:
@@ -73,7 +62,8 @@ class Seq2SeqScorer(HFScorer):
         self._encoder_ids: list[int] | None = None
         self._encoder_out: torch.Tensor | None = None
         super().__init__(model)
-        self.start = decoder_start(model)
+        assert model.decoder_start is not None  # HFModel.scorer() makes this scorer for such models
+        self.start = model.decoder_start
 
     def logits(self, ctx: Context, n: int) -> torch.Tensor:
         try:

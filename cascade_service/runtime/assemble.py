@@ -43,15 +43,13 @@ class TierFacts:
 
     @classmethod
     def of(cls, model: HFModel) -> TierFacts:
-        from ..models.seq2seq import decoder_start
-
         return cls(
             model.vocab_size,
             model.num_parameters,
             tuple(sorted(model.eos_token_ids)),
             model.max_positions,
             str(model.device),
-            decoder_start(model) if model.encoder_decoder else None,
+            model.decoder_start,
         )
 
     @classmethod

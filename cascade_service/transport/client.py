@@ -224,19 +224,17 @@ class RemoteModel:
         self.name = name
         self.mag = mag  # MaG on a tier server: drafts, has no parameters to weigh
         self.replicas = replicas
-        self.vocab_size = int(info.vocab_size)
-        self.num_parameters = int(info.num_parameters)
-        self.eos_token_ids = frozenset(int(t) for t in info.eos_token_ids)
-        self.max_positions = int(info.max_positions) or None
-        self.device = info.device
+        self._facts = facts = TierFacts.from_pb(info)  # the server's TierInfo, read once
+        self.vocab_size, self.num_parameters = facts.vocab_size, facts.num_parameters
+        self.eos_token_ids = frozenset(facts.eos_token_ids)
+        self.max_positions, self.device, self.decoder_start = facts.max_positions, facts.device, facts.decoder_start
         self.system = bool(info.system)
-        self._info = info  # the server's TierInfo: facts() reads it whole
 
     def tier(self, request_id: str) -> RemoteTier:
         return RemoteTier(self.name, request_id, self.replicas.invoker(request_id), system=self.system)
 
     def facts(self) -> TierFacts:
-        return TierFacts.from_pb(self._info)
+        return self._facts
 
 
 def connect(cascade: CascadeConfig, client: TierClientConfig) -> dict[str, RemoteModel]:
