@@ -202,8 +202,7 @@ class Coordinator:
         context = list(record.token_ids if record else ()) + list(params.prompt_ids)
         if not context:
             raise ValueError("prompt: empty (the session has no history yet)")
-        if self.decoder_start is not None:  # the encoder's input, then where the decoder starts
-            context = decoder_context(context, self.decoder_start)
+        context = decoder_context(context, self.decoder_start)  # an encoder-decoder target: + its start token
         if record is not None:
             params = self._fit(params, len(record.token_ids))  # before any work
         request_id = uuid.uuid4().hex

@@ -132,16 +132,10 @@ class Engine:
             target, drafters, self.cascade.schedule, self.cascade.leniency, state, self.cascade.lookup
         )
         try:
-            yield from decode(system, self.context_of(prompt_ids), gen.max_new_tokens, state)
+            yield from decode(system, decoder_context(prompt_ids, self.target.decoder_start), gen.max_new_tokens, state)
         finally:
             for tier in (target, *drafters):  # a tier server's caches of this request (a local one: garbage)
                 tier.release(Release(rid))
-
-    def context_of(self, prompt_ids: Sequence[int]) -> list[int]:
-        """The sequence the cascade extends for a prompt: the prompt itself, or for an encoder-decoder
-        family the prompt (the encoder's input) and the decoder start token (models.seq2seq)."""
-        start = self.target.decoder_start
-        return list(prompt_ids) if start is None else decoder_context(prompt_ids, start)
 
     def _tier(self, model: HFModel | RemoteModel, request_id: str) -> Tier:
         """One request's tier of a model (its own KV cache, here or on its tier server)."""

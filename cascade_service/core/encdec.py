@@ -22,8 +22,11 @@ def check_prompt(prompt_ids: Sequence[int], start: int) -> None:
         )
 
 
-def decoder_context(prompt_ids: Sequence[int], start: int) -> list[int]:
-    """The sequence a cascade extends for `prompt_ids`: the encoder input, then the decoder start."""
+def decoder_context(prompt_ids: Sequence[int], start: int | None) -> list[int]:
+    """The sequence a cascade extends for `prompt_ids`: the prompt itself for a decoder-only target
+    (`start` None), else the encoder's input and the decoder start token."""
+    if start is None:
+        return list(prompt_ids)
     check_prompt(prompt_ids, start)
     return [*prompt_ids, start]
 

@@ -94,7 +94,7 @@ def test_a_prompt_holding_the_decoder_start_token_is_refused(t5):
     cascade = engine(t5, ["close"], [[3]])
     with pytest.raises(ValueError, match="prompt: token 0 is the decoder start token"):
         cascade.generate([5, 0, 7], GenerationConfig(max_new_tokens=4))
-    assert decoder_context([5, 7], 0) == [5, 7, 0]
+    assert decoder_context([5, 7], 0) == [5, 7, 0] and decoder_context([5, 7], None) == [5, 7]
 
 
 def test_a_cascade_mixing_encoder_decoder_and_decoder_only_tiers_is_refused(t5, tiny_family):
