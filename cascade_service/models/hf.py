@@ -62,21 +62,24 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def is_encoder_decoder(path: str | Path) -> bool:
-    """Whether a model directory's config.json records an encoder-decoder model (no weights read)."""
+def _config_json(path: str | Path) -> dict:
+    """A model directory's config.json (no weights read); {} when there is none to read: loading
+    the directory then fails with its own error."""
     try:
         config = json.loads((Path(path).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return bool(config.get("is_encoder_decoder", False))
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def is_encoder_decoder(path: str | Path) -> bool:
+    """Whether a model directory's config.json records an encoder-decoder model."""
+    return bool(_config_json(path).get("is_encoder_decoder", False))
 
 
 def config_vocab_size(path: str | Path) -> int | None:
-    """The vocabulary size a model directory's config.json records (no weights read); None if none."""
-    try:
-        config = json.loads((Path(path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # not a model directory: loading it fails with its own error
+    """The vocabulary size a model directory's config.json records; None if none."""
+    config = _config_json(path)
     size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
     return size if isinstance(size, int) else None
 
