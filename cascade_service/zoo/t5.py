@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig, PreTrainedTokenizerFast, T5Config
 
 from cascade_service.zoo import train
-from cascade_service.zoo.build import _read, corpus_files, held_out_modules, train_tokenizer
+from cascade_service.zoo.build import _read, _training_texts, held_out_modules, train_tokenizer
 from cascade_service.zoo.evaluate import ends_in_loop, eval_package_files
 from cascade_service.zoo.prompts import write_prompts
 
@@ -117,14 +117,22 @@ def _dedent(text: str, indent: int) -> str:
     return "".join(line[indent:] if line[:indent].isspace() else line for line in text.splitlines(keepends=True))
 
 
+def _usable(tokenizer: PreTrainedTokenizerFast, source: str, spec: T5Spec) -> bool:
+    """Whether an encoder input can be one: the decoder start (<pad>) never appears in it (core.encdec)."""
+    return tokenizer.pad_token_id not in tokenizer(source).input_ids[: spec.max_input]
+
+
+def _spread(items: Sequence[str], count: int) -> list[str]:
+    """`count` of `items`, evenly spread over them."""
+    return [items[i * len(items) // count] for i in range(count)]
+
+
 def _encode(tokenizer: PreTrainedTokenizerFast, pairs: Sequence[tuple[str, str]], spec: T5Spec) -> list:
-    eos = tokenizer.eos_token_id
-    out = []
+    eos, out = tokenizer.eos_token_id, []
     for source, target in pairs:
         ids = tokenizer(source).input_ids[: spec.max_input]
-        labels = tokenizer(target).input_ids[: spec.max_output - 1] + [eos]
-        if 0 not in ids:  # the decoder start (<pad>) never appears in an input: core.encdec
-            out.append((ids, labels))
+        if tokenizer.pad_token_id not in ids:  # as _usable, without encoding the source twice
+            out.append((ids, tokenizer(target).input_ids[: spec.max_output - 1] + [eos]))
     return out
 
 
@@ -228,21 +236,15 @@ def build_t5_zoo(preset: str, out_dir: str | Path, progress: bool = True) -> dic
     marker.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    texts, chars = [], 0
-    for path in corpus_files():
-        if spec.corpus_chars is not None and chars >= spec.corpus_chars:
-            break
-        texts.append(_read(path))
-        chars += len(texts[-1])
+    texts = _training_texts(spec.corpus_chars, progress)
     tokenizer = train_tokenizer(texts, spec.vocab_size, progress=False)
     data = _encode(tokenizer, function_pairs(texts), spec)
     held_pairs = function_pairs(_read(p) for p in held_out_modules())
     held = _encode(tokenizer, held_pairs, spec)[:64]
-    tune = [s for s, _ in held_pairs[64:] if 0 not in tokenizer(s).input_ids[: spec.max_input]]
-    write_prompts(paths["tune_prompts"], [tune[i * len(tune) // spec.tune_prompts] for i in range(spec.tune_prompts)])
+    tune = [s for s, _ in held_pairs[64:] if _usable(tokenizer, s, spec)]
+    write_prompts(paths["tune_prompts"], _spread(tune, spec.tune_prompts))
     external = [source for source, _ in function_pairs(_read(p) for f in eval_package_files().values() for p in f)]
-    prompts = [s for s in external if 0 not in tokenizer(s).input_ids[: spec.max_input]]
-    prompts = [prompts[i * len(prompts) // spec.prompts] for i in range(spec.prompts)]
+    prompts = _spread([s for s in external if _usable(tokenizer, s, spec)], spec.prompts)
     write_prompts(paths["prompts"], prompts)
     family = {name: _new_model(getattr(spec, name), tokenizer, spec.seed * 100 + i) for i, name in enumerate(TIERS)}
     curves = {}
