@@ -15,7 +15,6 @@ from typing import Any
 
 from .config import (
     CascadeConfig,
-    MaGConfig,
     request_state,
     with_stop_threshold,
 )
@@ -23,20 +22,20 @@ from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.encdec import check_request, decoder_context
-from .core.mag import BigramTable
 from .core.policy import BlockPolicy
 from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats
-from .core.suffix import SuffixCache
 from .core.tier import Release, Tier
 from .core.verify import Verification
 from .metrics import Metrics, RequestTimes
-from .runtime.leaves import statistical_tier, suffix_caches
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 
 MAX_PROMPT_TOKENS = 32_768
 
 TierFactory = Callable[[str], "dict[str, Tier]"]  # request id -> {model tier name: its Tier for that request}
+# API key's owner id ("" without keys) -> {statistical drafter name: its Tier for one request}: the
+# wiring's MaG and suffix decoding that run in this process (runtime.leaves.Leaves).
+LeafFactory = Callable[[str], "dict[str, Tier]"]
 
 
 def smallest_context(positions: Iterable[int | None]) -> int | None:
@@ -93,7 +92,8 @@ class Coordinator:
     tiers: TierFactory
     store: SessionStore
     defaults: GenerationConfig = field(default_factory=GenerationConfig)
-    bigram: BigramTable | None = None
+    # The statistical drafters that run here; a config whose MaG or suffix decoding runs here needs them.
+    leaves: LeafFactory | None = None
     param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
     make_stopper: StopperFactory | None = None  # SpecDec++ at a reviewing tier local to this process
     # The target's block policy per request, given whether it is greedy (scheduling.load.BySampling);
@@ -106,11 +106,6 @@ class Coordinator:
     metrics: Metrics | None = None
     # An encoder-decoder target's decoder start token (core.encdec); None: decoder-only.
     decoder_start: int | None = None
-    # Suffix decoding's caches of recent requests, one per suffix drafter (runtime.leaves), from `cascade`.
-    suffix: dict[str, SuffixCache] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.suffix = suffix_caches(self.cascade)
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -207,7 +202,7 @@ class Coordinator:
             params = self._fit(params, len(record.token_ids))  # before any work
         request_id = uuid.uuid4().hex
         stats = CascadeStats(self.cascade.target.name)
-        tiers = self.tiers(request_id)
+        tiers = self.tiers(request_id) | (self.leaves(params.owner) if self.leaves is not None else {})
         text = _TextStream(self.tokenizer.decode, params.stop)
         out: list[int] = []
         new: list[int] = []
@@ -232,7 +227,9 @@ class Coordinator:
                 new = []
         finally:
             clock.stop()
-            for tier in tiers.values():  # their KV caches (a remote tier frees its replica's, if it called it)
+            # Every tier the request had: model tiers free their KV caches (a remote tier its replica's,
+            # if it called it), suffix decoding hands the request's sequence to its key's trie.
+            for tier in tiers.values():
                 tier.release(Release(request_id))
         stats.generated = len(out)
         session_length = 0
@@ -259,13 +256,10 @@ class Coordinator:
         state.request_id = request_id
         if self.policies is not None:
             state.policy = self.policies(state.sampling.greedy)
-        drafters: list[Tier] = [
-            # MaG runs here unless the config names a tier server for it (then `tiers` holds it)
-            statistical_tier(d, self.bigram, self.vocab_size, self.suffix)
-            if isinstance(d, MaGConfig) and d.name not in tiers
-            else tiers[d.name]
-            for d in self.cascade.drafters
-        ]
+        missing = [d.name for d in self.cascade.drafters if d.name not in tiers]
+        if missing:  # a wiring fault, not the caller's: no tier (or no leaves) for a drafter of the config
+            raise RuntimeError(f"no tier for drafter {missing[0]!r} in this coordinator")
+        drafters = [tiers[d.name] for d in self.cascade.drafters]
         system = build_cascade(
             tiers[self.cascade.target.name],
             drafters,

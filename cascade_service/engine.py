@@ -14,20 +14,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CascadeConfig, GenerationConfig, MaGConfig, TierClientConfig, make_cascade, request_state
+from .config import CascadeConfig, GenerationConfig, StatisticalConfig, TierClientConfig, make_cascade, request_state
 from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup, build_cascade
 from .core.decode import decode
 from .core.encdec import decoder_context
 from .core.local import ModelTier
-from .core.mag import BigramTable
 from .core.stats import CascadeStats
 from .core.tier import Release, Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
 from .runtime.assemble import TierFacts, assemble_coordinator
-from .runtime.leaves import statistical_tier, suffix_caches
+from .runtime.leaves import Leaves
 from .scheduling.load import BySampling, LoadModel
 from .scheduling.trial import ARMS
 from .sessions import SessionStore
@@ -35,7 +34,7 @@ from .startup import check_tiers, check_vocabularies
 from .transport.client import RemoteModel, connect
 from .transport.remote import loopback
 
-Drafter = HFModel | MaGConfig | RemoteModel
+Drafter = HFModel | StatisticalConfig | RemoteModel
 
 
 @dataclass
@@ -58,19 +57,18 @@ class Engine:
         t = cascade.target
         self.target: HFModel | RemoteModel = self.remote.get(t.name) or HFModel.for_tier(t)
         self.drafters: list[Drafter] = []
-        self.bigram: BigramTable | None = None
-        self.suffix = suffix_caches(cascade)  # suffix decoding's recent requests (runtime.leaves)
         for d in cascade.drafters:
             if d.name in self.remote:
                 self.drafters.append(self.remote[d.name])
-            elif isinstance(d, MaGConfig):
+            elif isinstance(d, StatisticalConfig):
                 self.drafters.append(d)
-                self.bigram = BigramTable.load(d.bigram) if d.bigram else None
             else:
                 self.drafters.append(HFModel.for_tier(d))
         # Again with the weights' own counts (the LM heads' rows), which config.json may not record.
         check_vocabularies(cascade, {m.name: m.vocab_size for m in self.tiers()}, tokenizers=False)
         self.tokenizer = load_tokenizer(t.path)
+        # MaG's bigram table, suffix decoding's recent requests and corpus (runtime.leaves)
+        self.leaves = Leaves(cascade.drafters, self.target.vocab_size, self.encode)
         self.eos_ids = frozenset(self.target.eos_token_ids)
         self.heads = HeadCache(self.target.device if isinstance(self.target, HFModel) else "cpu")
         self._check_heads(cascade)
@@ -91,6 +89,7 @@ class Engine:
         leniency: float = 1.0,
         lookup: Lookup | None = None,
         adaptive: dict[str, AdaptiveLength] | None = None,
+        fill: str | None = None,
     ) -> Engine:
         """The same loaded models with another drafter subset (by tier name, largest first) and schedule.
 
@@ -101,12 +100,19 @@ class Engine:
         if unknown:
             raise ValueError(f"unknown drafter {unknown[0]!r}; this config has {sorted(by_name)}")
         cascade = make_cascade(
-            self.cascade.target, [by_name[n][0] for n in drafters], k_matrix, leniency, lookup, adaptive
+            self.cascade.target,
+            [by_name[n][0] for n in drafters],
+            k_matrix,
+            leniency,
+            lookup,
+            adaptive,
+            fill or self.cascade.schedule.fill.name,
         )
         twin = copy.copy(self)
         twin.cascade = cascade
         twin.drafters = [by_name[n][1] for n in drafters]
-        twin.suffix = suffix_caches(cascade)  # each variant learns from its own requests only
+        # its own requests only, MaG's table and any corpus as loaded once
+        twin.leaves = Leaves(cascade.drafters, self.target.vocab_size, self.encode, like=self.leaves)
         twin._check_heads(cascade)
         return twin
 
@@ -118,13 +124,11 @@ class Engine:
         state = request_state(
             gen, stats, self.target.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper
         )
-        vocab = self.target.vocab_size
         rid = uuid.uuid4().hex  # a remote tier's calls for this request stick to one replica by it
         state.request_id = rid
+        leaves = self.leaves("")  # in-process: one caller, so one key's space
         drafters: list[Tier] = [
-            self._wire(statistical_tier(d, self.bigram, vocab, self.suffix))
-            if isinstance(d, MaGConfig)
-            else self._tier(d, rid)
+            self._wire(leaves[d.name]) if isinstance(d, StatisticalConfig) else self._tier(d, rid)
             for d in self.drafters
         ]
         target = self._tier(self.target, rid)
@@ -184,7 +188,6 @@ class Engine:
             tiers=lambda request_id: {name: self._tier(m, request_id) for name, m in models.items()},
             store=store,
             defaults=defaults or GenerationConfig(),
-            bigram=self.bigram,
             make_stopper=self.make_stopper,
             policies=policies,
         )

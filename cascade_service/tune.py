@@ -12,13 +12,13 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 
-from .config import MAG, SUFFIX, GenerationConfig, load_config
+from .config import MAG, SUFFIX, GenerationConfig, StatisticalConfig, load_config
 from .core.cascade import Lookup
 from .core.ewif import best_k
 from .core.schedule import Schedule, ScheduleError
@@ -79,7 +79,7 @@ def lone_drafter_k(
     """Each model drafter's acceptance as a lone drafter, turned into its EWIF-best k (Corollary 4.2)."""
     best = {}
     for d in engine.cascade.drafters:
-        variant = engine.variant([d.name], [[probe_k if d.name != MAG else 10]])
+        variant = engine.variant([d.name], [[10 if isinstance(d, StatisticalConfig) else probe_k]])
         accepted = rejections = 0
         for ids in prompts:
             review = variant.generate(ids, GenerationConfig(max_new_tokens=48)).stats.reviews.get(engine.target.name)
@@ -102,20 +102,26 @@ def lone_drafter_k(
 LOOKUPS = (None, Lookup(2, 10), Lookup(2, 20))
 
 
-def candidate_grid(drafters: Sequence[str], k_star: dict[str, int]) -> list[Candidate]:
+def candidate_grid(
+    drafters: Sequence[str], k_star: dict[str, int], statistical: Collection[str] = (MAG, SUFFIX)
+) -> list[Candidate]:
     """K-matrices around each drafter's k*: diagonal choices plus an optional tail from the next drafter,
-    each with and without the MaG-first gate when MaG is a drafter."""
+    each with and without the lookup gate when a statistical drafter (`statistical`: MaG, suffix
+    decoding) is there. Blocks fill by the config's `schedule.fill` (core.schedule), as they run."""
     n = len(drafters)
     row_options = []
     for r in range(n):
-        d = drafters[r]
-        if d == MAG:
+        d = drafters[r]  # the drafter on row r's diagonal, T_{r+1}
+        if r and drafters[r - 1] in statistical:  # reviewer T_r drafts statistically: it never reviews
+            row_options.append([(0, 0)])
+            continue
+        if d in statistical:
             diag = [4, 10]
         elif r == 0:
             diag = sorted({max(1, k_star[d] - 2), k_star[d], k_star[d] + 2})
         else:
             diag = sorted({1, k_star[d]})  # inner rows: a short or an EWIF-length block
-        tails = [0, 2 if drafters[r + 1] != MAG else 5] if r + 1 < n else [0]
+        tails = [0, 5 if drafters[r + 1] in statistical else 2] if r + 1 < n else [0]
         row_options.append([(a, b) for a in diag for b in tails])
     leniencies = [1.0, 2.0] if n >= 2 else [1.0]
     grid = []
@@ -126,11 +132,11 @@ def candidate_grid(drafters: Sequence[str], k_star: dict[str, int]) -> list[Cand
             if r + 1 < n:
                 k[r][r + 1] = tail
         try:
-            Schedule.parse(k, drafters)
+            Schedule.parse(k, drafters, statistical)
         except ScheduleError:
             continue  # e.g. a drafter that no reachable row uses
         # The gate goes in front of a statistical drafter: suffix decoding where the config has it, else MaG.
-        gate = next((name for name in (SUFFIX, MAG) if name in drafters), None)
+        gate = next((name for name in (SUFFIX, MAG) if name in drafters and name in statistical), None)
         lookups = tuple(lk if lk is None else replace(lk, tier=gate) for lk in LOOKUPS) if gate else (None,)
         grid += [Candidate(tuple(map(tuple, k)), lenience, lk) for lenience in leniencies for lk in lookups]
     return grid
@@ -181,11 +187,12 @@ def tune(
     current = Candidate(
         tuple(map(tuple, config.cascade.schedule.to_lists())), config.cascade.leniency, config.cascade.lookup
     )
-    grid = [current, *candidate_grid(drafters, k_star)]
+    statistical = [d.name for d in config.cascade.drafters if isinstance(d, StatisticalConfig)]
+    grid = [current, *candidate_grid(drafters, k_star, statistical)]
     _log(f"halving grid search over {len(grid)} schedules, objective {objective}:")
     trials = halving_search(engine, grid, prompts, max_new_tokens, objective, costs)
     best = trials[0]
-    _write_config(Path(config_path), Path(out_path), best, trials, objective)
+    _write_config(Path(config_path), Path(out_path), best, trials, objective, config.cascade.schedule.fill.name)
     _log(
         f"best: K = {[list(r) for r in best.candidate.k_matrix]}, leniency {best.candidate.leniency}, "
         f"lookup {_lookup_text(best.candidate.lookup)}: "
@@ -194,13 +201,17 @@ def tune(
     return best
 
 
-def _write_config(source: Path, out: Path, best: Trial, trials: list[Trial], objective: str) -> None:
+def _write_config(source: Path, out: Path, best: Trial, trials: list[Trial], objective: str, fill: str) -> None:
     raw = yaml.safe_load(source.read_text())
     for tier in [raw["tiers"]["target"], *raw["tiers"].get("drafters", [])]:
         for key in ("path", "bigram"):
             if isinstance(tier, dict) and isinstance(tier.get(key), str):
                 tier[key] = _anchored(tier[key], source.parent)
-    raw["schedule"] = {"k_matrix": [list(r) for r in best.candidate.k_matrix], "leniency": best.candidate.leniency}
+    raw["schedule"] = {
+        "k_matrix": [list(r) for r in best.candidate.k_matrix],
+        "leniency": best.candidate.leniency,
+        "fill": fill,  # the semantics the schedule was measured under (core.schedule)
+    }
     if best.candidate.lookup is not None:
         raw["schedule"]["lookup"] = {
             "min_match": best.candidate.lookup.min_match,

@@ -195,6 +195,7 @@ class CascadeServicer:
             off_target_tokens=stats.off_target_tokens,
             tv_deviation=stats.tv_deviation,
             loglik_loss=stats.loglik_loss,
+            rows={name: _row(r.row()) for name, r in stats.reviews.items()},
         )
 
     def _session(self, record) -> pb.Session:
@@ -204,6 +205,12 @@ class CascadeServicer:
             version=record.version,
             text=self.coordinator.tokenizer.decode(list(record.token_ids)),
         )
+
+
+def _row(row: dict) -> pb.RowStats:
+    return pb.RowStats(
+        blocks=row["blocks"], gated=row["gated"], entries={n: pb.EntryStats(**e) for n, e in row["entries"].items()}
+    )
 
 
 def _tier_costs(c: TierCounters | None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from ..core.stats import Usage, absorb
 from .methods import REFERENCE, Method, Outcome, Runner, drafted_label
 from .zoo import Zoo
 
@@ -29,8 +30,10 @@ class Tally:
     accepted_by_position: dict[str, list[int]] = field(default_factory=dict)  # reviewer -> counts
     drafted_by_position: dict[str, list[int]] = field(default_factory=dict)
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> calls / drafted / accepted
+    rows: Usage = field(default_factory=Usage)  # the reviewers' counters summed, for how each row ran
 
     def add(self, outcome: Outcome) -> None:
+        absorb(self.rows, Usage(reviews=outcome.rows))
         self.generated += len(outcome.token_ids)
         self.target_calls += outcome.target_calls
         for name, counts in outcome.tiers.items():
@@ -108,7 +111,7 @@ def summarize(
             figures["best_k"] = method.sweep_k[best_at]
             figures["sweep"] = {str(k): f for k, (_, f) in zip(method.sweep_k, variants)}
         # Labels come from the counters of the run, in the order the method named its tiers.
-        order = {tier: i for i, tier in enumerate(method.name.partition(":")[2].split("+"))}
+        order = {tier: i for i, tier in enumerate(method.name.partition(":")[2].partition("@")[0].split("+"))}
         ranked = dict(sorted(figures.get("tiers", {}).items(), key=lambda kv: order.get(kv[0], len(order))))
         figures["label"] = drafted_label(method.name, ranked)
         out[method.name] = figures
@@ -132,6 +135,8 @@ def _figures(log: RunnerLog, reference: list[list[int]], costs: Mapping[str, Map
         "identical_to_hf_ar": all(toks == reference for toks in log.tokens),
         "drafter_calls_per_token": {name: _ratio(calls, n) for name, calls in tally.drafter_calls.items()},
         "tiers": tally.tiers,  # per tier: calls, drafted and accepted tokens, summed over every run
+        # per reviewer: how its K-matrix row ran, entry by entry (core.stats.ReviewCounters.row)
+        "rows": {name: review.row() for name, review in tally.rows.reviews.items()},
         "tokens_per_s_by_repeat": by_repeat,
         "per_prompt": _per_prompt(log, reference),
     }

@@ -8,16 +8,17 @@ reproduce `hf-ar`'s tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from ..config import CascadeConfig, ConfigError, GenerationConfig, MaGConfig, make_cascade
-from ..core.stats import CascadeStats
+from ..config import CascadeConfig, ConfigError, GenerationConfig, StatisticalConfig, make_cascade
+from ..core.schedule import FILLS
+from ..core.stats import CascadeStats, ReviewCounters
 from ..zoo.baselines import HFRun, hf_assisted, hf_greedy, hf_prompt_lookup
 from .zoo import Zoo
 
 REFERENCE = "hf-ar"
-USAGE = "hf-ar, ar, hf-prompt-lookup, suffix, hf-assisted:<tier>, sd:<tier>, csd:<tier>+<tier>+..."
+USAGE = "hf-ar, ar, hf-prompt-lookup, suffix, hf-assisted:<tier>, sd:<tier>, csd:<tier>+<tier>+...[@entry|@total]"
 # `suffix`: suffix decoding alone, as vLLM runs it: the target reviews its drafts directly, up to this
 # many a round (the drafter's own rule, factor x match length, usually stops it sooner).
 SUFFIX_MAX_TOKENS = 32
@@ -34,6 +35,8 @@ class Outcome:
     reviews: dict[str, tuple[list[int], list[int]]]
     # tier -> {"calls", "drafted", "accepted"} (CascadeStats.per_tier); empty for transformers' methods
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    # reviewer tier -> its counters, for how its K-matrix row ran (ReviewCounters.row); ours only
+    rows: dict[str, ReviewCounters] = field(default_factory=dict)
 
 
 class Runner(Protocol):
@@ -121,7 +124,7 @@ def _from_hf(run: HFRun) -> Outcome:
 def _from_stats(token_ids: list[int], stats: CascadeStats) -> Outcome:
     drafter_calls = {name: c.calls for name, c in stats.tiers.items() if name != stats.target}
     reviews = {name: (list(r.accepted_by_position), list(r.drafted_by_position)) for name, r in stats.reviews.items()}
-    return Outcome(token_ids, stats.target_calls, drafter_calls, reviews, stats.per_tier())
+    return Outcome(token_ids, stats.target_calls, drafter_calls, reviews, stats.per_tier(), dict(stats.reviews))
 
 
 def drafted_label(name: str, tiers: dict[str, dict[str, int]]) -> str:
@@ -131,11 +134,12 @@ def drafted_label(name: str, tiers: dict[str, dict[str, int]]) -> str:
     in the label instead of being credited (`mag_lookup` is MaG through the gate, `mag` inside the
     K-matrix). Methods without our counters (transformers') keep their name.
     """
-    kind, sep, _ = name.partition(":")
+    kind, sep, rest = name.partition(":")
     if not sep or not tiers:
         return name
     drafting = [tier for tier, t in tiers.items() if t["drafted"] > 0]  # the target drafts nothing
-    return f"{kind}:{'+'.join(drafting) or 'none'}"
+    fill = rest.partition("@")[2]
+    return f"{kind}:{'+'.join(drafting) or 'none'}" + (f"@{fill}" if fill else "")
 
 
 def parse_methods(
@@ -170,7 +174,7 @@ def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Se
         return Method(name, (EngineRunner(name, _cascade(name, config, tiers, [[SUFFIX_MAX_TOKENS]], 1.0)),))
     if kind == "hf-assisted" and arg:
         tier = _tiers(name, arg, config)[0]
-        if isinstance(tier, MaGConfig) or "+" in arg:
+        if isinstance(tier, StatisticalConfig) or "+" in arg:
             raise ValueError(f"method {name!r}: the assistant must be one model tier of the config")
         return Method(name, (HFAssisted(name, tier.name),))
     if kind == "sd" and arg:
@@ -180,6 +184,12 @@ def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Se
         variants = tuple(EngineRunner(f"{name}@k={k}", _cascade(name, config, tiers, [[k]], 1.0)) for k in sd_ks)
         return Method(name, variants, tuple(sd_ks))
     if kind == "csd" and arg:
+        # `@total` / `@entry`: the same schedule under another fill (core.schedule.FILLS), side by side
+        arg, _, fill = arg.partition("@")
+        if fill:
+            if fill not in FILLS:
+                raise ValueError(f"method {name!r}: @{fill} is not a fill ({', '.join(FILLS)})")
+            config = replace(config, schedule=replace(config.schedule, fill=FILLS[fill]))
         tiers = _tiers(name, arg, config)
         names = [t.name for t in tiers]
         # The first config with exactly these drafters lends its K-matrix and leniency; else the default.
@@ -207,6 +217,6 @@ def _cascade(
     name: str, config: CascadeConfig, tiers: Sequence, k_matrix, leniency: float, lookup=None
 ) -> CascadeConfig:
     try:
-        return make_cascade(config.target, list(tiers), k_matrix, leniency, lookup)
+        return make_cascade(config.target, list(tiers), k_matrix, leniency, lookup, fill=config.schedule.fill.name)
     except ConfigError as exc:
         raise ValueError(f"method {name!r}: {exc}") from None

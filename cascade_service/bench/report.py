@@ -40,6 +40,7 @@ def markdown(results: dict) -> str:
         lines.append(cost_table(results["tier_costs"]).rstrip("\n"))
     lines += _predicted(results["methods"])
     lines += _acceptance(results["methods"])
+    lines += _entries(results["methods"])
     return "\n".join(lines) + "\n"
 
 
@@ -69,6 +70,30 @@ def _acceptance(methods: dict, positions: int = 8) -> list[str]:
         return []
     head = ["", f"Acceptance by draft position (first {positions}), per reviewing tier:", ""]
     return [*head, _header("method", "reviewer", *(str(i + 1) for i in range(positions))), *rows]
+
+
+def _entries(methods: dict) -> list[str]:
+    """Each K-matrix entry's part of its row's blocks (invariant 7), per cascade method."""
+    rows = [
+        _row(
+            _label(n, f),
+            f"`{reviewer}`",
+            f"`{drafter}`",
+            f"{e['blocks']} / {row['blocks'] - row['gated'] - e['ended']}",
+            f"{e['share']:.1%}",
+            e["ended"],
+            row["gated"],
+            e["tokens"],
+        )
+        for n, f in methods.items()
+        for reviewer, row in f.get("rows", {}).items()
+        for drafter, e in row["entries"].items()
+    ]
+    if not rows:
+        return []
+    head = ["", "K-matrix entries: blocks the drafter ran in / blocks that left it room, per reviewing tier:", ""]
+    titles = ("method", "reviewer", "drafter", "ran / room", "share", "ended before", "gated", "tokens added")
+    return [*head, _header(*titles), *rows]
 
 
 def _label(name: str, figures: dict) -> str:

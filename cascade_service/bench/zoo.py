@@ -31,7 +31,7 @@ class Zoo:
         if cascade not in self._engines:
             names = [d.name for d in cascade.drafters]
             self._engines[cascade] = self._full.variant(
-                names, cascade.schedule.to_lists(), cascade.leniency, cascade.lookup
+                names, cascade.schedule.to_lists(), cascade.leniency, cascade.lookup, fill=cascade.schedule.fill.name
             )
         return self._engines[cascade]
 
@@ -39,8 +39,7 @@ class Zoo:
         """Empty every engine's suffix cache of earlier requests: a benchmark's next repeat of the same
         prompts must not find their own outputs there (that would measure memory, not drafting)."""
         for engine in (self._full, *self._engines.values()):
-            for cache in engine.suffix.values():
-                cache.clear()
+            engine.leaves.forget()
 
     def encode(self, text: str) -> list[int]:
         return self._full.encode(text)

@@ -13,7 +13,7 @@ from ..config import (
     Config,
     ConfigError,
     GenerationConfig,
-    MaGConfig,
+    StatisticalConfig,
     drafter_from_arg,
     load_config,
     make_adaptive,
@@ -104,6 +104,7 @@ def _config_from_args(args: argparse.Namespace) -> Config:
                 args.k_matrix if args.k_matrix is not None else cascade.schedule.to_lists(),
                 args.leniency if args.leniency is not None else cascade.leniency,
                 cascade.lookup,
+                fill=cascade.schedule.fill.name,
             )
         gen = config.generation
     else:
@@ -144,7 +145,7 @@ def _with_adaptive(cascade, args: argparse.Namespace):
         alone = [
             d.name
             for r, d in enumerate(cascade.drafters, 1)
-            if not isinstance(d, MaGConfig) and cascade.schedule.is_leaf(r)
+            if not isinstance(d, StatisticalConfig) and cascade.schedule.is_leaf(r)
         ]
         if not alone:
             raise UsageError("--adaptive-length: no model drafter drafts alone in this cascade")
@@ -155,8 +156,15 @@ def _with_adaptive(cascade, args: argparse.Namespace):
     except ConfigError as exc:
         message = str(exc).replace(f"--adaptive-length.{tier}.threshold", "--stop-threshold")
         raise UsageError(message.replace(f"--adaptive-length.{tier}.head", "--head")) from None
+    schedule = cascade.schedule
     return make_cascade(
-        cascade.target, cascade.drafters, cascade.schedule.to_lists(), cascade.leniency, cascade.lookup, adaptive
+        cascade.target,
+        cascade.drafters,
+        schedule.to_lists(),
+        cascade.leniency,
+        cascade.lookup,
+        adaptive,
+        schedule.fill.name,
     )
 
 

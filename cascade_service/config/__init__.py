@@ -6,7 +6,7 @@ Strings become objects once, here (a drafter named "mag" becomes `MaGConfig`, a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from .base import (
     ConfigError,
     MaGConfig,
     ModelTierConfig,
+    StatisticalConfig,
     SuffixConfig,
     _addresses,
     _check_int,
@@ -56,7 +57,7 @@ from .serving import (  # noqa: F401 - part of this package's interface
 @dataclass(frozen=True)
 class CascadeConfig:
     target: ModelTierConfig
-    drafters: tuple[ModelTierConfig | MaGConfig, ...]  # largest first, MaG last
+    drafters: tuple[ModelTierConfig | StatisticalConfig, ...]  # largest first, the statistical ones last
     schedule: Schedule  # the K-matrix
     leniency: float = 1.0  # inner reviews only; the target's review is always strict
     lookup: Lookup | None = None  # MaG-first gate at the target (needs MaG among the drafters)
@@ -64,7 +65,7 @@ class CascadeConfig:
     adaptive: dict[str, AdaptiveLength] = field(default_factory=dict, hash=False)  # dicts do not hash
 
     @property
-    def tiers(self) -> tuple[ModelTierConfig | MaGConfig, ...]:
+    def tiers(self) -> tuple[ModelTierConfig | StatisticalConfig, ...]:
         return (self.target, *self.drafters)
 
     def max_block(self) -> int:
@@ -156,7 +157,7 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
         _drafter(item, f"tiers.drafters[{i}]", model_defaults, base_dir) for i, item in enumerate(drafter_list)
     )
     schedule_raw = _mapping(raw.get("schedule", {}), "schedule")
-    _only(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup", "adaptive"})
+    _only(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup", "adaptive", "fill"})
     cascade = make_cascade(
         target,
         drafters,
@@ -164,6 +165,7 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
         schedule_raw.get("leniency", 1.0),
         _lookup(schedule_raw.get("lookup")),
         make_adaptive(schedule_raw.get("adaptive", {}), base_dir),
+        schedule_raw.get("fill", "entry"),
     )
     gen_raw = _mapping(raw.get("generation", {}), "generation")
     _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed", "verification"})
@@ -175,34 +177,37 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
 
 def make_cascade(
     target: ModelTierConfig,
-    drafters: Sequence[ModelTierConfig | MaGConfig],
+    drafters: Sequence[ModelTierConfig | StatisticalConfig],
     k_matrix: Any,
     leniency: Any,
     lookup: Lookup | None = None,
     adaptive: dict[str, AdaptiveLength] | None = None,
+    fill: Any = "entry",
 ) -> CascadeConfig:
     names = [d.name for d in drafters]
     if len(set(names) | {target.name}) != len(names) + 1:
         raise ConfigError(f"tier names must be unique, got target {target.name!r} and drafters {names}")
+    leaves = [d.name for d in drafters if isinstance(d, StatisticalConfig)]  # they draft, never review
     try:
         if k_matrix is None:
-            schedule = Schedule.default(names)
+            schedule = Schedule.default(names, leaves, fill)
         elif isinstance(k_matrix, str):
-            schedule = Schedule.from_json(k_matrix, names)
+            schedule = Schedule.from_json(k_matrix, names, leaves, fill)
         else:
-            schedule = Schedule.parse(k_matrix, names)
+            schedule = Schedule.parse(k_matrix, names, leaves, fill)
     except ScheduleError as exc:
-        raise ConfigError(f"schedule.k_matrix: {exc}") from None
+        field = "schedule.fill" if str(exc).startswith("fill ") else "schedule.k_matrix"
+        raise ConfigError(f"{field}: {exc}") from None
     if isinstance(leniency, bool) or not isinstance(leniency, (int, float)) or not leniency >= 1.0:
         raise ConfigError(f"schedule.leniency must be a number >= 1, got {leniency!r}")
-    if lookup is not None and not any(isinstance(d, MaGConfig) and d.name == lookup.tier for d in drafters):
+    if lookup is not None and not any(isinstance(d, StatisticalConfig) and d.name == lookup.tier for d in drafters):
         raise ConfigError(
             f"schedule.lookup.tier: {lookup.tier!r} is not a statistical drafter (kind: mag or suffix) "
             "among tiers.drafters"
         )
     for tier in adaptive or {}:
         r = names.index(tier) + 1 if tier in names else 0
-        if not r or isinstance(drafters[r - 1], MaGConfig):
+        if not r or isinstance(drafters[r - 1], StatisticalConfig):
             raise ConfigError(f"schedule.adaptive.{tier}: not a model drafter (drafters: {names})")
         if not schedule.is_leaf(r) and adaptive[tier].rule != "specdec":  # type: ignore[index]
             raise ConfigError(
@@ -259,10 +264,10 @@ def make_verification(raw: Any, where: str = "verification") -> Verification:
         raise ConfigError(str(exc).replace("verification.", where + ".", 1)) from None
 
 
-def drafter_from_arg(arg: str, index: int, dtype: str, device: str) -> ModelTierConfig | MaGConfig:
-    """A command-line drafter: `mag`, or a model directory (named after it)."""
-    if arg == MAG:
-        return MaGConfig()
+def drafter_from_arg(arg: str, index: int, dtype: str, device: str) -> ModelTierConfig | StatisticalConfig:
+    """A command-line drafter: `mag`, `suffix`, or a model directory (named after it)."""
+    if arg in STATISTICAL:
+        return STATISTICAL[arg]({}, f"--drafter[{index}]", Path("."))
     return _model_tier(
         {"path": arg},
         f"--drafter[{index}]",
@@ -276,36 +281,70 @@ def target_from_arg(path: str, dtype: str, device: str) -> ModelTierConfig:
     return _model_tier({"path": path}, "--target", "target", {"dtype": dtype, "device": device}, Path("."))
 
 
-def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTierConfig | MaGConfig:
-    if item == MAG:
-        return MaGConfig()
-    if item == SUFFIX:
-        return SuffixConfig()
+def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTierConfig | StatisticalConfig:
+    if isinstance(item, str) and item in STATISTICAL:
+        return STATISTICAL[item]({}, where, base_dir)
     item = _mapping(item, where)
-    if item.get("kind") == SUFFIX:
-        return _suffix(item, where)
-    if item.get("kind") == MAG or (item.get("name") == MAG and "path" not in item):
-        _only(item, where + ".", {"kind", "name", "bigram", "max_ngram", "address"})
-        bigram = item.get("bigram")
-        max_ngram = item.get("max_ngram", 16)
-        _check_int(max_ngram, where + ".max_ngram", 1, 64)
-        address = _addresses(item["address"], where + ".address") if "address" in item else ()
-        return MaGConfig(item.get("name", MAG), _resolve(bigram, base_dir) if bigram else None, max_ngram, address)
+    kind = item.get("kind")
+    if kind is None and item.get("name") == MAG and "path" not in item:
+        kind = MAG  # `{name: mag}` has always meant MaG
+    if kind in STATISTICAL:
+        return STATISTICAL[kind](item, where, base_dir)
+    if kind is not None and kind != "model":
+        raise ConfigError(f"{where}.kind must be one of model, {', '.join(STATISTICAL)}, got {kind!r}")
     return _model_tier(item, where, None, defaults, base_dir)
 
 
-def _suffix(item: dict, where: str) -> SuffixConfig:
-    _only(item, where + ".", {"kind", "depth", "factor", "min_prob", "cache_tokens"})
-    depth, cache = item.get("depth", 24), item.get("cache_tokens", 32768)
+def _mag(item: dict, where: str, base_dir: Path) -> MaGConfig:
+    _only(item, where + ".", {"kind", "name", "bigram", "max_ngram", "address"})
+    bigram = item.get("bigram")
+    max_ngram = item.get("max_ngram", 16)
+    _check_int(max_ngram, where + ".max_ngram", 1, 64)
+    address = _addresses(item["address"], where + ".address") if "address" in item else ()
+    return MaGConfig(item.get("name", MAG), _resolve(bigram, base_dir) if bigram else None, max_ngram, address)
+
+
+def _suffix(item: dict, where: str, base_dir: Path) -> SuffixConfig:
+    fields = {"depth", "factor", "min_prob", "cache_tokens", "total_cache_tokens", "corpus", "corpus_tokens"}
+    _only(item, where + ".", {"kind", *fields})
+    defaults = SuffixConfig()
+    depth = item.get("depth", defaults.depth)
     _check_int(depth, where + ".depth", 2, 256)
-    _check_int(cache, where + ".cache_tokens", 0, 10_000_000)
+    ints = {}
+    for key in ("cache_tokens", "total_cache_tokens", "corpus_tokens"):
+        ints[key] = item.get(key, getattr(defaults, key))
+        _check_int(ints[key], f"{where}.{key}", 0, 10_000_000)
+    if ints["total_cache_tokens"] < ints["cache_tokens"]:
+        raise ConfigError(
+            f"{where}.total_cache_tokens ({ints['total_cache_tokens']}) must be at least cache_tokens "
+            f"({ints['cache_tokens']}): one key's recent requests must fit"
+        )
     numbers = {}
-    for key, default, lo, hi in (("factor", 1.0, 0.1, 64.0), ("min_prob", 0.1, 0.0, 1.0)):
+    for key, default, lo, hi in (("factor", defaults.factor, 0.1, 64.0), ("min_prob", defaults.min_prob, 0.0, 1.0)):
         value = item.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
             raise ConfigError(f"{where}.{key} must be a number in [{lo:g}, {hi:g}], got {value!r}")
         numbers[key] = float(value)
-    return SuffixConfig(depth=depth, factor=numbers["factor"], min_prob=numbers["min_prob"], cache_tokens=cache)
+    corpus = item.get("corpus")
+    if corpus is not None:
+        if not isinstance(corpus, str) or not corpus:
+            raise ConfigError(f"{where}.corpus must be the path of a UTF-8 text file, got {corpus!r}")
+        corpus = _resolve(corpus, base_dir)
+        if not Path(corpus).is_file():
+            raise ConfigError(f"{where}.corpus: {corpus} is not a file")
+    return SuffixConfig(
+        depth=depth,
+        factor=numbers["factor"],
+        min_prob=numbers["min_prob"],
+        cache_tokens=ints["cache_tokens"],
+        total_cache_tokens=ints["total_cache_tokens"],
+        corpus=corpus,
+        corpus_tokens=ints["corpus_tokens"],
+    )
+
+
+# kind -> the parser of that statistical drafter's settings (one registry for the family).
+STATISTICAL: dict[str, Callable[[dict, str, Path], StatisticalConfig]] = {MAG: _mag, SUFFIX: _suffix}
 
 
 def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..paths import expand
 
@@ -47,6 +47,9 @@ class ModelTierConfig:
 
 @dataclass(frozen=True)
 class MaGConfig:
+    """Max-Gram (core.mag): the longest earlier match of the sequence's suffix, then a bigram table."""
+
+    kind: ClassVar[str] = MAG
     name: str = MAG
     bigram: str | None = None  # JSON bigram table (zoo build writes one); none: n-gram matches only
     max_ngram: int = 16  # longest suffix MaG looks up; bounds its per-call work
@@ -58,17 +61,35 @@ class MaGConfig:
 
 
 @dataclass(frozen=True)
-class SuffixConfig(MaGConfig):
-    """Suffix decoding (core.suffix) as a leaf drafter, named "suffix". A kind of statistical drafter,
-    as MaG is: everything that places or counts MaG (leaf only, no weights, no forward passes) holds
-    for it, and it runs where the coordinator runs (no address). MaG's bigram and max_ngram do not
-    apply to it."""
+class SuffixConfig:
+    """Suffix decoding (core.suffix), named "suffix": the most frequent continuation in tries of this
+    request, of the same API key's recent requests and of an optional shared corpus. It runs where the
+    coordinator runs (no address): its recent requests are the coordinator's."""
 
+    kind: ClassVar[str] = SUFFIX
     name: str = SUFFIX
     depth: int = 24  # core.suffix.SuffixSettings
     factor: float = 1.0
     min_prob: float = 0.1
-    cache_tokens: int = 32768
+    cache_tokens: int = 32768  # recent requests' tokens held per API key (0: no cross-request trie)
+    total_cache_tokens: int = 131072  # all keys' together; the least recently used keys go first
+    corpus: str | None = None  # a UTF-8 text file indexed once, read-only, for every key
+    corpus_tokens: int = 65536  # the most tokens of the corpus indexed (a longer corpus is refused)
+
+    @property
+    def address(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def remote(self) -> bool:
+        return False
+
+
+# The statistical drafters: leaves of the cascade that draft without a model and never review. They
+# are variants of one family (runtime.leaves.LEAVES builds each kind's per-request drafter); no
+# subclassing between them, each with its own settings and tables.
+StatisticalConfig = MaGConfig | SuffixConfig
+STATISTICAL_KINDS = (MAG, SUFFIX)
 
 
 ADDRESS = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})")

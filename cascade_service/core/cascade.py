@@ -16,7 +16,7 @@ import torch
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .policy import FIXED, BlockPolicy
 from .sampling import SamplingParams
-from .schedule import Schedule
+from .schedule import FILLS, Fill, Schedule
 from .stats import CascadeStats, Usage, absorb
 from .tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier, call_seed
 from .types import Context, Draft
@@ -77,8 +77,9 @@ class CascadeTier:
     """A reviewer over drafters: fills a block by its K-matrix row, reviews it in one forward pass.
 
     Steps (Algorithm 1):
-    1. Horizontal cascade: each drafter in order extends the block until it holds that drafter's
-       cumulative quota; a drafter that returns nothing hands over to the next one.
+    1. Horizontal cascade: each drafter in order adds its K-matrix entry to the block (`fill`:
+       core.schedule, "entry" by default; the authors' running total under "total"); a drafter that
+       returns nothing hands over to the next one.
     2. Score context + block in ONE forward pass: k + 1 next-token distributions.
     3. Review left to right (leniency l at inner reviews, 1 at the final one); emit the kept drafts
        plus the replacement or bonus token, with their true proposal distributions for the level above.
@@ -94,10 +95,12 @@ class CascadeTier:
         state: RequestState,
         final: bool = False,
         stopper: DraftStopper | None = None,
+        fill: Fill = FILLS["entry"],
     ):
         self.name = reviewer.name
         self.reviewer = reviewer
         self.drafters = list(drafters)
+        self.fill = fill
         self.leniency = leniency
         self.state = state
         self.final = final  # the target's review: it applies the request's rule and its block policy
@@ -148,38 +151,30 @@ class CascadeTier:
     def _round(
         self, request: DraftRequest, ctx: Context, limit: int, usage: Usage
     ) -> tuple[Draft, torch.Tensor | None]:
-        # `want` is ignored: this reviewer's block size comes from its own K-matrix row (paper §3.3),
-        # whatever its parent still needs, so every K-matrix entry runs (docs/algorithm.md, "How a
-        # K-matrix runs"). The only hard bound is `limit`: block + replacement/bonus never exceeds it,
-        # so a drafter below may overshoot its quota up to `ceiling` and the extra tokens are kept, as
-        # in the authors' csd.py. The block policy (the target's) may lower the ceiling further.
+        # `want` is ignored: this reviewer's block size comes from its own K-matrix row (paper §3.4),
+        # whatever its parent still needs (docs/algorithm.md, "How a K-matrix runs"). The only hard
+        # bound is `limit`: block + replacement/bonus never exceeds it, so a drafter below may
+        # overshoot its quota up to `ceiling` and the extra tokens are kept, as in the authors'
+        # csd.py. The block policy (the target's) may lower the ceiling further.
         ceiling = limit - 1
         policy = self.policy
         policy.begin()  # the round's time runs from here: the lookup and the drafting are part of it
         block = self._empty()
-        looked_up = False
+        gated = False
         if self.lookup is not None and limit > 1:
             mag, gate = self.lookup
             reply = mag.draft(self._ask(request, ctx, gate.tokens, limit - 1, gate.min_match))
             absorb(usage, reply.usage)
             block = block + reply.draft
-            looked_up = bool(block)
-            if looked_up:  # the lookup is already spent: the policy only trims it
+            gated = bool(block)
+            if gated:  # the lookup is already spent: the policy only trims it
                 block = block.head(policy.cap("lookup", len(block), len(block)))
-        if not looked_up and ceiling > 0:
-            ceiling = policy.cap("model", sum(quota for _, quota in self.drafters), ceiling)
-        goal = 0
-        for drafter, quota in self.drafters if not looked_up else ():
-            goal = min(goal + quota, ceiling)
-            while len(block) < goal and not self._ends_in_eos(block):
-                asked = goal - len(block)
-                reply = drafter.draft(self._ask(request, ctx.extend(block.tokens), asked, ceiling - len(block)))
-                absorb(usage, reply.usage)
-                if not reply.draft:
-                    break
-                block = block + reply.draft
-                if len(reply.draft) < asked and reply.stopped:
-                    break  # its stopping rule ended its part of the block: the next drafter takes over
+        ran: list[str] = []  # the row's drafters called in this block
+        ended: list[str] = []  # those whose turn came after the block had ended (budget, cap or EOS)
+        if not gated:
+            if ceiling > 0:
+                ceiling = policy.cap("model", sum(quota for _, quota in self.drafters), ceiling)
+            block = self._fill(request, ctx, block, ceiling, usage, ran, ended)
         policy.drafted()
         st = self.state
         review = self.reviewer.review(
@@ -196,7 +191,7 @@ class CascadeTier:
         )
         absorb(usage, review.usage)
         verdict = review.verdict
-        usage.reviewer(self.name).record(block.origins, verdict.accepted)
+        usage.reviewer(self.name).record(block.origins, verdict.accepted, ran, ended, gated)
         policy.observe(len(block), verdict.accepted)
         if self.final:
             usage.off_target += verdict.off_target
@@ -205,6 +200,39 @@ class CascadeTier:
         tokens = block.tokens[: verdict.accepted] + [verdict.token]
         usage.tier(self.name).tokens_out += len(tokens)
         return Draft(tokens, verdict.token_probs, verdict.dists, [self.name] * len(tokens)), review.hidden
+
+    def _fill(
+        self,
+        request: DraftRequest,
+        ctx: Context,
+        block: Draft,
+        ceiling: int,
+        usage: Usage,
+        ran: list[str],
+        ended: list[str],
+    ) -> Draft:
+        """Step 1, the horizontal cascade: the row's drafters in order, each until the block holds
+        its goal (`self.fill`), never past `ceiling`. Each drafter goes into `ran` if it was called,
+        into `ended` if the block had ended before its turn (neither: "total" used its quota up)."""
+        goal = 0
+        for drafter, quota in self.drafters:
+            goal = min(self.fill.goal(len(block), goal, quota), ceiling)
+            if len(block) >= ceiling or self._ends_in_eos(block):
+                ended.append(drafter.name)
+                continue
+            if len(block) >= goal:
+                continue
+            ran.append(drafter.name)
+            while len(block) < goal and not self._ends_in_eos(block):
+                asked = goal - len(block)
+                reply = drafter.draft(self._ask(request, ctx.extend(block.tokens), asked, ceiling - len(block)))
+                absorb(usage, reply.usage)
+                if not reply.draft:
+                    break
+                block = block + reply.draft
+                if len(reply.draft) < asked and reply.stopped:
+                    break  # its stopping rule ended its part of the block: the next drafter takes over
+        return block
 
     def _ends_in_eos(self, block: Draft) -> bool:
         return bool(block.tokens) and block.tokens[-1] in self.state.eos_ids
@@ -252,7 +280,7 @@ def build_cascade(
                     "process (or its whole sub-cascade in its replica)"
                 )
             stopper = state.make_stopper(spec)
-        systems[r] = CascadeTier(tier, row, 1.0 if final else leniency, state, final, stopper)
+        systems[r] = CascadeTier(tier, row, 1.0 if final else leniency, state, final, stopper, schedule.fill)
         state.stats.reviewer(tier.name)
     top = systems[0]
     assert isinstance(top, CascadeTier)

@@ -1,4 +1,5 @@
-"""Tiers that run in this process: a model (`ModelTier`) and the Max-Gram drafter (`MaGTier`).
+"""Tiers that run in this process: a model (`ModelTier`) and a statistical drafter (`StatisticalTier`:
+MaG or suffix decoding).
 
 Both are one request's view (a model tier owns the request's KV cache through its `Scorer`; MaG its
 n-gram index) and implement `core.tier.Tier`. A tier replica serves remote calls with these same
@@ -112,9 +113,9 @@ class Proposer(Protocol):
     decides_length: bool
 
 
-class MaGTier:
-    """A statistical drafter (MaG, or suffix decoding named "suffix") as a tier: a point mass on each
-    proposed token (Algorithm 1, base case).
+class StatisticalTier:
+    """A statistical drafter (MaG, suffix decoding) as a tier, named after its config: a point mass on
+    each proposed token (Algorithm 1, base case).
 
     A request with `min_match` (the lookup gate, `core.cascade.Lookup`) is counted apart, as tier
     `<name>_lookup` (`mag_lookup`), so the stats show whether the drafter drafted inside the K-matrix
@@ -123,8 +124,8 @@ class MaGTier:
 
     system = False
 
-    def __init__(self, mag: Proposer, vocab_size: int, name: str = "mag"):
-        self.mag = mag
+    def __init__(self, proposer: Proposer, vocab_size: int, name: str = "mag"):
+        self.proposer = proposer
         self.vocab_size = vocab_size
         self.name = name
         self.lookup_name = f"{name}_lookup"
@@ -132,10 +133,12 @@ class MaGTier:
     def draft(self, request: DraftRequest) -> DraftReply:
         ctx, k = request.context, request.k
         if request.min_match:
-            reply = self._timed(self.lookup_name, request.sampling, lambda: self.mag.lookup(ctx, k, request.min_match))
+            reply = self._timed(
+                self.lookup_name, request.sampling, lambda: self.proposer.lookup(ctx, k, request.min_match)
+            )
         else:
-            reply = self._timed(self.name, request.sampling, lambda: self.mag.propose(ctx, k))
-        if self.mag.decides_length and len(reply.draft) < k:
+            reply = self._timed(self.name, request.sampling, lambda: self.proposer.propose(ctx, k))
+        if self.proposer.decides_length and len(reply.draft) < k:
             return replace(reply, stopped=True)
         return reply
 
@@ -143,8 +146,9 @@ class MaGTier:
         raise TypeError(f"{self.name} drafts but cannot review: no schedule gives it a row of its own")
 
     def release(self, request: Release) -> None:
-        """The index goes with this object (one per request); suffix decoding keeps the sequence."""
-        self.mag.finish()
+        """The index goes with this object (one per request); suffix decoding keeps the sequence for
+        its key's later requests."""
+        self.proposer.finish()
 
     def _timed(self, name: str, sampling: SamplingParams, propose: Callable[[], list[int]]) -> DraftReply:
         usage = Usage()
@@ -226,6 +230,6 @@ def local_tiers(
     """The tiers of one request whose models (and MaG) all run in this process: (target, drafters)."""
 
     def tier(t: Scorer | MaxGram) -> Tier:
-        return MaGTier(t, vocab_size) if isinstance(t, MaxGram) else ModelTier(t, vocab_size, make_stopper)
+        return StatisticalTier(t, vocab_size) if isinstance(t, MaxGram) else ModelTier(t, vocab_size, make_stopper)
 
     return ModelTier(target, vocab_size, make_stopper), [tier(d) for d in drafters]

@@ -13,11 +13,22 @@ largest first; MaG, if present, is Tn. K is n x n non-negative ints:
   no row and is always a leaf, which is why MaG (it cannot review) must be last; with MaG and
   suffix decoding both, they are the last two and the first's row is all zeros.
 
-Every entry runs (invariant 7). An inner reviewer fills its block by its own row whatever its parent
-still needs, so K[r][c] > 0 is at least one call of T_{c+1}'s system per block of T_r; the parent
-keeps any overshoot (the authors' csd.py does the same). Only the token budget (max_new_tokens)
-cuts a block short. A K-matrix with an entry that can never run -- below the diagonal, or in the row
-of a tier no reachable row calls -- is refused, and the message names the entry and the tiers.
+How a row fills a block (invariant 7), `Schedule.fill`, one of `FILLS`:
+
+- "entry" (the default): every positive entry runs in every block of its row. When T_{c+1}'s turn
+  comes it is asked for K[r][c] tokens on top of what the block already holds, and called again until
+  it has added them; a system drafter (a reviewer over tiers below) may return more than it was asked
+  (its kept tokens plus its bonus token), and the block keeps that overshoot. So K[r][c] > 0 is at
+  least one call of T_{c+1}'s system per block of T_r.
+- "total" (the authors' csd.py): drafter c runs until the block holds K[r][0] + ... + K[r][c] tokens,
+  a running total, so an earlier drafter's overshoot uses up the later entries' quotas and they may
+  not run at all in that block.
+
+Under either, an inner reviewer fills its block by its own row whatever its parent still needs, and
+only the token budget (max_new_tokens) or an EOS cuts a block short. The stats count, per reviewer,
+the blocks in which each entry ran (core.stats.ReviewCounters.ran_by_drafter). A K-matrix with an
+entry that can never run -- below the diagonal, or in the row of a tier no reachable row calls -- is
+refused, and the message names the entry and the tiers.
 
 Worked example, drafters (base, small, mag) with the authors' FLAN-T5 config [repo]:
 
@@ -45,12 +56,35 @@ class ScheduleError(ValueError):
     """A K-matrix that does not fit the drafters, with the reason spelled out."""
 
 
+class PerEntry:
+    """Each positive entry adds its own quota to the block, whatever came before it ("entry")."""
+
+    name = "entry"
+
+    def goal(self, held: int, previous_goal: int, quota: int) -> int:
+        return held + quota
+
+
+class RunningTotal:
+    """The authors' csd.py: each drafter fills the block up to the row's running total ("total")."""
+
+    name = "total"
+
+    def goal(self, held: int, previous_goal: int, quota: int) -> int:
+        return previous_goal + quota
+
+
+Fill = PerEntry | RunningTotal
+FILLS: dict[str, Fill] = {f.name: f for f in (PerEntry(), RunningTotal())}
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A validated K-matrix over named drafters; build it with `parse`, `from_json` or `default`."""
 
     drafters: tuple[str, ...]
     k: tuple[tuple[int, ...], ...]
+    fill: Fill = FILLS["entry"]  # how a row's entries fill a block (the module's docstring)
 
     def __post_init__(self) -> None:
         drafters = tuple(self.drafters)
@@ -63,33 +97,39 @@ class Schedule:
         object.__setattr__(self, "k", k)
 
     @classmethod
-    def parse(cls, k_matrix: object, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> Schedule:
+    def parse(
+        cls, k_matrix: object, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY, fill: str = "entry"
+    ) -> Schedule:
         """Validate `k_matrix` against `drafters` (largest first), raising ScheduleError."""
         drafters = tuple(drafters)
         _check_leaf_only(drafters, leaf_only)
-        schedule = cls(drafters, k_matrix)  # type: ignore[arg-type]
+        if not isinstance(fill, str) or fill not in FILLS:
+            raise ScheduleError(f"fill must be one of {', '.join(FILLS)}, got {fill!r}")
+        schedule = cls(drafters, k_matrix, FILLS[fill])  # type: ignore[arg-type]
         for r, d in enumerate(drafters[:-1], start=1):
             if d in leaf_only and any(schedule.k[r]):
                 raise ScheduleError(f"{d!r} cannot review: its row K[{r}] must be all zeros")
         return schedule
 
     @classmethod
-    def from_json(cls, text: str, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> Schedule:
+    def from_json(
+        cls, text: str, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY, fill: str = "entry"
+    ) -> Schedule:
         """Parse a K-matrix written as JSON, e.g. "[[5, 14, 10], [0, 1, 10], [0, 0, 10]]"."""
         try:
             k_matrix = json.loads(text)
         except json.JSONDecodeError as e:
             raise ScheduleError(f"K-matrix is not valid JSON: {e}") from None
-        return cls.parse(k_matrix, drafters, leaf_only)
+        return cls.parse(k_matrix, drafters, leaf_only, fill)
 
     @classmethod
-    def default(cls, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY) -> Schedule:
+    def default(cls, drafters: Sequence[str], leaf_only: Collection[str] = LEAF_ONLY, fill: str = "entry") -> Schedule:
         """A plain vertical cascade: each tier reviews only the next one, 5 tokens (10 from MaG, the paper's figure)."""
         n = len(drafters)
         # MaG proposes for free, so a longer block from it costs nothing but target compute.
         diag = [10 if d in leaf_only else 5 for d in drafters]
         k = [[diag[c] if r == c else 0 for c in range(n)] for r in range(n)]
-        return cls.parse(k, drafters, leaf_only)
+        return cls.parse(k, drafters, leaf_only, fill)
 
     @property
     def n(self) -> int:

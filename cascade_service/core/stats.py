@@ -1,6 +1,6 @@
 """Plain counters for one generation; logging and metrics live at the edges.
 
-SWI, the paper's standardized walltime improvement (§5 of the notes):
+SWI, the paper's standardized walltime improvement (CS Drafting §5):
     SWI = n / (target calls + sum_i calls_i * c_i)
 with c_i a drafter's cost relative to the target: parameter-count ratio, or measured step-time ratio.
 MaG costs 0.
@@ -8,7 +8,7 @@ MaG costs 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -23,9 +23,10 @@ class TierCounters:
 
 @dataclass
 class ReviewCounters:
-    """What one reviewer saw: drafted/accepted tokens, per block position and per contributing drafter."""
+    """What one reviewer saw: drafted/accepted tokens, per block position and per contributing drafter,
+    and how its K-matrix row ran block by block (invariant 7)."""
 
-    reviews: int = 0
+    reviews: int = 0  # blocks reviewed
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0  # reviews that rejected a draft (the rest kept their whole block)
@@ -33,8 +34,18 @@ class ReviewCounters:
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_drafter: dict[str, int] = field(default_factory=dict)
     accepted_by_drafter: dict[str, int] = field(default_factory=dict)
+    ran_by_drafter: dict[str, int] = field(default_factory=dict)  # blocks in which the row's drafter was called
+    # Blocks that had ended (the token budget, the block policy's cap, an EOS) before the drafter's turn.
+    ended_by_drafter: dict[str, int] = field(default_factory=dict)
+    gated: int = 0  # blocks the lookup gate filled (the row did not run: core.cascade.Lookup)
 
-    def record(self, origins: list[str], accepted: int) -> None:
+    def record(
+        self, origins: list[str], accepted: int, ran: Sequence[str] = (), ended: Sequence[str] = (), gated: bool = False
+    ) -> None:
+        for by, names in ((self.ran_by_drafter, ran), (self.ended_by_drafter, ended)):
+            for name in names:
+                by[name] = by.get(name, 0) + 1
+        self.gated += gated
         self.reviews += 1
         self.drafted += len(origins)
         self.accepted += accepted
@@ -50,6 +61,25 @@ class ReviewCounters:
 
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    def row(self) -> dict:
+        """How the K-matrix row ran: the reviewer's blocks, those the lookup gate filled instead, and
+        per entry (drafter) the blocks it ran in, the blocks that had ended before its turn, its share
+        of the others (the blocks that left it room: under fill "entry" it runs in every one of
+        them, under "total" an earlier drafter's overshoot may use its quota up), and the tokens its
+        system added (its kept tokens and its bonus tokens, over every block)."""
+        filled = self.reviews - self.gated
+        entries = {}
+        for name in {**self.ran_by_drafter, **self.ended_by_drafter}:
+            ran, ended = self.ran_by_drafter.get(name, 0), self.ended_by_drafter.get(name, 0)
+            room = filled - ended
+            entries[name] = {
+                "blocks": ran,
+                "ended": ended,
+                "share": ran / room if room > 0 else 0.0,
+                "tokens": self.drafted_by_drafter.get(name, 0),
+            }
+        return {"blocks": self.reviews, "gated": self.gated, "entries": entries}
 
 
 def _grow(counts: list[int], n: int) -> None:
@@ -147,6 +177,7 @@ class CascadeStats:
                     "acceptance_by_position": r.acceptance_by_position(),
                     "drafted_by_drafter": dict(r.drafted_by_drafter),
                     "accepted_by_drafter": dict(r.accepted_by_drafter),
+                    "row": r.row(),
                 }
                 for name, r in self.reviews.items()
             },
@@ -174,6 +205,7 @@ def absorb(into: CascadeStats | Usage, usage: Usage) -> None:
         ours.drafted += r.drafted
         ours.accepted += r.accepted
         ours.rejections += r.rejections
+        ours.gated += r.gated
         for mine_pos, theirs in (
             (ours.drafted_by_position, r.drafted_by_position),
             (ours.accepted_by_position, r.accepted_by_position),
@@ -184,6 +216,8 @@ def absorb(into: CascadeStats | Usage, usage: Usage) -> None:
         for by, sent in (
             (ours.drafted_by_drafter, r.drafted_by_drafter),
             (ours.accepted_by_drafter, r.accepted_by_drafter),
+            (ours.ran_by_drafter, r.ran_by_drafter),
+            (ours.ended_by_drafter, r.ended_by_drafter),
         ):
             for k, v in sent.items():
                 by[k] = by.get(k, 0) + v

@@ -1,11 +1,16 @@
-"""Suffix decoding: a statistical drafter over suffix tries of this request and of recent ones.
+"""Suffix decoding: a statistical drafter over suffix tries of this request, of recent ones of the
+same API key, and of a shared corpus.
 
 After Arctic Inference's suffix decoding (Oliaro et al., "SuffixDecoding", 2024), as vLLM runs it.
-Two tries, each of every substring of at most `depth` tokens, each node counting the occurrences of
-its path:
+Tries of every substring of at most `depth` tokens, each node counting the occurrences of its path:
 - the request's own trie over its prompt and output so far, grown by O(depth) per committed token;
-- a global trie over the sequences of recently finished requests (`SuffixCache`), bounded in
-  tokens: when full, the oldest are dropped and the trie rebuilt from the rest.
+- a trie over the sequences of recently finished requests of the same API key (`SuffixCache`, one
+  per key in `TenantCaches`), bounded in tokens per key and over all keys: when a key's is full, its
+  oldest sequences are dropped and its trie rebuilt from the rest; when all keys' together are over
+  their bound, the least recently used keys go. One key's text never drafts for another key
+  (invariant 8): under a lossy rule a draft can be accepted into the output, and under any rule the
+  speed of a request would tell whether another key had sent similar text;
+- optionally a read-only trie over a corpus the operator configured for every key (`corpus`).
 A call finds, in each trie, the longest suffix of the context (at most `depth` tokens) that occurred
 before with a continuation, then follows the most frequent continuation from there while the product
 of the continuation frequencies stays at least `min_prob`, for at most `factor` x the match length
@@ -21,8 +26,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .types import Context
@@ -124,20 +129,27 @@ class SuffixSettings:
 
 
 class SuffixCache:
-    """The global trie over the token sequences of recently finished requests, at most `cache_tokens`
-    tokens of them (a sequence longer than that keeps its tail), so at most depth x cache_tokens nodes
-    whatever the traffic (about 166 bytes a node in CPython; docs/benchmarks.md). Shared by the
-    concurrent requests of one process, behind a lock.
+    """A trie over the token sequences of recently finished requests, at most `cache_tokens` tokens of
+    them (a sequence longer than that keeps its tail), so at most depth x cache_tokens nodes whatever
+    the traffic (about 166 bytes a node in CPython; docs/benchmarks.md). Shared by the concurrent
+    requests of one key in one process, behind a lock. `grown` is called after each sequence is
+    remembered (TenantCaches checks its bound over all keys there).
     """
 
-    def __init__(self, settings: SuffixSettings):
+    def __init__(self, settings: SuffixSettings, grown: Callable[[], None] | None = None):
         self.settings = settings
         self.trie = SuffixTrie(settings.depth)
         self._held: deque[list[int]] = deque()
         self.held_tokens = 0
         self._lock = threading.Lock()
+        self._grown = grown
 
     def remember(self, tokens: Sequence[int]) -> None:
+        self._remember(tokens)
+        if self._grown is not None:
+            self._grown()
+
+    def _remember(self, tokens: Sequence[int]) -> None:
         budget = self.settings.cache_tokens
         if budget <= 0 or not tokens:
             return
@@ -172,6 +184,60 @@ class SuffixCache:
             return _follow(self.trie, tokens, k, self.settings)
 
 
+class TenantCaches:
+    """One `SuffixCache` per API key (its owner id; "" when the service has no keys), created on a
+    key's first request, at most `settings.cache_tokens` tokens each and `total_tokens` over all keys:
+    past that, the least recently used keys' caches are dropped whole (a request still running keeps
+    drafting from the one it holds). Memory is thus bounded by depth x total_tokens nodes whatever the
+    number of keys."""
+
+    def __init__(self, settings: SuffixSettings, total_tokens: int):
+        self.settings = settings
+        self.total_tokens = total_tokens
+        self._caches: OrderedDict[str, SuffixCache] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+
+    def of(self, owner: str) -> SuffixCache:
+        """The key's cache (created on first use), now its most recently used."""
+        with self._lock:
+            cache = self._caches.get(owner)
+            if cache is None:
+                cache = self._caches[owner] = SuffixCache(self.settings, self._trim)
+            self._caches.move_to_end(owner)
+            return cache
+
+    @property
+    def held_tokens(self) -> int:
+        with self._lock:
+            return sum(c.held_tokens for c in self._caches.values())
+
+    def owners(self) -> list[str]:
+        """The keys with a cache, least recently used first."""
+        with self._lock:
+            return list(self._caches)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._caches.clear()
+
+    def _trim(self) -> None:
+        with self._lock:
+            held = sum(c.held_tokens for c in self._caches.values())
+            while held > self.total_tokens and len(self._caches) > 1:
+                _, dropped = self._caches.popitem(last=False)
+                held -= dropped.held_tokens
+
+
+def corpus_cache(settings: SuffixSettings, sequences: Sequence[Sequence[int]]) -> SuffixCache:
+    """A read-only trie over an operator's corpus, for every key: all of `sequences`, however long
+    (the config bounds them), indexed once."""
+    held = sum(len(s) for s in sequences)
+    cache = SuffixCache(SuffixSettings(settings.depth, settings.factor, settings.min_prob, max(held, 1)))
+    for sequence in sequences:
+        cache.remember(sequence)
+    return cache
+
+
 def _follow(trie: SuffixTrie, tokens: Sequence[int], k: int, settings: SuffixSettings) -> tuple[list[int], float, int]:
     """(draft, score, match length): the most frequent continuation of the longest matched suffix.
 
@@ -200,29 +266,32 @@ def _follow(trie: SuffixTrie, tokens: Sequence[int], k: int, settings: SuffixSet
 
 
 class SuffixDecoder:
-    """One request's suffix drafter: its own trie, and the process's `SuffixCache` of finished ones.
+    """One request's suffix drafter: its own trie, its key's `SuffixCache` of finished requests, and
+    the shared corpus if there is one.
 
     Its draft length is its own (confidence and match length): a short draft is not to be extended
     by asking again (`decides_length`)."""
 
     decides_length = True
 
-    def __init__(self, cache: SuffixCache):
+    def __init__(self, cache: SuffixCache, corpus: SuffixCache | None = None):
         self.cache = cache
+        self.corpus = corpus
         self.settings = cache.settings
         self.own = _Growing(self.settings.depth)
         self._tokens: list[int] = []
         self.matched = 0  # the match length behind the last draft (what the lookup gate reads)
 
     def propose(self, ctx: Context, k: int) -> list[int]:
-        """Up to k tokens to follow ctx.tokens; empty when neither trie has evidence enough."""
+        """Up to k tokens to follow ctx.tokens; empty when no trie has evidence enough."""
         self._commit(ctx)
         tokens = ctx.tokens
         # The request's own trie holds its committed tokens; the pending tail (drafts under review)
         # is matched against, not indexed: it may still be rejected.
-        own = _follow(self.own, tokens, k, self.settings)
-        shared = self.cache.draft(tokens, k)
-        draft, _, self.matched = max(own, shared, key=lambda found: found[1])
+        found = [_follow(self.own, tokens, k, self.settings), self.cache.draft(tokens, k)]
+        if self.corpus is not None:
+            found.append(self.corpus.draft(tokens, k))
+        draft, _, self.matched = max(found, key=lambda f: f[1])
         return draft
 
     def lookup(self, ctx: Context, k: int, min_match: int) -> list[int]:
@@ -231,7 +300,7 @@ class SuffixDecoder:
         return draft if self.matched >= min_match else []
 
     def finish(self) -> None:
-        """The request is over: its sequence joins the global trie for the requests after it."""
+        """The request is over: its sequence joins its key's trie for the requests after it."""
         self.cache.remember(self._tokens)
 
     def _commit(self, ctx: Context) -> None:

@@ -1,7 +1,7 @@
 """One protocol for every tier, with typed messages: draft, review, release.
 
 A tier is whatever the cascade asks for a draft or a review: a model in this process
-(`core.local.ModelTier`), MaG (`core.local.MaGTier`), a reviewer over the tiers below it
+(`core.local.ModelTier`), MaG (`core.local.StatisticalTier`), a reviewer over the tiers below it
 (`core.cascade.CascadeTier`), or a tier in another process (`transport.remote.RemoteTier`, which
 sends these same messages through the wire codec, `transport.codec`). The cascade calls this
 protocol and never asks which kind of tier it holds.

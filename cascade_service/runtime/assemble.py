@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 from ..config import CascadeConfig, GenerationConfig, ServingConfig
 from ..coordinator import Coordinator, TierFactory, Tokenizer, smallest_context
 from ..core.adaptive import StopperFactory
-from ..core.mag import BigramTable
 from ..core.policy import BlockPolicy
 from ..extras import require
 from ..metrics import default_metrics
 from ..sessions import SessionStore
 from ..startup import check_vocabularies
+from .leaves import Leaves
 
 if TYPE_CHECKING:
     from ..models.hf import HFModel
@@ -81,14 +81,17 @@ def assemble_coordinator(
     store: SessionStore,
     defaults: GenerationConfig,
     *,
-    bigram: BigramTable | None = None,
+    leaves: Leaves | None = None,
     make_stopper: StopperFactory | None = None,
     policies: Callable[[bool], BlockPolicy] | None = None,
 ) -> Coordinator:
     """A coordinator over model tiers described by `facts` (tier name -> TierFacts, the target's
-    included). A drafter whose vocabulary is not the target's fails here, before any request."""
+    included). A drafter whose vocabulary is not the target's fails here, before any request.
+    `leaves`: the wiring's statistical drafters (runtime.leaves), made from `cascade` when not given."""
     check_vocabularies(cascade, {name: f.vocab_size for name, f in facts.items()}, tokenizers=False)
     target = facts[cascade.target.name]
+    if leaves is None:
+        leaves = Leaves(cascade.drafters, target.vocab_size, tokenizer.encode)
     return Coordinator(
         cascade,
         tokenizer,
@@ -97,7 +100,7 @@ def assemble_coordinator(
         tiers=tiers,
         store=store,
         defaults=defaults,
-        bigram=bigram,
+        leaves=leaves,
         make_stopper=make_stopper,
         policies=policies,
         param_costs={

@@ -1,31 +1,124 @@
-"""The statistical leaves of a cascade (MaG, suffix decoding) for one request, built one way for the
-engine and the coordinator.
+"""The statistical drafters of a wiring (MaG, suffix decoding): their tables, loaded once, and one
+request's tiers of them, built one way for every wiring.
 
-MaG needs only the bigram table the wiring loaded. Suffix decoding also keeps the sequences of
-recent requests (core.suffix.SuffixCache): one cache per wiring (an engine, a coordinator), shared by
-its concurrent requests, made here from the config."""
+`LEAVES` is the family's registry: a config kind -> the class that holds that kind's state for a
+wiring (MaG: its bigram table; suffix decoding: its caches of recent requests, one per API key, and
+the shared corpus) and makes a request's proposer from it. `Leaves` holds one of them per statistical
+drafter of a config that runs in this process (MaG on a tier server of its own is reached as a model
+tier is).
+"""
 
 from __future__ import annotations
 
-from ..config import CascadeConfig, MaGConfig, SuffixConfig
-from ..core.local import MaGTier
+import copy
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..config import ConfigError, MaGConfig, StatisticalConfig, SuffixConfig
+from ..core.local import Proposer, StatisticalTier
 from ..core.mag import BigramTable, MaxGram
-from ..core.suffix import SuffixCache, SuffixDecoder, SuffixSettings
+from ..core.suffix import SuffixCache, SuffixDecoder, SuffixSettings, TenantCaches, corpus_cache
+from ..core.tier import Tier
+
+Encode = Callable[[str], list[int]]
 
 
-def suffix_caches(cascade: CascadeConfig) -> dict[str, SuffixCache]:
-    """One global suffix cache per suffix drafter of the config."""
-    return {
-        d.name: SuffixCache(SuffixSettings(d.depth, d.factor, d.min_prob, d.cache_tokens))
-        for d in cascade.drafters
-        if isinstance(d, SuffixConfig)
-    }
+class MaGLeaf:
+    """MaG for a wiring: its bigram table. Nothing outlives a request (the n-gram index is the request's)."""
+
+    def __init__(self, config: MaGConfig, encode: Encode | None = None):
+        self.config = config
+        self.bigram = BigramTable.load(config.bigram) if config.bigram else None
+
+    def proposer(self, owner: str) -> Proposer:
+        return MaxGram(self.bigram, self.config.max_ngram)
+
+    def forget(self) -> None:
+        pass
+
+    def fresh(self) -> MaGLeaf:
+        return self  # nothing of a request outlives it
 
 
-def statistical_tier(
-    config: MaGConfig, bigram: BigramTable | None, vocab_size: int, caches: dict[str, SuffixCache]
-) -> MaGTier:
-    """This request's tier of a statistical drafter: MaG's n-gram index, or a suffix decoder."""
-    if isinstance(config, SuffixConfig):
-        return MaGTier(SuffixDecoder(caches[config.name]), vocab_size, config.name)
-    return MaGTier(MaxGram(bigram, config.max_ngram), vocab_size, config.name)
+class SuffixLeaf:
+    """Suffix decoding for a wiring: each API key's recent requests (core.suffix.TenantCaches) and the
+    operator's corpus, read and indexed once here (with `encode`, the target's tokenizer)."""
+
+    def __init__(self, config: SuffixConfig, encode: Encode | None = None):
+        self.config = config
+        settings = SuffixSettings(config.depth, config.factor, config.min_prob, config.cache_tokens)
+        self.caches = TenantCaches(settings, config.total_cache_tokens)
+        self.corpus: SuffixCache | None = None
+        if config.corpus is not None:
+            if encode is None:
+                raise ConfigError(f"{config.name}.corpus: this wiring has no tokenizer to read it with")
+            self.corpus = corpus_cache(settings, [_corpus_tokens(config, encode)])
+
+    def proposer(self, owner: str) -> Proposer:
+        return SuffixDecoder(self.caches.of(owner), self.corpus)
+
+    def forget(self) -> None:
+        self.caches.clear()
+
+    def fresh(self) -> SuffixLeaf:
+        """The same settings and corpus (read once), no recent requests."""
+        twin = copy.copy(self)
+        twin.caches = TenantCaches(self.caches.settings, self.config.total_cache_tokens)
+        return twin
+
+
+Leaf = MaGLeaf | SuffixLeaf
+LEAVES: dict[str, Callable[..., Leaf]] = {MaGConfig.kind: MaGLeaf, SuffixConfig.kind: SuffixLeaf}
+
+
+class Leaves:
+    """The statistical drafters of a config that run in this process, with their wiring-wide state."""
+
+    def __init__(
+        self, drafters: Sequence[object], vocab_size: int, encode: Encode | None = None, like: Leaves | None = None
+    ):
+        """`like`: another wiring's leaves whose tables (bigram tables, corpora) are reused where the
+        config is the same, with none of its requests (an engine's variants: tune tries hundreds)."""
+        self.vocab_size = vocab_size
+        known = {leaf.config: leaf for leaf in like.leaves.values()} if like is not None else {}
+        self.leaves: dict[str, Leaf] = {
+            d.name: known[d].fresh() if d in known else LEAVES[d.kind](d, encode)
+            for d in drafters
+            if isinstance(d, StatisticalConfig) and not d.remote
+        }
+
+    def __call__(self, owner: str) -> dict[str, Tier]:
+        """One request's tiers of them, for the API key `owner` ("" without keys)."""
+        return {
+            name: StatisticalTier(leaf.proposer(owner), self.vocab_size, name) for name, leaf in self.leaves.items()
+        }
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.leaves
+
+    def suffix(self, name: str) -> TenantCaches:
+        """The caches of suffix drafter `name` (tests and the bench look into them)."""
+        leaf = self.leaves[name]
+        if not isinstance(leaf, SuffixLeaf):
+            raise ValueError(f"{name!r} is not a suffix drafter")
+        return leaf.caches
+
+    def forget(self) -> None:
+        """Drop every cross-request state (a benchmark's next repeat must not find its own outputs)."""
+        for leaf in self.leaves.values():
+            leaf.forget()
+
+
+def _corpus_tokens(config: SuffixConfig, encode: Encode) -> list[int]:
+    assert config.corpus is not None
+    try:
+        text = Path(config.corpus).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{config.name}.corpus: cannot read {config.corpus}: {exc}") from None
+    tokens = encode(text)
+    if len(tokens) > config.corpus_tokens:
+        raise ConfigError(
+            f"{config.name}.corpus: {config.corpus} holds {len(tokens)} tokens, more than corpus_tokens "
+            f"({config.corpus_tokens}); raise it or shorten the corpus"
+        )
+    return tokens

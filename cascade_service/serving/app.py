@@ -50,7 +50,6 @@ from ..config import (
     tier_groups,
 )
 from ..core.local import ModelTier
-from ..core.mag import BigramTable
 from ..core.tier import Tier
 from ..metrics import default_metrics
 from ..models.acceptance_head import HeadCache
@@ -163,7 +162,6 @@ class CoordinatorDeployment:
                 self.remote = connect(cascade, serving.tier_client)
                 facts |= {name: model.facts() for name, model in self.remote.items() if not model.mag}
                 self.systems = set(system_heads(cascade, serving))
-                mag = local_mag(cascade)
                 coordinator = assemble_coordinator(
                     cascade,
                     facts,
@@ -171,7 +169,6 @@ class CoordinatorDeployment:
                     self._remote_tiers,
                     Offloaded(session_store(serving, lambda: actor_store(serving)), self.pool),
                     self.config.generation,
-                    bigram=BigramTable.load(mag.bigram) if mag is not None and mag.bigram else None,
                     make_stopper=self.heads.stopper,  # SpecDec++ at a colocated reviewing tier
                     policies=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None,
                 )

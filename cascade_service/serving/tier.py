@@ -26,7 +26,7 @@ from ..api.tier.v1 import tier_pb2 as pb
 from ..config import MAG, CascadeConfig, ConfigError, ModelTierConfig, ServingConfig
 from ..core.adaptive import AdaptiveLength, DraftStopper
 from ..core.cascade import RequestState, build_cascade
-from ..core.local import MaGTier, ModelTier
+from ..core.local import ModelTier, StatisticalTier
 from ..core.mag import BigramTable, MaxGram
 from ..core.schedule import Schedule
 from ..core.stats import CascadeStats
@@ -163,18 +163,21 @@ def _batched_passes(model: HFModel) -> int:
 @dataclass(frozen=True)
 class SubCascade:
     """A group member's sub-cascade, fixed at deployment: `tiers` is the member first, then every tier
-    below it ("mag" last if used); `k_matrix` its part of the K-matrix; `leniency` its inner reviews'."""
+    below it ("mag" last if used); `k_matrix` its part of the K-matrix; `leniency` its inner reviews';
+    `fill` how its rows fill a block, as the whole cascade's do (core.schedule.FILLS)."""
 
     tiers: tuple[str, ...]
     k_matrix: tuple[tuple[int, ...], ...]
     leniency: float
+    fill: str = "entry"
 
     @classmethod
     def of(cls, spec: Mapping[str, Any]) -> SubCascade:
-        return cls(tuple(spec["tiers"]), tuple(tuple(row) for row in spec["k_matrix"]), float(spec["leniency"]))
+        rows = tuple(tuple(row) for row in spec["k_matrix"])
+        return cls(tuple(spec["tiers"]), rows, float(spec["leniency"]), str(spec.get("fill", "entry")))
 
     def schedule(self) -> Schedule:
-        return Schedule.parse([list(row) for row in self.k_matrix], list(self.tiers[1:]))
+        return Schedule.parse([list(row) for row in self.k_matrix], list(self.tiers[1:]), fill=self.fill)
 
 
 class TierGroup:
@@ -261,7 +264,7 @@ class TierGroup:
                 _check_ids(request.context.tokens, self.mag_vocab, "context.tokens")
             if request.limit > MAX_BLOCK:
                 raise ValueError(f"limit: {request.limit} tokens in one block; at most {MAX_BLOCK}")
-            return MaGTier(self._mag(rid), self.mag_vocab or 0)
+            return StatisticalTier(self._mag(rid), self.mag_vocab or 0)
         server = self._server(name)
         server.check(request)
         if name in self.systems and isinstance(request, DraftRequest):
@@ -301,7 +304,7 @@ class TierGroup:
             request_id=rid,
         )
         tiers: list[Tier] = [
-            MaGTier(self._mag(rid), head.vocab_size) if n == MAG else self.servers[n].request_tier(rid)
+            StatisticalTier(self._mag(rid), head.vocab_size) if n == MAG else self.servers[n].request_tier(rid)
             for n in sub.tiers
         ]
         system = build_cascade(tiers[0], tiers[1:], schedule, sub.leniency, state, strict_top=False)
@@ -373,7 +376,8 @@ def system_heads(cascade: CascadeConfig, serving: ServingConfig) -> dict[str, Su
                         reach.add(c + 1)
                         todo.append(c + 1)
             if {names[i] for i in reach} == below:
-                heads[name] = SubCascade(tuple(names[h:]), tuple(tuple(row[h:]) for row in k[h:]), cascade.leniency)
+                rows = tuple(tuple(row[h:]) for row in k[h:])
+                heads[name] = SubCascade(tuple(names[h:]), rows, cascade.leniency, cascade.schedule.fill.name)
     return heads
 
 

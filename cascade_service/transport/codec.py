@@ -279,6 +279,9 @@ def _usage_out(u: Usage) -> pb.Usage:
                 accepted_by_position=r.accepted_by_position,
                 drafted_by_drafter=r.drafted_by_drafter,
                 accepted_by_drafter=r.accepted_by_drafter,
+                ran_by_drafter=r.ran_by_drafter,
+                ended_by_drafter=r.ended_by_drafter,
+                gated=r.gated,
             )
             for n, r in u.reviews.items()
         },
@@ -303,6 +306,9 @@ def _usage_in(m: pb.Usage) -> Usage:
                 list(r.accepted_by_position),
                 _counts(r.drafted_by_drafter),
                 _counts(r.accepted_by_drafter),
+                _counts(r.ran_by_drafter),
+                _counts(r.ended_by_drafter),
+                r.gated,
             )
             for n, r in m.reviews.items()
         },

@@ -22,9 +22,15 @@ def write_config(path: Path, tiny_family: dict[str, Any], grace_s: float) -> Pat
     raw = {
         "tiers": {
             "target": {"name": "target", "path": str(tiny_family["target"])},
-            "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}],
+            # Both statistical drafters: MaG inside the K-matrix, suffix decoding behind the gate and
+            # in the target's row (issue 37: every wiring runs a config that mixes them).
+            "drafters": [{"name": "mid", "path": str(tiny_family["mid"])}, {"kind": "mag"}, {"kind": "suffix"}],
         },
-        "schedule": {"k_matrix": [[4, 2], [0, 6]], "leniency": 1.5},
+        "schedule": {
+            "k_matrix": [[4, 0, 2], [0, 6, 0], [0, 0, 0]],
+            "leniency": 1.5,
+            "lookup": {"tier": "suffix", "min_match": 2, "tokens": 16},
+        },
         "generation": {"max_new_tokens": 16},
         "serving": {"torch_threads": 1, "shutdown_grace_s": grace_s},
     }

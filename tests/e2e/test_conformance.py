@@ -137,6 +137,25 @@ def test_the_openai_client_gets_the_grpc_text_unary_and_streamed(served, tiny_fa
         assert samples[("cascade:tier_pass_seconds_count", "target")] > 0
 
 
+def test_a_repeated_prompt_drafts_from_what_the_first_one_wrote(served, tiny_family):
+    # Suffix decoding keeps each finished request (of the caller's key; here no keys: one space), so
+    # the same prompt again is drafted from the first one's output: fewer target calls, same tokens.
+    prompt = random_prompts(1, 14, seed=23)[0]
+    expected = oracle(tiny_family["target"], prompt, 24)
+    request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24)
+    first, again = (served.stub.Generate(request, timeout=120) for _ in range(2))
+    assert list(first.token_ids) == list(again.token_ids) == expected
+    assert again.stats.target_calls < first.stats.target_calls
+    assert again.stats.tiers["suffix_lookup"].drafted > first.stats.tiers["suffix_lookup"].drafted
+    # and through the OpenAI-compatible API, with another prompt
+    client = openai.OpenAI(base_url=served.http_url, api_key="unused", max_retries=0, timeout=120)
+    prompt = random_prompts(1, 14, seed=24)[0]
+    replies = [client.completions.create(model="target", prompt=prompt, max_tokens=24, temperature=0) for _ in "ab"]
+    assert replies[0].choices[0].text == replies[1].choices[0].text
+    calls = [r.model_extra["cascade"]["target_calls"] for r in replies]
+    assert calls[1] < calls[0], calls
+
+
 def test_http_errors_are_openai_error_bodies(served):
     request = urllib.request.Request(
         served.http_url + "/completions", data=b"{not json", headers={"Content-Type": "application/json"}

@@ -15,6 +15,7 @@ from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.coordinator import Coordinator, Tokenizer
 from cascade_service.core.cascade import Lookup
 from cascade_service.models.hf import load_tokenizer
+from cascade_service.runtime.leaves import Leaves
 from cascade_service.serving.tier import SubCascade, TierGroup
 from cascade_service.sessions import MemoryStore
 from cascade_service.transport.codec import decode_draft_reply, decode_review_reply
@@ -58,6 +59,7 @@ def _coordinator(family, max_cached: int, log: list):
         frozenset(_model(servers["target"]).eos_token_ids),
         tiers=lambda rid: {n: RemoteTier(n, rid, invoker(n)) for n in servers},
         store=MemoryStore(),
+        leaves=Leaves(cascade.drafters, _model(servers["target"]).vocab_size),  # MaG runs here
     )
     return coordinator, servers
 
@@ -151,7 +153,7 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
             "mid": RemoteTier("mid", rid, via(group)),
         },
         store=MemoryStore(),
-        bigram=BigramTable.load(bigram),
+        leaves=Leaves(cascade.drafters, target.servers["target"].model.vocab_size),  # MaG, with its bigram table
     )
     for prompt in PROMPTS:
         result = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=20))

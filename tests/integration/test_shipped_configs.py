@@ -1,4 +1,5 @@
-"""Every shipped config runs as its K-matrix says: each drafter it names drafts (invariant 7).
+"""Every shipped config runs as its K-matrix says: each drafter it names drafts, and each positive
+entry runs in every block of its row that leaves it room (invariant 7, per block: the rows' counters).
 
 The configs point at `$CASCADE_SERVICE_HOME/zoo/{demo,test,tiny,t5}`. The `test` zoo has the same
 tier names (large, base, small, bigram) as the demo zoo and trains in under a minute, so it stands in
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from cascade_service.config import MaGConfig, ModelTierConfig, load_config
+from cascade_service.config import ModelTierConfig, StatisticalConfig, SuffixConfig, load_config
+from cascade_service.core.stats import Usage, absorb
 from cascade_service.engine import Engine
 from cascade_service.zoo.tiny import build_family
 
@@ -65,7 +67,7 @@ def _served_here(cascade, servers: ExitStack):
     from cascade_service.transport.server import start_tier_server
 
     local = replace(cascade, target=replace(cascade.target, address=()))
-    local = replace(local, drafters=tuple(replace(d, address=()) for d in cascade.drafters))
+    local = replace(local, drafters=tuple(_at(d, ()) for d in cascade.drafters))
     moved = {}
     for address in dict.fromkeys(t.address for t in cascade.tiers if t.address):
         names = [t.name for t in cascade.tiers if t.address == address]
@@ -75,18 +77,25 @@ def _served_here(cascade, servers: ExitStack):
     return replace(
         cascade,
         target=replace(cascade.target, address=moved.get(cascade.target.name, ())),
-        drafters=tuple(replace(d, address=moved.get(d.name, ())) for d in cascade.drafters),
+        drafters=tuple(_at(d, moved.get(d.name, ())) for d in cascade.drafters),
     )
+
+
+def _at(tier, address: tuple[str, ...]):
+    """The tier reached at `address` (suffix decoding has none: it runs where the coordinator runs)."""
+    return tier if isinstance(tier, SuffixConfig) else replace(tier, address=address)
 
 
 def _drafters_draft(home: Path, path: Path, cascade) -> None:
     engine = Engine(cascade)
     prompts = [json.loads(line)["prompt"] for line in (home / "zoo" / "test" / "prompts.jsonl").open()][:3]
     tiers: dict[str, dict[str, int]] = {}
+    rows = Usage()
     for prompt in prompts:
         ids = engine.tokenizer.encode(prompt)[-48:]  # the tiny family's vocabulary is smaller
         ids = [t % engine.target.vocab_size for t in ids]
         result = engine.generate(ids, replace(load_config(path).generation, max_new_tokens=48))
+        absorb(rows, Usage(reviews=result.stats.reviews))
         for name, counts in result.stats.to_dict()["tiers"].items():
             mine = tiers.setdefault(name, dict.fromkeys(counts, 0))
             for key, value in counts.items():
@@ -95,7 +104,14 @@ def _drafters_draft(home: Path, path: Path, cascade) -> None:
         # MaG must draft inside the K-matrix, not only through the lookup gate (counted apart).
         assert tiers[drafter.name]["drafted"] > 0, (path.name, drafter.name, tiers)
         assert tiers[drafter.name]["calls"] > 0
+    for r, drafter in enumerate([cascade.target, *cascade.drafters]):
+        entries = [cascade.drafters[c].name for c, _ in cascade.schedule.row(r)] if r < len(cascade.drafters) else []
+        if not entries or drafter.name not in rows.reviews:
+            continue  # a leaf, or a reviewer whose system is a tier server's (its rows are counted there)
+        row = rows.reviews[drafter.name].row()
+        for name in entries:
+            assert row["entries"][name]["share"] >= 0.99, (path.name, drafter.name, name, row)
     if cascade.lookup is not None:
         assert f"{cascade.lookup.tier}_lookup" in tiers
-    gated = {f"{d.name}_lookup" for d in cascade.drafters if isinstance(d, MaGConfig)}  # MaG or suffix decoding
+    gated = {f"{d.name}_lookup" for d in cascade.drafters if isinstance(d, StatisticalConfig)}
     assert {name for name in tiers if name.endswith("_lookup")} <= gated

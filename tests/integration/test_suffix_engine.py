@@ -1,5 +1,7 @@
 """Suffix decoding in the cascade: alone, as a leaf beside MaG, behind the lookup gate, always the
-target's greedy `generate()`; its config; it learns from finished requests of the same engine."""
+target's greedy `generate()`; its config; it learns from finished requests of the same engine and
+drafts from an operator's corpus; MaG keeps its own bigram table beside it (one family, no shared
+config class)."""
 
 from __future__ import annotations
 
@@ -57,11 +59,13 @@ def test_the_next_request_drafts_from_the_last_ones_output(tiny_family):
     engine = _engine(tiny_family, ["suffix"], [[16]])
     prompt = random_prompts(1, 20, seed=33)[0]
     first = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
-    cache = engine.suffix["suffix"]
+    cache = engine.leaves.suffix("suffix").of("")  # in-process: one caller, one key's space
     assert cache.nodes > 0
     again = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
     assert again.token_ids == first.token_ids
     assert again.stats.target_calls < first.stats.target_calls  # it drafted the output it saw before
+    # a variant of the engine (as bench and tune make) starts with none of its requests
+    assert engine.variant(["suffix"], [[16]]).leaves.suffix("suffix").held_tokens == 0
 
 
 def test_suffix_config_fields_and_errors(tiny_family):
@@ -87,3 +91,86 @@ def test_bench_method_suffix_needs_the_drafter_in_the_config(tiny_family):
     with_suffix = make_cascade(plain.target, [SuffixConfig()], [[4]], 1.0)
     (method,) = [m for m in parse_methods("suffix", with_suffix, [2]) if m.name == "suffix"]
     assert method.variants[0].cascade.schedule.to_lists() == [[32]]
+
+
+def test_a_corpus_drafts_for_the_first_request(tiny_family, tmp_path):
+    engine = _engine(tiny_family, ["suffix"], [[16]])
+    prompt = random_prompts(1, 20, seed=34)[0]
+    expected = oracle(tiny_family["target"], prompt, 30)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(engine.decode_text(prompt + expected))
+    cascade = make_cascade(engine.cascade.target, [SuffixConfig(corpus=str(corpus), corpus_tokens=4096)], [[16]], 1.0)
+    with_corpus = Engine(cascade)
+    assert with_corpus.leaves.suffix("suffix").held_tokens == 0  # read-only: no key's space holds it
+    fresh = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+    read = with_corpus.generate(prompt, GenerationConfig(max_new_tokens=30))
+    assert fresh.token_ids == read.token_ids == expected
+    # the corpus holds this very text (as its tokenizer reads it back), so it drafts most of it
+    assert read.stats.target_calls < fresh.stats.target_calls
+
+
+def test_a_corpus_longer_than_its_bound_is_refused(tiny_family, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x\n" * 200)
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [SuffixConfig(corpus=str(corpus), corpus_tokens=50)],
+        [[16]],
+        1.0,
+    )
+    with pytest.raises(ConfigError, match=r"corpus: .* holds \d+ tokens, more than corpus_tokens \(50\)"):
+        Engine(cascade)
+
+
+def test_mag_keeps_its_bigram_table_beside_suffix_decoding(tiny_family, tmp_path):
+    # Issue 37: MaG listed before suffix decoding lost its bigram table. Each keeps its own.
+    from cascade_service.core.mag import BigramTable
+    from cascade_service.core.types import Context
+
+    bigram = tmp_path / "bigram.json"
+    BigramTable.from_tokens([5, 9, 5, 9, 7, 3], 320).save(bigram)
+    for names in (["mag", "suffix"], ["suffix", "mag"]):
+        drafters = [SuffixConfig() if n == "suffix" else MaGConfig(bigram=str(bigram)) for n in names]
+        cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])), drafters, [[4, 4], [0, 0]], 1.0)
+        engine = Engine(cascade)
+        twin = engine.variant(names, [[4, 4], [0, 0]])  # reuses the table it loaded, not reloading it
+        assert twin.leaves.leaves["mag"].bigram is engine.leaves.leaves["mag"].bigram is not None  # type: ignore[union-attr]
+        tier = engine.leaves("")["mag"]
+        # no earlier match of token 5 in the context: only the bigram table can propose 9 after it
+        reply = tier.draft(_request(Context([1, 2, 5], 3), 2))
+        assert reply.draft.tokens == [9, 5], names
+
+
+def _request(ctx, k):
+    from cascade_service.core.tier import DraftRequest
+
+    return DraftRequest("r", ctx, k, k)
+
+
+@pytest.mark.parametrize("order", [["close", "mag", "suffix"], ["close", "suffix", "mag"]])
+def test_a_config_mixing_mag_and_suffix_decoding_equals_transformers_generate(tiny_family, order, tmp_path):
+    from cascade_service.core.mag import BigramTable
+
+    bigram = tmp_path / "bigram.json"
+    BigramTable.from_tokens([t % 320 for t in range(2000)], 320).save(bigram)
+    drafters = [
+        SuffixConfig()
+        if n == "suffix"
+        else MaGConfig(bigram=str(bigram))
+        if n == "mag"
+        else ModelTierConfig(n, str(tiny_family[n]))
+        for n in order
+    ]
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        drafters,
+        [[3, 0, 0], [0, 4, 4], [0, 0, 0]],
+        1.5,
+        Lookup(2, 12, "suffix"),
+    )
+    engine = Engine(cascade)
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+        assert result.token_ids == oracle(tiny_family["target"], prompt, 30), (order, prompt)
+        rows = result.stats.reviews["close"].row()["entries"]
+        assert rows["mag"]["blocks"] > 0 and rows["suffix"]["blocks"] > 0

@@ -6,7 +6,15 @@ from collections import Counter
 
 import pytest
 
-from cascade_service.core.suffix import SuffixCache, SuffixDecoder, SuffixSettings, SuffixTrie, _Growing
+from cascade_service.core.suffix import (
+    SuffixCache,
+    SuffixDecoder,
+    SuffixSettings,
+    SuffixTrie,
+    TenantCaches,
+    _Growing,
+    corpus_cache,
+)
 from cascade_service.core.types import Context
 
 
@@ -114,3 +122,40 @@ def test_lookup_drafts_only_on_a_long_enough_match():
 def test_depth_below_two_is_refused():
     with pytest.raises(ValueError, match="depth must be at least 2"):
         SuffixTrie(1)
+
+
+# ---- one key's memory (invariant 8) ---------------------------------------------------------------
+
+
+def test_each_key_has_its_own_cache_of_finished_requests():
+    caches = TenantCaches(SuffixSettings(depth=8, cache_tokens=100), total_tokens=1000)
+    seen = [1, 2, 3, 4, 5, 6, 7, 8]
+    alice = SuffixDecoder(caches.of("alice"))
+    alice.propose(Context(seen, len(seen)), 1)
+    alice.finish()
+    assert caches.of("alice").draft([1, 2, 3], 3)[0] == [4, 5, 6]
+    assert caches.of("bob").draft([1, 2, 3], 3)[0] == []  # bob never sent it
+    assert SuffixDecoder(caches.of("bob")).propose(Context([1, 2, 3], 3), 3) == []
+
+
+def test_the_least_recently_used_keys_go_when_all_keys_hold_too_much():
+    caches = TenantCaches(SuffixSettings(depth=4, cache_tokens=10), total_tokens=25)
+    for owner in ("a", "b", "c"):
+        caches.of(owner).remember(list(range(10)))
+    # 30 tokens held > 25: "a", the least recently used, went; the others stay
+    assert caches.owners() == ["b", "c"] and caches.held_tokens == 20
+    caches.of("b")  # b used again: c is now the oldest
+    caches.of("d").remember(list(range(10)))
+    assert caches.owners() == ["b", "d"]
+    assert caches.of("a").held_tokens == 0  # a comes back empty
+
+
+def test_a_corpus_drafts_for_every_key_and_is_never_written():
+    settings = SuffixSettings(depth=8, cache_tokens=100)
+    corpus = corpus_cache(settings, [[9, 8, 7, 6, 5, 4]])
+    caches = TenantCaches(settings, total_tokens=1000)
+    for owner in ("alice", "bob"):
+        decoder = SuffixDecoder(caches.of(owner), corpus)
+        assert decoder.propose(Context([0, 9, 8], 3), 3) == [7, 6]  # factor 1 x a 2-token match
+        decoder.finish()
+    assert corpus.held_tokens == 6

@@ -59,7 +59,7 @@ class TierStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss")
+    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss", "rows")
     class TiersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,13 @@ class GenerateStats(_message.Message):
         key: str
         value: TierStats
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    class RowsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RowStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RowStats, _Mapping]] = ...) -> None: ...
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_CALLS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +86,7 @@ class GenerateStats(_message.Message):
     OFF_TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TV_DEVIATION_FIELD_NUMBER: _ClassVar[int]
     LOGLIK_LOSS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     target_calls: int
     tiers: _containers.MessageMap[str, TierStats]
@@ -91,7 +99,37 @@ class GenerateStats(_message.Message):
     off_target_tokens: int
     tv_deviation: float
     loglik_loss: float
-    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ...) -> None: ...
+    rows: _containers.MessageMap[str, RowStats]
+    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ..., rows: _Optional[_Mapping[str, RowStats]] = ...) -> None: ...
+
+class EntryStats(_message.Message):
+    __slots__ = ("blocks", "ended", "share", "tokens")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    ended: int
+    share: float
+    tokens: int
+    def __init__(self, blocks: _Optional[int] = ..., ended: _Optional[int] = ..., share: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class RowStats(_message.Message):
+    __slots__ = ("blocks", "gated", "entries")
+    class EntriesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: EntryStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[EntryStats, _Mapping]] = ...) -> None: ...
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GATED_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    gated: int
+    entries: _containers.MessageMap[str, EntryStats]
+    def __init__(self, blocks: _Optional[int] = ..., gated: _Optional[int] = ..., entries: _Optional[_Mapping[str, EntryStats]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_id", "session_length")

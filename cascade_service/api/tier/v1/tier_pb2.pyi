@@ -116,7 +116,7 @@ class TierCounters(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_out: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ...) -> None: ...
 
 class ReviewCounters(_message.Message):
-    __slots__ = ("reviews", "drafted", "accepted", "rejections", "drafted_by_position", "accepted_by_position", "drafted_by_drafter", "accepted_by_drafter")
+    __slots__ = ("reviews", "drafted", "accepted", "rejections", "drafted_by_position", "accepted_by_position", "drafted_by_drafter", "accepted_by_drafter", "ran_by_drafter", "ended_by_drafter", "gated")
     class DraftedByDrafterEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,20 @@ class ReviewCounters(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RanByDrafterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class EndedByDrafterEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     REVIEWS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +153,9 @@ class ReviewCounters(_message.Message):
     ACCEPTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_BY_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_BY_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    RAN_BY_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    ENDED_BY_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    GATED_FIELD_NUMBER: _ClassVar[int]
     reviews: int
     drafted: int
     accepted: int
@@ -147,7 +164,10 @@ class ReviewCounters(_message.Message):
     accepted_by_position: _containers.RepeatedScalarFieldContainer[int]
     drafted_by_drafter: _containers.ScalarMap[str, int]
     accepted_by_drafter: _containers.ScalarMap[str, int]
-    def __init__(self, reviews: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rejections: _Optional[int] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_drafter: _Optional[_Mapping[str, int]] = ..., accepted_by_drafter: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    ran_by_drafter: _containers.ScalarMap[str, int]
+    ended_by_drafter: _containers.ScalarMap[str, int]
+    gated: int
+    def __init__(self, reviews: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., rejections: _Optional[int] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_drafter: _Optional[_Mapping[str, int]] = ..., accepted_by_drafter: _Optional[_Mapping[str, int]] = ..., ran_by_drafter: _Optional[_Mapping[str, int]] = ..., ended_by_drafter: _Optional[_Mapping[str, int]] = ..., gated: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("tiers", "reviews", "off_target", "tv", "ll_loss")
