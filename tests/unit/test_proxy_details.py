@@ -120,7 +120,27 @@ def test_a_successful_call_and_a_call_with_its_own_trailer_are_left_alone():
     assert own.trailing_metadata() == (("x-other", "kept"), (DETAILS_KEY, b"the replica's own"))
 
 
+class RecordingServer:
+    """A server without Ray's service_handler_factory that keeps what is registered on it."""
+
+    def __init__(self) -> None:
+        self.registered: dict[str, dict[str, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.registered[service] = handlers
+
+
 def test_other_servers_get_the_plain_registration():
-    server = grpc.server(None)  # no service_handler_factory: the generated add function, nothing more
-    add_cascade_service(cascade_pb2_grpc.CascadeServiceServicer(), server)
-    server.stop(None)
+    # No service_handler_factory: the generated add function, nothing more: each method's handler
+    # calls the servicer's own method, with no details trailer added around it.
+    servicer = cascade_pb2_grpc.CascadeServiceServicer()
+    server = RecordingServer()
+    add_cascade_service(servicer, server)
+    handlers = server.registered["cascade.v1.CascadeService"]
+    assert set(handlers) == {"Generate", "GenerateStream", "CreateSession", "GetSession", "DeleteSession"}
+    assert handlers["Generate"].unary_unary == servicer.Generate
+    assert handlers["GenerateStream"].unary_stream == servicer.GenerateStream
+    assert not hasattr(server, "service_handler_factory")  # nothing was set on it either
