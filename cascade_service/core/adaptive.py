@@ -59,11 +59,11 @@ class SpecDecPPStopper:
     e_i is the drafter's final hidden state at y_i's position (Eq. 4.1). That hidden state is
     computed by the forward pass that drafts y_{i+1}, so when y_i is just drafted the stopper only
     has e_{i-1}: the decision after drafting y_i covers y_1..y_{i-1}, and y_i is still submitted
-    (notes Sec. 6 and 11.2; the official code does exactly this). This needs no extra drafter pass.
+    (SpecDec++ Algorithm 1; the official code does exactly this). This needs no extra drafter pass.
     Consequences: the first token of a block never stops it (its `hidden` belongs to the context,
     not to a candidate), so every block has at least 2 tokens unless the cap or EOS ends it --
     the official code's minimum of 2. The head's w_rej-weighted training makes a_i under-predict
-    acceptance (notes Sec. 5.4); h is tuned jointly with w_rej (paper: h = 0.7 with w_rej = 6).
+    acceptance (ours, from the weighted loss); h is tuned jointly with w_rej (paper: h = 0.7 with w_rej = 6).
     """
 
     needs_hidden = True

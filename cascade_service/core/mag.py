@@ -1,4 +1,4 @@
-"""Max-Gram (MaG): the statistical drafter at the bottom of the cascade (paper §3; notes §3).
+"""Max-Gram (MaG): the statistical drafter at the bottom of the cascade (CS Drafting §3.3).
 
 MaG proposes the tokens that followed the longest suffix of the sequence seen earlier in it, and fills
 what is left from a bigram table. The authors' mag.py searched the prompt first, then the generated

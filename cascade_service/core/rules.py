@@ -227,10 +227,10 @@ def tv(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def tuned_beta(draft_probs: torch.Tensor, target_probs: torch.Tensor, alpha: float, iterations: int = 60) -> float:
-    """beta >= 1 - alpha with sum max(0, q - p/(1-alpha)) = sum max(0, p/beta - q) (notes §2.2; q the
+    """beta >= 1 - alpha with sum max(0, q - p/(1-alpha)) = sum max(0, p/beta - q) (Narasimhan et al. §2; q the
     draft's, p the target's), which makes lossy's pi a distribution. The right side falls from >= the
     left side at beta = 1 - alpha to 0 as beta grows, so bisection on log beta finds it."""
-    p, q = target_probs, draft_probs  # the notes' letters, in the formulas below
+    p, q = target_probs, draft_probs  # the paper's letters, in the formulas below
     scale = 1.0 - alpha
     rejected = float((q - p / scale).clamp_min(0).sum())
     if rejected <= 0.0:

@@ -96,8 +96,8 @@ def reviewed_proposal(target_probs: torch.Tensor, draft_probs: torch.Tensor, len
     sample of residual(target, draft). So the emitted token follows
         min(draft, l * target) + (1 - sum min(draft, l * target)) * residual.
     With l = 1 this is exactly `target`. With l > 1 it is not, and a reviewer above must judge the
-    block against this mixture, not against the inner reviewer's `target` (notes §7), or the final
-    output stops being distributed as the target model's.
+    block against this mixture, not against the inner reviewer's `target` (the paper is silent;
+    docs/algorithm.md "Leniency"), or the final output stops being distributed as the target model's.
     """
     if leniency == 1.0:
         return target_probs

@@ -3,12 +3,12 @@
 Only the target's review (the final verifier) may be lossy; inner reviews keep their own rules.
 Every rule is "speculative sampling against a target distribution pi" (Narasimhan et al.,
 Algorithm 4): keep draft x with probability min(1, pi(x) / q(x)), replace a rejected one from
-norm(max(0, pi - q)). Rules differ in pi (notes: speculative-cascades.md §3-4):
+norm(max(0, pi - q)). Rules differ in pi (the same paper, §4.1-4.4):
 
 - exact     pi = p.
 - lossy     pi = max(min(q, p / (1 - alpha)), p / beta): lossy speculative sampling (Tran-Thien;
             DistillSpec). beta = 1 (the common heuristic) or tuned per position so that pi sums to 1
-            (notes §2.2). alpha in [0, 1); alpha = 0 is exact.
+            (the same paper, §2). alpha in [0, 1); alpha = 0 is exact.
 - chow, diff, opt: pi = p where the rule defers, else q (speculative cascades, Eq. 2, 5, 10):
             chow defers when max q < 1 - alpha, diff when max q < max p - alpha, opt when
             max q <= max p - alpha * TV(p, q).
@@ -17,19 +17,19 @@ norm(max(0, pi - q)). Rules differ in pi (notes: speculative-cascades.md §3-4):
             q(v) < max p - alpha (v1), p(v) < max p - alpha (v2), p(v) < (1 - alpha) max p (v3).
   For all six, alpha in [-1, 1]; alpha = -1 defers everywhere, i.e. exact (for opt because
   max q - max p <= TV(p, q) always, hence "<=").
-- fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv: fuzzy speculative decoding (Holsman et al.; notes
-  fuzzy-speculative-decoding.md §3-4): keep x iff Div(p, q) < T, deterministically; at the first
+- fuzzy-js, fuzzy-kl, fuzzy-kl-rev, fuzzy-tv: fuzzy speculative decoding (Holsman et al., §3):
+  keep x iff Div(p, q) < T, deterministically; at the first
   failing position sample from p itself. alpha carries T >= 0; T = 0 keeps nothing, i.e. exact.
   js is the textbook Jensen-Shannon divergence in nats (<= ln 2; the paper's code computes another,
   unbounded quantity, so its thresholds do not transfer), kl is KL(p || q), kl-rev KL(q || p), tv
   total variation.
 
-Where the notes leave choices, ours:
+Where the papers leave choices, ours:
 - Rules read the distributions the review uses: temperature and top-p applied (greedy: softmax at
   temperature 1). The bonus token comes from p, since q at the bonus position is never computed.
 - A point-mass proposal (MaG's, or a model at probability 1.0) carries no confidence; rules that read
   q's confidence (chow, diff, opt, token-v1) judge such a position exactly.
-- Greedy forms (temperature 0), from one-hot q~ and p~ as the notes prescribe (§10.20): a draft x
+- Greedy forms (temperature 0), from one-hot q~ and p~ (ours; raw probabilities would make max q~ = 1 always): a draft x
   equal to argmax p is kept under every rule; otherwise it is kept iff the rule would not defer:
   chow q(x) >= 1 - alpha; diff q(x) >= max p - alpha; opt q(x) > max p - alpha (Lemma 9: opt = diff
   under greedy, up to ties); token-v1 q(x) >= max p - alpha; token-v2 p(x) >= max p - alpha;

@@ -1,4 +1,4 @@
-"""The SpecDec++ acceptance prediction head (arXiv 2405.19715, Sec. 4.3; notes Sec. 5.2).
+"""The SpecDec++ acceptance prediction head (arXiv 2405.19715, Sec. 4.3).
 
 A (D+1)-layer ResNet on the frozen drafter's final hidden state e_i (the post-norm input of its LM
 head): D residual blocks x + SiLU(W x + b), then Linear(H, 1) to one logit; sigmoid of it is the
@@ -38,7 +38,7 @@ class AcceptanceHead(nn.Module):
     """hidden [..., H] -> acceptance logit [...].
 
     `tie_blocks=True` applies ONE block D times: what the released code does by accident
-    (`[ResBlock(h)] * D` repeats one instance; notes Sec. 5.2). The default follows the paper's text,
+    (`[ResBlock(h)] * D` repeats one instance). The default follows the paper's text,
     D separate blocks. `meta` carries what `save` writes beside the weights (drafter, training).
     """
 

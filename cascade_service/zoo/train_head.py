@@ -1,16 +1,16 @@
-"""Train a SpecDec++ acceptance head offline (arXiv 2405.19715 Sec. 4.4, App. D.1; notes Sec. 7).
+"""Train a SpecDec++ acceptance head offline (arXiv 2405.19715 Sec. 4.4, App. D.1).
 
-Data (Sec. 7.1-7.2): prompts are windows of training-split text; the target samples a response X at
-temperature T (its sampling pass also yields target_probs(.|X_<i)); one teacher-forced drafter pass
-gives draft_probs(.|X_<i), from which Y_i is drawn; the label is P_i = min(1, target_probs(Y_i) /
-draft_probs(Y_i)), both at T over the full vocabulary (official code: T = 1, no top-k; T = 0 is the
-greedy limit, P_i = 1[argmax target = argmax draft]). Token mixing builds Z with Z_i = X_i on a
-share r of positions (no label) and Z_i = Y_i elsewhere (labelled); the head reads the drafter's
-final hidden state at Z_i's position of [prompt, Z]. Positions after a response's EOS carry no label.
+Data (Sec. 4.4, dataset and token mixing): prompts are windows of training-split text; the target
+samples a response X at temperature T (its sampling pass also yields target_probs(.|X_<i)); one
+teacher-forced drafter pass gives draft_probs(.|X_<i), from which Y_i is drawn; the label is P_i =
+min(1, target_probs(Y_i) / draft_probs(Y_i)), both at T over the full vocabulary (official code: T =
+1, no top-k; T = 0 is the greedy limit, P_i = 1[argmax target = argmax draft]). Token mixing builds
+Z with Z_i = X_i on a share r of positions (no label) and Z_i = Y_i elsewhere (labelled); the head
+reads the drafter's final hidden state at Z_i's position of [prompt, Z]. After EOS: no labels.
 
-Training (Sec. 7.3): weighted soft-label BCE, w_acc = 1, normalised as the official code does; only
-the head trains. The drafter is frozen, so its hidden states are computed once and cached (the
-notes' suggestion; the mixing mask is fixed per data set as in the code, so this changes nothing).
+Training (Sec. 4.4, the loss): weighted soft-label BCE, w_acc = 1, normalised as the official code
+does; only the head trains. The drafter is frozen, so its hidden states are computed once and cached
+(ours; the mixing mask is fixed per data set as in the code, so this changes nothing).
 Deviations, for a data set ~1000x smaller than the paper's: each response gives `views` rows with
 their own Y and mask, cheap since target sampling dominates the cost (demo zoo, small drafter,
 1500 steps: held-out loss 0.735 with 1 view of 128 responses, 0.657 with 4); a fixed number of AdamW
@@ -249,7 +249,8 @@ def _binary_kl(labels: torch.Tensor, pred: torch.Tensor) -> float:
 @torch.no_grad()
 def evaluate(head: AcceptanceHead, features: torch.Tensor, labels: torch.Tensor, w_rej: float) -> dict:
     """Objective, the paper's KL, and calibration: raw predictions under-predict acceptance by odds
-    factor w_rej (notes Sec. 5.4), so they are also reported corrected, w p / (1 - p + w p)."""
+    factor w_rej (ours: the optimum of the weighted BCE), so they are also reported corrected,
+    w p / (1 - p + w p)."""
     logits = head(features)
     pred = torch.sigmoid(logits)
     corrected = w_rej * pred / (1 - pred + w_rej * pred)

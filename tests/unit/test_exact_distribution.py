@@ -3,7 +3,7 @@
 Toy models over 4 tokens; the target's distribution over 3-token continuations is enumerated and the
 cascade's samples are tested against it (chi-square, alpha ~ 0.001, fixed seeds). The same check is
 shown to reject a one-token bias and a cascade that reviews against the inner reviewer's distribution
-instead of the inner system's true proposal (the leniency pitfall of notes §7).
+instead of the inner system's true proposal (the leniency pitfall: docs/algorithm.md "Leniency").
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def _dist(seed: int, peak: float = 2.0) -> list[float]:
     return torch.softmax(torch.randn(V, generator=g) * peak, dim=0).tolist()
 
 
-# --- independent references (plain Python, from the notes' formulas) ------------------------------
+# --- independent references (plain Python, from the papers' formulas) ------------------------------
 
 
 def ref_pi(rule: str, a: float, q: list[float], p: list[float], beta: float = 1.0) -> list[float]:
@@ -114,7 +114,7 @@ def test_lossy_speculative_sampling_emits_algorithm_4s_mixture(beta):
     b = tuned_beta(torch.tensor(q), torch.tensor(p), alpha) if beta is None else beta
     pi = ref_pi("lossy", alpha, q, p, b)
     expected = ref_output(pi, q)
-    if beta is None:  # tuned beta makes pi a distribution, so the output is pi itself (notes §3.2)
+    if beta is None:  # tuned beta makes pi a distribution, so the output is pi itself (Narasimhan et al. §4.1)
         assert b >= 1 - alpha and math.isclose(sum(pi), 1.0, abs_tol=1e-6)
         assert expected == pytest.approx(pi, abs=1e-6)
     counts = _first_tokens(Verification("lossy", alpha, beta), q, p, n, seed=1)
@@ -227,7 +227,7 @@ def test_divergences_match_their_definitions():
     assert float(divergence("kl", p, q)) == pytest.approx(kl, rel=1e-5)
     assert float(divergence("kl-rev", p, q)) == pytest.approx(kl, rel=1e-5)  # symmetric pair
     assert float(divergence("tv", p, q)) == pytest.approx(0.8)
-    assert float(divergence("js", p, q)) == pytest.approx(0.3681, abs=1e-4)  # the notes' table
+    assert float(divergence("js", p, q)) == pytest.approx(0.3681, abs=1e-4)  # Holsman et al.'s table
     assert float(divergence("js", p, torch.tensor([0.0, 1.0]))) <= math.log(2) + 1e-6
     assert math.isinf(float(divergence("kl", p, torch.tensor([1.0, 0.0]))))
 
@@ -267,7 +267,7 @@ def test_acceptance_never_falls_as_alpha_grows(rule):
 @pytest.mark.parametrize("rule", ["token-v1", "token-v2", "token-v3"])
 def test_token_rules_span_sd_to_the_drafter_but_not_monotonically(rule):
     # From SD's acceptance at alpha = -1 to 1 (pi = q) at alpha = 1. In between acceptance can FALL as
-    # alpha grows (the notes' suggested monotonicity test assumed otherwise): a token that becomes
+    # alpha grows (a monotonicity test would assume otherwise): a token that becomes
     # acceptable stops feeding eta = q(unacceptable), and every token still unacceptable is kept with
     # probability min(1, eta p / q), which shrinks. Example: seed 0 below, alpha crossing 0 for v2/v3.
     falls = 0
