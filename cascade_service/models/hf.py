@@ -290,11 +290,12 @@ class HFModel:
         return last_rows(out.logits, out.hidden_states[-1] if with_hidden else None, keep)
 
 
-def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7) -> float:
-    """Median seconds of one pass feeding one token to each of `rows` requests with `context_len` cached
-    (after 2 warm-up passes). One row is `HFModel.step_time_s`; more is a batched pass (models.batching)."""
+def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7, tokens: int = 1) -> float:
+    """Median seconds of one pass feeding `tokens` tokens to each of `rows` requests with `context_len`
+    cached (after 2 warm-up passes). One row and one token is `HFModel.step_time_s`; more rows is a
+    batched pass (models.batching); more tokens is a review of tokens - 1 drafts."""
     gen = torch.Generator().manual_seed(rows)
-    prompts = torch.randint(0, model.vocab_size, (rows, context_len + 1), generator=gen).tolist()
+    prompts = torch.randint(0, model.vocab_size, (rows, context_len + tokens), generator=gen).tolist()
     caches = [model.new_cache() for _ in range(rows)]
     if model.encoder_decoder:  # each row's decoder attends over an encoder output of its own
         from .seq2seq import encode
@@ -307,14 +308,14 @@ def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int =
             if context_len:
                 model._forward(prompt[:context_len], cache, 1)
         for _ in range(2 + repeats):
-            batch = [_Pass([p[-1]], c, 1, False) for p, c in zip(prompts, caches)]
+            batch = [_Pass(p[context_len:], c, tokens, False) for p, c in zip(prompts, caches)]
             model._sync()
             began = time.perf_counter()
             forward_batch(model, batch)
             model._sync()
             times.append(time.perf_counter() - began)
             for cache in caches:
-                cache.crop(-1)  # every repeat decodes against the same cache length
+                cache.crop(-tokens)  # every repeat decodes against the same cache length
     return statistics.median(times[2:])
 
 

@@ -88,6 +88,7 @@ def evaluate_family(
     target_name = tiers[0]
     target, drafters = loaded[target_name], {n: loaded[n] for n in tiers[1:]}
     steps_ms = {n: train.step_times_ms(loaded, n) for n in (1, 2)}  # threads -> tier -> ms
+    passes_ms = {n: train.pass_times_ms(target, n) for n in (1, 2)}  # threads -> [1..9 tokens] -> ms
     prompt_ids = [tokenizer(p).input_ids for p in prompts]
     with train.threads(thread_count):
         continuations = [greedy_tokens(target, ids, steps) for ids in prompt_ids]
@@ -111,6 +112,7 @@ def evaluate_family(
                 for source, per_tier in forced.items()
             },
         }
+    report["tiers"][target_name]["pass_ms"] = {f"threads_{n}": ms for n, ms in passes_ms.items()}
     looped = [ends_in_loop(c) for c in continuations]
     report["loops"] = {
         "continuations": len(continuations),
@@ -137,6 +139,14 @@ def format_report(report: dict) -> str:
             f"{name:6} {t['params'] / 1e6:7.2f}M {ms['threads_1']:6.2f}/{ms['threads_2']:<7.2f} "
             f"{ratio['threads_1']:5.2f}/{ratio['threads_2']:<6.2f} {t['greedy_agreement']:7.3f} "
             + " ".join(f"{t[s + '_loss']:14.3f}" for s in sources)
+        )
+    target = next(iter(report["tiers"].values()))
+    if "pass_ms" in target:  # what a review of k drafts costs the target: a pass over k + 1 tokens
+        passes = target["pass_ms"]["threads_2"]
+        rows.append(
+            "target's pass over 1..9 new tokens, 2 threads: "
+            + ", ".join(f"{ms:.2f}" for ms in passes)
+            + f" ms ({passes[-1] / passes[0]:.2f}x a step at 9)"
         )
     loops = report["loops"]
     rows.append(

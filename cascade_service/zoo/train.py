@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from cascade_service.models.hf import HFModel
+from cascade_service.models.hf import HFModel, pass_time_s
 from cascade_service.zoo.fused import head_loss, teacher_distribution
 
 _WARMUP = 0.1  # fraction of steps with a linear learning-rate ramp
@@ -204,6 +204,13 @@ def step_times_ms(models: dict[str, HFModel], thread_count: int, rounds: int = 5
                 fresh = HFModel(model.module, name)  # step_time_s caches per object
                 samples[name].append(fresh.step_time_s(context_len=64, repeats=9) * 1e3)
     return {name: round(statistics.median(ms), 3) for name, ms in samples.items()}
+
+
+def pass_times_ms(model: HFModel, thread_count: int, max_tokens: int = 9, repeats: int = 7) -> list[float]:
+    """Median wall time of one pass over 1..max_tokens new tokens (a review of k drafts is k + 1) with
+    a 64-token cache: what speculation pays the target per round, against one decode step."""
+    with threads(thread_count):
+        return [round(pass_time_s(model, 1, 64, repeats, tokens) * 1e3, 3) for tokens in range(1, max_tokens + 1)]
 
 
 def greedy_agreement(
