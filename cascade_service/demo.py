@@ -1,8 +1,9 @@
-"""`cascade-service demo`: the main job on embedded defaults.
+"""`cascade-service demo`: the main job on built-in defaults.
 
-Builds the demo zoo if it is missing (offline, <= 10 minutes on 2 cores; instant afterwards), starts
-the service on embedded defaults (local Ray, a Serve deployment per tier, in-cluster session store,
-gRPC on loopback), and decodes prompts from code the zoo never trained on three ways, interleaved, over
+Uses the family shipped with the package (no training; `--preset demo` trains the 8-minute family
+instead, `--preset grown` makes the cost-realistic one), starts the service on built-in defaults
+(local Ray, every model tier in the coordinator's replica, in-cluster session store, gRPC on
+loopback), and decodes prompts from code the family never trained on three ways, interleaved, over
 several passes: the large model alone and the cascade in-process (both in a child process of their own),
 and the cascade through the client SDK. Prints the outputs, a speed table, the service / in-process
 throughput per pass and the service's orchestration overhead per target round.
@@ -40,13 +41,15 @@ LAYOUTS = {
     "separate": {},
 }
 DEFAULT_LAYOUT = "colocated"
+DEFAULT_PRESET = "quality"  # shipped with the package (zoo/shipped.py): the demo trains nothing
 
 
-def demo_config(preset: str = "demo", layout: str = DEFAULT_LAYOUT) -> Path:
-    """Build the zoo if missing and write the demo's config beside it (absolute paths, tuned schedule)."""
-    from .zoo.build import build_zoo
+def demo_config(preset: str = DEFAULT_PRESET, layout: str = DEFAULT_LAYOUT) -> Path:
+    """Find (or make) the family and write the demo's config into $CASCADE_SERVICE_HOME/zoo/<preset>
+    (absolute paths, the tuned schedule)."""
+    from .zoo.families import family
 
-    zoo = build_zoo(preset, zoo_dir(preset))
+    zoo = family(preset)
     raw = {
         "tiers": {
             "target": {"name": "large", "path": str(zoo["large"])},
@@ -65,12 +68,17 @@ def demo_config(preset: str = "demo", layout: str = DEFAULT_LAYOUT) -> Path:
         "serving": LAYOUTS[layout],
     }
     path = Path(zoo_dir(preset)) / f"demo-service-{layout}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# Written by `cascade-service demo`.\n" + yaml.safe_dump(raw, sort_keys=False))
     return path
 
 
 def run_demo(
-    max_new_tokens: int = 64, prompts: int = 4, preset: str = "demo", layout: str = DEFAULT_LAYOUT, passes: int = 3
+    max_new_tokens: int = 64,
+    prompts: int = 4,
+    preset: str = DEFAULT_PRESET,
+    layout: str = DEFAULT_LAYOUT,
+    passes: int = 3,
 ) -> int:
     """Decode prompts from code the zoo never trained on three ways: large alone and the cascade in-process
     (in a child process of their own), and the cascade through the service (Ray Serve tiers, gRPC edge,
@@ -78,11 +86,11 @@ def run_demo(
     from .client import CascadeClient
     from .runtime.inprocess import InProcessWorker
     from .serving.local import LocalService
-    from .zoo.build import build_zoo
+    from .zoo.families import family
 
-    print(f"loading the {preset} zoo (built on first use: up to 10 minutes, offline)", flush=True)
+    print(f"loading the {preset} family (shipped, or made on first use, offline)", flush=True)
     config_path = demo_config(preset, layout)
-    texts = read_prompts(str(build_zoo(preset, zoo_dir(preset))["prompts"]))[:prompts]
+    texts = read_prompts(str(family(preset)["prompts"]))[:prompts]
     tokenizer = load_tokenizer(load_config(config_path).cascade.target.path)  # the models load elsewhere
     print(
         f"starting the service ({layout} layout: {LAYOUTS[layout] or 'a deployment per tier'}): local Ray, "

@@ -1,4 +1,6 @@
-"""Where cascade-service keeps built artefacts: $CASCADE_SERVICE_HOME (default ~/.cache/cascade-service)."""
+"""Where cascade-service keeps built artefacts ($CASCADE_SERVICE_HOME, default ~/.cache/cascade-service)
+and where the families shipped with the package are ($CASCADE_SERVICE_FAMILIES, default the package's
+zoo/families: configs name the shipped family as ${CASCADE_SERVICE_FAMILIES}/quality/large)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import os
 from pathlib import Path
 
 HOME_ENV = "CASCADE_SERVICE_HOME"
+FAMILIES_ENV = "CASCADE_SERVICE_FAMILIES"
 
 
 def home() -> Path:
@@ -16,9 +19,16 @@ def zoo_dir(preset: str) -> Path:
     return home() / "zoo" / preset
 
 
+def families() -> Path:
+    """The shipped families' folder (zoo/shipped.py)."""
+    return Path(os.environ.get(FAMILIES_ENV) or Path(__file__).resolve().parent / "zoo" / "families").expanduser()
+
+
 def expand(path: str) -> str:
-    """Expand ~ and environment variables; $CASCADE_SERVICE_HOME falls back to its default."""
+    """Expand ~ and environment variables; $CASCADE_SERVICE_HOME and $CASCADE_SERVICE_FAMILIES fall
+    back to their defaults."""
     text = os.path.expanduser(path)
-    for form in ("${" + HOME_ENV + "}", "$" + HOME_ENV):
-        text = text.replace(form, str(home()))
+    for env, default in ((HOME_ENV, home), (FAMILIES_ENV, families)):
+        for form in ("${" + env + "}", "$" + env):
+            text = text.replace(form, str(default()))
     return os.path.expandvars(text)

@@ -31,7 +31,9 @@ def _temperature(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `cascade-service train-head`."""
-    parser.add_argument("--preset", default="demo", choices=sorted(RUN_PRESETS), help="which zoo (built if missing)")
+    parser.add_argument(
+        "--preset", default="demo", choices=sorted(RUN_PRESETS), help="which family (shipped, or made if missing)"
+    )
     parser.add_argument("--drafter", default="small", choices=["small", "base"], help="the zoo drafter it is for")
     parser.add_argument(
         "--reviewer",
@@ -66,15 +68,17 @@ def run(args: argparse.Namespace) -> int:
     """Train a head on a zoo (built first if missing); prints the summary as JSON on stdout."""
     from cascade_service.cli.parser import UsageError
     from cascade_service.paths import zoo_dir
-    from cascade_service.zoo.build import PRESETS, _training_texts, build_zoo
+    from cascade_service.zoo.build import _training_texts
+    from cascade_service.zoo.families import family
 
     if args.reviewer == "base" and args.drafter != "small":
         raise UsageError(f"--reviewer base reviews only small, not {args.drafter!r}")
-    paths = build_zoo(args.preset, zoo_dir(args.preset))
+    paths = family(args.preset)
+    corpus_chars = json.loads(paths["report"].read_text())["spec"].get("corpus_chars")  # its corpus, its split
     sizes = RUN_PRESETS[args.preset] | ({"steps": args.steps} if args.steps is not None else {})
     default = f"head-{args.drafter}" + ("" if args.reviewer == "large" else f"-under-{args.reviewer}")
     out = Path(args.out).expanduser() if args.out else zoo_dir(args.preset) / default
-    texts = _training_texts(PRESETS[args.preset].corpus_chars, progress=False)  # never the held-out modules
+    texts = _training_texts(corpus_chars, progress=False)  # never the held-out modules
     # The reviewer plays the paper's target: it writes the responses and its distribution labels them.
     summary = train_head(
         paths[args.reviewer],

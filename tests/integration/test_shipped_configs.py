@@ -1,9 +1,10 @@
 """Every shipped config runs as its K-matrix says: each drafter it names drafts, and each positive
 entry runs in every block of its row that leaves it room (invariant 7, per block: the rows' counters).
 
-The configs point at `$CASCADE_SERVICE_HOME/zoo/{demo,test,tiny,t5}`. The `test` zoo has the same
-tier names (large, base, small, bigram) as the demo zoo and trains in under a minute, so it stands in
-for `demo` here; `tiny` is the random-weight family; the `t5-test` preset stands in for `t5`. Device
+The configs point at the shipped family (in the package) and at `$CASCADE_SERVICE_HOME/zoo/{demo,test,
+tiny,t5,grown}`. The `test` zoo has the same tier names (large, base, small, bigram) as the demo zoo
+and trains in under a minute, so it stands in for `demo` here; `tiny` is the random-weight family; the
+`t5-test` preset stands in for `t5`, `grown-test` for `grown`. Device
 and dtype are set to CPU float32: the schedule, not the placement, is what this checks (the GPU suite
 covers placement). Tiers a config names by address run on tier servers started here on loopback,
 built from the same config.
@@ -37,6 +38,12 @@ def home(test_zoo_home: Path) -> Path:
         from cascade_service.zoo.t5 import build_t5_zoo
 
         build_t5_zoo("t5-test", zoo / "t5")
+    if not (zoo / "grown").exists():  # configs/grown.yaml's: grown-test stands in (from the test zoo, seconds)
+        from cascade_service.zoo.grown import build_grown
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
+            build_grown("grown-test", zoo / "grown", progress=False)
     return test_zoo_home
 
 
