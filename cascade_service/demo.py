@@ -25,9 +25,9 @@ from .paths import zoo_dir
 from .prompts import read_prompts
 
 # Tuned on the zoo's tune prompts (`cascade-service tune`, see docs/usage.md "tune"), every entry running.
-DEMO_K_MATRIX = [[1, 0, 0], [0, 1, 0], [0, 0, 10]]  # = configs/demo.yaml
-DEMO_LENIENCY = 1.0
-DEMO_LOOKUP = Lookup(min_match=2, tokens=20)
+DEMO_K_MATRIX = [[1, 0, 0], [0, 1, 5], [0, 0, 4]]  # = configs/demo.yaml
+DEMO_LENIENCY = 2.0
+DEMO_LOOKUP = Lookup(min_match=2, tokens=10)
 # Service layouts (docs/benchmarks.md "The service against in-process" measures each). "colocated", the default
 # on one machine: every model tier inside the coordinator's replica, so a round costs no Ray hop (a handle call is
 # 1.1-2 ms here, a round of the demo cascade about 5 ms; on one machine the tiers share its cores either way).

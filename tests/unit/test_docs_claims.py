@@ -26,6 +26,6 @@ def test_the_demo_k_matrix_named_in_readme_and_algorithm_md_is_the_shipped_one()
 
 def test_the_claim_pattern_catches_a_wrong_matrix():
     # The negative control: a sentence naming another matrix is found and differs.
-    wrong = "The shipped demo (`configs/demo.yaml`) runs K = `[[1, 0, 0], [0, 1, 5], [0, 0, 4]]`."
+    wrong = "The shipped demo (`configs/demo.yaml`) runs K = `[[2, 0, 0], [0, 1, 0], [0, 0, 10]]`."
     (claim,) = CLAIM.findall(wrong)
     assert json.loads(claim) != yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["schedule"]["k_matrix"]
