@@ -41,12 +41,9 @@ _LOSS_WINDOW = 20  # the reported final loss averages the last steps: one miniba
 _SEQ_CHUNK = 16  # sequences per forward pass while building data (bounds [b, S, V] logits memory)
 
 # `cascade-service train-head` defaults per zoo: demo takes a few minutes on 2 CPU cores, test seconds.
-RUN_PRESETS = {
-    "demo": dict(sequences=128, views=4, prompt_len=64, response_len=128, steps=800, batch=1024),
-    "quality": dict(sequences=128, views=4, prompt_len=64, response_len=128, steps=800, batch=1024),
-    "grown": dict(sequences=128, views=4, prompt_len=64, response_len=128, steps=800, batch=1024),
-    "test": dict(sequences=24, views=2, prompt_len=24, response_len=32, steps=200, batch=256),
-}
+_FULL = dict(sequences=128, views=4, prompt_len=64, response_len=128, steps=800, batch=1024)
+_TEST = dict(sequences=24, views=2, prompt_len=24, response_len=32, steps=200, batch=256)
+RUN_PRESETS = dict.fromkeys(("demo", "quality", "grown"), _FULL) | {"test": _TEST}
 
 
 @dataclass
