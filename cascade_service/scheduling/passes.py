@@ -91,7 +91,7 @@ class PassTimer:
     redone at most every REFIT passes (a round asks for it, and rounds outnumber passes).
     """
 
-    REFIT = 8
+    REFIT = 32  # a least-squares fit costs ~0.5 ms on a CPU; the cost it finds moves slowly
 
     def __init__(self, window: int = 256, min_passes: int = 16):
         # (requests, new tokens in all, seconds, the longest row's new tokens)
