@@ -221,6 +221,8 @@ class Coordinator:
         new: list[int] = []
         finish = "length"
         clock = _Clock(self.metrics)
+        task = CURRENT_CLOCK.get()  # the engine loop task this request runs in (None elsewhere)
+        mark = task.mark() if task is not None else None  # a task may run several requests (bench)
         try:
             for new in self._decode(request_id, tiers, context, params.gen, stats):
                 clock.tokens(len(new))
@@ -249,9 +251,8 @@ class Coordinator:
         if record is not None:
             updated = self.store.append(record.session_id, list(params.prompt_ids) + out, record.version)
             session_length = len(updated.token_ids)
-        task = CURRENT_CLOCK.get()  # the engine loop task this request runs in (None elsewhere)
-        if task is not None:
-            stats.engine = EngineTime(dict(task.pass_s), task.ran_s(), task.waited_s())
+        if task is not None and mark is not None:
+            stats.engine = EngineTime(*task.since(mark))
         clock.finished(stats, len(context), finish)
         yield Chunk(new, text.take(final=True), finish, stats, session_length)
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
@@ -24,6 +25,8 @@ from .kvpool import STORAGES, KVCache, KVPool, PoolPass, SlotCache
 from .lean import BACKENDS
 from .loop import EngineLoop, LoopBatcher
 from .rows import last_rows
+
+T = TypeVar("T")
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -238,9 +241,10 @@ class HFModel:
 
     @classmethod
     def for_tier(cls, tier: Any, **overrides: Any) -> HFModel:
-        """Load the model a config's tier names (a `config.ModelTierConfig`), with `overrides` of its fields."""
+        """Load the model a config's tier names (a `config.ModelTierConfig`), with `overrides` of its
+        fields: a model that serves, so it is built on the engine loop's thread (`on_loop_thread`)."""
         fields = {key: getattr(tier, key) for key in ("path", "dtype", "device", "name", "backend", "kv")}
-        return cls.load(**{**fields, **overrides})
+        return on_loop_thread(cls.load, **{**fields, **overrides})
 
     def scorer(self) -> HFScorer:
         """A fresh scorer (own KV cache) for one request."""
@@ -261,7 +265,8 @@ class HFModel:
         if context_len < 0 or repeats < 1:
             raise ValueError(f"need context_len >= 0 and repeats >= 1, got {context_len}, {repeats}")
         if context_len not in self._step_times:
-            self._step_times[context_len] = self._measure_step(context_len, repeats)
+            loop = self.batcher.loop if self.batcher is not None else None
+            self._step_times[context_len] = on_loop_thread(self._measure_step, context_len, repeats, loop=loop)
         return self._step_times[context_len]
 
     def _measure_step(self, context_len: int, repeats: int) -> float:
@@ -288,6 +293,16 @@ class HFModel:
             extra["output_hidden_states"] = True
         out = self.module(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
         return last_rows(out.logits, out.hidden_states[-1] if with_hidden else None, keep)
+
+
+def on_loop_thread(fn: Callable[..., T], *args: Any, loop: EngineLoop | None = None, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on the thread of `loop` (default: the shared engine loop), waited for.
+
+    Torch's CPU kernels run on an OpenMP team per calling thread. Once a second thread has run a
+    parallel op (a lean drafter packing its weights, a step timed), libgomp sees more threads than
+    cores and stops spinning between parallel regions: on 2 cores every pass in the loop took twice
+    as long (the quality target, 3 tokens: 5.6 ms, 11-13 ms). So serving models compute there."""
+    return (loop or EngineLoop.shared()).run(functools.partial(fn, *args, **kwargs))
 
 
 def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7, tokens: int = 1) -> float:

@@ -202,16 +202,17 @@ class EngineLoop:
                 # batched with, and a long prompt's chunks are cut small as soon as it is here.
                 self._ready.extendleft(reversed(self._arrived))
                 self._arrived.clear()
-                batchers = list(self._batchers)
-            waiting = self._iterate(batchers)
+            waiting = self._iterate()
 
-    def _iterate(self, batchers: list[LoopBatcher]) -> bool:
+    def _iterate(self) -> bool:
         """One iteration: every ready task runs until it parks, then each model runs one batched pass
         of its waiting ones (the turn of the request with the least model time: LoopBatcher._take),
         whose tasks are ready for the next iteration. Whether passes are still waiting."""
         self.iterations += 1
         while self._ready:
             self._step(*self._ready.popleft())
+        with self._cond:  # read after the tasks ran: one of them may have loaded a model (its batcher)
+            batchers = list(self._batchers)
         for batcher in batchers:
             if batcher.pending:
                 name = batcher.model.name

@@ -47,6 +47,18 @@ class TaskClock:
         since = self.stepping_since
         return self.run_s + (time.perf_counter() - since if since is not None else 0.0)
 
+    def mark(self) -> tuple[float, float, dict[str, float]]:
+        """Where the clock stands (wall, run, passes by model): a request that is part of a longer task
+        (a benchmark's) counts its time from here (`since`)."""
+        return time.perf_counter(), self.ran_s(), dict(self.pass_s)
+
+    def since(self, mark: tuple[float, float, dict[str, float]]) -> tuple[dict[str, float], float, float]:
+        """(passes by model, run, waited) seconds since `mark`."""
+        began, ran, passes = mark
+        pass_s = {name: s - passes.get(name, 0.0) for name, s in self.pass_s.items() if s > passes.get(name, 0.0)}
+        run_s = self.ran_s() - ran
+        return pass_s, run_s, max(0.0, time.perf_counter() - began - run_s - sum(pass_s.values()))
+
     def waited_s(self) -> float:
         """Wall time neither running nor in its own passes: its turn, others' passes, remote replies."""
         return max(0.0, self.wall_s() - self.ran_s() - self.passes_s)

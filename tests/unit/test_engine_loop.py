@@ -192,3 +192,25 @@ def test_a_model_called_from_another_thread_runs_its_pass_in_the_loop(loop):
     finally:
         batching.forward_batch = real
     assert seen == ["test-loop"]
+
+
+def test_a_model_loaded_inside_a_task_serves_that_task(loop):
+    # bench and the model builders run on the loop's thread (models.hf.on_loop_thread), so a task can
+    # load a model and pass through it at once: its batcher is new to the iteration under way.
+    def load_and_decode() -> int:
+        model = _model(loop, "loaded-in-a-task")
+        return model.forward([7], DynamicCache(), 1)
+
+    assert loop.submit(load_and_decode).result(timeout=10) == 107
+
+
+def test_work_handed_to_the_loop_thread_runs_there():
+    from cascade_service.models.hf import on_loop_thread
+
+    engine = EngineLoop("thread-check")
+    try:
+        assert on_loop_thread(lambda: threading.current_thread().name, loop=engine) == "thread-check"
+        # and inside one of its tasks it is simply called (no hand-off, no deadlock)
+        assert engine.run(lambda: on_loop_thread(threading.current_thread, loop=engine)) is engine._thread
+    finally:
+        engine.close()
