@@ -24,11 +24,13 @@ from .core.decode import decode
 from .core.encdec import check_request, decoder_context
 from .core.policy import BlockPolicy
 from .core.request import GenerationConfig, check_stop
-from .core.stats import CascadeStats
+from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Tier
 from .core.verify import Verification
 from .metrics import Metrics, RequestTimes
+from .scheduling.passes import CURRENT_CLOCK
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
+from .textstream import TextStream
 
 MAX_PROMPT_TOKENS = 32_768
 
@@ -148,6 +150,17 @@ class Coordinator:
         )
         return self._fit(params, 0) if not session_id else params  # a session's history is read in stream()
 
+    def request(self, prompt_ids: Sequence[int], gen: GenerationConfig, owner: str = "") -> GenerateParams:
+        """A validated request from token ids and whole generation settings (in-process callers:
+        `Engine.generate`, bench, tune), checked as `params` checks a served one."""
+        ids = self._prompt_ids("", prompt_ids)
+        self._check_prompt_length(len(ids))
+        check_request(self.decoder_start, ids, session=False)
+        if not ids:
+            raise ValueError("prompt: empty (give at least one token)")
+        with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)
+        return self._fit(GenerateParams(tuple(int(t) for t in ids), gen, owner=owner, explicit_max_new_tokens=True), 0)
+
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt (or session) taken: one position must be left for a new token."""
@@ -203,11 +216,13 @@ class Coordinator:
         request_id = uuid.uuid4().hex
         stats = CascadeStats(self.cascade.target.name)
         tiers = self.tiers(request_id) | (self.leaves(params.owner) if self.leaves is not None else {})
-        text = _TextStream(self.tokenizer.decode, params.stop)
+        text = TextStream(self.tokenizer.decode, params.stop)
         out: list[int] = []
         new: list[int] = []
         finish = "length"
         clock = _Clock(self.metrics)
+        task = CURRENT_CLOCK.get()  # the engine loop task this request runs in (None elsewhere)
+        mark = task.mark() if task is not None else None  # a task may run several requests (bench)
         try:
             for new in self._decode(request_id, tiers, context, params.gen, stats):
                 clock.tokens(len(new))
@@ -236,6 +251,8 @@ class Coordinator:
         if record is not None:
             updated = self.store.append(record.session_id, list(params.prompt_ids) + out, record.version)
             session_length = len(updated.token_ids)
+        if task is not None and mark is not None:
+            stats.engine = EngineTime(*task.since(mark))
         clock.finished(stats, len(context), finish)
         yield Chunk(new, text.take(final=True), finish, stats, session_length)
 
@@ -302,57 +319,6 @@ class Coordinator:
         except SessionNotFound:
             return False
         return self.store.delete(session_id)
-
-
-class _TextStream:
-    """Incremental detokenization with stop strings; emitted text is never taken back.
-
-    While streaming, the last (longest stop string - 1) characters are held back, since a stop string
-    may still complete there, and so is a trailing U+FFFD (a multi-byte character split across tokens).
-    On a stop, the kept tokens end with the one that completed the stop string, and the text ends just
-    before the stop string (the convention of vLLM and the OpenAI API).
-    """
-
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]):
-        self.decode = decode
-        self.stop = tuple(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.tokens: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters of self.text already emitted
-        self.stopped_at: int | None = None
-
-    def feed(self, new: Sequence[int]) -> int | None:
-        """Add a round's tokens; if a stop string completed, return how many of them to keep."""
-        base = len(self.tokens)
-        self.tokens += new
-        self.text = self.decode(self.tokens)
-        # A stop string cannot start before `sent`: at least len(stop) - 1 characters were held back.
-        found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
-        if not found:
-            return None
-        for n in range(base + 1, len(self.tokens) + 1):  # the first token that completes a stop string
-            text = self.decode(self.tokens[:n])
-            hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
-            if hits:
-                self.tokens, self.text, self.stopped_at = self.tokens[:n], text, min(hits)
-                return n - base
-        self.stopped_at = min(found)  # decoding is not prefix-stable here; keep every token
-        return len(new)
-
-    def take(self, final: bool) -> str:
-        """The text not emitted yet that is safe to emit now."""
-        if self.stopped_at is not None:
-            end = self.stopped_at
-        elif final:
-            end = len(self.text)
-        else:
-            end = len(self.text) - self.hold
-            while end > self.sent and self.text[end - 1] == "\ufffd":
-                end -= 1
-        end = max(end, self.sent)
-        delta, self.sent = self.text[self.sent : end], end
-        return delta
 
 
 class _Clock:

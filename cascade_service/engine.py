@@ -9,27 +9,25 @@ it through the same `Tier` protocol.
 from __future__ import annotations
 
 import copy
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CascadeConfig, GenerationConfig, StatisticalConfig, TierClientConfig, make_cascade, request_state
+from .config import CascadeConfig, GenerationConfig, StatisticalConfig, TierClientConfig, make_cascade
 from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
-from .core.cascade import Lookup, build_cascade
-from .core.decode import decode
-from .core.encdec import decoder_context
+from .core.cascade import Lookup
 from .core.local import ModelTier
 from .core.stats import CascadeStats
-from .core.tier import Release, Tier
+from .core.tier import Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
+from .models.loop import EngineLoop
 from .runtime.assemble import TierFacts, assemble_coordinator
 from .runtime.leaves import Leaves
-from .scheduling.load import BySampling, LoadModel
+from .scheduling.load import load_policies
 from .scheduling.trial import ARMS
-from .sessions import SessionStore
+from .sessions import MemoryStore, SessionStore
 from .startup import check_tiers, check_vocabularies
 from .transport.client import RemoteModel, connect
 from .transport.remote import loopback
@@ -46,10 +44,17 @@ class Generation:
 class Engine:
     """Target + drafters loaded from local directories, ready to generate."""
 
-    def __init__(self, cascade: CascadeConfig, loopback: bool = False, tier_client: TierClientConfig | None = None):
+    def __init__(
+        self,
+        cascade: CascadeConfig,
+        loopback: bool = False,
+        tier_client: TierClientConfig | None = None,
+        loop: EngineLoop | None = None,
+    ):
         """`loopback`: every tier behind the wire codec (transport.remote.loopback), as a remote tier
         would be; tests use it to show that the codec changes no token. `tier_client`: how to reach
-        the tiers named by address (the config's serving.tier_client)."""
+        the tiers named by address (the config's serving.tier_client). `loop`: the engine loop its
+        requests and passes run in (the process's shared one by default)."""
         self.cascade = cascade
         self.loopback = loopback
         check_tiers(cascade)  # a device this machine lacks or a foreign vocabulary fails before any weights load
@@ -69,15 +74,29 @@ class Engine:
         self.tokenizer = load_tokenizer(t.path)
         # MaG's bigram table, suffix decoding's recent requests and corpus (runtime.leaves)
         self.leaves = Leaves(cascade.drafters, self.target.vocab_size, self.encode)
-        self.eos_ids = frozenset(self.target.eos_token_ids)
         self.heads = HeadCache(self.target.device if isinstance(self.target, HFModel) else "cpu")
         self._check_heads(cascade)
+        # Every request of this process runs in one engine loop (models.loop), with the models' passes.
+        self.loop = loop or EngineLoop.shared()
+        for model in self.models():
+            model.enable_batching(loop=self.loop)
+        # In-process requests (generate, bench, tune) take the serving path: a coordinator, no sessions.
+        self._local = self.coordinator(MemoryStore(), leaves=self.leaves)
 
     def _check_heads(self, cascade: CascadeConfig) -> None:
         """Load every acceptance head now: a missing or mismatched head fails here, not mid-request."""
         models = {d.name: d for d in self.drafters if isinstance(d, HFModel)}
         for tier, spec in cascade.adaptive.items():
             self.heads.stopper(spec, models[tier].config.hidden_size)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end a request (the target's); settable, for this engine's own requests."""
+        return self._local.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: frozenset[int]) -> None:
+        self._local.eos_ids = frozenset(ids)
 
     def make_stopper(self, spec: AdaptiveLength) -> DraftStopper:
         return self.heads.stopper(spec)
@@ -114,32 +133,20 @@ class Engine:
         # its own requests only, MaG's table and any corpus as loaded once
         twin.leaves = Leaves(cascade.drafters, self.target.vocab_size, self.encode, like=self.leaves)
         twin._check_heads(cascade)
+        twin._local = twin.coordinator(MemoryStore(), leaves=twin.leaves)
         return twin
 
     def stream(
         self, prompt_ids: Sequence[int], gen: GenerationConfig, stats: CascadeStats | None = None
     ) -> Iterator[list[int]]:
-        """Yield committed tokens round by round; `stats` (if given) fills in as it goes."""
-        stats = stats if stats is not None else CascadeStats(self.target.name)
-        state = request_state(
-            gen, stats, self.target.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper
-        )
-        rid = uuid.uuid4().hex  # a remote tier's calls for this request stick to one replica by it
-        state.request_id = rid
-        leaves = self.leaves("")  # in-process: one caller, so one key's space
-        drafters: list[Tier] = [
-            self._wire(leaves[d.name]) if isinstance(d, StatisticalConfig) else self._tier(d, rid)
-            for d in self.drafters
-        ]
-        target = self._tier(self.target, rid)
-        system = build_cascade(
-            target, drafters, self.cascade.schedule, self.cascade.leniency, state, self.cascade.lookup
-        )
-        try:
-            yield from decode(system, decoder_context(prompt_ids, self.target.decoder_start), gen.max_new_tokens, state)
-        finally:
-            for tier in (target, *drafters):  # a tier server's caches of this request (a local one: garbage)
-                tier.release(Release(rid))
+        """Yield committed tokens round by round: the request decodes in the engine loop, through the
+        same coordinator path as a served one; `stats` (if given) holds its figures at the end."""
+        params = self._local.request(prompt_ids, gen)
+        for chunk in self.loop.iterate(lambda: self._local.stream(params)):
+            if chunk.stats is not None and stats is not None:
+                vars(stats).update(vars(chunk.stats))
+            if chunk.token_ids:
+                yield chunk.token_ids
 
     def _tier(self, model: HFModel | RemoteModel, request_id: str) -> Tier:
         """One request's tier of a model (its own KV cache, here or on its tier server)."""
@@ -151,9 +158,11 @@ class Engine:
         return loopback(tier) if self.loopback else tier
 
     def generate(self, prompt_ids: Sequence[int], gen: GenerationConfig) -> Generation:
-        stats = CascadeStats(self.target.name)
-        tokens = [t for chunk in self.stream(prompt_ids, gen, stats) for t in chunk]
-        return Generation(tokens, stats)
+        """One request, decoded in the engine loop by the serving path (the coordinator)."""
+        params = self._local.request(prompt_ids, gen)
+        chunk = self.loop.run(self._local.generate, params)
+        assert chunk.stats is not None
+        return Generation(chunk.token_ids, chunk.stats)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
@@ -167,20 +176,23 @@ class Engine:
         defaults: GenerationConfig | None = None,
         adapt_to_load: bool = False,
         arms: Sequence[str] | None = None,
+        leaves: Leaves | None = None,
     ) -> Coordinator:
-        """A Coordinator over these loaded models, in this process (the standalone gRPC server, tests).
+        """A Coordinator over these loaded models (the standalone gRPC server, tests, this engine's own
+        requests); its requests run in the engine loop when their front end submits them there.
 
         adapt_to_load: choose each round's draft budget from measured acceptance and the target's
-        batched passes (scheduling.load); needs batching on the target (`HFModel.enable_batching`).
-        arms: the ways of drafting its trial chooses between (scheduling.trial.ARMS, all of them when None).
+        batched passes (scheduling.load). arms: the ways of drafting its trial chooses between
+        (scheduling.trial.ARMS, all of them when None). leaves: the statistical drafters' state to
+        share (this engine's own requests share the engine's); a fresh one when None.
         """
         models = {model.name: model for model in self.tiers()} | self.remote  # MaG's server too
         policies = None
         if adapt_to_load:
-            if self.target.batcher is None:
-                raise ValueError("adapt_to_load needs batching on the target (HFModel.enable_batching)")
-            timer, block = self.target.batcher.timer, self.cascade.max_block()
-            policies = BySampling(lambda: LoadModel(timer, block, arms or ARMS)).budget  # per request
+            if not isinstance(self.target, HFModel) or self.target.batcher is None:
+                raise ValueError("adapt_to_load needs the target's passes in this process")
+            policies = load_policies(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS)
+        leaves = leaves or Leaves(self.cascade.drafters, self.target.vocab_size, self.encode)
         return assemble_coordinator(
             self.cascade,
             {m.name: m.facts() if isinstance(m, RemoteModel) else TierFacts.of(m) for m in self.tiers()},
@@ -188,6 +200,7 @@ class Engine:
             tiers=lambda request_id: {name: self._tier(m, request_id) for name, m in models.items()},
             store=store,
             defaults=defaults or GenerationConfig(),
+            leaves=lambda owner: {name: self._wire(tier) for name, tier in leaves(owner).items()},
             make_stopper=self.make_stopper,
             policies=policies,
         )

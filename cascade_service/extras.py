@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRAS = {"ray": "serve", "redis": "serve", "greenlet": "serve", "matplotlib": "plots"}
+EXTRAS = {"ray": "serve", "redis": "serve", "matplotlib": "plots"}
 
 
 class MissingExtra(ImportError):

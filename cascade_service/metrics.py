@@ -165,6 +165,14 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token")
         self.queue = histogram("request_queue_time_seconds", "Arrival to start of work")
         self.tier_calls = counter("tier_calls", "Forward passes (MaG: proposals) per tier", ["tier"])
+        # The engine loop's accounting of finished requests (models/loop.py): where their time went.
+        self.engine_pass_seconds = counter(
+            "engine_pass_seconds", "Requests' shares of batched forward passes, per tier", ["tier"]
+        )
+        self.engine_run_seconds = counter("engine_run_seconds", "Requests' time on the engine loop outside passes")
+        self.engine_wait_seconds = counter(
+            "engine_wait_seconds", "Requests' time waiting (their turn, remote tiers, the session store)"
+        )
         self.tier_pass_seconds = histogram("tier_pass_seconds", "Seconds of one batched forward pass", ["tier"])
         self.tier_batch_size = histogram(
             "tier_batch_size", "Rows of one batched forward pass", ["tier"], buckets=BATCH_BUCKETS
@@ -196,6 +204,11 @@ class Metrics:
         for tier, counters in stats.tiers.items():
             if counters.calls:
                 self.tier_calls.labels(tier).inc(counters.calls)
+        if stats.engine is not None:
+            for tier, seconds in stats.engine.pass_s.items():
+                self.engine_pass_seconds.labels(tier).inc(seconds)
+            self.engine_run_seconds.inc(stats.engine.run_s)
+            self.engine_wait_seconds.inc(stats.engine.waited_s)
         if stats.off_target_tokens or stats.tv_deviation:
             self.lossy_deferrals.labels(stats.verification).inc(stats.off_target_tokens)
             self.lossy_deviation.labels(stats.verification).inc(stats.tv_deviation)

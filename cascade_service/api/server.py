@@ -2,7 +2,9 @@
 
 The embedded wiring for one process; `serving.app` is the Ray Serve wiring of the same servicer. The
 front end (`api.frontend`) takes each call (keys, limits, the body, health, reflection) and hands an
-admitted one to `LocalBackend`, which runs the servicer on a worker thread.
+admitted one to `LocalBackend`, which runs the servicer as a task of the process's engine loop
+(models.loop), where its decode shares every model's batched passes with the other requests; the
+front end's worker only waits for the reply, or for each streamed chunk.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..coordinator import Coordinator
+from ..models.loop import EngineLoop
 from .admission import Limits
 from .auth import ApiKeys, TlsFiles
 from .backend import RecordingContext, Reply, request_type
@@ -25,11 +28,12 @@ MAX_QUEUED_RPCS = 64
 
 
 class LocalBackend:
-    """The front end's `Backend` for a coordinator in this process: the servicer on the worker's thread,
+    """The front end's `Backend` for a coordinator in this process: the servicer in the engine loop,
     its decode stopped at the next round once the client is gone or past its deadline."""
 
-    def __init__(self, servicer: CascadeServicer):
+    def __init__(self, servicer: CascadeServicer, loop: EngineLoop | None = None):
         self.servicer = servicer
+        self.loop = loop or EngineLoop.shared()
 
     def call(
         self,
@@ -46,23 +50,34 @@ class LocalBackend:
         context = RecordingContext(owner, _cancelled(gone, deadline))
         request = request_type(method).FromString(body)
         if method == "Generate":
-            response = self.servicer.Generate(request, context, context.cancelled)
+            response = self.loop.run(self.servicer.Generate, request, context, context.cancelled)
         else:
-            response = getattr(self.servicer, method)(request, context)
+            response = self.loop.run(getattr(self.servicer, method), request, context)
         return (*_status(context, gone, deadline, method), response.SerializeToString())
 
     def stream(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> _LocalStream:
-        return _LocalStream(self.servicer, method, request_type(method).FromString(body), owner, timeout_s)
+        request = request_type(method).FromString(body)
+        return _LocalStream(self.servicer, self.loop, method, request, owner, timeout_s)
 
 
 class _LocalStream:
-    """GenerateStream's replies; its status (when the servicer set one) comes as the last reply."""
+    """GenerateStream's replies, made in the engine loop; its status (when the servicer set one) comes
+    as the last reply."""
 
-    def __init__(self, servicer: CascadeServicer, method: str, request: Any, owner: str, timeout_s: float | None):
+    def __init__(
+        self,
+        servicer: CascadeServicer,
+        loop: EngineLoop,
+        method: str,
+        request: Any,
+        owner: str,
+        timeout_s: float | None,
+    ):
         self._gone = threading.Event()
         self._method, self._deadline = method, _deadline(timeout_s)
         self._context = RecordingContext(owner, _cancelled(self._gone, self._deadline))
-        self._chunks = getattr(servicer, method)(request, self._context, self._context.cancelled)
+        stream = getattr(servicer, method)
+        self._chunks = loop.iterate(lambda: stream(request, self._context, self._context.cancelled))
         self._done = False
 
     def __iter__(self) -> Iterator[Reply]:

@@ -17,6 +17,7 @@ import grpc
 
 from ..coordinator import Cancelled, Chunk, Coordinator
 from ..core.stats import CascadeStats, TierCounters
+from ..core.tier import Overloaded, Unavailable
 from ..core.verify import Verification
 from ..metrics import default_metrics
 from ..sessions import (
@@ -27,7 +28,6 @@ from ..sessions import (
     SessionQuotaExceeded,
     StoreUnavailable,
 )
-from ..transport.errors import Overloaded, Unavailable
 from .auth import owner_of
 from .status import set_status
 from .v1 import cascade_pb2 as pb
@@ -100,7 +100,7 @@ class CascadeServicer:
         """`cancelled`: says when the caller has gone; by default the gRPC context's `is_active`."""
         try:
             params = self._params(request, context)
-            result = self.coordinator.generate(params, cancelled or _gone(context))
+            result = self.coordinator.generate(params, cancelled or caller_gone(context))
         except Exception as exc:
             return fail(context, exc, pb.GenerateResponse())
         return pb.GenerateResponse(
@@ -117,7 +117,7 @@ class CascadeServicer:
     ) -> Iterator[pb.GenerateChunk]:
         try:
             params = self._params(request, context)
-            for chunk in self.coordinator.stream(params, cancelled or _gone(context)):
+            for chunk in self.coordinator.stream(params, cancelled or caller_gone(context)):
                 yield self.chunk(chunk)
         except Exception as exc:
             fail(context, exc, None)
@@ -196,6 +196,7 @@ class CascadeServicer:
             tv_deviation=stats.tv_deviation,
             loglik_loss=stats.loglik_loss,
             rows={name: _row(r.row()) for name, r in stats.reviews.items()},
+            **_engine_time(stats),
         )
 
     def _session(self, record) -> pb.Session:
@@ -205,6 +206,11 @@ class CascadeServicer:
             version=record.version,
             text=self.coordinator.tokenizer.decode(list(record.token_ids)),
         )
+
+
+def _engine_time(stats: CascadeStats) -> dict[str, Any]:
+    engine = stats.engine
+    return {} if engine is None else {"pass_s": engine.pass_s, "loop_s": engine.run_s, "waited_s": engine.waited_s}
 
 
 def _row(row: dict) -> pb.RowStats:
@@ -241,7 +247,7 @@ def fail(context: Any, exc: BaseException, empty: Any) -> Any:
     return empty
 
 
-def _gone(context: Any) -> Callable[[], bool]:
+def caller_gone(context: Any) -> Callable[[], bool]:
     """Whether the caller has gone (cancelled, or past its deadline), from a gRPC server context.
 
     A context without `is_active` (one that records a forwarded call) never says so; its caller passes

@@ -171,6 +171,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from .methods import parse_methods
 
     require("matplotlib", "bench (its plots)")
+    from ..models.hf import on_loop_thread
     from ..prompts import read_prompts
     from .report import markdown, plot_acceptance, plot_speedup
     from .zoo import Zoo
@@ -183,14 +184,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
     tuned = [load_config(path).cascade for path in args.tuned]
     methods = parse_methods(args.methods, config.cascade, sd_ks, tuned)  # bad names fail before any model loads
 
-    zoo = Zoo(config.cascade)
-    prompts = [zoo.encode(t) for t in texts]
-    for i, ids in enumerate(prompts):
-        if not ids:
-            raise ValueError(f"--prompts: prompt {i + 1} encodes to no tokens")
-    logs = run_bench(zoo, methods, prompts, args.max_new_tokens, args.repeats)
-    costs = zoo.swi_costs()  # step times measured after the runs, on warm models
-    tiers = zoo.tier_costs()
+    def measure() -> tuple:
+        zoo = Zoo(config.cascade)
+        prompts = [zoo.encode(t) for t in texts]
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise ValueError(f"--prompts: prompt {i + 1} encodes to no tokens")
+        logs = run_bench(zoo, methods, prompts, args.max_new_tokens, args.repeats)
+        # step times measured after the runs, on warm models
+        return prompts, logs, zoo.swi_costs(), zoo.tier_costs()
+
+    # Every method, ours and transformers' baselines, and every timing on one thread: the engine
+    # loop's, where our passes run (models.hf.on_loop_thread says why one thread).
+    prompts, logs, costs, tiers = on_loop_thread(measure)
     results = {
         "command": command_line(args),
         "config": config_summary(args.config, config.cascade),

@@ -31,9 +31,11 @@ class Tally:
     drafted_by_position: dict[str, list[int]] = field(default_factory=dict)
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> calls / drafted / accepted
     rows: Usage = field(default_factory=Usage)  # the reviewers' counters summed, for how each row ran
+    orchestration_s: float = 0.0  # the engine loop's time outside model passes, summed
 
     def add(self, outcome: Outcome) -> None:
         absorb(self.rows, Usage(reviews=outcome.rows))
+        self.orchestration_s += outcome.orchestration_s
         self.generated += len(outcome.token_ids)
         self.target_calls += outcome.target_calls
         for name, counts in outcome.tiers.items():
@@ -131,6 +133,8 @@ def _figures(log: RunnerLog, reference: list[list[int]], costs: Mapping[str, Map
         "swi_measured": tally.swi(costs.get("measured", {})),
         "target_calls_per_token": _ratio(tally.target_calls, n),
         "mean_accepted_length": _ratio(n, tally.target_calls),
+        # the engine's own time per target round (wall time outside model passes; 0 for transformers')
+        "orchestration_per_round_ms": 1e3 * _ratio(tally.orchestration_s, tally.target_calls),
         # Every repeat of every prompt, not just one: a flaky mismatch must not hide.
         "identical_to_hf_ar": all(toks == reference for toks in log.tokens),
         "drafter_calls_per_token": {name: _ratio(calls, n) for name, calls in tally.drafter_calls.items()},

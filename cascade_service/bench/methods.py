@@ -37,6 +37,7 @@ class Outcome:
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
     # reviewer tier -> its counters, for how its K-matrix row ran (ReviewCounters.row); ours only
     rows: dict[str, ReviewCounters] = field(default_factory=dict)
+    orchestration_s: float = 0.0  # the engine loop's time outside model passes (ours only)
 
 
 class Runner(Protocol):
@@ -124,7 +125,10 @@ def _from_hf(run: HFRun) -> Outcome:
 def _from_stats(token_ids: list[int], stats: CascadeStats) -> Outcome:
     drafter_calls = {name: c.calls for name, c in stats.tiers.items() if name != stats.target}
     reviews = {name: (list(r.accepted_by_position), list(r.drafted_by_position)) for name, r in stats.reviews.items()}
-    return Outcome(token_ids, stats.target_calls, drafter_calls, reviews, stats.per_tier(), dict(stats.reviews))
+    orchestration = stats.engine.orchestration_s() if stats.engine is not None else 0.0
+    return Outcome(
+        token_ids, stats.target_calls, drafter_calls, reviews, stats.per_tier(), dict(stats.reviews), orchestration
+    )
 
 
 def drafted_label(name: str, tiers: dict[str, dict[str, int]]) -> str:

@@ -20,6 +20,7 @@ COLUMNS = (
     ("SWI (measured)", "swi_measured", "{:.2f}"),
     ("target calls/token", "target_calls_per_token", "{:.3f}"),
     ("mean accepted length", "mean_accepted_length", "{:.2f}"),
+    ("orchestration ms/round", "orchestration_per_round_ms", "{:.3f}"),
     ("identical to hf-ar", "identical_to_hf_ar", "{}"),
 )
 

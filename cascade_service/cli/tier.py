@@ -84,7 +84,7 @@ def _run_tier(args: argparse.Namespace) -> int:
     return 0
 
 
-def tier_group(config: Config, names: list[str]):  # -> serving.tier.TierGroup (imported late: it loads torch)
+def tier_group(config: Config, names: list[str]):  # -> transport.group.TierGroup (imported late: it loads torch)
     """The TierGroup serving `names` of the config: their weights from their `path`; a member whose whole
     sub-cascade is among them runs it in one call; MaG with its bigram table where named or needed."""
     from ..models.hf import config_vocab_size
@@ -92,7 +92,7 @@ def tier_group(config: Config, names: list[str]):  # -> serving.tier.TierGroup (
     def models_of(cascade):  # type: ignore[no-untyped-def]
         return [t for t in cascade.tiers if isinstance(t, ModelTierConfig)]
 
-    from ..serving.tier import TierGroup, system_heads
+    from ..transport.group import TierGroup, system_heads
 
     cascade = config.cascade
     by_name = {t.name: t for t in cascade.tiers}

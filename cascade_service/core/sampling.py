@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .limits import check_temperature, check_top_p
 from .placement import PROBS_DTYPE, generator_for
-from .request import check_temperature, check_top_p
 
 
 @dataclass(frozen=True)

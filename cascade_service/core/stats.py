@@ -105,6 +105,26 @@ class Usage:
 
 
 @dataclass
+class EngineTime:
+    """Where a request's time went in the engine loop (models.loop), in seconds: its share of each
+    tier's batched forward passes (`pass_s`), its Python on the loop around them (`run_s`: the
+    cascade's bookkeeping, MaG, reviews, sampling, detokenization) and the rest of its wall time
+    (`waited_s`: its turn among the loop's tasks, remote tiers' replies, the session store)."""
+
+    pass_s: dict[str, float] = field(default_factory=dict)
+    run_s: float = 0.0
+    waited_s: float = 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return sum(self.pass_s.values()) + self.run_s + self.waited_s
+
+    def orchestration_s(self) -> float:
+        """Wall time outside model passes: what the engine itself cost the request."""
+        return self.run_s + self.waited_s
+
+
+@dataclass
 class CascadeStats:
     target: str
     tiers: dict[str, TierCounters] = field(default_factory=dict)
@@ -115,12 +135,19 @@ class CascadeStats:
     off_target_tokens: int = 0  # emitted tokens drawn from a distribution other than the target's
     tv_deviation: float = 0.0  # summed expected total-variation distance from the target's distributions
     loglik_loss: float = 0.0  # summed expected drop of the target's log-likelihood (nats)
+    engine: EngineTime | None = None  # the engine loop's accounting of the request's time, when it ran there
 
     def tier(self, name: str) -> TierCounters:
         return self.tiers.setdefault(name, TierCounters())
 
     def reviewer(self, name: str) -> ReviewCounters:
         return self.reviews.setdefault(name, ReviewCounters())
+
+    def orchestration_per_round_s(self) -> float | None:
+        """The engine's own time per target round: wall time outside model passes over target calls."""
+        if self.engine is None or not self.target_calls:
+            return None
+        return self.engine.orchestration_s() / self.target_calls
 
     @property
     def target_calls(self) -> int:
@@ -187,6 +214,14 @@ class CascadeStats:
             "off_target_tokens": self.off_target_tokens,
             "tv_deviation": round(self.tv_deviation, 6),
             "loglik_loss": round(self.loglik_loss, 6),
+            "engine": None
+            if self.engine is None
+            else {
+                "pass_s": {name: round(s, 6) for name, s in self.engine.pass_s.items()},
+                "run_s": round(self.engine.run_s, 6),
+                "waited_s": round(self.engine.waited_s, 6),
+                "orchestration_per_round_ms": round(1e3 * (self.orchestration_per_round_s() or 0.0), 4),
+            },
         }
 
 

@@ -120,6 +120,15 @@ class Tier(Protocol):
     def release(self, request: Release) -> None: ...
 
 
+class Unavailable(Exception):
+    """A tier could not be reached (replica died, deployment restarting): retryable. Whatever carried
+    the call raises it; the edge maps it to UNAVAILABLE."""
+
+
+class Overloaded(Exception):
+    """A tier's bounded queue is full: RESOURCE_EXHAUSTED at the edge, retry later."""
+
+
 def call_seed(generator: torch.Generator) -> int:
     """A seed for one tier call, drawn from the request's RNG so the request stays reproducible."""
     return int(torch.randint(0, 2**62, (1,), generator=generator))

@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from cascade_service.core.types import Context
 
 from ..metrics import default_metrics
-from .batching import ForwardBatcher, _Pass, default_prefill_chunk, forward_batch
+from .batching import Pass, default_prefill_chunk, forward_batch
 from .kvpool import STORAGES, KVCache, KVPool, PoolPass, SlotCache
 from .lean import BACKENDS
+from .loop import EngineLoop, LoopBatcher
 from .rows import last_rows
+
+T = TypeVar("T")
 
 _DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
@@ -130,7 +134,10 @@ def load_tokenizer(path: str | Path):
 
 
 class HFModel:
-    """One loaded tier, shared read-only across requests; each request gets its own `scorer()`."""
+    """One loaded tier, shared read-only across requests; each request gets its own `scorer()`.
+    A decoder-only model; an encoder-decoder one is `models.seq2seq.Seq2SeqModel` (`MODEL_KINDS`)."""
+
+    auto: Any = AutoModelForCausalLM  # the transformers class its weights load with
 
     def __init__(self, module: PreTrainedModel, name: str, kv: str = "pool"):
         if kv not in STORAGES:
@@ -162,20 +169,26 @@ class HFModel:
         # A prefill of a long prompt would otherwise materialise [S, V] logits only to drop all but n.
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
         self._step_times: dict[int, float] = {}
-        self.batcher: ForwardBatcher | None = None  # once enable_batching() ran: concurrent scorers share passes
+        self.batcher: LoopBatcher | None = None  # once enable_batching() ran: passes run in the engine loop
 
-    def enable_batching(self, max_batch: int = 64, prefill_chunk: int | None = None) -> None:
-        """From now on, concurrent requests' forward passes run as batched passes (models.batching).
+    def enable_batching(
+        self, max_batch: int = 64, prefill_chunk: int | None = None, loop: EngineLoop | None = None
+    ) -> None:
+        """From now on this model's forward passes run in the engine loop (models.loop; the process's
+        shared one unless `loop` is given), batched with concurrent requests' (models.batching).
 
-        Only worth it when several requests decode at once; a lone request takes the unbatched path.
         prefill_chunk: the most tokens one pass of a prompt feeds while other requests decode (0: a
         prompt in one pass; None: this device's default, models.batching.default_prefill_chunk).
         """
+        chunk = default_prefill_chunk(self.device) if prefill_chunk is None else prefill_chunk
         if self.batcher is None:
-            chunk = default_prefill_chunk(self.device) if prefill_chunk is None else prefill_chunk
-            self.batcher = ForwardBatcher(self, max_batch, chunk)
+            self.batcher = (loop or EngineLoop.shared()).batcher(self, max_batch, chunk)
             metrics = default_metrics()
             self.batcher.on_pass = lambda rows, seconds: metrics.forward_pass(self.name, rows, seconds)
+        elif loop is not None and loop is not self.batcher.loop:
+            raise ValueError(f"{self.name}: its passes already run in the engine loop {self.batcher.loop.name}")
+        else:  # settings for the same loop (a test, a benchmark's variant): the last ones win
+            self.batcher.max_batch, self.batcher.prefill_chunk = max_batch, chunk
 
     @property
     def encoder_decoder(self) -> bool:
@@ -185,14 +198,15 @@ class HFModel:
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one request, in this model's storage."""
-        if self.encoder_decoder:
-            from .seq2seq import Seq2SeqCache
-
-            return Seq2SeqCache()
         return SlotCache(self.kv_pool) if self.kv == "pool" else DynamicCache()
 
+    def timing_cache(self, prompt: Sequence[int]) -> KVCache:
+        """A cache to time passes with (`pass_time_s`): a new one; an encoder-decoder model's also
+        holds the encoder's output for `prompt`."""
+        return self.new_cache()
+
     def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False):
-        """A cached forward pass for one request: through the batcher when batching is on."""
+        """A cached forward pass for one request: in the engine loop once batching is on."""
         if self.batcher is not None:
             return self.batcher.forward(tokens, cache, keep, with_hidden)
         return self._forward(tokens, cache, keep, with_hidden=with_hidden)
@@ -220,29 +234,24 @@ class HFModel:
         target = resolve_device(device)
         local = _local_dir(path)
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per tier per process is only noise
-        auto = AutoModelForSeq2SeqLM if is_encoder_decoder(local) else AutoModelForCausalLM
-        module = auto.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
+        kind = MODEL_KINDS[is_encoder_decoder(local)]  # chosen once, here: HFModel or Seq2SeqModel
+        module = kind.auto.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
         module.eval().to(target)
-        return cls(BACKENDS[backend](module), name or local.resolve().name, kv)
+        return kind(BACKENDS[backend](module), name or local.resolve().name, kv)
 
     @classmethod
     def for_tier(cls, tier: Any, **overrides: Any) -> HFModel:
-        """Load the model a config's tier names (a `config.ModelTierConfig`), with `overrides` of its fields."""
+        """Load the model a config's tier names (a `config.ModelTierConfig`), with `overrides` of its
+        fields: a model that serves, so it is built on the engine loop's thread (`on_loop_thread`)."""
         fields = {key: getattr(tier, key) for key in ("path", "dtype", "device", "name", "backend", "kv")}
-        return cls.load(**{**fields, **overrides})
+        return on_loop_thread(cls.load, **{**fields, **overrides})
 
     def scorer(self) -> HFScorer:
         """A fresh scorer (own KV cache) for one request."""
-        if self.encoder_decoder:
-            from .seq2seq import Seq2SeqScorer
-
-            return Seq2SeqScorer(self)
         return HFScorer(self)
 
     def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Plain no-cache forward: [len(tokens), V] float32 logits on the model's device."""
-        if self.encoder_decoder:
-            raise ValueError(f"{self.name}: an encoder-decoder model scores a decoder sequence: use scorer()")
         with torch.inference_mode():
             logits = self._forward(tokens, None, len(tokens))
         assert isinstance(logits, torch.Tensor)  # without hidden states
@@ -256,7 +265,8 @@ class HFModel:
         if context_len < 0 or repeats < 1:
             raise ValueError(f"need context_len >= 0 and repeats >= 1, got {context_len}, {repeats}")
         if context_len not in self._step_times:
-            self._step_times[context_len] = self._measure_step(context_len, repeats)
+            loop = self.batcher.loop if self.batcher is not None else None
+            self._step_times[context_len] = on_loop_thread(self._measure_step, context_len, repeats, loop=loop)
         return self._step_times[context_len]
 
     def _measure_step(self, context_len: int, repeats: int) -> float:
@@ -269,11 +279,6 @@ class HFModel:
     def _forward(
         self, tokens: Sequence[int], cache: KVCache | PoolPass | None, keep: int, with_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.encoder_decoder:
-            from . import seq2seq
-
-            assert isinstance(cache, seq2seq.Seq2SeqCache)  # new_cache() made it
-            return seq2seq.forward(self, tokens, cache, keep, with_hidden)
         if isinstance(cache, SlotCache):
             # A lone row over its pool slot: the model makes its mask and positions from the slot's
             # length, as over a DynamicCache (models.kvpool.PoolPass).
@@ -290,25 +295,30 @@ class HFModel:
         return last_rows(out.logits, out.hidden_states[-1] if with_hidden else None, keep)
 
 
+def on_loop_thread(fn: Callable[..., T], *args: Any, loop: EngineLoop | None = None, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on the thread of `loop` (default: the shared engine loop), waited for.
+
+    Torch's CPU kernels run on an OpenMP team per calling thread. Once a second thread has run a
+    parallel op (a lean drafter packing its weights, a step timed), libgomp sees more threads than
+    cores and stops spinning between parallel regions: on 2 cores every pass in the loop took twice
+    as long (the quality target, 3 tokens: 5.6 ms, 11-13 ms). So serving models compute there."""
+    return (loop or EngineLoop.shared()).run(functools.partial(fn, *args, **kwargs))
+
+
 def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7, tokens: int = 1) -> float:
     """Median seconds of one pass feeding `tokens` tokens to each of `rows` requests with `context_len`
     cached (after 2 warm-up passes). One row and one token is `HFModel.step_time_s`; more rows is a
     batched pass (models.batching); more tokens is a review of tokens - 1 drafts."""
     gen = torch.Generator().manual_seed(rows)
     prompts = torch.randint(0, model.vocab_size, (rows, context_len + tokens), generator=gen).tolist()
-    caches = [model.new_cache() for _ in range(rows)]
-    if model.encoder_decoder:  # each row's decoder attends over an encoder output of its own
-        from .seq2seq import encode
-
-        for cache, prompt in zip(caches, prompts):
-            cache.encoder_out = encode(model, prompt[:32])  # type: ignore[union-attr]
+    caches = [model.timing_cache(prompt[:32]) for prompt in prompts]
     times = []
     with torch.inference_mode():
         for cache, prompt in zip(caches, prompts):
             if context_len:
                 model._forward(prompt[:context_len], cache, 1)
         for _ in range(2 + repeats):
-            batch = [_Pass(p[context_len:], c, tokens, False) for p, c in zip(prompts, caches)]
+            batch = [Pass(p[context_len:], c, tokens, False) for p, c in zip(prompts, caches)]
             model._sync()
             began = time.perf_counter()
             forward_batch(model, batch)
@@ -382,3 +392,8 @@ class HFScorer:
         self._cache.crop(length - self._cache.get_seq_length())
         del self._tokens[length:]
         self._trusted = min(self._trusted, length)
+
+
+# is_encoder_decoder -> the class a model directory loads as; models.seq2seq adds its own (the package
+# imports it), so this module never imports that one.
+MODEL_KINDS: dict[bool, type[HFModel]] = {False: HFModel}

@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache
+from transformers import AutoModelForSeq2SeqLM, DynamicCache, EncoderDecoderCache
 
 from cascade_service.core.types import Context
 
-from .hf import HFModel, HFScorer
+from .hf import MODEL_KINDS, HFModel, HFScorer
+from .kvpool import KVCache, PoolPass
 from .rows import last_rows
 
 
@@ -82,3 +83,31 @@ class Seq2SeqScorer(HFScorer):
     def reset(self) -> None:
         super().reset()
         self._cache = Seq2SeqCache(self._encoder_out)
+
+
+class Seq2SeqModel(HFModel):
+    """An encoder-decoder tier: its requests' caches hold their encoder output, its passes score the
+    decoder (`forward`) one request at a time, its scorer splits each context at the start token."""
+
+    auto = AutoModelForSeq2SeqLM
+
+    def new_cache(self) -> Seq2SeqCache:
+        return Seq2SeqCache()
+
+    def timing_cache(self, prompt: Sequence[int]) -> Seq2SeqCache:
+        return Seq2SeqCache(encode(self, prompt))
+
+    def scorer(self) -> Seq2SeqScorer:
+        return Seq2SeqScorer(self)
+
+    def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        raise ValueError(f"{self.name}: an encoder-decoder model scores a decoder sequence: use scorer()")
+
+    def _forward(
+        self, tokens: Sequence[int], cache: KVCache | PoolPass | None, keep: int, with_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(cache, Seq2SeqCache)  # new_cache() made it
+        return forward(self, tokens, cache, keep, with_hidden)
+
+
+MODEL_KINDS[True] = Seq2SeqModel

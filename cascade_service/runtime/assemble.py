@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import CascadeConfig, GenerationConfig, ServingConfig
-from ..coordinator import Coordinator, TierFactory, Tokenizer, smallest_context
+from ..coordinator import Coordinator, LeafFactory, TierFactory, Tokenizer, smallest_context
 from ..core.adaptive import StopperFactory
 from ..core.policy import BlockPolicy
 from ..extras import require
 from ..metrics import default_metrics
+from ..models.loop import Blocking
 from ..sessions import SessionStore
 from ..startup import check_vocabularies
 from .leaves import Leaves
@@ -81,7 +82,7 @@ def assemble_coordinator(
     store: SessionStore,
     defaults: GenerationConfig,
     *,
-    leaves: Leaves | None = None,
+    leaves: LeafFactory | None = None,
     make_stopper: StopperFactory | None = None,
     policies: Callable[[bool], BlockPolicy] | None = None,
 ) -> Coordinator:
@@ -122,11 +123,14 @@ def session_store(
         require("redis", "a Redis session store (serving.redis_url, --redis-url)")
         from ..sessions.redis_store import RedisStore
 
-        return RedisStore(
-            url,
-            namespace=serving.session_namespace,
-            ttl_s=serving.session_ttl_s,
-            max_sessions_per_owner=serving.max_sessions_per_key,
+        # Its calls wait on the network: an engine loop task runs them on the loop's executor.
+        return Blocking(  # type: ignore[return-value]  # a SessionStore, its calls parked
+            RedisStore(
+                url,
+                namespace=serving.session_namespace,
+                ttl_s=serving.session_ttl_s,
+                max_sessions_per_owner=serving.max_sessions_per_key,
+            )
         )
     return embedded()
 

@@ -6,8 +6,9 @@ CPU to them (we saw plain decoding drop from ~60 to ~7 tok/s). Here the engine r
 that is idle while the service is timed, and the service is idle while the child is timed.
 
 Protocol: one JSON object per line on stdin, `{"variant": name, "ids": [...], "max_new_tokens": n}`;
-one JSON object per line on stdout, `{"tokens": [...], "seconds": s, "target_calls": n}` (seconds
-measured around `Engine.generate` only) or `{"error": message}`.
+one JSON object per line on stdout, `{"tokens": [...], "seconds": s, "target_calls": n,
+"orchestration_s": s}` (seconds measured around `Engine.generate` only; orchestration: the engine
+loop's time outside model passes) or `{"error": message}`.
 """
 
 from __future__ import annotations
@@ -88,7 +89,14 @@ def _serve(config_path: str, torch_threads: int | None) -> int:
             start = time.perf_counter()
             result = engine.generate([int(t) for t in request["ids"]], gen)
             seconds = time.perf_counter() - start
-            reply = {"tokens": result.token_ids, "seconds": seconds, "target_calls": result.stats.target_calls}
+            engine_time = result.stats.engine
+            reply = {
+                "tokens": result.token_ids,
+                "seconds": seconds,
+                "target_calls": result.stats.target_calls,
+                # the engine loop's own time (outside model passes): its accounting, not a difference of runs
+                "orchestration_s": engine_time.orchestration_s() if engine_time is not None else 0.0,
+            }
         except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(reply) + "\n")

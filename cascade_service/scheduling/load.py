@@ -265,3 +265,9 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 BudgetFactory = Callable[[], DraftBudget]
+
+
+def load_policies(timer: PassTimer, max_block: int, arms: Sequence[str] = ARMS) -> Callable[[bool], DraftBudget]:
+    """The coordinator's policy per request, given whether it is greedy: load adaptation over the
+    target's passes (`timer`), greedy and sampled traffic judged apart (BySampling)."""
+    return BySampling(lambda: LoadModel(timer, max_block, arms)).budget

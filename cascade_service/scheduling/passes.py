@@ -1,6 +1,7 @@
-"""What a batched forward pass costs: the per-thread compute clock the batcher charges (`charge`,
-`charged`) and the timer that fits a pass's cost from recent passes (`PassTimer`). Load adaptation
-(`scheduling.load`) prices a round with them; the batcher (`models.batching`) feeds them."""
+"""What a batched forward pass costs: a request's compute clock (`TaskClock`, `charged`: its share of
+each pass and its own work around them) and the timer that fits a pass's cost from recent passes
+(`PassTimer`). Load adaptation (`scheduling.load`) prices a round with them; the engine loop
+(`models.loop`) feeds them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,29 +22,65 @@ PAD_WASTE = 1.5  # a batched pass processes at most this many padded positions p
 # each pass also pays a fixed part that joining shares; on a GPU positions are cheaper still.
 ROW_POSITIONS = 256
 
-_charged = threading.local()
+
+@dataclass
+class TaskClock:
+    """Where one engine loop task's time went, in seconds (models.loop): `run_s` on the loop outside
+    forward passes (its Python: the cascade's bookkeeping, MaG, reviews, sampling), `pass_s` its
+    share of each model's batched passes, by model name; `started` when it was submitted
+    (perf_counter); `stepping_since` when its current step on the loop began (None between steps)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    run_s: float = 0.0
+    pass_s: dict[str, float] = field(default_factory=dict)
+    stepping_since: float | None = None
+
+    @property
+    def passes_s(self) -> float:
+        return sum(self.pass_s.values())
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def ran_s(self) -> float:
+        """run_s, with the step under way counted so far."""
+        since = self.stepping_since
+        return self.run_s + (time.perf_counter() - since if since is not None else 0.0)
+
+    def mark(self) -> tuple[float, float, dict[str, float]]:
+        """Where the clock stands (wall, run, passes by model): a request that is part of a longer task
+        (a benchmark's) counts its time from here (`since`)."""
+        return time.perf_counter(), self.ran_s(), dict(self.pass_s)
+
+    def since(self, mark: tuple[float, float, dict[str, float]]) -> tuple[dict[str, float], float, float]:
+        """(passes by model, run, waited) seconds since `mark`."""
+        began, ran, passes = mark
+        pass_s = {name: s - passes.get(name, 0.0) for name, s in self.pass_s.items() if s > passes.get(name, 0.0)}
+        run_s = self.ran_s() - ran
+        return pass_s, run_s, max(0.0, time.perf_counter() - began - run_s - sum(pass_s.values()))
+
+    def waited_s(self) -> float:
+        """Wall time neither running nor in its own passes: its turn, others' passes, remote replies."""
+        return max(0.0, self.wall_s() - self.ran_s() - self.passes_s)
 
 
-def charge(seconds: float, inline_cpu_s: float = 0.0) -> None:
-    """Add to the calling thread's compute clock its share of a (batched) forward pass it waited for.
-
-    inline_cpu_s: CPU time this thread spent running that pass itself (a lone caller's inline pass),
-    which the share already counts.
-    """
-    _charged.seconds = getattr(_charged, "seconds", 0.0) + seconds
-    _charged.inline = getattr(_charged, "inline", 0.0) + inline_cpu_s
+# The clock of the engine loop task running now (each greenlet has its own context).
+CURRENT_CLOCK: ContextVar[TaskClock | None] = ContextVar("cascade_task_clock", default=None)
 
 
 def charged() -> float:
-    """The calling thread's compute clock: its shares of the forward passes it took part in, plus the
-    CPU time it spent outside them (the cascade's own work: MaG, reviews, sampling).
+    """The current request's compute clock: its shares of the forward passes it took part in, plus the
+    time it ran outside them (the cascade's own work: MaG, reviews, sampling).
 
-    A request decodes in one thread, so the difference over a round's drafting is what drafting cost:
-    its share of each batched pass rather than the wall time it waited (which counts other requests'
-    work as its own and would make drafting look dear exactly when the machine is busy), and the
-    Python around the passes, which on a CPU is not small.
+    The difference over a round's drafting is what drafting cost: its share of each batched pass
+    rather than the wall time it waited (which counts other requests' work as its own and would make
+    drafting look dear exactly when the machine is busy), and the Python around the passes, which on
+    a CPU is not small. Outside an engine loop task, the calling thread's CPU time.
     """
-    return getattr(_charged, "seconds", 0.0) + time.thread_time() - getattr(_charged, "inline", 0.0)
+    clock = CURRENT_CLOCK.get()
+    if clock is None:
+        return time.thread_time()
+    return clock.ran_s() + clock.passes_s
 
 
 @dataclass(frozen=True)
@@ -65,7 +103,7 @@ class PassTimer:
     redone at most every REFIT passes (a round asks for it, and rounds outnumber passes).
     """
 
-    REFIT = 8
+    REFIT = 32  # a least-squares fit costs ~0.5 ms on a CPU; the cost it finds moves slowly
 
     def __init__(self, window: int = 256, min_passes: int = 16):
         # (requests, new tokens in all, seconds, the longest row's new tokens)

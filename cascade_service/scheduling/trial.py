@@ -67,7 +67,9 @@ class ArmTrial:
     tokens per wall second, since in a closed loop the two move together and the first does not dip
     when a wave of new requests is being prefilled.
 
-    Each level tries every arm once, then uses the best (the median of its last RECENT samples); one
+    At level 0 (one round in flight) the K-matrix runs ("full"), with no trial: a lone request's passes
+    cost what they cost when `tune` chose it. Each other level tries every arm once, then uses the
+    best (the median of its last RECENT samples); one
     epoch in EXPLORE re-measures another arm, the least recently measured, except that one measured at
     under half the best is re-measured only every FAR_EXPLORE-th time, so that a change in traffic is
     noticed.
@@ -164,6 +166,10 @@ class ArmTrial:
         arms[epoch.arm] = (statistics.median(recent), (old[1] if old else 0) + 1, index)
 
     def _choose(self, level: int) -> str:
+        if level == 0 and "full" in self.arms:
+            # One round in flight: no batching to change what a pass costs, so the K-matrix, tuned
+            # offline at one stream (`tune`), is the answer, and exploring other arms only costs.
+            return "full"
         arms = self.estimates.get(level, {})
         pending = {e.arm for e in self._epochs.values() if not e.closed or e.pending > 0}
         untried = [a for a in self.arms if a not in arms and a not in pending]

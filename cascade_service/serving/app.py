@@ -21,7 +21,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from ..api.frontend import Frontend
 from ..api.health import check_reply, watch_reply
 from ..api.servicer import (
     CascadeServicer,
+    caller_gone,
     fail,
 )
 from ..api.tier.v1 import tier_pb2 as pb
@@ -54,26 +55,27 @@ from ..core.tier import Tier
 from ..metrics import default_metrics
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
+from ..models.loop import Blocking, EngineLoop, task_cancelled
 from ..runtime.assemble import (
     TierFacts,
     assemble_coordinator,
     hf_tokenizer,
     session_store,
 )
-from ..scheduling.load import BySampling, DraftBudget, LoadModel
+from ..scheduling.load import DraftBudget, load_policies
 from ..scheduling.passes import PassTimer
 from ..startup import check_vocabularies
 from ..transport.client import RemoteModel, connect
+from ..transport.group import check_adaptive_reviewers, replica_tier, system_heads
 from ..transport.remote import RemoteTier
-from .bridge import Offloaded, iterate_bridged, run_bridged
 from .calls import Calls, Stopped, raise_if_failed, reply_for
 from .placement import deployment_options
 from .ray_metrics import mirror_to_ray
 from .replica_http import replica_app
 from .session_actor import actor_store
-from .tier import check_adaptive_reviewers, replica_tier, system_heads
 from .tier_deployment import (
     DEFAULT_MAX_ONGOING,
+    ReplicaSpec,
     TierDeployment,
     invoker,
     replica_gpus,
@@ -118,10 +120,11 @@ class CoordinatorDeployment:
         self.remote: dict[str, RemoteModel] = {}  # tiers named by address (transport.client)
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
-        # Decodes run on the event loop (serving/bridge.py); this pool runs what blocks a thread: a
-        # colocated tier's forward passes, the session store's calls, building the servicer. One thread
-        # per call Serve lets in, so those never queue behind the loop's small default executor.
-        self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="coordinator-io")
+        # Calls run as tasks of the replica's engine loop (models.loop), where colocated tiers' passes
+        # batch; this pool runs what must not block Serve's event loop: building the servicer, the
+        # tokenizer's load.
+        self.engine = EngineLoop.shared()
+        self.pool = ThreadPoolExecutor(4, thread_name_prefix="coordinator-setup")
         self._calls = Calls()
         self.max_ongoing = max_ongoing
         self.http: Frontend | None = None  # the HTTP API's front end, once Serve built the app
@@ -153,7 +156,7 @@ class CoordinatorDeployment:
                     colocated = [replica_tier(t, gpus, COORDINATOR) for t in colocated]
                 self.local = {t.name: HFModel.for_tier(t) for t in colocated}
                 for model in self.local.values():  # concurrent requests share a colocated tier's passes
-                    model.enable_batching()
+                    model.enable_batching(loop=self.engine)
                 facts = {name: TierFacts.of(model) for name, model in self.local.items()}
                 for handle in {id(h): h for h in self.handles.values()}.values():
                     hosted = pb.InfoReply.FromString(handle.info.remote().result()).tiers  # protobuf on the handle
@@ -167,7 +170,7 @@ class CoordinatorDeployment:
                     facts,
                     hf_tokenizer(load_tokenizer(cascade.target.path)),
                     self._remote_tiers,
-                    Offloaded(session_store(serving, lambda: actor_store(serving)), self.pool),
+                    session_store(serving, lambda: Blocking(actor_store(serving))),
                     self.config.generation,
                     make_stopper=self.heads.stopper,  # SpecDec++ at a colocated reviewing tier
                     policies=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None,
@@ -176,10 +179,9 @@ class CoordinatorDeployment:
             return self._servicer
 
     def _remote_tiers(self, request_id: str) -> dict[str, Tier]:
-        # Colocated: no hop, but their forward passes block, so a bridged decode awaits them on the pool.
+        # Colocated: no hop; their passes run in the engine loop with the other requests'.
         tiers: dict[str, Tier] = {
-            name: ModelTier(Offloaded(model.scorer(), self.pool), model.vocab_size, self.heads.stopper)
-            for name, model in self.local.items()
+            name: ModelTier(model.scorer(), model.vocab_size, self.heads.stopper) for name, model in self.local.items()
         }
         for name, handle in self.handles.items():
             tiers[name] = RemoteTier(name, request_id, invoker(name, handle), system=name in self.systems)
@@ -193,7 +195,7 @@ class CoordinatorDeployment:
             return UNARY[method][1]()
         try:
             with self._calls.admit():
-                return await run_bridged(_serve, await self._servicer_ready(), method, request, context)
+                return await self.engine.arun(_serve, await self._servicer_ready(), method, request, context)
         except Stopped as exc:
             fail(grpc_context, exc, None)
             return UNARY[method][1]()
@@ -208,7 +210,7 @@ class CoordinatorDeployment:
                 try:
                     with self._calls.admit():
                         servicer = await self._servicer_ready()
-                        async for chunk in iterate_bridged(lambda: servicer.GenerateStream(request, context)):
+                        async for chunk in self.engine.aiterate(lambda: servicer.GenerateStream(request, context)):
                             yield chunk
                 except Stopped as exc:
                     fail(grpc_context, exc, None)
@@ -238,7 +240,7 @@ class CoordinatorDeployment:
                     response = _serve(servicer, method, request_type(method).FromString(body), context)
                     return context.code.name, context.details, response.SerializeToString()
 
-                return await run_bridged(run)
+                return await self.engine.arun(run)
         except Stopped as exc:
             return reply_for(exc)
 
@@ -249,7 +251,9 @@ class CoordinatorDeployment:
                 with self._calls.admit():
                     servicer = await self._servicer_ready()
                     request = request_type(method).FromString(body)
-                    async for chunk in iterate_bridged(functools.partial(_serve, servicer, method, request, context)):
+                    async for chunk in self.engine.aiterate(
+                        functools.partial(_serve, servicer, method, request, context)
+                    ):
                         yield "OK", "", chunk.SerializeToString()
             except Stopped as exc:
                 yield reply_for(exc)
@@ -305,9 +309,13 @@ class CoordinatorDeployment:
 
 
 def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any) -> Any:
-    """Call a servicer method in a bridged decode. A caller that hangs up or runs out of time has
-    Serve cancel this call: the CancelledError is raised inside the decode at the await it waits on,
-    its finally blocks free the tiers' KV caches, and the session is left as it was."""
+    """Call a servicer method (an engine loop task). A caller that hangs up or runs out of time has
+    Serve cancel this call: the task is told (models.loop.task_cancelled) and its decode stops after
+    the round under way; its finally blocks free the tiers' KV caches, and the session is left as it
+    was."""
+    if method in ("Generate", "GenerateStream"):  # a decode: it stops between rounds once told
+        gone = caller_gone(context)
+        return getattr(servicer, method)(request, context, lambda: task_cancelled() or gone())
     return getattr(servicer, method)(request, context)
 
 
@@ -332,23 +340,23 @@ def app_builder(args: dict[str, Any]):
     # A tier named by address is served by its own tier server (`cascade-service tier`): no deployment.
     by_name = {t.name: t for t in config.cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote}
     mag = local_mag(config.cascade)
-    mag_args = {"bigram": mag.bigram, "max_ngram": mag.max_ngram} if mag else None
     systems = system_heads(config.cascade, serving)  # each replica learns its sub-cascades once, here
     handles: dict[str, Any] = {}
     for group in tier_groups(list(by_name), serving.colocate, serving.groups):
         name = deployment_name(group)
         options = deployment_options(serving, name, local)
         port = options.pop("grpc_port", None)  # ours: the tier API on each replica, beside the handle
-        grpc = {**asdict(serving.tier_server), "port": port} if port else None
-        # serve.deployment makes the classes Deployments; mypy sees the classes (attr-defined below).
-        handle = TierDeployment.options(name=name, **options).bind(  # type: ignore[attr-defined]
-            [asdict(by_name[n]) for n in group],
-            mag_args if len(group) > 1 else None,
-            serving.torch_threads,
-            options["max_ongoing_requests"],
-            {n: asdict(spec) for n, spec in systems.items() if n in group},
-            grpc,
+        spec = ReplicaSpec(
+            tiers=tuple(by_name[n] for n in group),
+            mag=mag if len(group) > 1 else None,
+            systems={n: sub for n, sub in systems.items() if n in group},
+            torch_threads=serving.torch_threads,
+            max_ongoing=options["max_ongoing_requests"],
+            grpc=serving.tier_server,
+            grpc_port=port,
         )
+        # serve.deployment makes the classes Deployments; mypy sees the classes (attr-defined below).
+        handle = TierDeployment.options(name=name, **options).bind(spec)  # type: ignore[attr-defined]
         handles |= {n: handle for n in group}
     options = deployment_options(serving, COORDINATOR, local)
     return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(  # type: ignore[attr-defined]
@@ -367,8 +375,7 @@ def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> 
     which the coordinator sees (every tier's reply and queueing included).
     arms: serving.load_arms (None: RAY_ARMS).
     """
-    timer, block, ray_arms = PassTimer(), cascade.max_block(), _ray_arms(arms)
-    return BySampling(lambda: LoadModel(timer, block, arms=ray_arms)).budget  # greedy and sampled apart
+    return load_policies(PassTimer(), cascade.max_block(), _ray_arms(arms))
 
 
 def _ray_arms(arms: Sequence[str] | None) -> tuple[str, ...]:

@@ -287,14 +287,17 @@ class LocalService:
                 time.sleep(PROXY_SETTLE_S)
         except Exception:
             log.debug("no coordinator to drain", exc_info=True)
+        if self.started_ray:
+            # Ray goes with everything in it. The coordinator has drained, so deleting the app first
+            # (Serve's controller stops replicas and proxies one by one, each waiting out its own
+            # graceful timeout) would only hold the exit past the grace period: 60 s after a hostile run.
+            ray.shutdown()
+            self.started_ray = False
+            return
         try:
             serve.delete(APP_NAME)
         except Exception:
             pass
-        if self.started_ray:
-            serve.shutdown()
-            ray.shutdown()
-            self.started_ray = False
 
     def __enter__(self) -> LocalService:
         self.start()

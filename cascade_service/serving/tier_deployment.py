@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import ray
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from ..config import ModelTierConfig, deployment_name
+from ..config import MaGConfig, ModelTierConfig, TierServerConfig, deployment_name
+from ..core.tier import Overloaded, Unavailable
 from ..metrics import default_metrics
-from ..transport.errors import Overloaded, Unavailable
-from .bridge import await_, in_bridge
+from ..models.loop import EngineLoop
+from ..transport.group import SubCascade, TierGroup, replica_tier
 from .ray_metrics import mirror_to_ray
-from .tier import SubCascade, TierGroup, replica_tier
 
 # Calls a replica works on at once (Serve's own default is 5): a tier batches concurrent requests'
 # forward passes and a coordinator's requests mostly wait on tiers, so both gain from many.
@@ -31,64 +29,67 @@ def tier_deployment_name(tier: str) -> str:
     return deployment_name((tier,))
 
 
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a tier deployment's replicas host and how, fixed when the app is built: its model tiers,
+    MaG beside them (for a member's sub-cascade), the members that run their sub-cascade here, torch
+    threads, the calls Serve lets in, and the tier API over gRPC on `grpc_port` (None: only handles)."""
+
+    tiers: tuple[ModelTierConfig, ...]
+    mag: MaGConfig | None = None
+    systems: Mapping[str, SubCascade] = field(default_factory=dict)
+    torch_threads: int | None = None
+    max_ongoing: int = DEFAULT_MAX_ONGOING
+    grpc: TierServerConfig = field(default_factory=TierServerConfig)
+    grpc_port: int | None = None
+
+
 @serve.deployment
 class TierDeployment:
     """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them.
 
-    Block calls (draft, review) carry the tier protocol's bytes (transport.codec) and block on forward
-    passes, so each runs on a thread of the replica's own pool, one per call Serve lets in
-    (max_ongoing); every model batches the forward passes of those concurrent calls, so requests
-    decoding at once share passes.
+    Block calls (draft, review) carry the tier protocol's bytes (transport.codec); each runs as a task
+    of the replica's engine loop (models.loop), which batches every waiting call's forward passes of
+    each model, so requests decoding at once share passes.
     """
 
-    def __init__(
-        self,
-        tiers: list[dict[str, Any]],
-        mag: dict[str, Any] | None = None,
-        torch_threads: int | None = None,
-        max_ongoing: int = DEFAULT_MAX_ONGOING,
-        systems: dict[str, dict[str, Any]] | None = None,
-        grpc: dict[str, Any] | None = None,
-    ):
-        if torch_threads:
+    def __init__(self, spec: ReplicaSpec):
+        if spec.torch_threads:
             import torch
 
-            torch.set_num_threads(torch_threads)
+            torch.set_num_threads(spec.torch_threads)
         mirror_to_ray()  # the forward passes' metrics, for the cluster's Prometheus
-        mag = mag or {}
-        # Each tier follows the GPUs Ray gave this replica (serving.tier.replica_tier).
-        name, gpus = deployment_name([t["name"] for t in tiers]), replica_gpus()
-        group = [replica_tier(ModelTierConfig(**t), gpus, name) for t in tiers]
+        # Each tier follows the GPUs Ray gave this replica (transport.group.replica_tier).
+        name, gpus = deployment_name([t.name for t in spec.tiers]), replica_gpus()
+        group = [replica_tier(t, gpus, name) for t in spec.tiers]
+        mag = spec.mag
         self.group = TierGroup(
             group,
-            mag.get("bigram"),
-            mag.get("max_ngram", 16),
-            systems={n: SubCascade.of(spec) for n, spec in (systems or {}).items()},
+            mag.bigram if mag else None,
+            mag.max_ngram if mag else 16,
+            systems=dict(spec.systems),
         )
+        self.engine = EngineLoop.shared()
         for server in self.group.servers.values():
-            server.model.enable_batching()
-        self.pool = ThreadPoolExecutor(max_ongoing, thread_name_prefix="tier-call")
+            server.model.enable_batching(loop=self.engine)
         # The tier API over gRPC as well (serving.deployments.<name>.grpc_port): coordinators outside
         # this cluster reach the same group, and their calls batch with the handle calls.
-        self.grpc_server = _tier_api(self.group, grpc, max_ongoing) if grpc else None
+        port = spec.grpc_port
+        self.grpc_server = _tier_api(self.group, spec.grpc, port, spec.max_ongoing) if port else None
 
     def grpc_port(self) -> int | None:
         return None if self.grpc_server is None else self.grpc_server.port
 
     def info(self) -> bytes:
-        """The tier API's InfoReply, encoded: what this replica hosts (serving.tier.TierGroup.info)."""
+        """The tier API's InfoReply, encoded: what this replica hosts (transport.group.TierGroup.info)."""
         return self.group.info().SerializeToString()
 
     async def draft(self, data: bytes) -> bytes:
-        return await self._blocking(self.group.draft, data)
+        return await self.engine.arun(self.group.draft, data)
 
     async def review(self, data: bytes) -> bytes:
-        return await self._blocking(self.group.review, data)
-
-    async def _blocking(self, call: Callable[[bytes], bytes], data: bytes) -> bytes:
-        # A caller that cancels stops a call still queued here; one under way runs to its end (a thread
-        # cannot be interrupted), which is one block: short.
-        return await asyncio.get_running_loop().run_in_executor(self.pool, call, data)
+        # A caller that cancels waits for the call under way: one block, short.
+        return await self.engine.arun(self.group.review, data)
 
     def release(self, data: bytes) -> bool:
         return self.group.release(data)
@@ -104,14 +105,14 @@ class TierDeployment:
         return self.group.counters()
 
 
-def _tier_api(group: TierGroup, grpc: dict[str, Any], workers: int):  # -> transport.server.TierServer
+def _tier_api(group: TierGroup, grpc: TierServerConfig, port: int, workers: int):  # -> transport.server.TierServer
     from ..api.auth import TlsFiles, load_api_keys
     from ..transport.server import start_tier_server
 
-    keys = load_api_keys(grpc["api_keys_file"]) if grpc.get("api_keys_file") else None
-    cert, key, ca = grpc.get("tls_cert_file"), grpc.get("tls_key_file"), grpc.get("client_ca_file")
+    keys = load_api_keys(grpc.api_keys_file) if grpc.api_keys_file else None
+    cert, key, ca = grpc.tls_cert_file, grpc.tls_key_file, grpc.client_ca_file
     tls = TlsFiles(cert, key, ca) if cert and key else None
-    return start_tier_server(group, grpc["host"], grpc["port"], keys, tls, workers=workers, reuse_port=True)
+    return start_tier_server(group, grpc.host, port, keys, tls, workers=workers, reuse_port=True)
 
 
 def replica_gpus() -> list[int]:
@@ -133,9 +134,8 @@ def invoker(name: str, handle: DeploymentHandle):
             handle.release.remote(data)
             return b""
         try:
-            response = getattr(handle, method).remote(data)
-            # On the coordinator a decode is bridged onto the event loop, where it must await the reply.
-            return await_(response) if in_bridge() else response.result()
+            # Blocks: a coordinator's engine loop runs it on its executor (transport.remote.RemoteTier).
+            return getattr(handle, method).remote(data).result()
         except BackPressureError as exc:
             raise Overloaded(f"tier {name!r} is at its queue limit; retry later") from exc
         except ray.exceptions.RayError as exc:

@@ -6,7 +6,7 @@ rendezvous hashing of its request id, so its calls find the KV cache the last ca
 that replica fails (UNAVAILABLE, or no answer within the call timeout), the request moves to the next
 live replica in its order, which is told the whole context (`transport.remote`) and rebuilds the
 cache from it: the request completes with the same tokens. Only when no replica answers does the call
-fail, as `transport.errors.Unavailable` (the edge's UNAVAILABLE). A replica that failed is tried last
+fail, as `core.tier.Unavailable` (the edge's UNAVAILABLE). A replica that failed is tried last
 for a while (`DOWN_S`), then again.
 
 A name that resolves to several addresses (a Kubernetes headless Service: one per pod) stands for
@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -30,8 +29,8 @@ import grpc
 from ..api.auth import ChannelTls
 from ..api.tier.v1 import tier_pb2 as pb
 from ..config import CascadeConfig, ConfigError, MaGConfig, TierClientConfig
+from ..core.tier import Overloaded, Unavailable
 from ..runtime.assemble import TierFacts
-from .errors import Overloaded, Unavailable
 from .remote import Invoke, RemoteTier
 from .server import MAX_MESSAGE_BYTES, SERVICE
 
@@ -121,7 +120,7 @@ class TierReplicas:
         failures = []
         for address in self._live_first(list(self.addresses)):
             try:
-                return list(pb.InfoReply.FromString(self._call(address, "info", request, blocking=True)).tiers)
+                return list(pb.InfoReply.FromString(self._call(address, "info", request)).tiers)
             except grpc.RpcError as exc:
                 failures.append(f"{address}: {exc.code().name} {exc.details()}")  # type: ignore[attr-defined]
         raise Unavailable(f"tier server {self.name} unavailable ({'; '.join(failures)})")
@@ -157,13 +156,9 @@ class TierReplicas:
             options.append(("grpc.ssl_target_name_override", host))
         return grpc.secure_channel(replica, self._credentials, options)
 
-    def _call(self, address: str, method: str, data: bytes, blocking: bool = False) -> bytes:
-        stub = self._stubs[address][method]
-        timeout = self.settings.timeout_s
-        bridge = _bridge()
-        if not blocking and bridge is not None and bridge.in_bridge():  # a decode on the Ray coordinator's loop
-            return bridge.await_(_AwaitableFuture(stub.future(data, timeout=timeout, metadata=self._metadata)))
-        return stub(data, timeout=timeout, metadata=self._metadata)
+    def _call(self, address: str, method: str, data: bytes) -> bytes:
+        # Blocks: in an engine loop task, RemoteTier runs it on the loop's executor (models.loop).
+        return self._stubs[address][method](data, timeout=self.settings.timeout_s, metadata=self._metadata)
 
     def _release(self, address: str, data: bytes) -> None:
         """Fire and forget: nothing waits on a cache being freed (the server's LRU backs it up)."""
@@ -192,12 +187,6 @@ class TierReplicas:
     def _mark_down(self, address: str) -> None:
         with self._lock:
             self._down_until[address] = time.monotonic() + DOWN_S
-
-
-def _bridge() -> Any:
-    """`serving.bridge` where a bridged decode may run (the Ray app imported it), else None: a bare
-    install has no greenlet, and nothing there runs bridged."""
-    return sys.modules.get("cascade_service.serving.bridge")
 
 
 def _replicas(address: str) -> list[tuple[str, str]]:
@@ -263,31 +252,3 @@ def connect(cascade: CascadeConfig, client: TierClientConfig) -> dict[str, Remot
             raise ConfigError(f"{tier.name}.address: the MaG server does not say its vocabulary")
         remote[tier.name] = RemoteModel(tier.name, replicas, info, mag=isinstance(tier, MaGConfig))
     return remote
-
-
-class _AwaitableFuture:
-    """A gRPC future as something `serving.bridge.await_` can await (it takes asyncio awaitables)."""
-
-    def __init__(self, future: Any):
-        self.future = future
-
-    def __await__(self) -> Any:
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-
-        def done(f: Any) -> None:
-            loop.call_soon_threadsafe(_settle, waiter, f)
-
-        self.future.add_done_callback(done)
-        return waiter.__await__()
-
-
-def _settle(waiter: Any, future: Any) -> None:
-    if waiter.done():
-        return
-    try:
-        waiter.set_result(future.result())
-    except BaseException as exc:
-        waiter.set_exception(exc)

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from ..core.stats import Usage
 from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
+from ..models.loop import run_blocking
 from .codec import (
     decode_draft_reply,
     decode_review_reply,
@@ -40,14 +41,17 @@ class RemoteTier:
     """One request's view of a remote tier (implements `core.tier.Tier`).
 
     `system`: the replica runs this tier's whole sub-cascade for a draft (configured at deployment;
-    `serving.tier.TierGroup`); its reply's usage then covers every tier inside.
+    `transport.group.TierGroup`); its reply's usage then covers every tier inside. `blocking`: `invoke`
+    waits on another process, so in an engine loop task it runs on the loop's executor while the task
+    is parked (models.loop.run_blocking) and the loop's other requests go on.
     """
 
-    def __init__(self, name: str, request_id: str, invoke: Invoke, system: bool = False):
+    def __init__(self, name: str, request_id: str, invoke: Invoke, system: bool = False, blocking: bool = True):
         self.name = name
         self.request_id = request_id
         self.invoke = invoke
         self.system = system
+        self.blocking = blocking
         self.hops = 0
         self.hop_s = 0.0  # wall time of calls, transport included
         self.resends = 0  # calls the server asked to send again with the whole context
@@ -99,7 +103,7 @@ class RemoteTier:
 
     def _invoke(self, method: str, data: bytes) -> bytes:
         self.bytes_out += len(data)
-        reply = self.invoke(method, data)
+        reply = run_blocking(self.invoke, method, data) if self.blocking else self.invoke(method, data)
         self.bytes_in += len(reply)
         return reply
 
@@ -108,7 +112,8 @@ class RemoteTier:
         if not self.hops:
             return  # never called: the replica holds nothing for it
         try:
-            self.invoke("release", encode_release(request))
+            data = encode_release(request)
+            run_blocking(self.invoke, "release", data) if self.blocking else self.invoke("release", data)
         except Exception:
             log.warning("could not release tier %s for request %s", self.name, request.request_id)
 
@@ -149,4 +154,4 @@ def loopback(tier: Tier, request_id: str = "") -> RemoteTier:
             return b""
         raise ValueError(f"method: unknown tier call {method!r}")
 
-    return RemoteTier(tier.name, request_id, invoke, system=tier.system)
+    return RemoteTier(tier.name, request_id, invoke, system=tier.system, blocking=False)

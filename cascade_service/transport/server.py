@@ -1,9 +1,9 @@
 """A tier as a gRPC service of its own: cascade.tier.v1.Tier over a `TierGroup` (`cascade-service tier`).
 
-The server is a `grpc.aio` server on an event loop of its own. A call is checked on the loop (its API
-key, its deadline, the queue) and only then takes a worker thread for its forward passes, so idle,
-unauthenticated or refused calls cost no worker. Concurrent calls share forward passes: each model
-batches the passes of the calls on its workers (`models.batching`), as a Ray tier replica does.
+The server is a `grpc.aio` server on an event loop of its own. A call is checked there (its API key,
+its deadline, the queue) and only then handed to the process's engine loop (models.loop) as a task,
+so idle, unauthenticated or refused calls cost nothing there. Concurrent calls share forward passes:
+the engine loop batches every waiting call's passes of each model, as a Ray tier replica does.
 
 Status codes: a malformed or out-of-range call is INVALID_ARGUMENT naming the field, a tier this
 server does not host NOT_FOUND, a call without a valid key UNAUTHENTICATED, a full queue
@@ -17,7 +17,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import grpc
@@ -28,21 +27,22 @@ from grpc_health.v1.health import aio as health_aio
 from ..api.auth import ApiKeys, TlsFiles, bearer, bind
 from ..api.reflection import enable_reflection
 from ..api.tier.v1 import tier_pb2 as pb
+from ..models.loop import EngineLoop
 from .host import UnknownTier
 
 log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Tier"].full_name  # cascade.tier.v1.Tier
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-DEFAULT_WORKERS = 64  # calls at work at once (each holds a thread while its passes run; they batch)
-DEFAULT_MAX_QUEUED = 256  # calls waiting for a worker; beyond, RESOURCE_EXHAUSTED
+DEFAULT_WORKERS = 64  # calls at work at once in the engine loop (their passes batch)
+DEFAULT_MAX_QUEUED = 256  # calls beyond those; past both, RESOURCE_EXHAUSTED
 # Sampling sends full distribution rows (block x vocabulary float32): room for a long block of a large
 # vocabulary, and a bound on what one call can make the server buffer.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class Served(Protocol):
-    """What a tier server serves: encoded calls in, encoded replies out (`serving.tier.TierGroup`)."""
+    """What a tier server serves: encoded calls in, encoded replies out (`transport.group.TierGroup`)."""
 
     mag_vocab: int | None
 
@@ -69,7 +69,7 @@ class TierService:
     ):
         self.group = group
         self.api_keys = api_keys
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tier-call")
+        self.engine = EngineLoop.shared()  # where the group's models run their passes
         self.capacity = workers + max_queued
         self.in_flight = 0  # on the loop only
         self.stopping = False
@@ -99,9 +99,7 @@ class TierService:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.capacity} calls are open; retry later")
         self.in_flight += 1
         try:
-            remaining = context.time_remaining()
-            future = asyncio.get_running_loop().run_in_executor(self.pool, _guarded, call, data, remaining)
-            code, message, reply = await future
+            code, message, reply = await self.engine.arun(_guarded, call, data, context.time_remaining())
         finally:
             self.in_flight -= 1
         if code is not None:
@@ -117,7 +115,7 @@ class TierService:
 
 
 def _guarded(call: Callable[[bytes], bytes], data: bytes, remaining: float | None) -> tuple[Any, str, bytes]:
-    """Run a call on a worker: (None, "", reply), or (status code, message, b"") for one that fails."""
+    """Run a call (an engine loop task): (None, "", reply), or (status code, message, b"") for one that fails."""
     if remaining is not None and remaining <= 0:
         return grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed while it waited", b""
     try:
@@ -191,7 +189,6 @@ class TierServer:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-            self.service.pool.shutdown(wait=False, cancel_futures=True)
             self.service.group.close()
 
     def wait(self) -> None:
@@ -199,7 +196,7 @@ class TierServer:
 
 
 def start_tier_server(
-    group: Any,  # serving.tier.TierGroup, or any `Served`
+    group: Any,  # transport.group.TierGroup, or any `Served`
     host: str = "127.0.0.1",
     port: int = 0,
     api_keys: ApiKeys | None = None,

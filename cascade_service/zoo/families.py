@@ -29,9 +29,9 @@ def _t5(preset: str, out: Path) -> Paths:
 
 
 def _grown(preset: str, out: Path) -> Paths:
-    from .grown import build_grown
+    from .grown import GROWN_PRESETS, build_grown
 
-    return build_grown(preset, out)
+    return build_grown(preset, out, family(GROWN_PRESETS[preset].source))  # shipped, or built here first
 
 
 def _tiny(preset: str, out: Path) -> Paths:

@@ -23,7 +23,6 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cascade_service.zoo import train
 from cascade_service.zoo.evaluate import encode_files, eval_package_files, evaluate_sources, format_report
-from cascade_service.zoo.families import family
 from cascade_service.zoo.grow import Growth, grow
 
 TIERS = ("large", "base", "small")
@@ -68,12 +67,12 @@ GROWN_PRESETS = {
 }
 
 
-def build_grown(preset: str, out_dir: str | Path, progress: bool = True) -> dict[str, Path]:
-    """Build (or reuse) the grown family of a GROWN_PRESETS preset in `out_dir`."""
+def build_grown(preset: str, out_dir: str | Path, source: dict[str, Path], progress: bool = True) -> dict[str, Path]:
+    """Build (or reuse) the grown family of a GROWN_PRESETS preset in `out_dir` from `source`, the paths
+    of the family its spec names (`zoo.families.family(preset)` finds them and calls this)."""
     if preset not in GROWN_PRESETS:
         raise ValueError(f"unknown grown preset {preset!r}; expected one of {sorted(GROWN_PRESETS)}")
     spec = GROWN_PRESETS[preset]
-    source = family(spec.source)  # shipped with the package, or built here
     out = Path(out_dir).expanduser()
     paths = {name: out / name for name in TIERS} | {
         key: out / source[key].name for key in ("bigram", "prompts", "tune_prompts", "report")

@@ -19,7 +19,7 @@ from cascade_service.api.v1 import cascade_pb2_grpc
 from .serve_process import ServeProcess, left_behind, write_config
 
 GRACE_S = 2.0
-STOP_BOUND_S = 45.0  # beyond the grace: stopping Serve and Ray on the edge
+STOP_BOUND_S = 5.0  # beyond the grace: stopping Ray on the edge (issue 39: grace + 5 s)
 
 
 @pytest.mark.parametrize("frontend, times", [("standalone", 5), ("edge", 2)])

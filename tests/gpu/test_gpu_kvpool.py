@@ -9,7 +9,7 @@ import torch
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.models.batching import _Pass, forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
 
@@ -26,9 +26,9 @@ def test_pool_passes_on_cuda_match_each_rows_forward(tiny_family, dtype):
     caches = [model.new_cache() for _ in prompts]
     tol = 1e-4 if dtype == "float32" else 5e-2
     with torch.inference_mode():
-        forward_batch(model, [_Pass(p[: 150 + i], c, 1, False) for i, (p, c) in enumerate(zip(prompts, caches))])
+        forward_batch(model, [Pass(p[: 150 + i], c, 1, False) for i, (p, c) in enumerate(zip(prompts, caches))])
         order = [4, 1, 3]  # out of slot order: gathered
-        got = forward_batch(model, [_Pass(prompts[i][150 + i : 153 + i], caches[i], 3, False) for i in order])
+        got = forward_batch(model, [Pass(prompts[i][150 + i : 153 + i], caches[i], 3, False) for i in order])
         for i, rows in zip(order, got):
             assert rows.device.type == "cuda"
             torch.testing.assert_close(rows, model.full_logits(prompts[i][: 153 + i])[-3:], atol=tol, rtol=tol)

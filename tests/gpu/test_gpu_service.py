@@ -2,7 +2,7 @@
 
 - The standalone server (one process, batching on) with the target on cuda and a drafter on the CPU.
 - The Ray Serve app on local Ray with the target's deployment given a GPU while the config says
-  `device: cpu`: the tier follows the GPU Ray gave it (serving.tier.replica_tier), and the draft rows
+  `device: cpu`: the tier follows the GPU Ray gave it (transport.group.replica_tier), and the draft rows
   that cross from the CPU drafter's replica as float32 arrays are reviewed there.
 Greedy output equals `generate()` on cuda (tests/gpu/oracle.py); sampled requests run and are
 reproducible per seed.

@@ -14,7 +14,7 @@ BLOCK = textwrap.dedent("""
 
     class Bare(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("ray", "redis", "matplotlib", "greenlet"):
+            if name.split(".")[0] in ("ray", "redis", "matplotlib"):
                 raise ModuleNotFoundError(f"No module named {name!r}")
             return None
 

@@ -1,4 +1,5 @@
-"""The batcher's scheduling: which passes share a batch, chunked prefills, gathering, and fair turns.
+"""Batching in the engine loop (models/loop.py, models/batching.py): which passes share a batch,
+chunked prefills, every ready request in one pass, and fair turns.
 
 Each choice is checked for what it promises (padding within bounds, the oldest pass always goes, a
 chunked prefill equals one pass, no request starves) and, where tokens come out, against the oracle.
@@ -15,12 +16,11 @@ from transformers import DynamicCache
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.models.batching import _Pass
+from cascade_service.models.batching import Pass
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
-from ..helpers.threads import concurrently
 
 
 def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
@@ -28,7 +28,7 @@ def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
     from cascade_service.scheduling.passes import PAD_WASTE
 
     def passes(*lengths):
-        return [_Pass([0] * n, DynamicCache(), 1, False) for n in lengths]
+        return [Pass([0] * n, DynamicCache(), 1, False) for n in lengths]
 
     pending = passes(1, 100, 1, 2, 1, 98)
     batch = take_batch(pending, max_batch=64)
@@ -41,15 +41,15 @@ def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
     assert len(take_batch(passes(*[1] * 10), max_batch=4)) == 4
 
 
-def _cached(past: int, new: int = 1) -> _Pass:
+def _cached(past: int, new: int = 1) -> Pass:
     """A pass feeding `new` tokens to a cache of `past` positions (synthetic keys and values)."""
     cache = DynamicCache()
     if past:
         cache.update(torch.zeros(1, 1, past, 1), torch.zeros(1, 1, past, 1), 0)
-    return _Pass([0] * new, cache, 1, False)
+    return Pass([0] * new, cache, 1, False)
 
 
-def _padding_within_bounds(batch: list[_Pass]) -> bool:
+def _padding_within_bounds(batch: list[Pass]) -> bool:
     from cascade_service.scheduling.passes import PAD_WASTE, ROW_POSITIONS
 
     past = [p.cache.get_seq_length() for p in batch]
@@ -107,20 +107,33 @@ def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
     assert chunks(256, 1, 256) == [256] and chunks(10, 1, 0) == [10] and chunks(5, 5, 2) == [5]
 
 
+def _loop_with(model, **settings):
+    from cascade_service.models.loop import EngineLoop
+
+    loop = EngineLoop("test-loop")
+    batcher = loop.batcher(model)
+    for name, value in settings.items():
+        setattr(batcher, name, value)
+    return loop, batcher
+
+
+def _fake(name: str = "fake"):
+    import types
+
+    return types.SimpleNamespace(name=name, _sync=lambda: None)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary and absolute positions
 @pytest.mark.parametrize("keep", [1, 3, 40])  # 40: more kept rows than a chunk holds
 def test_a_chunked_prefill_gives_the_logits_and_cache_of_one_pass(tiny_family_factory, arch, keep):
-    from cascade_service.models.batching import ForwardBatcher
-
     model = HFModel.load(tiny_family_factory(arch)["target"])
     prompt = random_prompts(1, 150, seed=31)[0]
-    batcher = ForwardBatcher(model, prefill_chunk=32)
-    batcher.LONE_CHUNK = 32  # nothing else runs here: chunks of a lone prompt's size
+    loop, batcher = _loop_with(model, prefill_chunk=32, LONE_CHUNK=32)  # chunks of a lone prompt's size
     try:
         with torch.inference_mode():
             whole, chunked = DynamicCache(), DynamicCache()
             ref_logits, ref_hidden = model._forward(prompt, whole, keep, with_hidden=True)
-            logits, hidden = batcher.forward(prompt, chunked, keep, with_hidden=True)
+            logits, hidden = batcher.forward(prompt, chunked, keep, with_hidden=True)  # handed to the loop
             assert batcher.batch_sizes == {1: 5}  # 32 + 32 + 32 + 32 + 22 (or 40 rows kept: 32 x 3 + 14 + 40)
             assert logits.dtype == torch.float32 and logits.shape == ref_logits.shape == (keep, model.vocab_size)
             torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
@@ -131,15 +144,14 @@ def test_a_chunked_prefill_gives_the_logits_and_cache_of_one_pass(tiny_family_fa
                 batcher.forward([7], chunked, 1), model._forward([7], whole, 1), rtol=1e-4, atol=1e-4
             )
     finally:
-        batcher.close()
+        loop.close()
 
 
 def test_a_failed_chunked_prefill_leaves_the_cache_as_it_was(tiny_family, monkeypatch):
     from cascade_service.models import batching
 
     model = HFModel.load(tiny_family["target"])
-    batcher = batching.ForwardBatcher(model, prefill_chunk=16)
-    batcher.LONE_CHUNK = 16
+    loop, batcher = _loop_with(model, prefill_chunk=16, LONE_CHUNK=16)
     real, calls = batching.forward_batch, []
 
     def fail_third(model, batch):
@@ -156,41 +168,39 @@ def test_a_failed_chunked_prefill_leaves_the_cache_as_it_was(tiny_family, monkey
             with pytest.raises(RuntimeError, match="out of memory"):
                 batcher.forward(random_prompts(1, 60, seed=3)[0], cache, 1)
     finally:
-        batcher.close()
+        loop.close()
     assert len(calls) == 3 and cache.get_seq_length() == 3
 
 
 def test_a_prefill_is_cut_small_while_another_request_decodes_and_its_passes_run_in_between(monkeypatch):
-    import types
-
     from cascade_service.models import batching
 
     ran: list[list[int]] = []  # the new tokens of each pass's rows, in the order the passes ran
+    loop, batcher = _loop_with(_fake(), prefill_chunk=10, LONE_CHUNK=40)
 
     def fake(model, batch):
         ran.append([len(p.fed) for p in batch])
         if len(ran) == 1:  # the prompt's first pass: another request arrives meanwhile
-            other.start()
-            while not batcher._pending:
+            other = loop.submit(batcher.forward, [1], DynamicCache(), 1)
+            while not loop._arrived:
                 time.sleep(0.001)
+            fake.other = other  # type: ignore[attr-defined]
         return [None] * len(batch)
 
     monkeypatch.setattr(batching, "forward_batch", fake)
-    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None), prefill_chunk=10)
-    batcher.LONE_CHUNK = 40
-    other = threading.Thread(target=batcher.forward, args=([1], DynamicCache(), 1))
     try:
-        batcher.forward([1] * 100, DynamicCache(), 1)
-        other.join()
+        loop.run(batcher.forward, [1] * 100, DynamicCache(), 1)
+        fake.other.result()  # type: ignore[attr-defined]
     finally:
-        batcher.close()
-    # Alone: 40 tokens. The other request's step runs next, alone (a chunk is no one-token step's like),
-    # and the chunks are cut to 10 while it was among the last two passes, then back to 40.
-    assert ran == [[40], [1], [10], [10], [40]]
+        loop.close()
+    # Alone: 40 tokens. Then the other request is there: its step runs first (its like: none, and it
+    # has had no model time), the prompt's chunks are cut to 10 while it was among the last two
+    # passes, then back to 40.
+    assert ran == [[40], [1], [10], [10], [40]], ran
 
 
 def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family, monkeypatch):
-    from cascade_service.models.batching import ForwardBatcher
+    from cascade_service.models.batching import LoopBatcher
 
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"])),
@@ -199,76 +209,56 @@ def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_
         1.5,
     )
     engine = Engine(cascade)
-    monkeypatch.setattr(ForwardBatcher, "LONE_CHUNK", 40)  # chunks of 40 and of 16 as the traffic goes
+    monkeypatch.setattr(LoopBatcher, "LONE_CHUNK", 40)  # chunks of 40 and of 16 as the traffic goes
     engine.target.enable_batching(prefill_chunk=16)
     engine.drafters[0].enable_batching(prefill_chunk=16)
     prompts = random_prompts(6, 8, seed=22)
     prompts[0] = random_prompts(1, 200, seed=23)[0]  # 5 to 13 chunks at the target and at the drafter
-    outputs: list[list[int] | None] = [None] * 6
-    start = threading.Barrier(6)
-
-    def run(i: int) -> None:
-        start.wait()
-        outputs[i] = engine.generate(prompts[i], GenerationConfig(max_new_tokens=24)).token_ids
-
-    concurrently(6, run)
-    for prompt, out in zip(prompts, outputs):
-        assert out == oracle(tiny_family["target"], prompt, 24)
-    assert sum(n for size, n in engine.target.batcher.batch_sizes.items() if size > 1) >= 3
-    fed = [longest for _, _, _, longest in engine.target.batcher.timer._passes]
+    before = dict(engine.target.batcher.batch_sizes)
+    futures = [engine.loop.submit(engine.generate, p, GenerationConfig(max_new_tokens=24)) for p in prompts]
+    for prompt, future in zip(prompts, futures):
+        assert future.result().token_ids == oracle(tiny_family["target"], prompt, 24)
+    shared = {k: n - before.get(k, 0) for k, n in engine.target.batcher.batch_sizes.items()}
+    assert sum(n for size, n in shared.items() if size > 1) >= 3
+    fed = [longest for _, _, _, longest in list(engine.target.batcher.timer._passes)[-sum(shared.values()) :]]
     assert max(fed) <= 40 and fed.count(16) + fed.count(40) >= 5  # the prompt went in chunks
 
 
-@pytest.mark.parametrize("gather", [0.0, 0.25])
-def test_a_pass_waits_for_the_requests_of_the_last_one_to_come_back(monkeypatch, gather):
-    """Requests come back from a pass one by one (each samples and reviews in its own thread first).
-    Without the gather the first one back finds the model idle and runs alone, the others after it:
-    passes alternate 1 and R - 1 rows. With it, they wait for each other (within GATHER of a pass)."""
-    import types
-
+def test_every_ready_request_shares_the_next_pass(monkeypatch):
+    """Requests decoding in step are all parked on the model by the time the loop runs its pass:
+    every pass holds all of them, with no timer to gather them."""
     from cascade_service.models import batching
 
-    monkeypatch.setattr(batching, "forward_batch", lambda model, batch: time.sleep(0.08) or [None] * len(batch))
-    monkeypatch.setattr(batching.ForwardBatcher, "GATHER", gather)
-    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
+    monkeypatch.setattr(batching, "forward_batch", lambda model, batch: [None] * len(batch))
+    loop, batcher = _loop_with(_fake())
     rows, steps = 6, 8
 
-    def request(i: int) -> None:
-        time.sleep(0.002 * i)
+    def request() -> None:
+        cache = DynamicCache()
         for _ in range(steps):
-            batcher.forward([1], DynamicCache(), 1)
-            time.sleep(0.002 * i)  # its own work between passes: 0 to 10 ms, within 25% of a pass
+            batcher.forward([1], cache, 1)
 
     try:
-        concurrently(rows, request)
+        for future in [loop.submit(request) for _ in range(rows)]:
+            future.result()
     finally:
-        batcher.close()
-    sizes = batcher.batch_sizes
-    assert sum(n * size for size, n in sizes.items()) == rows * steps
-    if gather:
-        assert sizes.get(rows, 0) >= steps - 2, sizes  # all together, but for the start
-    else:
-        assert sizes.get(1, 0) >= steps - 2 and sizes.get(rows, 0) <= 2, sizes
+        loop.close()
+    assert batcher.batch_sizes == {rows: steps}
 
 
 def test_turns_go_to_the_request_that_had_the_least_model_time_the_oldest_on_a_tie():
-    import types
-
-    from cascade_service.models.batching import ForwardBatcher
-
-    batcher = ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
+    loop, batcher = _loop_with(_fake())
     try:
         dear, cheap, like = _cached(4000), _cached(10), _cached(12)
         batcher._used.update({dear.cache: 0.5, cheap.cache: 0.1, like.cache: 0.1})
-        with batcher._cond:
-            batcher._pending = [dear, cheap, like]
-            assert batcher._take() == [cheap, like]  # the oldest of the least used first; like joins it
-            assert batcher._pending == [dear] and batcher._clock == 0.1
-            batcher._used[cheap.cache] = batcher._used[like.cache] = 0.6  # they had their turns
-            batcher._pending = [cheap, like, dear]
-            assert batcher._take() == [dear] and batcher._clock == 0.5
+        batcher.pending = [dear, cheap, like]
+        assert batcher._take() == [cheap, like]  # the oldest of the least used first; like joins it
+        assert batcher.pending == [dear] and batcher._clock == 0.1
+        batcher._used[cheap.cache] = batcher._used[like.cache] = 0.6  # they had their turns
+        batcher.pending = [cheap, like, dear]
+        assert batcher._take() == [dear] and batcher._clock == 0.5
     finally:
-        batcher.close()
+        loop.close()
 
 
 @pytest.mark.parametrize("fair", [True, False])
@@ -277,8 +267,6 @@ def test_a_request_with_dear_passes_has_the_model_as_long_as_each_of_the_others(
     (10 ms a pass for the 4). Taking turns by age, the long one has every other pass: the short ones
     run at half speed. By model time had, it runs once the short ones have each had its pass's time
     (16 of theirs), and never starves."""
-    import types
-
     from cascade_service.models import batching
 
     long_cache = _cached(4000).cache
@@ -292,31 +280,30 @@ def test_a_request_with_dear_passes_has_the_model_as_long_as_each_of_the_others(
         return [None] * len(batch)
 
     monkeypatch.setattr(batching, "forward_batch", fake)
-    monkeypatch.setattr(batching.ForwardBatcher, "FAIR", fair)
-    batcher = batching.ForwardBatcher(types.SimpleNamespace(name="fake", _sync=lambda: None))
+    loop, batcher = _loop_with(_fake(), FAIR=fair)
     stop = threading.Event()
 
     def long_stream() -> None:
         while not stop.is_set():
             batcher.forward([1], long_cache, 1)
 
-    def short_stream(i: int) -> None:
+    def short_stream() -> None:
         cache = DynamicCache()
         for _ in range(40):
             batcher.forward([1], cache, 1)
 
-    streamer = threading.Thread(target=long_stream)
-    streamer.start()
+    streamer = loop.submit(long_stream)
     try:
         while len(ran) < 5:  # 200 ms of model time alone first: no debt to the short ones that come
             time.sleep(0.01)
         shorts_on.set()
-        concurrently(4, short_stream)
+        for future in [loop.submit(short_stream) for _ in range(4)]:
+            future.result()
         shorts_on.clear()
     finally:
         stop.set()
-        streamer.join()
-        batcher.close()
+        streamer.result()
+        loop.close()
     during = [dear for dear, on in ran if on]
     long_passes, short_passes = sum(during), len(during) - sum(during)
     assert short_passes >= 40

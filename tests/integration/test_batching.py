@@ -15,7 +15,7 @@ import torch
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.models.batching import _Pass, forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
 
@@ -45,14 +45,14 @@ def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, a
             if n:
                 model._forward(p[:n], cache, 1)
             caches.append(cache)
-        together = forward_batch(model, [_Pass(t, c, k, False) for t, c, k in zip(fed, caches, keeps)])
+        together = forward_batch(model, [Pass(t, c, k, False) for t, c, k in zip(fed, caches, keeps)])
         for a, b in zip(alone, together):
             assert a.shape == b.shape
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         # The caches grew by exactly the fed tokens, and continue correctly: one more batched step
         # equals one more step of a cache built without batching.
         assert [c.get_seq_length() for c in caches] == [n + len(t) for n, t in zip(cached, fed)]
-        nxt = forward_batch(model, [_Pass([5], c, 1, False) for c in caches])
+        nxt = forward_batch(model, [Pass([5], c, 1, False) for c in caches])
         for p, n, tokens, step in zip(prompts, cached, fed, nxt):
             ref = model.full_logits(p[:n] + tokens + [5])[-1:]
             torch.testing.assert_close(step, ref, rtol=1e-4, atol=1e-4)
@@ -60,7 +60,7 @@ def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, a
         # draft): each still continues its own sequence.
         caches[2].crop(-2)
         order = [3, 0, 2]
-        last = forward_batch(model, [_Pass([7, 8], caches[i], 2, False) for i in order])
+        last = forward_batch(model, [Pass([7, 8], caches[i], 2, False) for i in order])
         for i, got in zip(order, last):
             seq = prompts[i][: cached[i]] + fed[i] + [5]
             seq = (seq[:-2] if i == 2 else seq) + [7, 8]

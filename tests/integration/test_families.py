@@ -58,10 +58,11 @@ def test_a_damaged_family_is_refused_naming_the_file(tmp_path, damage):
 
 def test_the_grown_family_is_bigger_and_its_cascade_exact(test_zoo_home, monkeypatch, tmp_path):
     from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
+    from cascade_service.zoo.families import family
     from cascade_service.zoo.grown import GROWN_PRESETS, build_grown
 
     monkeypatch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))  # its source: the test zoo built there
-    paths = build_grown("grown-test", tmp_path / "grown", progress=False)
+    paths = build_grown("grown-test", tmp_path / "grown", family("test"), progress=False)
     report = json.loads(paths["report"].read_text())
     source = json.loads((test_zoo_home / "zoo" / "test" / "report.json").read_text())
     tiers, growth = report["tiers"], GROWN_PRESETS["grown-test"].growth
@@ -79,5 +80,5 @@ def test_the_grown_family_is_bigger_and_its_cascade_exact(test_zoo_home, monkeyp
     engine = Engine(cascade)
     ids = engine.encode("def parse(argv):\n    ")
     assert engine.generate(ids, GenerationConfig(max_new_tokens=16)).token_ids == oracle(paths["large"], ids, 16)
-    again = build_grown("grown-test", tmp_path / "grown", progress=False)  # reused, not rebuilt
+    again = build_grown("grown-test", tmp_path / "grown", family("test"), progress=False)  # reused, not rebuilt
     assert again["large"].stat().st_mtime == paths["large"].stat().st_mtime

@@ -14,7 +14,7 @@ import torch
 
 from cascade_service.config import KV_STORAGES, ConfigError, parse_config
 from cascade_service.models import kvpool
-from cascade_service.models.batching import _Pass, forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
 
@@ -44,7 +44,7 @@ def test_pool_passes_match_the_model_while_it_grows_and_rolls_back(tiny_family_f
                     held[i] -= drop
                 new = rng.randint(1, 5)
                 keep = rng.randint(1, new)
-                passes.append(_Pass(seqs[i][held[i] : held[i] + new], caches[i], keep, False))
+                passes.append(Pass(seqs[i][held[i] : held[i] + new], caches[i], keep, False))
                 expect.append(model.full_logits(seqs[i][: held[i] + new])[-keep:])
                 held[i] += new
             got = forward_batch(model, passes)
@@ -86,14 +86,14 @@ def test_a_failed_pass_leaves_every_cache_as_it_was(tiny_family, monkeypatch):
     caches = [model.new_cache() for _ in range(3)]
     prompts = random_prompts(3, 8, seed=4)
     with torch.inference_mode():
-        forward_batch(model, [_Pass(p, c, 1, False) for p, c in zip(prompts, caches)])
+        forward_batch(model, [Pass(p, c, 1, False) for p, c in zip(prompts, caches)])
 
         def broken(*args, **kwargs):
             raise RuntimeError("out of memory")
 
         monkeypatch.setattr(model, "module", broken)
         with pytest.raises(RuntimeError, match="out of memory"):
-            forward_batch(model, [_Pass([1, 2], c, 1, False) for c in caches])
+            forward_batch(model, [Pass([1, 2], c, 1, False) for c in caches])
     assert [c.get_seq_length() for c in caches] == [8, 8, 8]
 
 

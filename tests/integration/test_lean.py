@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from cascade_service.config import BACKENDS, ConfigError, GenerationConfig, ModelTierConfig, make_cascade, parse_config
 from cascade_service.engine import Engine
 from cascade_service.models import lean
-from cascade_service.models.batching import _Pass, forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
 
@@ -57,7 +57,7 @@ def test_lean_batched_pass_over_ragged_caches_equals_each_row_alone(tiny_family)
                     if past:
                         model._forward(past, cache, 1)
                 alone.append(model._forward(new, caches[1], keep))
-            batch.append(_Pass(list(new), caches[0], keep, False))
+            batch.append(Pass(list(new), caches[0], keep, False))
         with torch.inference_mode():
             got = forward_batch(model, batch)
         for a, b in zip(alone, got):

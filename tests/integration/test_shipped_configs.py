@@ -39,11 +39,12 @@ def home(test_zoo_home: Path) -> Path:
 
         build_t5_zoo("t5-test", zoo / "t5")
     if not (zoo / "grown").exists():  # configs/grown.yaml's: grown-test stands in (from the test zoo, seconds)
+        from cascade_service.zoo.families import family
         from cascade_service.zoo.grown import build_grown
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("CASCADE_SERVICE_HOME", str(test_zoo_home))
-            build_grown("grown-test", zoo / "grown", progress=False)
+            build_grown("grown-test", zoo / "grown", family("test"), progress=False)
     return test_zoo_home
 
 

@@ -17,7 +17,7 @@ from cascade_service.cli import main
 from cascade_service.config import ConfigError, ModelTierConfig, parse_config
 from cascade_service.engine import Engine
 from cascade_service.models import hf
-from cascade_service.serving.tier import TierServer, replica_tier
+from cascade_service.transport.group import TierServer, replica_tier
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 no_gpu = pytest.mark.skipif(GPUS > 0, reason="needs a machine without CUDA devices")

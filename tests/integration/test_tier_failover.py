@@ -12,8 +12,8 @@ import pytest
 
 from cascade_service.config import ConfigError, GenerationConfig, parse_config
 from cascade_service.config.serving import TierClientConfig
+from cascade_service.core.tier import Unavailable
 from cascade_service.engine import Engine
-from cascade_service.transport.errors import Unavailable
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.access import KEY_A, self_signed_cert, write_keys

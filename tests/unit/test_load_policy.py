@@ -158,19 +158,22 @@ def test_a_pass_is_charged_to_its_rows_by_the_fitted_cost():
     assert PassTimer().shares([1, 3], 0.004) == pytest.approx([0.001, 0.003])  # no fit: by tokens
 
 
-def test_the_compute_clock_is_per_thread():
-    import threading
+def test_the_compute_clock_is_the_current_tasks():
+    import contextvars
 
-    from cascade_service.scheduling.passes import charge, charged
+    from cascade_service.scheduling.passes import CURRENT_CLOCK, TaskClock, charged
 
-    start = charged()
-    charge(0.25)
-    seen = []
-    other = threading.Thread(target=lambda: (charge(1.0), seen.append(charged())))
-    other.start()
-    other.join()
-    # (plus the threads' own CPU time between the calls: microseconds)
-    assert charged() - start == pytest.approx(0.25, abs=0.01) and seen == [pytest.approx(1.0, abs=0.01)]
+    clock = TaskClock(run_s=0.5, pass_s={"large": 0.25, "small": 0.125})
+
+    def inside() -> float:
+        CURRENT_CLOCK.set(clock)
+        return charged()
+
+    # A task's clock: its run time and its shares of passes, nothing of the thread it runs on.
+    assert contextvars.copy_context().run(inside) == pytest.approx(0.875)
+    assert CURRENT_CLOCK.get() is None  # set in that context only (each task greenlet has its own)
+    clock.stepping_since = __import__("time").perf_counter() - 0.125  # a step under way counts so far
+    assert contextvars.copy_context().run(inside) == pytest.approx(1.0, abs=0.01)
 
 
 def test_a_row_is_priced_as_the_batcher_would_treat_it():
@@ -249,12 +252,24 @@ def test_the_trial_measures_every_arm_then_keeps_the_fastest():
     assert all(trial.estimates[4][arm][1] >= 2 for arm in ARMS)
 
 
+def test_at_one_stream_the_k_matrix_runs_and_nothing_is_explored():
+    clock = _Clock()
+    trial = ArmTrial(clock=clock)
+    used = _closed_loop(trial, clock, 1, IDLE, 120)
+    assert used == {"full": sum(used.values())}  # no round of another arm: the K-matrix's cost, no more
+    assert set(trial.estimates[0]) == {"full"}
+    # without the K-matrix among the arms, level 0 is a trial like any other
+    other = ArmTrial(("lookup", "plain"), clock=clock)
+    _closed_loop(other, clock, 1, IDLE, 60)
+    assert other.best(0) == "lookup"
+
+
 def test_load_levels_are_judged_apart_and_a_change_in_traffic_is_followed():
     clock = _Clock()
     trial = ArmTrial(clock=clock)
     _closed_loop(trial, clock, 1, IDLE, 60)
     _closed_loop(trial, clock, 16, LOADED, 120)
-    assert trial.best(0) == "full" and trial.best(4) == "plain"
+    assert set(trial.estimates[0]) == {"full"} and trial.best(4) == "plain"
     # The traffic changes (say, prompts the lookup copies whole): drafting pays again at 16 streams.
     _closed_loop(trial, clock, 16, {**LOADED, "full": (12, 0.3)}, 240)
     assert trial.best(4) == "full"
@@ -262,9 +277,9 @@ def test_load_levels_are_judged_apart_and_a_change_in_traffic_is_followed():
 
 def test_an_epoch_counts_only_rounds_that_share_passes_with_its_own_arm():
     clock = _Clock()
-    trial = ArmTrial(("full", "plain"), clock=clock)
+    trial = ArmTrial(("lookup", "plain"), clock=clock)
     trial.EPOCH_S, trial.MIN_ROUNDS = 2.0, 2
-    slow = trial.start_round()  # a long "full" round, still running when its epoch closes
+    slow = trial.start_round()  # a long "lookup" round, still running when its epoch closes
     for _ in range(4):
         round_ = trial.start_round()
         clock.t += 0.5
@@ -272,11 +287,11 @@ def test_an_epoch_counts_only_rounds_that_share_passes_with_its_own_arm():
     early = trial.start_round()
     assert early.arm == "plain"  # epoch 0 closed: 2 s, 4 rounds counted
     clock.t += 1.0
-    trial.end_round(early, 100)  # began beside the "full" round: not plain's sample
+    trial.end_round(early, 100)  # began beside the "lookup" round: not plain's sample
     clock.t += 1.0
     trial.end_round(slow, 6)  # epoch 0 ends: its sample is in
-    assert trial.estimates[0]["full"][0] == pytest.approx(30 / 6.0)  # tokens per second of round time
-    for _ in range(4):  # plain's window opened when the "full" round ended
+    assert trial.estimates[0]["lookup"][0] == pytest.approx(30 / 6.0)  # tokens per second of round time
+    for _ in range(4):  # plain's window opened when the "lookup" round ended
         round_ = trial.start_round()
         clock.t += 0.5
         trial.end_round(round_, 1)
@@ -285,12 +300,12 @@ def test_an_epoch_counts_only_rounds_that_share_passes_with_its_own_arm():
 
 def test_a_round_that_never_ends_does_not_stall_the_trial():
     clock = _Clock()
-    trial = ArmTrial(("full", "plain"), clock=clock)
+    trial = ArmTrial(("lookup", "plain"), clock=clock)
     for _ in range(8):
         trial.start_round()  # requests that failed mid-round: never ended
     _closed_loop(trial, clock, 1, IDLE, 60)
-    assert set(trial.estimates[0]) == {"full", "plain"}  # windows opened (SETTLE_S), the load forgot them
-    assert trial.best(0) == "full"
+    assert set(trial.estimates[0]) == {"lookup", "plain"}  # windows opened (SETTLE_S), the load forgot them
+    assert trial.best(0) == "lookup"
 
 
 def test_an_arm_caps_every_round_and_only_drafting_rounds_teach_the_budget():

@@ -59,7 +59,7 @@ class TierStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss", "rows")
+    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss", "rows", "pass_s", "loop_s", "waited_s")
     class TiersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,13 @@ class GenerateStats(_message.Message):
         key: str
         value: RowStats
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RowStats, _Mapping]] = ...) -> None: ...
+    class PassSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_CALLS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +94,9 @@ class GenerateStats(_message.Message):
     TV_DEVIATION_FIELD_NUMBER: _ClassVar[int]
     LOGLIK_LOSS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    PASS_S_FIELD_NUMBER: _ClassVar[int]
+    LOOP_S_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     target_calls: int
     tiers: _containers.MessageMap[str, TierStats]
@@ -100,7 +110,10 @@ class GenerateStats(_message.Message):
     tv_deviation: float
     loglik_loss: float
     rows: _containers.MessageMap[str, RowStats]
-    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ..., rows: _Optional[_Mapping[str, RowStats]] = ...) -> None: ...
+    pass_s: _containers.ScalarMap[str, float]
+    loop_s: float
+    waited_s: float
+    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ..., rows: _Optional[_Mapping[str, RowStats]] = ..., pass_s: _Optional[_Mapping[str, float]] = ..., loop_s: _Optional[float] = ..., waited_s: _Optional[float] = ...) -> None: ...
 
 class EntryStats(_message.Message):
     __slots__ = ("blocks", "ended", "share", "tokens")

@@ -1,8 +1,8 @@
 """What one tier server does: draft or review whole blocks for many requests, each with its KV cache.
 
-Plain Python: `serving.app` wraps it in a Ray deployment, `transport.server` in a gRPC server. Calls
-arrive and replies leave as `transport.codec` bytes (`transport.host.TierHost` decodes them and
-rebuilds each call's context), never pickled client data. The work is done by the same `core.local`
+Plain Python, no Ray: `serving.tier_deployment` wraps it in a Ray deployment, `transport.server` in a
+gRPC server. Calls arrive and replies leave as `transport.codec` bytes (`transport.host.TierHost`
+decodes them and rebuilds each call's context), never pickled client data. The work is done by the same `core.local`
 tiers the in-process wiring uses.
 
 KV caches are soft state. A request's scorer is kept under its request id (LRU, bounded); a call that
@@ -35,7 +35,7 @@ from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
 from ..runtime.assemble import TierFacts
 from ..startup import tier_device, where
-from ..transport.host import TierHost, UnknownTier
+from .host import TierHost, UnknownTier
 
 MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used request's cache is dropped
 # The most tokens a call's block may hold (a draft's limit, a review's block): a K-matrix row's sum,
@@ -170,11 +170,6 @@ class SubCascade:
     k_matrix: tuple[tuple[int, ...], ...]
     leniency: float
     fill: str = "entry"
-
-    @classmethod
-    def of(cls, spec: Mapping[str, Any]) -> SubCascade:
-        rows = tuple(tuple(row) for row in spec["k_matrix"])
-        return cls(tuple(spec["tiers"]), rows, float(spec["leniency"]), str(spec.get("fill", "entry")))
 
     def schedule(self) -> Schedule:
         return Schedule.parse([list(row) for row in self.k_matrix], list(self.tiers[1:]), fill=self.fill)

@@ -1,0 +1,216 @@
+"""The engine loop (models/loop.py) on fake models: tasks interleave at their passes, a blocking call
+parks only its own task, errors and cancellation reach the right task, a consumer that leaves early
+closes its task's generator, and each task's clock says where its time went."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import types
+
+import pytest
+from transformers import DynamicCache
+
+from cascade_service.models import batching
+from cascade_service.models.loop import EngineLoop, run_blocking, task_cancelled
+from cascade_service.scheduling.passes import CURRENT_CLOCK, charged
+
+
+@pytest.fixture
+def loop(monkeypatch):
+    passes: list[list[int]] = []
+
+    def fake(model, batch):  # a pass: 5 ms, each row's result is its fed token + 100
+        passes.append([p.fed[0] for p in batch])
+        time.sleep(0.005)
+        return [p.fed[0] + 100 for p in batch]
+
+    monkeypatch.setattr(batching, "forward_batch", fake)
+    engine = EngineLoop("test-loop")
+    engine.passes = passes  # type: ignore[attr-defined]
+    yield engine
+    engine.close()
+
+
+def _together(loop: EngineLoop, calls: list[tuple]) -> list:
+    """Submit the calls from one task, so the loop takes them in its next iteration, all at once."""
+    return loop.run(lambda: [loop.submit(*call) for call in calls])
+
+
+def _model(loop: EngineLoop, name: str = "m"):
+    return loop.batcher(types.SimpleNamespace(name=name, _sync=lambda: None))
+
+
+def test_tasks_interleave_at_their_passes_and_share_them(loop):
+    model = _model(loop)
+    order: list[tuple[int, int]] = []
+
+    def request(i: int) -> list[int]:
+        cache, out = DynamicCache(), []
+        for step in range(3):
+            order.append((i, step))
+            out.append(model.forward([i], cache, 1))
+        return out
+
+    futures = _together(loop, [(request, i) for i in range(4)])
+    assert [f.result() for f in futures] == [[100 + i] * 3 for i in range(4)]
+    assert model.batch_sizes == {4: 3}  # every pass held all four
+    assert order == [(i, s) for s in range(3) for i in range(4)]  # each ran to its pass, then the next
+
+
+def test_a_blocking_call_parks_only_its_own_task(loop):
+    model = _model(loop)
+    release = threading.Event()
+    done: list[str] = []
+
+    def waits() -> str:
+        run_blocking(release.wait, 10)  # on the loop's executor: the loop goes on
+        done.append("waiter")
+        return "waited"
+
+    def works() -> int:
+        cache = DynamicCache()
+        for _ in range(5):
+            model.forward([1], cache, 1)
+        done.append("worker")
+        return 5
+
+    waiter, worker = loop.submit(waits), loop.submit(works)
+    assert worker.result(timeout=10) == 5 and done == ["worker"]  # it ran while the other waited
+    release.set()
+    assert waiter.result(timeout=10) == "waited" and done == ["worker", "waiter"]
+
+
+def test_an_error_reaches_its_task_and_the_loop_goes_on(loop, monkeypatch):
+    model = _model(loop)
+
+    def boom(model_, batch):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(batching, "forward_batch", boom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        loop.run(model.forward, [1], DynamicCache(), 1)
+    with pytest.raises(ValueError, match="bad"):
+        loop.run(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    assert loop.run(lambda: 41 + 1) == 42
+
+
+def test_a_consumer_that_leaves_early_closes_the_tasks_generator(loop):
+    model = _model(loop)
+    closed = threading.Event()
+
+    def decode():
+        cache = DynamicCache()
+        try:
+            for _ in range(1000):
+                if task_cancelled():
+                    return
+                yield model.forward([7], cache, 1)
+        finally:
+            closed.set()  # a decode's caches are freed here
+
+    items = loop.iterate(decode)
+    assert [next(items) for _ in range(3)] == [107, 107, 107]
+    items.close()
+    assert closed.is_set() and len(loop.passes) < 10
+
+
+def test_an_asyncio_caller_that_is_cancelled_tells_its_task(loop):
+    model = _model(loop)
+    rounds: list[int] = []
+
+    def decode() -> str:
+        cache = DynamicCache()
+        while not task_cancelled():
+            model.forward([1], cache, 1)
+            rounds.append(1)
+        return "stopped"
+
+    async def caller() -> None:
+        call = asyncio.ensure_future(loop.arun(decode))
+        while len(rounds) < 3:
+            await asyncio.sleep(0.005)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(caller())
+    stopped_at = len(rounds)
+    time.sleep(0.05)
+    assert len(rounds) == stopped_at  # nothing ran after the cancel reached it
+
+
+def test_items_stream_to_an_asyncio_consumer(loop):
+    model = _model(loop)
+
+    def decode():
+        cache = DynamicCache()
+        for i in range(4):
+            yield model.forward([i], cache, 1)
+
+    async def consume() -> list[int]:
+        return [item async for item in loop.aiterate(decode)]
+
+    assert asyncio.run(consume()) == [100, 101, 102, 103]
+
+
+def test_each_task_clock_holds_its_passes_and_its_own_time(loop):
+    model = _model(loop, "large")
+
+    def request() -> tuple[float, float, float]:
+        cache = DynamicCache()
+        start = charged()
+        for _ in range(4):
+            model.forward([1], cache, 1)
+        busy = time.perf_counter() + 0.02
+        while time.perf_counter() < busy:  # 20 ms of its own work on the loop
+            pass
+        clock = CURRENT_CLOCK.get()
+        assert clock is not None
+        return clock.pass_s["large"], clock.ran_s(), charged() - start
+
+    (passes, ran, charged_s), (other, _, _) = (f.result() for f in _together(loop, [(request,), (request,)]))
+    assert passes == pytest.approx(4 * 0.0025, rel=0.5)  # half of each shared 5 ms pass
+    assert other == pytest.approx(passes, rel=0.5)
+    assert ran >= 0.02 and charged_s == pytest.approx(passes + ran, abs=0.005)
+    assert CURRENT_CLOCK.get() is None  # the caller's thread has none: each task's is its own
+
+
+def test_a_model_called_from_another_thread_runs_its_pass_in_the_loop(loop):
+    model = _model(loop)
+    seen: list[str] = []
+    real = batching.forward_batch
+
+    def where(model_, batch):
+        seen.append(threading.current_thread().name)
+        return real(model_, batch)
+
+    batching.forward_batch = where
+    try:
+        assert model.forward([3], DynamicCache(), 1) == 103  # not in a task: handed to the loop
+    finally:
+        batching.forward_batch = real
+    assert seen == ["test-loop"]
+
+
+def test_a_model_loaded_inside_a_task_serves_that_task(loop):
+    # bench and the model builders run on the loop's thread (models.hf.on_loop_thread), so a task can
+    # load a model and pass through it at once: its batcher is new to the iteration under way.
+    def load_and_decode() -> int:
+        model = _model(loop, "loaded-in-a-task")
+        return model.forward([7], DynamicCache(), 1)
+
+    assert loop.submit(load_and_decode).result(timeout=10) == 107
+
+
+def test_work_handed_to_the_loop_thread_runs_there():
+    from cascade_service.models.hf import on_loop_thread
+
+    engine = EngineLoop("thread-check")
+    try:
+        assert on_loop_thread(lambda: threading.current_thread().name, loop=engine) == "thread-check"
+        # and inside one of its tasks it is simply called (no hand-off, no deadlock)
+        assert engine.run(lambda: on_loop_thread(threading.current_thread, loop=engine)) is engine._thread
+    finally:
+        engine.close()
