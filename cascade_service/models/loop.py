@@ -125,13 +125,10 @@ class EngineLoop:
         task = self._submit(_drain, (make, items.put))
         try:
             while True:
-                kind, value = items.get()
-                if kind == "item":
-                    yield value
-                elif kind == "error":
-                    raise value
-                else:
+                done, value = _handed(*items.get())
+                if done:
                     return
+                yield value
         finally:
             task.cancelled.set()  # a consumer that leaves early stops the task at its next item or round
             task.future.result()  # its finally blocks ran: caches freed, sessions left as they were
@@ -154,13 +151,10 @@ class EngineLoop:
         task = self._submit(_drain, (make, lambda item: aloop.call_soon_threadsafe(items.put_nowait, item)))
         try:
             while True:
-                kind, value = await items.get()
-                if kind == "item":
-                    yield value
-                elif kind == "error":
-                    raise value
-                else:
+                done, value = _handed(*await items.get())
+                if done:
                     return
+                yield value
         finally:
             task.cancelled.set()
             await asyncio.wait([asyncio.wrap_future(task.future)])
@@ -283,6 +277,13 @@ def task_cancelled() -> bool:
     """Whether the current engine loop task's submitter has gone (False outside a task)."""
     current = greenlet.getcurrent()
     return isinstance(current, _TaskGreenlet) and current.task.cancelled.is_set()
+
+
+def _handed(kind: str, value: Any) -> tuple[bool, Any]:
+    """What a `_drain` task handed over: (False, item), (True, None) at its end, or its error raised."""
+    if kind == "error":
+        raise value
+    return kind != "item", value
 
 
 def _drain(make: Callable[[], Iterator[Any]], put: Callable[[tuple], None]) -> None:
