@@ -349,3 +349,16 @@ def test_the_ray_coordinator_tries_every_arm_but_the_cost_model():
     assert _load_budgets(cascade, ("plain", "lookup"))(False).model.trial.arms == ("plain", "lookup")
     with pytest.raises(ConfigError, match=r"serving\.load_arms: the Ray app cannot run the 'budget' arm"):
         _load_budgets(cascade, ("full", "budget"))
+
+
+def test_a_full_budget_leaves_the_ceiling_as_the_fixed_schedule_does():
+    # A drafter that is itself a cascade returns more than its quota (its accepted tokens and bonus);
+    # under the K-matrix the target keeps them up to the ceiling, and drafting everything must too.
+    budget = LoadModel(PassTimer(), max_block=10, arms=("full",)).budget()
+    budget.begin()
+    assert budget.cap("model", 1, 9) == 9  # the target row's quota is 1; base's system may give up to 9
+    budget.observe(5, 5)
+    plain = LoadModel(PassTimer(), max_block=10, arms=("plain",)).budget()
+    plain.begin()
+    assert plain.cap("model", 1, 9) == 0  # an arm that drafts nothing still caps at nothing
+    plain.observe(0, 0)
