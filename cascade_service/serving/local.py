@@ -287,10 +287,12 @@ class LocalService:
                 time.sleep(PROXY_SETTLE_S)
         except Exception:
             log.debug("no coordinator to drain", exc_info=True)
-        if self.started_ray:
-            # Ray goes with everything in it. The coordinator has drained, so deleting the app first
-            # (Serve's controller stops replicas and proxies one by one, each waiting out its own
-            # graceful timeout) would only hold the exit past the grace period: 60 s after a hostile run.
+        if self.started_ray and self.frontend == "edge":
+            # Ray goes with everything in it. Our own gRPC server has ended every call, so deleting
+            # the app first (Serve's controller stops replicas and proxies one by one, each waiting out
+            # its own graceful timeout) would only hold the exit past the grace period: 60 s after a
+            # hostile run. Behind Ray's proxy the app is deleted first: killing the proxy while it
+            # writes the drained calls' statuses turned them into CANCELLED ("client disconnected").
             ray.shutdown()
             self.started_ray = False
             return
@@ -298,6 +300,10 @@ class LocalService:
             serve.delete(APP_NAME)
         except Exception:
             pass
+        if self.started_ray:
+            serve.shutdown()
+            ray.shutdown()
+            self.started_ray = False
 
     def __enter__(self) -> LocalService:
         self.start()
