@@ -84,12 +84,7 @@ class LoadModel:
     DRAFT_SMOOTHING = 0.05  # EWMA of drafting seconds per drafted token
 
     def __init__(
-        self,
-        timer: PassTimer,
-        max_block: int,
-        arms: Sequence[str] = ARMS,
-        clock: Callable[[], float] = time.monotonic,
-        alone: str | None = "full",
+        self, timer: PassTimer, max_block: int, arms: Sequence[str] = ARMS, clock: Callable[[], float] = time.monotonic
     ):
         if max_block < 0:
             raise ValueError(f"max_block must be >= 0, got {max_block}")
@@ -98,7 +93,7 @@ class LoadModel:
             raise ValueError(f"arms must be among {ARMS}, got {unknown}")
         self.timer = timer
         self.max_block = max_block
-        self.trial = ArmTrial(arms, clock, alone)  # arms=("budget",): the cost model alone decides
+        self.trial = ArmTrial(arms, clock)  # arms=("budget",): the cost model alone decides
         self._lock = threading.Lock()
         self._population = {s: Evidence(max_block, self.POPULATION_DECAY) for s in SOURCES}
         self._draft_s_per_token = {s: 0.0 for s in SOURCES}  # 0 until measured: drafting looks free
@@ -160,8 +155,8 @@ class BySampling:
     `budget(greedy)` is the coordinator's per-request policy factory.
     """
 
-    def __init__(self, make: Callable[[bool], LoadModel]):
-        self.models = {True: make(True), False: make(False)}  # make(greedy)
+    def __init__(self, make: Callable[[], LoadModel]):
+        self.models = {True: make(), False: make()}
 
     def budget(self, greedy: bool) -> DraftBudget:
         return self.models[greedy].budget()
@@ -281,6 +276,4 @@ BudgetFactory = Callable[[], DraftBudget]
 def load_policies(timer: PassTimer, max_block: int, arms: Sequence[str] = ARMS) -> Callable[[bool], DraftBudget]:
     """The coordinator's policy per request, given whether it is greedy: load adaptation over the
     target's passes (`timer`), greedy and sampled traffic judged apart (BySampling)."""
-    # Alone, greedy requests run the K-matrix (`tune` chose it greedy, at one stream); sampled ones
-    # keep the trial there too: at temperature 1 the K-matrix can lose to plain decoding even alone.
-    return BySampling(lambda greedy: LoadModel(timer, max_block, arms, alone="full" if greedy else None)).budget
+    return BySampling(lambda: LoadModel(timer, max_block, arms)).budget

@@ -67,9 +67,8 @@ class ArmTrial:
     tokens per wall second, since in a closed loop the two move together and the first does not dip
     when a wave of new requests is being prefilled.
 
-    At level 0 (one round in flight) the arm `alone` runs with no trial (the K-matrix, "full", for
-    greedy traffic: a lone request's passes cost what they cost when `tune` chose it; None keeps the
-    trial there, as sampled traffic does). Each other level tries every arm once, then uses the
+    At level 0 (one round in flight) the K-matrix runs ("full"), with no trial: a lone request's passes
+    cost what they cost when `tune` chose it. Each other level tries every arm once, then uses the
     best (the median of its last RECENT samples); one
     epoch in EXPLORE re-measures another arm, the least recently measured, except that one measured at
     under half the best is re-measured only every FAR_EXPLORE-th time, so that a change in traffic is
@@ -86,13 +85,10 @@ class ArmTrial:
     LOAD_SMOOTHING = 0.05  # EWMA of rounds in flight, per round started
     STALE = 8  # epochs after which an epoch's unfinished rounds are written off (no round lasts this long)
 
-    def __init__(
-        self, arms: Sequence[str] = ARMS, clock: Callable[[], float] = time.monotonic, alone: str | None = "full"
-    ):
+    def __init__(self, arms: Sequence[str] = ARMS, clock: Callable[[], float] = time.monotonic):
         if not arms:
             raise ValueError("arms must not be empty")
         self.arms = tuple(arms)
-        self.alone = alone  # the arm at level 0 without a trial (None: a trial there too)
         self.clock = clock
         self._lock = threading.Lock()
         self._epoch = 0
@@ -170,10 +166,10 @@ class ArmTrial:
         arms[epoch.arm] = (statistics.median(recent), (old[1] if old else 0) + 1, index)
 
     def _choose(self, level: int) -> str:
-        if level == 0 and self.alone in self.arms:
+        if level == 0 and "full" in self.arms:
             # One round in flight: no batching to change what a pass costs, so the K-matrix, tuned
             # offline at one stream (`tune`), is the answer, and exploring other arms only costs.
-            return self.alone
+            return "full"
         arms = self.estimates.get(level, {})
         pending = {e.arm for e in self._epochs.values() if not e.closed or e.pending > 0}
         untried = [a for a in self.arms if a not in arms and a not in pending]

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from cascade_service.config import ConfigError
-from cascade_service.scheduling.load import BySampling, DraftBudget, LoadModel, expected_tokens, load_policies
+from cascade_service.scheduling.load import BySampling, DraftBudget, LoadModel, expected_tokens
 from cascade_service.scheduling.passes import PassTimer
 from cascade_service.scheduling.trial import ARMS, ArmTrial
 
@@ -118,7 +118,7 @@ def test_a_new_request_starts_from_what_every_request_measured():
 def test_greedy_and_sampled_traffic_keep_their_own_evidence_and_trial():
     # Sampled rounds whose lookups all fail must not stop greedy requests drafting theirs.
     timer = _timer(fixed_s=0.020, per_token_s=0.0004, batch=1)
-    both = BySampling(lambda greedy: LoadModel(timer, max_block=20, arms=BUDGET))
+    both = BySampling(lambda: LoadModel(timer, max_block=20, arms=BUDGET))
     assert both.models[True] is not both.models[False] and both.models[True].trial is not both.models[False].trial
     _traffic(both.models[False], "lookup", 20, accepted=0)
     _traffic(both.models[True], "lookup", 20, accepted=20)
@@ -362,12 +362,3 @@ def test_a_full_budget_leaves_the_ceiling_as_the_fixed_schedule_does():
     plain.begin()
     assert plain.cap("model", 1, 9) == 0  # an arm that drafts nothing still caps at nothing
     plain.observe(0, 0)
-
-
-def test_alone_greedy_requests_run_the_k_matrix_and_sampled_ones_keep_their_trial():
-    policies = load_policies(PassTimer(), max_block=8)
-    assert policies(True).model.trial.alone == "full" and policies(False).model.trial.alone is None
-    for alone, expected in (("full", "full"), (None, "budget")):
-        trial = ArmTrial(alone=alone)
-        trial.estimates[0] = {"full": (1.0, 1, 0)}  # one round in flight, the K-matrix measured once
-        assert trial._choose(0) == expected  # greedy: no trial alone; sampled: the next untried arm
