@@ -146,7 +146,9 @@ def load_config(path: str | Path) -> Config:
 def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
     _only(raw, "", {"tiers", "schedule", "generation", "model", "serving"})
     model_defaults = _mapping(raw.get("model", {}), "model")
-    _only(model_defaults, "model.", {"dtype", "device", "kv"})  # what every model tier takes unless it says
+    _only(
+        model_defaults, "model.", {"dtype", "device", "kv", "kv_budget_mb"}
+    )  # what every model tier takes unless it says
     tiers = _mapping(raw.get("tiers"), "tiers")
     _only(tiers, "tiers.", {"target", "drafters"})
     target = _model_tier(tiers.get("target"), "tiers.target", "target", model_defaults, base_dir)
@@ -349,7 +351,7 @@ STATISTICAL: dict[str, Callable[[dict, str, Path], StatisticalConfig]] = {MAG: _
 
 def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:
     item = _mapping(item, where)
-    _only(item, where + ".", {"name", "path", "dtype", "device", "kind", "address", "backend", "kv"})
+    _only(item, where + ".", {"name", "path", "dtype", "device", "kind", "address", "backend", "kv", "kv_budget_mb"})
     address = _addresses(item["address"], where + ".address") if "address" in item else ()
     if address and "path" not in item:
         if where.endswith("target"):
@@ -377,4 +379,9 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
     kv = item.get("kv", defaults.get("kv", "pool"))
     if kv not in KV_STORAGES:
         raise ConfigError(f"{where}.kv must be one of {', '.join(KV_STORAGES)}, got {kv!r}")
-    return ModelTierConfig(str(name), path, dtype, device, key=where, address=address, backend=backend, kv=kv)
+    budget = item.get("kv_budget_mb", defaults.get("kv_budget_mb"))
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0):
+        raise ConfigError(f"{where}.kv_budget_mb must be a positive number of MiB, got {budget!r}")
+    return ModelTierConfig(
+        str(name), path, dtype, device, key=where, address=address, backend=backend, kv=kv, kv_budget_mb=budget
+    )

@@ -39,6 +39,8 @@ class ModelTierConfig:
     address: tuple[str, ...] = ()
     backend: str = "hf"  # BACKENDS
     kv: str = "pool"  # KV_STORAGES
+    # The most its paged KV pool holds, in MiB (models.kvsize); None: a share of the device's memory.
+    kv_budget_mb: float | None = None
 
     @property
     def remote(self) -> bool:

@@ -1,9 +1,9 @@
 """Continuous batching of one model's forward passes across concurrent requests: which passes share a
 batch and how a batched pass reads their caches. The engine loop (models/loop.py) runs them.
 
-Each request keeps its own KV cache (an `HFScorer`'s slot of its model's pool, models.kvpool). How a
-pass over several rows reads their caches is `forward_batch`'s: in place over pool slots
-(models.kvpool), or packed from per-request `DynamicCache`s (models.packed, `kv: dynamic`).
+Each request keeps its own KV cache (an `HFScorer`'s blocks of its model's paged pool, models.kvpool). How a
+pass over several rows reads their caches is `forward_batch`'s: in place over pool blocks
+(models.poolpass), or packed from per-request `DynamicCache`s (models.packed, `kv: dynamic`).
 
 Passes share a batch when they are alike in new tokens and in cached length (`take_batch`), so that
 neither padding outgrows the real work; a long prompt is fed in chunks (`chunk_end`), so other
@@ -23,8 +23,9 @@ import torch
 if TYPE_CHECKING:
     from cascade_service.models.loop import EngineLoop
 
-from cascade_service.models.kvpool import KVCache, SlotCache, forward_rows
+from cascade_service.models.kvpool import KVCache, PagedCache
 from cascade_service.models.packed import forward_packed
+from cascade_service.models.poolpass import forward_rows
 from cascade_service.scheduling.passes import ROW_POSITIONS, PassTimer, pads_within
 
 
@@ -113,11 +114,11 @@ def _past(item: Pass) -> int:
 
 
 def forward_batch(model: PassModel, batch: list[Pass]) -> list[object]:
-    """One forward pass for several requests' passes: in place over their pool slots (models.kvpool),
+    """One forward pass for several requests' passes: in place over their pool blocks (models.poolpass),
     or packed from their own caches (models.packed); a lone pass is the model's own `_forward`."""
     if len(batch) == 1 or getattr(model, "encoder_decoder", False):  # encoder-decoder: one row a pass
         return [model._forward(one.fed, one.cache, one.keep, with_hidden=one.with_hidden) for one in batch]
-    if isinstance(batch[0].cache, SlotCache):
+    if isinstance(batch[0].cache, PagedCache):
         return forward_rows(model, batch)
     return forward_packed(model, batch)
 

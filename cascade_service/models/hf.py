@@ -17,14 +17,15 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from cascade_service.core.types import Context
-
 from ..metrics import default_metrics
 from .batching import Pass, default_prefill_chunk, forward_batch
-from .kvpool import STORAGES, KVCache, KVPool, PoolPass, SlotCache
+from .kvpool import STORAGES, KVCache, PagedCache
+from .kvsize import kv_pool
 from .lean import BACKENDS
 from .loop import EngineLoop, LoopBatcher
+from .poolpass import PoolPass
 from .rows import last_rows
+from .scorer import HFScorer
 
 T = TypeVar("T")
 
@@ -139,7 +140,7 @@ class HFModel:
 
     auto: Any = AutoModelForCausalLM  # the transformers class its weights load with
 
-    def __init__(self, module: PreTrainedModel, name: str, kv: str = "pool"):
+    def __init__(self, module: PreTrainedModel, name: str, kv: str = "pool", kv_budget_mb: float | None = None):
         if kv not in STORAGES:
             raise ValueError(f"unknown kv storage {kv!r}; expected one of {sorted(STORAGES)}")
         self.module = module
@@ -152,10 +153,10 @@ class HFModel:
         self.decoder_start: int | None = (
             _decoder_start(module.config, name) if getattr(module.config, "is_encoder_decoder", False) else None
         )
-        # Where requests' KV caches live (models.kvpool): slots of one pool a batched pass reads in
-        # place ("pool"), or a DynamicCache each, packed per batched pass ("dynamic").
+        # Where requests' KV caches live (models.kvpool): blocks of one paged pool with a prefix cache,
+        # read in place ("pool"), or a DynamicCache each, packed per batched pass ("dynamic").
         self.kv = kv
-        self.kv_pool = KVPool()
+        self.kv_pool = kv_pool(module.config, self.dtype, self.device, kv_budget_mb, name)
         head = module.get_output_embeddings()
         self.vocab_size: int = head.weight.shape[0] if head is not None else module.config.vocab_size
         self.num_parameters: int = sum(p.numel() for p in module.parameters())
@@ -196,9 +197,15 @@ class HFModel:
         passes run one request at a time (models.seq2seq)."""
         return self.decoder_start is not None
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for one request, in this model's storage."""
-        return SlotCache(self.kv_pool) if self.kv == "pool" else DynamicCache()
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether requests reuse the KV of earlier ones' prefixes (models.kvpool): a paged pool's."""
+        return self.kv == "pool" and not self.encoder_decoder
+
+    def new_cache(self, salt: str = "") -> KVCache:
+        """An empty KV cache for one request, in this model's storage; `salt` (the API key's) scopes
+        the prefixes it may reuse and publish."""
+        return PagedCache(self.kv_pool, salt) if self.kv == "pool" else DynamicCache()
 
     def timing_cache(self, prompt: Sequence[int]) -> KVCache:
         """A cache to time passes with (`pass_time_s`): a new one; an encoder-decoder model's also
@@ -207,9 +214,15 @@ class HFModel:
 
     def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False):
         """A cached forward pass for one request: in the engine loop once batching is on."""
-        if self.batcher is not None:
+        if self.batcher is None:
+            return self._forward(tokens, cache, keep, with_hidden=with_hidden)
+        if not isinstance(cache, PagedCache):
             return self.batcher.forward(tokens, cache, keep, with_hidden)
-        return self._forward(tokens, cache, keep, with_hidden=with_hidden)
+        cache.pinned += 1  # queued: the pool never preempts a cache a pending pass was planned on
+        try:
+            return self.batcher.forward(tokens, cache, keep, with_hidden)
+        finally:
+            cache.pinned -= 1
 
     @classmethod
     def load(
@@ -220,12 +233,14 @@ class HFModel:
         name: str | None = None,
         backend: str = "hf",
         kv: str = "pool",
+        kv_budget_mb: float | None = None,
     ) -> HFModel:
         """Load a local Hugging Face model directory in eval mode on `device`.
 
         dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto";
         backend: the forward that runs it (models.lean.BACKENDS: "hf", or "lean" for a drafter);
-        kv: where requests' KV caches live (models.kvpool.STORAGES: "pool" or "dynamic").
+        kv: where requests' KV caches live (models.kvpool.STORAGES: "pool" or "dynamic");
+        kv_budget_mb: the most its pool holds (None: `default_kv_budget` of the device).
         Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
         """
         if backend not in BACKENDS:
@@ -237,18 +252,20 @@ class HFModel:
         kind = MODEL_KINDS[is_encoder_decoder(local)]  # chosen once, here: HFModel or Seq2SeqModel
         module = kind.auto.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
         module.eval().to(target)
-        return kind(BACKENDS[backend](module), name or local.resolve().name, kv)
+        return kind(BACKENDS[backend](module), name or local.resolve().name, kv, kv_budget_mb)
 
     @classmethod
     def for_tier(cls, tier: Any, **overrides: Any) -> HFModel:
         """Load the model a config's tier names (a `config.ModelTierConfig`), with `overrides` of its
         fields: a model that serves, so it is built on the engine loop's thread (`on_loop_thread`)."""
-        fields = {key: getattr(tier, key) for key in ("path", "dtype", "device", "name", "backend", "kv")}
+        names = ("path", "dtype", "device", "name", "backend", "kv", "kv_budget_mb")
+        fields = {key: getattr(tier, key) for key in names}
         return on_loop_thread(cls.load, **{**fields, **overrides})
 
-    def scorer(self) -> HFScorer:
-        """A fresh scorer (own KV cache) for one request."""
-        return HFScorer(self)
+    def scorer(self, salt: str = "") -> HFScorer:
+        """A fresh scorer (own KV cache) for one request; `salt` (its API key's) scopes the prefix
+        cache it reads and adds to (models.kvpool)."""
+        return HFScorer(self, salt)
 
     def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Plain no-cache forward: [len(tokens), V] float32 logits on the model's device."""
@@ -279,12 +296,16 @@ class HFModel:
     def _forward(
         self, tokens: Sequence[int], cache: KVCache | PoolPass | None, keep: int, with_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(cache, SlotCache):
-            # A lone row over its pool slot: the model makes its mask and positions from the slot's
+        if isinstance(cache, PagedCache):
+            # A lone row over its blocks: the model makes its mask and positions from the cache's
             # length, as over a DynamicCache (models.kvpool.PoolPass).
             with self.kv_pool.lock:
                 step = PoolPass(self.kv_pool, [cache], len(tokens))
-                result = self._forward(tokens, step, keep, with_hidden)
+                try:
+                    result = self._forward(tokens, step, keep, with_hidden)
+                except BaseException:
+                    step.abandon()
+                    raise
                 step.commit([len(tokens)])
             return result
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, S]
@@ -327,71 +348,6 @@ def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int =
             for cache in caches:
                 cache.crop(-tokens)  # every repeat decodes against the same cache length
     return statistics.median(times[2:])
-
-
-class HFScorer:
-    """Scorer over one HFModel for one request: keeps a KV cache and rolls it back by cropping.
-
-    `logits` returns float32 rows on the model's device (the caller moves them if it needs to).
-    Not thread-safe: one request, one scorer.
-    With `keep_hidden` set, each `logits` call also leaves the model's final hidden states of the
-    same rows in `last_hidden` ([n, H] float32; SpecDec++'s acceptance head reads them).
-    """
-
-    keep_hidden: bool = False
-    last_hidden: torch.Tensor | None = None
-
-    def __init__(self, model: HFModel):
-        self.name = model.name
-        self.tokens_processed = 0
-        self._model = model
-        self._cache = model.new_cache()
-        self._tokens: list[int] = []  # the tokens whose keys/values the cache holds, in order
-        # self._tokens[:_trusted] are committed tokens of the request (they were below ctx.stable),
-        # which never change, so the prefix match may skip them.
-        self._trusted = 0
-
-    def logits(self, ctx: Context, n: int) -> torch.Tensor:
-        """[n, V] float32 logits; row j predicts the token after `ctx.tokens[:len(ctx) - n + 1 + j]`."""
-        if not 1 <= n <= len(ctx):
-            raise ValueError(f"n must be in [1, {len(ctx)}] for a context of {len(ctx)} tokens, got {n}")
-        # Logits are not cached, so the first requested row's input token is re-fed even if cached.
-        start = min(self._common_prefix(ctx.tokens), len(ctx) - n)
-        self._rollback(start)
-        fed = ctx.tokens[start:]
-        with torch.inference_mode():
-            if self.keep_hidden:
-                rows, self.last_hidden = self._model.forward(fed, self._cache, n, with_hidden=True)  # [n, V], [n, H]
-            else:
-                rows = self._model.forward(fed, self._cache, n)  # [n, V]
-        self._tokens.extend(fed)
-        self.tokens_processed += len(fed)
-        self._trusted = min(max(self._trusted, ctx.stable), len(self._tokens))
-        return rows
-
-    def reset(self) -> None:
-        """Drop the KV cache (frees its memory); the next call re-prefills. Counters are kept."""
-        self._cache = self._model.new_cache()
-        self._tokens = []
-        self._trusted = 0
-
-    def _common_prefix(self, tokens: list[int]) -> int:
-        # Only the pending tail is compared: O(draft length), not O(sequence length).
-        limit = min(len(self._tokens), len(tokens))
-        i = min(self._trusted, limit)
-        while i < limit and self._tokens[i] == tokens[i]:
-            i += 1
-        return i
-
-    def _rollback(self, length: int) -> None:
-        # Cropping the cache is how a rejected draft is undone; the committed prefix stays cached.
-        if length == 0:
-            self.reset()
-            return
-        # Negative crop = tokens to remove: the form both transformers 4.x and 5.x accept.
-        self._cache.crop(length - self._cache.get_seq_length())
-        del self._tokens[length:]
-        self._trusted = min(self._trusted, length)
 
 
 # is_encoder_decoder -> the class a model directory loads as; models.seq2seq adds its own (the package

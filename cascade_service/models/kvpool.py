@@ -1,54 +1,77 @@
-"""KV storage that a batched pass reads in place: one preallocated pool per model, one slot per request.
+"""Paged KV storage that batched passes read in place, with a prefix cache: one block pool per model.
 
-With a `DynamicCache` per request (models.packed), every pass over several requests copied each row's
-keys and values into one left-padded tensor and copied the new ones back out: per layer, per row, per
-pass, two Python-driven copies of the whole cache. On the demo zoo's large model (CPU) that was a
-quarter of a 16-row pass.
+Every model's keys and values live in one tensor per layer and per K/V, [blocks, BLOCK, kv_heads,
+head_dim]. A request's cache (`PagedCache`) is a block table: position p of the request sits at slot
+p % BLOCK of block table[p // BLOCK]. A pass over rows R writes each row's new keys with one indexed
+store per layer and attends over its positions 0..W-1 gathered once per layer; a lone row whose blocks
+are consecutive reads a view, no copy. Keys past a row's own length are hidden by a 4D mask, so no row
+is padded on the left and a row's positions are its own (L_i + j). Memory is what the requests' tokens
+hold, to the block (not a slot of the longest request per request).
 
-Here every request's cache is a row (a slot) of one tensor per layer and per K/V,
-[slots, kv_heads, capacity, head_dim]: slot i holds its request's L_i keys at positions 0..L_i-1. A
-pass over rows R with s_i new tokens each writes the new keys at L_i..L_i+s_i-1 with one indexed store
-per layer, and attends over pool[R, :, :W] (W = max L_i + s_i): a view, no copy, when R is a run of
-consecutive slots (slots are handed out lowest first, so a steady batch is), one gather otherwise.
-The keys past a row's own length are hidden by a 4D mask, so no row is padded on the left and a row's
-positions are its own (L_i + j). Rolling back a rejected draft is setting the length; nothing moves.
+The prefix cache: a full block of committed tokens (below the request's `stable`, so it never changes
+again) is published under a hash chained over every token before it and the request's salt (its API
+key's: `cache_salt`, as vLLM has it), so a block is found only by a request with the same salt and
+the same tokens up to the block's end. A new request attaches the longest published chain of its
+prompt (its blocks are shared, read-only: a request writes only at or past its own length, which is
+past every full block it shares) and feeds only the rest. Blocks nobody holds stay cached, least
+recently used first to go, while the pool is under its budget.
 
-The pool grows by doubling (slots, and capacity up to what a pass needs), at the start of a pass, so
-no pass ever sees tensors being replaced; it never shrinks (a freed slot is reused). Its size is what
-the model holds at the most concurrent requests it has seen: slots x capacity x layers x 2 x kv_heads
-x head_dim x the dtype's bytes.
+Allocation, in order: a free block; a new block while under the budget; the least recently used
+cached block (an eviction); the blocks of a request that is not in a pass (a preemption: its cache
+is emptied, and its scorer re-reads what it held, through the prefix cache); else `KVBudgetExceeded`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import itertools
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from .rows import padded_inputs, split_outputs
+BLOCK = 16  # positions per block: small enough that a block's waste is little, large enough to gather fast
+GROWTH = 1.5  # the pool's tensors grow by this factor (capped at the budget) when blocks run out
+FIRST_BLOCKS = 32
+NULL = 0  # block 0 holds no request's keys: rows' gathers past their table read it (masked)
 
-FIRST_SLOTS = 4
-FIRST_CAPACITY = 128
+
+class KVBudgetExceeded(RuntimeError):
+    """The requests in one pass need more blocks than the pool's budget holds."""
 
 
-class SlotCache:
-    """One request's KV cache: a slot of its model's `KVPool` and how many positions it holds.
+@dataclass
+class PoolCounters:
+    """A pool's prefix-cache and block figures (Prometheus: cascade:prefix_cache_*, cascade:kv_*)."""
 
-    The scorer's interface of a cache (`get_seq_length`, `crop`), as `DynamicCache` has it. The slot
-    goes back to the pool when this object is dropped.
+    queries: int = 0  # prompt tokens looked up in the prefix cache
+    hits: int = 0  # of them, tokens whose keys were found there
+    evictions: int = 0  # cached blocks given to other requests
+    preemptions: int = 0  # requests' caches emptied to make room
+
+
+class PagedCache:
+    """One request's KV cache: its block table and how many positions it holds.
+
+    The scorer's interface of a cache (`get_seq_length`, `crop`), as `DynamicCache` has it. Its blocks
+    go back to the pool when it is cropped below them or dropped.
     """
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, salt: str = ""):
         self.pool = pool
-        self.slot = pool.allocate()
+        self.table: list[int] = []  # mutated in place, never replaced: the finalizer holds it
         self.length = 0
-        weakref.finalize(self, pool.release, self.slot)
+        self.root = pool.root(salt)
+        self.chain: list[bytes] = []  # the hash of each of the first len(chain) blocks, as published
+        self.pinned = 0  # > 0 while a pass of it is queued or running: never preempted then
+        self.used = 0  # the pool's clock at its last pass (preemption takes the least recent)
+        pool.live.add(self)
+        weakref.finalize(self, pool.drop, self.table)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -57,176 +80,216 @@ class SlotCache:
         """Drop the last -`remove` positions (`remove` <= 0, as transformers' `DynamicCache.crop` takes it)."""
         if remove > 0:
             raise ValueError(f"crop takes the negative count of positions to drop, got {remove}")
-        self.length = max(0, self.length + remove)
+        self.pool.truncate(self, max(0, self.length + remove))
 
 
 class KVPool:
-    """The KV storage of one model's requests (see the module doc). Thread-safe to allocate and
-    release; a pass (`PoolPass`) must hold `lock` (the batcher's worker or a lone caller does)."""
+    """The KV storage of one model's requests (see the module doc). A pass (`PoolPass`) and every
+    change of blocks hold `lock`.
 
-    def __init__(self) -> None:
-        self.lock = threading.RLock()  # one pass at a time, and growth between passes
-        self._slots_lock = threading.Lock()
-        self._free: list[int] = []  # a heap
-        self._next = 0  # slots handed out so far (the highest index + 1)
-        self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+    layer_bytes_per_token: one layer's K and V bytes for one position (None: no budget can be set);
+    budget_bytes: the most the pool's tensors may hold (None: unbounded).
+    """
+
+    def __init__(self, layers: int = 0, layer_bytes_per_token: int = 0, budget_bytes: int | None = None):
+        self.lock = threading.RLock()
+        self.keys: list[torch.Tensor] = []  # per layer [capacity, BLOCK, kv_heads, head_dim]
         self.values: list[torch.Tensor] = []
+        self.block_bytes = layers * layer_bytes_per_token * BLOCK  # every layer's, K and V
+        self.max_blocks = budget_bytes // self.block_bytes if budget_bytes and self.block_bytes else None
+        if self.max_blocks is not None and self.max_blocks < 2:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block ({self.block_bytes} bytes each)")
+        self.blocks = 1  # block ids handed out so far (block 0 is NULL)
+        self.refs = [1]  # per block: the caches holding it (NULL is held forever)
+        self._free: list[int] = []  # a heap: lowest first, so a request's blocks tend to be consecutive
+        self.index: dict[bytes, int] = {}  # a published chain hash -> its block
+        self.hash_of: dict[int, bytes] = {}
+        self.cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest first
+        self.live: weakref.WeakSet[PagedCache] = weakref.WeakSet()
+        self.counters = PoolCounters()
+        self.clock = itertools.count(1)
 
-    def allocate(self) -> int:
-        with self._slots_lock:
-            if self._free:
-                return heapq.heappop(self._free)  # lowest first: a steady batch stays a run of slots
-            self._next += 1
-            return self._next - 1
-
-    def release(self, slot: int) -> None:
-        with self._slots_lock:
-            heapq.heappush(self._free, slot)
+    # --- what it holds ------------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        """Blocks the tensors hold now (NULL included)."""
+        return self.keys[0].shape[0] if self.keys else 0
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def reserve(self, layer: int, like: torch.Tensor, slots: int, positions: int) -> None:
-        """Make layer `layer` hold at least `slots` slots of `positions` positions, shaped like `like`
-        ([rows, kv_heads, new, head_dim]); growth doubles and keeps what is stored."""
-        if layer < len(self.keys) and self.keys[layer].shape[0] >= slots and self.keys[layer].shape[2] >= positions:
+    def used_blocks(self) -> int:
+        """Blocks some request holds."""
+        return sum(1 for r in self.refs[1:] if r > 0)
+
+    def free_blocks(self) -> int:
+        """Blocks a request could take without evicting or preempting (free, and not yet grown)."""
+        room = (self.max_blocks - self.blocks) if self.max_blocks is not None else 0
+        return len(self._free) + room
+
+    # --- blocks -------------------------------------------------------------------------------------
+
+    def take(self, busy: Sequence[PagedCache] = ()) -> int:
+        """A block for a request's new positions (see the module doc for the order)."""
+        with self.lock:
+            while True:
+                if self._free:
+                    block = heapq.heappop(self._free)
+                elif self.max_blocks is None or self.blocks < self.max_blocks:
+                    block, self.blocks = self.blocks, self.blocks + 1
+                    self.refs.append(0)
+                elif self.cached:
+                    block, _ = self.cached.popitem(last=False)
+                    del self.index[self.hash_of.pop(block)]
+                    self.counters.evictions += 1
+                elif not self._preempt(busy):
+                    raise KVBudgetExceeded(
+                        f"the KV budget of {self.max_blocks} blocks of {BLOCK} positions is held by the "
+                        "requests of one pass; raise kv_budget_mb or lower max_batch"
+                    )
+                else:
+                    continue
+                self.refs[block] = 1
+                return block
+
+    def _preempt(self, busy: Sequence[PagedCache]) -> bool:
+        spare = set(map(id, busy))
+        victims = [c for c in self.live if c.table and not c.pinned and id(c) not in spare]
+        if not victims:
+            return False
+        victim = min(victims, key=lambda c: c.used)
+        self.truncate(victim, 0)
+        self.counters.preemptions += 1
+        return True
+
+    def _release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.hash_of:
+                self.cached[block] = None  # stays findable until evicted
+            else:
+                heapq.heappush(self._free, block)
+
+    def truncate(self, cache: PagedCache, length: int) -> None:
+        """`cache` holds its first `length` positions; blocks past them go back."""
+        with self.lock:
+            cache.length = min(cache.length, length)
+            keep = -(-cache.length // BLOCK)
+            for block in cache.table[keep:]:
+                self._release(block)
+            del cache.table[keep:]
+            del cache.chain[cache.length // BLOCK :]
+
+    def drop(self, table: list[int]) -> None:
+        """A dropped cache's blocks (its finalizer)."""
+        with self.lock:
+            for block in table:
+                self._release(block)
+            table.clear()
+
+    def extend(self, cache: PagedCache, positions: int, busy: Sequence[PagedCache]) -> None:
+        """Give `cache` blocks for its first `positions` positions."""
+        while len(cache.table) * BLOCK < positions:
+            cache.table.append(self.take(busy))
+
+    def own_tail(self, cache: PagedCache, busy: Sequence[PagedCache]) -> None:
+        """Before `cache` writes into its partly kept last block (a re-fed token after a rollback):
+        if that block is published or shared, `cache` takes a copy of it (copy on write), so what
+        other requests read never changes."""
+        i = cache.length // BLOCK
+        if cache.length % BLOCK == 0 or i >= len(cache.table):
+            return
+        old = cache.table[i]
+        if self.refs[old] == 1 and old not in self.hash_of:
+            return
+        new = self.take(busy)
+        for store in (self.keys, self.values):
+            for layer, tensor in enumerate(store):
+                if tensor.shape[0] <= new:
+                    tensor = store[layer] = self._grown(tensor)
+                tensor[new] = tensor[old]
+        cache.table[i] = new
+        self._release(old)
+
+    def _grown(self, old: torch.Tensor) -> torch.Tensor:
+        size = max(self.blocks, FIRST_BLOCKS, int(old.shape[0] * GROWTH))
+        if self.max_blocks is not None:
+            size = min(size, self.max_blocks)
+        grown = old.new_zeros((size, *old.shape[1:]))
+        grown[: old.shape[0]] = old
+        return grown
+
+    # --- the prefix cache ---------------------------------------------------------------------------
+
+    def root(self, salt: str) -> bytes:
+        return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cascade-kv").digest()
+
+    @staticmethod
+    def link(parent: bytes, tokens: Sequence[int]) -> bytes:
+        """The chain hash of a block: its parent's and its own tokens (a block is found only after
+        exactly the same tokens, under the same salt)."""
+        data = parent + b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)
+        return hashlib.blake2b(data, digest_size=16).digest()
+
+    def attach(self, cache: PagedCache, tokens: Sequence[int], limit: int) -> int:
+        """An empty `cache` takes the longest published chain of `tokens[:limit]`; returns its length
+        in positions (a multiple of BLOCK, 0 on a miss)."""
+        with self.lock:
+            if cache.length:
+                raise ValueError("attach: the cache already holds positions")
+            parent = cache.root
+            for start in range(0, limit - BLOCK + 1, BLOCK):
+                digest = self.link(parent, tokens[start : start + BLOCK])
+                block = self.index.get(digest)
+                if block is None:
+                    break
+                if self.refs[block] == 0:
+                    del self.cached[block]
+                self.refs[block] += 1
+                cache.table.append(block)
+                cache.chain.append(digest)
+                parent = digest
+            cache.length = len(cache.table) * BLOCK
+            self.counters.queries += limit
+            self.counters.hits += cache.length
+            return cache.length
+
+    def publish(self, cache: PagedCache, tokens: Sequence[int], stable: int) -> None:
+        """Publish `cache`'s full blocks of committed tokens (`tokens[:stable]`, which `cache` holds)."""
+        with self.lock:
+            upto = min(stable, cache.length) // BLOCK
+            while len(cache.chain) < upto:
+                i = len(cache.chain)
+                parent = cache.chain[-1] if cache.chain else cache.root
+                digest = self.link(parent, tokens[i * BLOCK : (i + 1) * BLOCK])
+                block = cache.table[i]
+                if digest not in self.index and block not in self.hash_of:
+                    self.index[digest] = block
+                    self.hash_of[block] = digest
+                cache.chain.append(digest)  # another request's copy may be the published one
+
+    # --- storage ------------------------------------------------------------------------------------
+
+    def reserve(self, layer: int, like: torch.Tensor) -> None:
+        """Make layer `layer` hold every block handed out so far, shaped like `like` ([rows, kv_heads,
+        new, head_dim]); growth keeps what is stored."""
+        if layer < len(self.keys) and self.keys[layer].shape[0] >= self.blocks:
             return  # the common case, first
         while len(self.keys) <= layer:
-            self.keys.append(like.new_zeros((0, like.shape[1], 0, like.shape[3])))
-            self.values.append(like.new_zeros((0, like.shape[1], 0, like.shape[3])))
-        old = self.keys[layer]
-        size = (_grown(old.shape[0], slots, FIRST_SLOTS), _grown(old.shape[2], positions, FIRST_CAPACITY))
+            self.keys.append(like.new_zeros((0, BLOCK, like.shape[1], like.shape[3])))
+            self.values.append(like.new_zeros((0, BLOCK, like.shape[1], like.shape[3])))
         for store in (self.keys, self.values):
-            grown = like.new_zeros((size[0], like.shape[1], size[1], like.shape[3]))
-            grown[: old.shape[0], :, : old.shape[2]] = store[layer]
-            store[layer] = grown
-
-
-def _grown(have: int, need: int, first: int) -> int:
-    size = max(have, first)
-    while size < need:
-        size *= 2
-    return size
+            store[layer] = self._grown(store[layer])
 
 
 # The storages a model tier may name (config: `kv:`); config.base.KV_STORAGES is this one's keys.
 STORAGES = {
-    "pool": "one preallocated pool per model, a slot per request, read in place (this module)",
-    "dynamic": "a DynamicCache per request, packed into one per batched pass (models.packed)",
+    "pool": "one paged block pool per model with a prefix cache, read in place (this module)",
+    "dynamic": "a DynamicCache per request, packed into one per batched pass (models.packed); no prefix cache",
 }
 
-# A request's KV cache as the scorer and the batcher hold it: a pool slot, or its own (`kv: dynamic`),
+# A request's KV cache as the scorer and the batcher hold it: a pool's, or its own (`kv: dynamic`),
 # or an encoder-decoder model's (models.seq2seq.Seq2SeqCache).
-KVCache = SlotCache | DynamicCache | EncoderDecoderCache
-
-
-@dataclass
-class PoolPass:
-    """The cache a model sees during one pass over `caches` (duck-typed as transformers' `Cache`:
-    attention layers call `update`, which stores the new keys and returns the rows' whole keys).
-
-    Each row feeds `steps` positions (the pass's S); a row with fewer real tokens writes its padding
-    past its own length, where nothing reads it and the next pass overwrites it.
-    """
-
-    pool: KVPool
-    caches: Sequence[SlotCache]
-    steps: int
-
-    def __post_init__(self) -> None:
-        self.slots = [cache.slot for cache in self.caches]
-        self.starts = [cache.length for cache in self.caches]
-        self.width = max(self.starts) + self.steps
-        first = self.slots[0]
-        # A run of consecutive slots in order is a view of the pool; anything else is gathered once a layer.
-        self._run = self.slots == list(range(first, first + len(self.slots)))
-        self._device: torch.device | None = None
-        self._top = max(self.slots) + 1
-
-    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._device != device:
-            self._slot_index = torch.tensor(self.slots, device=device)
-            starts = torch.tensor(self.starts, device=device)
-            self._positions = starts[:, None] + torch.arange(self.steps, device=device)  # [rows, S]
-            self._device = device
-        return self._slot_index, self._positions
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        """position_ids [rows, S]: row i's new tokens sit at L_i, L_i + 1, ..."""
-        return self._indices(device)[1]
-
-    def mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The additive 4D mask [rows, 1, S, W]: query j of row i sees keys 0 .. L_i + j (its cache and
-        its own earlier new tokens), nothing past them. Additive (0 / dtype's min), the form both
-        transformers' eager and SDPA attention take as a custom mask."""
-        positions = self._indices(device)[1]
-        keys = torch.arange(self.width, device=device)
-        hidden = keys[None, None, :] > positions[:, :, None]  # [rows, S, W]
-        return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, torch.finfo(dtype).min)[
-            :, None
-        ]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = self.pool
-        pool.reserve(layer_idx, key_states, self._top, self.width)
-        keys, values = pool.keys[layer_idx], pool.values[layer_idx]
-        if len(self.slots) == 1:  # a lone row: plain slices, no index tensors
-            slot, start = self.slots[0], self.starts[0]
-            keys[slot, :, start : start + self.steps] = key_states[0]
-            values[slot, :, start : start + self.steps] = value_states[0]
-            return keys[slot : slot + 1, :, : self.width], values[slot : slot + 1, :, : self.width]
-        slots, positions = self._indices(key_states.device)
-        # [rows, 1] x [rows, S] indices around the heads' slice: the stored block is [rows, S, heads, dim].
-        keys[slots[:, None], :, positions] = key_states.transpose(1, 2)
-        values[slots[:, None], :, positions] = value_states.transpose(1, 2)
-        if self._run:
-            lo = self.slots[0]
-            return keys[lo : lo + len(self.slots), :, : self.width], values[lo : lo + len(self.slots), :, : self.width]
-        return keys[slots, :, : self.width], values[slots, :, : self.width]
-
-    # A lone row's pass gives no mask and no positions: the model makes them as for its own cache,
-    # from these (transformers' masking_utils; models.lean reads get_seq_length), as before pools.
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.starts[0]
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.starts[0]
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.starts[0] + query_length, 0
-
-    def commit(self, news: Sequence[int]) -> None:
-        """After the pass: each row's cache holds its real new tokens."""
-        for cache, new in zip(self.caches, news):
-            cache.length += new
-
-
-def forward_rows(model: Any, rows: Sequence[Any]) -> list[Any]:
-    """One forward pass of `model` (an `HFModel`) over two or more `rows` (each a batcher's pass: fed,
-    cache, keep, with_hidden), reading and writing their slots in place; a lone row's pass is
-    `HFModel._forward`'s.
-
-    Returns per row its [keep, V] float32 logits, or (logits, hidden [keep, H]) where asked for.
-    """
-    device, pool = model.device, model.kv_pool
-    ids, news, wanted = padded_inputs(rows, device)
-    with pool.lock:
-        step = PoolPass(pool, [row.cache for row in rows], ids.shape[1])
-        out = model.module(
-            input_ids=ids,
-            attention_mask=step.mask(model.dtype, device),
-            position_ids=step.positions(device),
-            past_key_values=step,
-            use_cache=True,
-            logits_to_keep=torch.tensor(wanted, device=device),
-            output_hidden_states=any(row.with_hidden for row in rows),
-        )
-        step.commit(news)
-    return split_outputs(out, rows, news, wanted)
+KVCache = PagedCache | DynamicCache | EncoderDecoderCache

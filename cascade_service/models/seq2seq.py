@@ -19,7 +19,8 @@ from transformers import AutoModelForSeq2SeqLM, DynamicCache, EncoderDecoderCach
 from cascade_service.core.types import Context
 
 from .hf import MODEL_KINDS, HFModel, HFScorer
-from .kvpool import KVCache, PoolPass
+from .kvpool import KVCache
+from .poolpass import PoolPass
 from .rows import last_rows
 
 
@@ -59,10 +60,10 @@ class Seq2SeqScorer(HFScorer):
     """An `HFScorer` over an encoder-decoder model: the decoder's part of each context is scored as a
     decoder-only model's whole context is, after the encoder ran once on the request's input."""
 
-    def __init__(self, model: HFModel):
+    def __init__(self, model: HFModel, salt: str = ""):
         self._encoder_ids: list[int] | None = None
         self._encoder_out: torch.Tensor | None = None
-        super().__init__(model)
+        super().__init__(model, salt)
         assert model.decoder_start is not None  # HFModel.scorer() makes this scorer for such models
         self.start = model.decoder_start
 
@@ -91,14 +92,14 @@ class Seq2SeqModel(HFModel):
 
     auto = AutoModelForSeq2SeqLM
 
-    def new_cache(self) -> Seq2SeqCache:
+    def new_cache(self, salt: str = "") -> Seq2SeqCache:
         return Seq2SeqCache()
 
     def timing_cache(self, prompt: Sequence[int]) -> Seq2SeqCache:
         return Seq2SeqCache(encode(self, prompt))
 
-    def scorer(self) -> Seq2SeqScorer:
-        return Seq2SeqScorer(self)
+    def scorer(self, salt: str = "") -> Seq2SeqScorer:
+        return Seq2SeqScorer(self)  # no prefix cache: its caches are its own (config: `kv`)
 
     def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         raise ValueError(f"{self.name}: an encoder-decoder model scores a decoder sequence: use scorer()")

@@ -1,0 +1,94 @@
+"""One request's scorer over a loaded model: its KV cache, rolled back by cropping, and its prefix
+reuse (models.kvpool): a fresh cache starts from the longest cached prefix of the committed tokens
+under its salt, and publishes its own full committed blocks as it goes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from cascade_service.core.types import Context
+
+from .kvpool import PagedCache
+
+if TYPE_CHECKING:
+    from .hf import HFModel
+
+
+class HFScorer:
+    """Scorer over one HFModel for one request: keeps a KV cache and rolls it back by cropping.
+
+    `logits` returns float32 rows on the model's device (the caller moves them if it needs to).
+    Not thread-safe: one request, one scorer.
+    With `keep_hidden` set, each `logits` call also leaves the model's final hidden states of the
+    same rows in `last_hidden` ([n, H] float32; SpecDec++'s acceptance head reads them).
+    """
+
+    keep_hidden: bool = False
+    last_hidden: torch.Tensor | None = None
+
+    def __init__(self, model: HFModel, salt: str = ""):
+        self.name = model.name
+        self.tokens_processed = 0
+        self.tokens_cached = 0  # positions the prefix cache gave instead of a pass (models.kvpool)
+        self._model = model
+        self._salt = salt
+        self._cache = model.new_cache(salt)
+        self._tokens: list[int] = []  # the tokens whose keys/values the cache holds, in order
+        # self._tokens[:_trusted] are committed tokens of the request (they were below ctx.stable),
+        # which never change, so the prefix match may skip them.
+        self._trusted = 0
+
+    def logits(self, ctx: Context, n: int) -> torch.Tensor:
+        """[n, V] float32 logits; row j predicts the token after `ctx.tokens[:len(ctx) - n + 1 + j]`."""
+        if not 1 <= n <= len(ctx):
+            raise ValueError(f"n must be in [1, {len(ctx)}] for a context of {len(ctx)} tokens, got {n}")
+        cache = self._cache
+        if cache.get_seq_length() < len(self._tokens):  # the pool preempted the cache: re-read the rest
+            self._rollback(cache.get_seq_length())
+        # Logits are not cached, so the first requested row's input token is re-fed even if cached.
+        start = min(self._common_prefix(ctx.tokens), len(ctx) - n)
+        self._rollback(start)
+        if start == 0 and isinstance(self._cache, PagedCache):
+            # A fresh cache starts from the longest cached prefix of the committed tokens.
+            start = self._model.kv_pool.attach(self._cache, ctx.tokens, min(ctx.stable, len(ctx) - n))
+            self._tokens = ctx.tokens[:start]
+            self._trusted = start
+            self.tokens_cached += start
+        fed = ctx.tokens[start:]
+        with torch.inference_mode():
+            if self.keep_hidden:
+                rows, self.last_hidden = self._model.forward(fed, self._cache, n, with_hidden=True)  # [n, V], [n, H]
+            else:
+                rows = self._model.forward(fed, self._cache, n)  # [n, V]
+        self._tokens.extend(fed)
+        self.tokens_processed += len(fed)
+        self._trusted = min(max(self._trusted, ctx.stable), len(self._tokens))
+        if isinstance(self._cache, PagedCache):
+            self._model.kv_pool.publish(self._cache, self._tokens, self._trusted)
+        return rows
+
+    def reset(self) -> None:
+        """Drop the KV cache (frees its memory); the next call re-prefills. Counters are kept."""
+        self._cache = self._model.new_cache(self._salt)
+        self._tokens = []
+        self._trusted = 0
+
+    def _common_prefix(self, tokens: list[int]) -> int:
+        # Only the pending tail is compared: O(draft length), not O(sequence length).
+        limit = min(len(self._tokens), len(tokens))
+        i = min(self._trusted, limit)
+        while i < limit and self._tokens[i] == tokens[i]:
+            i += 1
+        return i
+
+    def _rollback(self, length: int) -> None:
+        # Cropping the cache is how a rejected draft is undone; the committed prefix stays cached.
+        if length == 0:
+            self.reset()
+            return
+        # Negative crop = tokens to remove: the form both transformers 4.x and 5.x accept.
+        self._cache.crop(length - self._cache.get_seq_length())
+        del self._tokens[length:]
+        self._trusted = min(self._trusted, length)
