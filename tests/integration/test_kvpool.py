@@ -175,13 +175,13 @@ def test_under_its_budget_the_pool_evicts_then_preempts_and_stays_exact(tiny_fam
     # next call re-reads what it lost (from its own published blocks where they are still cached).
     a_tokens, b_tokens = (random_prompts(1, positions * 3 // 4, seed=s)[0] for s in (1, 2))
     a, _ = _score(model, a_tokens)
-    b, _ = _score(model, b_tokens)
+    b_scorer, _ = _score(model, b_tokens)  # held: its blocks are live while a is preempted
     assert pool.counters.preemptions >= 1 and a._cache.get_seq_length() < len(a_tokens)
     more = a_tokens + [7, 8]
     with torch.inference_mode():
         rows = a.logits(Context(more, len(a_tokens)), 2)
     torch.testing.assert_close(rows, model.full_logits(more)[-2:], rtol=1e-4, atol=1e-4)
-    assert pool.capacity <= blocks
+    assert pool.capacity <= blocks and b_scorer.tokens_processed == len(b_tokens)
 
 
 def model_budget_bytes(model: HFModel, blocks: int) -> int:
