@@ -7,6 +7,7 @@ models, or `transport.remote.RemoteTier`s over Ray Serve), sessions from any `Se
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,7 +35,8 @@ from .textstream import TextStream
 
 MAX_PROMPT_TOKENS = 32_768
 
-TierFactory = Callable[[str], "dict[str, Tier]"]  # request id -> {model tier name: its Tier for that request}
+# (request id, prefix-cache salt) -> {model tier name: its Tier for that request}
+TierFactory = Callable[[str, str], "dict[str, Tier]"]
 # API key's owner id ("" without keys) -> {statistical drafter name: its Tier for one request}: the
 # wiring's MaG and suffix decoding that run in this process (runtime.leaves.Leaves).
 LeafFactory = Callable[[str], "dict[str, Tier]"]
@@ -215,7 +217,8 @@ class Coordinator:
             params = self._fit(params, len(record.token_ids))  # before any work
         request_id = uuid.uuid4().hex
         stats = CascadeStats(self.cascade.target.name)
-        tiers = self.tiers(request_id) | (self.leaves(params.owner) if self.leaves is not None else {})
+        salt = cache_salt(params.owner)
+        tiers = self.tiers(request_id, salt) | (self.leaves(params.owner) if self.leaves is not None else {})
         text = TextStream(self.tokenizer.decode, params.stop)
         out: list[int] = []
         new: list[int] = []
@@ -224,7 +227,7 @@ class Coordinator:
         task = CURRENT_CLOCK.get()  # the engine loop task this request runs in (None elsewhere)
         mark = task.mark() if task is not None else None  # a task may run several requests (bench)
         try:
-            for new in self._decode(request_id, tiers, context, params.gen, stats):
+            for new in self._decode(request_id, salt, tiers, context, params.gen, stats):
                 clock.tokens(len(new))
                 if cancelled():
                     raise Cancelled(f"the request was cancelled after {len(out)} tokens")
@@ -267,10 +270,16 @@ class Coordinator:
         return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length)
 
     def _decode(
-        self, request_id: str, tiers: dict[str, Tier], context: list[int], gen: GenerationConfig, stats: CascadeStats
+        self,
+        request_id: str,
+        salt: str,
+        tiers: dict[str, Tier],
+        context: list[int],
+        gen: GenerationConfig,
+        stats: CascadeStats,
     ):
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
-        state.request_id = request_id
+        state.request_id, state.cache_salt = request_id, salt
         if self.policies is not None:
             state.policy = self.policies(state.sampling.greedy)
         missing = [d.name for d in self.cascade.drafters if d.name not in tiers]
@@ -353,3 +362,9 @@ class _Clock:
         if self.metrics is not None:
             times = RequestTimes(0.0, self.first, self.gaps, time.monotonic() - self.start)
             self.metrics.request(stats, prompt_tokens, times, finish)
+
+
+def cache_salt(owner: str) -> str:
+    """The prefix-cache scope of an API key's requests (models.kvpool): a digest of its owner id, so
+    no tier learns the id; "" (one shared space) without keys."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:32] if owner else ""

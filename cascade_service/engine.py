@@ -148,11 +148,12 @@ class Engine:
             if chunk.token_ids:
                 yield chunk.token_ids
 
-    def _tier(self, model: HFModel | RemoteModel, request_id: str) -> Tier:
-        """One request's tier of a model (its own KV cache, here or on its tier server)."""
+    def _tier(self, model: HFModel | RemoteModel, request_id: str, salt: str) -> Tier:
+        """One request's tier of a model (its own KV cache, here or on its tier server; `salt`
+        scopes the prefixes it reuses: a remote tier reads it from each call)."""
         if isinstance(model, RemoteModel):
             return model.tier(request_id)
-        return self._wire(ModelTier(model.scorer(), model.vocab_size, self.make_stopper))
+        return self._wire(ModelTier(model.scorer(salt), model.vocab_size, self.make_stopper))
 
     def _wire(self, tier: Tier) -> Tier:
         return loopback(tier) if self.loopback else tier
@@ -197,7 +198,7 @@ class Engine:
             self.cascade,
             {m.name: m.facts() if isinstance(m, RemoteModel) else TierFacts.of(m) for m in self.tiers()},
             Tokenizer(self.encode, self.decode_text),
-            tiers=lambda request_id: {name: self._tier(m, request_id) for name, m in models.items()},
+            tiers=lambda request_id, salt: {name: self._tier(m, request_id, salt) for name, m in models.items()},
             store=store,
             defaults=defaults or GenerationConfig(),
             leaves=lambda owner: {name: self._wire(tier) for name, tier in leaves(owner).items()},

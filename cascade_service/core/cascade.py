@@ -63,10 +63,21 @@ class RequestState:
     # The target's block policy (core.policy): the K-matrix as configured, or load adaptation.
     policy: BlockPolicy = FIXED
     request_id: str = ""
+    cache_salt: str = ""  # its API key's prefix-cache scope (models.kvpool), sent with every call
 
     def request(self, context: Context, want: int, limit: int) -> DraftRequest:
         """The request's draft request for the target's system."""
-        return DraftRequest(self.request_id, context, want, limit, self.sampling, 0, self.eos_ids, self.adaptive)
+        return DraftRequest(
+            self.request_id,
+            context,
+            want,
+            limit,
+            self.sampling,
+            0,
+            self.eos_ids,
+            self.adaptive,
+            cache_salt=self.cache_salt,
+        )
 
     def seed(self) -> int:
         """A seed for one tier call (0 when greedy: nothing is drawn)."""
@@ -187,6 +198,7 @@ class CascadeTier:
                 st.seed(),
                 st.verification if self.final else EXACT,
                 hidden=self.stopper is not None,
+                cache_salt=request.cache_salt,
             )
         )
         absorb(usage, review.usage)

@@ -48,7 +48,7 @@ class ModelTier:
         usage = Usage()
         counters = usage.tier(self.name)
         stopper = self._stopper(request.adaptive.get(self.name))
-        before = self.scorer.tokens_processed
+        before, cached = self.scorer.tokens_processed, _cached(self.scorer)
         draft = draft_autoregressive(
             self.scorer,
             request.context,
@@ -61,6 +61,7 @@ class ModelTier:
             stopper,
         )
         counters.tokens_processed = self.scorer.tokens_processed - before
+        counters.tokens_cached = _cached(self.scorer) - cached
         counters.tokens_out = len(draft)
         return DraftReply(draft, usage, stopped=stopper is not None and len(draft) < request.want)
 
@@ -70,7 +71,7 @@ class ModelTier:
         if request.hidden:
             self.scorer.keep_hidden = True  # type: ignore[attr-defined]  # HFScorer's option
         rule = final_rule(request.sampling.greedy, request.verification)
-        before = self.scorer.tokens_processed
+        before, cached = self.scorer.tokens_processed, _cached(self.scorer)
         verdict = score_and_review(
             self.scorer,
             request.context,
@@ -82,6 +83,7 @@ class ModelTier:
             counters,
         )
         counters.tokens_processed = self.scorer.tokens_processed - before
+        counters.tokens_cached = _cached(self.scorer) - cached
         hidden = self.scorer.last_hidden if request.hidden else None  # type: ignore[attr-defined]
         return ReviewReply(verdict, usage, hidden)
 
@@ -233,3 +235,8 @@ def local_tiers(
         return StatisticalTier(t, vocab_size) if isinstance(t, MaxGram) else ModelTier(t, vocab_size, make_stopper)
 
     return ModelTier(target, vocab_size, make_stopper), [tier(d) for d in drafters]
+
+
+def _cached(scorer: Scorer) -> int:
+    """Positions a scorer's prefix cache gave it so far (0 for a scorer without one)."""
+    return int(getattr(scorer, "tokens_cached", 0))

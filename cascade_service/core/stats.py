@@ -19,6 +19,7 @@ class TierCounters:
     tokens_out: int = 0  # tokens emitted: drafted as a leaf, or kept + replacement/bonus as a reviewer
     time_s: float = 0.0
     hops: int = 0  # calls that crossed a process boundary (remote tiers: one per block)
+    tokens_cached: int = 0  # positions the tier's prefix cache gave instead of a pass (models.kvpool)
 
 
 @dataclass
@@ -234,6 +235,7 @@ def absorb(into: CascadeStats | Usage, usage: Usage) -> None:
         mine.tokens_out += c.tokens_out
         mine.time_s += c.time_s
         mine.hops += c.hops
+        mine.tokens_cached += c.tokens_cached
     for name, r in usage.reviews.items():
         ours = into.reviewer(name)
         ours.reviews += r.reviews

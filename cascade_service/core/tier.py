@@ -50,6 +50,7 @@ class DraftRequest:
     eos_ids: frozenset[int] = frozenset()
     adaptive: Mapping[str, AdaptiveLength] = field(default_factory=dict)
     min_match: int = 0
+    cache_salt: str = ""  # the prefix cache the request may read and add to (its API key's: models.kvpool)
 
     @property
     def k(self) -> int:
@@ -84,6 +85,7 @@ class ReviewRequest:
     seed: int = 0
     verification: Verification = EXACT
     hidden: bool = False
+    cache_salt: str = ""  # as DraftRequest's
 
 
 @dataclass

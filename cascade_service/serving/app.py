@@ -178,10 +178,12 @@ class CoordinatorDeployment:
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 
-    def _remote_tiers(self, request_id: str) -> dict[str, Tier]:
-        # Colocated: no hop; their passes run in the engine loop with the other requests'.
+    def _remote_tiers(self, request_id: str, salt: str) -> dict[str, Tier]:
+        # Colocated: no hop; their passes run in the engine loop with the other requests'. Remote
+        # tiers read the salt from each call.
         tiers: dict[str, Tier] = {
-            name: ModelTier(model.scorer(), model.vocab_size, self.heads.stopper) for name, model in self.local.items()
+            name: ModelTier(model.scorer(salt), model.vocab_size, self.heads.stopper)
+            for name, model in self.local.items()
         }
         for name, handle in self.handles.items():
             tiers[name] = RemoteTier(name, request_id, invoker(name, handle), system=name in self.systems)

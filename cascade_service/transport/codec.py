@@ -67,6 +67,7 @@ def encode_draft_request(request: DraftRequest, tier: str, offset: int = 0) -> b
         seed=request.seed,
         eos_ids=sorted(request.eos_ids),
         min_match=request.min_match,
+        cache_salt=request.cache_salt,
         adaptive={
             name: pb.Adaptive(rule=a.rule, threshold=a.threshold, head=a.head or "")
             for name, a in request.adaptive.items()
@@ -88,6 +89,7 @@ def decode_draft_request(data: bytes) -> tuple[Address, DraftRequest]:
         frozenset(m.eos_ids),
         adaptive,
         m.min_match,
+        m.cache_salt,
     )
 
 
@@ -129,6 +131,7 @@ def encode_review_request(request: ReviewRequest, tier: str, offset: int = 0) ->
         sampling=_sampling_out(request.sampling),
         seed=request.seed,
         verification=rule,
+        cache_salt=request.cache_salt,
     ).SerializeToString()
 
 
@@ -147,6 +150,7 @@ def decode_review_request(data: bytes) -> tuple[Address, ReviewRequest]:
         _sampling_in(m.sampling),
         m.seed,
         verification,
+        cache_salt=m.cache_salt,
     )
 
 
@@ -266,6 +270,7 @@ def _usage_out(u: Usage) -> pb.Usage:
                 tokens_out=c.tokens_out,
                 time_s=c.time_s,
                 hops=c.hops,
+                tokens_cached=c.tokens_cached,
             )
             for n, c in u.tiers.items()
         },
@@ -294,7 +299,8 @@ def _usage_out(u: Usage) -> pb.Usage:
 def _usage_in(m: pb.Usage) -> Usage:
     return Usage(
         tiers={
-            n: TierCounters(c.calls, c.tokens_processed, c.tokens_out, c.time_s, c.hops) for n, c in m.tiers.items()
+            n: TierCounters(c.calls, c.tokens_processed, c.tokens_out, c.time_s, c.hops, c.tokens_cached)
+            for n, c in m.tiers.items()
         },
         reviews={
             n: ReviewCounters(

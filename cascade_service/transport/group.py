@@ -99,9 +99,10 @@ class TierServer:
                 f"{self.tier.name!r}'s {limit} positions"
             )
 
-    def request_tier(self, request_id: str) -> ModelTier:
-        """This request's tier: its scorer (KV cache), with this replica's acceptance heads."""
-        return ModelTier(self.scorer(request_id), self.model.vocab_size, self._stopper)
+    def request_tier(self, request_id: str, salt: str = "") -> ModelTier:
+        """This request's tier: its scorer (KV cache; a new one starts from its salt's cached
+        prefixes), with this replica's acceptance heads."""
+        return ModelTier(self.scorer(request_id, salt), self.model.vocab_size, self._stopper)
 
     def _stopper(self, spec: AdaptiveLength) -> DraftStopper:
         return self.heads.stopper(spec, self.model.config.hidden_size)
@@ -115,13 +116,13 @@ class TierServer:
         with self._lock:
             return len(self._scorers)
 
-    def scorer(self, request_id: str) -> HFScorer:
+    def scorer(self, request_id: str, salt: str = "") -> HFScorer:
         """This request's scorer (KV cache), made fresh on a miss."""
         with self._lock:
             scorer = self._scorers.pop(request_id, None)
             if scorer is None:
                 self.cache_misses += 1
-                scorer = self.model.scorer()
+                scorer = self.model.scorer(salt)
             self._scorers[request_id] = scorer  # most recently used last
             while len(self._scorers) > self.max_cached:
                 self._scorers.popitem(last=False)
@@ -264,7 +265,7 @@ class TierGroup:
         server.check(request)
         if name in self.systems and isinstance(request, DraftRequest):
             return _System(self, name)
-        return server.request_tier(rid)
+        return server.request_tier(rid, request.cache_salt)
 
     def cached_requests(self) -> int:
         with self._lock:
@@ -297,9 +298,12 @@ class TierGroup:
             adaptive=dict(request.adaptive),
             make_stopper=self.heads.stopper,
             request_id=rid,
+            cache_salt=request.cache_salt,
         )
         tiers: list[Tier] = [
-            StatisticalTier(self._mag(rid), head.vocab_size) if n == MAG else self.servers[n].request_tier(rid)
+            StatisticalTier(self._mag(rid), head.vocab_size)
+            if n == MAG
+            else self.servers[n].request_tier(rid, request.cache_salt)
             for n in sub.tiers
         ]
         system = build_cascade(tiers[0], tiers[1:], schedule, sub.leniency, state, strict_top=False)

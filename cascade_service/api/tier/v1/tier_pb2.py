@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61scade/tier/v1/tier.proto\x12\x0f\x63\x61scade.tier.v1\"I\n\x07\x43ontext\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0e\n\x06stable\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x0e\n\x06prefix\x18\x04 \x01(\x06\"<\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x0c\n\x04rows\x18\x03 \x01(\x08\"3\n\x04Rows\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0c\n\x04\x63ols\x18\x02 \x01(\r\x12\x0f\n\x07\x66loat32\x18\x03 \x01(\x0c\"c\n\x05\x42lock\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x01\x12$\n\x05\x64ists\x18\x03 \x01(\x0b\x32\x15.cascade.tier.v1.Rows\x12\x0f\n\x07origins\x18\x04 \x03(\t\"9\n\x08\x41\x64\x61ptive\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x11\n\tthreshold\x18\x02 \x01(\x01\x12\x0c\n\x04head\x18\x03 \x01(\t\"S\n\tFinalRule\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06_alphaB\x07\n\x05_beta\"\xe2\x02\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12)\n\x07\x63ontext\x18\x03 \x01(\x0b\x32\x18.cascade.tier.v1.Context\x12\x0c\n\x04want\x18\x04 \x01(\r\x12\r\n\x05limit\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.cascade.tier.v1.Sampling\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0f\n\x07\x65os_ids\x18\x08 \x03(\x05\x12=\n\x08\x61\x64\x61ptive\x18\t \x03(\x0b\x32+.cascade.tier.v1.DraftRequest.AdaptiveEntry\x12\x11\n\tmin_match\x18\n \x01(\r\x1aJ\n\rAdaptiveEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.cascade.tier.v1.Adaptive:\x02\x38\x01\"i\n\x0cTierCounters\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x04\x12\x18\n\x10tokens_processed\x18\x02 \x01(\x04\x12\x12\n\ntokens_out\x18\x03 \x01(\x04\x12\x0e\n\x06time_s\x18\x04 \x01(\x01\x12\x0c\n\x04hops\x18\x05 \x01(\x04\"\xc3\x05\n\x0eReviewCounters\x12\x0f\n\x07reviews\x18\x01 \x01(\x04\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x04\x12\x12\n\nrejections\x18\x04 \x01(\x04\x12\x1b\n\x13\x64rafted_by_position\x18\x05 \x03(\x04\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x06 \x03(\x04\x12Q\n\x12\x64rafted_by_drafter\x18\x07 \x03(\x0b\x32\x35.cascade.tier.v1.ReviewCounters.DraftedByDrafterEntry\x12S\n\x13\x61\x63\x63\x65pted_by_drafter\x18\x08 \x03(\x0b\x32\x36.cascade.tier.v1.ReviewCounters.AcceptedByDrafterEntry\x12I\n\x0eran_by_drafter\x18\t \x03(\x0b\x32\x31.cascade.tier.v1.ReviewCounters.RanByDrafterEntry\x12M\n\x10\x65nded_by_drafter\x18\n \x03(\x0b\x32\x33.cascade.tier.v1.ReviewCounters.EndedByDrafterEntry\x12\r\n\x05gated\x18\x0b \x01(\x04\x1a\x37\n\x15\x44raftedByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x38\n\x16\x41\x63\x63\x65ptedByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11RanByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13\x45ndedByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xbe\x02\n\x05Usage\x12\x30\n\x05tiers\x18\x01 \x03(\x0b\x32!.cascade.tier.v1.Usage.TiersEntry\x12\x34\n\x07reviews\x18\x02 \x03(\x0b\x32#.cascade.tier.v1.Usage.ReviewsEntry\x12\x12\n\noff_target\x18\x03 \x01(\x04\x12\n\n\x02tv\x18\x04 \x01(\x01\x12\x0f\n\x07ll_loss\x18\x05 \x01(\x01\x1aK\n\nTiersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.cascade.tier.v1.TierCounters:\x02\x38\x01\x1aO\n\x0cReviewsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12.\n\x05value\x18\x02 \x01(\x0b\x32\x1f.cascade.tier.v1.ReviewCounters:\x02\x38\x01\"{\n\nDraftReply\x12%\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x16.cascade.tier.v1.Block\x12%\n\x05usage\x18\x02 \x01(\x0b\x32\x16.cascade.tier.v1.Usage\x12\x0f\n\x07stopped\x18\x03 \x01(\x08\x12\x0e\n\x06resend\x18\x04 \x01(\x08\"\x82\x02\n\rReviewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12)\n\x07\x63ontext\x18\x03 \x01(\x0b\x32\x18.cascade.tier.v1.Context\x12%\n\x05\x62lock\x18\x04 \x01(\x0b\x32\x16.cascade.tier.v1.Block\x12\x10\n\x08leniency\x18\x05 \x01(\x01\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.cascade.tier.v1.Sampling\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x30\n\x0cverification\x18\x08 \x01(\x0b\x32\x1a.cascade.tier.v1.FinalRule\"\x96\x01\n\x07Verdict\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x13\n\x0btoken_probs\x18\x03 \x03(\x01\x12$\n\x05\x64ists\x18\x04 \x01(\x0b\x32\x15.cascade.tier.v1.Rows\x12\x12\n\noff_target\x18\x05 \x01(\r\x12\n\n\x02tv\x18\x06 \x01(\x01\x12\x0f\n\x07ll_loss\x18\x07 \x01(\x01\"o\n\x0bReviewReply\x12)\n\x07verdict\x18\x01 \x01(\x0b\x32\x18.cascade.tier.v1.Verdict\x12%\n\x05usage\x18\x02 \x01(\x0b\x32\x16.cascade.tier.v1.Usage\x12\x0e\n\x06resend\x18\x03 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0cReleaseReply\x12\x0c\n\x04held\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xd5\x01\n\x08TierInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x04\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_positions\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0e\n\x06system\x18\x07 \x01(\x08\x12\x11\n\tmax_block\x18\x08 \x01(\r\x12\x17\n\x0f\x65ncoder_decoder\x18\t \x01(\x08\x12\x15\n\rdecoder_start\x18\n \x01(\r\"F\n\tInfoReply\x12(\n\x05tiers\x18\x01 \x03(\x0b\x32\x19.cascade.tier.v1.TierInfo\x12\x0f\n\x07version\x18\x02 \x01(\t2\xa0\x02\n\x04Tier\x12\x43\n\x05\x44raft\x12\x1d.cascade.tier.v1.DraftRequest\x1a\x1b.cascade.tier.v1.DraftReply\x12\x46\n\x06Review\x12\x1e.cascade.tier.v1.ReviewRequest\x1a\x1c.cascade.tier.v1.ReviewReply\x12I\n\x07Release\x12\x1f.cascade.tier.v1.ReleaseRequest\x1a\x1d.cascade.tier.v1.ReleaseReply\x12@\n\x04Info\x12\x1c.cascade.tier.v1.InfoRequest\x1a\x1a.cascade.tier.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61scade/tier/v1/tier.proto\x12\x0f\x63\x61scade.tier.v1\"I\n\x07\x43ontext\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0e\n\x06stable\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\r\x12\x0e\n\x06prefix\x18\x04 \x01(\x06\"<\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\x0c\n\x04rows\x18\x03 \x01(\x08\"3\n\x04Rows\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0c\n\x04\x63ols\x18\x02 \x01(\r\x12\x0f\n\x07\x66loat32\x18\x03 \x01(\x0c\"c\n\x05\x42lock\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x02 \x03(\x01\x12$\n\x05\x64ists\x18\x03 \x01(\x0b\x32\x15.cascade.tier.v1.Rows\x12\x0f\n\x07origins\x18\x04 \x03(\t\"9\n\x08\x41\x64\x61ptive\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x11\n\tthreshold\x18\x02 \x01(\x01\x12\x0c\n\x04head\x18\x03 \x01(\t\"S\n\tFinalRule\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06_alphaB\x07\n\x05_beta\"\xf6\x02\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12)\n\x07\x63ontext\x18\x03 \x01(\x0b\x32\x18.cascade.tier.v1.Context\x12\x0c\n\x04want\x18\x04 \x01(\r\x12\r\n\x05limit\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.cascade.tier.v1.Sampling\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0f\n\x07\x65os_ids\x18\x08 \x03(\x05\x12=\n\x08\x61\x64\x61ptive\x18\t \x03(\x0b\x32+.cascade.tier.v1.DraftRequest.AdaptiveEntry\x12\x11\n\tmin_match\x18\n \x01(\r\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x1aJ\n\rAdaptiveEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.cascade.tier.v1.Adaptive:\x02\x38\x01\"\x80\x01\n\x0cTierCounters\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x04\x12\x18\n\x10tokens_processed\x18\x02 \x01(\x04\x12\x12\n\ntokens_out\x18\x03 \x01(\x04\x12\x0e\n\x06time_s\x18\x04 \x01(\x01\x12\x0c\n\x04hops\x18\x05 \x01(\x04\x12\x15\n\rtokens_cached\x18\x06 \x01(\x04\"\xc3\x05\n\x0eReviewCounters\x12\x0f\n\x07reviews\x18\x01 \x01(\x04\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x04\x12\x12\n\nrejections\x18\x04 \x01(\x04\x12\x1b\n\x13\x64rafted_by_position\x18\x05 \x03(\x04\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x06 \x03(\x04\x12Q\n\x12\x64rafted_by_drafter\x18\x07 \x03(\x0b\x32\x35.cascade.tier.v1.ReviewCounters.DraftedByDrafterEntry\x12S\n\x13\x61\x63\x63\x65pted_by_drafter\x18\x08 \x03(\x0b\x32\x36.cascade.tier.v1.ReviewCounters.AcceptedByDrafterEntry\x12I\n\x0eran_by_drafter\x18\t \x03(\x0b\x32\x31.cascade.tier.v1.ReviewCounters.RanByDrafterEntry\x12M\n\x10\x65nded_by_drafter\x18\n \x03(\x0b\x32\x33.cascade.tier.v1.ReviewCounters.EndedByDrafterEntry\x12\r\n\x05gated\x18\x0b \x01(\x04\x1a\x37\n\x15\x44raftedByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x38\n\x16\x41\x63\x63\x65ptedByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11RanByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13\x45ndedByDrafterEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xbe\x02\n\x05Usage\x12\x30\n\x05tiers\x18\x01 \x03(\x0b\x32!.cascade.tier.v1.Usage.TiersEntry\x12\x34\n\x07reviews\x18\x02 \x03(\x0b\x32#.cascade.tier.v1.Usage.ReviewsEntry\x12\x12\n\noff_target\x18\x03 \x01(\x04\x12\n\n\x02tv\x18\x04 \x01(\x01\x12\x0f\n\x07ll_loss\x18\x05 \x01(\x01\x1aK\n\nTiersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.cascade.tier.v1.TierCounters:\x02\x38\x01\x1aO\n\x0cReviewsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12.\n\x05value\x18\x02 \x01(\x0b\x32\x1f.cascade.tier.v1.ReviewCounters:\x02\x38\x01\"{\n\nDraftReply\x12%\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x16.cascade.tier.v1.Block\x12%\n\x05usage\x18\x02 \x01(\x0b\x32\x16.cascade.tier.v1.Usage\x12\x0f\n\x07stopped\x18\x03 \x01(\x08\x12\x0e\n\x06resend\x18\x04 \x01(\x08\"\x96\x02\n\rReviewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12)\n\x07\x63ontext\x18\x03 \x01(\x0b\x32\x18.cascade.tier.v1.Context\x12%\n\x05\x62lock\x18\x04 \x01(\x0b\x32\x16.cascade.tier.v1.Block\x12\x10\n\x08leniency\x18\x05 \x01(\x01\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.cascade.tier.v1.Sampling\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x30\n\x0cverification\x18\x08 \x01(\x0b\x32\x1a.cascade.tier.v1.FinalRule\x12\x12\n\ncache_salt\x18\t \x01(\t\"\x96\x01\n\x07Verdict\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x13\n\x0btoken_probs\x18\x03 \x03(\x01\x12$\n\x05\x64ists\x18\x04 \x01(\x0b\x32\x15.cascade.tier.v1.Rows\x12\x12\n\noff_target\x18\x05 \x01(\r\x12\n\n\x02tv\x18\x06 \x01(\x01\x12\x0f\n\x07ll_loss\x18\x07 \x01(\x01\"o\n\x0bReviewReply\x12)\n\x07verdict\x18\x01 \x01(\x0b\x32\x18.cascade.tier.v1.Verdict\x12%\n\x05usage\x18\x02 \x01(\x0b\x32\x16.cascade.tier.v1.Usage\x12\x0e\n\x06resend\x18\x03 \x01(\x08\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0cReleaseReply\x12\x0c\n\x04held\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xd5\x01\n\x08TierInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0enum_parameters\x18\x03 \x01(\x04\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_positions\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0e\n\x06system\x18\x07 \x01(\x08\x12\x11\n\tmax_block\x18\x08 \x01(\r\x12\x17\n\x0f\x65ncoder_decoder\x18\t \x01(\x08\x12\x15\n\rdecoder_start\x18\n \x01(\r\"F\n\tInfoReply\x12(\n\x05tiers\x18\x01 \x03(\x0b\x32\x19.cascade.tier.v1.TierInfo\x12\x0f\n\x07version\x18\x02 \x01(\t2\xa0\x02\n\x04Tier\x12\x43\n\x05\x44raft\x12\x1d.cascade.tier.v1.DraftRequest\x1a\x1b.cascade.tier.v1.DraftReply\x12\x46\n\x06Review\x12\x1e.cascade.tier.v1.ReviewRequest\x1a\x1c.cascade.tier.v1.ReviewReply\x12I\n\x07Release\x12\x1f.cascade.tier.v1.ReleaseRequest\x1a\x1d.cascade.tier.v1.ReleaseReply\x12@\n\x04Info\x12\x1c.cascade.tier.v1.InfoRequest\x1a\x1a.cascade.tier.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -58,45 +58,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINALRULE']._serialized_start=397
   _globals['_FINALRULE']._serialized_end=480
   _globals['_DRAFTREQUEST']._serialized_start=483
-  _globals['_DRAFTREQUEST']._serialized_end=837
-  _globals['_DRAFTREQUEST_ADAPTIVEENTRY']._serialized_start=763
-  _globals['_DRAFTREQUEST_ADAPTIVEENTRY']._serialized_end=837
-  _globals['_TIERCOUNTERS']._serialized_start=839
-  _globals['_TIERCOUNTERS']._serialized_end=944
-  _globals['_REVIEWCOUNTERS']._serialized_start=947
-  _globals['_REVIEWCOUNTERS']._serialized_end=1654
-  _globals['_REVIEWCOUNTERS_DRAFTEDBYDRAFTERENTRY']._serialized_start=1433
-  _globals['_REVIEWCOUNTERS_DRAFTEDBYDRAFTERENTRY']._serialized_end=1488
-  _globals['_REVIEWCOUNTERS_ACCEPTEDBYDRAFTERENTRY']._serialized_start=1490
-  _globals['_REVIEWCOUNTERS_ACCEPTEDBYDRAFTERENTRY']._serialized_end=1546
-  _globals['_REVIEWCOUNTERS_RANBYDRAFTERENTRY']._serialized_start=1548
-  _globals['_REVIEWCOUNTERS_RANBYDRAFTERENTRY']._serialized_end=1599
-  _globals['_REVIEWCOUNTERS_ENDEDBYDRAFTERENTRY']._serialized_start=1601
-  _globals['_REVIEWCOUNTERS_ENDEDBYDRAFTERENTRY']._serialized_end=1654
-  _globals['_USAGE']._serialized_start=1657
-  _globals['_USAGE']._serialized_end=1975
-  _globals['_USAGE_TIERSENTRY']._serialized_start=1819
-  _globals['_USAGE_TIERSENTRY']._serialized_end=1894
-  _globals['_USAGE_REVIEWSENTRY']._serialized_start=1896
-  _globals['_USAGE_REVIEWSENTRY']._serialized_end=1975
-  _globals['_DRAFTREPLY']._serialized_start=1977
-  _globals['_DRAFTREPLY']._serialized_end=2100
-  _globals['_REVIEWREQUEST']._serialized_start=2103
-  _globals['_REVIEWREQUEST']._serialized_end=2361
-  _globals['_VERDICT']._serialized_start=2364
-  _globals['_VERDICT']._serialized_end=2514
-  _globals['_REVIEWREPLY']._serialized_start=2516
-  _globals['_REVIEWREPLY']._serialized_end=2627
-  _globals['_RELEASEREQUEST']._serialized_start=2629
-  _globals['_RELEASEREQUEST']._serialized_end=2665
-  _globals['_RELEASEREPLY']._serialized_start=2667
-  _globals['_RELEASEREPLY']._serialized_end=2695
-  _globals['_INFOREQUEST']._serialized_start=2697
-  _globals['_INFOREQUEST']._serialized_end=2710
-  _globals['_TIERINFO']._serialized_start=2713
-  _globals['_TIERINFO']._serialized_end=2926
-  _globals['_INFOREPLY']._serialized_start=2928
-  _globals['_INFOREPLY']._serialized_end=2998
-  _globals['_TIER']._serialized_start=3001
-  _globals['_TIER']._serialized_end=3289
+  _globals['_DRAFTREQUEST']._serialized_end=857
+  _globals['_DRAFTREQUEST_ADAPTIVEENTRY']._serialized_start=783
+  _globals['_DRAFTREQUEST_ADAPTIVEENTRY']._serialized_end=857
+  _globals['_TIERCOUNTERS']._serialized_start=860
+  _globals['_TIERCOUNTERS']._serialized_end=988
+  _globals['_REVIEWCOUNTERS']._serialized_start=991
+  _globals['_REVIEWCOUNTERS']._serialized_end=1698
+  _globals['_REVIEWCOUNTERS_DRAFTEDBYDRAFTERENTRY']._serialized_start=1477
+  _globals['_REVIEWCOUNTERS_DRAFTEDBYDRAFTERENTRY']._serialized_end=1532
+  _globals['_REVIEWCOUNTERS_ACCEPTEDBYDRAFTERENTRY']._serialized_start=1534
+  _globals['_REVIEWCOUNTERS_ACCEPTEDBYDRAFTERENTRY']._serialized_end=1590
+  _globals['_REVIEWCOUNTERS_RANBYDRAFTERENTRY']._serialized_start=1592
+  _globals['_REVIEWCOUNTERS_RANBYDRAFTERENTRY']._serialized_end=1643
+  _globals['_REVIEWCOUNTERS_ENDEDBYDRAFTERENTRY']._serialized_start=1645
+  _globals['_REVIEWCOUNTERS_ENDEDBYDRAFTERENTRY']._serialized_end=1698
+  _globals['_USAGE']._serialized_start=1701
+  _globals['_USAGE']._serialized_end=2019
+  _globals['_USAGE_TIERSENTRY']._serialized_start=1863
+  _globals['_USAGE_TIERSENTRY']._serialized_end=1938
+  _globals['_USAGE_REVIEWSENTRY']._serialized_start=1940
+  _globals['_USAGE_REVIEWSENTRY']._serialized_end=2019
+  _globals['_DRAFTREPLY']._serialized_start=2021
+  _globals['_DRAFTREPLY']._serialized_end=2144
+  _globals['_REVIEWREQUEST']._serialized_start=2147
+  _globals['_REVIEWREQUEST']._serialized_end=2425
+  _globals['_VERDICT']._serialized_start=2428
+  _globals['_VERDICT']._serialized_end=2578
+  _globals['_REVIEWREPLY']._serialized_start=2580
+  _globals['_REVIEWREPLY']._serialized_end=2691
+  _globals['_RELEASEREQUEST']._serialized_start=2693
+  _globals['_RELEASEREQUEST']._serialized_end=2729
+  _globals['_RELEASEREPLY']._serialized_start=2731
+  _globals['_RELEASEREPLY']._serialized_end=2759
+  _globals['_INFOREQUEST']._serialized_start=2761
+  _globals['_INFOREQUEST']._serialized_end=2774
+  _globals['_TIERINFO']._serialized_start=2777
+  _globals['_TIERINFO']._serialized_end=2990
+  _globals['_INFOREPLY']._serialized_start=2992
+  _globals['_INFOREPLY']._serialized_end=3062
+  _globals['_TIER']._serialized_start=3065
+  _globals['_TIER']._serialized_end=3353
 # @@protoc_insertion_point(module_scope)

@@ -71,7 +71,7 @@ class FinalRule(_message.Message):
     def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "context", "want", "limit", "sampling", "seed", "eos_ids", "adaptive", "min_match")
+    __slots__ = ("request_id", "tier", "context", "want", "limit", "sampling", "seed", "eos_ids", "adaptive", "min_match", "cache_salt")
     class AdaptiveEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class DraftRequest(_message.Message):
     EOS_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     context: Context
@@ -99,21 +100,24 @@ class DraftRequest(_message.Message):
     eos_ids: _containers.RepeatedScalarFieldContainer[int]
     adaptive: _containers.MessageMap[str, Adaptive]
     min_match: int
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., want: _Optional[int] = ..., limit: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., adaptive: _Optional[_Mapping[str, Adaptive]] = ..., min_match: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., want: _Optional[int] = ..., limit: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., adaptive: _Optional[_Mapping[str, Adaptive]] = ..., min_match: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TierCounters(_message.Message):
-    __slots__ = ("calls", "tokens_processed", "tokens_out", "time_s", "hops")
+    __slots__ = ("calls", "tokens_processed", "tokens_out", "time_s", "hops", "tokens_cached")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_OUT_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
     calls: int
     tokens_processed: int
     tokens_out: int
     time_s: float
     hops: int
-    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_out: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ...) -> None: ...
+    tokens_cached: int
+    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., tokens_out: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ..., tokens_cached: _Optional[int] = ...) -> None: ...
 
 class ReviewCounters(_message.Message):
     __slots__ = ("reviews", "drafted", "accepted", "rejections", "drafted_by_position", "accepted_by_position", "drafted_by_drafter", "accepted_by_drafter", "ran_by_drafter", "ended_by_drafter", "gated")
@@ -210,7 +214,7 @@ class DraftReply(_message.Message):
     def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stopped: _Optional[bool] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class ReviewRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification")
+    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +223,7 @@ class ReviewRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     context: Context
@@ -227,7 +232,8 @@ class ReviewRequest(_message.Message):
     sampling: Sampling
     seed: int
     verification: FinalRule
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("accepted", "token", "token_probs", "dists", "off_target", "tv", "ll_loss")
