@@ -133,8 +133,8 @@ class Metrics:
         def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Family:
             return add(Counter(PREFIX + name, doc, labels, registry=r), "counter", name, doc, labels, ())
 
-        def gauge(name: str, doc: str) -> Family:
-            return add(Gauge(PREFIX + name, doc, registry=r), "gauge", name, doc, (), ())
+        def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Family:
+            return add(Gauge(PREFIX + name, doc, labels, registry=r), "gauge", name, doc, labels, ())
 
         def histogram(
             name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS
@@ -183,6 +183,16 @@ class Metrics:
         self.lossy_deviation = counter(
             "lossy_deviation", "Summed expected total-variation distance from the target", ["rule"]
         )
+        # Each model tier's paged KV pool (models.kvpool), in tokens as vLLM counts its prefix cache.
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in a tier's prefix cache", ["tier"]
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Of them, tokens found cached", ["tier"])
+        self.kv_evictions = counter("kv_block_evictions", "Cached KV blocks given to other requests", ["tier"])
+        self.kv_preemptions = counter("kv_preemptions", "Requests' KV caches emptied to make room", ["tier"])
+        self.kv_blocks_used = gauge("kv_blocks_used", "KV blocks requests hold", ["tier"])
+        self.kv_blocks_cached = gauge("kv_blocks_cached", "KV blocks nobody holds, kept for their prefix", ["tier"])
+        self.kv_blocks_free = gauge("kv_blocks_free", "KV blocks free or not yet allocated, under the budget", ["tier"])
         self.session_store_errors = counter("session_store_errors", "Session store calls that failed")
         self.rejected = counter("requests_rejected", "Requests refused or failed, by status", ["code"])
         self._lock = threading.Lock()
@@ -242,6 +252,16 @@ class Metrics:
         self.tier_batch_size.labels(tier).observe(rows)
         self.tier_pass_seconds.labels(tier).observe(seconds)
 
+    def kv_event(self, tier: str, event: str, amount: int) -> None:
+        """A KV pool's event (models.kvpool.KVPool.report): a lookup's queries and hits, evictions,
+        preemptions."""
+        KV_EVENTS[event](self).labels(tier).inc(amount)
+
+    def kv_blocks(self, tier: str, used: int, cached: int, free: int) -> None:
+        self.kv_blocks_used.labels(tier).set(used)
+        self.kv_blocks_cached.labels(tier).set(cached)
+        self.kv_blocks_free.labels(tier).set(free)
+
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes (content type `CONTENT_TYPE`)."""
         return generate_latest(self.registry)
@@ -259,6 +279,15 @@ class Metrics:
                 else ("",)
             )
         }
+
+
+# A KV pool's event name -> its counter (one registry: models.kvpool reports these names).
+KV_EVENTS: dict[str, Callable[[Metrics], Family]] = {
+    "queries": lambda m: m.prefix_cache_queries,
+    "hits": lambda m: m.prefix_cache_hits,
+    "evictions": lambda m: m.kv_evictions,
+    "preemptions": lambda m: m.kv_preemptions,
+}
 
 
 def merge_expositions(texts: Iterable[str]) -> bytes:

@@ -234,7 +234,7 @@ class _Api:
             "created": int(time.time()),
             "model": self.model,
             "choices": [choice],
-            "usage": usage(prompt_tokens, len(reply.token_ids)),
+            "usage": usage(prompt_tokens, len(reply.token_ids), reply.stats.cached_prompt_tokens),
             "cascade": plain(reply.stats),
         }
 
@@ -246,6 +246,7 @@ class _Api:
         ident, created = completion_id(chat), int(time.time())
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
+        cached = [0]  # the target's cached prompt tokens, from the last chunk's stats
         opened = frontend.open_call(auth_metadata(request))
         owner = opened.__enter__()
         admitted = frontend.admitted(call)
@@ -259,7 +260,7 @@ class _Api:
 
         def event(chunk: pb.GenerateChunk | None, first: bool, generated: int) -> bytes:
             if chunk is None:  # the usage chunk
-                data: dict[str, Any] = {"choices": [], "usage": usage(prompt_tokens, generated)}
+                data: dict[str, Any] = {"choices": [], "usage": usage(prompt_tokens, generated, cached[0])}
             else:
                 finish = FINISH.get(chunk.finish_reason, chunk.finish_reason) or None
                 if chat:
@@ -270,6 +271,8 @@ class _Api:
                 # The chunk's token count rides in `cascade` (with the stats on the last chunk): clients
                 # that time tokens (bench --load --protocols) need it, and OpenAI clients ignore it.
                 stats = plain(chunk.stats) if chunk.HasField("stats") else {}
+                if chunk.HasField("stats"):
+                    cached[0] = chunk.stats.cached_prompt_tokens
                 data = {"choices": [choice], "cascade": {"tokens": len(chunk.token_ids)} | stats}
             head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
             return b"data: " + json.dumps(head | {"model": self.model} | data).encode() + b"\n\n"

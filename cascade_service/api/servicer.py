@@ -180,6 +180,7 @@ class CascadeServicer:
         return pb.GenerateStats(
             generated_tokens=stats.generated,
             target_calls=stats.target_calls,
+            cached_prompt_tokens=stats.tier(stats.target).tokens_cached if stats.target in stats.tiers else 0,
             tiers={
                 name: pb.TierStats(
                     calls=t["calls"], drafted=t["drafted"], accepted=t["accepted"], **_tier_costs(stats.tiers.get(name))
@@ -220,7 +221,14 @@ def _row(row: dict) -> pb.RowStats:
 
 
 def _tier_costs(c: TierCounters | None) -> dict[str, Any]:
-    return {} if c is None else {"tokens_processed": c.tokens_processed, "time_s": c.time_s, "hops": c.hops}
+    if c is None:
+        return {}
+    return {
+        "tokens_processed": c.tokens_processed,
+        "time_s": c.time_s,
+        "hops": c.hops,
+        "tokens_cached": c.tokens_cached,
+    }
 
 
 def _verification(request: pb.GenerateRequest) -> Verification | None:

@@ -17,7 +17,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from ..metrics import default_metrics
+from ..metrics import Metrics, default_metrics
 from .batching import Pass, default_prefill_chunk, forward_batch
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
@@ -157,6 +157,8 @@ class HFModel:
         # read in place ("pool"), or a DynamicCache each, packed per batched pass ("dynamic").
         self.kv = kv
         self.kv_pool = kv_pool(module.config, self.dtype, self.device, kv_budget_mb, name)
+        metrics = default_metrics()
+        self.kv_pool.report = lambda event, amount: metrics.kv_event(name, event, amount)
         head = module.get_output_embeddings()
         self.vocab_size: int = head.weight.shape[0] if head is not None else module.config.vocab_size
         self.num_parameters: int = sum(p.numel() for p in module.parameters())
@@ -185,11 +187,17 @@ class HFModel:
         if self.batcher is None:
             self.batcher = (loop or EngineLoop.shared()).batcher(self, max_batch, chunk)
             metrics = default_metrics()
-            self.batcher.on_pass = lambda rows, seconds: metrics.forward_pass(self.name, rows, seconds)
+            self.batcher.on_pass = lambda rows, seconds: self._on_pass(metrics, rows, seconds)
         elif loop is not None and loop is not self.batcher.loop:
             raise ValueError(f"{self.name}: its passes already run in the engine loop {self.batcher.loop.name}")
         else:  # settings for the same loop (a test, a benchmark's variant): the last ones win
             self.batcher.max_batch, self.batcher.prefill_chunk = max_batch, chunk
+
+    def _on_pass(self, metrics: Metrics, rows: int, seconds: float) -> None:
+        metrics.forward_pass(self.name, rows, seconds)
+        if self.prefix_caching:
+            pool = self.kv_pool
+            metrics.kv_blocks(self.name, pool.held, len(pool.cached), pool.free_blocks())
 
     @property
     def encoder_decoder(self) -> bool:

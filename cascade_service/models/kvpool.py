@@ -29,7 +29,7 @@ import itertools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +107,9 @@ class KVPool:
         self.cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest first
         self.live: weakref.WeakSet[PagedCache] = weakref.WeakSet()
         self.counters = PoolCounters()
+        self.held = 0  # blocks some request holds (NULL not counted)
+        # Where events go besides `counters` (models.hf sets the process's metrics: metrics.KV_EVENTS).
+        self.report: Callable[[str, int], None] = _ignore
         self.clock = itertools.count(1)
 
     # --- what it holds ------------------------------------------------------------------------------
@@ -122,7 +125,7 @@ class KVPool:
 
     def used_blocks(self) -> int:
         """Blocks some request holds."""
-        return sum(1 for r in self.refs[1:] if r > 0)
+        return self.held
 
     def free_blocks(self) -> int:
         """Blocks a request could take without evicting or preempting (free, and not yet grown)."""
@@ -144,6 +147,7 @@ class KVPool:
                     block, _ = self.cached.popitem(last=False)
                     del self.index[self.hash_of.pop(block)]
                     self.counters.evictions += 1
+                    self.report("evictions", 1)
                 elif not self._preempt(busy):
                     raise KVBudgetExceeded(
                         f"the KV budget of {self.max_blocks} blocks of {BLOCK} positions is held by the "
@@ -152,6 +156,7 @@ class KVPool:
                 else:
                     continue
                 self.refs[block] = 1
+                self.held += 1
                 return block
 
     def _preempt(self, busy: Sequence[PagedCache]) -> bool:
@@ -162,11 +167,13 @@ class KVPool:
         victim = min(victims, key=lambda c: c.used)
         self.truncate(victim, 0)
         self.counters.preemptions += 1
+        self.report("preemptions", 1)
         return True
 
     def _release(self, block: int) -> None:
         self.refs[block] -= 1
         if self.refs[block] == 0:
+            self.held -= 1
             if block in self.hash_of:
                 self.cached[block] = None  # stays findable until evicted
             else:
@@ -247,6 +254,7 @@ class KVPool:
                     break
                 if self.refs[block] == 0:
                     del self.cached[block]
+                    self.held += 1
                 self.refs[block] += 1
                 cache.table.append(block)
                 cache.chain.append(digest)
@@ -254,6 +262,8 @@ class KVPool:
             cache.length = len(cache.table) * BLOCK
             self.counters.queries += limit
             self.counters.hits += cache.length
+            self.report("queries", limit)
+            self.report("hits", cache.length)
             return cache.length
 
     def publish(self, cache: PagedCache, tokens: Sequence[int], stable: int) -> None:
@@ -293,3 +303,7 @@ STORAGES = {
 # A request's KV cache as the scorer and the batcher hold it: a pool's, or its own (`kv: dynamic`),
 # or an encoder-decoder model's (models.seq2seq.Seq2SeqCache).
 KVCache = PagedCache | DynamicCache | EncoderDecoderCache
+
+
+def _ignore(event: str, amount: int) -> None:
+    pass

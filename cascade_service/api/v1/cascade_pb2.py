@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63\x61scade/v1/cascade.proto\x12\ncascade.v1\"i\n\x0cVerification\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\ttune_beta\x18\x04 \x01(\x08\x42\x08\n\x06_alphaB\x07\n\x05_beta\"\xd1\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12.\n\x0cverification\x18\t \x01(\x0b\x32\x18.cascade.v1.Verification\x12\x1b\n\x0estop_threshold\x18\n \x01(\x02H\x04\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_stop_threshold\"u\n\tTierStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x03\x12\x18\n\x10tokens_processed\x18\x02 \x01(\x03\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x12\x0c\n\x04hops\x18\x04 \x01(\x03\x12\x0f\n\x07\x64rafted\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x03\"\x8e\x05\n\rGenerateStats\x12\x18\n\x10generated_tokens\x18\x01 \x01(\x03\x12\x14\n\x0ctarget_calls\x18\x02 \x01(\x03\x12\x33\n\x05tiers\x18\x03 \x03(\x0b\x32$.cascade.v1.GenerateStats.TiersEntry\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x04 \x03(\x03\x12\x1b\n\x13\x64rafted_by_position\x18\x05 \x03(\x03\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x0e\n\x06wall_s\x18\x07 \x01(\x01\x12\x12\n\nswi_params\x18\x08 \x01(\x01\x12\x14\n\x0cverification\x18\t \x01(\t\x12\x19\n\x11off_target_tokens\x18\n \x01(\x03\x12\x14\n\x0ctv_deviation\x18\x0b \x01(\x01\x12\x13\n\x0bloglik_loss\x18\x0c \x01(\x01\x12\x31\n\x04rows\x18\r \x03(\x0b\x32#.cascade.v1.GenerateStats.RowsEntry\x12\x34\n\x06pass_s\x18\x0e \x03(\x0b\x32$.cascade.v1.GenerateStats.PassSEntry\x12\x0e\n\x06loop_s\x18\x0f \x01(\x01\x12\x10\n\x08waited_s\x18\x10 \x01(\x01\x1a\x43\n\nTiersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.cascade.v1.TierStats:\x02\x38\x01\x1a\x41\n\tRowsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.cascade.v1.RowStats:\x02\x38\x01\x1a,\n\nPassSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"J\n\nEntryStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05\x65nded\x18\x02 \x01(\x03\x12\r\n\x05share\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\"\xa5\x01\n\x08RowStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05gated\x18\x02 \x01(\x03\x12\x32\n\x07\x65ntries\x18\x03 \x03(\x0b\x32!.cascade.v1.RowStats.EntriesEntry\x1a\x46\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.cascade.v1.EntryStats:\x02\x38\x01\"\xa0\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.cascade.v1.GenerateStats\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x16\n\x0esession_length\x18\x06 \x01(\x03\"\x89\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.cascade.v1.GenerateStats\x12\x16\n\x0esession_length\x18\x05 \x01(\x03\"T\n\x14\x43reateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\"O\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\x83\x03\n\x0e\x43\x61scadeService\x12\x45\n\x08Generate\x12\x1b.cascade.v1.GenerateRequest\x1a\x1c.cascade.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.cascade.v1.GenerateRequest\x1a\x19.cascade.v1.GenerateChunk0\x01\x12\x46\n\rCreateSession\x12 .cascade.v1.CreateSessionRequest\x1a\x13.cascade.v1.Session\x12@\n\nGetSession\x12\x1d.cascade.v1.GetSessionRequest\x1a\x13.cascade.v1.Session\x12T\n\rDeleteSession\x12 .cascade.v1.DeleteSessionRequest\x1a!.cascade.v1.DeleteSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63\x61scade/v1/cascade.proto\x12\ncascade.v1\"i\n\x0cVerification\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\ttune_beta\x18\x04 \x01(\x08\x42\x08\n\x06_alphaB\x07\n\x05_beta\"\xd1\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12.\n\x0cverification\x18\t \x01(\x0b\x32\x18.cascade.v1.Verification\x12\x1b\n\x0estop_threshold\x18\n \x01(\x02H\x04\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_stop_threshold\"\x8c\x01\n\tTierStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x03\x12\x18\n\x10tokens_processed\x18\x02 \x01(\x03\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x12\x0c\n\x04hops\x18\x04 \x01(\x03\x12\x0f\n\x07\x64rafted\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x03\x12\x15\n\rtokens_cached\x18\x07 \x01(\x03\"\xac\x05\n\rGenerateStats\x12\x18\n\x10generated_tokens\x18\x01 \x01(\x03\x12\x14\n\x0ctarget_calls\x18\x02 \x01(\x03\x12\x33\n\x05tiers\x18\x03 \x03(\x0b\x32$.cascade.v1.GenerateStats.TiersEntry\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x04 \x03(\x03\x12\x1b\n\x13\x64rafted_by_position\x18\x05 \x03(\x03\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x0e\n\x06wall_s\x18\x07 \x01(\x01\x12\x12\n\nswi_params\x18\x08 \x01(\x01\x12\x14\n\x0cverification\x18\t \x01(\t\x12\x19\n\x11off_target_tokens\x18\n \x01(\x03\x12\x14\n\x0ctv_deviation\x18\x0b \x01(\x01\x12\x13\n\x0bloglik_loss\x18\x0c \x01(\x01\x12\x31\n\x04rows\x18\r \x03(\x0b\x32#.cascade.v1.GenerateStats.RowsEntry\x12\x34\n\x06pass_s\x18\x0e \x03(\x0b\x32$.cascade.v1.GenerateStats.PassSEntry\x12\x0e\n\x06loop_s\x18\x0f \x01(\x01\x12\x10\n\x08waited_s\x18\x10 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x11 \x01(\x03\x1a\x43\n\nTiersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.cascade.v1.TierStats:\x02\x38\x01\x1a\x41\n\tRowsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.cascade.v1.RowStats:\x02\x38\x01\x1a,\n\nPassSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"J\n\nEntryStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05\x65nded\x18\x02 \x01(\x03\x12\r\n\x05share\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\"\xa5\x01\n\x08RowStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05gated\x18\x02 \x01(\x03\x12\x32\n\x07\x65ntries\x18\x03 \x03(\x0b\x32!.cascade.v1.RowStats.EntriesEntry\x1a\x46\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.cascade.v1.EntryStats:\x02\x38\x01\"\xa0\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.cascade.v1.GenerateStats\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x16\n\x0esession_length\x18\x06 \x01(\x03\"\x89\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.cascade.v1.GenerateStats\x12\x16\n\x0esession_length\x18\x05 \x01(\x03\"T\n\x14\x43reateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\"O\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\x83\x03\n\x0e\x43\x61scadeService\x12\x45\n\x08Generate\x12\x1b.cascade.v1.GenerateRequest\x1a\x1c.cascade.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.cascade.v1.GenerateRequest\x1a\x19.cascade.v1.GenerateChunk0\x01\x12\x46\n\rCreateSession\x12 .cascade.v1.CreateSessionRequest\x1a\x13.cascade.v1.Session\x12@\n\nGetSession\x12\x1d.cascade.v1.GetSessionRequest\x1a\x13.cascade.v1.Session\x12T\n\rDeleteSession\x12 .cascade.v1.DeleteSessionRequest\x1a!.cascade.v1.DeleteSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,36 +43,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFICATION']._serialized_end=145
   _globals['_GENERATEREQUEST']._serialized_start=148
   _globals['_GENERATEREQUEST']._serialized_end=485
-  _globals['_TIERSTATS']._serialized_start=487
-  _globals['_TIERSTATS']._serialized_end=604
-  _globals['_GENERATESTATS']._serialized_start=607
-  _globals['_GENERATESTATS']._serialized_end=1261
-  _globals['_GENERATESTATS_TIERSENTRY']._serialized_start=1081
-  _globals['_GENERATESTATS_TIERSENTRY']._serialized_end=1148
-  _globals['_GENERATESTATS_ROWSENTRY']._serialized_start=1150
-  _globals['_GENERATESTATS_ROWSENTRY']._serialized_end=1215
-  _globals['_GENERATESTATS_PASSSENTRY']._serialized_start=1217
-  _globals['_GENERATESTATS_PASSSENTRY']._serialized_end=1261
-  _globals['_ENTRYSTATS']._serialized_start=1263
-  _globals['_ENTRYSTATS']._serialized_end=1337
-  _globals['_ROWSTATS']._serialized_start=1340
-  _globals['_ROWSTATS']._serialized_end=1505
-  _globals['_ROWSTATS_ENTRIESENTRY']._serialized_start=1435
-  _globals['_ROWSTATS_ENTRIESENTRY']._serialized_end=1505
-  _globals['_GENERATERESPONSE']._serialized_start=1508
-  _globals['_GENERATERESPONSE']._serialized_end=1668
-  _globals['_GENERATECHUNK']._serialized_start=1671
-  _globals['_GENERATECHUNK']._serialized_end=1808
-  _globals['_CREATESESSIONREQUEST']._serialized_start=1810
-  _globals['_CREATESESSIONREQUEST']._serialized_end=1894
-  _globals['_SESSION']._serialized_start=1896
-  _globals['_SESSION']._serialized_end=1975
-  _globals['_GETSESSIONREQUEST']._serialized_start=1977
-  _globals['_GETSESSIONREQUEST']._serialized_end=2016
-  _globals['_DELETESESSIONREQUEST']._serialized_start=2018
-  _globals['_DELETESESSIONREQUEST']._serialized_end=2060
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=2062
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=2102
-  _globals['_CASCADESERVICE']._serialized_start=2105
-  _globals['_CASCADESERVICE']._serialized_end=2492
+  _globals['_TIERSTATS']._serialized_start=488
+  _globals['_TIERSTATS']._serialized_end=628
+  _globals['_GENERATESTATS']._serialized_start=631
+  _globals['_GENERATESTATS']._serialized_end=1315
+  _globals['_GENERATESTATS_TIERSENTRY']._serialized_start=1135
+  _globals['_GENERATESTATS_TIERSENTRY']._serialized_end=1202
+  _globals['_GENERATESTATS_ROWSENTRY']._serialized_start=1204
+  _globals['_GENERATESTATS_ROWSENTRY']._serialized_end=1269
+  _globals['_GENERATESTATS_PASSSENTRY']._serialized_start=1271
+  _globals['_GENERATESTATS_PASSSENTRY']._serialized_end=1315
+  _globals['_ENTRYSTATS']._serialized_start=1317
+  _globals['_ENTRYSTATS']._serialized_end=1391
+  _globals['_ROWSTATS']._serialized_start=1394
+  _globals['_ROWSTATS']._serialized_end=1559
+  _globals['_ROWSTATS_ENTRIESENTRY']._serialized_start=1489
+  _globals['_ROWSTATS_ENTRIESENTRY']._serialized_end=1559
+  _globals['_GENERATERESPONSE']._serialized_start=1562
+  _globals['_GENERATERESPONSE']._serialized_end=1722
+  _globals['_GENERATECHUNK']._serialized_start=1725
+  _globals['_GENERATECHUNK']._serialized_end=1862
+  _globals['_CREATESESSIONREQUEST']._serialized_start=1864
+  _globals['_CREATESESSIONREQUEST']._serialized_end=1948
+  _globals['_SESSION']._serialized_start=1950
+  _globals['_SESSION']._serialized_end=2029
+  _globals['_GETSESSIONREQUEST']._serialized_start=2031
+  _globals['_GETSESSIONREQUEST']._serialized_end=2070
+  _globals['_DELETESESSIONREQUEST']._serialized_start=2072
+  _globals['_DELETESESSIONREQUEST']._serialized_end=2114
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=2116
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=2156
+  _globals['_CASCADESERVICE']._serialized_start=2159
+  _globals['_CASCADESERVICE']._serialized_end=2546
 # @@protoc_insertion_point(module_scope)

@@ -43,23 +43,25 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., stop_threshold: _Optional[float] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("calls", "tokens_processed", "time_s", "hops", "drafted", "accepted")
+    __slots__ = ("calls", "tokens_processed", "time_s", "hops", "drafted", "accepted", "tokens_cached")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
     calls: int
     tokens_processed: int
     time_s: float
     hops: int
     drafted: int
     accepted: int
-    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
+    tokens_cached: int
+    def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens_cached: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss", "rows", "pass_s", "loop_s", "waited_s")
+    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss", "rows", "pass_s", "loop_s", "waited_s", "cached_prompt_tokens")
     class TiersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,7 @@ class GenerateStats(_message.Message):
     PASS_S_FIELD_NUMBER: _ClassVar[int]
     LOOP_S_FIELD_NUMBER: _ClassVar[int]
     WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     target_calls: int
     tiers: _containers.MessageMap[str, TierStats]
@@ -113,7 +116,8 @@ class GenerateStats(_message.Message):
     pass_s: _containers.ScalarMap[str, float]
     loop_s: float
     waited_s: float
-    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ..., rows: _Optional[_Mapping[str, RowStats]] = ..., pass_s: _Optional[_Mapping[str, float]] = ..., loop_s: _Optional[float] = ..., waited_s: _Optional[float] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ..., rows: _Optional[_Mapping[str, RowStats]] = ..., pass_s: _Optional[_Mapping[str, float]] = ..., loop_s: _Optional[float] = ..., waited_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class EntryStats(_message.Message):
     __slots__ = ("blocks", "ended", "share", "tokens")
