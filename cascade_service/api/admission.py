@@ -14,10 +14,16 @@ from typing import Any
 import grpc
 
 from ..metrics import default_metrics
+from ..sessions.store import MAX_SESSION_TOKENS
 from .decode import decode
 from .status import DETAILS_KEY, rich_status
 
 log = logging.getLogger(__name__)
+
+
+# The largest request by default: a CreateSession carrying a session's whole limit of token ids (a
+# packed int32 takes at most 5 bytes), with room for the rest of the message.
+MAX_REQUEST_BYTES = 5 * MAX_SESSION_TOKENS + (64 << 10)
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class Limits:
     max_streams_per_connection: int = 100
     body_timeout_s: float = 10.0
     max_probes: int = 256
-    max_message_bytes: int = 1 << 20
+    max_message_bytes: int = MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         for name in ("workers", "max_pending", "max_calls_per_key", "max_streams_per_connection", "max_probes"):

@@ -12,6 +12,7 @@ from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.client import errors
 from cascade_service.client.sync import (
+    CHANNEL_OPTIONS,
     RETRY_DELAYS_S,
     Chunk,
     GenerateResult,
@@ -42,7 +43,9 @@ class AsyncCascadeClient:
     ):
         credentials = channel_credentials(tls, root_certificates)
         self._channel = (
-            grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+            grpc.aio.secure_channel(target, credentials, CHANNEL_OPTIONS)
+            if credentials
+            else grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
         )
         self._stub = pb_grpc.CascadeServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

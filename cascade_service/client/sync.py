@@ -102,6 +102,14 @@ def generate_request(
     return pb.GenerateRequest(**fields)
 
 
+# A session of MAX_SESSION_TOKENS comes back whole from GetSession (ids and text): past gRPC's 4 MiB default.
+MAX_REPLY_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+    ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+]
+
+
 def create_session_request(
     prompt: str | None, prompt_token_ids: Sequence[int] | None, session_id: str | None
 ) -> pb.CreateSessionRequest:
@@ -183,7 +191,10 @@ class CascadeClient:
         root_certificates: bytes | None = None,
     ):
         credentials = channel_credentials(tls, root_certificates)
-        self._channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+        options = CHANNEL_OPTIONS
+        self._channel = (
+            grpc.secure_channel(target, credentials, options) if credentials else grpc.insecure_channel(target, options)
+        )
         self._stub = pb_grpc.CascadeServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout_s = timeout_s

@@ -30,6 +30,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ class PagedCache:
         self.root = pool.root(salt)
         self.chain: list[bytes] = []  # the hash of each of the first len(chain) blocks, as published
         self.pinned = 0  # > 0 while a pass of it is queued or running: never preempted then
+        self.claims: tuple[Future, list[bytes]] | None = None  # blocks it is computing (KVPool.claim)
         self.used = 0  # the pool's clock at its last pass (preemption takes the least recent)
         pool.live.add(self)
         weakref.finalize(self, pool.drop, self.table)
@@ -105,6 +107,9 @@ class KVPool:
         self.index: dict[bytes, int] = {}  # a published chain hash -> its block
         self.hash_of: dict[int, bytes] = {}
         self.cached: OrderedDict[int, None] = OrderedDict()  # published blocks nobody holds, oldest first
+        # Blocks a request is computing now (chain hash -> its claim): a request that needs one of them
+        # waits for that prefill instead of computing the same keys beside it (`claim`).
+        self.pending: dict[bytes, Future] = {}
         self.live: weakref.WeakSet[PagedCache] = weakref.WeakSet()
         self.counters = PoolCounters()
         self.held = 0  # blocks some request holds (NULL not counted)
@@ -260,11 +265,49 @@ class KVPool:
                 cache.chain.append(digest)
                 parent = digest
             cache.length = len(cache.table) * BLOCK
-            self.counters.queries += limit
-            self.counters.hits += cache.length
-            self.report("queries", limit)
-            self.report("hits", cache.length)
             return cache.length
+
+    def looked_up(self, queries: int, hits: int) -> None:
+        """A request's lookup (`attach`, as often as it had to wait): `queries` tokens, `hits` found."""
+        with self.lock:
+            self.counters.queries += queries
+            self.counters.hits += hits
+        self.report("queries", queries)
+        self.report("hits", hits)
+
+    def claim(self, cache: PagedCache, tokens: Sequence[int], limit: int) -> Future | None:
+        """Before `cache` computes the full blocks of `tokens[:limit]` past what it holds: if another
+        request is computing the first of them now, its claim (wait for it, then `attach` again);
+        else None, and these blocks are claimed by `cache` until `settle(cache)`."""
+        with self.lock:
+            parent = cache.chain[-1] if cache.chain else cache.root
+            digests = []
+            for start in range(cache.length, limit - BLOCK + 1, BLOCK):
+                parent = self.link(parent, tokens[start : start + BLOCK])
+                digests.append(parent)
+            if not digests or cache.length % BLOCK:
+                return None
+            theirs = self.pending.get(digests[0])
+            if theirs is not None:
+                return theirs
+            mine: Future = Future()
+            for digest in digests:
+                if digest not in self.index:
+                    self.pending.setdefault(digest, mine)
+            cache.claims = (mine, digests)
+            return None
+
+    def settle(self, cache: PagedCache) -> None:
+        """`cache`'s prefill is over (done or failed): whoever waited on its claim looks again."""
+        with self.lock:
+            if cache.claims is None:
+                return
+            mine, digests = cache.claims
+            for digest in digests:
+                if self.pending.get(digest) is mine:
+                    del self.pending[digest]
+            cache.claims = None
+        mine.set_result(None)
 
     def publish(self, cache: PagedCache, tokens: Sequence[int], stable: int) -> None:
         """Publish `cache`'s full blocks of committed tokens (`tokens[:stable]`, which `cache` holds)."""

@@ -11,6 +11,7 @@ import torch
 from cascade_service.core.types import Context
 
 from .kvpool import PagedCache
+from .loop import current_loop
 
 if TYPE_CHECKING:
     from .hf import HFModel
@@ -51,23 +52,46 @@ class HFScorer:
         start = min(self._common_prefix(ctx.tokens), len(ctx) - n)
         self._rollback(start)
         if start == 0 and isinstance(self._cache, PagedCache):
-            # A fresh cache starts from the longest cached prefix of the committed tokens.
-            start = self._model.kv_pool.attach(self._cache, ctx.tokens, min(ctx.stable, len(ctx) - n))
-            self._tokens = ctx.tokens[:start]
-            self._trusted = start
-            self.tokens_cached += start
+            start = self._attach(ctx, n)
         fed = ctx.tokens[start:]
-        with torch.inference_mode():
-            if self.keep_hidden:
-                rows, self.last_hidden = self._model.forward(fed, self._cache, n, with_hidden=True)  # [n, V], [n, H]
-            else:
-                rows = self._model.forward(fed, self._cache, n)  # [n, V]
+        try:
+            with torch.inference_mode():
+                if self.keep_hidden:
+                    rows, self.last_hidden = self._model.forward(
+                        fed, self._cache, n, with_hidden=True
+                    )  # [n, V], [n, H]
+                else:
+                    rows = self._model.forward(fed, self._cache, n)  # [n, V]
+        finally:
+            if isinstance(self._cache, PagedCache):
+                self._model.kv_pool.settle(self._cache)
         self._tokens.extend(fed)
         self.tokens_processed += len(fed)
         self._trusted = min(max(self._trusted, ctx.stable), len(self._tokens))
         if isinstance(self._cache, PagedCache):
             self._model.kv_pool.publish(self._cache, self._tokens, self._trusted)
         return rows
+
+    def _attach(self, ctx: Context, n: int) -> int:
+        """A fresh cache starts from the longest cached prefix of the committed tokens; where another
+        request is computing the next blocks of it now, it waits for them rather than computing them
+        too (so requests that arrive together with one long header read it once)."""
+        pool, cache = self._model.kv_pool, self._cache
+        assert isinstance(cache, PagedCache)
+        limit = min(ctx.stable, len(ctx) - n)
+        while True:
+            start = pool.attach(cache, ctx.tokens, limit)
+            theirs = pool.claim(cache, ctx.tokens, limit)
+            if theirs is None:
+                break
+            loop = current_loop()
+            loop.wait(theirs) if loop is not None else theirs.result()
+            pool.truncate(cache, 0)  # and look again: the blocks are published now, or were given up
+        pool.looked_up(limit, start)
+        self._tokens = ctx.tokens[:start]
+        self._trusted = start
+        self.tokens_cached += start
+        return start
 
     def reset(self) -> None:
         """Drop the KV cache (frees its memory); the next call re-prefills. Counters are kept."""

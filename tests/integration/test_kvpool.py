@@ -221,3 +221,29 @@ def test_the_config_names_a_storage_per_tier_or_for_all(tmp_path):
         config({"dtpye": "float16"}, {})
     with pytest.raises(ValueError, match="unknown kv storage"):
         HFModel(None, "x", kv="paged")  # type: ignore[arg-type]
+
+
+def test_requests_that_arrive_together_read_a_shared_header_once_and_exactly(tiny_family):
+    from cascade_service.models.loop import EngineLoop
+
+    model = HFModel.load(tiny_family["target"])
+    loop = EngineLoop("kv-test")
+    try:
+        model.enable_batching(loop=loop)
+        header = random_prompts(1, 96, seed=8)[0]
+        prompts = [header + tail for tail in random_prompts(4, 5, seed=9)]
+
+        def one(prompt: list[int]) -> tuple[int, int, torch.Tensor]:
+            scorer, rows = _score(model, prompt)
+            return scorer.tokens_cached, scorer.tokens_processed, rows
+
+        futures = [loop.submit(one, p) for p in prompts]  # all four before any pass runs
+        results = [f.result(timeout=60) for f in futures]
+    finally:
+        loop.close()
+    cached = sorted(r[0] for r in results)
+    assert cached == [0, 96, 96, 96]  # one read the header; the others waited for it, then reused it
+    assert sum(r[1] for r in results) == 101 + 3 * 5
+    for (_, _, rows), prompt in zip(results, prompts):
+        torch.testing.assert_close(rows, model.full_logits(prompt)[-1:], rtol=1e-4, atol=1e-4)
+    assert not model.kv_pool.pending

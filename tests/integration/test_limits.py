@@ -135,3 +135,23 @@ def test_a_session_quota_is_resource_exhausted_and_leaves_nothing_stored(family)
             assert caught.value.code() == grpc.StatusCode.NOT_FOUND  # the refused call stored nothing
     finally:
         server.stop(0)
+
+
+def test_a_session_of_the_stores_whole_limit_fits_one_grpc_message(coordinator):
+    # The transport never refuses first: a CreateSession carrying MAX_SESSION_TOKENS ids (up to 5 bytes
+    # each on the wire, the largest ids here) reaches the service, which names the model's limit.
+    from cascade_service.api.admission import MAX_REQUEST_BYTES
+    from cascade_service.sessions import MAX_SESSION_TOKENS
+
+    request = pb.CreateSessionRequest(prompt_token_ids=[2**31 - 1] * MAX_SESSION_TOKENS)
+    assert request.ByteSize() <= MAX_REQUEST_BYTES
+    server, port = start_server(coordinator)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = cascade_pb2_grpc.CascadeServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.CreateSession(request, timeout=120)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details().startswith("prompt")
+    finally:
+        server.stop(0)

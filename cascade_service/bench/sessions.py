@@ -1,0 +1,138 @@
+"""Sessions and shared prefixes through the standalone server, with and without the prefix cache.
+
+    python -m cascade_service.bench.sessions [--config configs/demo.yaml] [--turns 20]
+        [--turn-tokens 170] [--new-tokens 16] [--shared 16] [--prefix 1000]
+
+For each KV storage (`kv: pool`, the paged pool with its prefix cache; `kv: dynamic`, a cache per
+request and no prefix cache: how every turn re-read its history before), one standalone server
+(gRPC on loopback, an in-memory session store) in turn:
+
+- a conversation: a session gets `--turns` turns, each adding about `--turn-tokens` tokens of code the
+  zoo never trained on (the installed click, jinja2, packaging and tqdm sources: `zoo.evaluate`) and
+  streaming `--new-tokens` tokens back. Printed: time to first token per turn (turn 1, and the
+  ratio of the last turn to it), the session's length, and per tier the tokens it read (fed through
+  the model) and found cached, at the last turn;
+- shared prefixes: `--shared` concurrent requests with one `--prefix`-token header and their own
+  24-token suffixes, cold (they all arrive at once) and warm (after one request with the header
+  alone). Printed: the context tokens the target read in them all against one header plus the
+  suffixes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from ..client import CascadeClient
+from ..config import Config, ModelTierConfig, load_config
+from ..standalone import start_standalone
+from ..zoo.evaluate import eval_package_files
+
+STORAGES = ("pool", "dynamic")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--turn-tokens", type=int, default=170)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--shared", type=int, default=16, help="concurrent requests sharing one header")
+    parser.add_argument("--prefix", type=int, default=1000, help="tokens in the shared header")
+    parser.add_argument("--storages", default=",".join(STORAGES))
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    for kv in args.storages.split(","):
+        if kv not in STORAGES:
+            parser.error(f"--storages: {kv!r} is not one of {STORAGES}")
+        print(f"== kv: {kv} ({'prefix cache' if kv == 'pool' else 'no prefix cache'})")
+        server = start_standalone(_with_storage(config, kv), adapt_to_load=False)
+        try:
+            with CascadeClient(f"127.0.0.1:{server.port}", timeout_s=600) as client:
+                stream = _held_out_code(server.engine.encode, args.turn_tokens * args.turns + 3 * args.prefix)
+                turns = [stream[i * args.turn_tokens : (i + 1) * args.turn_tokens] for i in range(args.turns)]
+                _conversation(client, turns, args.new_tokens)
+                rest = stream[args.turn_tokens * args.turns :]
+                suffixes = [rest[2 * args.prefix + 24 * i :][:24] for i in range(args.shared)]
+                name = server.engine.cascade.target.name
+                for warm, header in ((False, rest[: args.prefix]), (True, rest[args.prefix : 2 * args.prefix])):
+                    _shared(client, header, suffixes, name, warm)
+        finally:
+            server.stop()
+    return 0
+
+
+def _with_storage(config: Config, kv: str) -> Config:
+    cascade = config.cascade
+    target = replace(cascade.target, kv=kv)
+    drafters = tuple(replace(d, kv=kv) if isinstance(d, ModelTierConfig) else d for d in cascade.drafters)
+    return replace(config, cascade=replace(cascade, target=target, drafters=drafters))
+
+
+def _held_out_code(encode, tokens: int) -> list[int]:
+    """`tokens` tokens of code the zoo never trained on."""
+    files = [p for paths in eval_package_files().values() for p in paths]
+    stream: list[int] = []
+    for path in files:
+        stream += encode(Path(path).read_text(errors="replace"))
+        if len(stream) >= tokens:
+            return stream[:tokens]
+    raise SystemExit(f"not enough held-out code for {tokens} tokens")
+
+
+def _conversation(client: CascadeClient, turns: list[list[int]], new_tokens: int) -> None:
+    session = client.create_session()
+    firsts: list[float] = []
+    last: dict = {}
+    length = 0
+    for turn in turns:
+        start = time.perf_counter()
+        first = None
+        for chunk in client.stream(session_id=session.session_id, prompt_token_ids=turn, max_new_tokens=new_tokens):
+            if first is None and chunk.token_ids:
+                first = time.perf_counter() - start
+            if chunk.stats:
+                last = chunk.stats
+                length = chunk.session_length or length
+        firsts.append(first if first is not None else time.perf_counter() - start)
+    client.delete_session(session.session_id)
+    print(
+        f"conversation: {len(turns)} turns, {length} tokens in the session at the end; time to first token "
+        f"turn 1 {firsts[0]:.3f} s, turn {len(turns) // 2} {firsts[len(turns) // 2 - 1]:.3f} s, "
+        f"turn {len(turns)} {firsts[-1]:.3f} s (x{firsts[-1] / firsts[0]:.2f} of turn 1)"
+    )
+    tiers = last.get("tiers", {})
+    reads = ", ".join(
+        f"{name} read {int(t.get('tokens_processed', 0))} cached {int(t.get('tokens_cached', 0))}"
+        for name, t in tiers.items()
+        if "tokens_processed" in t
+    )
+    print(f"  last turn (+{len(turns[-1])} tokens, {new_tokens} out): {reads}")
+
+
+def _shared(client: CascadeClient, header: list[int], suffixes: list[list[int]], target: str, warm: bool) -> None:
+    if warm:
+        client.generate(prompt_token_ids=header, max_new_tokens=1)  # the header alone, first
+
+    def one(suffix: list[int]) -> dict:
+        return client.generate(prompt_token_ids=header + suffix, max_new_tokens=1).stats
+
+    with ThreadPoolExecutor(len(suffixes)) as pool:
+        stats = list(pool.map(one, suffixes))
+    cached = [int(s["tiers"][target].get("tokens_cached", 0)) for s in stats]
+    read = sum(len(header) + len(s) for s in suffixes) - sum(cached)
+    ideal = len(header) + sum(len(s) for s in suffixes)
+    print(
+        f"shared header ({'after the header alone' if warm else 'cold'}): {len(suffixes)} concurrent requests of "
+        f"{len(header)} + {len(suffixes[0])} tokens; the target read {read} context tokens, "
+        f"x{read / ideal:.2f} of one header + the suffixes ({ideal}); cached per request: "
+        f"median {statistics.median(cached)}, min {min(cached)}"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
