@@ -26,7 +26,7 @@ from .core.encdec import check_request, decoder_context
 from .core.policy import BlockPolicy
 from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats, EngineTime
-from .core.tier import Release, Tier
+from .core.tier import Release, Scope, Tier, affinity_key
 from .core.verify import Verification
 from .metrics import Metrics, RequestTimes
 from .scheduling.passes import CURRENT_CLOCK
@@ -35,8 +35,8 @@ from .textstream import TextStream
 
 MAX_PROMPT_TOKENS = 32_768
 
-# (request id, prefix-cache salt) -> {model tier name: its Tier for that request}
-TierFactory = Callable[[str, str], "dict[str, Tier]"]
+# A request's scope (its id, prefix-cache salt, routing key) -> {model tier name: its Tier for it}
+TierFactory = Callable[[Scope], "dict[str, Tier]"]
 # API key's owner id ("" without keys) -> {statistical drafter name: its Tier for one request}: the
 # wiring's MaG and suffix decoding that run in this process (runtime.leaves.Leaves).
 LeafFactory = Callable[[str], "dict[str, Tier]"]
@@ -218,7 +218,8 @@ class Coordinator:
         request_id = uuid.uuid4().hex
         stats = CascadeStats(self.cascade.target.name)
         salt = cache_salt(params.owner)
-        tiers = self.tiers(request_id, salt) | (self.leaves(params.owner) if self.leaves is not None else {})
+        scope = Scope(request_id, salt, affinity_key(salt, params.session_id, context))
+        tiers = self.tiers(scope) | (self.leaves(params.owner) if self.leaves is not None else {})
         text = TextStream(self.tokenizer.decode, params.stop)
         out: list[int] = []
         new: list[int] = []

@@ -19,7 +19,7 @@ from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup
 from .core.local import ModelTier
 from .core.stats import CascadeStats
-from .core.tier import Tier
+from .core.tier import Scope, Tier
 from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
 from .models.loop import EngineLoop
@@ -148,12 +148,12 @@ class Engine:
             if chunk.token_ids:
                 yield chunk.token_ids
 
-    def _tier(self, model: HFModel | RemoteModel, request_id: str, salt: str) -> Tier:
-        """One request's tier of a model (its own KV cache, here or on its tier server; `salt`
-        scopes the prefixes it reuses: a remote tier reads it from each call)."""
+    def _tier(self, model: HFModel | RemoteModel, scope: Scope) -> Tier:
+        """One request's tier of a model: its own KV cache here (from its salt's cached prefixes), or
+        on the tier server replica its affinity picks (which reads the salt from each call)."""
         if isinstance(model, RemoteModel):
-            return model.tier(request_id)
-        return self._wire(ModelTier(model.scorer(salt), model.vocab_size, self.make_stopper))
+            return model.tier(scope.request_id, scope.affinity)
+        return self._wire(ModelTier(model.scorer(scope.cache_salt), model.vocab_size, self.make_stopper))
 
     def _wire(self, tier: Tier) -> Tier:
         return loopback(tier) if self.loopback else tier
@@ -198,7 +198,7 @@ class Engine:
             self.cascade,
             {m.name: m.facts() if isinstance(m, RemoteModel) else TierFacts.of(m) for m in self.tiers()},
             Tokenizer(self.encode, self.decode_text),
-            tiers=lambda request_id, salt: {name: self._tier(m, request_id, salt) for name, m in models.items()},
+            tiers=lambda scope: {name: self._tier(m, scope) for name, m in models.items()},
             store=store,
             defaults=defaults or GenerationConfig(),
             leaves=lambda owner: {name: self._wire(tier) for name, tier in leaves(owner).items()},

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from ..config import GenerationConfig, load_config
-from ..core.tier import DraftRequest
+from ..core.tier import DraftRequest, Scope
 from ..core.types import Context
 from ..demo import demo_config
 from ..engine import Engine
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         context = Context(ids[0], len(ids[0]))
         small = next(m for m in local.models() if m.name == CALL_TIER)
         calls: dict[str, Callable[[Context], Any]] = {
-            "in-process": _draft_call(local._tier(small, "bench", "")),
-            "codec (loopback)": _draft_call(loopback(local._tier(small, "bench", ""))),
+            "in-process": _draft_call(local._tier(small, Scope("bench"))),
+            "codec (loopback)": _draft_call(loopback(local._tier(small, Scope("bench")))),
             "gRPC": _draft_call(RemoteTier(CALL_TIER, "bench", TierReplicas([addresses[CALL_TIER]]).invoker("bench"))),
         }
         timings: dict[str, list[float]] = {name: [] for name in calls}
@@ -185,11 +185,11 @@ def _record_remote_tiers(engine: Engine) -> list[RemoteTier]:
     for model in engine.remote.values():
         make = model.tier
 
-        def tier(request_id: str, make=make) -> RemoteTier:  # type: ignore[no-untyped-def]
-            made.append(make(request_id))
+        def tier(request_id: str, affinity: str = "", make=make) -> RemoteTier:  # type: ignore[no-untyped-def]
+            made.append(make(request_id, affinity))
             return made[-1]
 
-        model.tier = tier  # type: ignore[method-assign]
+        model.tier = tier  # type: ignore[method-assign,assignment]
     return made
 
 

@@ -14,7 +14,8 @@ its tiers run in this process or elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,6 +103,27 @@ class Release:
     """The request is over: drop what the tier keeps for it (its KV cache, its MaG index)."""
 
     request_id: str
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whom one request's tiers serve: the request, the prefix cache it may read and add to (its API
+    key's salt: models.kvpool), and the key that routes its calls to the replicas that likely hold
+    its prefix (a session's, or its prompt's head: `affinity_key`)."""
+
+    request_id: str
+    cache_salt: str = ""
+    affinity: str = ""
+
+
+AFFINITY_TOKENS = 64  # a prompt's head that routes it: requests sharing a header of this length meet
+
+
+def affinity_key(salt: str, session_id: str | None, context: Sequence[int]) -> str:
+    """The routing key of a request: its session's (every turn to the same replicas), else its
+    prompt head's, under its API key's salt (keys never share a replica's cache)."""
+    what = f"session\0{session_id}" if session_id else "head\0" + ",".join(map(str, context[:AFFINITY_TOKENS]))
+    return hashlib.blake2b(f"{salt}\0{what}".encode(), digest_size=12).hexdigest()
 
 
 class Tier(Protocol):

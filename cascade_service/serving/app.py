@@ -51,7 +51,7 @@ from ..config import (
     tier_groups,
 )
 from ..core.local import ModelTier
-from ..core.tier import Tier
+from ..core.tier import Scope, Tier
 from ..metrics import default_metrics
 from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, load_tokenizer
@@ -178,17 +178,19 @@ class CoordinatorDeployment:
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
 
-    def _remote_tiers(self, request_id: str, salt: str) -> dict[str, Tier]:
+    def _remote_tiers(self, scope: Scope) -> dict[str, Tier]:
         # Colocated: no hop; their passes run in the engine loop with the other requests'. Remote
-        # tiers read the salt from each call.
+        # tiers read the salt from each call; the affinity routes the calls to the replica that
+        # likely holds the request's prefix (serving.routing.AffinityRouter, or the tier servers' order).
         tiers: dict[str, Tier] = {
-            name: ModelTier(model.scorer(salt), model.vocab_size, self.heads.stopper)
+            name: ModelTier(model.scorer(scope.cache_salt), model.vocab_size, self.heads.stopper)
             for name, model in self.local.items()
         }
         for name, handle in self.handles.items():
-            tiers[name] = RemoteTier(name, request_id, invoker(name, handle), system=name in self.systems)
+            call = invoker(name, handle, scope.affinity)
+            tiers[name] = RemoteTier(name, scope.request_id, call, system=name in self.systems)
         for name, model in self.remote.items():
-            tiers[name] = model.tier(request_id)
+            tiers[name] = model.tier(scope.request_id, scope.affinity)
         return tiers
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from google.protobuf.message import DecodeError
 from ray import serve
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
@@ -20,7 +21,10 @@ from ..api.auth import ApiKeys, TlsFiles
 from ..api.backend import Reply
 from ..api.edge import health_request, is_serving, start_edge
 from ..api.frontend_server import FrontendServer
+from ..api.v1 import cascade_pb2 as pb
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
+from ..coordinator import cache_salt
+from ..core.tier import AFFINITY_TOKENS, affinity_key
 from ..metrics import default_metrics, merge_expositions
 from ..models.hf import load_tokenizer
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
@@ -44,7 +48,7 @@ class HandleBackend:
         owner: str = "",
         on_end: Callable[[Callable[[], None]], bool] | None = None,
     ) -> Reply:
-        response = self.handle.rpc.remote(method, body, owner)
+        response = self._routed(method, body, owner).rpc.remote(method, body, owner)
         # A client that hangs up cancels the coordinator's call, which stops decoding at its next round
         # (after a normal end, cancelling a finished response does nothing).
         if on_end is not None and not on_end(response.cancel):
@@ -62,7 +66,29 @@ class HandleBackend:
             return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
 
     def stream(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
-        return _ReplyStream(self.handle.options(stream=True).rpc_stream.remote(method, body, owner))
+        handle = self._routed(method, body, owner).options(stream=True)
+        return _ReplyStream(handle.rpc_stream.remote(method, body, owner))
+
+    def _routed(self, method: str, body: bytes, owner: str) -> DeploymentHandle:
+        """The handle for one call: a request's turns go to the coordinator replica that decoded the
+        session's last ones, and requests with one prompt head meet (serving.routing); the rest as
+        Serve routes them."""
+        key = edge_affinity(method, body, owner)
+        return self.handle.options(multiplexed_model_id=key) if key else self.handle
+
+
+def edge_affinity(method: str, body: bytes, owner: str) -> str:
+    """A Generate call's routing key at the edge (core.tier.affinity_key over its session, else its
+    prompt's head: token ids, or the text's first characters); "" for other calls or a body that does
+    not parse (the coordinator then refuses it as usual)."""
+    if method not in ("Generate", "GenerateStream"):
+        return ""
+    try:
+        request = pb.GenerateRequest.FromString(body)
+    except DecodeError:
+        return ""
+    head = list(request.prompt_token_ids) or [ord(c) for c in request.prompt[: 4 * AFFINITY_TOKENS]]
+    return affinity_key(cache_salt(owner), request.session_id, head)
 
 
 class _ReplyStream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ServingConfig
+from .routing import ROUTER_PATH
 from .tier_deployment import DEFAULT_MAX_ONGOING
 
 # Local default: tiers take turns within a request, so a fraction of a CPU each lets the whole app
@@ -43,6 +44,8 @@ def deployment_options(serving: ServingConfig, name: str, local: bool) -> dict[s
     # A replica being stopped (a redeploy, a scale-down, `serve` on SIGTERM) lets its calls in flight
     # finish for this long, then cancels them; each ends with a status.
     options.setdefault("graceful_shutdown_timeout_s", serving.shutdown_grace_s)
+    # Calls go to the replica that holds their request's KV (serving.routing).
+    options.setdefault("request_router_config", {"request_router_class": ROUTER_PATH})
     if local:
         options.setdefault("ray_actor_options", dict(LOCAL_ACTOR_OPTIONS))
     return options

@@ -69,18 +69,20 @@ class TierReplicas:
         self.failovers = 0
         self._refresh()
 
-    def order(self, request_id: str) -> list[str]:
-        """Replicas in this request's order (rendezvous hashing: each request has its own, and a
-        replica leaving or joining moves only its own share of requests)."""
+    def order(self, key: str) -> list[str]:
+        """Replicas in the order of a request's routing key (rendezvous hashing: each key has its own,
+        and a replica leaving or joining moves only its own share of keys). The key is the request's
+        affinity (core.tier.affinity_key), so a session's turns meet their KV cache."""
         self._refresh()
 
         def weight(address: str) -> bytes:
-            return hashlib.blake2b(f"{request_id}\0{address}".encode(), digest_size=8).digest()
+            return hashlib.blake2b(f"{key}\0{address}".encode(), digest_size=8).digest()
 
         return sorted(self.addresses, key=weight, reverse=True)
 
-    def invoker(self, request_id: str) -> Invoke:
-        """`transport.remote.Invoke` for one request: sticky to its replica, failing over in its order."""
+    def invoker(self, key: str) -> Invoke:
+        """`transport.remote.Invoke` for one request (`key`: its routing key, `order`): sticky to its
+        replica, failing over in its order."""
         current: list[str] = []  # the replica the request is on, once chosen
 
         def invoke(method: str, data: bytes) -> bytes:
@@ -88,7 +90,7 @@ class TierReplicas:
                 if current:
                     self._release(current[0], data)
                 return b""
-            order = self.order(request_id)
+            order = self.order(key)
             candidates = current + [a for a in self._live_first(order) if a not in current]
             failures = []
             for address in candidates:
@@ -107,7 +109,7 @@ class TierReplicas:
                     continue
                 if current and current[0] != address:
                     self.failovers += 1
-                    log.warning("request %s moved from %s to %s", request_id, current[0], address)
+                    log.warning("request (key %s) moved from %s to %s", key, current[0], address)
                 current[:] = [address]
                 return reply
             raise Unavailable(f"tier server {self.name} unavailable (no replica answered: {'; '.join(failures)})")
@@ -219,8 +221,10 @@ class RemoteModel:
         self.max_positions, self.device, self.decoder_start = facts.max_positions, facts.device, facts.decoder_start
         self.system = bool(info.system)
 
-    def tier(self, request_id: str) -> RemoteTier:
-        return RemoteTier(self.name, request_id, self.replicas.invoker(request_id), system=self.system)
+    def tier(self, request_id: str, affinity: str = "") -> RemoteTier:
+        """One request's tier on the replicas, in the order its affinity key gives (its request id's
+        without one): a session's turns, and requests with one prompt head, go where their KV is."""
+        return RemoteTier(self.name, request_id, self.replicas.invoker(affinity or request_id), system=self.system)
 
     def facts(self) -> TierFacts:
         return self._facts
