@@ -248,8 +248,9 @@ class Coordinator:
             clock.stop()
             # Every tier the request had: model tiers free their KV caches (a remote tier its replica's,
             # if it called it), suffix decoding hands the request's sequence to its key's trie.
+            done = Release(request_id, tuple(context + out))  # their prefix caches keep what they hold of it
             for tier in tiers.values():
-                tier.release(Release(request_id))
+                tier.release(done)
         stats.generated = len(out)
         session_length = 0
         if record is not None:

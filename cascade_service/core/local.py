@@ -88,7 +88,11 @@ class ModelTier:
         return ReviewReply(verdict, usage, hidden)
 
     def release(self, request: Release) -> None:
-        """The KV cache goes with this object (one per request)."""
+        """The KV cache goes with this object (one per request); what it holds of the request's
+        final sequence stays in the prefix cache."""
+        finish = getattr(self.scorer, "finish", None)
+        if finish is not None and request.tokens:
+            finish(request.tokens)
 
     def _stopper(self, spec: AdaptiveLength | None) -> DraftStopper | None:
         if spec is None:

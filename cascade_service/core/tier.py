@@ -100,9 +100,14 @@ class ReviewReply:
 
 @dataclass(frozen=True)
 class Release:
-    """The request is over: drop what the tier keeps for it (its KV cache, its MaG index)."""
+    """The request is over: drop what the tier keeps for it (its KV cache, its MaG index).
+
+    `tokens`: its committed sequence at the end (context and output; empty: not known), so a model
+    tier's prefix cache keeps the blocks of it that its cache holds (the last round's, which no later
+    call confirmed, included)."""
 
     request_id: str
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ under its salt, and publishes its own full committed blocks as it goes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,6 +93,17 @@ class HFScorer:
         self._trusted = start
         self.tokens_cached += start
         return start
+
+    def finish(self, tokens: Sequence[int]) -> None:
+        """The request ended with `tokens` committed: publish the blocks the cache holds of them
+        (past what earlier calls could confirm: the last round's tokens)."""
+        if not isinstance(self._cache, PagedCache):
+            return
+        limit = min(len(self._tokens), len(tokens))
+        i = min(self._trusted, limit)
+        while i < limit and self._tokens[i] == tokens[i]:
+            i += 1
+        self._model.kv_pool.publish(self._cache, self._tokens, i)
 
     def reset(self) -> None:
         """Drop the KV cache (frees its memory); the next call re-prefills. Counters are kept."""

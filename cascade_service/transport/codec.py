@@ -178,12 +178,20 @@ def decode_review_reply(data: bytes) -> ReviewReply | None:
     return ReviewReply(verdict, _usage_in(m.usage))
 
 
-def encode_release(release: Release) -> bytes:
-    return pb.ReleaseRequest(request_id=release.request_id).SerializeToString()
+def encode_release(release: Release, tier: str = "", offset: int = 0) -> bytes:
+    """A release; with its final tokens, those past the `offset` the server holds (as a call's)."""
+    if not release.tokens:
+        return pb.ReleaseRequest(request_id=release.request_id).SerializeToString()
+    context = _context_out(Context(list(release.tokens), len(release.tokens)), offset)
+    return pb.ReleaseRequest(request_id=release.request_id, tier=tier, context=context).SerializeToString()
 
 
-def decode_release(data: bytes) -> Release:
-    return Release(_parse(pb.ReleaseRequest, data).request_id)
+def decode_release(data: bytes) -> tuple[Address | None, Release]:
+    """(address, release): the address when the release carries final tokens (from address.offset on)."""
+    m = _parse(pb.ReleaseRequest, data)
+    if not m.HasField("context"):
+        return None, Release(m.request_id)
+    return _address(m), Release(m.request_id, tuple(_context_in(m.context).tokens))
 
 
 # --- parts ------------------------------------------------------------------------------------------

@@ -107,10 +107,14 @@ class TierServer:
     def _stopper(self, spec: AdaptiveLength) -> DraftStopper:
         return self.heads.stopper(spec, self.model.config.hidden_size)
 
-    def release(self, request_id: str) -> bool:
-        """Drop a finished request's KV cache; True if this replica held one."""
+    def release(self, request_id: str, tokens: Sequence[int] = ()) -> bool:
+        """Drop a finished request's KV cache (what it holds of its final `tokens` stays in the
+        prefix cache); True if this replica held one."""
         with self._lock:
-            return self._scorers.pop(request_id, None) is not None
+            scorer = self._scorers.pop(request_id, None)
+        if scorer is not None and tokens:
+            scorer.finish(tokens)
+        return scorer is not None
 
     def cached_requests(self) -> int:
         with self._lock:
@@ -243,10 +247,11 @@ class TierGroup:
 
     def release(self, data: bytes) -> bool:
         """A ReleaseRequest: drop the request's caches; True if this replica held any."""
-        request_id = self.host.release(data)
+        release = self.host.release(data)
+        request_id = release.request_id
         with self._lock:
             had_mag = self._mags.pop(request_id, None) is not None
-        return any([server.release(request_id) for server in self.servers.values()]) or had_mag
+        return any([server.release(request_id, release.tokens) for server in self.servers.values()]) or had_mag
 
     def _route(self, name: str, request: DraftRequest | ReviewRequest) -> Tier:
         """The tier that serves `request` (its context whole), after checking the call."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
 
-from ..core.tier import DraftRequest, ReviewRequest, Tier
+from ..core.tier import DraftRequest, Release, ReviewRequest, Tier
 from ..core.types import Context
 from .codec import (
     RESEND,
@@ -101,11 +101,15 @@ class TierHost:
             return RESEND["review"]
         return encode_review_reply(self.route(address.tier, whole).review(whole))
 
-    def release(self, data: bytes) -> str:
-        """A ReleaseRequest: forget the request's contexts; returns its id (the caller frees the rest)."""
-        request_id = decode_release(data).request_id
-        self.contexts.release(request_id)
-        return request_id
+    def release(self, data: bytes) -> Release:
+        """A ReleaseRequest: forget the request's contexts; returns it, with its final tokens whole
+        where it carried them and the prefix they build on is held (the caller frees the rest)."""
+        address, release = decode_release(data)
+        if address is not None:
+            whole = self.contexts.resolve(address, release.request_id, Context(list(release.tokens), 0))
+            release = replace(release, tokens=tuple(whole.tokens) if whole is not None else ())
+        self.contexts.release(release.request_id)
+        return release
 
     def _whole(self, address: Address, request: Call) -> Call | None:
         context = self.contexts.resolve(address, request.request_id, request.context)

@@ -112,7 +112,7 @@ class RemoteTier:
         if not self.hops:
             return  # never called: the replica holds nothing for it
         try:
-            data = encode_release(request)
+            data = encode_release(request, self.name, _common_prefix(self._sent, list(request.tokens)))
             run_blocking(self.invoke, "release", data) if self.blocking else self.invoke("release", data)
         except Exception:
             log.warning("could not release tier %s for request %s", self.name, request.request_id)
@@ -150,7 +150,7 @@ def loopback(tier: Tier, request_id: str = "") -> RemoteTier:
         if method == "review":
             return host.review(data)
         if method == "release":
-            tier.release(Release(host.release(data)))
+            tier.release(host.release(data))
             return b""
         raise ValueError(f"method: unknown tier call {method!r}")
 

@@ -72,7 +72,7 @@ class HostedTiers:
         return self.host.review(data)
 
     def release(self, data: bytes) -> bool:
-        request_id = self.host.release(data)
+        request_id = self.host.release(data).request_id
         return bool([self.tiers.pop(key) for key in list(self.tiers) if key[1] == request_id])
 
     def info(self) -> dict:

@@ -215,7 +215,9 @@ def test_a_resend_reply_decodes_to_none():
 
 
 def test_a_release_round_trips():
-    assert codec.decode_release(codec.encode_release(Release("r-1"))) == Release("r-1")
+    assert codec.decode_release(codec.encode_release(Release("r-1"))) == (None, Release("r-1"))
+    address, release = codec.decode_release(codec.encode_release(Release("r-1", (5, 6, 7, 8)), "mid", 2))
+    assert address == codec.Address("mid", 2, codec.prefix_digest([5, 6])) and release == Release("r-1", (7, 8))
 
 
 def test_rows_cross_as_float32_on_the_cpu_whatever_their_dtype():
