@@ -37,9 +37,9 @@ MAX_PROMPT_TOKENS = 32_768
 
 # A request's scope (its id, prefix-cache salt, routing key) -> {model tier name: its Tier for it}
 TierFactory = Callable[[Scope], "dict[str, Tier]"]
-# API key's owner id ("" without keys) -> {statistical drafter name: its Tier for one request}: the
-# wiring's MaG and suffix decoding that run in this process (runtime.leaves.Leaves).
-LeafFactory = Callable[[str], "dict[str, Tier]"]
+# (API key's owner id ("" without keys), the request's context) -> {statistical drafter name: its Tier
+# for one request}: the wiring's MaG and suffix decoding that run in this process (runtime.leaves.Leaves).
+LeafFactory = Callable[[str, Sequence[int]], "dict[str, Tier]"]
 
 
 def smallest_context(positions: Iterable[int | None]) -> int | None:
@@ -219,7 +219,7 @@ class Coordinator:
         stats = CascadeStats(self.cascade.target.name)
         salt = cache_salt(params.owner)
         scope = Scope(request_id, salt, affinity_key(salt, params.session_id, context))
-        tiers = self.tiers(scope) | (self.leaves(params.owner) if self.leaves is not None else {})
+        tiers = self.tiers(scope) | (self.leaves(params.owner, context) if self.leaves is not None else {})
         text = TextStream(self.tokenizer.decode, params.stop)
         out: list[int] = []
         new: list[int] = []

@@ -201,7 +201,7 @@ class Engine:
             tiers=lambda scope: {name: self._tier(m, scope) for name, m in models.items()},
             store=store,
             defaults=defaults or GenerationConfig(),
-            leaves=lambda owner: {name: self._wire(tier) for name, tier in leaves(owner).items()},
+            leaves=lambda owner, context: {name: self._wire(tier) for name, tier in leaves(owner, context).items()},
             make_stopper=self.make_stopper,
             policies=policies,
         )

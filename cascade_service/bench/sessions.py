@@ -29,6 +29,8 @@ from pathlib import Path
 
 from ..client import CascadeClient
 from ..config import Config, ModelTierConfig, load_config
+from ..models.kvpool import BLOCK
+from ..models.kvsize import kv_bytes_per_token
 from ..standalone import start_standalone
 from ..zoo.evaluate import eval_package_files
 
@@ -56,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                 stream = _held_out_code(server.engine.encode, args.turn_tokens * args.turns + 3 * args.prefix)
                 turns = [stream[i * args.turn_tokens : (i + 1) * args.turn_tokens] for i in range(args.turns)]
                 _conversation(client, turns, args.new_tokens)
+                if kv == "pool":
+                    _memory(server.engine.models())
                 rest = stream[args.turn_tokens * args.turns :]
                 suffixes = [rest[2 * args.prefix + 24 * i :][:24] for i in range(args.shared)]
                 name = server.engine.cascade.target.name
@@ -112,6 +116,21 @@ def _conversation(client: CascadeClient, turns: list[list[int]], new_tokens: int
         if "tokens_processed" in t
     )
     print(f"  last turn (+{len(turns[-1])} tokens, {new_tokens} out): {reads}")
+
+
+def _memory(models) -> None:
+    """Per model: the pool's bytes over the tokens its cached blocks hold, against the model's KV
+    bytes per token (every request has ended: each block it holds is a full one of the prefix cache)."""
+    for model in models:
+        pool = model.kv_pool
+        tokens = (pool.held + len(pool.cached)) * BLOCK
+        per_token = kv_bytes_per_token(model.config, model.dtype)
+        if tokens:
+            print(
+                f"  {model.name}: {pool.nbytes / 2**20:.1f} MiB for {tokens} cached tokens: "
+                f"{pool.nbytes / tokens:.0f} bytes per token, x{pool.nbytes / tokens / per_token:.2f} of the "
+                f"model's {per_token} (budget {pool.max_blocks} blocks, {pool.counters.evictions} evictions)"
+            )
 
 
 def _shared(client: CascadeClient, header: list[int], suffixes: list[list[int]], target: str, warm: bool) -> None:

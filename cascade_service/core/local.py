@@ -112,7 +112,7 @@ class Proposer(Protocol):
 
     def lookup(self, ctx: Context, k: int, min_match: int) -> list[int]: ...
 
-    def finish(self) -> None: ...
+    def finish(self, tokens: Sequence[int] = ()) -> None: ...
 
     # True: a draft shorter than asked is the drafter's own decision (suffix decoding's confidence and
     # length rules), so the cascade does not ask it again for the rest of the quota.
@@ -152,9 +152,9 @@ class StatisticalTier:
         raise TypeError(f"{self.name} drafts but cannot review: no schedule gives it a row of its own")
 
     def release(self, request: Release) -> None:
-        """The index goes with this object (one per request); suffix decoding keeps the sequence for
-        its key's later requests."""
-        self.proposer.finish()
+        """The request is over: suffix decoding keeps its sequence for its key's later requests, MaG
+        its index of the final tokens for a request that continues them (runtime.leaves)."""
+        self.proposer.finish(request.tokens)
 
     def _timed(self, name: str, sampling: SamplingParams, propose: Callable[[], list[int]]) -> DraftReply:
         usage = Usage()

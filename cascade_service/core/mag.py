@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -213,6 +213,9 @@ class MaxGram:
         self._committed = _Trie(max_ngram)
         self._indexed = 0  # follower positions < _indexed are in the committed trie
         self._tail_ops = 0
+        # Where the index of a finished request's final tokens goes (runtime.leaves keeps it for a
+        # request that continues them, a session's next turn): None, it goes with the request.
+        self.keep: Callable[[tuple[int, ...], MaxGram], None] | None = None
 
     @property
     def index_ops(self) -> int:
@@ -235,8 +238,17 @@ class MaxGram:
         seq = self._matched(ctx, k, min_match)
         return [] if seq is None else seq.extra
 
-    def finish(self) -> None:
-        """The request is over; MaG keeps nothing beyond it."""
+    @property
+    def indexed(self) -> int:
+        """Committed tokens in the index: a request resuming it must start with the same ones."""
+        return self._indexed
+
+    def finish(self, tokens: Sequence[int] = ()) -> None:
+        """The request is over. Given its final committed `tokens`, the index takes them in and goes to
+        `keep`, so a request that continues them reads only its own new tokens."""
+        if tokens and self.keep is not None and len(tokens) >= self._indexed:
+            self._commit(Context(list(tokens), len(tokens)))
+            self.keep(tuple(tokens), self)
 
     def _matched(self, ctx: Context, k: int, min_match: int) -> _Sequence | None:
         self._commit(ctx)

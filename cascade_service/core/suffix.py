@@ -281,6 +281,9 @@ class SuffixDecoder:
         self.own = _Growing(self.settings.depth)
         self._tokens: list[int] = []
         self.matched = 0  # the match length behind the last draft (what the lookup gate reads)
+        # Where the request's own trie goes at its end, with its final tokens (runtime.leaves keeps it
+        # for a request that continues them); None: it goes with the request.
+        self.keep: Callable[[tuple[int, ...], SuffixDecoder], None] | None = None
 
     def propose(self, ctx: Context, k: int) -> list[int]:
         """Up to k tokens to follow ctx.tokens; empty when no trie has evidence enough."""
@@ -299,9 +302,18 @@ class SuffixDecoder:
         draft = self.propose(ctx, k)
         return draft if self.matched >= min_match else []
 
-    def finish(self) -> None:
-        """The request is over: its sequence joins its key's trie for the requests after it."""
+    @property
+    def indexed(self) -> int:
+        """Committed tokens in the request's own trie."""
+        return len(self._tokens)
+
+    def finish(self, tokens: Sequence[int] = ()) -> None:
+        """The request is over: its sequence (as committed to it) joins its key's trie for the requests
+        after it; given its final `tokens`, its own trie takes them in and goes to `keep`."""
         self.cache.remember(self._tokens)
+        if tokens and self.keep is not None and len(tokens) >= len(self._tokens):
+            self._commit(Context(list(tokens), len(tokens)))
+            self.keep(tuple(tokens), self)
 
     def _commit(self, ctx: Context) -> None:
         for token in ctx.tokens[len(self._tokens) : ctx.stable]:

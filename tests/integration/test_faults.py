@@ -22,7 +22,7 @@ from ..redis_server import RedisServer
 
 
 def test_redis_down_fails_session_calls_while_stateless_generation_stays_exact(tiny_family):
-    prompt = random_prompts(1, 10, seed=91)[0]
+    prompt = random_prompts(1, 40, seed=91)[0]
     expected = oracle(tiny_family["target"], prompt, 12)
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"])),
@@ -37,6 +37,7 @@ def test_redis_down_fails_session_calls_while_stateless_generation_stays_exact(t
         try:
             with CascadeClient(f"127.0.0.1:{port}", timeout_s=60) as client:
                 session = client.create_session(prompt_token_ids=prompt)
+                assert client.generate(prompt_token_ids=prompt).token_ids == expected  # its blocks are cached
                 redis.stop()
                 for call in (
                     lambda: client.get_session(session.session_id),
@@ -48,7 +49,9 @@ def test_redis_down_fails_session_calls_while_stateless_generation_stays_exact(t
                     with pytest.raises(errors.Unavailable):
                         call()
                     assert time.monotonic() - start < 10  # fails fast, no hang
-                assert client.generate(prompt_token_ids=prompt).token_ids == expected  # stateless: unaffected
+                stateless = client.generate(prompt_token_ids=prompt)  # unaffected, and served from the cache
+                assert stateless.token_ids == expected
+                assert stateless.stats["cached_prompt_tokens"] == 32
                 redis.start()  # same port, no persistence: old sessions are gone, new ones work
                 fresh = client.create_session(prompt_token_ids=prompt)
                 result = client.generate(session_id=fresh.session_id, prompt_token_ids=[], max_new_tokens=12)

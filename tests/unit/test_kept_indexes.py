@@ -1,0 +1,81 @@
+"""MaG's index of a finished request is kept for a request that continues it (runtime.leaves.KeptIndexes):
+the continuing request proposes exactly what a fresh index would, indexing only its new tokens; an
+index is found only under its own API key, and the store stays within its token bound."""
+
+from __future__ import annotations
+
+import random
+
+from cascade_service.config import MaGConfig
+from cascade_service.core.mag import MaxGram
+from cascade_service.core.types import Context
+from cascade_service.runtime.leaves import KeptIndexes, MaGLeaf
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(12) for _ in range(n)]  # a small alphabet: many repeated n-grams
+
+
+def test_a_continuing_request_resumes_the_index_and_proposes_as_a_fresh_one():
+    leaf = MaGLeaf(MaGConfig())
+    history = _tokens(400, seed=1)
+    first = leaf.proposer("alice", history[:300])
+    first.propose(Context(history[:300], 300), 5)
+    first.finish(history)  # the request ended with `history` committed
+    assert len(leaf.kept) == 1
+    context = history + _tokens(30, seed=2)
+    resumed = leaf.proposer("alice", context)
+    assert resumed is first and len(leaf.kept) == 0  # taken by one request at a time
+    fresh = MaxGram()
+    before_resumed, before_fresh = resumed.index_ops, fresh.index_ops
+    for end in range(len(context) - 20, len(context) + 1, 5):
+        ctx = Context(context[:end], end - 3)
+        assert resumed.propose(ctx, 6) == fresh.propose(ctx, 6)
+        assert resumed.lookup(ctx, 6, 2) == fresh.lookup(ctx, 6, 2)
+    # The resumed index read only the new tokens; the fresh one the whole history too.
+    assert resumed.index_ops - before_resumed < (fresh.index_ops - before_fresh) / 4
+
+
+def test_an_index_is_found_only_under_its_key_and_for_a_context_that_continues_it():
+    leaf = MaGLeaf(MaGConfig())
+    history = _tokens(100, seed=3)
+    index = leaf.proposer("alice", history)
+    index.finish(history)
+    assert isinstance(leaf.proposer("bob", history + [1]), MaxGram) and len(leaf.kept) == 1  # not alice's
+    other = list(history)
+    other[50] = (other[50] + 1) % 12
+    assert leaf.proposer("alice", other + [1]) is not index  # diverges inside the history
+    assert leaf.proposer("alice", history[:99]) is not index  # shorter than the history
+    assert leaf.proposer("alice", history + [1]) is index
+
+
+def test_the_store_keeps_the_most_recent_within_its_token_bound():
+    kept = KeptIndexes(max_tokens=250)
+    indexes = []
+    for i in range(4):
+        tokens = tuple(_tokens(100, seed=10 + i))
+        indexes.append((tokens, MaxGram()))
+        kept.put("", *indexes[-1])
+    assert len(kept) == 2  # 200 tokens of the last two; the first two went, oldest first
+    assert kept.take("", list(indexes[0][0]) + [1]) is None
+    assert kept.take("", list(indexes[3][0]) + [1]) is indexes[3][1]
+
+
+def test_suffix_decoding_resumes_its_own_trie_and_proposes_as_a_fresh_one():
+    from cascade_service.config import SuffixConfig
+    from cascade_service.core.suffix import SuffixDecoder
+    from cascade_service.runtime.leaves import SuffixLeaf
+
+    leaf = SuffixLeaf(SuffixConfig())
+    history = _tokens(300, seed=4)
+    first = leaf.proposer("alice", history)
+    first.propose(Context(history[:200], 200), 5)
+    first.finish(history)
+    context = history + _tokens(20, seed=5)
+    resumed = leaf.proposer("alice", context)
+    assert resumed is first and resumed.indexed == len(history)
+    fresh = SuffixDecoder(leaf.caches.of("alice"), leaf.corpus)  # the same key's shared trie
+    for end in range(len(context) - 10, len(context) + 1, 5):
+        ctx = Context(context[:end], end - 2)
+        assert resumed.propose(ctx, 6) == fresh.propose(ctx, 6)
