@@ -57,8 +57,8 @@ class Requests:
         self.done = threading.Event()
         make, name = coordinator.tiers, coordinator.cascade.target.name
 
-        def tiers(request_id, salt):
-            made = make(request_id, salt)
+        def tiers(scope):
+            made = make(scope)
             made[name] = SlowTarget(made[name], self)
             self.targets.append(made[name])
             return made

@@ -191,3 +191,23 @@ def test_http_connections_send_without_nagle_delay(server):
     # listener's); without it a keep-alive client waited 40 ms (its delayed ACK) for each reply's body.
     listeners = [s for http_server in server.server._http.servers for s in http_server.sockets]
     assert listeners and all(s.proto == socket.IPPROTO_TCP for s in listeners)
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client, server):
+    prompt = random_prompts(1, 40, seed=54)[0]  # two full blocks of 16, and a part of one
+    first = client.completions.create(model="target", prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="target", prompt=prompt, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+    chunks = client.completions.create(
+        model="target", prompt=prompt, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    usage = [chunk.usage for chunk in chunks if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 32
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    hits = [line for line in text.splitlines() if line.startswith('cascade:prefix_cache_hits_total{tier="target"}')]
+    assert hits and float(hits[0].split()[-1]) >= 64
+    for name in ("prefix_cache_queries_total", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_free"):
+        assert f'cascade:{name}{{tier="close"}}' in text, name

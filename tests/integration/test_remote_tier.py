@@ -57,7 +57,7 @@ def _coordinator(family, max_cached: int, log: list):
         Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
         _model(servers["target"]).vocab_size,
         frozenset(_model(servers["target"]).eos_token_ids),
-        tiers=lambda rid, salt: {n: RemoteTier(n, rid, invoker(n)) for n in servers},
+        tiers=lambda scope: {n: RemoteTier(n, scope.request_id, invoker(n)) for n in servers},
         store=MemoryStore(),
         leaves=Leaves(cascade.drafters, _model(servers["target"]).vocab_size),  # MaG runs here
     )
@@ -147,10 +147,10 @@ def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_fami
         Tokenizer(lambda t: list(tok(t)["input_ids"]), lambda ids: tok.decode(list(ids))),
         target.servers["target"].model.vocab_size,
         frozenset(target.servers["target"].model.eos_token_ids),
-        tiers=lambda rid, salt: {
-            "target": RemoteTier("target", rid, via(target)),
-            "close": RemoteTier("close", rid, via(group), system=True),
-            "mid": RemoteTier("mid", rid, via(group)),
+        tiers=lambda scope: {
+            "target": RemoteTier("target", scope.request_id, via(target)),
+            "close": RemoteTier("close", scope.request_id, via(group), system=True),
+            "mid": RemoteTier("mid", scope.request_id, via(group)),
         },
         store=MemoryStore(),
         leaves=Leaves(cascade.drafters, target.servers["target"].model.vocab_size),  # MaG, with its bigram table
