@@ -28,17 +28,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", default="64,256", help="cached positions per request")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the demo's serving runs 1)")
+    parser.add_argument("--tokens", type=int, default=1, help="new tokens per row (a prompt's or a turn's prefill)")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
     cascade = load_config(args.config).cascade
     rows, contexts = _ints(args.rows), _ints(args.context)
-    print(f"ms per pass, one new token per row (median of {args.repeats}); dynamic / pool = speedup")
+    print(f"ms per pass, {args.tokens} new token(s) per row (median of {args.repeats}); dynamic / pool = speedup")
     for tier in [t for t in cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote]:
         models = {kv: HFModel.for_tier(tier, kv=kv) for kv in ("dynamic", "pool")}
         for context in contexts:
-            times = {kv: [pass_time_s(m, r, context, args.repeats) for r in rows] for kv, m in models.items()}
+            times = {
+                kv: [pass_time_s(m, r, context, args.repeats, args.tokens) for r in rows] for kv, m in models.items()
+            }
             print(f"\n{tier.name} ({tier.backend}), {context} cached positions")
             print(f"{'rows':>6} {'dynamic':>10} {'pool':>10} {'speedup':>8} {'pool x1 row':>12}")
             for i, r in enumerate(rows):

@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             with CascadeClient(f"127.0.0.1:{server.port}", timeout_s=600) as client:
                 stream = _held_out_code(server.engine.encode, args.turn_tokens * args.turns + 3 * args.prefix)
                 turns = [stream[i * args.turn_tokens : (i + 1) * args.turn_tokens] for i in range(args.turns)]
+                # A first request of its own: the server's first passes (allocations, warm-up) are not a turn's.
+                client.generate(prompt_token_ids=stream[-64:], max_new_tokens=args.new_tokens)
                 _conversation(client, turns, args.new_tokens)
                 if kv == "pool":
                     _memory(server.engine.models())
