@@ -7,11 +7,12 @@ For each KV storage (`kv: pool`, the paged pool with its prefix cache; `kv: dyna
 request and no prefix cache: how every turn re-read its history before), one standalone server
 (gRPC on loopback, an in-memory session store) in turn:
 
-- a conversation: a session gets `--turns` turns, each adding about `--turn-tokens` tokens of code the
-  zoo never trained on (the installed click, jinja2, packaging and tqdm sources: `zoo.evaluate`) and
-  streaming `--new-tokens` tokens back. Printed: time to first token per turn (turn 1, and the
-  ratio of the last turn to it), the session's length, and per tier the tokens it read (fed through
-  the model) and found cached, at the last turn;
+- conversations: `--sessions` sessions one after another, each of `--turns` turns adding about
+  `--turn-tokens` tokens of code the zoo never trained on (the installed click, jinja2, packaging and
+  tqdm sources: `zoo.evaluate`; each session its own) and streaming `--new-tokens` tokens back. Printed:
+  the median over sessions of each turn's time to first token (turn 1, the middle, the last, and
+  turns 1-3 against the last three), a session's length, and per tier the tokens the last turn read
+  (fed through the model) and found cached;
 - shared prefixes: `--shared` concurrent requests with one `--prefix`-token header and their own
   24-token suffixes, cold (they all arrive at once) and warm (after one request with the header
   alone). Printed: the context tokens the target read in them all against one header plus the
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--sessions", type=int, default=3, help="conversations, each on its own text (medians)")
     parser.add_argument("--turn-tokens", type=int, default=170)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--shared", type=int, default=16, help="concurrent requests sharing one header")
@@ -55,14 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         server = start_standalone(_with_storage(config, kv), adapt_to_load=False)
         try:
             with CascadeClient(f"127.0.0.1:{server.port}", timeout_s=600) as client:
-                stream = _held_out_code(server.engine.encode, args.turn_tokens * args.turns + 3 * args.prefix)
-                turns = [stream[i * args.turn_tokens : (i + 1) * args.turn_tokens] for i in range(args.turns)]
+                per_session = args.turn_tokens * args.turns
+                stream = _held_out_code(server.engine.encode, per_session * args.sessions + 3 * args.prefix)
                 # A first request of its own: the server's first passes (allocations, warm-up) are not a turn's.
                 client.generate(prompt_token_ids=stream[-64:], max_new_tokens=args.new_tokens)
-                _conversation(client, turns, args.new_tokens)
+                runs = []
+                for s in range(args.sessions):  # each session on text of its own: none finds another's
+                    text = stream[s * per_session : (s + 1) * per_session]
+                    turns = [text[i * args.turn_tokens : (i + 1) * args.turn_tokens] for i in range(args.turns)]
+                    runs.append(_conversation(client, turns, args.new_tokens))
+                _report(runs, args.turn_tokens, args.new_tokens)
                 if kv == "pool":
                     _memory(server.engine.models())
-                rest = stream[args.turn_tokens * args.turns :]
+                rest = stream[per_session * args.sessions :]
                 suffixes = [rest[2 * args.prefix + 24 * i :][:24] for i in range(args.shared)]
                 name = server.engine.cascade.target.name
                 for warm, header in ((False, rest[: args.prefix]), (True, rest[args.prefix : 2 * args.prefix])):
@@ -90,10 +97,11 @@ def _held_out_code(encode, tokens: int) -> list[int]:
     raise SystemExit(f"not enough held-out code for {tokens} tokens")
 
 
-def _conversation(client: CascadeClient, turns: list[list[int]], new_tokens: int) -> None:
+def _conversation(client: CascadeClient, turns: list[list[int]], new_tokens: int) -> tuple[list[float], dict, int]:
+    """One session over `turns`: each turn's time to first token, the last turn's stats, the session's length."""
     session = client.create_session()
     firsts: list[float] = []
-    last: dict = {}
+    stats: dict = {}
     length = 0
     for turn in turns:
         start = time.perf_counter()
@@ -102,22 +110,30 @@ def _conversation(client: CascadeClient, turns: list[list[int]], new_tokens: int
             if first is None and chunk.token_ids:
                 first = time.perf_counter() - start
             if chunk.stats:
-                last = chunk.stats
+                stats = chunk.stats
                 length = chunk.session_length or length
         firsts.append(first if first is not None else time.perf_counter() - start)
     client.delete_session(session.session_id)
+    return firsts, stats, length
+
+
+def _report(runs: list[tuple[list[float], dict, int]], turn_tokens: int, new_tokens: int) -> None:
+    """Per turn the median over the conversations (each on text of its own)."""
+    per_turn = [statistics.median(times) for times in zip(*(firsts for firsts, _, _ in runs))]
+    n, (_, stats, length) = len(per_turn), runs[-1]
+    first3, last3 = statistics.median(per_turn[:3]), statistics.median(per_turn[-3:])
     print(
-        f"conversation: {len(turns)} turns, {length} tokens in the session at the end; time to first token "
-        f"turn 1 {firsts[0]:.3f} s, turn {len(turns) // 2} {firsts[len(turns) // 2 - 1]:.3f} s, "
-        f"turn {len(turns)} {firsts[-1]:.3f} s (x{firsts[-1] / firsts[0]:.2f} of turn 1)"
+        f"conversation ({len(runs)} sessions, medians per turn): {n} turns, {length} tokens in a session at the end; "
+        f"time to first token turn 1 {per_turn[0]:.3f} s, turn {n // 2} {per_turn[n // 2 - 1]:.3f} s, turn {n} "
+        f"{per_turn[-1]:.3f} s (x{per_turn[-1] / per_turn[0]:.2f} of turn 1); turns {n - 2}-{n} {last3:.3f} s, "
+        f"x{last3 / first3:.2f} of turns 1-3"
     )
-    tiers = last.get("tiers", {})
     reads = ", ".join(
         f"{name} read {int(t.get('tokens_processed', 0))} cached {int(t.get('tokens_cached', 0))}"
-        for name, t in tiers.items()
+        for name, t in stats.get("tiers", {}).items()
         if "tokens_processed" in t
     )
-    print(f"  last turn (+{len(turns[-1])} tokens, {new_tokens} out): {reads}")
+    print(f"  last turn (+{turn_tokens} tokens, {new_tokens} out): {reads}")
 
 
 def _memory(models) -> None:

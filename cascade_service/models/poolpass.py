@@ -44,8 +44,13 @@ class PoolPass:
             self.pool.extend(cache, start + self.steps, self.caches)
             cache.used = now
         table = self.caches[0].table
-        # A lone row over consecutive blocks reads a view of the pool; anything else is gathered.
-        self._run = len(self.caches) == 1 and table == list(range(table[0], table[0] + len(table)))
+        # A lone row over consecutive blocks writes and reads a slice of the pool (no index tensors);
+        # anything else is indexed and gathered.
+        self._run = (
+            len(self.caches) == 1
+            and table[-1] - table[0] == len(table) - 1
+            and table == list(range(table[0], table[-1] + 1))
+        )
 
     def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(flat slots written [rows, S], the blocks read [rows * W / BLOCK], positions [rows, S])."""
@@ -81,15 +86,17 @@ class PoolPass:
         pool.reserve(layer_idx, key_states)
         heads, dim = key_states.shape[1], key_states.shape[3]
         keys, values = pool.keys[layer_idx], pool.values[layer_idx]  # [capacity, BLOCK, heads, dim]
+        if self._run:
+            flat_keys, flat_values = keys.view(-1, heads, dim), values.view(-1, heads, dim)
+            lo = self.caches[0].table[0] * BLOCK
+            new = slice(lo + self.starts[0], lo + self.width)
+            flat_keys[new] = key_states[0].transpose(0, 1)  # [S, heads, dim]
+            flat_values[new] = value_states[0].transpose(0, 1)
+            window = slice(lo, lo + self.width)
+            return flat_keys[window].transpose(0, 1)[None], flat_values[window].transpose(0, 1)[None]
         written, read, _ = self._indices(key_states.device)
         keys.view(-1, heads, dim)[written] = key_states.transpose(1, 2)  # [rows, S, heads, dim]
         values.view(-1, heads, dim)[written] = value_states.transpose(1, 2)
-        if self._run:
-            window = slice(self.caches[0].table[0] * BLOCK, self.caches[0].table[0] * BLOCK + self.width)
-            return (
-                keys.view(-1, heads, dim)[window].transpose(0, 1)[None],
-                values.view(-1, heads, dim)[window].transpose(0, 1)[None],
-            )
         # Whole blocks, each one contiguous copy: [rows, W, heads, dim] -> [rows, heads, W, dim] (a lone
         # row's W is its length, not whole blocks: the model made its mask for exactly that).
         rows = len(self.caches)

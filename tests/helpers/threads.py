@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 
 def concurrently(n: int, run) -> None:
@@ -12,3 +13,13 @@ def concurrently(n: int, run) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def soon(check, timeout_s: float = 10.0) -> bool:
+    """Whether `check()` comes true within `timeout_s` (polled every 20 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

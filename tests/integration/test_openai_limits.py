@@ -14,6 +14,7 @@ from cascade_service.config import Config, GenerationConfig
 from cascade_service.standalone import start_standalone
 from cascade_service.zoo.tiny import random_prompts
 
+from ..helpers.threads import soon
 from ..helpers.tier_servers import addressed, serve_group, tiny_cascade
 
 PROMPT = random_prompts(1, 10, seed=59)[0]
@@ -77,22 +78,13 @@ def _post(port: int, body: dict, timeout: float = 60) -> tuple[int, dict]:
     return reply.status, json.loads(reply.read())
 
 
-def _soon(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_a_full_queue_is_429_and_the_held_request_completes(gated):
     standalone, gate, _ = gated
     body = {"model": "target", "prompt": PROMPT, "max_tokens": 8}
     first: list = []
     holder = threading.Thread(target=lambda: first.append(_post(standalone.http_port, body)))
     holder.start()
-    assert _soon(lambda: gate.calls > 0)  # the one worker is busy
+    assert soon(lambda: gate.calls > 0)  # the one worker is busy
     status, reply = _post(standalone.http_port, body)
     assert status == 429 and reply["error"]["type"] == "rate_limit_error", reply
     gate.open.set()
@@ -105,13 +97,13 @@ def test_a_client_that_disconnects_cancels_its_request(gated):
     connection = http.client.HTTPConnection("127.0.0.1", standalone.http_port, timeout=60)
     body = {"model": "target", "prompt": PROMPT, "max_tokens": 32, "stream": True}
     connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    assert _soon(lambda: gate.calls > 0)
+    assert soon(lambda: gate.calls > 0)
     connection.sock.close()  # the client goes away while its first round waits on the tier
     connection.close()
     time.sleep(0.5)
     gate.open.set()
     # The decode stops at its next round: far fewer than 32 target rounds, and the tier holds nothing.
-    assert _soon(lambda: gate.group.cached_requests() == 0)
+    assert soon(lambda: gate.group.cached_requests() == 0)
     time.sleep(0.5)
     assert gate.calls <= 4, gate.calls
 

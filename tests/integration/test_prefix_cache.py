@@ -9,8 +9,6 @@ served by another, exactly, re-reading the session from the store.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
@@ -21,18 +19,10 @@ from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
+from ..helpers.threads import soon
 from ..helpers.tier_servers import addressed, running, serve_group, tiny_cascade
 
 N = 12
-
-
-def _soon(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _turns(count: int, length: int, seed: int) -> list[list[int]]:
@@ -124,7 +114,7 @@ def test_tier_replicas_serve_a_session_where_its_blocks_are_and_fail_over_exactl
             # client's next turn comes after it has read this one).
             result = next(turns)
             live = [r for r in replicas if r.port in alive]
-            assert _soon(lambda: all(r.service.group.cached_requests() == 0 for r in live))
+            assert soon(lambda: all(r.service.group.cached_requests() == 0 for r in live))
             return result
 
         alive = {r.port for r in replicas}

@@ -7,8 +7,6 @@ deltas (the bytes a round costs do not grow with the sequence).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from cascade_service.config import GenerationConfig
@@ -16,18 +14,10 @@ from cascade_service.engine import Engine
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
+from ..helpers.threads import soon
 from ..helpers.tier_servers import addressed, running, serve_group, tiny_cascade
 
 PROMPTS = random_prompts(2, 10, seed=43)
-
-
-def _soon(check, timeout_s=5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def _generate(engine: Engine, prompt, n=20, **gen):
@@ -46,7 +36,7 @@ def test_every_tier_remote_is_exact(tiny_family):
             assert result.stats.tiers["target"].hops == result.stats.target_calls
         assert result.stats.tiers["mag"].calls > 0  # MaG drafted on its server
         # Released at the end of each request (fire and forget): the servers soon hold nothing.
-        assert _soon(lambda: all(s.service.group.cached_requests() == 0 for s in servers.values()))
+        assert soon(lambda: all(s.service.group.cached_requests() == 0 for s in servers.values()))
         assert all(s.service.group.cached_contexts() == 0 for s in servers.values())
 
 
