@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 BLOCK = 16  # positions per block: small enough that a block's waste is little, large enough to gather fast
-GROWTH = 1.5  # the pool's tensors grow by this factor (capped at the budget) when blocks run out
+GROWTH = 1.1  # the tensors grow by this factor (capped at the budget): at most 10% above the blocks handed out
 FIRST_BLOCKS = 32
 NULL = 0  # block 0 holds no request's keys: rows' gathers past their table read it (masked)
 
