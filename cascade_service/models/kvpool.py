@@ -36,14 +36,17 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from cascade_service.core.tier import Overloaded
+
 BLOCK = 16  # positions per block: small enough that a block's waste is little, large enough to gather fast
 GROWTH = 1.1  # the tensors grow by this factor (capped at the budget): at most 10% above the blocks handed out
 FIRST_BLOCKS = 32
 NULL = 0  # block 0 holds no request's keys: rows' gathers past their table read it (masked)
 
 
-class KVBudgetExceeded(RuntimeError):
-    """The requests in one pass need more blocks than the pool's budget holds."""
+class KVBudgetExceeded(Overloaded):
+    """The requests in one pass need more blocks than the pool's budget holds: RESOURCE_EXHAUSTED at
+    the edge, as a full queue is (retry later, or lower the batch)."""
 
 
 @dataclass

@@ -39,10 +39,14 @@ class PoolPass:
         if len(self.caches) > 1:  # whole blocks, gathered as they lie; the mask hides the rest
             self.width = -(-self.width // BLOCK) * BLOCK
         now = next(self.pool.clock)
-        for cache, start in zip(self.caches, self.starts):
-            self.pool.own_tail(cache, self.caches)
-            self.pool.extend(cache, start + self.steps, self.caches)
-            cache.used = now
+        try:
+            for cache, start in zip(self.caches, self.starts):
+                self.pool.own_tail(cache, self.caches)
+                self.pool.extend(cache, start + self.steps, self.caches)
+                cache.used = now
+        except BaseException:  # no room for the pass (KVBudgetExceeded): its rows are as they were
+            self.abandon()
+            raise
         table = self.caches[0].table
         # A lone row over consecutive blocks writes and reads a slice of the pool (no index tensors);
         # anything else is indexed and gathered.

@@ -247,3 +247,19 @@ def test_requests_that_arrive_together_read_a_shared_header_once_and_exactly(tin
     for (_, _, rows), prompt in zip(results, prompts):
         torch.testing.assert_close(rows, model.full_logits(prompt)[-1:], rtol=1e-4, atol=1e-4)
     assert not model.kv_pool.pending
+
+
+def test_a_pass_whose_own_rows_outgrow_the_budget_is_overloaded_and_changes_nothing(tiny_family):
+    from cascade_service.core.tier import Overloaded
+    from cascade_service.models.kvpool import KVBudgetExceeded
+
+    probe = HFModel.load(tiny_family["target"])
+    blocks = -(-(probe.max_positions or 0) // BLOCK) + 1
+    model = HFModel.load(tiny_family["target"], kv_budget_mb=_budget_mb(probe, blocks))
+    rows = 3  # three rows of two-thirds of the context each: more than the budget in one pass
+    prompts = random_prompts(rows, (probe.max_positions or 0) * 2 // 3, seed=12)
+    caches = [model.new_cache() for _ in prompts]
+    with torch.inference_mode(), pytest.raises(KVBudgetExceeded, match="kv_budget_mb") as caught:
+        forward_batch(model, [Pass(p, c, 1, False) for p, c in zip(prompts, caches)])
+    assert isinstance(caught.value, Overloaded)  # RESOURCE_EXHAUSTED at the edge
+    assert [c.get_seq_length() for c in caches] == [0] * rows and model.kv_pool.used_blocks() == 0
