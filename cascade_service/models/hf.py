@@ -248,7 +248,7 @@ class HFModel:
         dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto";
         backend: the forward that runs it (models.lean.BACKENDS: "hf", or "lean" for a drafter);
         kv: where requests' KV caches live (models.kvpool.STORAGES: "pool" or "dynamic");
-        kv_budget_mb: the most its pool holds (None: `default_kv_budget` of the device).
+        kv_budget_mb: the most its pool holds (None: models.kvsize.DEFAULT_FRACTION of the device's memory).
         Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
         """
         if backend not in BACKENDS:

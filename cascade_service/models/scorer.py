@@ -86,7 +86,10 @@ class HFScorer:
             if theirs is None:
                 break
             loop = current_loop()
-            loop.wait(theirs) if loop is not None else theirs.result()
+            if loop is not None:
+                loop.wait(theirs)  # park this task; the claimant's pass runs meanwhile
+            else:
+                theirs.result()
             pool.truncate(cache, 0)  # and look again: the blocks are published now, or were given up
         pool.looked_up(limit, start)
         self._tokens = ctx.tokens[:start]
@@ -97,13 +100,8 @@ class HFScorer:
     def finish(self, tokens: Sequence[int]) -> None:
         """The request ended with `tokens` committed: publish the blocks the cache holds of them
         (past what earlier calls could confirm: the last round's tokens)."""
-        if not isinstance(self._cache, PagedCache):
-            return
-        limit = min(len(self._tokens), len(tokens))
-        i = min(self._trusted, limit)
-        while i < limit and self._tokens[i] == tokens[i]:
-            i += 1
-        self._model.kv_pool.publish(self._cache, self._tokens, i)
+        if isinstance(self._cache, PagedCache):
+            self._model.kv_pool.publish(self._cache, self._tokens, self._common_prefix(tokens))
 
     def reset(self) -> None:
         """Drop the KV cache (frees its memory); the next call re-prefills. Counters are kept."""
@@ -111,7 +109,7 @@ class HFScorer:
         self._tokens = []
         self._trusted = 0
 
-    def _common_prefix(self, tokens: list[int]) -> int:
+    def _common_prefix(self, tokens: Sequence[int]) -> int:
         # Only the pending tail is compared: O(draft length), not O(sequence length).
         limit = min(len(self._tokens), len(tokens))
         i = min(self._trusted, limit)
