@@ -26,11 +26,40 @@ def add_cascade_service(servicer: Any, server: Any) -> None:
     if factory is None:  # any other server: the plain registration
         cascade_pb2_grpc.add_CascadeServiceServicer_to_server(servicer, server)
         return
+    _lost_replicas_are_unavailable()
     server.service_handler_factory = _with_details(factory)
     try:
         cascade_pb2_grpc.add_CascadeServiceServicer_to_server(servicer, server)
     finally:
         server.service_handler_factory = factory  # other services' handlers stay Ray's own
+
+
+REPLICA_LOST = "the replica serving this call was lost ({}); retry the request"
+
+
+def _lost_replicas_are_unavailable() -> None:
+    """Ray's proxy reports a call whose replica died under it (its node lost, its process killed) as
+    INTERNAL, with Ray's message. The call did not complete and a retry reaches a live replica (a session
+    is in Redis, so nothing is lost): that is UNAVAILABLE, with a retry hint. The proxy maps exceptions
+    to statuses in one function, imported by name into ray.serve._private.proxy; this wraps it there,
+    in the proxy's process (where Serve calls this registration), for the actor-death errors only: an
+    error raised by the replica's code (RayTaskError) keeps Serve's mapping."""
+    from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve._private import proxy
+    from ray.serve._private.proxy_request_response import ResponseStatus
+
+    original = proxy.get_grpc_response_status
+    if getattr(original, "_cascade", False):
+        return
+
+    def status(exc: BaseException, request_timeout_s: float | None, request_id: str) -> Any:
+        if isinstance(exc, RayActorError) and not isinstance(exc, RayTaskError):
+            why = type(exc).__name__
+            return ResponseStatus(code=grpc.StatusCode.UNAVAILABLE, is_error=True, message=REPLICA_LOST.format(why))
+        return original(exc, request_timeout_s, request_id)
+
+    status._cascade = True  # type: ignore[attr-defined]
+    proxy.get_grpc_response_status = status
 
 
 def _with_details(factory: Callable[..., Any]) -> Callable[..., Any]:

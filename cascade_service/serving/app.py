@@ -187,7 +187,7 @@ class CoordinatorDeployment:
             for name, model in self.local.items()
         }
         for name, handle in self.handles.items():
-            call = invoker(name, handle, scope.affinity)
+            call = invoker(name, handle, scope.affinity, scope.request_id)
             tiers[name] = RemoteTier(name, scope.request_id, call, system=name in self.systems)
         for name, model in self.remote.items():
             tiers[name] = model.tier(scope.request_id, scope.affinity)

@@ -144,3 +144,24 @@ def test_other_servers_get_the_plain_registration():
     assert handlers["Generate"].unary_unary == servicer.Generate
     assert handlers["GenerateStream"].unary_stream == servicer.GenerateStream
     assert not hasattr(server, "service_handler_factory")  # nothing was set on it either
+
+
+def test_a_call_whose_replica_died_is_unavailable_and_errors_of_the_replicas_code_keep_serves_mapping():
+    # Serve's proxy maps a replica that died mid-call (RayActorError: its node lost) to INTERNAL; our
+    # registration makes it UNAVAILABLE with a retry hint (tests/cluster/test_survival.py sees it for real).
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+    from ray.serve._private import proxy
+    from ray.serve._private.grpc_util import get_grpc_response_status as serves_own
+
+    _serve(lambda handlers: asyncio.sleep(0))
+    _serve(lambda handlers: asyncio.sleep(0))  # registered twice (a restarted proxy): wrapped once
+    status = proxy.get_grpc_response_status
+    assert serves_own in [cell.cell_contents for cell in status.__closure__ or ()]  # it wraps Serve's own
+    for lost in (ActorDiedError(), ActorUnavailableError("node gone", None)):
+        got = status(lost, None, "request-1")
+        assert got.code == grpc.StatusCode.UNAVAILABLE and "retry" in got.message, got
+        assert type(lost).__name__ in got.message
+    raised = RayTaskError("generate", "Traceback ...", ValueError("the replica's own error"))
+    assert status(raised, None, "request-2").code == grpc.StatusCode.INTERNAL
+    assert status(RuntimeError("proxy bug"), None, "request-3").code == grpc.StatusCode.INTERNAL
+    assert status(TimeoutError(), 5.0, "request-4").code == grpc.StatusCode.DEADLINE_EXCEEDED
