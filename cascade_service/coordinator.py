@@ -23,7 +23,7 @@ from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.encdec import check_request, decoder_context
-from .core.policy import BlockPolicy
+from .core.policy import OFF, SPECULATION, BlockPolicy
 from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
@@ -126,6 +126,7 @@ class Coordinator:
         stop: Sequence[str] = (),
         verification: Verification | None = None,
         stop_threshold: float | None = None,
+        speculation: str | None = None,
         owner: str = "",
     ) -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
@@ -144,6 +145,7 @@ class Coordinator:
             "seed": seed,
             "verification": verification,
             "stop_threshold": stop_threshold,
+            "speculation": speculation,
         }
         gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
         with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)  # one no tier can use fails here
@@ -282,8 +284,7 @@ class Coordinator:
     ):
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
         state.request_id, state.cache_salt = request_id, salt
-        if self.policies is not None:
-            state.policy = self.policies(state.sampling.greedy)
+        state.policy = SPECULATION[gen.speculation](self.policies, state.sampling.greedy)
         missing = [d.name for d in self.cascade.drafters if d.name not in tiers]
         if missing:  # a wiring fault, not the caller's: no tier (or no leaves) for a drafter of the config
             raise RuntimeError(f"no tier for drafter {missing[0]!r} in this coordinator")
@@ -294,7 +295,7 @@ class Coordinator:
             self.cascade.schedule,
             self.cascade.leniency,
             state,
-            self.cascade.lookup,
+            None if state.policy is OFF else self.cascade.lookup,  # no drafts: no lookup to pay for either
         )
         yield from decode(system, context, gen.max_new_tokens, state)
 

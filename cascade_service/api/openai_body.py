@@ -32,7 +32,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "logprobs": None}
 NEUTRAL |= {"logit_bias": None, "suffix": None, "top_logprobs": None, "response_format": None}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
-COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", *NEUTRAL}
+COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", "speculation", *NEUTRAL}
 DISCONNECT_POLL_S = 0.25
 
 
@@ -76,6 +76,19 @@ def put_verification(value: Any, message: pb.GenerateRequest) -> None:
         if not isinstance(value["tune_beta"], bool):
             raise HttpError(400, "verification.tune_beta must be true or false", "verification.tune_beta")
         v.tune_beta = value["tune_beta"]
+
+
+def put_speculation(value: Any, message: pb.GenerateRequest) -> None:
+    """`speculation: {"mode": "auto" | "off" | "fixed"}` (the mode's range is the coordinator's check)."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or set(value) - {"mode"}:
+        raise HttpError(400, "speculation must be {mode}", "speculation")
+    mode = value.get("mode")
+    if mode is not None:
+        if not isinstance(mode, str):
+            raise HttpError(400, "speculation.mode must be a string", "speculation.mode")
+        message.speculation.mode = mode
 
 
 async def json_body(request: Request) -> dict[str, Any]:

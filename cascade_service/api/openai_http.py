@@ -41,6 +41,7 @@ from .openai_body import (
     param_of,
     plain,
     put_prompt,
+    put_speculation,
     put_verification,
     status_code,
     usage,
@@ -188,6 +189,7 @@ class _Api:
                 raise HttpError(400, "session_id must be a string", "session_id")
             message.session_id = session
         put_verification(body.get("verification"), message)
+        put_speculation(body.get("speculation"), message)
         return message, text
 
     def _chat_prompt(self, messages: Any) -> str:

@@ -161,6 +161,7 @@ class CascadeServicer:
             stop=list(request.stop),
             verification=_verification(request),
             stop_threshold=request.stop_threshold if request.HasField("stop_threshold") else None,
+            speculation=request.speculation.mode or None,  # unset or empty: the server's "auto"
             owner=owner_of(context),
         )
 

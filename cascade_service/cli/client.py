@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..core.policy import SPECULATION
 from .generate import add_verify_arguments, read_prompt
 from .parser import Parser, UsageError
 
@@ -32,6 +33,11 @@ def add_client(sub: argparse._SubParsersAction) -> None:
             "--stop-threshold",
             type=float,
             help="SpecDec++ threshold h in (0, 1) for this request, at every tier with an acceptance head",
+        )
+        c.add_argument(
+            "--speculation",
+            choices=SPECULATION,
+            help="auto (the server's way), fixed (its K-matrix always) or off (plain decoding); same output",
         )
         c.add_argument("--timeout-s", type=float, default=120.0)
         c.add_argument("--json", action="store_true", help="print one JSON object (generate) or one per chunk")
@@ -102,6 +108,7 @@ def run_client(args: argparse.Namespace) -> int:
                 alpha=args.alpha,
                 beta=args.beta,
                 stop_threshold=args.stop_threshold,
+                speculation=args.speculation,
             )
             prompt = read_prompt(args)
             if command == "generate":

@@ -67,6 +67,7 @@ class AsyncCascadeClient:
         alpha: float | None = None,
         beta: float | str | None = None,
         stop_threshold: float | None = None,
+        speculation: str | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
@@ -83,6 +84,7 @@ class AsyncCascadeClient:
             alpha=alpha,
             beta=beta,
             stop_threshold=stop_threshold,
+            speculation=speculation,
         )
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
 
@@ -101,6 +103,7 @@ class AsyncCascadeClient:
         alpha: float | None = None,
         beta: float | str | None = None,
         stop_threshold: float | None = None,
+        speculation: str | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens (`async for`);
@@ -118,6 +121,7 @@ class AsyncCascadeClient:
             alpha=alpha,
             beta=beta,
             stop_threshold=stop_threshold,
+            speculation=speculation,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

@@ -71,6 +71,7 @@ def generate_request(
     alpha: float | None,
     beta: float | str | None = None,
     stop_threshold: float | None = None,
+    speculation: str | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
     stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
@@ -99,6 +100,8 @@ def generate_request(
         elif beta is not None:
             rule["beta"] = beta
         fields["verification"] = pb.Verification(**rule)
+    if speculation is not None:  # "auto", "off" or "fixed"; the server checks it
+        fields["speculation"] = pb.Speculation(mode=speculation)
     return pb.GenerateRequest(**fields)
 
 
@@ -215,6 +218,7 @@ class CascadeClient:
         alpha: float | None = None,
         beta: float | str | None = None,
         stop_threshold: float | None = None,
+        speculation: str | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
@@ -231,6 +235,7 @@ class CascadeClient:
             alpha=alpha,
             beta=beta,
             stop_threshold=stop_threshold,
+            speculation=speculation,
         )
         return result_from(self._call(self._stub.Generate, request, timeout_s))
 
@@ -249,6 +254,7 @@ class CascadeClient:
         alpha: float | None = None,
         beta: float | str | None = None,
         stop_threshold: float | None = None,
+        speculation: str | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
@@ -266,6 +272,7 @@ class CascadeClient:
             alpha=alpha,
             beta=beta,
             stop_threshold=stop_threshold,
+            speculation=speculation,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

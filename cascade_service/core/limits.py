@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .policy import SPECULATION
+
 MAX_NEW_TOKENS = 4096  # per request; the model's positions may allow fewer (Coordinator._fit)
 MAX_TEMPERATURE = 100.0
 SEED_LIMIT = 2**63  # seeds in [0, 2**63): an int64 on the wire
@@ -51,6 +53,13 @@ def check_stop_threshold(value: Any) -> float | None:
     if not _number(value) or not 0.0 < value < 1.0:
         raise ValueError(f"stop_threshold must be in (0, 1), got {value!r}")
     return float(value)
+
+
+def check_speculation(mode: Any) -> str:
+    """A request's speculation mode (core.policy.SPECULATION): "auto", "off" or "fixed"."""
+    if not isinstance(mode, str) or mode not in SPECULATION:
+        raise ValueError(f"speculation.mode must be one of {', '.join(SPECULATION)}, got {mode!r}")
+    return mode
 
 
 def check_stop(stop: Any) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ so in its reply (`core.tier.DraftReply.stopped`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 SOURCES = ("lookup", "model")  # what fills a target's block: MaG's lookup gate, or the model drafters
@@ -49,3 +50,33 @@ class FixedBlocks:
 
 
 FIXED = FixedBlocks()
+
+
+class NoDrafts:
+    """Plain decoding of the target through the cascade's engine: every round's block is empty, so no
+    drafter runs and the target emits one token per pass (a request's `speculation` "off")."""
+
+    def begin(self) -> None:
+        pass
+
+    def cap(self, source: str, offered: int, ceiling: int) -> int:
+        return 0
+
+    def drafted(self) -> None:
+        pass
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+OFF = NoDrafts()
+
+# A request's speculation mode -> its target's block policy, given the server's per-request policies
+# (load adaptation, or None where the server runs the K-matrix as configured) and whether it is greedy.
+# "auto": what the server runs; "fixed": the K-matrix as configured, whatever the load; "off": no drafts.
+PolicyFactory = Callable[[bool], BlockPolicy]
+SPECULATION: dict[str, Callable[[PolicyFactory | None, bool], BlockPolicy]] = {
+    "auto": lambda policies, greedy: policies(greedy) if policies is not None else FIXED,
+    "fixed": lambda policies, greedy: FIXED,
+    "off": lambda policies, greedy: OFF,
+}

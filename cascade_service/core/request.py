@@ -25,6 +25,7 @@ from .limits import (  # noqa: F401 - each field's check, used where requests ar
     SEED_LIMIT,
     check_max_new_tokens,
     check_seed,
+    check_speculation,
     check_stop,
     check_stop_threshold,
     check_temperature,
@@ -53,6 +54,10 @@ class GenerationConfig:
     # SpecDec++'s stopping threshold h in (0, 1) for this request, at every tier with an acceptance
     # head (schedule.adaptive, rule specdec); None keeps each tier's configured threshold.
     stop_threshold: float | None = None
+    # How the request speculates (core.policy.SPECULATION): "auto" as the server does (load adaptation
+    # or the K-matrix), "fixed" the configured K-matrix whatever the load, "off" plain decoding of the
+    # target through the same engine. The output is the same in all three (exact verification).
+    speculation: str = "auto"
 
     def __post_init__(self) -> None:
         # Numbers from YAML or JSON arrive as ints where floats are meant: stored as floats, so that
@@ -63,6 +68,7 @@ class GenerationConfig:
             "top_p": check_top_p(self.top_p),
             "seed": check_seed(self.seed),
             "stop_threshold": check_stop_threshold(self.stop_threshold),
+            "speculation": check_speculation(self.speculation),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)

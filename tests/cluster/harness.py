@@ -133,7 +133,7 @@ class Load:
     def __init__(self, grpc_port: int, prompts: list[list[int]], expected: list[list[int]], pause_s: float = 0.0):
         self.port, self.prompts, self.expected, self.pause_s = grpc_port, prompts, expected, pause_s
         self.outcomes: list[tuple[float, str]] = []
-        self.stats: list[tuple[float, float, dict]] = []  # (sent, ended, stats) of each call that succeeded
+        self.stats: list[tuple[int, float, float, dict]] = []  # (prompt, sent, ended, stats) of each call served
         self.messages: list[str] = []  # each failure's message, for the assertion that shows them
         self.wrong: list[int] = []
         self._stop = threading.Event()
@@ -170,6 +170,6 @@ class Load:
                     time.sleep(self.pause_s)
                     continue
                 self.outcomes.append((time.monotonic(), "ok"))
-                self.stats.append((sent, time.monotonic(), got.stats))
+                self.stats.append((i, sent, time.monotonic(), got.stats))
                 if got.token_ids != self.expected[i]:
                     self.wrong.append(i)

@@ -80,3 +80,10 @@ def test_the_bottleneck_tier_scales_up_under_load_and_back_down_alone(cluster, t
     assert down is not None and down <= 120, timeline
     for name in ("coordinator", "tier-base", "tier-small"):  # the others stayed at their minimum
         assert {counts[name] for _, counts in timeline} == {1}, (name, timeline)
+    # No request read its context twice: the prompts are shorter than a KV block, so nothing is cached and
+    # each call of one prompt feeds the target the same tokens, unless the call moved to the new replica
+    # mid-request (serving.routing holds a request to its replica; rendezvous alone would move half the keys).
+    fed: dict[int, set[int]] = {}
+    for i, _, _, stats in load.stats:
+        fed.setdefault(i, set()).add(stats["tiers"]["large"]["tokens_processed"])
+    assert all(len(counts) == 1 for counts in fed.values()), fed

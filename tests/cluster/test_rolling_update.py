@@ -53,14 +53,14 @@ def test_a_rolling_update_under_load_fails_no_call_and_switches_the_schedule(clu
             assert time.monotonic() < deadline, status
             time.sleep(0.5)
         switched = time.monotonic()
-        while sum(sent > switched for sent, _, _ in load.stats) < 8:  # calls that began after the switch
+        while sum(sent > switched for _, sent, _, _ in load.stats) < 8:  # calls that began after the switch
             assert time.monotonic() < switched + 60, load.messages
             time.sleep(0.1)
     print(f"rolling update: {switched - began:.1f} s, {load.ok()} calls served, {len(load.failures())} failed")
     assert not load.failures(), load.messages
     assert not load.wrong, load.wrong
-    before = [_target_row_drafters(stats) for _, ended, stats in load.stats if ended < began]
-    after = [_target_row_drafters(stats) for sent, _, stats in load.stats if sent > switched]
+    before = [_target_row_drafters(stats) for _, _, ended, stats in load.stats if ended < began]
+    after = [_target_row_drafters(stats) for _, sent, _, stats in load.stats if sent > switched]
     assert before and all("small" in d for d in before), before  # the old row: base and small
     assert after and all("small" not in d for d in after), after  # the new row: base and MaG
     assert any(d & {"mag"} for d in after), after

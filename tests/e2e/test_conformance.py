@@ -119,6 +119,10 @@ def test_the_openai_client_gets_the_grpc_text_unary_and_streamed(served, tiny_fa
     assert reply.model_extra["cascade"]["generated_tokens"] == 12
     chunks = list(client.completions.create(model="target", prompt=prompt, max_tokens=12, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.text
+    plain = client.completions.create(  # speculation off for this request: the same text, a pass per token
+        model="target", prompt=prompt, max_tokens=12, temperature=0, extra_body={"speculation": {"mode": "off"}}
+    )
+    assert plain.choices[0].text == direct.text and plain.model_extra["cascade"]["target_calls"] == 12
     assert [m.id for m in client.models.list().data] == ["target"]
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="target", prompt=prompt, max_tokens=0)

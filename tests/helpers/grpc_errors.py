@@ -22,6 +22,11 @@ BAD_REQUESTS = [
         "verification.beta",
         "verification.beta: give beta or tune_beta, not both",
     ),
+    (
+        pb.GenerateRequest(prompt="x", speculation=pb.Speculation(mode="sometimes")),
+        "speculation.mode",
+        "speculation.mode must be one of auto, fixed, off, got 'sometimes'",
+    ),
 ]
 
 

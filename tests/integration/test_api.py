@@ -78,6 +78,18 @@ def test_greedy_generate_equals_transformers_and_streaming_yields_the_same(tiny_
     assert client.generate(prompt_token_ids=PROMPT).token_ids == expected[:24]  # the server's default length
 
 
+def test_speculation_per_request_gives_the_oracles_tokens_and_off_drafts_nothing(tiny_family, client):
+    expected = oracle(tiny_family["target"], PROMPT, 24)
+    off = client.generate(prompt_token_ids=PROMPT, speculation="off")
+    fixed = client.generate(prompt_token_ids=PROMPT, speculation="fixed")
+    assert off.token_ids == fixed.token_ids == expected
+    assert off.stats["target_calls"] == 24 and not off.stats.get("drafted_by_position")
+    assert all(not tier.get("calls") for name, tier in off.stats["tiers"].items() if name != "target"), off.stats
+    assert fixed.stats["target_calls"] < 24
+    streamed = [t for chunk in client.stream(prompt_token_ids=PROMPT, speculation="off") for t in chunk.token_ids]
+    assert streamed == expected
+
+
 def test_a_session_continues_from_its_stored_prefix(tiny_family, client):
     session = client.create_session(prompt_token_ids=PROMPT[:5])
     first = client.generate(prompt_token_ids=PROMPT[5:], session_id=session.session_id, max_new_tokens=8)
@@ -125,6 +137,8 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
         ({"prompt_token_ids": [1, 2], "stop_threshold": 0.0}, "stop_threshold"),
         # In range, but this cascade has no acceptance head to apply it to: refused, not ignored.
         ({"prompt_token_ids": [1, 2], "stop_threshold": 0.5}, "stop_threshold: no tier"),
+        ({"prompt_token_ids": [1, 2], "speculation": "sometimes"}, "speculation.mode"),
+        ({"prompt_token_ids": [1, 2], "speculation": "OFF"}, "speculation.mode"),
     ],
 )
 def test_bad_fields_are_invalid_argument_naming_the_field(client, kwargs, field):

@@ -75,6 +75,10 @@ def test_models_lists_the_target(client):
         ({"verification": {"rule": "bogus"}}, 400, "verification.rule"),
         ({"stop_threshold": 0.5}, 400, "stop_threshold"),
         ({"bogus_field": 1}, 400, "bogus_field"),
+        ({"speculation": {"mode": "sometimes"}}, 400, "speculation.mode"),
+        ({"speculation": {"mode": 0}}, 400, "speculation.mode"),
+        ({"speculation": "off"}, 400, "speculation"),
+        ({"speculation": {"mode": "off", "k_matrix": [[1]]}}, 400, "speculation"),
     ],
 )
 def test_bad_fields_are_400s_naming_the_field(server, fields, status, param):
@@ -211,3 +215,15 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client, server):
     assert hits and float(hits[0].split()[-1]) >= 64
     for name in ("prefix_cache_queries_total", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_free"):
         assert f'cascade:{name}{{tier="close"}}' in text, name
+
+
+def test_speculation_per_request_keeps_the_text_and_off_drafts_nothing(client):
+    texts, stats = {}, {}
+    for mode in ("auto", "fixed", "off"):
+        reply = client.completions.create(
+            model="target", prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"speculation": {"mode": mode}}
+        )
+        texts[mode], stats[mode] = reply.choices[0].text, reply.model_extra["cascade"]
+    assert texts["auto"] == texts["fixed"] == texts["off"]
+    assert stats["off"]["target_calls"] == N and not stats["off"].get("drafted_by_position")  # one token a pass
+    assert stats["fixed"]["target_calls"] < N and sum(stats["fixed"]["drafted_by_position"]) > 0

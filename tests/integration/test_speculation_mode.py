@@ -1,0 +1,85 @@
+"""Speculation per request (GenerationConfig.speculation, core.policy.SPECULATION): "auto", "fixed" and
+"off" give the oracle's greedy tokens in every cascade shape; "off" calls no drafter and makes one target
+pass per token; "fixed" runs the K-matrix even where the server adapts to load; the mode is checked
+where the config is made."""
+
+from __future__ import annotations
+
+import pytest
+
+from cascade_service.config import GenerationConfig
+from cascade_service.core.cascade import Lookup
+from cascade_service.sessions import MemoryStore
+from cascade_service.zoo.tiny import random_prompts
+
+from ..helpers.oracle import make_engine, oracle
+
+PROMPTS = random_prompts(2, 10, seed=91)
+N = 20
+SHAPES = {
+    "sd": (["close"], [[4]], None),
+    "vertical": (["close", "mid"], [[3, 3], [0, 4]], None),
+    "horizontal+mag": (["close", "mid", "mag"], [[4, 2, 0], [0, 2, 6], [0, 0, 6]], Lookup(2, 10)),
+}
+
+
+def _drafted(stats: dict) -> int:
+    return sum(stats.get("drafted_by_position", []))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_mode_gives_the_oracles_tokens_and_off_drafts_nothing(tiny_family, shape):
+    names, k_matrix, lookup = SHAPES[shape]
+    engine = make_engine(tiny_family, names, k_matrix, 1.5, lookup=lookup)
+    for prompt in PROMPTS:
+        expected = oracle(tiny_family["target"], prompt, N)
+        results = {
+            m: engine.generate(prompt, GenerationConfig(max_new_tokens=N, speculation=m))
+            for m in ("auto", "fixed", "off")
+        }
+        for mode, result in results.items():
+            assert result.token_ids == expected, (shape, mode)
+        off = results["off"].stats.to_dict()
+        assert off["target_calls"] == N and _drafted(off) == 0, off
+        assert all(not tier.get("calls") for name, tier in off["tiers"].items() if name != "target"), off
+        assert _drafted(results["fixed"].stats.to_dict()) > 0
+
+
+def test_fixed_runs_the_k_matrix_where_the_server_adapts_to_load_and_off_wins_over_it(tiny_family):
+    names, k_matrix, lookup = SHAPES["horizontal+mag"]
+    engine = make_engine(tiny_family, names, k_matrix, 1.5, lookup=lookup)
+    coordinator = engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=N), adapt_to_load=True)
+    prompt = PROMPTS[0]
+    expected = oracle(tiny_family["target"], prompt, N)
+    for mode in ("auto", "fixed", "off"):
+        chunk = coordinator.generate(coordinator.params(prompt_ids=prompt, temperature=0.0, speculation=mode))
+        assert chunk.token_ids == expected, mode
+        stats = chunk.stats.to_dict()
+        rows = chunk.stats.reviews["target"].row() if mode != "off" else {}
+        if mode == "fixed":  # every block the row's: each drafter of the target's row called in every block
+            assert all(entry["share"] == 1.0 for entry in rows["entries"].values() if entry["blocks"]), rows
+            assert _drafted(stats) > 0
+        if mode == "off":
+            assert stats["target_calls"] == N and _drafted(stats) == 0
+
+
+@pytest.mark.parametrize("mode", ["", "OFF", "sometimes", None, 1])
+def test_a_bad_mode_is_refused_naming_the_field(mode):
+    with pytest.raises(ValueError, match=r"^speculation\.mode must be one of auto, fixed, off"):
+        GenerationConfig(speculation=mode)  # type: ignore[arg-type]
+
+
+def test_the_modes_map_to_their_policies():
+    from cascade_service.core.policy import FIXED, OFF, SPECULATION
+
+    made: list[bool] = []
+
+    def policies(greedy: bool):
+        made.append(greedy)
+        return "the server's policy"
+
+    assert SPECULATION["auto"](policies, True) == "the server's policy" and made == [True]
+    assert SPECULATION["auto"](None, False) is FIXED  # a server that does not adapt runs the K-matrix
+    assert SPECULATION["fixed"](policies, False) is FIXED and SPECULATION["off"](policies, False) is OFF
+    assert made == [True]  # only "auto" asks the server's policies
+    assert OFF.cap("model", 8, 8) == 0 and OFF.cap("lookup", 8, 8) == 0 and FIXED.cap("model", 8, 6) == 6
