@@ -33,6 +33,7 @@ NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, 
 NEUTRAL |= {"logit_bias": None, "suffix": None, "top_logprobs": None, "response_format": None}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
 COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", "speculation", *NEUTRAL}
+COMMON |= {"top_k", "min_p"}  # as vLLM and SGLang take them
 DISCONNECT_POLL_S = 0.25
 
 

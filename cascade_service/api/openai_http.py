@@ -166,6 +166,8 @@ class _Api:
             ("max_tokens", limit, int),
             ("temperature", body.get("temperature"), float),
             ("top_p", body.get("top_p"), float),
+            ("top_k", body.get("top_k"), int),
+            ("min_p", body.get("min_p"), float),
             ("seed", body.get("seed"), int),
             ("stop_threshold", body.get("stop_threshold"), float),
         ):

@@ -157,6 +157,8 @@ class CascadeServicer:
             max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
             temperature=request.temperature if request.HasField("temperature") else None,
             top_p=request.top_p if request.HasField("top_p") else None,
+            top_k=request.top_k if request.HasField("top_k") else None,
+            min_p=request.min_p if request.HasField("min_p") else None,
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
             verification=_verification(request),

@@ -25,6 +25,8 @@ def add_client(sub: argparse._SubParsersAction) -> None:
         c.add_argument("--max-new-tokens", type=int)
         c.add_argument("--temperature", type=float)
         c.add_argument("--top-p", type=float)
+        c.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: all)")
+        c.add_argument("--min-p", type=float, help="drop tokens below min_p x the most likely's")
         c.add_argument("--seed", type=int)
         c.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         c.add_argument("--session-id")
@@ -101,6 +103,8 @@ def run_client(args: argparse.Namespace) -> int:
                 max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature,
                 top_p=args.top_p,
+                top_k=args.top_k,
+                min_p=args.min_p,
                 seed=args.seed,
                 stop=args.stop,
                 session_id=args.session_id,

@@ -72,6 +72,8 @@ def generate_request(
     beta: float | str | None = None,
     stop_threshold: float | None = None,
     speculation: str | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
     stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
@@ -87,6 +89,8 @@ def generate_request(
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
         "seed": seed,
         "stop_threshold": stop_threshold,
     }
@@ -210,6 +214,8 @@ class CascadeClient:
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -227,6 +233,8 @@ class CascadeClient:
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
             seed=seed,
             stop=stop,
             session_id=session_id,
@@ -246,6 +254,8 @@ class CascadeClient:
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -264,6 +274,8 @@ class CascadeClient:
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
             seed=seed,
             stop=stop,
             session_id=session_id,

@@ -91,7 +91,7 @@ def request_state(
     """The shared state of one request's cascade, from its generation settings."""
     v = gen.verification
     stats.verification = v.describe()
-    sampling = SamplingParams(gen.temperature, gen.top_p, rows=v.needs_rows)
+    sampling = SamplingParams(gen.temperature, gen.top_p, rows=v.needs_rows, top_k=gen.top_k, min_p=gen.min_p)
     return RequestState(
         sampling,
         torch.Generator().manual_seed(gen.seed),
@@ -170,7 +170,7 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
         schedule_raw.get("fill", "entry"),
     )
     gen_raw = _mapping(raw.get("generation", {}), "generation")
-    _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "seed", "verification"})
+    _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "verification"})
     if "verification" in gen_raw:
         gen_raw = {**gen_raw, "verification": make_verification(gen_raw["verification"], "generation.verification")}
     serving = _serving(_mapping(raw.get("serving", {}), "serving"), cascade, base_dir)

@@ -13,6 +13,7 @@ from .policy import SPECULATION
 
 MAX_NEW_TOKENS = 4096  # per request; the model's positions may allow fewer (Coordinator._fit)
 MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20  # past any vocabulary here; a k at or above the vocabulary keeps every token
 SEED_LIMIT = 2**63  # seeds in [0, 2**63): an int64 on the wire
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -37,6 +38,20 @@ def check_temperature(value: Any) -> float:
 def check_top_p(value: Any) -> float:
     if not _number(value) or not 0.0 < value <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def check_top_k(value: Any) -> int:
+    """Keep the k most likely tokens; 0 keeps them all."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_K:
+        raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0: off), got {value!r}")
+    return value
+
+
+def check_min_p(value: Any) -> float:
+    """Keep the tokens at least min_p times as likely as the most likely one; 0 keeps them all."""
+    if not _number(value) or not 0.0 <= value < 1.0:
+        raise ValueError(f"min_p must be in [0, 1), got {value!r}")
     return float(value)
 
 

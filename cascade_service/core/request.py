@@ -24,11 +24,13 @@ from .limits import (  # noqa: F401 - each field's check, used where requests ar
     MAX_TEMPERATURE,
     SEED_LIMIT,
     check_max_new_tokens,
+    check_min_p,
     check_seed,
     check_speculation,
     check_stop,
     check_stop_threshold,
     check_temperature,
+    check_top_k,
     check_top_p,
 )
 
@@ -49,6 +51,8 @@ class GenerationConfig:
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0  # 0: every token
     seed: int = 0  # the request's sampling seed
     verification: Verification = field(default_factory=_exact)  # the final verifier's rule; exact by default
     # SpecDec++'s stopping threshold h in (0, 1) for this request, at every tier with an acceptance
@@ -66,6 +70,8 @@ class GenerationConfig:
             "max_new_tokens": check_max_new_tokens(self.max_new_tokens),
             "temperature": check_temperature(self.temperature),
             "top_p": check_top_p(self.top_p),
+            "top_k": check_top_k(self.top_k),
+            "min_p": check_min_p(self.min_p),
             "seed": check_seed(self.seed),
             "stop_threshold": check_stop_threshold(self.stop_threshold),
             "speculation": check_speculation(self.speculation),

@@ -1,7 +1,10 @@
 """Turning logits into distributions and tokens, the same way for every tier.
 
 Every tier's logits pass through one `SamplingParams`, so the draft and target distributions that
-speculative sampling compares are processed identically (temperature, then top-p).
+speculative sampling compares are processed identically: temperature, top-k, top-p, then min-p, the
+order of `transformers`' logits warpers. The final review verifies against the target's processed
+distribution, so the output is distributed exactly as the target's under these controls; drafters get
+the same processing so that their drafts stay likely under it.
 """
 
 from __future__ import annotations
@@ -10,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .limits import check_temperature, check_top_p
+from .limits import check_min_p, check_temperature, check_top_k, check_top_p
 from .placement import PROBS_DTYPE, generator_for
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_p 1 keeps the whole distribution.
+    """temperature 0 means greedy; top_p 1, top_k 0 and min_p 0 keep the whole distribution.
 
     `rows`: greedy drafts carry their full distributions too (a final-verifier rule that compares
     whole distributions needs them, core.verify); sampling drafts always do.
@@ -25,10 +28,14 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     rows: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)  # a tier's request off the wire is checked as the client's was
         check_top_p(self.top_p)
+        check_top_k(self.top_k)
+        check_min_p(self.min_p)
 
     @property
     def greedy(self) -> bool:
@@ -47,9 +54,16 @@ class SamplingParams:
         logits = logits.to(PROBS_DTYPE)  # a bfloat16 tier's logits too: every review reads float32 (core.placement)
         if self.greedy:
             return torch.softmax(logits, dim=-1)
-        probs = torch.softmax(sharpen(logits, self.temperature), dim=-1)
+        logits = sharpen(logits, self.temperature)
+        if 0 < self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]  # ties with the k-th stay, as in transformers
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
         if self.top_p < 1.0:
             probs = _top_p(probs, self.top_p)
+        if self.min_p > 0.0:
+            kept = probs * (probs >= self.min_p * probs.amax(dim=-1, keepdim=True))
+            probs = kept / kept.sum(dim=-1, keepdim=True)
         return probs
 
 

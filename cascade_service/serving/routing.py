@@ -49,8 +49,10 @@ def rendezvous(key: str, names: list[str]) -> list[int]:
 class AffinityRouter(RequestRouter):
     """Ranks replicas for a call by its routing key (see the module doc)."""
 
-    def initialize_state(self, **kwargs) -> None:
+    def initialize_state(self, held: int = HELD, **kwargs) -> None:
+        """Serve calls it with the deployment's request_router_kwargs: `held` bounds the requests kept."""
         self.held: OrderedDict[str, str] = OrderedDict()  # request id -> the unique id of its replica
+        self.held_limit = held
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -78,6 +80,6 @@ class AffinityRouter(RequestRouter):
         if not releasing:
             self.held[request] = ranked[0].replica_id.unique_id
             self.held.move_to_end(request)
-            while len(self.held) > HELD:
+            while len(self.held) > self.held_limit:
                 self.held.popitem(last=False)
         return ranked

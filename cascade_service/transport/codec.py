@@ -230,11 +230,11 @@ def _address(m) -> Address:  # type: ignore[no-untyped-def]  # a generated Draft
 
 
 def _sampling_out(s: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(temperature=s.temperature, top_p=s.top_p, rows=s.rows)
+    return pb.Sampling(temperature=s.temperature, top_p=s.top_p, rows=s.rows, top_k=s.top_k, min_p=s.min_p)
 
 
 def _sampling_in(m: pb.Sampling) -> SamplingParams:
-    return SamplingParams(m.temperature, m.top_p if m.top_p else 1.0, m.rows)
+    return SamplingParams(m.temperature, m.top_p if m.top_p else 1.0, m.rows, m.top_k, m.min_p)
 
 
 def _block_out(d: Draft) -> pb.Block:

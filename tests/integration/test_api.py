@@ -90,6 +90,14 @@ def test_speculation_per_request_gives_the_oracles_tokens_and_off_drafts_nothing
     assert streamed == expected
 
 
+def test_top_k_and_min_p_reach_the_final_review(tiny_family, client):
+    # At temperature 1, top_k 1 (or a min_p only the most likely token passes) leaves the greedy path alone.
+    expected = oracle(tiny_family["target"], PROMPT, 24)
+    assert client.generate(prompt_token_ids=PROMPT, temperature=1.0, top_k=1, seed=5).token_ids == expected
+    assert client.generate(prompt_token_ids=PROMPT, temperature=1.0, min_p=0.999, seed=5).token_ids == expected
+    assert client.generate(prompt_token_ids=PROMPT, temperature=1.0, seed=5).token_ids != expected
+
+
 def test_a_session_continues_from_its_stored_prefix(tiny_family, client):
     session = client.create_session(prompt_token_ids=PROMPT[:5])
     first = client.generate(prompt_token_ids=PROMPT[5:], session_id=session.session_id, max_new_tokens=8)
@@ -138,6 +146,8 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
         # In range, but this cascade has no acceptance head to apply it to: refused, not ignored.
         ({"prompt_token_ids": [1, 2], "stop_threshold": 0.5}, "stop_threshold: no tier"),
         ({"prompt_token_ids": [1, 2], "speculation": "sometimes"}, "speculation.mode"),
+        ({"prompt_token_ids": [1, 2], "top_k": 1 << 21}, "top_k"),
+        ({"prompt_token_ids": [1, 2], "min_p": 1.0}, "min_p"),
         ({"prompt_token_ids": [1, 2], "speculation": "OFF"}, "speculation.mode"),
     ],
 )

@@ -76,6 +76,9 @@ def test_models_lists_the_target(client):
         ({"stop_threshold": 0.5}, 400, "stop_threshold"),
         ({"bogus_field": 1}, 400, "bogus_field"),
         ({"speculation": {"mode": "sometimes"}}, 400, "speculation.mode"),
+        ({"top_k": -1}, 400, "top_k"),
+        ({"top_k": 2.5}, 400, "top_k"),
+        ({"min_p": 1.5}, 400, "min_p"),
         ({"speculation": {"mode": 0}}, 400, "speculation.mode"),
         ({"speculation": "off"}, 400, "speculation"),
         ({"speculation": {"mode": "off", "k_matrix": [[1]]}}, 400, "speculation"),
@@ -227,3 +230,11 @@ def test_speculation_per_request_keeps_the_text_and_off_drafts_nothing(client):
     assert texts["auto"] == texts["fixed"] == texts["off"]
     assert stats["off"]["target_calls"] == N and not stats["off"].get("drafted_by_position")  # one token a pass
     assert stats["fixed"]["target_calls"] < N and sum(stats["fixed"]["drafted_by_position"]) > 0
+
+
+def test_top_k_rides_as_an_extra_field(client, tiny_family):
+    greedy = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0)
+    top1 = client.completions.create(
+        model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, seed=3, extra_body={"top_k": 1}
+    )
+    assert top1.choices[0].text == greedy.choices[0].text

@@ -69,9 +69,9 @@ def test_without_a_request_id_the_key_alone_routes_as_before():
     assert not router.held
 
 
-def test_the_router_forgets_the_oldest_requests_past_its_bound(monkeypatch):
-    monkeypatch.setattr("cascade_service.serving.routing.HELD", 3)
+def test_the_router_forgets_the_oldest_requests_past_its_bound():
     router = _router()
+    router.initialize_state(held=3)
     for i in range(5):
         _first(router, _replicas("a", "b"), routing_key("affinity", f"request-{i}"))
     assert list(router.held) == ["request-2", "request-3", "request-4"]

@@ -21,7 +21,16 @@ from ..helpers.toy_cascade import CASES, LENGTH, PROMPT, SAMPLES, sample_cascade
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["t1", "t0.7_p0.9"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(1.0),
+        SamplingParams(0.7, top_p=0.9),
+        SamplingParams(1.0, top_k=2),
+        SamplingParams(1.2, top_k=3, min_p=0.3),
+    ],
+    ids=["t1", "t0.7_p0.9", "t1_k2", "t1.2_k3_minp0.3"],
+)
 def test_cascade_output_distribution_equals_target_distribution(case, sampling):
     names, k, leniency, *lookup = CASES[case]
     counts, expected = sample_cascade(names, k, leniency, sampling, lookup=lookup[0] if lookup else None)

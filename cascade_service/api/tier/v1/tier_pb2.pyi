@@ -19,14 +19,18 @@ class Context(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., stable: _Optional[int] = ..., offset: _Optional[int] = ..., prefix: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "rows")
+    __slots__ = ("temperature", "top_p", "rows", "top_k", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     rows: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., rows: _Optional[bool] = ...) -> None: ...
+    top_k: int
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., rows: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class Rows(_message.Message):
     __slots__ = ("rows", "cols", "float32")

@@ -1,0 +1,81 @@
+"""Sampling controls (core.sampling.SamplingParams: temperature, top_k, top_p, min_p) against an
+independent oracle: `transformers`' own logits warpers, chained in the order `generate()` chains them,
+then softmax. The cascade's exactness under them (the output distributed as the processed target's) is
+tests/unit/test_exact_distribution.py's, which uses these probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from cascade_service.core.request import GenerationConfig
+from cascade_service.core.sampling import SamplingParams
+
+CONTROLS = [
+    dict(temperature=1.0, top_k=5),
+    dict(temperature=0.7, top_k=50),
+    dict(temperature=1.3, min_p=0.05),
+    dict(temperature=0.9, top_k=20, top_p=0.8),
+    dict(temperature=1.0, top_k=40, top_p=0.9, min_p=0.1),
+    dict(temperature=2.0, top_k=1),
+]
+
+
+def _transformers(logits: torch.Tensor, temperature: float, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    if min_p:
+        warpers.append(MinPLogitsWarper(min_p))
+    return torch.softmax(warpers(torch.zeros(logits.shape[0], 1, dtype=torch.long), logits.clone()), dim=-1)
+
+
+@pytest.mark.parametrize("controls", CONTROLS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_processed_distributions_equal_transformers_warpers(controls):
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(7)) * 3
+    ours = SamplingParams(**controls).probs(logits)
+    theirs = _transformers(logits, **controls)
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours - theirs).abs().max()
+    assert ((ours > 0) == (theirs > 0)).all()  # the same tokens kept, not only close masses
+
+
+def test_ties_at_the_kth_token_are_kept_as_transformers_keeps_them():
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
+    ours = SamplingParams(1.0, top_k=2).probs(logits)
+    assert torch.allclose(ours, _transformers(logits, 1.0, top_k=2), atol=1e-7)
+    assert (ours[0, :4] > 0).all() and (ours[0, 4:] == 0).all()
+
+
+def test_greedy_ignores_the_controls_and_neutral_values_change_nothing():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(SamplingParams(0.0, top_k=3, min_p=0.5).probs(logits), SamplingParams(0.0).probs(logits))
+    assert torch.equal(SamplingParams(0.8, top_k=0, min_p=0.0).probs(logits), SamplingParams(0.8).probs(logits))
+    assert torch.equal(SamplingParams(0.8, top_k=50).probs(logits), SamplingParams(0.8).probs(logits))  # k >= V
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", -1),
+        ("top_k", 1.5),
+        ("top_k", True),
+        ("top_k", 1 << 21),
+        ("min_p", 1.0),
+        ("min_p", -0.1),
+        ("min_p", "0.1"),
+    ],
+)
+def test_out_of_range_controls_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be in"):
+        GenerationConfig(**{field: value})
+    with pytest.raises(ValueError, match=rf"^{field} must be in"):
+        SamplingParams(1.0, **{field: value})
