@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -124,6 +124,7 @@ class Coordinator:
         top_p: float | None = None,
         top_k: int | None = None,
         min_p: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
         seed: int | None = None,
         stop: Sequence[str] = (),
         verification: Verification | None = None,
@@ -146,12 +147,14 @@ class Coordinator:
             "top_p": top_p,
             "top_k": top_k,
             "min_p": min_p,
+            "logit_bias": logit_bias,
             "seed": seed,
             "verification": verification,
             "stop_threshold": stop_threshold,
             "speculation": speculation,
         }
         gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
+        self._check_vocabulary("logit_bias", [t for t, _ in gen.logit_bias])
         with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)  # one no tier can use fails here
         params = GenerateParams(
             tuple(int(t) for t in ids), gen, session_id or None, stop, owner, max_new_tokens is not None
@@ -167,6 +170,7 @@ class Coordinator:
         if not ids:
             raise ValueError("prompt: empty (give at least one token)")
         with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)
+        self._check_vocabulary("logit_bias", [t for t, _ in gen.logit_bias])
         return self._fit(GenerateParams(tuple(int(t) for t in ids), gen, owner=owner, explicit_max_new_tokens=True), 0)
 
     @property
@@ -307,10 +311,13 @@ class Coordinator:
         if prompt and prompt_ids:
             raise ValueError("prompt: give prompt or prompt_token_ids, not both")
         ids = list(prompt_ids) if prompt_ids else (self.tokenizer.encode(prompt) if prompt else [])
+        self._check_vocabulary("prompt_token_ids", ids)
+        return ids
+
+    def _check_vocabulary(self, field: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return ids
+            raise ValueError(f"{field}: {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     # --- sessions ----------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..core.limits import MAX_LOGIT_BIAS
 from .v1 import cascade_pb2 as pb
 
 HTTP_STATUS = {
@@ -30,10 +31,10 @@ ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_u
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # Fields OpenAI clients send that this server takes only at their neutral value.
 NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "logprobs": None}
-NEUTRAL |= {"logit_bias": None, "suffix": None, "top_logprobs": None, "response_format": None}
+NEUTRAL |= {"suffix": None, "top_logprobs": None, "response_format": None}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
 COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", "speculation", *NEUTRAL}
-COMMON |= {"top_k", "min_p"}  # as vLLM and SGLang take them
+COMMON |= {"top_k", "min_p", "logit_bias"}  # top_k and min_p as vLLM and SGLang take them
 DISCONNECT_POLL_S = 0.25
 
 
@@ -77,6 +78,24 @@ def put_verification(value: Any, message: pb.GenerateRequest) -> None:
         if not isinstance(value["tune_beta"], bool):
             raise HttpError(400, "verification.tune_beta must be true or false", "verification.tune_beta")
         v.tune_beta = value["tune_beta"]
+
+
+def put_logit_bias(value: Any, message: pb.GenerateRequest) -> None:
+    """OpenAI's `logit_bias`: {"token id": bias}, ids as JSON object keys (strings); ranges and the
+    vocabulary are the coordinator's checks, which name the field the same way."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise HttpError(400, "logit_bias must map token ids to numbers", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise HttpError(400, f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", "logit_bias")
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() and len(key) <= 10 else None
+        if token is None or token >= 2**32:
+            raise HttpError(400, f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise HttpError(400, f"logit_bias: the bias of token {key} must be a number", "logit_bias")
+        message.logit_bias[token] = float(bias)
 
 
 def put_speculation(value: Any, message: pb.GenerateRequest) -> None:

@@ -40,6 +40,7 @@ from .openai_body import (
     json_body,
     param_of,
     plain,
+    put_logit_bias,
     put_prompt,
     put_speculation,
     put_verification,
@@ -192,6 +193,7 @@ class _Api:
             message.session_id = session
         put_verification(body.get("verification"), message)
         put_speculation(body.get("speculation"), message)
+        put_logit_bias(body.get("logit_bias"), message)
         return message, text
 
     def _chat_prompt(self, messages: Any) -> str:

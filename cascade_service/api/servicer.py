@@ -159,6 +159,7 @@ class CascadeServicer:
             top_p=request.top_p if request.HasField("top_p") else None,
             top_k=request.top_k if request.HasField("top_k") else None,
             min_p=request.min_p if request.HasField("min_p") else None,
+            logit_bias=request.logit_bias or None,  # its size is checked before it is read
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
             verification=_verification(request),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -61,6 +61,7 @@ class AsyncCascadeClient:
         top_p: float | None = None,
         top_k: int | None = None,
         min_p: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -80,6 +81,7 @@ class AsyncCascadeClient:
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
+            logit_bias=logit_bias,
             seed=seed,
             stop=stop,
             session_id=session_id,
@@ -101,6 +103,7 @@ class AsyncCascadeClient:
         top_p: float | None = None,
         top_k: int | None = None,
         min_p: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -121,6 +124,7 @@ class AsyncCascadeClient:
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
+            logit_bias=logit_bias,
             seed=seed,
             stop=stop,
             session_id=session_id,

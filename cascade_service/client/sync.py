@@ -6,7 +6,7 @@ The result types, request builders and retry policy defined here are shared with
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,7 @@ def generate_request(
     speculation: str | None = None,
     top_k: int | None = None,
     min_p: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
     stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
@@ -82,6 +83,7 @@ def generate_request(
         "prompt_token_ids": list(prompt_token_ids or ()),
         "session_id": session_id or "",
         "stop": list(stop),
+        "logit_bias": dict(logit_bias or {}),
     }
     # proto3 `optional`: passing only the given values keeps HasField() false for the rest, which is
     # how the server tells "unset" from 0 (temperature 0 = greedy must still be sent).
@@ -216,6 +218,7 @@ class CascadeClient:
         top_p: float | None = None,
         top_k: int | None = None,
         min_p: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -235,6 +238,7 @@ class CascadeClient:
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
+            logit_bias=logit_bias,
             seed=seed,
             stop=stop,
             session_id=session_id,
@@ -256,6 +260,7 @@ class CascadeClient:
         top_p: float | None = None,
         top_k: int | None = None,
         min_p: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -276,6 +281,7 @@ class CascadeClient:
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
+            logit_bias=logit_bias,
             seed=seed,
             stop=stop,
             session_id=session_id,

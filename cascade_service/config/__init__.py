@@ -91,7 +91,9 @@ def request_state(
     """The shared state of one request's cascade, from its generation settings."""
     v = gen.verification
     stats.verification = v.describe()
-    sampling = SamplingParams(gen.temperature, gen.top_p, rows=v.needs_rows, top_k=gen.top_k, min_p=gen.min_p)
+    sampling = SamplingParams(
+        gen.temperature, gen.top_p, rows=v.needs_rows, top_k=gen.top_k, min_p=gen.min_p, logit_bias=gen.logit_bias
+    )
     return RequestState(
         sampling,
         torch.Generator().manual_seed(gen.seed),

@@ -7,6 +7,7 @@ GenerationConfig, core.sampling's SamplingParams off the wire, the CLI) can use 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .policy import SPECULATION
@@ -14,6 +15,8 @@ from .policy import SPECULATION
 MAX_NEW_TOKENS = 4096  # per request; the model's positions may allow fewer (Coordinator._fit)
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1 << 20  # past any vocabulary here; a k at or above the vocabulary keeps every token
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias: each travels with every tier call
+MAX_BIAS = 100.0  # |bias| at most, as OpenAI's API: 100 bans or forces a token
 SEED_LIMIT = 2**63  # seeds in [0, 2**63): an int64 on the wire
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -53,6 +56,25 @@ def check_min_p(value: Any) -> float:
     if not _number(value) or not 0.0 <= value < 1.0:
         raise ValueError(f"min_p must be in [0, 1), got {value!r}")
     return float(value)
+
+
+def check_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (or its items) -> sorted ((id, bias), ...): added to the logits of every tier
+    before anything else, greedy included. Ids are checked against the vocabulary by the coordinator."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Mapping, Sequence)):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:  # before reading a huge one
+        raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    pairs = list(value.items()) if isinstance(value, Mapping) else list(value)
+    out: dict[int, float] = {}
+    for pair in pairs:
+        token, bias = pair if isinstance(pair, tuple) and len(pair) == 2 else (pair, float("nan"))
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias: token ids must be non-negative integers, got {token!r}")
+        if not _number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias!r}")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def check_seed(value: Any) -> int:

@@ -23,6 +23,7 @@ from .limits import (  # noqa: F401 - each field's check, used where requests ar
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     SEED_LIMIT,
+    check_logit_bias,
     check_max_new_tokens,
     check_min_p,
     check_seed,
@@ -53,6 +54,9 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: every token
     min_p: float = 0.0  # 0: every token
+    # ((token id, bias), ...) added to every tier's logits (a dict is taken too); ids below the vocabulary
+    # (checked by the coordinator, which knows it)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int = 0  # the request's sampling seed
     verification: Verification = field(default_factory=_exact)  # the final verifier's rule; exact by default
     # SpecDec++'s stopping threshold h in (0, 1) for this request, at every tier with an acceptance
@@ -72,6 +76,7 @@ class GenerationConfig:
             "top_p": check_top_p(self.top_p),
             "top_k": check_top_k(self.top_k),
             "min_p": check_min_p(self.min_p),
+            "logit_bias": check_logit_bias(self.logit_bias),
             "seed": check_seed(self.seed),
             "stop_threshold": check_stop_threshold(self.stop_threshold),
             "speculation": check_speculation(self.speculation),

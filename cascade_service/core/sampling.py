@@ -1,10 +1,10 @@
 """Turning logits into distributions and tokens, the same way for every tier.
 
 Every tier's logits pass through one `SamplingParams`, so the draft and target distributions that
-speculative sampling compares are processed identically: temperature, top-k, top-p, then min-p, the
-order of `transformers`' logits warpers. The final review verifies against the target's processed
-distribution, so the output is distributed exactly as the target's under these controls; drafters get
-the same processing so that their drafts stay likely under it.
+speculative sampling compares are processed identically: a request's logit_bias added to the logits,
+then temperature, top-k, top-p and min-p, the order of `transformers`' logits warpers. The final review
+verifies against the target's processed distribution, so the output is distributed exactly as the
+target's under these controls; drafters get the same processing so that their drafts stay likely.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .limits import check_min_p, check_temperature, check_top_k, check_top_p
+from .limits import check_logit_bias, check_min_p, check_temperature, check_top_k, check_top_p
 from .placement import PROBS_DTYPE, generator_for
 
 
@@ -30,12 +30,14 @@ class SamplingParams:
     rows: bool = False
     top_k: int = 0
     min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # ((token id, bias), ...), added to the logits first
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)  # a tier's request off the wire is checked as the client's was
         check_top_p(self.top_p)
         check_top_k(self.top_k)
         check_min_p(self.min_p)
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +54,11 @@ class SamplingParams:
         these probabilities (the authors' rule), so they must not be sharpened.
         """
         logits = logits.to(PROBS_DTYPE)  # a bfloat16 tier's logits too: every review reads float32 (core.placement)
+        if self.logit_bias:  # before everything, greedy included: it moves the argmax (OpenAI's logit_bias)
+            ids, biases = zip(*self.logit_bias, strict=True)
+            bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            bias[list(ids)] = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+            logits = logits + bias
         if self.greedy:
             return torch.softmax(logits, dim=-1)
         logits = sharpen(logits, self.temperature)

@@ -230,11 +230,20 @@ def _address(m) -> Address:  # type: ignore[no-untyped-def]  # a generated Draft
 
 
 def _sampling_out(s: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(temperature=s.temperature, top_p=s.top_p, rows=s.rows, top_k=s.top_k, min_p=s.min_p)
+    return pb.Sampling(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        rows=s.rows,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        logit_bias=dict(s.logit_bias),
+    )
 
 
 def _sampling_in(m: pb.Sampling) -> SamplingParams:
-    return SamplingParams(m.temperature, m.top_p if m.top_p else 1.0, m.rows, m.top_k, m.min_p)
+    return SamplingParams(
+        m.temperature, m.top_p if m.top_p else 1.0, m.rows, m.top_k, m.min_p, tuple(m.logit_bias.items())
+    )
 
 
 def _block_out(d: Draft) -> pb.Block:

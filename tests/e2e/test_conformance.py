@@ -123,6 +123,10 @@ def test_the_openai_client_gets_the_grpc_text_unary_and_streamed(served, tiny_fa
         model="target", prompt=prompt, max_tokens=12, temperature=0, extra_body={"speculation": {"mode": "off"}}
     )
     assert plain.choices[0].text == direct.text and plain.model_extra["cascade"]["target_calls"] == 12
+    top1 = client.completions.create(  # top_k 1 at temperature 1: the greedy text again
+        model="target", prompt=prompt, max_tokens=12, temperature=1.0, seed=4, extra_body={"top_k": 1}
+    )
+    assert top1.choices[0].text == direct.text
     assert [m.id for m in client.models.list().data] == ["target"]
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="target", prompt=prompt, max_tokens=0)

@@ -27,6 +27,7 @@ BAD_REQUESTS = [
         "speculation.mode",
         "speculation.mode must be one of auto, fixed, off, got 'sometimes'",
     ),
+    (pb.GenerateRequest(prompt="x", top_k=1 << 21), "top_k", "top_k must be in [0, 1048576] (0: off), got 2097152"),
 ]
 
 

@@ -9,8 +9,10 @@ from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
 
 
-def oracle(target_dir, prompt, max_new_tokens, eos_id=None):
+def oracle(target_dir, prompt, max_new_tokens, eos_id=None, logit_bias=None):
+    """`logit_bias` ({token: bias}): transformers' own SequenceBiasLogitsProcessor (generate's sequence_bias)."""
     model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
+    extra = {"sequence_bias": [[[t], float(b)] for t, b in logit_bias.items()]} if logit_bias else {}
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),
@@ -19,6 +21,7 @@ def oracle(target_dir, prompt, max_new_tokens, eos_id=None):
             eos_token_id=eos_id,
             pad_token_id=0,
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            **extra,
         )
     return out[0, len(prompt) :].tolist()
 

@@ -98,6 +98,14 @@ def test_top_k_and_min_p_reach_the_final_review(tiny_family, client):
     assert client.generate(prompt_token_ids=PROMPT, temperature=1.0, seed=5).token_ids != expected
 
 
+def test_logit_bias_moves_greedy_output_as_transformers_does(tiny_family, client):
+    plain = oracle(tiny_family["target"], PROMPT, 24)
+    bias = {plain[0]: -100.0, plain[3]: -50.0, 9: 2.0}
+    expected = oracle(tiny_family["target"], PROMPT, 24, logit_bias=bias)
+    assert expected != plain
+    assert client.generate(prompt_token_ids=PROMPT, logit_bias=bias).token_ids == expected
+
+
 def test_a_session_continues_from_its_stored_prefix(tiny_family, client):
     session = client.create_session(prompt_token_ids=PROMPT[:5])
     first = client.generate(prompt_token_ids=PROMPT[5:], session_id=session.session_id, max_new_tokens=8)
@@ -148,6 +156,9 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
         ({"prompt_token_ids": [1, 2], "speculation": "sometimes"}, "speculation.mode"),
         ({"prompt_token_ids": [1, 2], "top_k": 1 << 21}, "top_k"),
         ({"prompt_token_ids": [1, 2], "min_p": 1.0}, "min_p"),
+        ({"prompt_token_ids": [1, 2], "logit_bias": {i: 1.0 for i in range(2000)}}, "logit_bias"),
+        ({"prompt_token_ids": [1, 2], "logit_bias": {10**6: 1.0}}, "logit_bias: 1000000 is outside the vocabulary"),
+        ({"prompt_token_ids": [1, 2], "logit_bias": {3: 200.0}}, "logit_bias"),
         ({"prompt_token_ids": [1, 2], "speculation": "OFF"}, "speculation.mode"),
     ],
 )

@@ -79,6 +79,11 @@ def test_models_lists_the_target(client):
         ({"top_k": -1}, 400, "top_k"),
         ({"top_k": 2.5}, 400, "top_k"),
         ({"min_p": 1.5}, 400, "min_p"),
+        ({"logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"logit_bias": {"3": "x"}}, 400, "logit_bias"),
+        ({"logit_bias": {"3": 101}}, 400, "logit_bias"),
+        ({"logit_bias": {"4000000000": 1}}, 400, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(5000)}}, 400, "logit_bias"),
         ({"speculation": {"mode": 0}}, 400, "speculation.mode"),
         ({"speculation": "off"}, 400, "speculation"),
         ({"speculation": {"mode": "off", "k_matrix": [[1]]}}, 400, "speculation"),
@@ -238,3 +243,18 @@ def test_top_k_rides_as_an_extra_field(client, tiny_family):
         model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, seed=3, extra_body={"top_k": 1}
     )
     assert top1.choices[0].text == greedy.choices[0].text
+
+
+def test_logit_bias_moves_the_greedy_text_as_transformers_does(server, client, tiny_family):
+    from cascade_service.client import CascadeClient
+
+    plain = oracle(tiny_family["target"], PROMPT, N)
+    bias = {plain[0]: -100.0, 7: 3.0}
+    expected = oracle(tiny_family["target"], PROMPT, N, logit_bias=bias)
+    assert expected != plain
+    reply = client.completions.create(
+        model="target", prompt=PROMPT, max_tokens=N, temperature=0, logit_bias={str(t): b for t, b in bias.items()}
+    )
+    with CascadeClient(f"127.0.0.1:{server.port}", api_key=KEY_A) as grpc_client:
+        direct = grpc_client.generate(prompt_token_ids=PROMPT, max_new_tokens=N, logit_bias=bias)
+    assert list(direct.token_ids) == expected and reply.choices[0].text == direct.text

@@ -46,3 +46,25 @@ def test_every_sampled_token_is_within_the_targets_top_k(tiny_family):
             logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
         top3 = logits.topk(3, dim=-1).indices
         assert all(t in top3[i] for i, t in enumerate(out)), (seed, out)
+
+
+SHAPES = {
+    "sd": (["close"], [[4]], None),
+    "vertical": (["close", "mid"], [[3, 3], [0, 4]], None),
+    "horizontal+mag": (NAMES, K_MATRIX, Lookup(2, 10)),
+}
+
+
+@pytest.mark.parametrize("loopback", [False, True], ids=["in-process", "wire"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_with_logit_bias_equals_transformers_sequence_bias(tiny_family, shape, loopback):
+    names, k_matrix, lookup = SHAPES[shape]
+    engine = make_engine(tiny_family, names, k_matrix, 1.5, lookup=lookup, loopback=loopback)
+    for prompt in PROMPTS:
+        plain = oracle(tiny_family["target"], prompt, N)
+        # Ban the greedy path's first and fifth tokens and favour two others: the output must move.
+        bias = {plain[0]: -100.0, plain[4]: -100.0, 7: 2.5, 11: 1.5}
+        expected = oracle(tiny_family["target"], prompt, N, logit_bias=bias)
+        assert expected != plain
+        got = engine.generate(prompt, GenerationConfig(max_new_tokens=N, logit_bias=bias))
+        assert got.token_ids == expected, (shape, loopback)

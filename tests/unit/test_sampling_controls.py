@@ -79,3 +79,38 @@ def test_out_of_range_controls_are_refused_naming_the_field(field, value):
         GenerationConfig(**{field: value})
     with pytest.raises(ValueError, match=rf"^{field} must be in"):
         SamplingParams(1.0, **{field: value})
+
+
+def test_logit_bias_equals_transformers_sequence_bias_before_the_warpers():
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(9)) * 2
+    bias = {3: 2.5, 17: -100.0, 299: 4.0, 0: -1.25}
+    hf = SequenceBiasLogitsProcessor(sequence_bias=[[[t], b] for t, b in bias.items()])
+    biased = hf(torch.zeros(6, 1, dtype=torch.long), logits.clone())
+    for controls in (dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=30, min_p=0.05)):
+        ours = SamplingParams(**controls, logit_bias=bias).probs(logits)
+        if controls["temperature"] == 0.0:  # greedy: softmax at temperature 1, argmax moved by the bias
+            theirs = torch.softmax(biased, dim=-1)
+            assert (ours.argmax(-1) == biased.argmax(-1)).all()
+        else:
+            theirs = _transformers(biased, **controls)
+        assert torch.allclose(ours, theirs, atol=1e-6), controls
+    assert (SamplingParams(1.0, logit_bias=bias).probs(logits)[:, 17] < 1e-30).all()  # -100 bans a token
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({i: 1.0 for i in range(1025)}, "at most 1024 tokens"),
+        ({-1: 1.0}, "non-negative integers"),
+        ({"3": 1.0}, "non-negative integers"),
+        ({3: 101.0}, r"\[-100, 100\]"),
+        ({3: float("nan")}, r"\[-100, 100\]"),
+        ("3:1", "must map token ids"),
+    ],
+)
+def test_a_bad_logit_bias_is_refused_naming_the_field(value, message):
+    with pytest.raises(ValueError, match=rf"^logit_bias.*{message}"):
+        GenerationConfig(logit_bias=value)
+    assert GenerationConfig(logit_bias={5: 1, 2: -3.5}).logit_bias == ((2, -3.5), (5, 1.0))  # sorted, floats

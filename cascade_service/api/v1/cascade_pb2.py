@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63\x61scade/v1/cascade.proto\x12\ncascade.v1\"i\n\x0cVerification\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\ttune_beta\x18\x04 \x01(\x08\x42\x08\n\x06_alphaB\x07\n\x05_beta\"\xbb\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12.\n\x0cverification\x18\t \x01(\x0b\x32\x18.cascade.v1.Verification\x12\x1b\n\x0estop_threshold\x18\n \x01(\x02H\x04\x88\x01\x01\x12,\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x17.cascade.v1.Speculation\x12\x12\n\x05top_k\x18\x0c \x01(\rH\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x06\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_stop_thresholdB\x08\n\x06_top_kB\x08\n\x06_min_p\"\x1b\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x8c\x01\n\tTierStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x03\x12\x18\n\x10tokens_processed\x18\x02 \x01(\x03\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x12\x0c\n\x04hops\x18\x04 \x01(\x03\x12\x0f\n\x07\x64rafted\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x03\x12\x15\n\rtokens_cached\x18\x07 \x01(\x03\"\xac\x05\n\rGenerateStats\x12\x18\n\x10generated_tokens\x18\x01 \x01(\x03\x12\x14\n\x0ctarget_calls\x18\x02 \x01(\x03\x12\x33\n\x05tiers\x18\x03 \x03(\x0b\x32$.cascade.v1.GenerateStats.TiersEntry\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x04 \x03(\x03\x12\x1b\n\x13\x64rafted_by_position\x18\x05 \x03(\x03\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x0e\n\x06wall_s\x18\x07 \x01(\x01\x12\x12\n\nswi_params\x18\x08 \x01(\x01\x12\x14\n\x0cverification\x18\t \x01(\t\x12\x19\n\x11off_target_tokens\x18\n \x01(\x03\x12\x14\n\x0ctv_deviation\x18\x0b \x01(\x01\x12\x13\n\x0bloglik_loss\x18\x0c \x01(\x01\x12\x31\n\x04rows\x18\r \x03(\x0b\x32#.cascade.v1.GenerateStats.RowsEntry\x12\x34\n\x06pass_s\x18\x0e \x03(\x0b\x32$.cascade.v1.GenerateStats.PassSEntry\x12\x0e\n\x06loop_s\x18\x0f \x01(\x01\x12\x10\n\x08waited_s\x18\x10 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x11 \x01(\x03\x1a\x43\n\nTiersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.cascade.v1.TierStats:\x02\x38\x01\x1a\x41\n\tRowsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.cascade.v1.RowStats:\x02\x38\x01\x1a,\n\nPassSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"J\n\nEntryStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05\x65nded\x18\x02 \x01(\x03\x12\r\n\x05share\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\"\xa5\x01\n\x08RowStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05gated\x18\x02 \x01(\x03\x12\x32\n\x07\x65ntries\x18\x03 \x03(\x0b\x32!.cascade.v1.RowStats.EntriesEntry\x1a\x46\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.cascade.v1.EntryStats:\x02\x38\x01\"\xa0\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.cascade.v1.GenerateStats\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x16\n\x0esession_length\x18\x06 \x01(\x03\"\x89\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.cascade.v1.GenerateStats\x12\x16\n\x0esession_length\x18\x05 \x01(\x03\"T\n\x14\x43reateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\"O\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\x83\x03\n\x0e\x43\x61scadeService\x12\x45\n\x08Generate\x12\x1b.cascade.v1.GenerateRequest\x1a\x1c.cascade.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.cascade.v1.GenerateRequest\x1a\x19.cascade.v1.GenerateChunk0\x01\x12\x46\n\rCreateSession\x12 .cascade.v1.CreateSessionRequest\x1a\x13.cascade.v1.Session\x12@\n\nGetSession\x12\x1d.cascade.v1.GetSessionRequest\x1a\x13.cascade.v1.Session\x12T\n\rDeleteSession\x12 .cascade.v1.DeleteSessionRequest\x1a!.cascade.v1.DeleteSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63\x61scade/v1/cascade.proto\x12\ncascade.v1\"i\n\x0cVerification\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x12\n\x05\x61lpha\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04\x62\x65ta\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\ttune_beta\x18\x04 \x01(\x08\x42\x08\n\x06_alphaB\x07\n\x05_beta\"\xad\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12.\n\x0cverification\x18\t \x01(\x0b\x32\x18.cascade.v1.Verification\x12\x1b\n\x0estop_threshold\x18\n \x01(\x02H\x04\x88\x01\x01\x12,\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x17.cascade.v1.Speculation\x12\x12\n\x05top_k\x18\x0c \x01(\rH\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x06\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.cascade.v1.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x11\n\x0f_stop_thresholdB\x08\n\x06_top_kB\x08\n\x06_min_p\"\x1b\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x8c\x01\n\tTierStats\x12\r\n\x05\x63\x61lls\x18\x01 \x01(\x03\x12\x18\n\x10tokens_processed\x18\x02 \x01(\x03\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x12\x0c\n\x04hops\x18\x04 \x01(\x03\x12\x0f\n\x07\x64rafted\x18\x05 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x06 \x01(\x03\x12\x15\n\rtokens_cached\x18\x07 \x01(\x03\"\xac\x05\n\rGenerateStats\x12\x18\n\x10generated_tokens\x18\x01 \x01(\x03\x12\x14\n\x0ctarget_calls\x18\x02 \x01(\x03\x12\x33\n\x05tiers\x18\x03 \x03(\x0b\x32$.cascade.v1.GenerateStats.TiersEntry\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x04 \x03(\x03\x12\x1b\n\x13\x64rafted_by_position\x18\x05 \x03(\x03\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x0e\n\x06wall_s\x18\x07 \x01(\x01\x12\x12\n\nswi_params\x18\x08 \x01(\x01\x12\x14\n\x0cverification\x18\t \x01(\t\x12\x19\n\x11off_target_tokens\x18\n \x01(\x03\x12\x14\n\x0ctv_deviation\x18\x0b \x01(\x01\x12\x13\n\x0bloglik_loss\x18\x0c \x01(\x01\x12\x31\n\x04rows\x18\r \x03(\x0b\x32#.cascade.v1.GenerateStats.RowsEntry\x12\x34\n\x06pass_s\x18\x0e \x03(\x0b\x32$.cascade.v1.GenerateStats.PassSEntry\x12\x0e\n\x06loop_s\x18\x0f \x01(\x01\x12\x10\n\x08waited_s\x18\x10 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x11 \x01(\x03\x1a\x43\n\nTiersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.cascade.v1.TierStats:\x02\x38\x01\x1a\x41\n\tRowsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.cascade.v1.RowStats:\x02\x38\x01\x1a,\n\nPassSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"J\n\nEntryStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05\x65nded\x18\x02 \x01(\x03\x12\r\n\x05share\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\"\xa5\x01\n\x08RowStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\r\n\x05gated\x18\x02 \x01(\x03\x12\x32\n\x07\x65ntries\x18\x03 \x03(\x0b\x32!.cascade.v1.RowStats.EntriesEntry\x1a\x46\n\x0c\x45ntriesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.cascade.v1.EntryStats:\x02\x38\x01\"\xa0\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.cascade.v1.GenerateStats\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\x16\n\x0esession_length\x18\x06 \x01(\x03\"\x89\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.cascade.v1.GenerateStats\x12\x16\n\x0esession_length\x18\x05 \x01(\x03\"T\n\x14\x43reateSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\"O\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\x83\x03\n\x0e\x43\x61scadeService\x12\x45\n\x08Generate\x12\x1b.cascade.v1.GenerateRequest\x1a\x1c.cascade.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.cascade.v1.GenerateRequest\x1a\x19.cascade.v1.GenerateChunk0\x01\x12\x46\n\rCreateSession\x12 .cascade.v1.CreateSessionRequest\x1a\x13.cascade.v1.Session\x12@\n\nGetSession\x12\x1d.cascade.v1.GetSessionRequest\x1a\x13.cascade.v1.Session\x12T\n\rDeleteSession\x12 .cascade.v1.DeleteSessionRequest\x1a!.cascade.v1.DeleteSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cascade_service.api.v1.cascade_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATESTATS_TIERSENTRY']._loaded_options = None
   _globals['_GENERATESTATS_TIERSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATESTATS_ROWSENTRY']._loaded_options = None
@@ -42,39 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFICATION']._serialized_start=40
   _globals['_VERIFICATION']._serialized_end=145
   _globals['_GENERATEREQUEST']._serialized_start=148
-  _globals['_GENERATEREQUEST']._serialized_end=591
-  _globals['_SPECULATION']._serialized_start=593
-  _globals['_SPECULATION']._serialized_end=620
-  _globals['_TIERSTATS']._serialized_start=623
-  _globals['_TIERSTATS']._serialized_end=763
-  _globals['_GENERATESTATS']._serialized_start=766
-  _globals['_GENERATESTATS']._serialized_end=1450
-  _globals['_GENERATESTATS_TIERSENTRY']._serialized_start=1270
-  _globals['_GENERATESTATS_TIERSENTRY']._serialized_end=1337
-  _globals['_GENERATESTATS_ROWSENTRY']._serialized_start=1339
-  _globals['_GENERATESTATS_ROWSENTRY']._serialized_end=1404
-  _globals['_GENERATESTATS_PASSSENTRY']._serialized_start=1406
-  _globals['_GENERATESTATS_PASSSENTRY']._serialized_end=1450
-  _globals['_ENTRYSTATS']._serialized_start=1452
-  _globals['_ENTRYSTATS']._serialized_end=1526
-  _globals['_ROWSTATS']._serialized_start=1529
-  _globals['_ROWSTATS']._serialized_end=1694
-  _globals['_ROWSTATS_ENTRIESENTRY']._serialized_start=1624
-  _globals['_ROWSTATS_ENTRIESENTRY']._serialized_end=1694
-  _globals['_GENERATERESPONSE']._serialized_start=1697
-  _globals['_GENERATERESPONSE']._serialized_end=1857
-  _globals['_GENERATECHUNK']._serialized_start=1860
-  _globals['_GENERATECHUNK']._serialized_end=1997
-  _globals['_CREATESESSIONREQUEST']._serialized_start=1999
-  _globals['_CREATESESSIONREQUEST']._serialized_end=2083
-  _globals['_SESSION']._serialized_start=2085
-  _globals['_SESSION']._serialized_end=2164
-  _globals['_GETSESSIONREQUEST']._serialized_start=2166
-  _globals['_GETSESSIONREQUEST']._serialized_end=2205
-  _globals['_DELETESESSIONREQUEST']._serialized_start=2207
-  _globals['_DELETESESSIONREQUEST']._serialized_end=2249
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=2251
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=2291
-  _globals['_CASCADESERVICE']._serialized_start=2294
-  _globals['_CASCADESERVICE']._serialized_end=2681
+  _globals['_GENERATEREQUEST']._serialized_end=705
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=564
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=612
+  _globals['_SPECULATION']._serialized_start=707
+  _globals['_SPECULATION']._serialized_end=734
+  _globals['_TIERSTATS']._serialized_start=737
+  _globals['_TIERSTATS']._serialized_end=877
+  _globals['_GENERATESTATS']._serialized_start=880
+  _globals['_GENERATESTATS']._serialized_end=1564
+  _globals['_GENERATESTATS_TIERSENTRY']._serialized_start=1384
+  _globals['_GENERATESTATS_TIERSENTRY']._serialized_end=1451
+  _globals['_GENERATESTATS_ROWSENTRY']._serialized_start=1453
+  _globals['_GENERATESTATS_ROWSENTRY']._serialized_end=1518
+  _globals['_GENERATESTATS_PASSSENTRY']._serialized_start=1520
+  _globals['_GENERATESTATS_PASSSENTRY']._serialized_end=1564
+  _globals['_ENTRYSTATS']._serialized_start=1566
+  _globals['_ENTRYSTATS']._serialized_end=1640
+  _globals['_ROWSTATS']._serialized_start=1643
+  _globals['_ROWSTATS']._serialized_end=1808
+  _globals['_ROWSTATS_ENTRIESENTRY']._serialized_start=1738
+  _globals['_ROWSTATS_ENTRIESENTRY']._serialized_end=1808
+  _globals['_GENERATERESPONSE']._serialized_start=1811
+  _globals['_GENERATERESPONSE']._serialized_end=1971
+  _globals['_GENERATECHUNK']._serialized_start=1974
+  _globals['_GENERATECHUNK']._serialized_end=2111
+  _globals['_CREATESESSIONREQUEST']._serialized_start=2113
+  _globals['_CREATESESSIONREQUEST']._serialized_end=2197
+  _globals['_SESSION']._serialized_start=2199
+  _globals['_SESSION']._serialized_end=2278
+  _globals['_GETSESSIONREQUEST']._serialized_start=2280
+  _globals['_GETSESSIONREQUEST']._serialized_end=2319
+  _globals['_DELETESESSIONREQUEST']._serialized_start=2321
+  _globals['_DELETESESSIONREQUEST']._serialized_end=2363
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=2365
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=2405
+  _globals['_CASCADESERVICE']._serialized_start=2408
+  _globals['_CASCADESERVICE']._serialized_end=2795
 # @@protoc_insertion_point(module_scope)
