@@ -24,6 +24,7 @@ from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.encdec import check_request, decoder_context
 from .core.policy import OFF, SPECULATION, BlockPolicy
+from .core.prediction import prediction_ids
 from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
@@ -125,6 +126,7 @@ class Coordinator:
         top_k: int | None = None,
         min_p: float | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        prediction: str | Sequence[int] | None = None,
         seed: int | None = None,
         stop: Sequence[str] = (),
         verification: Verification | None = None,
@@ -148,6 +150,7 @@ class Coordinator:
             "top_k": top_k,
             "min_p": min_p,
             "logit_bias": logit_bias,
+            "prediction": self._prediction_ids(prediction) if prediction is not None else None,
             "seed": seed,
             "verification": verification,
             "stop_threshold": stop_threshold,
@@ -312,6 +315,11 @@ class Coordinator:
             raise ValueError("prompt: give prompt or prompt_token_ids, not both")
         ids = list(prompt_ids) if prompt_ids else (self.tokenizer.encode(prompt) if prompt else [])
         self._check_vocabulary("prompt_token_ids", ids)
+        return ids
+
+    def _prediction_ids(self, prediction: str | Sequence[int]) -> tuple[int, ...]:
+        ids = prediction_ids(self.tokenizer.encode, prediction)
+        self._check_vocabulary("prediction", ids)
         return ids
 
     def _check_vocabulary(self, field: str, ids: Iterable[int]) -> None:

@@ -34,7 +34,7 @@ NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, 
 NEUTRAL |= {"suffix": None, "top_logprobs": None, "response_format": None}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
 COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", "speculation", *NEUTRAL}
-COMMON |= {"top_k", "min_p", "logit_bias"}  # top_k and min_p as vLLM and SGLang take them
+COMMON |= {"top_k", "min_p", "logit_bias", "prediction"}  # top_k and min_p as vLLM and SGLang take them
 DISCONNECT_POLL_S = 0.25
 
 
@@ -96,6 +96,22 @@ def put_logit_bias(value: Any, message: pb.GenerateRequest) -> None:
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise HttpError(400, f"logit_bias: the bias of token {key} must be a number", "logit_bias")
         message.logit_bias[token] = float(bias)
+
+
+def put_prediction(value: Any, message: pb.GenerateRequest) -> None:
+    """OpenAI's predicted outputs: `{"type": "content", "content": text or [{"type": "text", "text": ...}]}`."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") != "content" or set(value) - {"type", "content"}:
+        raise HttpError(400, 'prediction must be {"type": "content", "content": ...}', "prediction")
+    content = value.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+            raise HttpError(400, "prediction.content: parts must be text parts", "prediction.content")
+        content = "".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str):
+        raise HttpError(400, "prediction.content must be a string or text parts", "prediction.content")
+    message.prediction.content = content
 
 
 def put_speculation(value: Any, message: pb.GenerateRequest) -> None:
@@ -165,13 +181,19 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; `cached`: prompt tokens the target's prefix cache held (models.kvpool)."""
+def usage(prompt: int, completion: int, stats: pb.GenerateStats | None = None) -> dict[str, Any]:
+    """OpenAI's usage object, from the request's stats: prompt tokens the target's prefix cache held
+    (models.kvpool) and, with a prediction, its tokens kept and drafted in vain (core.prediction)."""
+    stats = stats or pb.GenerateStats()
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": min(cached, prompt)},
+        "prompt_tokens_details": {"cached_tokens": min(stats.cached_prompt_tokens, prompt)},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+            "rejected_prediction_tokens": stats.rejected_prediction_tokens,
+        },
     }
 
 

@@ -41,6 +41,7 @@ from .openai_body import (
     param_of,
     plain,
     put_logit_bias,
+    put_prediction,
     put_prompt,
     put_speculation,
     put_verification,
@@ -194,6 +195,7 @@ class _Api:
         put_verification(body.get("verification"), message)
         put_speculation(body.get("speculation"), message)
         put_logit_bias(body.get("logit_bias"), message)
+        put_prediction(body.get("prediction"), message)
         return message, text
 
     def _chat_prompt(self, messages: Any) -> str:
@@ -240,7 +242,7 @@ class _Api:
             "created": int(time.time()),
             "model": self.model,
             "choices": [choice],
-            "usage": usage(prompt_tokens, len(reply.token_ids), reply.stats.cached_prompt_tokens),
+            "usage": usage(prompt_tokens, len(reply.token_ids), reply.stats),
             "cascade": plain(reply.stats),
         }
 
@@ -252,7 +254,7 @@ class _Api:
         ident, created = completion_id(chat), int(time.time())
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
-        cached = [0]  # the target's cached prompt tokens, from the last chunk's stats
+        last = [pb.GenerateStats()]  # the last chunk's stats: the usage chunk's cached and prediction tokens
         opened = frontend.open_call(auth_metadata(request))
         owner = opened.__enter__()
         admitted = frontend.admitted(call)
@@ -266,7 +268,7 @@ class _Api:
 
         def event(chunk: pb.GenerateChunk | None, first: bool, generated: int) -> bytes:
             if chunk is None:  # the usage chunk
-                data: dict[str, Any] = {"choices": [], "usage": usage(prompt_tokens, generated, cached[0])}
+                data: dict[str, Any] = {"choices": [], "usage": usage(prompt_tokens, generated, last[0])}
             else:
                 finish = FINISH.get(chunk.finish_reason, chunk.finish_reason) or None
                 if chat:
@@ -278,7 +280,7 @@ class _Api:
                 # that time tokens (bench --load --protocols) need it, and OpenAI clients ignore it.
                 stats = plain(chunk.stats) if chunk.HasField("stats") else {}
                 if chunk.HasField("stats"):
-                    cached[0] = chunk.stats.cached_prompt_tokens
+                    last[0] = chunk.stats
                 data = {"choices": [choice], "cascade": {"tokens": len(chunk.token_ids)} | stats}
             head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
             return b"data: " + json.dumps(head | {"model": self.model} | data).encode() + b"\n\n"

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from ..coordinator import Cancelled, Chunk, Coordinator
+from ..core.prediction import PREDICTION
 from ..core.stats import CascadeStats, TierCounters
 from ..core.tier import Overloaded, Unavailable
 from ..core.verify import Verification
@@ -160,6 +161,7 @@ class CascadeServicer:
             top_k=request.top_k if request.HasField("top_k") else None,
             min_p=request.min_p if request.HasField("min_p") else None,
             logit_bias=request.logit_bias or None,  # its size is checked before it is read
+            prediction=_prediction(request),
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
             verification=_verification(request),
@@ -201,6 +203,8 @@ class CascadeServicer:
             tv_deviation=stats.tv_deviation,
             loglik_loss=stats.loglik_loss,
             rows={name: _row(r.row()) for name, r in stats.reviews.items()},
+            accepted_prediction_tokens=review.accepted_by_drafter.get(PREDICTION, 0) if review else 0,
+            rejected_prediction_tokens=_rejected(review, PREDICTION),
             **_engine_time(stats),
         )
 
@@ -277,3 +281,18 @@ def failure(context: Any) -> str | None:
     if code is None or code == grpc.StatusCode.OK:
         return None
     return context.details() or code.name
+
+
+def _prediction(request: pb.GenerateRequest) -> str | list[int] | None:
+    if not request.HasField("prediction"):
+        return None
+    p = request.prediction
+    if p.content and p.token_ids:
+        raise ValueError("prediction: give content or token_ids, not both")
+    return list(p.token_ids) if p.token_ids else p.content or None
+
+
+def _rejected(review: Any, drafter: str) -> int:
+    if review is None:
+        return 0
+    return review.drafted_by_drafter.get(drafter, 0) - review.accepted_by_drafter.get(drafter, 0)

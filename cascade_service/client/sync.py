@@ -75,6 +75,7 @@ def generate_request(
     top_k: int | None = None,
     min_p: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    prediction: str | Sequence[int] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
     stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
@@ -106,6 +107,10 @@ def generate_request(
         elif beta is not None:
             rule["beta"] = beta
         fields["verification"] = pb.Verification(**rule)
+    if isinstance(prediction, str):  # the output expected: text, or token ids
+        fields["prediction"] = pb.Prediction(content=prediction)
+    elif prediction is not None:
+        fields["prediction"] = pb.Prediction(token_ids=list(prediction))
     if speculation is not None:  # "auto", "off" or "fixed"; the server checks it
         fields["speculation"] = pb.Speculation(mode=speculation)
     return pb.GenerateRequest(**fields)
@@ -219,6 +224,7 @@ class CascadeClient:
         top_k: int | None = None,
         min_p: float | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        prediction: str | Sequence[int] | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -239,6 +245,7 @@ class CascadeClient:
             top_k=top_k,
             min_p=min_p,
             logit_bias=logit_bias,
+            prediction=prediction,
             seed=seed,
             stop=stop,
             session_id=session_id,
@@ -261,6 +268,7 @@ class CascadeClient:
         top_k: int | None = None,
         min_p: float | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        prediction: str | Sequence[int] | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -282,6 +290,7 @@ class CascadeClient:
             top_k=top_k,
             min_p=min_p,
             logit_bias=logit_bias,
+            prediction=prediction,
             seed=seed,
             stop=stop,
             session_id=session_id,

@@ -16,6 +16,8 @@ import yaml
 
 from ..core.adaptive import AdaptiveLength, StopperFactory
 from ..core.cascade import Lookup, RequestState
+from ..core.local import StatisticalTier
+from ..core.prediction import PREDICTION, PredictionProposer
 from ..core.request import GenerationConfig, check_stop_threshold
 from ..core.sampling import SamplingParams
 from ..core.schedule import Schedule, ScheduleError
@@ -94,7 +96,7 @@ def request_state(
     sampling = SamplingParams(
         gen.temperature, gen.top_p, rows=v.needs_rows, top_k=gen.top_k, min_p=gen.min_p, logit_bias=gen.logit_bias
     )
-    return RequestState(
+    state = RequestState(
         sampling,
         torch.Generator().manual_seed(gen.seed),
         stats,
@@ -104,6 +106,10 @@ def request_state(
         with_stop_threshold(adaptive or {}, gen.stop_threshold),
         make_stopper,
     )
+    if gen.prediction:
+        state.prediction = StatisticalTier(PredictionProposer(gen.prediction), vocab_size, PREDICTION)
+        stats.tier(PREDICTION)
+    return state
 
 
 def with_stop_threshold(adaptive: dict[str, AdaptiveLength], threshold: float | None) -> dict[str, AdaptiveLength]:

@@ -15,6 +15,7 @@ import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .policy import FIXED, BlockPolicy
+from .prediction import MAX_BLOCK as PREDICTION_BLOCK
 from .sampling import SamplingParams
 from .schedule import FILLS, Fill, Schedule
 from .stats import CascadeStats, Usage, absorb
@@ -64,6 +65,9 @@ class RequestState:
     policy: BlockPolicy = FIXED
     request_id: str = ""
     cache_salt: str = ""  # its API key's prefix-cache scope (models.kvpool), sent with every call
+    # The request's predicted output as a drafter (core.prediction, a StatisticalTier named
+    # "prediction"): it drafts at the target before the lookup gate and the K-matrix.
+    prediction: Tier | None = None
 
     def request(self, context: Context, want: int, limit: int) -> DraftRequest:
         """The request's draft request for the target's system."""
@@ -153,6 +157,16 @@ class CascadeTier:
         for drafter, _ in self.drafters:
             drafter.release(request)
 
+    def _gates(self) -> list[tuple[Tier, int, int]]:
+        """(drafter, tokens wanted, min_match) that may fill a block before the K-matrix row runs."""
+        gates: list[tuple[Tier, int, int]] = []
+        if self.final and self.state.prediction is not None:
+            gates.append((self.state.prediction, PREDICTION_BLOCK, 0))  # the proposer sizes its own blocks
+        if self.lookup is not None:
+            mag, gate = self.lookup
+            gates.append((mag, gate.tokens, gate.min_match))
+        return gates
+
     def _empty(self) -> Draft:
         return Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
 
@@ -172,9 +186,11 @@ class CascadeTier:
         policy.begin()  # the round's time runs from here: the lookup and the drafting are part of it
         block = self._empty()
         gated = False
-        if self.lookup is not None and limit > 1:
-            mag, gate = self.lookup
-            reply = mag.draft(self._ask(request, ctx, gate.tokens, limit - 1, gate.min_match))
+        # The prediction first (the target's only), then the lookup gate: a block either fills it alone.
+        for source, want, min_match in self._gates():
+            if gated or limit <= 1:
+                break
+            reply = source.draft(self._ask(request, ctx, want, limit - 1, min_match))
             absorb(usage, reply.usage)
             block = block + reply.draft
             gated = bool(block)

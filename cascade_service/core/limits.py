@@ -16,6 +16,7 @@ MAX_NEW_TOKENS = 4096  # per request; the model's positions may allow fewer (Coo
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1 << 20  # past any vocabulary here; a k at or above the vocabulary keeps every token
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias: each travels with every tier call
+MAX_PREDICTION_TOKENS = 32768  # as long as the longest prompt
 MAX_BIAS = 100.0  # |bias| at most, as OpenAI's API: 100 bans or forces a token
 SEED_LIMIT = 2**63  # seeds in [0, 2**63): an int64 on the wire
 MAX_STOP_STRINGS = 16
@@ -75,6 +76,17 @@ def check_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias!r}")
         out[token] = float(bias)
     return tuple(sorted(out.items()))
+
+
+def check_prediction(value: Any) -> tuple[int, ...]:
+    """A request's predicted output as token ids (checked against the vocabulary by the coordinator)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"prediction must be token ids, got {type(value).__name__}")
+    if len(value) > MAX_PREDICTION_TOKENS:
+        raise ValueError(f"prediction holds at most {MAX_PREDICTION_TOKENS} tokens, got {len(value)}")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError("prediction: token ids must be non-negative integers")
+    return tuple(value)
 
 
 def check_seed(value: Any) -> int:

@@ -26,6 +26,7 @@ from .limits import (  # noqa: F401 - each field's check, used where requests ar
     check_logit_bias,
     check_max_new_tokens,
     check_min_p,
+    check_prediction,
     check_seed,
     check_speculation,
     check_stop,
@@ -57,6 +58,9 @@ class GenerationConfig:
     # ((token id, bias), ...) added to every tier's logits (a dict is taken too); ids below the vocabulary
     # (checked by the coordinator, which knows it)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The output the client expects (OpenAI's predicted outputs), as token ids: a drafter of this request
+    # (core.prediction). It changes the speed, never the output.
+    prediction: tuple[int, ...] = ()
     seed: int = 0  # the request's sampling seed
     verification: Verification = field(default_factory=_exact)  # the final verifier's rule; exact by default
     # SpecDec++'s stopping threshold h in (0, 1) for this request, at every tier with an acceptance
@@ -77,6 +81,7 @@ class GenerationConfig:
             "top_k": check_top_k(self.top_k),
             "min_p": check_min_p(self.min_p),
             "logit_bias": check_logit_bias(self.logit_bias),
+            "prediction": check_prediction(self.prediction),
             "seed": check_seed(self.seed),
             "stop_threshold": check_stop_threshold(self.stop_threshold),
             "speculation": check_speculation(self.speculation),

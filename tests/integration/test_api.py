@@ -106,6 +106,24 @@ def test_logit_bias_moves_greedy_output_as_transformers_does(tiny_family, client
     assert client.generate(prompt_token_ids=PROMPT, logit_bias=bias).token_ids == expected
 
 
+def test_a_prediction_keeps_the_output_and_its_tokens_are_counted(tiny_family, client, stub):
+    expected = oracle(tiny_family["target"], PROMPT, 24)
+    plain = client.generate(prompt_token_ids=PROMPT)
+    for prediction in (expected, expected[:6] + [1, 2] + expected[8:], plain.text):
+        got = client.generate(prompt_token_ids=PROMPT, prediction=prediction)
+        assert got.token_ids == expected
+        # Text is tokenized afresh, and the tiny family's byte-level tokenizer does not give the ids back
+        # from their (lossy) text: only the ids are sure to be kept.
+        if not isinstance(prediction, str):
+            assert got.stats["accepted_prediction_tokens"] > 0, got.stats
+    exact = client.generate(prompt_token_ids=PROMPT, prediction=expected)
+    assert exact.stats["target_calls"] < plain.stats["target_calls"]
+    both = pb.GenerateRequest(prompt_token_ids=PROMPT, prediction=pb.Prediction(content="x", token_ids=[1]))
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Generate(both, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prediction" in caught.value.details()
+
+
 def test_a_session_continues_from_its_stored_prefix(tiny_family, client):
     session = client.create_session(prompt_token_ids=PROMPT[:5])
     first = client.generate(prompt_token_ids=PROMPT[5:], session_id=session.session_id, max_new_tokens=8)
@@ -159,6 +177,8 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
         ({"prompt_token_ids": [1, 2], "logit_bias": {i: 1.0 for i in range(2000)}}, "logit_bias"),
         ({"prompt_token_ids": [1, 2], "logit_bias": {10**6: 1.0}}, "logit_bias: 1000000 is outside the vocabulary"),
         ({"prompt_token_ids": [1, 2], "logit_bias": {3: 200.0}}, "logit_bias"),
+        ({"prompt_token_ids": [1, 2], "prediction": [10**6]}, "prediction: 1000000 is outside the vocabulary"),
+        ({"prompt_token_ids": [1, 2], "prediction": list(range(40000))}, "prediction"),
         ({"prompt_token_ids": [1, 2], "speculation": "OFF"}, "speculation.mode"),
     ],
 )

@@ -80,6 +80,10 @@ def test_models_lists_the_target(client):
         ({"top_k": 2.5}, 400, "top_k"),
         ({"min_p": 1.5}, 400, "min_p"),
         ({"logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"prediction": "text"}, 400, "prediction"),
+        ({"prediction": {"type": "other", "content": "x"}}, 400, "prediction"),
+        ({"prediction": {"type": "content", "content": 5}}, 400, "prediction.content"),
+        ({"prediction": {"type": "content", "content": [{"type": "image"}]}}, 400, "prediction.content"),
         ({"logit_bias": {"3": "x"}}, 400, "logit_bias"),
         ({"logit_bias": {"3": 101}}, 400, "logit_bias"),
         ({"logit_bias": {"4000000000": 1}}, 400, "logit_bias"),
@@ -258,3 +262,26 @@ def test_logit_bias_moves_the_greedy_text_as_transformers_does(server, client, t
     with CascadeClient(f"127.0.0.1:{server.port}", api_key=KEY_A) as grpc_client:
         direct = grpc_client.generate(prompt_token_ids=PROMPT, max_new_tokens=N, logit_bias=bias)
     assert list(direct.token_ids) == expected and reply.choices[0].text == direct.text
+
+
+def test_a_predicted_output_gives_the_same_text_and_openais_usage_details(client):
+    plain = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0)
+    text = plain.choices[0].text
+    for content in (
+        text,
+        [{"type": "text", "text": text[: len(text) // 2]}, {"type": "text", "text": text[len(text) // 2 :]}],
+    ):
+        reply = client.completions.create(
+            model="target",
+            prompt=PROMPT,
+            max_tokens=N,
+            temperature=0,
+            extra_body={"prediction": {"type": "content", "content": content}},
+        )
+        assert reply.choices[0].text == text
+        # The tiny family's byte-level tokenizer does not give the output's ids back from its (lossy) text,
+        # so the prediction drafts without being kept much; the demo family's does (docs/benchmarks.md).
+        details = reply.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0, details
+    none = plain.usage.completion_tokens_details
+    assert none.accepted_prediction_tokens == none.rejected_prediction_tokens == 0

@@ -19,7 +19,7 @@ class Verification(_message.Message):
     def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., tune_beta: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "session_id", "max_new_tokens", "temperature", "top_p", "seed", "stop", "verification", "stop_threshold", "speculation", "top_k", "min_p", "logit_bias")
+    __slots__ = ("prompt", "prompt_token_ids", "session_id", "max_new_tokens", "temperature", "top_p", "seed", "stop", "verification", "stop_threshold", "speculation", "top_k", "min_p", "logit_bias", "prediction")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class GenerateRequest(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     session_id: str
@@ -55,7 +56,16 @@ class GenerateRequest(_message.Message):
     top_k: int
     min_p: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., stop_threshold: _Optional[float] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    prediction: Prediction
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., verification: _Optional[_Union[Verification, _Mapping]] = ..., stop_threshold: _Optional[float] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prediction: _Optional[_Union[Prediction, _Mapping]] = ...) -> None: ...
+
+class Prediction(_message.Message):
+    __slots__ = ("content", "token_ids")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, content: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("mode",)
@@ -82,7 +92,7 @@ class TierStats(_message.Message):
     def __init__(self, calls: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., time_s: _Optional[float] = ..., hops: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens_cached: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss", "rows", "pass_s", "loop_s", "waited_s", "cached_prompt_tokens")
+    __slots__ = ("generated_tokens", "target_calls", "tiers", "accepted_by_position", "drafted_by_position", "mean_accepted_length", "wall_s", "swi_params", "verification", "off_target_tokens", "tv_deviation", "loglik_loss", "rows", "pass_s", "loop_s", "waited_s", "cached_prompt_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
     class TiersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +131,8 @@ class GenerateStats(_message.Message):
     LOOP_S_FIELD_NUMBER: _ClassVar[int]
     WAITED_S_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     target_calls: int
     tiers: _containers.MessageMap[str, TierStats]
@@ -138,7 +150,9 @@ class GenerateStats(_message.Message):
     loop_s: float
     waited_s: float
     cached_prompt_tokens: int
-    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ..., rows: _Optional[_Mapping[str, RowStats]] = ..., pass_s: _Optional[_Mapping[str, float]] = ..., loop_s: _Optional[float] = ..., waited_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    def __init__(self, generated_tokens: _Optional[int] = ..., target_calls: _Optional[int] = ..., tiers: _Optional[_Mapping[str, TierStats]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., mean_accepted_length: _Optional[float] = ..., wall_s: _Optional[float] = ..., swi_params: _Optional[float] = ..., verification: _Optional[str] = ..., off_target_tokens: _Optional[int] = ..., tv_deviation: _Optional[float] = ..., loglik_loss: _Optional[float] = ..., rows: _Optional[_Mapping[str, RowStats]] = ..., pass_s: _Optional[_Mapping[str, float]] = ..., loop_s: _Optional[float] = ..., waited_s: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class EntryStats(_message.Message):
     __slots__ = ("blocks", "ended", "share", "tokens")
