@@ -296,6 +296,8 @@ class Coordinator:
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
         state.request_id, state.cache_salt = request_id, salt
         state.policy = SPECULATION[gen.speculation](self.policies, state.sampling.greedy)
+        if state.policy is OFF:  # plain decoding: no drafter, the prediction included
+            state.prediction = None
         missing = [d.name for d in self.cascade.drafters if d.name not in tiers]
         if missing:  # a wiring fault, not the caller's: no tier (or no leaves) for a drafter of the config
             raise RuntimeError(f"no tier for drafter {missing[0]!r} in this coordinator")

@@ -81,6 +81,14 @@ def test_sampled_output_with_a_prediction_is_drawn_as_without_one_at_top_k_1(tin
     assert engine.generate(prompt, gen).token_ids == expected
 
 
+def test_speculation_off_ignores_the_prediction(tiny_family):
+    engine = make_engine(tiny_family, ["close", "mag"], [[3, 3], [0, 4]], 1.5, lookup=Lookup(2, 10))
+    prompt = PROMPTS[1]
+    expected = oracle(tiny_family["target"], prompt, N)
+    got = engine.generate(prompt, GenerationConfig(max_new_tokens=N, prediction=tuple(expected), speculation="off"))
+    assert got.token_ids == expected and got.stats.target_calls == N and _prediction_counts(got) == (0, 0)
+
+
 def test_a_bad_prediction_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="^prediction holds at most 32768 tokens"):
         GenerationConfig(prediction=tuple(range(40000)))
