@@ -126,6 +126,7 @@ class Coordinator:
         top_k: int | None = None,
         min_p: float | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        penalties: Mapping[str, float] | None = None,
         prediction: str | Sequence[int] | None = None,
         seed: int | None = None,
         stop: Sequence[str] = (),
@@ -150,6 +151,7 @@ class Coordinator:
             "top_k": top_k,
             "min_p": min_p,
             "logit_bias": logit_bias,
+            **(penalties or {}),  # repetition_penalty, presence_penalty, frequency_penalty: as given
             "prediction": self._prediction_ids(prediction) if prediction is not None else None,
             "seed": seed,
             "verification": verification,
@@ -295,6 +297,8 @@ class Coordinator:
     ):
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
         state.request_id, state.cache_salt = request_id, salt
+        if state.sampling.penalized:  # presence and frequency count the output, which starts here
+            state.sampling = replace(state.sampling, output_start=len(context))
         state.policy = SPECULATION[gen.speculation](self.policies, state.sampling.greedy)
         if state.policy is OFF:  # plain decoding: no drafter, the prediction included
             state.prediction = None

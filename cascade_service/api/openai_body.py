@@ -30,11 +30,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # Fields OpenAI clients send that this server takes only at their neutral value.
-NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "logprobs": None}
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None}
 NEUTRAL |= {"suffix": None, "top_logprobs": None, "response_format": None}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
 COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", "speculation", *NEUTRAL}
 COMMON |= {"top_k", "min_p", "logit_bias", "prediction"}  # top_k and min_p as vLLM and SGLang take them
+COMMON |= {"presence_penalty", "frequency_penalty", "repetition_penalty"}
 DISCONNECT_POLL_S = 0.25
 
 

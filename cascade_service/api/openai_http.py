@@ -170,6 +170,9 @@ class _Api:
             ("top_p", body.get("top_p"), float),
             ("top_k", body.get("top_k"), int),
             ("min_p", body.get("min_p"), float),
+            ("presence_penalty", body.get("presence_penalty"), float),
+            ("frequency_penalty", body.get("frequency_penalty"), float),
+            ("repetition_penalty", body.get("repetition_penalty"), float),
             ("seed", body.get("seed"), int),
             ("stop_threshold", body.get("stop_threshold"), float),
         ):

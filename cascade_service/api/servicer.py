@@ -17,6 +17,7 @@ import grpc
 
 from ..coordinator import Cancelled, Chunk, Coordinator
 from ..core.prediction import PREDICTION
+from ..core.request import PENALTIES
 from ..core.stats import CascadeStats, TierCounters
 from ..core.tier import Overloaded, Unavailable
 from ..core.verify import Verification
@@ -162,6 +163,7 @@ class CascadeServicer:
             min_p=request.min_p if request.HasField("min_p") else None,
             logit_bias=request.logit_bias or None,  # its size is checked before it is read
             prediction=_prediction(request),
+            penalties={name: getattr(request, name) for name in PENALTIES if request.HasField(name)},
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
             verification=_verification(request),

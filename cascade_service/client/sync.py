@@ -76,6 +76,9 @@ def generate_request(
     min_p: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     prediction: str | Sequence[int] | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
     stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
@@ -96,6 +99,9 @@ def generate_request(
         "min_p": min_p,
         "seed": seed,
         "stop_threshold": stop_threshold,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
     }
     fields.update({name: value for name, value in optional.items() if value is not None})
     if verification is not None:  # alpha alone means nothing: the rule is what reads it
@@ -225,6 +231,9 @@ class CascadeClient:
         min_p: float | None = None,
         logit_bias: Mapping[int, float] | None = None,
         prediction: str | Sequence[int] | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -246,6 +255,9 @@ class CascadeClient:
             min_p=min_p,
             logit_bias=logit_bias,
             prediction=prediction,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
             seed=seed,
             stop=stop,
             session_id=session_id,
@@ -269,6 +281,9 @@ class CascadeClient:
         min_p: float | None = None,
         logit_bias: Mapping[int, float] | None = None,
         prediction: str | Sequence[int] | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         session_id: str | None = None,
@@ -291,6 +306,9 @@ class CascadeClient:
             min_p=min_p,
             logit_bias=logit_bias,
             prediction=prediction,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
             seed=seed,
             stop=stop,
             session_id=session_id,

@@ -82,6 +82,10 @@ def local_mag(cascade: CascadeConfig) -> MaGConfig | None:
     return next((d for d in cascade.drafters if d.name == MAG and isinstance(d, MaGConfig) and not d.remote), None)
 
 
+GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "verification"}
+GENERATION_KEYS |= {"repetition_penalty", "presence_penalty", "frequency_penalty"}
+
+
 def request_state(
     gen: GenerationConfig,
     stats: CascadeStats,
@@ -94,7 +98,15 @@ def request_state(
     v = gen.verification
     stats.verification = v.describe()
     sampling = SamplingParams(
-        gen.temperature, gen.top_p, rows=v.needs_rows, top_k=gen.top_k, min_p=gen.min_p, logit_bias=gen.logit_bias
+        gen.temperature,
+        gen.top_p,
+        rows=v.needs_rows,
+        top_k=gen.top_k,
+        min_p=gen.min_p,
+        logit_bias=gen.logit_bias,
+        repetition_penalty=gen.repetition_penalty,
+        presence_penalty=gen.presence_penalty,
+        frequency_penalty=gen.frequency_penalty,
     )
     state = RequestState(
         sampling,
@@ -178,7 +190,7 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
         schedule_raw.get("fill", "entry"),
     )
     gen_raw = _mapping(raw.get("generation", {}), "generation")
-    _only(gen_raw, "generation.", {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "verification"})
+    _only(gen_raw, "generation.", GENERATION_KEYS)
     if "verification" in gen_raw:
         gen_raw = {**gen_raw, "verification": make_verification(gen_raw["verification"], "generation.verification")}
     serving = _serving(_mapping(raw.get("serving", {}), "serving"), cascade, base_dir)

@@ -17,6 +17,8 @@ MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1 << 20  # past any vocabulary here; a k at or above the vocabulary keeps every token
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias: each travels with every tier call
 MAX_PREDICTION_TOKENS = 32768  # as long as the longest prompt
+MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI's API
+MAX_REPETITION_PENALTY = 10.0
 MAX_BIAS = 100.0  # |bias| at most, as OpenAI's API: 100 bans or forces a token
 SEED_LIMIT = 2**63  # seeds in [0, 2**63): an int64 on the wire
 MAX_STOP_STRINGS = 16
@@ -87,6 +89,20 @@ def check_prediction(value: Any) -> tuple[int, ...]:
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise ValueError("prediction: token ids must be non-negative integers")
     return tuple(value)
+
+
+def check_penalty(name: str, value: Any) -> float:
+    """OpenAI's presence_penalty and frequency_penalty: in [-2, 2], 0 off."""
+    if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+        raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+    return float(value)
+
+
+def check_repetition_penalty(value: Any) -> float:
+    """transformers' repetition_penalty: in (0, 10], 1 off; above 1 discourages tokens already seen."""
+    if not _number(value) or not 0.0 < value <= MAX_REPETITION_PENALTY:
+        raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {value!r}")
+    return float(value)
 
 
 def check_seed(value: Any) -> int:

@@ -192,7 +192,8 @@ def draft_autoregressive(
         stopper.start()
         scorer.keep_hidden = needs_hidden  # type: ignore[attr-defined]  # HFScorer's option
     for _ in range(k):
-        probs = sampling.probs(_score(scorer, ctx.extend(tokens), 1, counters))[0]  # [V]
+        scored = ctx.extend(tokens)
+        probs = sampling.probs(_score(scorer, scored, 1, counters), scored.tokens)[0]  # [V]
         token = int(probs.argmax()) if sampling.greedy else sample(probs, generator)
         tokens.append(token)
         token_probs.append(float(probs[token]))
@@ -218,7 +219,8 @@ def score_and_review(
     counters: TierCounters,
 ) -> Verdict:
     """Score context + block in ONE forward pass (k + 1 distributions) and review the block."""
-    probs = sampling.probs(_score(scorer, ctx.extend(block.tokens), len(block) + 1, counters))
+    scored = ctx.extend(block.tokens)
+    probs = sampling.probs(_score(scorer, scored, len(block) + 1, counters), scored.tokens)
     return rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
 
 

@@ -26,7 +26,9 @@ from .limits import (  # noqa: F401 - each field's check, used where requests ar
     check_logit_bias,
     check_max_new_tokens,
     check_min_p,
+    check_penalty,
     check_prediction,
+    check_repetition_penalty,
     check_seed,
     check_speculation,
     check_stop,
@@ -46,6 +48,9 @@ def _exact() -> Verification:
     return EXACT
 
 
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How one request generates. Construction checks every field (ValueError naming it)."""
@@ -58,6 +63,9 @@ class GenerationConfig:
     # ((token id, bias), ...) added to every tier's logits (a dict is taken too); ids below the vocabulary
     # (checked by the coordinator, which knows it)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0  # transformers': over the whole sequence; 1 = off
+    presence_penalty: float = 0.0  # OpenAI's: over the request's output; 0 = off
+    frequency_penalty: float = 0.0
     # The output the client expects (OpenAI's predicted outputs), as token ids: a drafter of this request
     # (core.prediction). It changes the speed, never the output.
     prediction: tuple[int, ...] = ()
@@ -81,6 +89,9 @@ class GenerationConfig:
             "top_k": check_top_k(self.top_k),
             "min_p": check_min_p(self.min_p),
             "logit_bias": check_logit_bias(self.logit_bias),
+            "repetition_penalty": check_repetition_penalty(self.repetition_penalty),
+            "presence_penalty": check_penalty("presence_penalty", self.presence_penalty),
+            "frequency_penalty": check_penalty("frequency_penalty", self.frequency_penalty),
             "prediction": check_prediction(self.prediction),
             "seed": check_seed(self.seed),
             "stop_threshold": check_stop_threshold(self.stop_threshold),

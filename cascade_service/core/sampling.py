@@ -9,11 +9,20 @@ target's under these controls; drafters get the same processing so that their dr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .limits import check_logit_bias, check_min_p, check_temperature, check_top_k, check_top_p
+from .limits import (
+    check_logit_bias,
+    check_min_p,
+    check_penalty,
+    check_repetition_penalty,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
 from .placement import PROBS_DTYPE, generator_for
 
 
@@ -31,6 +40,13 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # ((token id, bias), ...), added to the logits first
+    # Penalties on tokens already there (they need the sequence: `probs(logits, tokens)`): transformers'
+    # repetition_penalty over the whole sequence, OpenAI's presence and frequency penalties over the
+    # request's output, which starts at `output_start` (the request's context length).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    output_start: int = 0
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)  # a tier's request off the wire is checked as the client's was
@@ -38,6 +54,13 @@ class SamplingParams:
         check_top_k(self.top_k)
         check_min_p(self.min_p)
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        check_repetition_penalty(self.repetition_penalty)
+        check_penalty("presence_penalty", self.presence_penalty)
+        check_penalty("frequency_penalty", self.frequency_penalty)
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -47,8 +70,10 @@ class SamplingParams:
     def carries_rows(self) -> bool:
         return self.rows or not self.greedy
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """[n, V] logits -> [n, V] float32 probabilities.
+    def probs(self, logits: torch.Tensor, tokens: Sequence[int] | None = None) -> torch.Tensor:
+        """[n, V] logits -> [n, V] float32 probabilities. Row i is the distribution after
+        `tokens[: len(tokens) - n + 1 + i]` (the sequence a pass scored, its last n positions); only
+        penalties read it, and with them it must be given.
 
         Greedy mode returns softmax at temperature 1: decisions use argmax, and greedy leniency compares
         these probabilities (the authors' rule), so they must not be sharpened.
@@ -59,6 +84,10 @@ class SamplingParams:
             bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
             bias[list(ids)] = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
             logits = logits + bias
+        if self.penalized:
+            if tokens is None:
+                raise ValueError("penalties need the sequence the logits were scored over")
+            logits = self._penalize(logits, tokens)
         if self.greedy:
             return torch.softmax(logits, dim=-1)
         logits = sharpen(logits, self.temperature)
@@ -72,6 +101,24 @@ class SamplingParams:
             kept = probs * (probs >= self.min_p * probs.amax(dim=-1, keepdim=True))
             probs = kept / kept.sum(dim=-1, keepdim=True)
         return probs
+
+    def _penalize(self, logits: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+        n, vocab = logits.shape[-2], logits.shape[-1]
+        seq = torch.tensor(list(tokens), dtype=torch.long, device=logits.device).clamp(0, vocab - 1)
+        seen_end = len(tokens) - n + 1  # row 0 follows tokens[:seen_end]; row i also the block's first i
+        later = torch.zeros(n, vocab, dtype=logits.dtype, device=logits.device)
+        if n > 1:
+            later[torch.arange(1, n), seq[seen_end : seen_end + n - 1]] = 1.0
+        later = later.cumsum(dim=0)
+        start = min(self.output_start, seen_end)
+        if self.repetition_penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor, per row
+            seen = (torch.bincount(seq[:seen_end], minlength=vocab).to(logits.dtype) + later) > 0
+            scaled = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+            logits = torch.where(seen, scaled, logits)
+        if self.presence_penalty or self.frequency_penalty:  # OpenAI's, over the output so far
+            counts = torch.bincount(seq[start:seen_end], minlength=vocab).to(logits.dtype) + later
+            logits = logits - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
 
 
 def sharpen(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -237,12 +237,25 @@ def _sampling_out(s: SamplingParams) -> pb.Sampling:
         top_k=s.top_k,
         min_p=s.min_p,
         logit_bias=dict(s.logit_bias),
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        output_start=s.output_start,
     )
 
 
 def _sampling_in(m: pb.Sampling) -> SamplingParams:
     return SamplingParams(
-        m.temperature, m.top_p if m.top_p else 1.0, m.rows, m.top_k, m.min_p, tuple(m.logit_bias.items())
+        m.temperature,
+        m.top_p if m.top_p else 1.0,
+        m.rows,
+        m.top_k,
+        m.min_p,
+        tuple(m.logit_bias.items()),
+        repetition_penalty=m.repetition_penalty or 1.0,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        output_start=m.output_start,
     )
 
 

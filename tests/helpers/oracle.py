@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
 
 
-def oracle(target_dir, prompt, max_new_tokens, eos_id=None, logit_bias=None):
-    """`logit_bias` ({token: bias}): transformers' own SequenceBiasLogitsProcessor (generate's sequence_bias)."""
+class OpenAIPenalties:
+    """OpenAI's presence and frequency penalties as a transformers LogitsProcessor, written here from the
+    API's definition (logit -= frequency * count + presence * [count > 0], counts over the output only)."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float):
+        self.start, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids):
+            for token, count in Counter(ids[self.start :].tolist()).items():
+                scores[row, token] -= self.frequency * count + self.presence
+        return scores
+
+
+def oracle(target_dir, prompt, max_new_tokens, eos_id=None, logit_bias=None, repetition_penalty=None, penalties=None):
+    """`logit_bias` ({token: bias}): transformers' own SequenceBiasLogitsProcessor (generate's sequence_bias);
+    `repetition_penalty`: generate's own; `penalties` (presence, frequency): OpenAIPenalties."""
     model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
-    extra = {"sequence_bias": [[[t], float(b)] for t, b in logit_bias.items()]} if logit_bias else {}
+    extra: dict = {"sequence_bias": [[[t], float(b)] for t, b in logit_bias.items()]} if logit_bias else {}
+    if repetition_penalty is not None:
+        extra["repetition_penalty"] = repetition_penalty
+    if penalties is not None:
+        extra["logits_processor"] = LogitsProcessorList([OpenAIPenalties(len(prompt), *penalties)])
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),

@@ -63,7 +63,7 @@ def exact_distribution(
     for seq in itertools.product(range(model.vocab), repeat=length):
         p, tokens = 1.0, list(prompt)
         for t in seq:
-            p *= float(sampling.probs(model.row(tokens)[None])[0, t])
+            p *= float(sampling.probs(model.row(tokens)[None], tokens)[0, t])
             tokens.append(t)
         out[seq] = p
     return out

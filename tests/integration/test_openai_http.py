@@ -80,6 +80,9 @@ def test_models_lists_the_target(client):
         ({"top_k": 2.5}, 400, "top_k"),
         ({"min_p": 1.5}, 400, "min_p"),
         ({"logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"frequency_penalty": "high"}, 400, "frequency_penalty"),
+        ({"repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"prediction": "text"}, 400, "prediction"),
         ({"prediction": {"type": "other", "content": "x"}}, 400, "prediction"),
         ({"prediction": {"type": "content", "content": 5}}, 400, "prediction.content"),
@@ -285,3 +288,18 @@ def test_a_predicted_output_gives_the_same_text_and_openais_usage_details(client
         assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0, details
     none = plain.usage.completion_tokens_details
     assert none.accepted_prediction_tokens == none.rejected_prediction_tokens == 0
+
+
+def test_openais_penalties_move_the_greedy_text_as_their_definition_says(server, client, tiny_family):
+    from cascade_service.client import CascadeClient
+
+    expected = oracle(tiny_family["target"], PROMPT, N, penalties=(1.0, 1.5))
+    assert expected != oracle(tiny_family["target"], PROMPT, N)
+    reply = client.completions.create(
+        model="target", prompt=PROMPT, max_tokens=N, temperature=0, presence_penalty=1.0, frequency_penalty=1.5
+    )
+    with CascadeClient(f"127.0.0.1:{server.port}", api_key=KEY_A) as grpc_client:
+        direct = grpc_client.generate(
+            prompt_token_ids=PROMPT, max_new_tokens=N, presence_penalty=1.0, frequency_penalty=1.5
+        )
+    assert list(direct.token_ids) == expected and reply.choices[0].text == direct.text

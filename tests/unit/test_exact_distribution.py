@@ -29,8 +29,9 @@ from ..helpers.toy_cascade import CASES, LENGTH, PROMPT, SAMPLES, sample_cascade
         SamplingParams(1.0, top_k=2),
         SamplingParams(1.2, top_k=3, min_p=0.3),
         SamplingParams(1.0, logit_bias=((1, 1.5), (2, -2.0))),
+        SamplingParams(1.0, repetition_penalty=1.6, presence_penalty=0.5, frequency_penalty=0.4),
     ],
-    ids=["t1", "t0.7_p0.9", "t1_k2", "t1.2_k3_minp0.3", "t1_bias"],
+    ids=["t1", "t0.7_p0.9", "t1_k2", "t1.2_k3_minp0.3", "t1_bias", "t1_penalties"],
 )
 def test_cascade_output_distribution_equals_target_distribution(case, sampling):
     names, k, leniency, *lookup = CASES[case]

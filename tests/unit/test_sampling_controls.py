@@ -114,3 +114,34 @@ def test_a_bad_logit_bias_is_refused_naming_the_field(value, message):
     with pytest.raises(ValueError, match=rf"^logit_bias.*{message}"):
         GenerationConfig(logit_bias=value)
     assert GenerationConfig(logit_bias={5: 1, 2: -3.5}).logit_bias == ((2, -3.5), (5, 1.0))  # sorted, floats
+
+
+def test_penalties_per_row_equal_transformers_and_openais_definition():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from ..helpers.oracle import OpenAIPenalties
+
+    vocab, prompt = 40, [3, 5, 5, 9]
+    tokens = prompt + [5, 7, 7, 3, 12]  # a scored sequence: context, then a block of 4 after 1 output token
+    n = 5  # rows: after tokens[:5], ..., after tokens[:9]
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    params = SamplingParams(0.0, repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.9)
+    ours = SamplingParams(
+        1.0, repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.9, output_start=len(prompt)
+    ).probs(logits, tokens)
+    for i in range(n):
+        seen = torch.tensor([tokens[: len(tokens) - n + 1 + i]])
+        row = RepetitionPenaltyLogitsProcessor(1.7)(seen, logits[i : i + 1].clone())
+        row = OpenAIPenalties(len(prompt), 0.6, 0.9)(seen, row)
+        assert torch.allclose(ours[i], torch.softmax(row[0], dim=-1), atol=1e-6), i
+    with pytest.raises(ValueError, match="penalties need the sequence"):
+        params.probs(logits)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("repetition_penalty", 0.0), ("repetition_penalty", 11.0), ("presence_penalty", 2.5), ("frequency_penalty", -3)],
+)
+def test_out_of_range_penalties_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be in"):
+        GenerationConfig(**{field: value})

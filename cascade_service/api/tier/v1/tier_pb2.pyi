@@ -19,7 +19,7 @@ class Context(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., stable: _Optional[int] = ..., offset: _Optional[int] = ..., prefix: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "rows", "top_k", "min_p", "logit_bias")
+    __slots__ = ("temperature", "top_p", "rows", "top_k", "min_p", "logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty", "output_start")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,13 +33,21 @@ class Sampling(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     rows: bool
     top_k: int
     min_p: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., rows: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    output_start: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., rows: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., output_start: _Optional[int] = ...) -> None: ...
 
 class Rows(_message.Message):
     __slots__ = ("rows", "cols", "float32")
