@@ -30,6 +30,7 @@ from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
 from .core.verify import Verification
 from .metrics import Metrics, RequestTimes
+from .request_checks import check_generation, check_vocabulary, request_schedule
 from .scheduling.passes import CURRENT_CLOCK
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 from .textstream import TextStream
@@ -133,6 +134,7 @@ class Coordinator:
         verification: Verification | None = None,
         stop_threshold: float | None = None,
         speculation: str | None = None,
+        target_row: Sequence[int] | None = None,
         owner: str = "",
     ) -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
@@ -152,14 +154,15 @@ class Coordinator:
             "min_p": min_p,
             "logit_bias": logit_bias,
             **(penalties or {}),  # repetition_penalty, presence_penalty, frequency_penalty: as given
-            "prediction": self._prediction_ids(prediction) if prediction is not None else None,
+            "prediction": prediction_ids(self.tokenizer.encode, prediction) if prediction is not None else None,
             "seed": seed,
             "verification": verification,
             "stop_threshold": stop_threshold,
             "speculation": speculation,
+            "target_row": tuple(target_row) if target_row is not None else None,
         }
         gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
-        self._check_vocabulary("logit_bias", [t for t, _ in gen.logit_bias])
+        check_generation(self.vocab_size, self.cascade, gen)
         with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)  # one no tier can use fails here
         params = GenerateParams(
             tuple(int(t) for t in ids), gen, session_id or None, stop, owner, max_new_tokens is not None
@@ -175,7 +178,7 @@ class Coordinator:
         if not ids:
             raise ValueError("prompt: empty (give at least one token)")
         with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)
-        self._check_vocabulary("logit_bias", [t for t, _ in gen.logit_bias])
+        check_generation(self.vocab_size, self.cascade, gen)
         return self._fit(GenerateParams(tuple(int(t) for t in ids), gen, owner=owner, explicit_max_new_tokens=True), 0)
 
     @property
@@ -299,7 +302,9 @@ class Coordinator:
         state.request_id, state.cache_salt = request_id, salt
         if state.sampling.penalized:  # presence and frequency count the output, which starts here
             state.sampling = replace(state.sampling, output_start=len(context))
-        state.policy = SPECULATION[gen.speculation](self.policies, state.sampling.greedy)
+        # A request's own row runs as given: load adaptation would price blocks its evidence never saw.
+        mode = "fixed" if gen.target_row is not None and gen.speculation == "auto" else gen.speculation
+        state.policy = SPECULATION[mode](self.policies, state.sampling.greedy)
         if state.policy is OFF:  # plain decoding: no drafter, the prediction included
             state.prediction = None
         missing = [d.name for d in self.cascade.drafters if d.name not in tiers]
@@ -309,7 +314,7 @@ class Coordinator:
         system = build_cascade(
             tiers[self.cascade.target.name],
             drafters,
-            self.cascade.schedule,
+            request_schedule(self.cascade, gen),
             self.cascade.leniency,
             state,
             None if state.policy is OFF else self.cascade.lookup,  # no drafts: no lookup to pay for either
@@ -320,18 +325,8 @@ class Coordinator:
         if prompt and prompt_ids:
             raise ValueError("prompt: give prompt or prompt_token_ids, not both")
         ids = list(prompt_ids) if prompt_ids else (self.tokenizer.encode(prompt) if prompt else [])
-        self._check_vocabulary("prompt_token_ids", ids)
+        check_vocabulary(self.vocab_size, "prompt_token_ids", ids)
         return ids
-
-    def _prediction_ids(self, prediction: str | Sequence[int]) -> tuple[int, ...]:
-        ids = prediction_ids(self.tokenizer.encode, prediction)
-        self._check_vocabulary("prediction", ids)
-        return ids
-
-    def _check_vocabulary(self, field: str, ids: Iterable[int]) -> None:
-        bad = next((t for t in ids if not 0 <= int(t) < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{field}: {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     # --- sessions ----------------------------------------------------------------------------------
 

@@ -119,13 +119,20 @@ def put_speculation(value: Any, message: pb.GenerateRequest) -> None:
     """`speculation: {"mode": "auto" | "off" | "fixed"}` (the mode's range is the coordinator's check)."""
     if value is None:
         return
-    if not isinstance(value, dict) or set(value) - {"mode"}:
-        raise HttpError(400, "speculation must be {mode}", "speculation")
+    if not isinstance(value, dict) or set(value) - {"mode", "target_row"}:
+        raise HttpError(400, "speculation must be {mode, target_row}", "speculation")
     mode = value.get("mode")
     if mode is not None:
         if not isinstance(mode, str):
             raise HttpError(400, "speculation.mode must be a string", "speculation.mode")
         message.speculation.mode = mode
+    row = value.get("target_row")
+    if row is not None:
+        if not isinstance(row, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in row):
+            raise HttpError(400, "speculation.target_row must be a list of integers", "speculation.target_row")
+        if len(row) > 64 or not all(0 <= k < 2**32 for k in row):
+            raise HttpError(400, "speculation.target_row: entries out of range", "speculation.target_row")
+        message.speculation.target_row.extend(row)
 
 
 async def json_body(request: Request) -> dict[str, Any]:

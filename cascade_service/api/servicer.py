@@ -169,6 +169,7 @@ class CascadeServicer:
             verification=_verification(request),
             stop_threshold=request.stop_threshold if request.HasField("stop_threshold") else None,
             speculation=request.speculation.mode or None,  # unset or empty: the server's "auto"
+            target_row=list(request.speculation.target_row) or None,
             owner=owner_of(context),
         )
 

@@ -75,6 +75,7 @@ class AsyncCascadeClient:
         beta: float | str | None = None,
         stop_threshold: float | None = None,
         speculation: str | None = None,
+        target_row: Sequence[int] | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
@@ -99,6 +100,7 @@ class AsyncCascadeClient:
             beta=beta,
             stop_threshold=stop_threshold,
             speculation=speculation,
+            target_row=target_row,
         )
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
 
@@ -125,6 +127,7 @@ class AsyncCascadeClient:
         beta: float | str | None = None,
         stop_threshold: float | None = None,
         speculation: str | None = None,
+        target_row: Sequence[int] | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens (`async for`);
@@ -150,6 +153,7 @@ class AsyncCascadeClient:
             beta=beta,
             stop_threshold=stop_threshold,
             speculation=speculation,
+            target_row=target_row,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

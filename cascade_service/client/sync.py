@@ -72,6 +72,7 @@ def generate_request(
     beta: float | str | None = None,
     stop_threshold: float | None = None,
     speculation: str | None = None,
+    target_row: Sequence[int] | None = None,
     top_k: int | None = None,
     min_p: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
@@ -117,8 +118,8 @@ def generate_request(
         fields["prediction"] = pb.Prediction(content=prediction)
     elif prediction is not None:
         fields["prediction"] = pb.Prediction(token_ids=list(prediction))
-    if speculation is not None:  # "auto", "off" or "fixed"; the server checks it
-        fields["speculation"] = pb.Speculation(mode=speculation)
+    if speculation is not None or target_row is not None:  # the server checks both
+        fields["speculation"] = pb.Speculation(mode=speculation or "", target_row=list(target_row or ()))
     return pb.GenerateRequest(**fields)
 
 
@@ -243,6 +244,7 @@ class CascadeClient:
         beta: float | str | None = None,
         stop_threshold: float | None = None,
         speculation: str | None = None,
+        target_row: Sequence[int] | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
@@ -267,6 +269,7 @@ class CascadeClient:
             beta=beta,
             stop_threshold=stop_threshold,
             speculation=speculation,
+            target_row=target_row,
         )
         return result_from(self._call(self._stub.Generate, request, timeout_s))
 
@@ -293,6 +296,7 @@ class CascadeClient:
         beta: float | str | None = None,
         stop_threshold: float | None = None,
         speculation: str | None = None,
+        target_row: Sequence[int] | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
@@ -318,6 +322,7 @@ class CascadeClient:
             beta=beta,
             stop_threshold=stop_threshold,
             speculation=speculation,
+            target_row=target_row,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

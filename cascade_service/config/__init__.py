@@ -19,7 +19,7 @@ from ..core.cascade import Lookup, RequestState
 from ..core.local import StatisticalTier
 from ..core.prediction import PREDICTION, PredictionProposer
 from ..core.request import GenerationConfig, check_stop_threshold
-from ..core.sampling import SamplingParams
+from ..core.sampling import sampling_of
 from ..core.schedule import Schedule, ScheduleError
 from ..core.stats import CascadeStats
 from ..core.verify import Verification
@@ -97,19 +97,8 @@ def request_state(
     """The shared state of one request's cascade, from its generation settings."""
     v = gen.verification
     stats.verification = v.describe()
-    sampling = SamplingParams(
-        gen.temperature,
-        gen.top_p,
-        rows=v.needs_rows,
-        top_k=gen.top_k,
-        min_p=gen.min_p,
-        logit_bias=gen.logit_bias,
-        repetition_penalty=gen.repetition_penalty,
-        presence_penalty=gen.presence_penalty,
-        frequency_penalty=gen.frequency_penalty,
-    )
     state = RequestState(
-        sampling,
+        sampling_of(gen, rows=v.needs_rows),
         torch.Generator().manual_seed(gen.seed),
         stats,
         vocab_size,

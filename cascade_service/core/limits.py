@@ -19,6 +19,8 @@ MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias: each travels with ev
 MAX_PREDICTION_TOKENS = 32768  # as long as the longest prompt
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI's API
 MAX_REPETITION_PENALTY = 10.0
+MAX_DRAFTERS = 16
+MAX_ROW_ENTRY = 64  # tokens one drafter adds to a target block in a request's own row
 MAX_BIAS = 100.0  # |bias| at most, as OpenAI's API: 100 bans or forces a token
 SEED_LIMIT = 2**63  # seeds in [0, 2**63): an int64 on the wire
 MAX_STOP_STRINGS = 16
@@ -103,6 +105,20 @@ def check_repetition_penalty(value: Any) -> float:
     if not _number(value) or not 0.0 < value <= MAX_REPETITION_PENALTY:
         raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {value!r}")
     return float(value)
+
+
+def check_target_row(value: Any) -> tuple[int, ...] | None:
+    """A request's K-matrix row for the target (speculation.target_row): tokens per drafter per block;
+    its length and reachability are checked against the cascade by the coordinator."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) > MAX_DRAFTERS:
+        raise ValueError(f"speculation.target_row must be a list of at most {MAX_DRAFTERS} integers, got {value!r}")
+    if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_ROW_ENTRY for k in value):
+        raise ValueError(
+            f"speculation.target_row: each entry must be an integer in [0, {MAX_ROW_ENTRY}], got {value!r}"
+        )
+    return tuple(value)
 
 
 def check_seed(value: Any) -> int:

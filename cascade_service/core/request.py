@@ -33,6 +33,7 @@ from .limits import (  # noqa: F401 - each field's check, used where requests ar
     check_speculation,
     check_stop,
     check_stop_threshold,
+    check_target_row,
     check_temperature,
     check_top_k,
     check_top_p,
@@ -78,6 +79,9 @@ class GenerationConfig:
     # or the K-matrix), "fixed" the configured K-matrix whatever the load, "off" plain decoding of the
     # target through the same engine. The output is the same in all three (exact verification).
     speculation: str = "auto"
+    # The target's K-matrix row for this request (one entry per drafter, largest first); None: the
+    # configured row. It runs as given, round after round, under "auto" too (no load adaptation).
+    target_row: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Numbers from YAML or JSON arrive as ints where floats are meant: stored as floats, so that
@@ -96,6 +100,7 @@ class GenerationConfig:
             "seed": check_seed(self.seed),
             "stop_threshold": check_stop_threshold(self.stop_threshold),
             "speculation": check_speculation(self.speculation),
+            "target_row": check_target_row(self.target_row),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from .limits import (
     check_top_p,
 )
 from .placement import PROBS_DTYPE, generator_for
+
+if TYPE_CHECKING:
+    from .request import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,21 @@ class SamplingParams:
             counts = torch.bincount(seq[start:seen_end], minlength=vocab).to(logits.dtype) + later
             logits = logits - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
+
+
+def sampling_of(gen: GenerationConfig, rows: bool = False) -> SamplingParams:
+    """A request's sampling settings, as every tier applies them."""
+    return SamplingParams(
+        gen.temperature,
+        gen.top_p,
+        rows=rows,
+        top_k=gen.top_k,
+        min_p=gen.min_p,
+        logit_bias=gen.logit_bias,
+        repetition_penalty=gen.repetition_penalty,
+        presence_penalty=gen.presence_penalty,
+        frequency_penalty=gen.frequency_penalty,
+    )
 
 
 def sharpen(logits: torch.Tensor, temperature: float) -> torch.Tensor:

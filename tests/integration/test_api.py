@@ -183,6 +183,8 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
         ({"prompt_token_ids": [1, 2], "frequency_penalty": -2.5}, "frequency_penalty"),
         ({"prompt_token_ids": [1, 2], "prediction": list(range(40000))}, "prediction"),
         ({"prompt_token_ids": [1, 2], "speculation": "OFF"}, "speculation.mode"),
+        ({"prompt_token_ids": [1, 2], "target_row": [4, 2]}, "speculation.target_row"),
+        ({"prompt_token_ids": [1, 2], "target_row": [0, 4, 0]}, "speculation.target_row"),
     ],
 )
 def test_bad_fields_are_invalid_argument_naming_the_field(client, kwargs, field):

@@ -94,6 +94,8 @@ def test_models_lists_the_target(client):
         ({"speculation": {"mode": 0}}, 400, "speculation.mode"),
         ({"speculation": "off"}, 400, "speculation"),
         ({"speculation": {"mode": "off", "k_matrix": [[1]]}}, 400, "speculation"),
+        ({"speculation": {"target_row": [4, 2]}}, 400, "speculation.target_row"),
+        ({"speculation": {"target_row": "4,2,0"}}, 400, "speculation.target_row"),
     ],
 )
 def test_bad_fields_are_400s_naming_the_field(server, fields, status, param):

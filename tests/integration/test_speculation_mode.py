@@ -83,3 +83,22 @@ def test_the_modes_map_to_their_policies():
     assert SPECULATION["fixed"](policies, False) is FIXED and SPECULATION["off"](policies, False) is OFF
     assert made == [True]  # only "auto" asks the server's policies
     assert OFF.cap("model", 8, 8) == 0 and OFF.cap("lookup", 8, 8) == 0 and FIXED.cap("model", 8, 6) == 6
+
+
+def test_a_requests_own_target_row_runs_as_given_and_keeps_the_output(tiny_family):
+    names, k_matrix, lookup = SHAPES["horizontal+mag"]  # configured target row [4, 2, 0]
+    engine = make_engine(tiny_family, names, k_matrix, 1.5, lookup=lookup)
+    coordinator = engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=N), adapt_to_load=True)
+    prompt = PROMPTS[1]
+    expected = oracle(tiny_family["target"], prompt, N)
+    for row, drafters in (((6, 0, 0), {"close"}), ((2, 3, 0), {"close", "mid"})):
+        chunk = coordinator.generate(coordinator.params(prompt_ids=prompt, temperature=0.0, target_row=row))
+        assert chunk.token_ids == expected, row
+        entries = chunk.stats.reviews["target"].row()["entries"]
+        assert {name for name, entry in entries.items() if entry["blocks"]} == drafters, (row, entries)
+    with pytest.raises(ValueError, match=r"^speculation\.target_row: "):  # close reviewed by no one
+        coordinator.params(prompt_ids=prompt, target_row=(0, 4, 0))
+    with pytest.raises(ValueError, match=r"^speculation\.target_row"):
+        coordinator.params(prompt_ids=prompt, target_row=(4, 2))  # one entry per drafter
+    with pytest.raises(ValueError, match=r"^speculation\.target_row"):
+        GenerationConfig(target_row=(4, 2, 65))

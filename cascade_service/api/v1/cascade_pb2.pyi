@@ -74,10 +74,12 @@ class Prediction(_message.Message):
     def __init__(self, content: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("mode",)
+    __slots__ = ("mode", "target_row")
     MODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ROW_FIELD_NUMBER: _ClassVar[int]
     mode: str
-    def __init__(self, mode: _Optional[str] = ...) -> None: ...
+    target_row: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mode: _Optional[str] = ..., target_row: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("calls", "tokens_processed", "time_s", "hops", "drafted", "accepted", "tokens_cached")
