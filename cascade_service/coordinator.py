@@ -79,6 +79,7 @@ class Chunk:
     finish_reason: str | None = None  # on the last chunk: "eos", "length" or "stop"
     stats: CascadeStats | None = None  # on the last chunk
     session_length: int = 0  # on the last chunk of a session request
+    logprobs: list = field(default_factory=list)  # per token, when asked for (core.review.TokenLogprob)
 
 
 @dataclass
@@ -135,6 +136,7 @@ class Coordinator:
         stop_threshold: float | None = None,
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
+        logprobs: int | None = None,
         owner: str = "",
     ) -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
@@ -160,6 +162,7 @@ class Coordinator:
             "stop_threshold": stop_threshold,
             "speculation": speculation,
             "target_row": tuple(target_row) if target_row is not None else None,
+            "logprobs": logprobs,
         }
         gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
         check_generation(self.vocab_size, self.cascade, gen)
@@ -260,7 +263,7 @@ class Coordinator:
                     break  # this round's tokens go out with the last chunk
                 delta = text.take(final=False)
                 if new or delta:
-                    yield Chunk(new, delta)
+                    yield Chunk(new, delta, logprobs=stats.logprobs[len(out) - len(new) : len(out)])
                 new = []
         finally:
             clock.stop()
@@ -277,17 +280,20 @@ class Coordinator:
         if task is not None and mark is not None:
             stats.engine = EngineTime(*task.since(mark))
         clock.finished(stats, len(context), finish)
-        yield Chunk(new, text.take(final=True), finish, stats, session_length)
+        tail = stats.logprobs[len(out) - len(new) : len(out)]
+        yield Chunk(new, text.take(final=True), finish, stats, session_length, tail)
 
     def generate(self, params: GenerateParams, cancelled: Callable[[], bool] = _never) -> Chunk:
         tokens: list[int] = []
         texts: list[str] = []
+        logprobs: list = []
         last = Chunk([], "")
         for chunk in self.stream(params, cancelled):
             tokens += chunk.token_ids
             texts.append(chunk.text)
+            logprobs += chunk.logprobs
             last = chunk
-        return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length)
+        return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length, logprobs)
 
     def _decode(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -30,12 +31,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # Fields OpenAI clients send that this server takes only at their neutral value.
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None}
-NEUTRAL |= {"suffix": None, "top_logprobs": None, "response_format": None}
+NEUTRAL: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False}
+NEUTRAL |= {"suffix": None, "response_format": None}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
 COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", "speculation", *NEUTRAL}
 COMMON |= {"top_k", "min_p", "logit_bias", "prediction"}  # top_k and min_p as vLLM and SGLang take them
-COMMON |= {"presence_penalty", "frequency_penalty", "repetition_penalty"}
+COMMON |= {"presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs"}
 DISCONNECT_POLL_S = 0.25
 
 
@@ -113,6 +114,51 @@ def put_prediction(value: Any, message: pb.GenerateRequest) -> None:
     if not isinstance(content, str):
         raise HttpError(400, "prediction.content must be a string or text parts", "prediction.content")
     message.prediction.content = content
+
+
+def put_logprobs(body: Mapping[str, Any], chat: bool, message: pb.GenerateRequest) -> None:
+    """Completions: `logprobs` = how many alternatives (0..20). Chat: `logprobs: true`, with
+    `top_logprobs` alternatives (0..20). The range is the coordinator's check, named `logprobs`."""
+    if chat:
+        want, top = body.get("logprobs"), body.get("top_logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise HttpError(400, "logprobs must be true or false", "logprobs")
+        if top is not None and not want:
+            raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        count = (top or 0) if want else None
+    else:
+        count = body.get("logprobs")
+    if count is None:
+        return
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 2**31:
+        field = "top_logprobs" if chat else "logprobs"
+        raise HttpError(400, f"{field} must be an integer in [0, 20], got {count!r}", field)
+    message.logprobs = count
+
+
+def completion_logprobs(items: Sequence[pb.TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions' logprobs object for `items`, text offsets counted from `offset`."""
+    tokens, offsets = [t.text for t in items], []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [{a.text: a.logprob for a in t.top} for t in items],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(items: Sequence[pb.TokenLogprob]) -> dict[str, Any]:
+    """Chat's logprobs object: per token its text, logprob, UTF-8 bytes and top alternatives."""
+
+    def one(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [one(t.text, t.logprob) | {"top_logprobs": [one(a.text, a.logprob) for a in t.top]} for t in items]
+    }
 
 
 def put_speculation(value: Any, message: pb.GenerateRequest) -> None:

@@ -34,13 +34,16 @@ from .openai_body import (
     NEUTRAL,
     HttpError,
     auth_metadata,
+    chat_logprobs,
     completion_id,
+    completion_logprobs,
     error_body,
     error_response,
     json_body,
     param_of,
     plain,
     put_logit_bias,
+    put_logprobs,
     put_prediction,
     put_prompt,
     put_speculation,
@@ -199,6 +202,7 @@ class _Api:
         put_speculation(body.get("speculation"), message)
         put_logit_bias(body.get("logit_bias"), message)
         put_prediction(body.get("prediction"), message)
+        put_logprobs(body, chat, message)
         return message, text
 
     def _chat_prompt(self, messages: Any) -> str:
@@ -234,6 +238,8 @@ class _Api:
     def _completion(self, reply: pb.GenerateResponse, message: pb.GenerateRequest, prompt: str, chat: bool) -> dict:
         finish = FINISH.get(reply.finish_reason, reply.finish_reason)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if message.HasField("logprobs"):
+            choice["logprobs"] = chat_logprobs(reply.logprobs) if chat else completion_logprobs(reply.logprobs)
         if chat:
             choice["message"] = {"role": "assistant", "content": reply.text}
         else:
@@ -258,6 +264,7 @@ class _Api:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
         last = [pb.GenerateStats()]  # the last chunk's stats: the usage chunk's cached and prediction tokens
+        offset = [0]  # the text offset of the next token's logprob (completions)
         opened = frontend.open_call(auth_metadata(request))
         owner = opened.__enter__()
         admitted = frontend.admitted(call)
@@ -279,6 +286,11 @@ class _Api:
                     choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": chunk.text, "finish_reason": finish, "logprobs": None}
+                if message.HasField("logprobs"):
+                    choice["logprobs"] = (
+                        chat_logprobs(chunk.logprobs) if chat else completion_logprobs(chunk.logprobs, offset[0])
+                    )
+                    offset[0] += sum(len(t.text) for t in chunk.logprobs)
                 # The chunk's token count rides in `cascade` (with the stats on the last chunk): clients
                 # that time tokens (bench --load --protocols) need it, and OpenAI clients ignore it.
                 stats = plain(chunk.stats) if chunk.HasField("stats") else {}

@@ -112,6 +112,7 @@ class CascadeServicer:
             stats=self.stats(result.stats),
             session_id=request.session_id,
             session_length=result.session_length,
+            logprobs=self.logprobs(result.logprobs),
         )
 
     def GenerateStream(
@@ -170,6 +171,7 @@ class CascadeServicer:
             stop_threshold=request.stop_threshold if request.HasField("stop_threshold") else None,
             speculation=request.speculation.mode or None,  # unset or empty: the server's "auto"
             target_row=list(request.speculation.target_row) or None,
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
             owner=owner_of(context),
         )
 
@@ -180,7 +182,20 @@ class CascadeServicer:
             finish_reason=chunk.finish_reason or "",
             stats=self.stats(chunk.stats) if chunk.stats else None,
             session_length=chunk.session_length,
+            logprobs=self.logprobs(chunk.logprobs),
         )
+
+    def logprobs(self, logprobs: list) -> list[pb.TokenLogprob]:
+        decode = self.coordinator.tokenizer.decode
+        return [
+            pb.TokenLogprob(
+                token_id=t.token,
+                text=decode([t.token]),
+                logprob=t.logprob,
+                top=[pb.TopLogprob(token_id=i, text=decode([i]), logprob=lp) for i, lp in t.top],
+            )
+            for t in logprobs
+        ]
 
     def stats(self, stats: CascadeStats | None) -> pb.GenerateStats:
         if stats is None:

@@ -76,6 +76,7 @@ class AsyncCascadeClient:
         stop_threshold: float | None = None,
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
+        logprobs: int | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
@@ -101,6 +102,7 @@ class AsyncCascadeClient:
             stop_threshold=stop_threshold,
             speculation=speculation,
             target_row=target_row,
+            logprobs=logprobs,
         )
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
 
@@ -128,6 +130,7 @@ class AsyncCascadeClient:
         stop_threshold: float | None = None,
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
+        logprobs: int | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens (`async for`);
@@ -154,6 +157,7 @@ class AsyncCascadeClient:
             stop_threshold=stop_threshold,
             speculation=speculation,
             target_row=target_row,
+            logprobs=logprobs,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

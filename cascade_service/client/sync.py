@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -35,6 +35,7 @@ class GenerateResult:
     stats: dict  # GenerateStats as a plain dict (proto field names)
     session_id: str  # echoed when the request named a session
     session_length: int  # tokens in the session after this request
+    logprobs: list[dict] = field(default_factory=list)  # per token when asked: token_id, text, logprob, top
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Chunk:
     finish_reason: str  # set on the last chunk only
     stats: dict | None  # set on the last chunk only
     session_length: int  # set on the last chunk of a session request
+    logprobs: list[dict] = field(default_factory=list)  # per token of this chunk, when asked
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ def generate_request(
     stop_threshold: float | None = None,
     speculation: str | None = None,
     target_row: Sequence[int] | None = None,
+    logprobs: int | None = None,
     top_k: int | None = None,
     min_p: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
@@ -103,6 +106,7 @@ def generate_request(
         "repetition_penalty": repetition_penalty,
         "presence_penalty": presence_penalty,
         "frequency_penalty": frequency_penalty,
+        "logprobs": logprobs,
     }
     fields.update({name: value for name, value in optional.items() if value is not None})
     if verification is not None:  # alpha alone means nothing: the rule is what reads it
@@ -144,6 +148,10 @@ def stats_dict(stats: pb.GenerateStats) -> dict:
     return json_format.MessageToDict(stats, preserving_proto_field_name=True, unquote_int64_if_possible=True)
 
 
+def logprob_dict(t: pb.TokenLogprob) -> dict:
+    return json_format.MessageToDict(t, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+
+
 def result_from(response: pb.GenerateResponse) -> GenerateResult:
     return GenerateResult(
         text=response.text,
@@ -152,6 +160,7 @@ def result_from(response: pb.GenerateResponse) -> GenerateResult:
         stats=stats_dict(response.stats),
         session_id=response.session_id,
         session_length=response.session_length,
+        logprobs=[logprob_dict(t) for t in response.logprobs],
     )
 
 
@@ -162,6 +171,7 @@ def chunk_from(chunk: pb.GenerateChunk) -> Chunk:
         finish_reason=chunk.finish_reason,
         stats=stats_dict(chunk.stats) if chunk.HasField("stats") else None,
         session_length=chunk.session_length,
+        logprobs=[logprob_dict(t) for t in chunk.logprobs],
     )
 
 
@@ -245,6 +255,7 @@ class CascadeClient:
         stop_threshold: float | None = None,
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
+        logprobs: int | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
@@ -270,6 +281,7 @@ class CascadeClient:
             stop_threshold=stop_threshold,
             speculation=speculation,
             target_row=target_row,
+            logprobs=logprobs,
         )
         return result_from(self._call(self._stub.Generate, request, timeout_s))
 
@@ -297,6 +309,7 @@ class CascadeClient:
         stop_threshold: float | None = None,
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
+        logprobs: int | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
@@ -323,6 +336,7 @@ class CascadeClient:
             stop_threshold=stop_threshold,
             speculation=speculation,
             target_row=target_row,
+            logprobs=logprobs,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

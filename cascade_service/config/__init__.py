@@ -107,6 +107,7 @@ def request_state(
         with_stop_threshold(adaptive or {}, gen.stop_threshold),
         make_stopper,
     )
+    state.logprobs = gen.logprobs
     if gen.prediction:
         state.prediction = StatisticalTier(PredictionProposer(gen.prediction), vocab_size, PREDICTION)
         stats.tier(PREDICTION)

@@ -68,6 +68,7 @@ class RequestState:
     # The request's predicted output as a drafter (core.prediction, a StatisticalTier named
     # "prediction"): it drafts at the target before the lookup gate and the K-matrix.
     prediction: Tier | None = None
+    logprobs: int = -1  # >= 0: the target's review reports each emitted token's logprob, this many alternatives
 
     def request(self, context: Context, want: int, limit: int) -> DraftRequest:
         """The request's draft request for the target's system."""
@@ -215,6 +216,7 @@ class CascadeTier:
                 st.verification if self.final else EXACT,
                 hidden=self.stopper is not None,
                 cache_salt=request.cache_salt,
+                logprobs=st.logprobs if self.final else -1,
             )
         )
         absorb(usage, review.usage)
@@ -226,6 +228,8 @@ class CascadeTier:
             usage.tv += verdict.tv
             usage.ll_loss += verdict.ll_loss
         tokens = block.tokens[: verdict.accepted] + [verdict.token]
+        if self.final and st.logprobs >= 0:
+            st.stats.logprobs.extend(verdict.logprobs)  # one per emitted token; decode trims the unused
         usage.tier(self.name).tokens_out += len(tokens)
         return Draft(tokens, verdict.token_probs, verdict.dists, [self.name] * len(tokens)), review.hidden
 

@@ -37,6 +37,7 @@ def decode(system: Tier, prompt: Sequence[int], max_new_tokens: int, state: Requ
             new = new[: eos_at + 1]
         tokens = tokens + new  # a new list: scorers may still hold the old one
         produced += len(new)
+        del stats.logprobs[produced:]  # a round's logprobs past the budget or an EOS (when asked for)
         stats.generated = produced
         stats.wall_s = time.perf_counter() - start
         yield new

@@ -21,6 +21,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI's API
 MAX_REPETITION_PENALTY = 10.0
 MAX_DRAFTERS = 16
 MAX_ROW_ENTRY = 64  # tokens one drafter adds to a target block in a request's own row
+MAX_TOP_LOGPROBS = 20
 MAX_BIAS = 100.0  # |bias| at most, as OpenAI's API: 100 bans or forces a token
 SEED_LIMIT = 2**63  # seeds in [0, 2**63): an int64 on the wire
 MAX_STOP_STRINGS = 16
@@ -119,6 +120,13 @@ def check_target_row(value: Any) -> tuple[int, ...] | None:
             f"speculation.target_row: each entry must be an integer in [0, {MAX_ROW_ENTRY}], got {value!r}"
         )
     return tuple(value)
+
+
+def check_logprobs(value: Any) -> int:
+    """-1: no logprobs; 0..20: each output token's logprob with this many alternatives (OpenAI's bound)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] alternatives (or -1: none), got {value!r}")
+    return value
 
 
 def check_seed(value: Any) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .mag import MaxGram
-from .review import ReviewRule, Verdict
+from .review import ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, sample
 from .stats import TierCounters, Usage
 from .tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
@@ -81,6 +81,7 @@ class ModelTier:
             request.sampling,
             seeded(request.seed),
             counters,
+            request.logprobs,
         )
         counters.tokens_processed = self.scorer.tokens_processed - before
         counters.tokens_cached = _cached(self.scorer) - cached
@@ -217,11 +218,18 @@ def score_and_review(
     sampling: SamplingParams,
     generator: torch.Generator,
     counters: TierCounters,
+    logprobs: int = -1,
 ) -> Verdict:
-    """Score context + block in ONE forward pass (k + 1 distributions) and review the block."""
+    """Score context + block in ONE forward pass (k + 1 distributions) and review the block; with
+    `logprobs` >= 0, the emitted tokens' log-probabilities under these distributions, and as many
+    alternatives each."""
     scored = ctx.extend(block.tokens)
     probs = sampling.probs(_score(scorer, scored, len(block) + 1, counters), scored.tokens)
-    return rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
+    verdict = rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
+    if logprobs < 0:
+        return verdict
+    emitted = [*block.tokens[: verdict.accepted], verdict.token]
+    return replace(verdict, logprobs=token_logprobs(probs, emitted, logprobs))
 
 
 def _score(scorer: Scorer, ctx: Context, n: int, counters: TierCounters) -> torch.Tensor:

@@ -24,6 +24,7 @@ from .limits import (  # noqa: F401 - each field's check, used where requests ar
     MAX_TEMPERATURE,
     SEED_LIMIT,
     check_logit_bias,
+    check_logprobs,
     check_max_new_tokens,
     check_min_p,
     check_penalty,
@@ -82,6 +83,9 @@ class GenerationConfig:
     # The target's K-matrix row for this request (one entry per drafter, largest first); None: the
     # configured row. It runs as given, round after round, under "auto" too (no load adaptation).
     target_row: tuple[int, ...] | None = None
+    # -1: none; N >= 0: each output token's log-probability under the target's (processed) distribution
+    # and the N most likely alternatives, from the final review's own pass.
+    logprobs: int = -1
 
     def __post_init__(self) -> None:
         # Numbers from YAML or JSON arrive as ints where floats are meant: stored as floats, so that
@@ -101,6 +105,7 @@ class GenerationConfig:
             "stop_threshold": check_stop_threshold(self.stop_threshold),
             "speculation": check_speculation(self.speculation),
             "target_row": check_target_row(self.target_row),
+            "logprobs": check_logprobs(self.logprobs),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)

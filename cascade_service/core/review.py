@@ -38,6 +38,31 @@ class Verdict:
     off_target: int = 0
     tv: float = 0.0
     ll_loss: float = 0.0  # expected drop in the reviewer's log-likelihood (core.verify)
+    # Per emitted token (when the review was asked for them): its log-probability under the reviewer's
+    # distribution, and the most likely alternatives.
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability and the `top` (token, log-probability) pairs, most likely first,
+    from the distribution the reviewer sampled or chose it from."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(probs: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
+    """For tokens[i] at row i of `probs` ([>= len(tokens), V]): its log-probability and the `top` best."""
+    rows = probs[: len(tokens)].float().clamp_min(0.0).log()
+    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0].tolist()
+    best = rows.topk(min(top, rows.shape[-1]), dim=-1) if top > 0 else None
+    out = []
+    for i, token in enumerate(tokens):
+        pairs = tuple(zip(best.indices[i].tolist(), best.values[i].tolist(), strict=True)) if best is not None else ()
+        out.append(TokenLogprob(token, chosen[i], pairs))
+    return tuple(out)
 
 
 class ReviewRule(Protocol):

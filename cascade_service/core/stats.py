@@ -137,6 +137,8 @@ class CascadeStats:
     tv_deviation: float = 0.0  # summed expected total-variation distance from the target's distributions
     loglik_loss: float = 0.0  # summed expected drop of the target's log-likelihood (nats)
     engine: EngineTime | None = None  # the engine loop's accounting of the request's time, when it ran there
+    # Per output token, when the request asked (core.review.TokenLogprob): from the target's final review.
+    logprobs: list = field(default_factory=list)
 
     def tier(self, name: str) -> TierCounters:
         return self.tiers.setdefault(name, TierCounters())

@@ -87,6 +87,7 @@ class ReviewRequest:
     verification: Verification = EXACT
     hidden: bool = False
     cache_salt: str = ""  # as DraftRequest's
+    logprobs: int = -1  # >= 0: the verdict carries the emitted tokens' logprobs with this many alternatives
 
 
 @dataclass

@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from ..api.tier.v1 import tier_pb2 as pb
 from ..core.adaptive import AdaptiveLength
 from ..core.placement import to_host
-from ..core.review import Verdict
+from ..core.review import TokenLogprob, Verdict
 from ..core.sampling import SamplingParams
 from ..core.stats import ReviewCounters, TierCounters, Usage
 from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest
@@ -132,6 +132,7 @@ def encode_review_request(request: ReviewRequest, tier: str, offset: int = 0) ->
         seed=request.seed,
         verification=rule,
         cache_salt=request.cache_salt,
+        logprobs=request.logprobs if request.logprobs >= 0 else None,
     ).SerializeToString()
 
 
@@ -151,6 +152,7 @@ def decode_review_request(data: bytes) -> tuple[Address, ReviewRequest]:
         m.seed,
         verification,
         cache_salt=m.cache_salt,
+        logprobs=m.logprobs if m.HasField("logprobs") else -1,
     )
 
 
@@ -164,6 +166,15 @@ def encode_review_reply(reply: ReviewReply) -> bytes:
         off_target=v.off_target,
         tv=v.tv,
         ll_loss=v.ll_loss,
+        logprobs=[
+            pb.TokenLogprob(
+                token=t.token,
+                logprob=t.logprob,
+                top_tokens=[i for i, _ in t.top],
+                top_logprobs=[lp for _, lp in t.top],
+            )
+            for t in v.logprobs
+        ],
     )
     return pb.ReviewReply(verdict=verdict, usage=_usage_out(reply.usage)).SerializeToString()
 
@@ -174,7 +185,12 @@ def decode_review_reply(data: bytes) -> ReviewReply | None:
     if m.resend:
         return None
     v = m.verdict
-    verdict = Verdict(v.accepted, v.token, list(v.token_probs), _rows_in(v, "dists"), v.off_target, v.tv, v.ll_loss)
+    logprobs = tuple(
+        TokenLogprob(t.token, t.logprob, tuple(zip(t.top_tokens, t.top_logprobs, strict=True))) for t in v.logprobs
+    )
+    verdict = Verdict(
+        v.accepted, v.token, list(v.token_probs), _rows_in(v, "dists"), v.off_target, v.tv, v.ll_loss, logprobs
+    )
     return ReviewReply(verdict, _usage_in(m.usage))
 
 

@@ -124,6 +124,19 @@ def test_a_prediction_keeps_the_output_and_its_tokens_are_counted(tiny_family, c
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prediction" in caught.value.details()
 
 
+def test_logprobs_come_with_the_reply_and_with_each_chunk(engine, client):
+    expected = engine.generate(PROMPT, GenerationConfig(max_new_tokens=24, logprobs=3)).stats.logprobs
+    reply = client.generate(prompt_token_ids=PROMPT, logprobs=3)
+    assert [t["token_id"] for t in reply.logprobs] == reply.token_ids == [t.token for t in expected]
+    for got, want in zip(reply.logprobs, expected, strict=True):
+        assert abs(got["logprob"] - want.logprob) < 1e-6 and [a["token_id"] for a in got["top"]] == [
+            i for i, _ in want.top
+        ]
+    chunks = list(client.stream(prompt_token_ids=PROMPT, logprobs=3))
+    assert [t for c in chunks for t in c.logprobs] == reply.logprobs
+    assert client.generate(prompt_token_ids=PROMPT).logprobs == []
+
+
 def test_a_session_continues_from_its_stored_prefix(tiny_family, client):
     session = client.create_session(prompt_token_ids=PROMPT[:5])
     first = client.generate(prompt_token_ids=PROMPT[5:], session_id=session.session_id, max_new_tokens=8)
@@ -179,6 +192,7 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
         ({"prompt_token_ids": [1, 2], "logit_bias": {3: 200.0}}, "logit_bias"),
         ({"prompt_token_ids": [1, 2], "prediction": [10**6]}, "prediction: 1000000 is outside the vocabulary"),
         ({"prompt_token_ids": [1, 2], "repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"prompt_token_ids": [1, 2], "logprobs": 21}, "logprobs"),
         ({"prompt_token_ids": [1, 2], "presence_penalty": 3.0}, "presence_penalty"),
         ({"prompt_token_ids": [1, 2], "frequency_penalty": -2.5}, "frequency_penalty"),
         ({"prompt_token_ids": [1, 2], "prediction": list(range(40000))}, "prediction"),

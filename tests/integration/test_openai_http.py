@@ -81,6 +81,8 @@ def test_models_lists_the_target(client):
         ({"min_p": 1.5}, 400, "min_p"),
         ({"logit_bias": {"abc": 1}}, 400, "logit_bias"),
         ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"logprobs": 21}, 400, "logprobs"),
+        ({"logprobs": True}, 400, "logprobs"),
         ({"frequency_penalty": "high"}, 400, "frequency_penalty"),
         ({"repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"prediction": "text"}, 400, "prediction"),
@@ -305,3 +307,22 @@ def test_openais_penalties_move_the_greedy_text_as_their_definition_says(server,
             prompt_token_ids=PROMPT, max_new_tokens=N, presence_penalty=1.0, frequency_penalty=1.5
         )
     assert list(direct.token_ids) == expected and reply.choices[0].text == direct.text
+
+
+def test_logprobs_in_openais_completions_shape_unary_and_streamed(server, client):
+    from cascade_service.client import CascadeClient
+
+    with CascadeClient(f"127.0.0.1:{server.port}", api_key=KEY_A) as grpc_client:
+        direct = grpc_client.generate(prompt_token_ids=PROMPT, max_new_tokens=N, logprobs=2)
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0, logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert lp.tokens == [t["text"] for t in direct.logprobs]
+    assert lp.token_logprobs == pytest.approx([t["logprob"] for t in direct.logprobs])
+    assert [len(top) for top in lp.top_logprobs] == [2] * N or all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == reply.choices[0].text
+    streamed = client.completions.create(
+        model="target", prompt=PROMPT, max_tokens=N, temperature=0, logprobs=2, stream=True
+    )
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.token_logprobs] == pytest.approx(lp.token_logprobs)
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset

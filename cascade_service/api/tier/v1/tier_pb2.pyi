@@ -235,7 +235,7 @@ class DraftReply(_message.Message):
     def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stopped: _Optional[bool] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class ReviewRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification", "cache_salt")
+    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification", "cache_salt", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class ReviewRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     context: Context
@@ -254,10 +255,23 @@ class ReviewRequest(_message.Message):
     seed: int
     verification: FinalRule
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    top_tokens: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted", "token", "token_probs", "dists", "off_target", "tv", "ll_loss")
+    __slots__ = ("accepted", "token", "token_probs", "dists", "off_target", "tv", "ll_loss", "logprobs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +279,7 @@ class Verdict(_message.Message):
     OFF_TARGET_FIELD_NUMBER: _ClassVar[int]
     TV_FIELD_NUMBER: _ClassVar[int]
     LL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     token: int
     token_probs: _containers.RepeatedScalarFieldContainer[float]
@@ -272,7 +287,8 @@ class Verdict(_message.Message):
     off_target: int
     tv: float
     ll_loss: float
-    def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., token_probs: _Optional[_Iterable[float]] = ..., dists: _Optional[_Union[Rows, _Mapping]] = ..., off_target: _Optional[int] = ..., tv: _Optional[float] = ..., ll_loss: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., token_probs: _Optional[_Iterable[float]] = ..., dists: _Optional[_Union[Rows, _Mapping]] = ..., off_target: _Optional[int] = ..., tv: _Optional[float] = ..., ll_loss: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ReviewReply(_message.Message):
     __slots__ = ("verdict", "usage", "resend")
