@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,12 +32,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # Fields OpenAI clients send that this server takes only at their neutral value.
-NEUTRAL: dict[str, Any] = {"n": 1, "best_of": 1, "echo": False}
-NEUTRAL |= {"suffix": None, "response_format": None}
+NEUTRAL: dict[str, Any] = {"echo": False, "suffix": None, "response_format": None}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
 COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", "speculation", *NEUTRAL}
 COMMON |= {"top_k", "min_p", "logit_bias", "prediction"}  # top_k and min_p as vLLM and SGLang take them
-COMMON |= {"presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs"}
+COMMON |= {"presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "n", "best_of"}
+MAX_CHOICES = 16  # n and best_of: each choice is a request of its own (they share the prompt's prefill)
 DISCONNECT_POLL_S = 0.25
 
 
@@ -159,6 +160,43 @@ def chat_logprobs(items: Sequence[pb.TokenLogprob]) -> dict[str, Any]:
     return {
         "content": [one(t.text, t.logprob) | {"top_logprobs": [one(a.text, a.logprob) for a in t.top]} for t in items]
     }
+
+
+def choices_of(body: Mapping[str, Any], chat: bool, stream: bool) -> tuple[int, int]:
+    """(n, best_of): the choices returned and the candidates decoded (completions' best_of; chat: n)."""
+    counts = {"n": body.get("n", 1)}
+    counts["best_of"] = body.get("best_of", counts["n"]) if not chat else counts["n"]
+    for field, value in counts.items():
+        if value is None:
+            counts[field] = 1 if field == "n" else counts["n"]
+        elif isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+            raise HttpError(400, f"{field} must be an integer in [1, {MAX_CHOICES}], got {value!r}", field)
+    n, best = counts["n"], counts["best_of"]
+    if best < n:
+        raise HttpError(400, f"best_of ({best}) must be at least n ({n})", "best_of")
+    if stream and best > 1:
+        raise HttpError(400, "n and best_of above 1 are not supported with stream yet", "n" if n > 1 else "best_of")
+    return n, best
+
+
+def choice_requests(message: pb.GenerateRequest, count: int, rank: bool) -> list[pb.GenerateRequest]:
+    """`count` copies of the request, each with its own seed (the request's + i, or random ones), and
+    logprobs when the candidates are to be ranked by them."""
+    base = message.seed if message.HasField("seed") else secrets.randbelow(2**62)
+    out = []
+    for i in range(count):
+        each = pb.GenerateRequest()
+        each.CopyFrom(message)
+        each.seed = (base + i) % 2**63
+        if rank and not each.HasField("logprobs"):
+            each.logprobs = 0
+        out.append(each)
+    return out
+
+
+def mean_logprob(reply: pb.GenerateResponse) -> float:
+    """A candidate's log-probability per token (best_of keeps the highest, as OpenAI's does)."""
+    return sum(t.logprob for t in reply.logprobs) / max(1, len(reply.logprobs))
 
 
 def put_speculation(value: Any, message: pb.GenerateRequest) -> None:

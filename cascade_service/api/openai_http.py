@@ -35,11 +35,14 @@ from .openai_body import (
     HttpError,
     auth_metadata,
     chat_logprobs,
+    choice_requests,
+    choices_of,
     completion_id,
     completion_logprobs,
     error_body,
     error_response,
     json_body,
+    mean_logprob,
     param_of,
     plain,
     put_logit_bias,
@@ -136,9 +139,10 @@ class _Api:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise HttpError(400, "stream must be true or false", "stream")
+            n, best = choices_of(body, chat, stream)
             with self.frontend.open_call(auth_metadata(request)) as owner:
                 if not stream:
-                    return await self._unary(request, message, prompt, chat, owner)
+                    return await self._unary(request, message, prompt, chat, owner, n, best)
             # A stream holds its key's slot, a worker and the queue while it runs: all taken in _events.
             first, events = await self._events(request, message, prompt, chat, body)
             return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
@@ -217,7 +221,24 @@ class _Api:
                 raise HttpError(400, "messages: each is {role: string, content: string}", "messages")
         return self.chat(messages)
 
-    async def _unary(self, request: Request, message: pb.GenerateRequest, prompt: str, chat: bool, owner: str):
+    async def _unary(
+        self, request: Request, message: pb.GenerateRequest, prompt: str, chat: bool, owner: str, n: int, best: int
+    ) -> Response:
+        if best == 1:
+            reply = await self._one(request, message, owner)
+            return JSONResponse(self._completion([reply], message, prompt, chat))
+        # n and best_of: a request per candidate, together (they meet in the batches and share the prompt's
+        # prefix cache); best_of keeps the n with the highest log-probability per token.
+        requests = choice_requests(message, best, rank=best > n)
+        replies = list(await asyncio.gather(*(self._one(request, each, owner) for each in requests)))
+        if best > n:
+            replies = sorted(replies, key=mean_logprob, reverse=True)[:n]
+            if not message.HasField("logprobs"):  # asked for ranking only
+                for reply in replies:
+                    del reply.logprobs[:]
+        return JSONResponse(self._completion(replies, message, prompt, chat))
+
+    async def _one(self, request: Request, message: pb.GenerateRequest, owner: str) -> pb.GenerateResponse:
         call = CallHooks()
         async with self.frontend.admitted(call):
             work = self.frontend.run(
@@ -232,27 +253,30 @@ class _Api:
             code, details, payload = task.result()
         if code != "OK":
             raise Refused(status_code(code), details)
-        reply = pb.GenerateResponse.FromString(payload)
-        return JSONResponse(self._completion(reply, message, prompt, chat))
+        return pb.GenerateResponse.FromString(payload)
 
-    def _completion(self, reply: pb.GenerateResponse, message: pb.GenerateRequest, prompt: str, chat: bool) -> dict:
-        finish = FINISH.get(reply.finish_reason, reply.finish_reason)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if message.HasField("logprobs"):
-            choice["logprobs"] = chat_logprobs(reply.logprobs) if chat else completion_logprobs(reply.logprobs)
-        if chat:
-            choice["message"] = {"role": "assistant", "content": reply.text}
-        else:
-            choice["text"] = reply.text
+    def _completion(self, replies: list[pb.GenerateResponse], message: pb.GenerateRequest, prompt: str, chat: bool):
+        choices = []
+        for index, reply in enumerate(replies):
+            finish = FINISH.get(reply.finish_reason, reply.finish_reason)
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
+            if message.HasField("logprobs"):
+                choice["logprobs"] = chat_logprobs(reply.logprobs) if chat else completion_logprobs(reply.logprobs)
+            if chat:
+                choice["message"] = {"role": "assistant", "content": reply.text}
+            else:
+                choice["text"] = reply.text
+            choices.append(choice)
         prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
+        first = replies[0]
         return {
             "id": completion_id(chat),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model,
-            "choices": [choice],
-            "usage": usage(prompt_tokens, len(reply.token_ids), reply.stats),
-            "cascade": plain(reply.stats),
+            "choices": choices,
+            "usage": usage(prompt_tokens, sum(len(r.token_ids) for r in replies), first.stats),
+            "cascade": plain(first.stats) if len(replies) == 1 else [plain(r.stats) for r in replies],
         }
 
     async def _events(

@@ -71,7 +71,10 @@ def test_models_lists_the_target(client):
     [
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"temperature": -1}, 400, "temperature"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 17}, 400, "n"),
+        ({"n": 0}, 400, "n"),
+        ({"n": 3, "best_of": 2}, 400, "best_of"),
+        ({"n": 2, "stream": True}, 400, "n"),
         ({"verification": {"rule": "bogus"}}, 400, "verification.rule"),
         ({"stop_threshold": 0.5}, 400, "stop_threshold"),
         ({"bogus_field": 1}, 400, "bogus_field"),
@@ -326,3 +329,25 @@ def test_logprobs_in_openais_completions_shape_unary_and_streamed(server, client
     pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
     assert [t for p in pieces for t in p.token_logprobs] == pytest.approx(lp.token_logprobs)
     assert [o for p in pieces for o in p.text_offset] == lp.text_offset
+
+
+def test_n_choices_each_with_its_own_seed_and_best_of_keeps_the_likeliest(client):
+    greedy = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.text for c in greedy.choices}) == 1  # greedy: the same choice three times
+    assert greedy.usage.completion_tokens == 3 * N
+    sampled = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=4, seed=7)
+    texts = [c.text for c in sampled.choices]
+    assert len(set(texts)) > 1  # a seed per choice
+    again = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=4, seed=7)
+    assert [c.text for c in again.choices] == texts  # seeds derived from the request's: reproducible
+    single = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, seed=8)
+    assert single.choices[0].text == texts[1]  # choice i is the request with seed + i
+    best = client.completions.create(
+        model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=1, best_of=4, seed=7, logprobs=0
+    )
+    ranked = client.completions.create(
+        model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=4, seed=7, logprobs=0
+    )
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in ranked.choices]
+    assert best.choices[0].text == ranked.choices[means.index(max(means))].text
