@@ -8,8 +8,9 @@ import torch
 
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
-from cascade_service.core.local import local_tiers
+from cascade_service.core.local import StatisticalTier, local_tiers
 from cascade_service.core.mag import BigramTable, MaxGram
+from cascade_service.core.prediction import PREDICTION, PredictionProposer
 from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
 from cascade_service.transport.remote import loopback
@@ -38,10 +39,11 @@ def sample_cascade(
     dtypes=(torch.float32, torch.float32),
     wire=False,
     wrap=None,
+    prediction=None,
 ):
     """Counts of the cascade's 3-token continuations over `samples` requests, and the exact target
     distribution. wire: every tier behind the wire codec in this process; wrap(tier, request_id): any
-    other transport (a tier server)."""
+    other transport (a tier server); prediction: token ids the request predicts (core.prediction)."""
     target, base, small = toy_tiers(*dtypes)
     models = {"base": base, "small": small}
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
@@ -52,6 +54,8 @@ def sample_cascade(
             sampling, torch.Generator().manual_seed(seed * 1_000_003 + i), CascadeStats("target"), VOCAB
         )
         state.request_id = f"sample-{seed}-{i}"
+        if prediction is not None:
+            state.prediction = StatisticalTier(PredictionProposer(prediction), VOCAB, PREDICTION)
         drafters = [MaxGram(bigram) if n == "mag" else models[n] for n in drafter_names]
         top, below = local_tiers(VOCAB, target, drafters)
         if wire:  # every tier behind the wire codec, as a remote tier is

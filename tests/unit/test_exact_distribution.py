@@ -40,6 +40,15 @@ def test_cascade_output_distribution_equals_target_distribution(case, sampling):
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 
 
+@pytest.mark.parametrize("prediction", [[3, 3, 3], [1, 2, 0, 1], [0]], ids=["unlikely", "plausible", "short"])
+def test_a_predicted_output_leaves_the_distribution_the_targets(prediction):
+    # The prediction is a point-mass drafter at the target, ahead of the lookup gate and the K-matrix.
+    names, k, leniency, lookup = CASES["csd_base_mag_lookup"]
+    counts, expected = sample_cascade(names, k, leniency, SamplingParams(1.0), lookup=lookup, prediction=prediction)
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
+
+
 @pytest.mark.parametrize("case", ["csd_base_mag_lookup", "csd_base_small_mag_lenient"])
 def test_the_distribution_is_exact_through_the_wire_codec(case):
     # Drafts' rows, seeds and verdicts cross as bytes (transport.codec) and the output is still the target's.
