@@ -19,18 +19,18 @@ from .config import (
     request_state,
     with_stop_threshold,
 )
+from .config.requests import check_generation, check_vocabulary, prepare_state, request_schedule
 from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.encdec import check_request, decoder_context
-from .core.policy import OFF, SPECULATION, BlockPolicy
+from .core.policy import OFF, BlockPolicy
 from .core.prediction import prediction_ids
 from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
 from .core.verify import Verification
 from .metrics import Metrics, RequestTimes
-from .request_checks import check_generation, check_vocabulary, request_schedule
 from .scheduling.passes import CURRENT_CLOCK
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 from .textstream import TextStream
@@ -88,6 +88,7 @@ class Tokenizer:
 
     encode: Callable[[str], list[int]]
     decode: Callable[[Sequence[int]], str]
+    source: Any = None  # the `transformers` tokenizer behind them, where there is one (structured output)
 
 
 @dataclass
@@ -137,6 +138,7 @@ class Coordinator:
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
         logprobs: int | None = None,
+        response_format: Any = None,  # core.grammar.ResponseFormat
         owner: str = "",
     ) -> GenerateParams:
         """Validate one request's fields (ValueError names the field) and apply the server defaults."""
@@ -163,9 +165,10 @@ class Coordinator:
             "speculation": speculation,
             "target_row": tuple(target_row) if target_row is not None else None,
             "logprobs": logprobs,
+            "response_format": response_format,
         }
         gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
-        check_generation(self.vocab_size, self.cascade, gen)
+        check_generation(self.vocab_size, self.cascade, gen, self.tokenizer.source)
         with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)  # one no tier can use fails here
         params = GenerateParams(
             tuple(int(t) for t in ids), gen, session_id or None, stop, owner, max_new_tokens is not None
@@ -181,7 +184,7 @@ class Coordinator:
         if not ids:
             raise ValueError("prompt: empty (give at least one token)")
         with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)
-        check_generation(self.vocab_size, self.cascade, gen)
+        check_generation(self.vocab_size, self.cascade, gen, self.tokenizer.source)
         return self._fit(GenerateParams(tuple(int(t) for t in ids), gen, owner=owner, explicit_max_new_tokens=True), 0)
 
     @property
@@ -306,13 +309,7 @@ class Coordinator:
     ):
         state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
         state.request_id, state.cache_salt = request_id, salt
-        if state.sampling.penalized:  # presence and frequency count the output, which starts here
-            state.sampling = replace(state.sampling, output_start=len(context))
-        # A request's own row runs as given: load adaptation would price blocks its evidence never saw.
-        mode = "fixed" if gen.target_row is not None and gen.speculation == "auto" else gen.speculation
-        state.policy = SPECULATION[mode](self.policies, state.sampling.greedy)
-        if state.policy is OFF:  # plain decoding: no drafter, the prediction included
-            state.prediction = None
+        prepare_state(state, gen, len(context), self.policies, self.tokenizer.source, self.vocab_size)
         missing = [d.name for d in self.cascade.drafters if d.name not in tiers]
         if missing:  # a wiring fault, not the caller's: no tier (or no leaves) for a drafter of the config
             raise RuntimeError(f"no tier for drafter {missing[0]!r} in this coordinator")

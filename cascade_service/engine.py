@@ -197,7 +197,7 @@ class Engine:
         return assemble_coordinator(
             self.cascade,
             {m.name: m.facts() if isinstance(m, RemoteModel) else TierFacts.of(m) for m in self.tiers()},
-            Tokenizer(self.encode, self.decode_text),
+            Tokenizer(self.encode, self.decode_text, self.tokenizer),
             tiers=lambda scope: {name: self._tier(m, scope) for name, m in models.items()},
             store=store,
             defaults=defaults or GenerationConfig(),

@@ -32,11 +32,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 ERROR_TYPES |= {404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # Fields OpenAI clients send that this server takes only at their neutral value.
-NEUTRAL: dict[str, Any] = {"echo": False, "suffix": None, "response_format": None}
+NEUTRAL: dict[str, Any] = {"echo": False, "suffix": None}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream"}
 COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_id", "speculation", *NEUTRAL}
 COMMON |= {"top_k", "min_p", "logit_bias", "prediction"}  # top_k and min_p as vLLM and SGLang take them
 COMMON |= {"presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "n", "best_of"}
+COMMON |= {"response_format"}
 MAX_CHOICES = 16  # n and best_of: each choice is a request of its own (they share the prompt's prefill)
 DISCONNECT_POLL_S = 0.25
 
@@ -197,6 +198,32 @@ def choice_requests(message: pb.GenerateRequest, count: int, rank: bool) -> list
 def mean_logprob(reply: pb.GenerateResponse) -> float:
     """A candidate's log-probability per token (best_of keeps the highest, as OpenAI's does)."""
     return sum(t.logprob for t in reply.logprobs) / max(1, len(reply.logprobs))
+
+
+def put_response_format(value: Any, message: pb.GenerateRequest) -> None:
+    """OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}; and, as vLLM takes them, {"type": "regex", "regex": ...}
+    and {"type": "grammar", "grammar": ...} (Lark). Compiling it is the coordinator's check."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return
+    if kind == "json_object":
+        message.response_format.json_object = True
+    elif kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+        schema = value["json_schema"].get("schema", {})
+        if not isinstance(schema, dict):
+            raise HttpError(400, "response_format.json_schema.schema must be an object", "response_format")
+        message.response_format.json_schema = json.dumps(schema)
+    elif kind in ("regex", "grammar") and isinstance(value.get(kind), str):
+        setattr(message.response_format, "regex" if kind == "regex" else "lark", value[kind])
+    else:
+        raise HttpError(
+            400,
+            "response_format must be text, json_object, json_schema (with json_schema.schema), regex or grammar",
+            "response_format",
+        )
 
 
 def put_speculation(value: Any, message: pb.GenerateRequest) -> None:

@@ -49,6 +49,7 @@ from .openai_body import (
     put_logprobs,
     put_prediction,
     put_prompt,
+    put_response_format,
     put_speculation,
     put_verification,
     status_code,
@@ -207,6 +208,7 @@ class _Api:
         put_logit_bias(body.get("logit_bias"), message)
         put_prediction(body.get("prediction"), message)
         put_logprobs(body, chat, message)
+        put_response_format(body.get("response_format"), message)
         return message, text
 
     def _chat_prompt(self, messages: Any) -> str:

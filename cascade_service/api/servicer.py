@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from ..coordinator import Cancelled, Chunk, Coordinator
+from ..core.grammar import ResponseFormat
 from ..core.prediction import PREDICTION
 from ..core.request import PENALTIES
 from ..core.stats import CascadeStats, TierCounters
@@ -172,6 +173,7 @@ class CascadeServicer:
             speculation=request.speculation.mode or None,  # unset or empty: the server's "auto"
             target_row=list(request.speculation.target_row) or None,
             logprobs=request.logprobs if request.HasField("logprobs") else None,
+            response_format=_response_format(request),
             owner=owner_of(context),
         )
 
@@ -314,3 +316,11 @@ def _rejected(review: Any, drafter: str) -> int:
     if review is None:
         return 0
     return review.drafted_by_drafter.get(drafter, 0) - review.accepted_by_drafter.get(drafter, 0)
+
+
+def _response_format(request: pb.GenerateRequest) -> ResponseFormat | None:
+    kind = request.response_format.WhichOneof("format") if request.HasField("response_format") else None
+    if kind is None:
+        return None
+    value = getattr(request.response_format, kind)
+    return ResponseFormat(kind, "" if isinstance(value, bool) else value)

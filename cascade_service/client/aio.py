@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -77,6 +78,7 @@ class AsyncCascadeClient:
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
         logprobs: int | None = None,
+        response_format: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
@@ -103,6 +105,7 @@ class AsyncCascadeClient:
             speculation=speculation,
             target_row=target_row,
             logprobs=logprobs,
+            response_format=response_format,
         )
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
 
@@ -131,6 +134,7 @@ class AsyncCascadeClient:
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
         logprobs: int | None = None,
+        response_format: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens (`async for`);
@@ -158,6 +162,7 @@ class AsyncCascadeClient:
             speculation=speculation,
             target_row=target_row,
             logprobs=logprobs,
+            response_format=response_format,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.client import errors
+from cascade_service.client.request import generate_request
 
 # Sleeps between tries of an idempotent call (get_session, health) that failed with UNAVAILABLE:
 # 3 tries in all. Other calls decode or mutate a session, so they are never retried automatically.
@@ -57,74 +58,6 @@ class SessionInfo:
 
 
 # ---- shared with aio.py: requests, responses, metadata, channel credentials ----
-
-
-def generate_request(
-    prompt: str | None,
-    *,
-    max_new_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    seed: int | None,
-    stop: Sequence[str] | str,
-    session_id: str | None,
-    prompt_token_ids: Sequence[int] | None,
-    verification: str | None,
-    alpha: float | None,
-    beta: float | str | None = None,
-    stop_threshold: float | None = None,
-    speculation: str | None = None,
-    target_row: Sequence[int] | None = None,
-    logprobs: int | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    logit_bias: Mapping[int, float] | None = None,
-    prediction: str | Sequence[int] | None = None,
-    repetition_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-) -> pb.GenerateRequest:
-    """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
-    stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
-    fields: dict[str, Any] = {
-        "prompt": prompt or "",
-        "prompt_token_ids": list(prompt_token_ids or ()),
-        "session_id": session_id or "",
-        "stop": list(stop),
-        "logit_bias": dict(logit_bias or {}),
-    }
-    # proto3 `optional`: passing only the given values keeps HasField() false for the rest, which is
-    # how the server tells "unset" from 0 (temperature 0 = greedy must still be sent).
-    optional = {
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "seed": seed,
-        "stop_threshold": stop_threshold,
-        "repetition_penalty": repetition_penalty,
-        "presence_penalty": presence_penalty,
-        "frequency_penalty": frequency_penalty,
-        "logprobs": logprobs,
-    }
-    fields.update({name: value for name, value in optional.items() if value is not None})
-    if verification is not None:  # alpha alone means nothing: the rule is what reads it
-        rule: dict[str, Any] = {"rule": verification}
-        if alpha is not None:
-            rule["alpha"] = alpha
-        if beta == "tuned":  # lossy's beta tuned per position
-            rule["tune_beta"] = True
-        elif beta is not None:
-            rule["beta"] = beta
-        fields["verification"] = pb.Verification(**rule)
-    if isinstance(prediction, str):  # the output expected: text, or token ids
-        fields["prediction"] = pb.Prediction(content=prediction)
-    elif prediction is not None:
-        fields["prediction"] = pb.Prediction(token_ids=list(prediction))
-    if speculation is not None or target_row is not None:  # the server checks both
-        fields["speculation"] = pb.Speculation(mode=speculation or "", target_row=list(target_row or ()))
-    return pb.GenerateRequest(**fields)
 
 
 # A session of MAX_SESSION_TOKENS comes back whole from GetSession (ids and text): past gRPC's 4 MiB default.
@@ -256,6 +189,7 @@ class CascadeClient:
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
         logprobs: int | None = None,
+        response_format: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
         """Decode to the end. With session_id, continue that session and append prompt + output to it."""
@@ -282,6 +216,7 @@ class CascadeClient:
             speculation=speculation,
             target_row=target_row,
             logprobs=logprobs,
+            response_format=response_format,
         )
         return result_from(self._call(self._stub.Generate, request, timeout_s))
 
@@ -310,6 +245,7 @@ class CascadeClient:
         speculation: str | None = None,
         target_row: Sequence[int] | None = None,
         logprobs: int | None = None,
+        response_format: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
@@ -337,6 +273,7 @@ class CascadeClient:
             speculation=speculation,
             target_row=target_row,
             logprobs=logprobs,
+            response_format=response_format,
         )
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
+from .grammar import GrammarMask
 from .policy import FIXED, BlockPolicy
 from .prediction import MAX_BLOCK as PREDICTION_BLOCK
 from .sampling import SamplingParams
@@ -69,6 +70,7 @@ class RequestState:
     # "prediction"): it drafts at the target before the lookup gate and the K-matrix.
     prediction: Tier | None = None
     logprobs: int = -1  # >= 0: the target's review reports each emitted token's logprob, this many alternatives
+    grammar: GrammarMask | None = None  # the request's response format at the target's review (core.grammar)
 
     def request(self, context: Context, want: int, limit: int) -> DraftRequest:
         """The request's draft request for the target's system."""
@@ -205,6 +207,10 @@ class CascadeTier:
             block = self._fill(request, ctx, block, ceiling, usage, ran, ended)
         policy.drafted()
         st = self.state
+        allowed = None
+        if self.final and st.grammar is not None:  # cut at the first draft the grammar refuses
+            valid, allowed = st.grammar.review_masks(block.tokens)
+            block = block.head(valid)
         review = self.reviewer.review(
             ReviewRequest(
                 request.request_id,
@@ -217,6 +223,7 @@ class CascadeTier:
                 hidden=self.stopper is not None,
                 cache_salt=request.cache_salt,
                 logprobs=st.logprobs if self.final else -1,
+                allowed=allowed,
             )
         )
         absorb(usage, review.usage)
@@ -228,6 +235,8 @@ class CascadeTier:
             usage.tv += verdict.tv
             usage.ll_loss += verdict.ll_loss
         tokens = block.tokens[: verdict.accepted] + [verdict.token]
+        if allowed is not None and st.grammar is not None:
+            st.grammar.advance(tokens)
         if self.final and st.logprobs >= 0:
             st.stats.logprobs.extend(verdict.logprobs)  # one per emitted token; decode trims the unused
         usage.tier(self.name).tokens_out += len(tokens)

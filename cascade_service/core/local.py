@@ -82,6 +82,7 @@ class ModelTier:
             seeded(request.seed),
             counters,
             request.logprobs,
+            request.allowed,
         )
         counters.tokens_processed = self.scorer.tokens_processed - before
         counters.tokens_cached = _cached(self.scorer) - cached
@@ -219,12 +220,13 @@ def score_and_review(
     generator: torch.Generator,
     counters: TierCounters,
     logprobs: int = -1,
+    allowed: torch.Tensor | None = None,
 ) -> Verdict:
     """Score context + block in ONE forward pass (k + 1 distributions) and review the block; with
     `logprobs` >= 0, the emitted tokens' log-probabilities under these distributions, and as many
     alternatives each."""
     scored = ctx.extend(block.tokens)
-    probs = sampling.probs(_score(scorer, scored, len(block) + 1, counters), scored.tokens)
+    probs = sampling.probs(_score(scorer, scored, len(block) + 1, counters), scored.tokens, allowed)
     verdict = rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
     if logprobs < 0:
         return verdict

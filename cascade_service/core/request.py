@@ -41,6 +41,7 @@ from .limits import (  # noqa: F401 - each field's check, used where requests ar
 )
 
 if TYPE_CHECKING:  # core.verify imports torch; this module does not need it to check numbers
+    from .grammar import ResponseFormat
     from .verify import Verification
 
 
@@ -86,6 +87,8 @@ class GenerationConfig:
     # -1: none; N >= 0: each output token's log-probability under the target's (processed) distribution
     # and the N most likely alternatives, from the final review's own pass.
     logprobs: int = -1
+    # What the output must be (core.grammar: a JSON schema, any JSON object, a regex, a Lark grammar).
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         # Numbers from YAML or JSON arrive as ints where floats are meant: stored as floats, so that

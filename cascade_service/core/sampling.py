@@ -74,7 +74,9 @@ class SamplingParams:
     def carries_rows(self) -> bool:
         return self.rows or not self.greedy
 
-    def probs(self, logits: torch.Tensor, tokens: Sequence[int] | None = None) -> torch.Tensor:
+    def probs(
+        self, logits: torch.Tensor, tokens: Sequence[int] | None = None, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[n, V] logits -> [n, V] float32 probabilities. Row i is the distribution after
         `tokens[: len(tokens) - n + 1 + i]` (the sequence a pass scored, its last n positions); only
         penalties read it, and with them it must be given.
@@ -92,6 +94,8 @@ class SamplingParams:
             if tokens is None:
                 raise ValueError("penalties need the sequence the logits were scored over")
             logits = self._penalize(logits, tokens)
+        if allowed is not None:  # a response format's mask ([n, V] bool), as a logits processor would apply it
+            logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
         if self.greedy:
             return torch.softmax(logits, dim=-1)
         logits = sharpen(logits, self.temperature)

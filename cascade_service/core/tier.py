@@ -88,6 +88,7 @@ class ReviewRequest:
     hidden: bool = False
     cache_salt: str = ""  # as DraftRequest's
     logprobs: int = -1  # >= 0: the verdict carries the emitted tokens' logprobs with this many alternatives
+    allowed: torch.Tensor | None = None  # [len(block) + 1, V] bool: the tokens a response format allows
 
 
 @dataclass

@@ -71,6 +71,7 @@ def hf_tokenizer(tokenizer: Any) -> Tokenizer:
     return Tokenizer(
         lambda text: list(tokenizer(text)["input_ids"]),
         lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+        tokenizer,
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -133,6 +134,7 @@ def encode_review_request(request: ReviewRequest, tier: str, offset: int = 0) ->
         verification=rule,
         cache_salt=request.cache_salt,
         logprobs=request.logprobs if request.logprobs >= 0 else None,
+        **_mask_out(request.allowed),
     ).SerializeToString()
 
 
@@ -153,7 +155,23 @@ def decode_review_request(data: bytes) -> tuple[Address, ReviewRequest]:
         verification,
         cache_salt=m.cache_salt,
         logprobs=m.logprobs if m.HasField("logprobs") else -1,
+        allowed=_mask_in(m),
     )
+
+
+def _mask_out(allowed: torch.Tensor | None) -> dict[str, Any]:
+    if allowed is None:
+        return {}
+    bits = np.packbits(allowed.cpu().numpy().astype(bool), axis=-1, bitorder="little")
+    return {"allowed": bits.tobytes(), "allowed_rows": allowed.shape[0], "allowed_cols": allowed.shape[1]}
+
+
+def _mask_in(m: pb.ReviewRequest) -> torch.Tensor | None:
+    if not m.allowed_rows:
+        return None
+    packed = np.frombuffer(m.allowed, dtype=np.uint8).reshape(m.allowed_rows, -1)
+    bits = np.unpackbits(packed, axis=-1, bitorder="little")[:, : m.allowed_cols]
+    return torch.from_numpy(bits.astype(bool))
 
 
 def encode_review_reply(reply: ReviewReply) -> bytes:

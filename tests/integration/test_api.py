@@ -137,6 +137,13 @@ def test_logprobs_come_with_the_reply_and_with_each_chunk(engine, client):
     assert client.generate(prompt_token_ids=PROMPT).logprobs == []
 
 
+def test_a_response_format_constrains_the_output(client):
+    import re
+
+    reply = client.generate(prompt_token_ids=PROMPT, response_format={"regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", reply.text) and reply.finish_reason == "eos", reply.text
+
+
 def test_a_session_continues_from_its_stored_prefix(tiny_family, client):
     session = client.create_session(prompt_token_ids=PROMPT[:5])
     first = client.generate(prompt_token_ids=PROMPT[5:], session_id=session.session_id, max_new_tokens=8)
@@ -193,6 +200,9 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
         ({"prompt_token_ids": [1, 2], "prediction": [10**6]}, "prediction: 1000000 is outside the vocabulary"),
         ({"prompt_token_ids": [1, 2], "repetition_penalty": 0.0}, "repetition_penalty"),
         ({"prompt_token_ids": [1, 2], "logprobs": 21}, "logprobs"),
+        ({"prompt_token_ids": [1, 2], "response_format": {"regex": "[0-9"}}, "response_format"),
+        ({"prompt_token_ids": [1, 2], "response_format": {"json_schema": "x" * (1 << 20)}}, "response_format"),
+        ({"prompt_token_ids": [1, 2], "response_format": {"json_schema": {"$ref": "#/none"}}}, "response_format"),
         ({"prompt_token_ids": [1, 2], "presence_penalty": 3.0}, "presence_penalty"),
         ({"prompt_token_ids": [1, 2], "frequency_penalty": -2.5}, "frequency_penalty"),
         ({"prompt_token_ids": [1, 2], "prediction": list(range(40000))}, "prediction"),

@@ -1,0 +1,110 @@
+"""Structured output (core.grammar): a response format masks the target's distribution at the final
+review. Greedy output equals plain `transformers` greedy `generate()` with a logits processor that
+applies the same grammar's mask step by step (an independent decode: one token a step, no drafts), in
+every cascade shape and through the wire codec; the output matches its regex, parses as JSON of its
+schema, or ends with finish "length" when the budget runs out first; a bad format is refused naming
+response_format before any work."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+
+from cascade_service.config import GenerationConfig
+from cascade_service.core.cascade import Lookup
+from cascade_service.core.grammar import ResponseFormat, grammar_tokenizer
+from cascade_service.zoo.tiny import random_prompts
+
+from ..helpers.oracle import make_engine
+
+PROMPTS = random_prompts(2, 10, seed=99)
+N = 24
+SHAPES = {
+    "sd": (["close"], [[4]], None),
+    "vertical": (["close", "mid"], [[3, 3], [0, 4]], None),
+    "horizontal+mag": (["close", "mid", "mag"], [[4, 2, 0], [0, 2, 6], [0, 0, 6]], Lookup(2, 10)),
+}
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, 3]}},
+    "required": ["color", "size"],
+    "additionalProperties": False,
+    # llguidance's option: no free whitespace (a tiny random model would spend its budget on newlines)
+    "x-guidance": {"whitespace_flexible": False},
+}
+FORMATS = {"regex": ResponseFormat("regex", REGEX), "json_schema": ResponseFormat("json_schema", json.dumps(SCHEMA))}
+
+
+class GrammarProcessor:
+    """The oracle's mask: a fresh llguidance matcher fed the tokens `generate()` chose, one step at a time."""
+
+    def __init__(self, tokenizer, grammar: str, prompt_length: int):
+        self.matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer), grammar)
+        self.start, self.fed = prompt_length, 0
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[0, self.start :].tolist()
+        for token in out[self.fed :]:
+            assert self.matcher.consume_token(token)
+        self.fed = len(out)
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32).to(torch.int64)
+        allowed = ((words[:, None] >> torch.arange(32)) & 1).flatten().bool()[: scores.shape[-1]]
+        allowed = torch.nn.functional.pad(allowed, (0, scores.shape[-1] - allowed.numel()))
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+def _oracle(target, prompt, response_format: ResponseFormat) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    processor = GrammarProcessor(tokenizer, response_format.grammar(), len(prompt))
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=N,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            logits_processor=LogitsProcessorList([processor]),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("loopback", [False, True], ids=["in-process", "wire"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_output_under_a_format_equals_transformers_with_the_grammars_mask(tiny_family, shape, loopback):
+    names, k_matrix, lookup = SHAPES[shape]
+    engine = make_engine(tiny_family, names, k_matrix, 1.5, lookup=lookup, loopback=loopback)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_family["target"])
+    for prompt in PROMPTS:
+        for kind, response_format in FORMATS.items():
+            expected = _oracle(tiny_family["target"], prompt, response_format)
+            got = engine.generate(prompt, GenerationConfig(max_new_tokens=N, response_format=response_format))
+            assert got.token_ids == expected, (shape, kind)
+            text = tokenizer.decode(got.token_ids, skip_special_tokens=True)
+            if kind == "regex":
+                assert re.fullmatch(REGEX, text), text
+            else:
+                value = json.loads(text)
+                assert value["color"] in ("red", "green", "blue") and value["size"] in (1, 2, 3), value
+
+
+def test_a_bad_format_is_refused_naming_response_format():
+    for bad in (
+        ResponseFormat("json_schema", json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})),
+        ResponseFormat("regex", "[0-9"),
+        ResponseFormat("lark", "start: undefined_rule"),
+    ):
+        with pytest.raises(ValueError, match="^response_format: "):
+            bad.grammar()
+    with pytest.raises(ValueError, match="^response_format: at most 65536 bytes"):
+        ResponseFormat("json_schema", json.dumps({"description": "x" * 70000}))
+    with pytest.raises(ValueError, match="^response_format: the JSON schema is not JSON"):
+        ResponseFormat("json_schema", "{not json")
+    with pytest.raises(ValueError, match="^response_format must be one of"):
+        ResponseFormat("xml")
