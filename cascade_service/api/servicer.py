@@ -223,8 +223,8 @@ class CascadeServicer:
             tv_deviation=stats.tv_deviation,
             loglik_loss=stats.loglik_loss,
             rows={name: _row(r.row()) for name, r in stats.reviews.items()},
-            accepted_prediction_tokens=review.accepted_by_drafter.get(PREDICTION, 0) if review else 0,
-            rejected_prediction_tokens=_rejected(review, PREDICTION),
+            accepted_prediction_tokens=review.kept(PREDICTION)[0] if review else 0,
+            rejected_prediction_tokens=review.kept(PREDICTION)[1] if review else 0,
             **_engine_time(stats),
         )
 
@@ -310,12 +310,6 @@ def _prediction(request: pb.GenerateRequest) -> str | list[int] | None:
     if p.content and p.token_ids:
         raise ValueError("prediction: give content or token_ids, not both")
     return list(p.token_ids) if p.token_ids else p.content or None
-
-
-def _rejected(review: Any, drafter: str) -> int:
-    if review is None:
-        return 0
-    return review.drafted_by_drafter.get(drafter, 0) - review.accepted_by_drafter.get(drafter, 0)
 
 
 def _response_format(request: pb.GenerateRequest) -> ResponseFormat | None:

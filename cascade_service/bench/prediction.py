@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..config import GenerationConfig, load_config
-from ..core.prediction import prediction_ids
+from ..core.prediction import PREDICTION, prediction_ids
 from ..engine import Engine
 from ..zoo.evaluate import eval_package_files
 
@@ -104,10 +104,8 @@ def _edit(text: str, share: float, rng: random.Random) -> str:
 
 def _counts(stats) -> str:
     review = stats.reviews.get(stats.target)
-    if review is None:
-        return "0/0"
-    accepted = review.accepted_by_drafter.get("prediction", 0)
-    return f"{accepted}/{review.drafted_by_drafter.get('prediction', 0) - accepted}"
+    accepted, rejected = review.kept(PREDICTION) if review is not None else (0, 0)
+    return f"{accepted}/{rejected}"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ grammar. Drafters draft unmasked: a draft that breaks the grammar is cut before 
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from collections.abc import Callable, Sequence
@@ -72,17 +73,24 @@ class ResponseFormat:
                 raise ValueError(f"response_format: the JSON schema is not JSON ({exc})") from None
 
     def grammar(self) -> str:
-        """The llguidance grammar, checked (ValueError naming response_format when it cannot be used)."""
-        import llguidance
+        """The llguidance grammar, checked (ValueError naming response_format when it cannot be used).
+        Compiled once per format: the coordinator checks it when a request arrives and uses it when the
+        request decodes, and clients repeat their schemas."""
+        return _compiled(self.kind, self.text)
 
-        try:
-            grammar = FORMATS[self.kind](self.text)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"response_format: {exc}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise ValueError(f"response_format: {error}")
-        return grammar
+
+@functools.lru_cache(maxsize=256)
+def _compiled(kind: str, text: str) -> str:
+    import llguidance
+
+    try:
+        grammar = FORMATS[kind](text)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"response_format: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"response_format: {error}")
+    return grammar
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -63,6 +63,11 @@ class ReviewCounters:
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
+    def kept(self, drafter: str) -> tuple[int, int]:
+        """(tokens of `drafter` this reviewer kept, tokens of it drafted and not kept)."""
+        accepted = self.accepted_by_drafter.get(drafter, 0)
+        return accepted, self.drafted_by_drafter.get(drafter, 0) - accepted
+
     def row(self) -> dict:
         """How the K-matrix row ran: the reviewer's blocks, those the lookup gate filled instead, and
         per entry (drafter) the blocks it ran in, the blocks that had ended before its turn, its share

@@ -37,10 +37,7 @@ def _edited(tokens: list[int], every: int, seed: int) -> list[int]:
 
 
 def _prediction_counts(result) -> tuple[int, int]:
-    review = result.stats.reviews["target"]
-    drafted = review.drafted_by_drafter.get("prediction", 0)
-    accepted = review.accepted_by_drafter.get("prediction", 0)
-    return accepted, drafted - accepted
+    return result.stats.reviews["target"].kept("prediction")
 
 
 @pytest.mark.parametrize("loopback", [False, True], ids=["in-process", "wire"])
