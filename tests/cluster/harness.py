@@ -26,11 +26,19 @@ NODES = {
     "drafters": {"num_cpus": 0, "resources": {"tier_base": 1, "tier_small": 1}},
 }
 # Autoscaling per tier, chosen from what each tier carries: the target holds a request's reviews for most of
-# its time, so it is the bottleneck and scales past 1 call in flight per replica; the drafters and the
-# coordinator would need far more load. Faster than Serve's defaults so that a test sees both ways.
-AUTOSCALING = {"upscale_delay_s": 3, "downscale_delay_s": 15, "look_back_period_s": 5}
-TARGETS = {"coordinator": 64, "tier-large": 1, "tier-base": 64, "tier-small": 64}
-# Replicas and handles report their in-flight calls each second instead of every ten.
+# its time, so it is the bottleneck and scales on calls in flight; the drafters and the coordinator would
+# need far more load. The target's threshold is half a call per replica, not the shipped 8: on 2 cores the
+# tiny target is not the machine's bottleneck (the coordinator's Python is), so its mean calls in flight
+# under 8 streams hover near 1; at a threshold of 1 Serve decided after 34 s here and not within 150 s on
+# CI's machine. Idle, the mean is 0 and the target goes back to 1 replica, after 30 s below the threshold:
+# a shorter delay let it flap back while the load still ran (a request whose replica is stopped between
+# its calls reads its context again on another). At most 2 target replicas: each that starts takes a
+# core for seconds. Faster than Serve's defaults so that a test sees both ways; Ray 2.60 pushes the
+# metrics every `metrics_interval_s` (deprecated there in favour of METRIC_ENV's variables, which it
+# does not read yet) and averages them over `look_back_period_s`.
+AUTOSCALING = {"upscale_delay_s": 3, "downscale_delay_s": 30, "look_back_period_s": 5, "metrics_interval_s": 1}
+TARGETS = {"coordinator": 64, "tier-large": 0.5, "tier-base": 64, "tier-small": 64}
+MAX_REPLICAS = {"tier-large": 2}
 METRIC_ENV = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
@@ -81,6 +89,8 @@ def serve_config(config_path, redis_url: str, http_port: int, grpc_port: int) ->
         options.pop("num_gpus", None)
         options.pop("accelerator_type", None)
         deployment["autoscaling_config"] |= AUTOSCALING | {"target_ongoing_requests": TARGETS[name]}
+        if name in MAX_REPLICAS:
+            deployment["autoscaling_config"]["max_replicas"] = MAX_REPLICAS[name]
     return raw
 
 

@@ -72,10 +72,14 @@ def test_the_bottleneck_tier_scales_up_under_load_and_back_down_alone(cluster, t
             break
         time.sleep(1)
     compact = [(round(t), c["tier-large"], c["starting"]) for t, c in timeline]
-    print(f"autoscaling: tier-large at 2+ replicas {up} s into the ramp, back to 1 {down} s after it; {compact}")
+    print(
+        f"autoscaling: tier-large at 2+ replicas {up} s into the ramp, back to 1 {down} s after it; "
+        f"{load.ok()} calls served; {compact}"
+    )
     assert not load.failures() and not load.wrong, (load.failures(), load.wrong)
-    # The goal is 60 s; on 2 busy cores Serve decided after 44-64 s and the replica took about
-    # 12 s more to load (56-76 s in four runs: docs/benchmarks.md), so the test holds it to 150.
+    assert load.ok() >= len(prompts)  # the load ran: every stream was served
+    # The goal is 60 s; on 2 busy cores a replica takes 12-35 s to start (docs/benchmarks.md),
+    # so the test holds it to 150.
     assert up is not None and up <= 150, timeline
     assert down is not None and down <= 120, timeline
     for name in ("coordinator", "tier-base", "tier-small"):  # the others stayed at their minimum
