@@ -170,6 +170,13 @@ class CascadeTier:
             gates.append((mag, gate.tokens, gate.min_match))
         return gates
 
+    def _forced(self, ceiling: int) -> Draft:
+        """The block's opening: at the target, the tokens the request's grammar forces next (core.grammar)."""
+        st = self.state
+        if not self.final or st.grammar is None:
+            return self._empty()
+        return Draft.point(st.grammar.forced(ceiling), st.vocab_size, st.sampling.carries_rows, "grammar")
+
     def _empty(self) -> Draft:
         return Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
 
@@ -187,16 +194,18 @@ class CascadeTier:
         ceiling = limit - 1
         policy = self.policy
         policy.begin()  # the round's time runs from here: the lookup and the drafting are part of it
-        block = self._empty()
+        block = self._forced(ceiling)
         gated = False
         # The prediction first (the target's only), then the lookup gate: a block either fills it alone.
         for source, want, min_match in self._gates():
-            if gated or limit <= 1:
+            if gated or len(block) >= ceiling:
                 break
-            reply = source.draft(self._ask(request, ctx, want, limit - 1, min_match))
+            held = len(block)
+            asked = self._ask(request, ctx.extend(block.tokens), want, ceiling - held, min_match)
+            reply = source.draft(asked)
             absorb(usage, reply.usage)
             block = block + reply.draft
-            gated = bool(block)
+            gated = len(block) > held
             if gated:  # the lookup is already spent: the policy only trims it
                 block = block.head(policy.cap("lookup", len(block), len(block)))
         ran: list[str] = []  # the row's drafters called in this block
@@ -208,9 +217,8 @@ class CascadeTier:
         policy.drafted()
         st = self.state
         allowed = None
-        if self.final and st.grammar is not None:  # cut at the first draft the grammar refuses
-            valid, allowed = st.grammar.review_masks(block.tokens)
-            block = block.head(valid)
+        if self.final and st.grammar is not None:
+            block, allowed = self._masked(block)
         review = self.reviewer.review(
             ReviewRequest(
                 request.request_id,
@@ -241,6 +249,21 @@ class CascadeTier:
             st.stats.logprobs.extend(verdict.logprobs)  # one per emitted token; decode trims the unused
         usage.tier(self.name).tokens_out += len(tokens)
         return Draft(tokens, verdict.token_probs, verdict.dists, [self.name] * len(tokens)), review.hidden
+
+    def _masked(self, block: Draft) -> tuple[Draft, torch.Tensor]:
+        """The block for a review under the request's grammar, and each review position's mask (core.grammar).
+
+        The block ends at its first draft the grammar refuses. Greedy, or under a lossy rule, that draft
+        goes too: greedy it would never be kept, and a lossy rule might keep it. Sampled exactly, it stays:
+        its masked probability is 0, so the review rejects it and samples the residual max(0, p - q);
+        dropping it instead would sample p where the residual was due and bias the output. Its bonus
+        position is never reached, and takes the last mask so the rows stay [k + 1, V]."""
+        st = self.state
+        assert st.grammar is not None
+        valid, allowed = st.grammar.review_masks(block.tokens)
+        if valid < len(block) and not st.sampling.greedy and st.verification == EXACT:
+            return block.head(valid + 1), torch.cat([allowed, allowed[-1:]])
+        return block.head(valid), allowed
 
     def _fill(
         self,

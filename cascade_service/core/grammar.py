@@ -9,7 +9,9 @@ every position of the review, and rolls back; the final review scores the target
 tokens outside each position's mask removed (after logit_bias and the penalties, before temperature, as a
 `transformers` logits processor would), and the matcher then takes the emitted tokens. So the output is
 distributed exactly as the masked target's, and greedy output is the target's greedy path under the
-grammar. Drafters draft unmasked: a draft that breaks the grammar is cut before the review, never kept.
+grammar. What the grammar forces next (a schema's keys, quotes and commas) opens each block as free drafts,
+ahead of the drafters (jump-forward decoding, reviewed like any draft); the model drafters then draft
+unmasked after it: a draft that breaks the grammar is cut before the review, never kept.
 """
 
 from __future__ import annotations
@@ -126,6 +128,14 @@ class GrammarMask:
         if valid:
             self.matcher.rollback(valid)
         return valid, torch.stack(rows)
+
+    def forced(self, limit: int) -> list[int]:
+        """At most `limit` tokens the grammar forces next (a JSON schema's keys and punctuation): the
+        matcher's fast-forward tokens. They are the block's first drafts (core.cascade): the target's
+        review still judges them, since the grammar may allow other tokenizations of the same bytes."""
+        if limit <= 0 or self.matcher.is_stopped():
+            return []
+        return [t for t in self.matcher.compute_ff_tokens() if t < self.vocab_size][:limit]
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The emitted tokens (each within its position's mask) join the matcher's state."""

@@ -166,11 +166,7 @@ class StatisticalTier:
         counters.time_s += time.perf_counter() - start
         counters.calls += 1
         counters.tokens_out += len(tokens)
-        dists = None
-        if sampling.carries_rows:
-            dists = torch.zeros(len(tokens), self.vocab_size)
-            dists[torch.arange(len(tokens)), tokens] = 1.0
-        return DraftReply(Draft(tokens, [1.0] * len(tokens), dists, [name] * len(tokens)), usage)
+        return DraftReply(Draft.point(tokens, self.vocab_size, sampling.carries_rows, name), usage)
 
 
 def draft_autoregressive(

@@ -73,6 +73,16 @@ class Draft:
             return self
         return Draft(self.tokens, self.token_probs, to_reviewer(self.dists, target_probs), self.origins)
 
+    @classmethod
+    def point(cls, tokens: list[int], vocab_size: int, rows: bool, origin: str) -> Draft:
+        """A deterministic drafter's block (MaG, a lookup, the grammar's forced tokens): each token
+        proposed with probability 1, its row (`rows`: sampling carries them) a point mass."""
+        dists = None
+        if rows:
+            dists = torch.zeros(len(tokens), vocab_size)
+            dists[torch.arange(len(tokens)), tokens] = 1.0
+        return cls(list(tokens), [1.0] * len(tokens), dists, [origin] * len(tokens))
+
     def head(self, n: int) -> Draft:
         return Draft(
             self.tokens[:n],

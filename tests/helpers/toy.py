@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
@@ -56,17 +58,55 @@ class ToyScorer:
 
 
 def exact_distribution(
-    model: ToyScorer, prompt: list[int], length: int, sampling: SamplingParams
+    model: ToyScorer, prompt: list[int], length: int, sampling: SamplingParams, rule: ToyGrammar | None = None
 ) -> dict[tuple, float]:
-    """P(continuation) for every continuation of `length` tokens, by enumeration."""
+    """P(continuation) for every continuation of `length` tokens, by enumeration (under `rule`'s mask,
+    applied as a logits processor would, when given)."""
     out = {}
     for seq in itertools.product(range(model.vocab), repeat=length):
         p, tokens = 1.0, list(prompt)
-        for t in seq:
-            p *= float(sampling.probs(model.row(tokens)[None], tokens)[0, t])
+        for i, t in enumerate(seq):
+            allowed = None if rule is None else rule.allowed(seq[:i])[None]
+            p *= float(sampling.probs(model.row(tokens)[None], tokens, allowed)[0, t])
             tokens.append(t)
         out[seq] = p
     return out
+
+
+class ToyGrammar:
+    """A grammar over the toy vocabulary with core.grammar.GrammarMask's interface, for the exactness
+    tests of the core (llguidance needs a real tokenizer): after token a, only FOLLOW[a] may come; the
+    first output token follows the prompt's last. A state with one allowed token forces it, so the
+    cascade's grammar drafts (GrammarMask.forced) are exercised too."""
+
+    FOLLOW: ClassVar[dict[int, tuple[int, ...]]] = {0: (1, 2), 1: (3,), 2: (0, 1, 3), 3: (0, 2)}
+
+    def __init__(self, vocab: int, last: int):
+        self.vocab, self.last = vocab, last
+        self.out: list[int] = []
+
+    def allowed(self, out: Sequence[int]) -> torch.Tensor:
+        previous = out[-1] if out else self.last
+        mask = torch.zeros(self.vocab, dtype=torch.bool)
+        mask[list(self.FOLLOW[previous])] = True
+        return mask
+
+    def review_masks(self, block: Sequence[int]) -> tuple[int, torch.Tensor]:
+        valid = 0
+        while valid < len(block) and self.allowed(self.out + list(block[:valid]))[block[valid]]:
+            valid += 1
+        return valid, torch.stack([self.allowed(self.out + list(block[:i])) for i in range(valid + 1)])
+
+    def forced(self, limit: int) -> list[int]:
+        forced: list[int] = []
+        while len(forced) < limit and int((mask := self.allowed(self.out + forced)).sum()) == 1:
+            forced.append(int(mask.nonzero()))
+        return forced
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            assert self.allowed(self.out)[token], (self.out, token)
+            self.out.append(token)
 
 
 def chi_square_rejects(

@@ -15,7 +15,7 @@ from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
 from cascade_service.transport.remote import loopback
 
-from .toy import ToyScorer, exact_distribution
+from .toy import ToyGrammar, ToyScorer, exact_distribution
 
 VOCAB, LENGTH, SAMPLES = 4, 3, 4000
 PROMPT = [0, 1, 2, 0, 1]
@@ -40,10 +40,12 @@ def sample_cascade(
     wire=False,
     wrap=None,
     prediction=None,
+    grammar=False,
 ):
     """Counts of the cascade's 3-token continuations over `samples` requests, and the exact target
     distribution. wire: every tier behind the wire codec in this process; wrap(tier, request_id): any
-    other transport (a tier server); prediction: token ids the request predicts (core.prediction)."""
+    other transport (a tier server); prediction: token ids the request predicts (core.prediction);
+    grammar: the request's output constrained by a ToyGrammar (and the exact distribution with it)."""
     target, base, small = toy_tiers(*dtypes)
     models = {"base": base, "small": small}
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
@@ -56,6 +58,8 @@ def sample_cascade(
         state.request_id = f"sample-{seed}-{i}"
         if prediction is not None:
             state.prediction = StatisticalTier(PredictionProposer(prediction), VOCAB, PREDICTION)
+        if grammar:
+            state.grammar = ToyGrammar(VOCAB, PROMPT[-1])  # type: ignore[assignment]  # GrammarMask's interface
         drafters = [MaxGram(bigram) if n == "mag" else models[n] for n in drafter_names]
         top, below = local_tiers(VOCAB, target, drafters)
         if wire:  # every tier behind the wire codec, as a remote tier is
@@ -65,7 +69,8 @@ def sample_cascade(
         system = build_cascade(top, below, schedule, leniency, state, lookup)
         out = [t for chunk in decode(system, PROMPT, LENGTH, state) for t in chunk]
         counts[tuple(out)] += 1
-    return counts, exact_distribution(target, PROMPT, LENGTH, sampling)
+    rule = ToyGrammar(VOCAB, PROMPT[-1]) if grammar else None
+    return counts, exact_distribution(target, PROMPT, LENGTH, sampling, rule)
 
 
 CASES = {

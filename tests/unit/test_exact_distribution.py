@@ -49,6 +49,19 @@ def test_a_predicted_output_leaves_the_distribution_the_targets(prediction):
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 
 
+@pytest.mark.parametrize("case", ["sd_small", "csd_base_mag_lookup", "csd_base_small_mag_lenient"])
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=3)], ids=["t1", "t0.8_k3"])
+def test_under_a_grammar_the_output_is_distributed_as_the_masked_target(case, sampling):
+    # A response format masks the target's review (core.grammar): its forced tokens open each block as
+    # point-mass drafts, drafts it refuses are cut, and the output follows the masked target exactly.
+    names, k, leniency, *lookup = CASES[case]
+    counts, expected = sample_cascade(names, k, leniency, sampling, lookup=lookup[0] if lookup else None, grammar=True)
+    assert all(expected[seq] == 0.0 for seq in expected if seq[0] != 3)  # the grammar forces the first token
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the masked target's"
+    assert all(expected[seq] > 0 for seq in counts), "a sample the grammar refuses"
+
+
 @pytest.mark.parametrize("case", ["csd_base_mag_lookup", "csd_base_small_mag_lenient"])
 def test_the_distribution_is_exact_through_the_wire_codec(case):
     # Drafts' rows, seeds and verdicts cross as bytes (transport.codec) and the output is still the target's.
