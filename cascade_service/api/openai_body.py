@@ -175,8 +175,8 @@ def choices_of(body: Mapping[str, Any], chat: bool, stream: bool) -> tuple[int, 
     n, best = counts["n"], counts["best_of"]
     if best < n:
         raise HttpError(400, f"best_of ({best}) must be at least n ({n})", "best_of")
-    if stream and best > 1:
-        raise HttpError(400, "n and best_of above 1 are not supported with stream yet", "n" if n > 1 else "best_of")
+    if stream and best > n:  # as OpenAI's: the best candidates are known only at the end
+        raise HttpError(400, "best_of above n cannot be streamed", "best_of")
     return n, best
 
 

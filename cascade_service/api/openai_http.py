@@ -13,7 +13,6 @@ A client that disconnects cancels its request at the next round (its KV caches a
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -39,7 +38,6 @@ from .openai_body import (
     choices_of,
     completion_id,
     completion_logprobs,
-    error_body,
     error_response,
     json_body,
     mean_logprob,
@@ -55,6 +53,7 @@ from .openai_body import (
     status_code,
     usage,
 )
+from .openai_stream import EventFormat, open_events
 from .v1 import cascade_pb2 as pb
 
 ChatTemplate = Callable[[list[dict[str, Any]]], str]
@@ -144,8 +143,13 @@ class _Api:
             with self.frontend.open_call(auth_metadata(request)) as owner:
                 if not stream:
                     return await self._unary(request, message, prompt, chat, owner, n, best)
-            # A stream holds its key's slot, a worker and the queue while it runs: all taken in _events.
-            first, events = await self._events(request, message, prompt, chat, body)
+            # A stream holds its key's slot, and a worker per choice, while it runs: all taken in open_events.
+            messages = [message] if n == 1 else choice_requests(message, n, rank=False)
+            prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
+            form = EventFormat(chat, self.model, message.HasField("logprobs"), prompt_tokens)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            opened = self.frontend.open_call(auth_metadata(request))
+            first, events = await open_events(self.frontend, opened, messages, form, include_usage)
             return StreamingResponse(_prepend(first, events), media_type="text/event-stream")
         except Refused as refused:
             self.metrics.refused(refused.code.name)
@@ -280,99 +284,6 @@ class _Api:
             "usage": usage(prompt_tokens, sum(len(r.token_ids) for r in replies), first.stats),
             "cascade": plain(first.stats) if len(replies) == 1 else [plain(r.stats) for r in replies],
         }
-
-    async def _events(
-        self, request: Request, message: pb.GenerateRequest, prompt: str, chat: bool, body: Mapping[str, Any]
-    ) -> tuple[bytes, AsyncIterator[bytes]]:
-        """The first event (so that a refusal is an HTTP status, not a 200 with an error event) and the rest."""
-        frontend, call = self.frontend, CallHooks()
-        ident, created = completion_id(chat), int(time.time())
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
-        last = [pb.GenerateStats()]  # the last chunk's stats: the usage chunk's cached and prediction tokens
-        offset = [0]  # the text offset of the next token's logprob (completions)
-        opened = frontend.open_call(auth_metadata(request))
-        owner = opened.__enter__()
-        admitted = frontend.admitted(call)
-        try:
-            await admitted.__aenter__()
-            replies = frontend.replies(call, "GenerateStream", message.SerializeToString(), None, owner)
-            iterator = aiter(replies)
-        except BaseException:
-            opened.__exit__(None, None, None)
-            raise
-
-        def event(chunk: pb.GenerateChunk | None, first: bool, generated: int) -> bytes:
-            if chunk is None:  # the usage chunk
-                data: dict[str, Any] = {"choices": [], "usage": usage(prompt_tokens, generated, last[0])}
-            else:
-                finish = FINISH.get(chunk.finish_reason, chunk.finish_reason) or None
-                if chat:
-                    delta = {"content": chunk.text} | ({"role": "assistant"} if first else {})
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-                else:
-                    choice = {"index": 0, "text": chunk.text, "finish_reason": finish, "logprobs": None}
-                if message.HasField("logprobs"):
-                    choice["logprobs"] = (
-                        chat_logprobs(chunk.logprobs) if chat else completion_logprobs(chunk.logprobs, offset[0])
-                    )
-                    offset[0] += sum(len(t.text) for t in chunk.logprobs)
-                # The chunk's token count rides in `cascade` (with the stats on the last chunk): clients
-                # that time tokens (bench --load --protocols) need it, and OpenAI clients ignore it.
-                stats = plain(chunk.stats) if chunk.HasField("stats") else {}
-                if chunk.HasField("stats"):
-                    last[0] = chunk.stats
-                data = {"choices": [choice], "cascade": {"tokens": len(chunk.token_ids)} | stats}
-            head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion", "created": created}
-            return b"data: " + json.dumps(head | {"model": self.model} | data).encode() + b"\n\n"
-
-        async def next_chunk() -> pb.GenerateChunk | None:
-            try:
-                code, details, payload = await anext(iterator)
-            except StopAsyncIteration:
-                return None
-            if code != "OK":
-                raise Refused(status_code(code), details)
-            return pb.GenerateChunk.FromString(payload)
-
-        async def close() -> None:
-            call.end()
-            try:
-                await replies.aclose()
-            finally:
-                await admitted.__aexit__(None, None, None)
-                opened.__exit__(None, None, None)
-
-        try:
-            first = await next_chunk()
-        except BaseException:
-            await close()
-            raise
-
-        async def rest() -> AsyncIterator[bytes]:
-            generated = len(first.token_ids) if first else 0
-            try:
-                while True:
-                    try:
-                        chunk = await next_chunk()
-                    except Refused as refused:  # mid-stream: the status can only go in an event
-                        error = error_body(HTTP_STATUS.get(refused.code.name, 500), refused.message)
-                        yield b"data: " + json.dumps(error).encode() + b"\n\n"
-                        break
-                    if chunk is None:
-                        if include_usage:
-                            yield event(None, False, generated)
-                        yield b"data: [DONE]\n\n"
-                        break
-                    generated += len(chunk.token_ids)
-                    yield event(chunk, False, generated)
-            finally:
-                await close()  # also when the client disconnects: the decode stops, its caches go
-
-        if first is None:
-            await close()
-            raise Refused(status_code("INTERNAL"), "the stream ended without a reply")
-        return event(first, True, len(first.token_ids)), rest()
 
 
 async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -119,6 +119,13 @@ def test_the_openai_client_gets_the_grpc_text_unary_and_streamed(served, tiny_fa
     assert reply.model_extra["cascade"]["generated_tokens"] == 12
     chunks = list(client.completions.create(model="target", prompt=prompt, max_tokens=12, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.text
+    both: dict[int, str] = {}  # n streamed: each choice's chunks under its index
+    for chunk in client.completions.create(
+        model="target", prompt=prompt, max_tokens=12, temperature=0, n=2, stream=True
+    ):
+        for choice in chunk.choices:
+            both[choice.index] = both.get(choice.index, "") + choice.text
+    assert both == {0: direct.text, 1: direct.text}
     plain = client.completions.create(  # speculation off for this request: the same text, a pass per token
         model="target", prompt=prompt, max_tokens=12, temperature=0, extra_body={"speculation": {"mode": "off"}}
     )

@@ -74,7 +74,7 @@ def test_models_lists_the_target(client):
         ({"n": 17}, 400, "n"),
         ({"n": 0}, 400, "n"),
         ({"n": 3, "best_of": 2}, 400, "best_of"),
-        ({"n": 2, "stream": True}, 400, "n"),
+        ({"n": 2, "best_of": 3, "stream": True}, 400, "best_of"),
         ({"verification": {"rule": "bogus"}}, 400, "verification.rule"),
         ({"stop_threshold": 0.5}, 400, "stop_threshold"),
         ({"bogus_field": 1}, 400, "bogus_field"),
@@ -355,6 +355,42 @@ def test_n_choices_each_with_its_own_seed_and_best_of_keeps_the_likeliest(client
     assert len(means) == 2 and means[0] >= means[1]
     plain = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=1, best_of=3)
     assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_stream_together_each_under_its_index(client):
+    greedy = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0).choices[0].text
+    texts: dict[int, str] = {}
+    offsets: dict[int, list[int]] = {}
+    ends: dict[int, str] = {}
+    used = None
+    for chunk in client.completions.create(
+        model="target",
+        prompt=PROMPT,
+        max_tokens=N,
+        temperature=0,
+        n=3,
+        logprobs=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            used = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
+            if choice.finish_reason:
+                ends[choice.index] = choice.finish_reason
+    assert texts == {0: greedy, 1: greedy, 2: greedy}  # greedy: the same text under each index
+    assert ends == {0: "length", 1: "length", 2: "length"}
+    assert all(o[0] == 0 for o in offsets.values())  # each choice's text offsets run on their own
+    assert used is not None and used.completion_tokens == 3 * N
+    sampled: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=4, seed=7, stream=True
+    ):
+        for choice in chunk.choices:
+            sampled[choice.index] = sampled.get(choice.index, "") + choice.text
+    assert sorted(sampled) == [0, 1, 2, 3] and len(set(sampled.values())) > 1  # a seed per choice
 
 
 def test_best_of_keeps_the_candidates_with_the_highest_logprob_per_token():
