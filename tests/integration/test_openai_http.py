@@ -13,32 +13,23 @@ from pathlib import Path
 import openai
 import pytest
 
-from cascade_service.config import Config, GenerationConfig
 from cascade_service.standalone import start_standalone
 from cascade_service.zoo.tiny import random_prompts
 
-from ..helpers.access import KEY_A, write_keys
+from ..helpers.access import KEY_A
+from ..helpers.openai_server import PROMPT, N, openai_client, openai_server
 from ..helpers.oracle import oracle
-from ..helpers.tier_servers import tiny_cascade
-
-PROMPT = random_prompts(1, 10, seed=53)[0]
-N = 16
 
 
 @pytest.fixture(scope="module")
 def server(tiny_family, tmp_path_factory):
-    from cascade_service.api.auth import load_api_keys
-
-    keys = load_api_keys(write_keys(tmp_path_factory.mktemp("keys") / "keys"))
-    config = Config(tiny_cascade(tiny_family), GenerationConfig(max_new_tokens=N))
-    standalone = start_standalone(config, api_keys=keys, http_port=0)
-    yield standalone
-    standalone.stop()
+    with openai_server(tiny_family, tmp_path_factory.mktemp("keys")) as standalone:
+        yield standalone
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=KEY_A, max_retries=0)
+    return openai_client(server)
 
 
 def test_completions_stream_and_not_give_the_same_greedy_text_as_grpc(server, client, tiny_family):
@@ -336,74 +327,6 @@ def test_logprobs_in_openais_completions_shape_unary_and_streamed(server, client
     pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
     assert [t for p in pieces for t in p.token_logprobs] == pytest.approx(lp.token_logprobs)
     assert [o for p in pieces for o in p.text_offset] == lp.text_offset
-
-
-def test_n_choices_each_with_its_own_seed_and_best_of_keeps_the_likeliest(client):
-    greedy = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0, n=3)
-    assert [c.index for c in greedy.choices] == [0, 1, 2]
-    assert len({c.text for c in greedy.choices}) == 1  # greedy: the same choice three times
-    assert greedy.usage.completion_tokens == 3 * N
-    sampled = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=4, seed=7)
-    assert len({c.text for c in sampled.choices}) > 1  # a seed per choice
-    # A sample depends on its seed and on the drafts it met (MaG's index learns from every request), so
-    # best_of is checked by its own order: the n kept come likeliest first, and without logprobs asked
-    # the reply carries none.
-    best = client.completions.create(
-        model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=2, best_of=5, seed=7, logprobs=0
-    )
-    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in best.choices]
-    assert len(means) == 2 and means[0] >= means[1]
-    plain = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=1, best_of=3)
-    assert plain.choices[0].logprobs is None
-
-
-def test_n_choices_stream_together_each_under_its_index(client):
-    greedy = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0).choices[0].text
-    texts: dict[int, str] = {}
-    offsets: dict[int, list[int]] = {}
-    ends: dict[int, str] = {}
-    used = None
-    for chunk in client.completions.create(
-        model="target",
-        prompt=PROMPT,
-        max_tokens=N,
-        temperature=0,
-        n=3,
-        logprobs=1,
-        stream=True,
-        stream_options={"include_usage": True},
-    ):
-        if chunk.usage is not None:
-            used = chunk.usage
-        for choice in chunk.choices:
-            texts[choice.index] = texts.get(choice.index, "") + choice.text
-            offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
-            if choice.finish_reason:
-                ends[choice.index] = choice.finish_reason
-    assert texts == {0: greedy, 1: greedy, 2: greedy}  # greedy: the same text under each index
-    assert ends == {0: "length", 1: "length", 2: "length"}
-    assert all(o[0] == 0 for o in offsets.values())  # each choice's text offsets run on their own
-    assert used is not None and used.completion_tokens == 3 * N
-    sampled: dict[int, str] = {}
-    for chunk in client.completions.create(
-        model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=4, seed=7, stream=True
-    ):
-        for choice in chunk.choices:
-            sampled[choice.index] = sampled.get(choice.index, "") + choice.text
-    assert sorted(sampled) == [0, 1, 2, 3] and len(set(sampled.values())) > 1  # a seed per choice
-
-
-def test_best_of_keeps_the_candidates_with_the_highest_logprob_per_token():
-    from cascade_service.api.openai_body import mean_logprob
-    from cascade_service.api.v1 import cascade_pb2 as pb
-
-    def reply(*logprobs: float) -> pb.GenerateResponse:
-        return pb.GenerateResponse(logprobs=[pb.TokenLogprob(logprob=lp) for lp in logprobs])
-
-    candidates = [reply(-1.0, -1.0), reply(-0.1, -0.3, -0.2), reply(-2.0), reply(-0.5)]
-    assert [mean_logprob(r) for r in sorted(candidates, key=mean_logprob, reverse=True)] == pytest.approx(
-        [-0.2, -0.5, -1.0, -2.0]
-    )
 
 
 def test_a_json_schema_response_format_gives_json_of_the_schema(client):
