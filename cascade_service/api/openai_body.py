@@ -215,7 +215,10 @@ def put_response_format(value: Any, message: pb.GenerateRequest) -> None:
         schema = value["json_schema"].get("schema", {})
         if not isinstance(schema, dict):
             raise HttpError(400, "response_format.json_schema.schema must be an object", "response_format")
-        message.response_format.json_schema = json.dumps(schema)
+        try:
+            message.response_format.json_schema = json.dumps(schema)
+        except RecursionError:  # a body nested just short of the parser's limit; the encoder's is the same
+            raise HttpError(400, "response_format: the JSON schema is nested too deeply", "response_format") from None
     elif kind in ("regex", "grammar") and isinstance(value.get(kind), str):
         setattr(message.response_format, "regex" if kind == "regex" else "lark", value[kind])
     else:
@@ -251,6 +254,8 @@ async def json_body(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body() or b"null")
     except ValueError:
         raise HttpError(400, "the body is not JSON") from None
+    except RecursionError:  # Python's parser recurses per level: a hostile body nests thousands deep
+        raise HttpError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise HttpError(400, "the body must be a JSON object")
     return body

@@ -73,6 +73,8 @@ class ResponseFormat:
                 json.loads(self.text)
             except ValueError as exc:
                 raise ValueError(f"response_format: the JSON schema is not JSON ({exc})") from None
+            except RecursionError:  # Python's parser recurses per level; a 64 KiB schema can nest 30,000 deep
+                raise ValueError("response_format: the JSON schema is nested too deeply") from None
 
     def grammar(self) -> str:
         """The llguidance grammar, checked (ValueError naming response_format when it cannot be used).

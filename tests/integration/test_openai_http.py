@@ -120,10 +120,20 @@ def test_keys_and_models_are_checked(server, client):
         client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}])
 
 
-def _post(server, path: str, body: dict) -> tuple[int, dict]:
+@pytest.mark.parametrize("depth, param", [(900, "response_format"), (990, None), (100_000, None)])
+def test_json_nested_past_the_parsers_limit_is_a_400_not_a_500(server, depth, param):
+    # Python's JSON parser recurses per level: a body nested 10^5 deep was a 500 (RecursionError).
+    schema = '{"items":' * depth + "{}" + "}" * depth
+    body = json.dumps({"model": "target", "prompt": PROMPT, "max_tokens": 4})[:-1]
+    body += ', "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": ' + schema + "}}}"
+    code, reply = _post(server, "/v1/completions", body.encode())
+    assert code == 400 and reply["error"]["param"] == param, reply
+
+
+def _post(server, path: str, body: dict | bytes) -> tuple[int, dict]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{server.http_port}{path}",
-        data=json.dumps(body).encode(),
+        data=body if isinstance(body, bytes) else json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"},
     )
     try:
