@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -35,51 +33,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from cascade_service import procfs
 from cascade_service.api import reflection
 from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc
 from cascade_service.client import CascadeClient, errors
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.grpc_errors import BAD_REQUESTS  # checked here as every front end answers them
 from ..helpers.oracle import oracle
 from . import node_client
-from .serve_process import ServeProcess, left_behind, tree, write_config
-
-FRONTENDS = ("standalone", "edge", "ray")
-GRACE_S = 3.0
-# Beyond the grace period: stopping Serve and Ray. `serve` itself gives up at grace + 60 s (exit 1).
-TEARDOWN_BOUND_S = 45.0
-
-
-@dataclass
-class Served:
-    frontend: str
-    address: str
-    process: subprocess.Popen
-    channel: grpc.Channel
-    http_url: str
-
-    @property
-    def stub(self) -> cascade_pb2_grpc.CascadeServiceStub:
-        return cascade_pb2_grpc.CascadeServiceStub(self.channel)
-
-
-@pytest.fixture(scope="module", params=FRONTENDS)
-def served(request, tiny_family, tmp_path_factory):
-    config = write_config(
-        tmp_path_factory.mktemp(f"conformance-{request.param}") / "service.yaml", tiny_family, GRACE_S
-    )
-    server = ServeProcess(config, request.param, http=True)
-    channel = grpc.insecure_channel(server.address)
-    assert server.http_url is not None
-    yield Served(request.param, server.address, server.process, channel, server.http_url)
-    channel.close()
-    if server.process.poll() is None:  # the SIGTERM test did not run (e.g. -k): stop it anyway
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(timeout=GRACE_S + TEARDOWN_BOUND_S)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            raise
+from .conftest import GRACE_S, TEARDOWN_BOUND_S
+from .serve_process import left_behind, tree
 
 
 def _error(call, *args: Any, **kwargs: Any) -> grpc.RpcError:
