@@ -170,18 +170,22 @@ class CascadeTier:
             gates.append((mag, gate.tokens, gate.min_match))
         return gates
 
-    def _forced(self, ceiling: int) -> Draft:
-        """The block's opening: at the target, the tokens the request's grammar forces next (core.grammar)."""
+    def _forced(self, ctx: Context, ceiling: int) -> Draft:
+        """The block's opening: at the target, the tokens the request's grammar forces next (core.grammar),
+        whose state stands at the end of `ctx` (the committed sequence) for every tier of this round."""
         st = self.state
         if not self.final or st.grammar is None:
             return self._empty()
+        st.grammar.anchor(len(ctx))
         return Draft.point(st.grammar.forced(ceiling), st.vocab_size, st.sampling.carries_rows, "grammar")
 
     def _empty(self) -> Draft:
         return Draft(dists=torch.zeros(0, self.state.vocab_size) if self.state.sampling.carries_rows else None)
 
     def _ask(self, request: DraftRequest, ctx: Context, want: int, limit: int, min_match: int = 0) -> DraftRequest:
-        return replace(request, context=ctx, want=want, limit=limit, seed=self.state.seed(), min_match=min_match)
+        st = self.state  # a drafter in this process masks with the request's grammar (core.grammar)
+        seed = st.seed()
+        return replace(request, context=ctx, want=want, limit=limit, seed=seed, min_match=min_match, grammar=st.grammar)
 
     def _round(
         self, request: DraftRequest, ctx: Context, limit: int, usage: Usage
@@ -194,7 +198,7 @@ class CascadeTier:
         ceiling = limit - 1
         policy = self.policy
         policy.begin()  # the round's time runs from here: the lookup and the drafting are part of it
-        block = self._forced(ceiling)
+        block = self._forced(ctx, ceiling)
         gated = False
         # The prediction first (the target's only), then the lookup gate: a block either fills it alone.
         for source, want, min_match in self._gates():
@@ -217,8 +221,8 @@ class CascadeTier:
         policy.drafted()
         st = self.state
         allowed = None
-        if self.final and st.grammar is not None:
-            block, allowed = self._masked(block)
+        if st.grammar is not None:
+            block, allowed = self._masked(ctx, block)
         review = self.reviewer.review(
             ReviewRequest(
                 request.request_id,
@@ -243,25 +247,33 @@ class CascadeTier:
             usage.tv += verdict.tv
             usage.ll_loss += verdict.ll_loss
         tokens = block.tokens[: verdict.accepted] + [verdict.token]
-        if allowed is not None and st.grammar is not None:
+        if self.final and st.grammar is not None:
             st.grammar.advance(tokens)
         if self.final and st.logprobs >= 0:
             st.stats.logprobs.extend(verdict.logprobs)  # one per emitted token; decode trims the unused
         usage.tier(self.name).tokens_out += len(tokens)
         return Draft(tokens, verdict.token_probs, verdict.dists, [self.name] * len(tokens)), review.hidden
 
-    def _masked(self, block: Draft) -> tuple[Draft, torch.Tensor]:
+    def _masked(self, ctx: Context, block: Draft) -> tuple[Draft, torch.Tensor | None]:
         """The block for a review under the request's grammar, and each review position's mask (core.grammar).
 
-        The block ends at its first draft the grammar refuses. Greedy, or under a lossy rule, that draft
-        goes too: greedy it would never be kept, and a lossy rule might keep it. Sampled exactly, it stays:
-        its masked probability is 0, so the review rejects it and samples the residual max(0, p - q);
-        dropping it instead would sample p where the residual was due and bias the output. Its bonus
-        position is never reached, and takes the last mask so the rows stay [k + 1, V]."""
+        The block ends at its first draft the grammar refuses. That draft stays where the review must
+        reject it: sampled under the exact rule, its masked probability is 0, so the target rejects it and
+        samples the residual max(0, p - q); dropping it instead would sample p where the residual was due
+        and bias the output. An inner review rejects it the same way, leniency or not, and its rows stay
+        the true distributions of what it emits. Greedy at the target, or under a lossy rule (which might
+        keep it), it goes. Its bonus position is never reached, and takes the last mask so the rows stay
+        [k + 1, V]. An inner tier whose context already holds a refused draft reviews unmasked: the
+        target's review ends the block there."""
         st = self.state
         assert st.grammar is not None
-        valid, allowed = st.grammar.review_masks(block.tokens)
-        if valid < len(block) and not st.sampling.greedy and st.verification == EXACT:
+        masked = st.grammar.masks(ctx.tokens, block.tokens)
+        if masked is None:
+            return block, None
+        valid, allowed = masked
+        if valid == len(block):
+            return block, allowed
+        if not self.final or (not st.sampling.greedy and st.verification == EXACT):
             return block.head(valid + 1), torch.cat([allowed, allowed[-1:]])
         return block.head(valid), allowed
 

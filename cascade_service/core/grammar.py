@@ -3,15 +3,19 @@ or a Lark grammar) as a token mask on the target's distribution at the final rev
 
 The grammar engine is llguidance (a 3 MB wheel with no dependencies; it computes a mask over a 100k
 vocabulary in tens of microseconds, and validates a run of tokens in one call). Per request, one
-matcher follows the committed output. Each round, the draft block is first cut at its first token the
-grammar refuses (no target position is spent on it), then the matcher walks the rest to give the mask of
-every position of the review, and rolls back; the final review scores the target's distribution with the
-tokens outside each position's mask removed (after logit_bias and the penalties, before temperature, as a
-`transformers` logits processor would), and the matcher then takes the emitted tokens. So the output is
-distributed exactly as the masked target's, and greedy output is the target's greedy path under the
-grammar. What the grammar forces next (a schema's keys, quotes and commas) opens each block as free drafts,
-ahead of the drafters (jump-forward decoding, reviewed like any draft); the model drafters then draft
-unmasked after it: a draft that breaks the grammar is cut before the review, never kept.
+matcher follows the committed output. Each round, the draft block ends at its first token the grammar
+refuses (that token stays only where the review must reject it: CascadeTier._masked), the matcher walks
+the rest to give the mask of every position of the review, and rolls back; the final review scores the
+target's distribution with the tokens outside each position's mask removed (after logit_bias and the
+penalties, before temperature, as a `transformers` logits processor would), and the matcher then takes
+the emitted tokens. So the output is distributed exactly as the masked target's, and greedy output is
+the target's greedy path under the grammar. What the grammar forces next (a schema's keys, quotes and
+commas) opens each block as free drafts, ahead of the drafters (jump-forward decoding, reviewed like any
+draft). Every tier in this process masks
+with the same state: a model drafter's distribution at each step (so it proposes only what the grammar
+allows, and its rows say so), an inner reviewer's at each review position, each walking the drafts
+before it first and rolling back. Drafters elsewhere (over the wire) and statistical ones draft unmasked:
+their drafts are judged at the next review, where a refused draft is never kept.
 """
 
 from __future__ import annotations
@@ -117,19 +121,47 @@ class GrammarMask:
 
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         self.vocab_size = vocab_size
+        self.at = 0  # see anchor
         self._bits = torch.arange(32, dtype=torch.int64)
 
-    def review_masks(self, block: Sequence[int]) -> tuple[int, torch.Tensor]:
-        """(how many of the block's leading tokens the grammar takes, [that + 1, V] bool: the tokens
-        allowed at each review position)."""
-        valid = self.matcher.validate_tokens(list(block)) if block else 0
+    def anchor(self, length: int) -> None:
+        """The length of the context the matcher's state stands at (the committed sequence: the target's
+        round starts there); what a tier's context holds past it is the tail `masks` walks first."""
+        self.at = length
+
+    def masks(self, context: Sequence[int], block: Sequence[int]) -> tuple[int, torch.Tensor] | None:
+        """For a review of `block` after `context` (the committed sequence, then a tail of drafts): how
+        many of the block's leading tokens the grammar takes, and [that + 1, V] bool, the tokens allowed
+        at each review position. None when the tail itself breaks the grammar. The state is rolled back."""
+        tail = list(context[self.at :])
+        walk = tail + list(block)
+        valid = self.matcher.validate_tokens(walk) if walk else 0
+        if valid < len(tail):
+            return None
+        pushed = sum(self._step(token) for token in tail)
         rows = [self._allowed()]
-        for token in block[:valid]:
-            self.matcher.consume_token(token)
-            rows.append(self._allowed())
-        if valid:
-            self.matcher.rollback(valid)
-        return valid, torch.stack(rows)
+        for token in walk[len(tail) : valid]:
+            stepped = self._step(token)
+            pushed += stepped
+            # After the grammar's EOS nothing is kept: that row is never read, and repeats the last.
+            rows.append(self._allowed() if stepped else rows[-1])
+        if pushed:
+            self.matcher.rollback(pushed)
+        return valid - len(tail), torch.stack(rows)
+
+    def _step(self, token: int) -> bool:
+        """Consume `token` unless the grammar has ended; whether it went into the matcher's history. A
+        stopped matcher takes its EOS without recording it, and rolling that back would undo one token
+        too many (llguidance 1.9): the state would be wrong from then on."""
+        if self.matcher.is_stopped():
+            return False
+        self.matcher.consume_token(token)
+        return True
+
+    def mask(self, context: Sequence[int]) -> torch.Tensor | None:
+        """[V] bool: the tokens allowed after `context` (a drafter's next token); None past a refused draft."""
+        masked = self.masks(context, ())
+        return None if masked is None else masked[1][0]
 
     def forced(self, limit: int) -> list[int]:
         """At most `limit` tokens the grammar forces next (a JSON schema's keys and punctuation): the

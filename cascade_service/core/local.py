@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
+from .grammar import GrammarMask
 from .mag import MaxGram
 from .review import ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, sample
@@ -59,6 +60,7 @@ class ModelTier:
             self.vocab_size,
             counters,
             stopper,
+            request.grammar,
         )
         counters.tokens_processed = self.scorer.tokens_processed - before
         counters.tokens_cached = _cached(self.scorer) - cached
@@ -179,9 +181,12 @@ def draft_autoregressive(
     vocab_size: int,
     counters: TierCounters,
     stopper: DraftStopper | None = None,
+    grammar: GrammarMask | None = None,
 ) -> Draft:
     """Up to k tokens from `scorer` alone, one forward pass each; stops after an EOS, or earlier when
-    `stopper` (adaptive draft length) says so."""
+    `stopper` (adaptive draft length) says so. Under a `grammar` each step's distribution is masked to
+    what it allows (the rows are the masked distributions: what the tokens were drawn from); drafting
+    stops where nothing is allowed, or where the context already holds a draft it refuses."""
     tokens: list[int] = []
     token_probs: list[float] = []
     rows: list[torch.Tensor] = []
@@ -191,7 +196,13 @@ def draft_autoregressive(
         scorer.keep_hidden = needs_hidden  # type: ignore[attr-defined]  # HFScorer's option
     for _ in range(k):
         scored = ctx.extend(tokens)
-        probs = sampling.probs(_score(scorer, scored, 1, counters), scored.tokens)[0]  # [V]
+        allowed = None
+        if grammar is not None:
+            mask = grammar.mask(scored.tokens)
+            if mask is None or not bool(mask.any()):
+                break
+            allowed = mask[None]
+        probs = sampling.probs(_score(scorer, scored, 1, counters), scored.tokens, allowed)[0]  # [V]
         token = int(probs.argmax()) if sampling.greedy else sample(probs, generator)
         tokens.append(token)
         token_probs.append(float(probs[token]))

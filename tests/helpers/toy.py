@@ -82,7 +82,7 @@ class ToyGrammar:
     FOLLOW: ClassVar[dict[int, tuple[int, ...]]] = {0: (1, 2), 1: (3,), 2: (0, 1, 3), 3: (0, 2)}
 
     def __init__(self, vocab: int, last: int):
-        self.vocab, self.last = vocab, last
+        self.vocab, self.last, self.at = vocab, last, 0
         self.out: list[int] = []
 
     def allowed(self, out: Sequence[int]) -> torch.Tensor:
@@ -91,11 +91,24 @@ class ToyGrammar:
         mask[list(self.FOLLOW[previous])] = True
         return mask
 
-    def review_masks(self, block: Sequence[int]) -> tuple[int, torch.Tensor]:
+    def anchor(self, length: int) -> None:
+        self.at = length
+
+    def masks(self, context: Sequence[int], block: Sequence[int]) -> tuple[int, torch.Tensor] | None:
+        out = self.out + list(context[self.at :])
+        if not self._follows(self.out, list(context[self.at :])):
+            return None
         valid = 0
-        while valid < len(block) and self.allowed(self.out + list(block[:valid]))[block[valid]]:
+        while valid < len(block) and self.allowed(out + list(block[:valid]))[block[valid]]:
             valid += 1
-        return valid, torch.stack([self.allowed(self.out + list(block[:i])) for i in range(valid + 1)])
+        return valid, torch.stack([self.allowed(out + list(block[:i])) for i in range(valid + 1)])
+
+    def mask(self, context: Sequence[int]) -> torch.Tensor | None:
+        masked = self.masks(context, ())
+        return None if masked is None else masked[1][0]
+
+    def _follows(self, out: list[int], tail: list[int]) -> bool:
+        return all(self.allowed(out + tail[:i])[t] for i, t in enumerate(tail))
 
     def forced(self, limit: int) -> list[int]:
         forced: list[int] = []
