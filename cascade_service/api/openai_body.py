@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import secrets
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..core.limits import MAX_LOGIT_BIAS
+from .choices import MAX_CHOICES
 from .v1 import cascade_pb2 as pb
 
 HTTP_STATUS = {
@@ -38,7 +38,6 @@ COMMON |= {"stream_options", "user", "verification", "stop_threshold", "session_
 COMMON |= {"top_k", "min_p", "logit_bias", "prediction"}  # top_k and min_p as vLLM and SGLang take them
 COMMON |= {"presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "n", "best_of"}
 COMMON |= {"response_format"}
-MAX_CHOICES = 16  # n and best_of: each choice is a request of its own (they share the prompt's prefill)
 DISCONNECT_POLL_S = 0.25
 
 
@@ -178,26 +177,6 @@ def choices_of(body: Mapping[str, Any], chat: bool, stream: bool) -> tuple[int, 
     if stream and best > n:  # as OpenAI's: the best candidates are known only at the end
         raise HttpError(400, "best_of above n cannot be streamed", "best_of")
     return n, best
-
-
-def choice_requests(message: pb.GenerateRequest, count: int, rank: bool) -> list[pb.GenerateRequest]:
-    """`count` copies of the request, each with its own seed (the request's + i, or random ones), and
-    logprobs when the candidates are to be ranked by them."""
-    base = message.seed if message.HasField("seed") else secrets.randbelow(2**62)
-    out = []
-    for i in range(count):
-        each = pb.GenerateRequest()
-        each.CopyFrom(message)
-        each.seed = (base + i) % 2**63
-        if rank and not each.HasField("logprobs"):
-            each.logprobs = 0
-        out.append(each)
-    return out
-
-
-def mean_logprob(reply: pb.GenerateResponse) -> float:
-    """A candidate's log-probability per token (best_of keeps the highest, as OpenAI's does)."""
-    return sum(t.logprob for t in reply.logprobs) / max(1, len(reply.logprobs))
 
 
 def put_response_format(value: Any, message: pb.GenerateRequest) -> None:

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE, Metrics, default_metrics
 from .admission import CallHooks, Refused
+from .choices import choice_requests
 from .frontend_server import HttpOptions
 from .openai_body import (
     COMMON,
@@ -34,13 +35,11 @@ from .openai_body import (
     HttpError,
     auth_metadata,
     chat_logprobs,
-    choice_requests,
     choices_of,
     completion_id,
     completion_logprobs,
     error_response,
     json_body,
-    mean_logprob,
     param_of,
     plain,
     put_logit_bias,
@@ -230,19 +229,10 @@ class _Api:
     async def _unary(
         self, request: Request, message: pb.GenerateRequest, prompt: str, chat: bool, owner: str, n: int, best: int
     ) -> Response:
-        if best == 1:
-            reply = await self._one(request, message, owner)
-            return JSONResponse(self._completion([reply], message, prompt, chat))
-        # n and best_of: a request per candidate, together (they meet in the batches and share the prompt's
-        # prefix cache); best_of keeps the n with the highest log-probability per token.
-        requests = choice_requests(message, best, rank=best > n)
-        replies = list(await asyncio.gather(*(self._one(request, each, owner) for each in requests)))
-        if best > n:
-            replies = sorted(replies, key=mean_logprob, reverse=True)[:n]
-            if not message.HasField("logprobs"):  # asked for ranking only
-                for reply in replies:
-                    del reply.logprobs[:]
-        return JSONResponse(self._completion(replies, message, prompt, chat))
+        if best > 1:  # the coordinator decodes the candidates together (api.choices), ranks and keeps n
+            message.n, message.best_of = n, best
+        reply = await self._one(request, message, owner)
+        return JSONResponse(self._completion(list(reply.choices) or [reply], message, prompt, chat))
 
     async def _one(self, request: Request, message: pb.GenerateRequest, owner: str) -> pb.GenerateResponse:
         call = CallHooks()
@@ -261,7 +251,8 @@ class _Api:
             raise Refused(status_code(code), details)
         return pb.GenerateResponse.FromString(payload)
 
-    def _completion(self, replies: list[pb.GenerateResponse], message: pb.GenerateRequest, prompt: str, chat: bool):
+    def _completion(self, replies: list[Any], message: pb.GenerateRequest, prompt: str, chat: bool):
+        """The OpenAI body of a reply's choices (pb.GenerateResponse, or its pb.Choice each)."""
         choices = []
         for index, reply in enumerate(replies):
             finish = FINISH.get(reply.finish_reason, reply.finish_reason)

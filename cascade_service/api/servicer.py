@@ -32,6 +32,7 @@ from ..sessions import (
     StoreUnavailable,
 )
 from .auth import owner_of
+from .choices import choice_counts, choice_requests, mean_logprob, together
 from .status import set_status
 from .v1 import cascade_pb2 as pb
 
@@ -101,9 +102,13 @@ class CascadeServicer:
         self, request: pb.GenerateRequest, context: Any, cancelled: Callable[[], bool] | None = None
     ) -> pb.GenerateResponse:
         """`cancelled`: says when the caller has gone; by default the gRPC context's `is_active`."""
+        gone = cancelled or caller_gone(context)
         try:
+            n, best = choice_counts(request)
+            if best > 1:
+                return self._choices(request, context, gone, n, best)
             params = self._params(request, context)
-            result = self.coordinator.generate(params, cancelled or caller_gone(context))
+            result = self.coordinator.generate(params, gone)
         except Exception as exc:
             return fail(context, exc, pb.GenerateResponse())
         return pb.GenerateResponse(
@@ -116,10 +121,38 @@ class CascadeServicer:
             logprobs=self.logprobs(result.logprobs),
         )
 
+    def _choices(self, request: pb.GenerateRequest, context: Any, gone: Callable[[], bool], n: int, best: int):
+        """n choices of `best` candidates, decoded together (api.choices); every one's fields are checked
+        before any decodes."""
+        requests = choice_requests(request, best, rank=best > n)
+        params = [(self._params(each, context), each.seed) for each in requests]
+        results = together(lambda item: (self.coordinator.generate(item[0], gone), item[1]), params)
+        choices = [
+            pb.Choice(
+                text=result.text,
+                token_ids=result.token_ids,
+                finish_reason=result.finish_reason or "",
+                stats=self.stats(result.stats),
+                logprobs=self.logprobs(result.logprobs),
+                seed=seed,
+            )
+            for result, seed in results
+        ]
+        if best > n:
+            choices = sorted(choices, key=lambda c: mean_logprob(c.logprobs), reverse=True)[:n]
+            if not request.HasField("logprobs"):  # they were asked for the ranking only
+                for choice in choices:
+                    del choice.logprobs[:]
+        for index, choice in enumerate(choices):
+            choice.index = index
+        return pb.GenerateResponse(choices=choices)
+
     def GenerateStream(
         self, request: pb.GenerateRequest, context: Any, cancelled: Callable[[], bool] | None = None
     ) -> Iterator[pb.GenerateChunk]:
         try:
+            if (request.HasField("n") and request.n != 1) or (request.HasField("best_of") and request.best_of != 1):
+                raise ValueError("n: GenerateStream streams one choice; several come from Generate")
             params = self._params(request, context)
             for chunk in self.coordinator.stream(params, cancelled or caller_gone(context)):
                 yield self.chunk(chunk)

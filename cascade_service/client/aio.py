@@ -79,9 +79,12 @@ class AsyncCascadeClient:
         target_row: Sequence[int] | None = None,
         logprobs: int | None = None,
         response_format: Mapping[str, Any] | None = None,
+        n: int | None = None,
+        best_of: int | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
-        """Decode to the end. With session_id, continue that session and append prompt + output to it."""
+        """Decode to the end. With session_id, continue that session and append prompt + output to it.
+        With n (or best_of) above 1, `choices` holds n independent choices (seed + i each)."""
         request = generate_request(
             prompt,
             max_new_tokens=max_new_tokens,
@@ -106,6 +109,8 @@ class AsyncCascadeClient:
             target_row=target_row,
             logprobs=logprobs,
             response_format=response_format,
+            n=n,
+            best_of=best_of,
         )
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
 

@@ -34,6 +34,8 @@ def generate_request(
     repetition_penalty: float | None = None,
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
+    n: int | None = None,
+    best_of: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest where every argument left as None stays unset, so the server applies its default."""
     stop = (stop,) if isinstance(stop, str) else stop  # one stop string, not its characters
@@ -58,6 +60,8 @@ def generate_request(
         "presence_penalty": presence_penalty,
         "frequency_penalty": frequency_penalty,
         "logprobs": logprobs,
+        "n": n,
+        "best_of": best_of,
     }
     fields.update({name: value for name, value in optional.items() if value is not None})
     if verification is not None:  # alpha alone means nothing: the rule is what reads it

@@ -37,6 +37,8 @@ class GenerateResult:
     session_id: str  # echoed when the request named a session
     session_length: int  # tokens in the session after this request
     logprobs: list[dict] = field(default_factory=list)  # per token when asked: token_id, text, logprob, top
+    # n or best_of above 1: each choice (its text, tokens, finish, stats, logprobs); the fields above empty
+    choices: list[GenerateResult] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,16 @@ def result_from(response: pb.GenerateResponse) -> GenerateResult:
         stats=stats_dict(response.stats),
         session_id=response.session_id,
         session_length=response.session_length,
-        logprobs=[logprob_dict(t) for t in response.logprobs],
+        logprobs=logprobs(response),
+        choices=[
+            GenerateResult(c.text, list(c.token_ids), c.finish_reason, stats_dict(c.stats), "", 0, logprobs(c))
+            for c in response.choices
+        ],
     )
+
+
+def logprobs(reply: pb.GenerateResponse | pb.Choice) -> list[dict]:
+    return [logprob_dict(t) for t in reply.logprobs]
 
 
 def chunk_from(chunk: pb.GenerateChunk) -> Chunk:
@@ -190,9 +200,12 @@ class CascadeClient:
         target_row: Sequence[int] | None = None,
         logprobs: int | None = None,
         response_format: Mapping[str, Any] | None = None,
+        n: int | None = None,
+        best_of: int | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
-        """Decode to the end. With session_id, continue that session and append prompt + output to it."""
+        """Decode to the end. With session_id, continue that session and append prompt + output to it.
+        With n (or best_of) above 1, `choices` holds n independent choices (seed + i each)."""
         request = generate_request(
             prompt,
             max_new_tokens=max_new_tokens,
@@ -217,6 +230,8 @@ class CascadeClient:
             target_row=target_row,
             logprobs=logprobs,
             response_format=response_format,
+            n=n,
+            best_of=best_of,
         )
         return result_from(self._call(self._stub.Generate, request, timeout_s))
 

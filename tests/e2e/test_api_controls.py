@@ -1,7 +1,7 @@
 """The controls applications use daily, driven by the real `openai` client on every front end (the same
 served processes as test_conformance; this module runs first), each against the same request over gRPC
 or the `transformers` oracle: logit_bias, penalties, top_k and min_p, logprobs, n and best_of (unary
-and streamed), a predicted output, response formats."""
+and streamed; gRPC's `n` too), a predicted output, response formats."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def test_logprobs_and_choices_as_grpc_gives_them(served, client):
     assert all(len(top) <= 2 for top in reply.choices[0].logprobs.top_logprobs)
     several = client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0, n=2, best_of=3)
     assert [c.text for c in several.choices] == [direct.text, direct.text]
+    assert [c.text for c in _grpc(served, n=2, temperature=0).choices] == [direct.text, direct.text]
     streamed: dict[int, str] = {}
     for chunk in client.completions.create(
         model="target", prompt=PROMPT, max_tokens=N, temperature=0, n=2, stream=True
@@ -67,26 +68,19 @@ def test_logprobs_and_choices_as_grpc_gives_them(served, client):
     assert streamed == {0: direct.text, 1: direct.text}
 
 
+def _greedy(client, **extra):
+    """A greedy completion of PROMPT with `extra` as extra body fields."""
+    return client.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=0, extra_body=extra)
+
+
 def test_a_prediction_and_response_formats_as_grpc_gives_them(served, client):
     text = _grpc(served).text
-    predicted = client.completions.create(
-        model="target",
-        prompt=PROMPT,
-        max_tokens=N,
-        temperature=0,
-        extra_body={"prediction": {"type": "content", "content": text}},
-    )
+    predicted = _greedy(client, prediction={"type": "content", "content": text})
     assert predicted.choices[0].text == text
     details = predicted.usage.completion_tokens_details
     assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0, details
     regex = r"[0-9]{3}-[a-z]{2,4}"
-    reply = client.completions.create(
-        model="target",
-        prompt=PROMPT,
-        max_tokens=N,
-        temperature=0,
-        extra_body={"response_format": {"type": "regex", "regex": regex}},
-    )
+    reply = _greedy(client, response_format={"type": "regex", "regex": regex})
     direct = _grpc(served, response_format=pb.ResponseFormat(regex=regex))
     assert reply.choices[0].text == direct.text and re.fullmatch(regex, reply.choices[0].text)
     schema = {
@@ -96,19 +90,8 @@ def test_a_prediction_and_response_formats_as_grpc_gives_them(served, client):
         "additionalProperties": False,
         "x-guidance": {"whitespace_flexible": False},
     }
-    reply = client.completions.create(
-        model="target",
-        prompt=PROMPT,
-        max_tokens=N,
-        temperature=0,
-        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "size", "schema": schema}}},
-    )
+    reply = _greedy(client, response_format={"type": "json_schema", "json_schema": {"name": "size", "schema": schema}})
     assert json.loads(reply.choices[0].text)["size"] in (1, 2, 3)
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(
-            model="target",
-            prompt=PROMPT,
-            max_tokens=N,
-            extra_body={"response_format": {"type": "regex", "regex": "[0-9"}},
-        )
+        _greedy(client, response_format={"type": "regex", "regex": "[0-9"})
     assert caught.value.body["param"] == "response_format"

@@ -70,11 +70,11 @@ def test_n_choices_stream_together_each_under_its_index(choices):
 
 
 def test_best_of_keeps_the_candidates_with_the_highest_logprob_per_token():
-    from cascade_service.api.openai_body import mean_logprob
+    from cascade_service.api.choices import mean_logprob
     from cascade_service.api.v1 import cascade_pb2 as pb
 
-    def reply(*logprobs: float) -> pb.GenerateResponse:
-        return pb.GenerateResponse(logprobs=[pb.TokenLogprob(logprob=lp) for lp in logprobs])
+    def reply(*logprobs: float) -> list:
+        return [pb.TokenLogprob(logprob=lp) for lp in logprobs]
 
     candidates = [reply(-1.0, -1.0), reply(-0.1, -0.3, -0.2), reply(-2.0), reply(-0.5)]
     assert [mean_logprob(r) for r in sorted(candidates, key=mean_logprob, reverse=True)] == pytest.approx(
