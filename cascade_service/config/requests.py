@@ -64,4 +64,4 @@ def prepare_state(
     if state.policy is OFF:  # plain decoding: no drafter, the prediction included
         state.prediction = None
     if gen.response_format is not None:
-        state.grammar = GrammarMask(grammar_tokenizer(tokenizer), gen.response_format.grammar(), vocab_size)
+        state.grammar = GrammarMask(grammar_tokenizer(tokenizer), gen.response_format, vocab_size, context_length)

@@ -14,8 +14,10 @@ commas) opens each block as free drafts, ahead of the drafters (jump-forward dec
 draft). Every tier in this process masks
 with the same state: a model drafter's distribution at each step (so it proposes only what the grammar
 allows, and its rows say so), an inner reviewer's at each review position, each walking the drafts
-before it first and rolling back. Drafters elsewhere (over the wire) and statistical ones draft unmasked:
-their drafts are judged at the next review, where a refused draft is never kept.
+before it first and rolling back. A model drafter on a tier server masks with a state of its own, which
+follows the committed output each call carries (`GrammarSpec`, transport.grammars). Statistical drafters
+(MaG, lookups, predictions) draft unmasked: their drafts are judged at the next review, where a refused
+draft is never kept.
 """
 
 from __future__ import annotations
@@ -113,15 +115,29 @@ def grammar_tokenizer(tokenizer: Any) -> Any:
     return _TOKENIZERS[tokenizer]
 
 
-class GrammarMask:
-    """One request's grammar state along its committed output (see the module doc)."""
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's grammar as it crosses the tier wire (transport.codec): its response format, where the
+    output starts in the context (`start`) and how far the committed sequence reaches (`at`). A tier
+    server rebuilds or advances its own GrammarMask from it (transport.group), so its drafter masks too."""
 
-    def __init__(self, tokenizer: Any, grammar: str, vocab_size: int):
+    response_format: ResponseFormat
+    start: int
+    at: int
+
+
+class GrammarMask:
+    """One request's grammar state along its committed output (see the module doc). `start`: where the
+    output begins in the context (the prompt's length), so a tier elsewhere can replay it (`spec`)."""
+
+    def __init__(self, tokenizer: Any, response_format: ResponseFormat, vocab_size: int, start: int = 0):
         import llguidance
 
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self.response_format = response_format
+        self.matcher = llguidance.LLMatcher(tokenizer, response_format.grammar())
         self.vocab_size = vocab_size
-        self.at = 0  # see anchor
+        self.start = start
+        self.at = start  # see anchor
         self._bits = torch.arange(32, dtype=torch.int64)
 
     def anchor(self, length: int) -> None:
@@ -162,6 +178,15 @@ class GrammarMask:
         """[V] bool: the tokens allowed after `context` (a drafter's next token); None past a refused draft."""
         masked = self.masks(context, ())
         return None if masked is None else masked[1][0]
+
+    def spec(self) -> GrammarSpec:
+        return GrammarSpec(self.response_format, self.start, self.at)
+
+    def follow(self, context: Sequence[int], at: int) -> None:
+        """Take the committed tokens of `context` up to `at` that this state has not taken yet (a tier
+        server's copy, one call behind the coordinator's)."""
+        self.advance(context[self.at : at])
+        self.at = at
 
     def forced(self, limit: int) -> list[int]:
         """At most `limit` tokens the grammar forces next (a JSON schema's keys and punctuation): the

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
-from .grammar import GrammarMask
+from .grammar import GrammarMask, GrammarSpec
 from .mag import MaxGram
 from .review import ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, sample
@@ -38,11 +38,19 @@ class ModelTier:
 
     system = False
 
-    def __init__(self, scorer: Scorer, vocab_size: int, make_stopper: StopperFactory | None = None):
+    def __init__(
+        self,
+        scorer: Scorer,
+        vocab_size: int,
+        make_stopper: StopperFactory | None = None,
+        follow: Callable[[GrammarSpec, Context], GrammarMask | None] | None = None,
+    ):
         self.name = scorer.name
         self.scorer = scorer
         self.vocab_size = vocab_size
         self.make_stopper = make_stopper
+        # A tier server's: the request's grammar state here, from the spec a call carries (None: unmasked)
+        self.follow = follow
         self._stoppers: dict[AdaptiveLength, DraftStopper] = {}
 
     def draft(self, request: DraftRequest) -> DraftReply:
@@ -60,12 +68,18 @@ class ModelTier:
             self.vocab_size,
             counters,
             stopper,
-            request.grammar,
+            self._grammar(request),
         )
         counters.tokens_processed = self.scorer.tokens_processed - before
         counters.tokens_cached = _cached(self.scorer) - cached
         counters.tokens_out = len(draft)
         return DraftReply(draft, usage, stopped=stopper is not None and len(draft) < request.want)
+
+    def _grammar(self, request: DraftRequest) -> GrammarMask | None:
+        grammar = request.grammar
+        if isinstance(grammar, GrammarSpec):
+            return self.follow(grammar, request.context) if self.follow is not None else None
+        return grammar
 
     def review(self, request: ReviewRequest) -> ReviewReply:
         usage = Usage()

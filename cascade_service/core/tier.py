@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from .adaptive import AdaptiveLength
-from .grammar import GrammarMask
+from .grammar import GrammarMask, GrammarSpec
 from .review import Verdict
 from .sampling import SamplingParams
 from .stats import Usage
@@ -53,9 +53,10 @@ class DraftRequest:
     adaptive: Mapping[str, AdaptiveLength] = field(default_factory=dict)
     min_match: int = 0
     cache_salt: str = ""  # the prefix cache the request may read and add to (its API key's: models.kvpool)
-    # The request's response format (core.grammar.GrammarMask), for a drafter in the coordinator's process
-    # to mask each step with; it does not cross the wire (a tier there drafts unmasked).
-    grammar: GrammarMask | None = field(default=None, compare=False, repr=False)
+    # The request's response format, for a model drafter to mask each step with (core.grammar): its
+    # state in the coordinator's process; over the wire, its spec, which a tier server follows with a
+    # state of its own (transport.group).
+    grammar: GrammarMask | GrammarSpec | None = field(default=None, compare=False, repr=False)
 
     @property
     def k(self) -> int:

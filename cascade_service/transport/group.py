@@ -1,14 +1,11 @@
 """What one tier server does: draft or review whole blocks for many requests, each with its KV cache.
 
-Plain Python, no Ray: `serving.tier_deployment` wraps it in a Ray deployment, `transport.server` in a
-gRPC server. Calls arrive and replies leave as `transport.codec` bytes (`transport.host.TierHost`
-decodes them and rebuilds each call's context), never pickled client data. The work is done by the same `core.local`
-tiers the in-process wiring uses.
-
-KV caches are soft state. A request's scorer is kept under its request id (LRU, bounded); a call that
-finds none (another replica served the previous round, the replica restarted, the entry was evicted)
-builds a fresh scorer, which rebuilds the cache from the full context the call carries. So a miss
-costs one prefill and never changes a token.
+Plain Python, no Ray: `serving.tier_deployment` wraps it in a Ray deployment, `transport.server` in a gRPC
+server. Calls arrive and replies leave as `transport.codec` bytes (`transport.host.TierHost` rebuilds
+each call's context), never pickled client data; the same `core.local` tiers as in process do the work.
+KV caches (and grammar states: transport.grammars) are soft state, kept under the request id (LRU,
+bounded); a call that finds none (another replica served the previous round, a restart, an eviction)
+builds a fresh one from the full context the call carries: a miss costs a prefill, never a token.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ from ..models.acceptance_head import HeadCache
 from ..models.hf import HFModel, HFScorer
 from ..runtime.assemble import TierFacts
 from ..startup import tier_device, where
+from .grammars import TierGrammars
 from .host import TierHost, UnknownTier
 
 MAX_CACHED_REQUESTS = 256  # per replica; beyond it the least recently used request's cache is dropped
@@ -56,6 +54,7 @@ class TierServer:
         self._lock = threading.Lock()
         self.cache_misses = 0
         self.heads = HeadCache(self.model.device)  # acceptance heads for adaptive draft length
+        self.grammars = TierGrammars(tier, self.model.vocab_size, max_cached_requests)
 
     def info(self, system: bool) -> pb.TierInfo:
         """This tier as the tier API describes it (`system`: it runs its sub-cascade in one call)."""
@@ -101,8 +100,9 @@ class TierServer:
 
     def request_tier(self, request_id: str, salt: str = "") -> ModelTier:
         """This request's tier: its scorer (KV cache; a new one starts from its salt's cached
-        prefixes), with this replica's acceptance heads."""
-        return ModelTier(self.scorer(request_id, salt), self.model.vocab_size, self._stopper)
+        prefixes), with this replica's acceptance heads and its grammar state."""
+        grammar = self.grammars.of(request_id)
+        return ModelTier(self.scorer(request_id, salt), self.model.vocab_size, self._stopper, grammar)
 
     def _stopper(self, spec: AdaptiveLength) -> DraftStopper:
         return self.heads.stopper(spec, self.model.config.hidden_size)
@@ -112,6 +112,7 @@ class TierServer:
         prefix cache); True if this replica held one."""
         with self._lock:
             scorer = self._scorers.pop(request_id, None)
+        self.grammars.drop(request_id)
         if scorer is not None and tokens:
             scorer.finish(tokens)
         return scorer is not None

@@ -18,9 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from cascade_service.config import GenerationConfig
 from cascade_service.core.cascade import Lookup
 from cascade_service.core.grammar import ResponseFormat, grammar_tokenizer
+from cascade_service.engine import Engine
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import make_engine
+from ..helpers.threads import soon
+from ..helpers.tier_servers import addressed, running, serve_group, tiny_cascade
 
 PROMPTS = random_prompts(2, 10, seed=99)
 N = 24
@@ -108,3 +111,21 @@ def test_a_bad_format_is_refused_naming_response_format():
         ResponseFormat("json_schema", "{not json")
     with pytest.raises(ValueError, match="^response_format must be one of"):
         ResponseFormat("xml")
+
+
+def test_drafters_on_tier_servers_mask_with_a_grammar_state_of_their_own(tiny_family):
+    # The drafters on tier servers (real gRPC on loopback): each call carries the request's format and the
+    # committed length, the server follows the output with its own matcher (transport.grammars) and masks
+    # its drafter's steps; the output is still the oracle's, and the states go with the requests.
+    cascade = tiny_cascade(tiny_family, k_matrix=[[3, 2, 0], [0, 3, 2], [0, 0, 0]])  # mid drafts alone
+    servers = {name: serve_group(cascade, [name]) for name in ("close", "mid")}
+    with running(*servers.values()):
+        engine = Engine(addressed(cascade, servers))
+        for prompt in PROMPTS:
+            for kind, response_format in FORMATS.items():
+                expected = _oracle(tiny_family["target"], prompt, response_format)
+                got = engine.generate(prompt, GenerationConfig(max_new_tokens=N, response_format=response_format))
+                assert got.token_ids == expected, kind
+        grammars = servers["mid"].service.group.servers["mid"].grammars
+        assert grammars.replays == len(PROMPTS) * len(FORMATS)  # a state per request, kept across its calls
+        assert soon(lambda: len(grammars) == 0)  # released with the requests

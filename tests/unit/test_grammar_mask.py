@@ -14,8 +14,7 @@ REGEX = r"[0-9]{3}-[a-z]{2,4}"
 
 def _mask(family) -> tuple[GrammarMask, object]:
     tokenizer = AutoTokenizer.from_pretrained(family["target"])
-    grammar = ResponseFormat("regex", REGEX).grammar()
-    return GrammarMask(grammar_tokenizer(tokenizer), grammar, len(tokenizer)), tokenizer
+    return GrammarMask(grammar_tokenizer(tokenizer), ResponseFormat("regex", REGEX), len(tokenizer)), tokenizer
 
 
 def test_masks_past_the_grammars_end_leave_the_state_where_it_was(tiny_family):

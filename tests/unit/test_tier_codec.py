@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -264,3 +265,24 @@ def test_decoding_checks_what_the_types_check():
     unknown = pb.ReviewRequest(context=pb.Context(tokens=[1], stable=1), verification=pb.FinalRule(rule="bogus"))
     with pytest.raises(ValueError, match="verification.rule"):
         codec.decode_review_request(unknown.SerializeToString())
+
+
+def test_a_grammar_crosses_as_its_format_and_positions_and_is_checked():
+    from cascade_service.core.grammar import GrammarSpec, ResponseFormat
+
+    spec = GrammarSpec(ResponseFormat("regex", "[0-9]{3}"), 2, 4)
+    request = DraftRequest("r", Context([5, 6, 7, 8, 9], 4), 3, 3, grammar=spec)
+    _, decoded = codec.decode_draft_request(codec.encode_draft_request(request, "close"))
+    assert decoded.grammar == spec
+    _, plain = codec.decode_draft_request(codec.encode_draft_request(DraftRequest("r", Context([5], 1), 1, 1), "close"))
+    assert plain.grammar is None
+    for bad, message in (
+        (GrammarSpec(ResponseFormat("regex", "[0-9]"), 2, 9), "^grammar.at: 9"),  # past the context
+        (GrammarSpec(ResponseFormat("regex", "[0-9]"), 3, 2), "^grammar.at: 2"),  # before the output
+    ):
+        with pytest.raises(ValueError, match=message):
+            codec.decode_draft_request(codec.encode_draft_request(replace(request, grammar=bad), "close"))
+    forged = codec.pb.DraftRequest.FromString(codec.encode_draft_request(request, "close"))
+    forged.grammar.kind = "xml"
+    with pytest.raises(ValueError, match="^response_format must be one of"):
+        codec.decode_draft_request(forged.SerializeToString())

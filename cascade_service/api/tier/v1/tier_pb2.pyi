@@ -92,7 +92,7 @@ class FinalRule(_message.Message):
     def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "context", "want", "limit", "sampling", "seed", "eos_ids", "adaptive", "min_match", "cache_salt")
+    __slots__ = ("request_id", "tier", "context", "want", "limit", "sampling", "seed", "eos_ids", "adaptive", "min_match", "cache_salt", "grammar")
     class AdaptiveEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class DraftRequest(_message.Message):
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     context: Context
@@ -122,7 +123,20 @@ class DraftRequest(_message.Message):
     adaptive: _containers.MessageMap[str, Adaptive]
     min_match: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., want: _Optional[int] = ..., limit: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., adaptive: _Optional[_Mapping[str, Adaptive]] = ..., min_match: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., want: _Optional[int] = ..., limit: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., adaptive: _Optional[_Mapping[str, Adaptive]] = ..., min_match: _Optional[int] = ..., cache_salt: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "text", "start", "at")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    text: str
+    start: int
+    at: int
+    def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., start: _Optional[int] = ..., at: _Optional[int] = ...) -> None: ...
 
 class TierCounters(_message.Message):
     __slots__ = ("calls", "tokens_processed", "tokens_out", "time_s", "hops", "tokens_cached")
