@@ -30,7 +30,6 @@ from google.protobuf.message import DecodeError
 
 from ..api.tier.v1 import tier_pb2 as pb
 from ..core.adaptive import AdaptiveLength
-from ..core.grammar import GrammarMask, GrammarSpec, ResponseFormat
 from ..core.placement import to_host
 from ..core.review import TokenLogprob, Verdict
 from ..core.sampling import SamplingParams
@@ -38,6 +37,7 @@ from ..core.stats import ReviewCounters, TierCounters, Usage
 from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest
 from ..core.types import Context, Draft
 from ..core.verify import Verification
+from .grammars import grammar_in, grammar_out
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def encode_draft_request(request: DraftRequest, tier: str, offset: int = 0) -> b
         eos_ids=sorted(request.eos_ids),
         min_match=request.min_match,
         cache_salt=request.cache_salt,
-        grammar=_grammar_out(request.grammar),
+        grammar=grammar_out(request.grammar),
         adaptive={
             name: pb.Adaptive(rule=a.rule, threshold=a.threshold, head=a.head or "")
             for name, a in request.adaptive.items()
@@ -93,25 +93,8 @@ def decode_draft_request(data: bytes) -> tuple[Address, DraftRequest]:
         adaptive,
         m.min_match,
         m.cache_salt,
-        _grammar_in(m),
+        grammar_in(m),
     )
-
-
-def _grammar_out(grammar: GrammarMask | GrammarSpec | None) -> pb.Grammar | None:
-    spec = grammar.spec() if isinstance(grammar, GrammarMask) else grammar
-    if spec is None:
-        return None
-    fmt = spec.response_format
-    return pb.Grammar(kind=fmt.kind, text=fmt.text, start=spec.start, at=spec.at)
-
-
-def _grammar_in(m: pb.DraftRequest) -> GrammarSpec | None:
-    if not m.HasField("grammar"):
-        return None
-    g = m.grammar
-    if not g.start <= g.at <= len(m.context.tokens) + m.context.offset:
-        raise ValueError(f"grammar.at: {g.at} is not within the context (output from {g.start})")
-    return GrammarSpec(ResponseFormat(g.kind, g.text), g.start, g.at)  # ValueError naming response_format
 
 
 def encode_draft_reply(reply: DraftReply) -> bytes:

@@ -16,8 +16,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..api.tier.v1 import tier_pb2 as pb
 from ..config import ModelTierConfig
-from ..core.grammar import GrammarMask, GrammarSpec, grammar_tokenizer
+from ..core.grammar import GrammarMask, GrammarSpec, ResponseFormat, grammar_tokenizer
 from ..core.types import Context
 
 log = logging.getLogger(__name__)
@@ -80,3 +81,22 @@ class TierGrammars:
                 log.warning("tier %r: no tokenizer (%s): it drafts unmasked under a format", self.tier.name, exc)
                 self._tokenizer = False
         return self._tokenizer or None
+
+
+def grammar_out(grammar: GrammarMask | GrammarSpec | None) -> pb.Grammar | None:
+    """A draft call's grammar on the tier wire (transport.codec): its spec, whether it is a state here."""
+    spec = grammar.spec() if isinstance(grammar, GrammarMask) else grammar
+    if spec is None:
+        return None
+    fmt = spec.response_format
+    return pb.Grammar(kind=fmt.kind, text=fmt.text, start=spec.start, at=spec.at)
+
+
+def grammar_in(m: pb.DraftRequest) -> GrammarSpec | None:
+    """The spec a draft call carries, checked against its context (ValueError naming the field)."""
+    if not m.HasField("grammar"):
+        return None
+    g = m.grammar
+    if not g.start <= g.at <= len(m.context.tokens) + m.context.offset:
+        raise ValueError(f"grammar.at: {g.at} is not within the context (output from {g.start})")
+    return GrammarSpec(ResponseFormat(g.kind, g.text), g.start, g.at)  # ValueError naming response_format
