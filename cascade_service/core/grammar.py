@@ -1,8 +1,9 @@
 """Structured output: a request's response format (a JSON schema, any JSON object, a regular expression
 or a Lark grammar) as a token mask on the target's distribution at the final review.
 
-The grammar engine is llguidance (a 3 MB wheel with no dependencies; it computes a mask over a 100k
-vocabulary in tens of microseconds, and validates a run of tokens in one call). Per request, one
+The grammar engine is llguidance (a 3 MB wheel with no dependencies; JSON schema, regex and Lark natively;
+it computes a mask in tens of microseconds and validates a run of tokens in one call; against xgrammar and
+outlines-core: docs/benchmarks.md "Which grammar engine"). Per request, one
 matcher follows the committed output. Each round, the draft block ends at its first token the grammar
 refuses (that token stays only where the review must reject it: CascadeTier._masked), the matcher walks
 the rest to give the mask of every position of the review, and rolls back; the final review scores the
