@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..core.limits import MAX_LOGIT_BIAS
-from .choices import MAX_CHOICES
+from .choices import MAX_CHOICES, choice_counts
 from .v1 import cascade_pb2 as pb
 
 HTTP_STATUS = {
@@ -162,18 +162,21 @@ def chat_logprobs(items: Sequence[pb.TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def choices_of(body: Mapping[str, Any], chat: bool, stream: bool) -> tuple[int, int]:
-    """(n, best_of): the choices returned and the candidates decoded (completions' best_of; chat: n)."""
-    counts = {"n": body.get("n", 1)}
-    counts["best_of"] = body.get("best_of", counts["n"]) if not chat else counts["n"]
-    for field, value in counts.items():
+def choices_of(body: Mapping[str, Any], chat: bool, stream: bool, message: pb.GenerateRequest) -> tuple[int, int]:
+    """(n, best_of): the choices returned and the candidates decoded (completions' best_of; chat: n), put
+    on `message` and checked by the servicer's own rule (api.choices.choice_counts: ranges, best_of >= n,
+    one choice for a session request)."""
+    given = {"n": body.get("n"), "best_of": body.get("n") if chat else body.get("best_of")}
+    for field, value in given.items():
         if value is None:
-            counts[field] = 1 if field == "n" else counts["n"]
-        elif isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
             raise HttpError(400, f"{field} must be an integer in [1, {MAX_CHOICES}], got {value!r}", field)
-    n, best = counts["n"], counts["best_of"]
-    if best < n:
-        raise HttpError(400, f"best_of ({best}) must be at least n ({n})", "best_of")
+        setattr(message, field, value)
+    try:
+        n, best = choice_counts(message)
+    except ValueError as exc:
+        raise HttpError(400, str(exc), param_of(str(exc))) from None
     if stream and best > n:  # as OpenAI's: the best candidates are known only at the end
         raise HttpError(400, "best_of above n cannot be streamed", "best_of")
     return n, best

@@ -138,10 +138,10 @@ class _Api:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise HttpError(400, "stream must be true or false", "stream")
-            n, best = choices_of(body, chat, stream)
+            n, _ = choices_of(body, chat, stream, message)
             with self.frontend.open_call(auth_metadata(request)) as owner:
                 if not stream:
-                    return await self._unary(request, message, prompt, chat, owner, n, best)
+                    return await self._unary(request, message, prompt, chat, owner)
             # A stream holds its key's slot, and a worker per choice, while it runs: all taken in open_events.
             messages = [message] if n == 1 else choice_requests(message, n, rank=False)
             prompt_tokens = len(message.prompt_token_ids) or self.count(prompt)
@@ -226,11 +226,8 @@ class _Api:
                 raise HttpError(400, "messages: each is {role: string, content: string}", "messages")
         return self.chat(messages)
 
-    async def _unary(
-        self, request: Request, message: pb.GenerateRequest, prompt: str, chat: bool, owner: str, n: int, best: int
-    ) -> Response:
-        if best > 1:  # the coordinator decodes the candidates together (api.choices), ranks and keeps n
-            message.n, message.best_of = n, best
+    async def _unary(self, request: Request, message: pb.GenerateRequest, prompt: str, chat: bool, owner: str):
+        # n and best_of ride on the message: the coordinator decodes the candidates together (api.choices)
         reply = await self._one(request, message, owner)
         return JSONResponse(self._completion(list(reply.choices) or [reply], message, prompt, chat))
 

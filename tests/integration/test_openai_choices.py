@@ -3,6 +3,7 @@ streamed choice under its index); best_of keeps the likeliest candidates."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from ..helpers.openai_server import PROMPT, N, openai_client, openai_server
@@ -31,6 +32,15 @@ def test_n_choices_each_with_its_own_seed_and_best_of_keeps_the_likeliest(choice
     assert len(means) == 2 and means[0] >= means[1]
     plain = choices.completions.create(model="target", prompt=PROMPT, max_tokens=N, temperature=1.0, n=1, best_of=3)
     assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_request_has_one_choice(choices, stream):
+    # Checked by the servicer's rule on both paths: streamed choices would each append to the session.
+    extra = {"session_id": "one-session"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        choices.completions.create(model="target", prompt=PROMPT, max_tokens=4, n=2, stream=stream, extra_body=extra)
+    assert caught.value.body["param"] == "n"
 
 
 def test_n_choices_stream_together_each_under_its_index(choices):
