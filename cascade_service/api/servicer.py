@@ -236,6 +236,7 @@ class CascadeServicer:
         if stats is None:
             return pb.GenerateStats()
         review = stats.reviews.get(stats.target)
+        kept, rejected = review.kept(PREDICTION) if review else (0, 0)
         return pb.GenerateStats(
             generated_tokens=stats.generated,
             target_calls=stats.target_calls,
@@ -256,8 +257,8 @@ class CascadeServicer:
             tv_deviation=stats.tv_deviation,
             loglik_loss=stats.loglik_loss,
             rows={name: _row(r.row()) for name, r in stats.reviews.items()},
-            accepted_prediction_tokens=review.kept(PREDICTION)[0] if review else 0,
-            rejected_prediction_tokens=review.kept(PREDICTION)[1] if review else 0,
+            accepted_prediction_tokens=kept,
+            rejected_prediction_tokens=rejected,
             **_engine_time(stats),
         )
 
