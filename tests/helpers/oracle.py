@@ -28,23 +28,27 @@ class OpenAIPenalties:
 def oracle(target_dir, prompt, max_new_tokens, eos_id=None, logit_bias=None, repetition_penalty=None, penalties=None):
     """`logit_bias` ({token: bias}): transformers' own SequenceBiasLogitsProcessor (generate's sequence_bias);
     `repetition_penalty`: generate's own; `penalties` (presence, frequency): OpenAIPenalties."""
-    model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
     extra: dict = {"sequence_bias": [[[t], float(b)] for t, b in logit_bias.items()]} if logit_bias else {}
     if repetition_penalty is not None:
         extra["repetition_penalty"] = repetition_penalty
     if penalties is not None:
         extra["logits_processor"] = LogitsProcessorList([OpenAIPenalties(len(prompt), *penalties)])
+    out = greedy_generate(target_dir, prompt, max_new_tokens, eos_token_id=eos_id, **extra)
+    return out[0, len(prompt) :].tolist()
+
+
+def greedy_generate(target_dir, prompt, max_new_tokens, **options):
+    """The target's plain greedy `generate()` over one prompt, with `options` (processors, scores) as given."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True).eval()
     with torch.inference_mode():
-        out = model.generate(
+        return model.generate(
             torch.tensor([prompt]),
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            eos_token_id=eos_id,
             pad_token_id=0,
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            **extra,
+            **options,
         )
-    return out[0, len(prompt) :].tolist()
 
 
 def make_engine(family, names, k_matrix, leniency, bigram=None, lookup=None, loopback=False):

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from cascade_service.config import GenerationConfig
 from cascade_service.core.cascade import Lookup
 from cascade_service.zoo.tiny import random_prompts
 
-from ..helpers.oracle import make_engine
+from ..helpers.oracle import greedy_generate, make_engine
 
 PROMPTS = random_prompts(2, 10, seed=97)
 N, TOP = 20, 5
@@ -25,18 +24,7 @@ SHAPES = {
 
 
 def _transformers(target, prompt, **controls):
-    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True).eval()
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            do_sample=False,
-            max_new_tokens=N,
-            pad_token_id=0,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            output_scores=True,
-            return_dict_in_generate=True,
-            **controls,
-        )
+    out = greedy_generate(target, prompt, N, output_scores=True, return_dict_in_generate=True, **controls)
     tokens = out.sequences[0, len(prompt) :].tolist()
     rows = torch.log_softmax(torch.cat(out.scores).float(), dim=-1)  # [N, V], the processed scores
     return tokens, rows

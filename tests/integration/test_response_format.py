@@ -13,7 +13,7 @@ import re
 import llguidance
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+from transformers import AutoTokenizer, LogitsProcessorList
 
 from cascade_service.config import GenerationConfig
 from cascade_service.core.cascade import Lookup
@@ -21,7 +21,7 @@ from cascade_service.core.grammar import ResponseFormat, grammar_tokenizer
 from cascade_service.engine import Engine
 from cascade_service.zoo.tiny import random_prompts
 
-from ..helpers.oracle import make_engine
+from ..helpers.oracle import greedy_generate, make_engine
 from ..helpers.threads import soon
 from ..helpers.tier_servers import addressed, running, serve_group, tiny_cascade
 
@@ -63,18 +63,8 @@ class GrammarProcessor:
 
 
 def _oracle(target, prompt, response_format: ResponseFormat) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    processor = GrammarProcessor(tokenizer, response_format.grammar(), len(prompt))
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            do_sample=False,
-            max_new_tokens=N,
-            pad_token_id=0,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            logits_processor=LogitsProcessorList([processor]),
-        )
+    processor = GrammarProcessor(AutoTokenizer.from_pretrained(target), response_format.grammar(), len(prompt))
+    out = greedy_generate(target, prompt, N, logits_processor=LogitsProcessorList([processor]))
     return out[0, len(prompt) :].tolist()
 
 
