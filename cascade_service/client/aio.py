@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.client import errors
+from cascade_service.client.request import GenerateOptions, StreamOptions, generate_request
 from cascade_service.client.sync import (
     CHANNEL_OPTIONS,
     RETRY_DELAYS_S,
@@ -22,7 +23,6 @@ from cascade_service.client.sync import (
     channel_credentials,
     chunk_from,
     create_session_request,
-    generate_request,
     is_retryable,
     result_from,
     retry_delay_s,
@@ -54,121 +54,22 @@ class AsyncCascadeClient:
         self._metadata = call_metadata(api_key)
 
     async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        prediction: str | Sequence[int] | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        session_id: str | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        verification: str | None = None,
-        alpha: float | None = None,
-        beta: float | str | None = None,
-        stop_threshold: float | None = None,
-        speculation: str | None = None,
-        target_row: Sequence[int] | None = None,
-        logprobs: int | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        n: int | None = None,
-        best_of: int | None = None,
-        timeout_s: float | None = None,
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
-        """Decode to the end. With session_id, continue that session and append prompt + output to it.
-        With n (or best_of) above 1, `choices` holds n independent choices (seed + i each)."""
-        request = generate_request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            logit_bias=logit_bias,
-            prediction=prediction,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            seed=seed,
-            stop=stop,
-            session_id=session_id,
-            prompt_token_ids=prompt_token_ids,
-            verification=verification,
-            alpha=alpha,
-            beta=beta,
-            stop_threshold=stop_threshold,
-            speculation=speculation,
-            target_row=target_row,
-            logprobs=logprobs,
-            response_format=response_format,
-            n=n,
-            best_of=best_of,
-        )
+        """Decode to the end; `options` are the request's fields (client.request.GenerateOptions), each a
+        keyword. With session_id, continue that session and append prompt + output to it. With n (or
+        best_of) above 1, `choices` holds n independent choices (seed + i each)."""
+        request = generate_request(prompt, options)
         return result_from(await self._call(self._stub.Generate, request, timeout_s))
 
-    async def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        prediction: str | Sequence[int] | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        session_id: str | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        verification: str | None = None,
-        alpha: float | None = None,
-        beta: float | str | None = None,
-        stop_threshold: float | None = None,
-        speculation: str | None = None,
-        target_row: Sequence[int] | None = None,
-        logprobs: int | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
+    def stream(
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **options: Unpack[StreamOptions]
     ) -> AsyncIterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens (`async for`);
         the last chunk carries finish_reason and stats. Leaving the loop early cancels the call."""
-        request = generate_request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            logit_bias=logit_bias,
-            prediction=prediction,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            seed=seed,
-            stop=stop,
-            session_id=session_id,
-            prompt_token_ids=prompt_token_ids,
-            verification=verification,
-            alpha=alpha,
-            beta=beta,
-            stop_threshold=stop_threshold,
-            speculation=speculation,
-            target_row=target_row,
-            logprobs=logprobs,
-            response_format=response_format,
-        )
+        return self._chunks(generate_request(prompt, options, StreamOptions, "stream"), timeout_s)
+
+    async def _chunks(self, request: pb.GenerateRequest, timeout_s: float | None) -> AsyncIterator[Chunk]:
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:
             async for chunk in call:

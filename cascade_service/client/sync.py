@@ -6,9 +6,9 @@ The result types, request builders and retry policy defined here are shared with
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Unpack
 
 import grpc
 from google.protobuf import json_format
@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.client import errors
-from cascade_service.client.request import generate_request
+from cascade_service.client.request import GenerateOptions, StreamOptions, generate_request
 
 # Sleeps between tries of an idempotent call (get_session, health) that failed with UNAVAILABLE:
 # 3 tries in all. Other calls decode or mutate a session, so they are never retried automatically.
@@ -175,121 +175,22 @@ class CascadeClient:
         self._metadata = call_metadata(api_key)
 
     def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        prediction: str | Sequence[int] | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        session_id: str | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        verification: str | None = None,
-        alpha: float | None = None,
-        beta: float | str | None = None,
-        stop_threshold: float | None = None,
-        speculation: str | None = None,
-        target_row: Sequence[int] | None = None,
-        logprobs: int | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        n: int | None = None,
-        best_of: int | None = None,
-        timeout_s: float | None = None,
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
-        """Decode to the end. With session_id, continue that session and append prompt + output to it.
-        With n (or best_of) above 1, `choices` holds n independent choices (seed + i each)."""
-        request = generate_request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            logit_bias=logit_bias,
-            prediction=prediction,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            seed=seed,
-            stop=stop,
-            session_id=session_id,
-            prompt_token_ids=prompt_token_ids,
-            verification=verification,
-            alpha=alpha,
-            beta=beta,
-            stop_threshold=stop_threshold,
-            speculation=speculation,
-            target_row=target_row,
-            logprobs=logprobs,
-            response_format=response_format,
-            n=n,
-            best_of=best_of,
-        )
+        """Decode to the end; `options` are the request's fields (client.request.GenerateOptions), each a
+        keyword. With session_id, continue that session and append prompt + output to it. With n (or
+        best_of) above 1, `choices` holds n independent choices (seed + i each)."""
+        request = generate_request(prompt, options)
         return result_from(self._call(self._stub.Generate, request, timeout_s))
 
     def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        prediction: str | Sequence[int] | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str = (),
-        session_id: str | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        verification: str | None = None,
-        alpha: float | None = None,
-        beta: float | str | None = None,
-        stop_threshold: float | None = None,
-        speculation: str | None = None,
-        target_row: Sequence[int] | None = None,
-        logprobs: int | None = None,
-        response_format: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None,
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **options: Unpack[StreamOptions]
     ) -> Iterator[Chunk]:
         """The same decode as generate(), yielding chunks as the target commits tokens; the last chunk
         carries finish_reason and stats. The call starts on the first next(); leaving early cancels it."""
-        request = generate_request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            logit_bias=logit_bias,
-            prediction=prediction,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            seed=seed,
-            stop=stop,
-            session_id=session_id,
-            prompt_token_ids=prompt_token_ids,
-            verification=verification,
-            alpha=alpha,
-            beta=beta,
-            stop_threshold=stop_threshold,
-            speculation=speculation,
-            target_row=target_row,
-            logprobs=logprobs,
-            response_format=response_format,
-        )
+        return self._chunks(generate_request(prompt, options, StreamOptions, "stream"), timeout_s)
+
+    def _chunks(self, request: pb.GenerateRequest, timeout_s: float | None) -> Iterator[Chunk]:
         call = self._stub.GenerateStream(request, timeout=self._deadline(timeout_s), metadata=self._metadata)
         try:
             for chunk in call:

@@ -79,6 +79,17 @@ def test_given_optional_arguments_are_sent_even_when_zero(server):
     assert (request.prompt, list(request.prompt_token_ids)) == ("", [5, 6])
 
 
+def test_a_keyword_the_call_does_not_take_is_a_type_error_before_anything_is_sent(server):
+    # The fields are declared once (client.request): generate() takes n and best_of, stream() does not.
+    with CascadeClient(server.target) as client:
+        sent = len(server.state.requests)
+        with pytest.raises(TypeError, match="^generate\\(\\) got an unexpected keyword argument 'temprature'$"):
+            client.generate("x", temprature=0.0)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="^stream\\(\\) got an unexpected keyword argument 'n'$"):
+            client.stream("x", n=2)  # type: ignore[call-arg]
+    assert len(server.state.requests) == sent
+
+
 def test_stream_yields_three_chunks_and_only_the_last_carries_finish_reason_and_stats(server):
     with CascadeClient(server.target) as client:
         chunks = list(client.stream("hi", max_new_tokens=3))
