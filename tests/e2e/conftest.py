@@ -1,6 +1,7 @@
 """The served front ends of the conformance suites (test_api_controls, test_conformance): one real
-`cascade-service serve` process per front end, shared by both modules (package scope; test_conformance's
-SIGTERM test stops each, so its module runs after the other, by name)."""
+`cascade-service serve` process per front end and module (test_conformance's last test stops each with
+SIGTERM; with the processes shared, the stop behind Ray's proxy twice ended its stream CANCELLED
+instead of UNAVAILABLE in CI, after test_api_controls' traffic)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Served:
         return cascade_pb2_grpc.CascadeServiceStub(self.channel)
 
 
-@pytest.fixture(scope="package", params=FRONTENDS)
+@pytest.fixture(scope="module", params=FRONTENDS)
 def served(request, tiny_family, tmp_path_factory):
     config = write_config(
         tmp_path_factory.mktemp(f"conformance-{request.param}") / "service.yaml", tiny_family, GRACE_S

@@ -1,6 +1,6 @@
-"""The controls applications use daily, driven by the real `openai` client on every front end (the same
-served processes as test_conformance; this module runs first), each against the same request over gRPC
-or the `transformers` oracle: logit_bias, penalties, top_k and min_p, logprobs, n and best_of (unary
+"""The controls applications use daily, driven by the real `openai` client on every front end (a `serve`
+process per front end, as test_conformance starts them: tests/e2e/conftest.py), each against the same
+request over gRPC or the `transformers` oracle: logit_bias, penalties, top_k and min_p, logprobs, n and best_of (unary
 and streamed; gRPC's `n` too), a predicted output, response formats."""
 
 from __future__ import annotations
