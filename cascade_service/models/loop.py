@@ -210,10 +210,17 @@ class EngineLoop:
         for batcher in batchers:
             if batcher.pending:
                 name = batcher.model.name
-                for item, result, error, share in batcher._run(batcher._take()):
+                began = time.perf_counter()
+                outcomes = batcher._run(batcher._take())
+                # The batcher's own work around the pass (choosing the batch, the timer, the metrics) is
+                # the rows' too: charged in proportion to their shares, a round of three passes costs
+                # its request three times that, which a round's cost must show (scheduling.floor).
+                elapsed, shares = time.perf_counter() - began, sum(share for *_, share in outcomes)
+                scale = elapsed / shares if shares > 0 else 0.0
+                for item, result, error, share in outcomes:
                     task = item.task
                     assert task is not None
-                    task.clock.pass_s[name] = task.clock.pass_s.get(name, 0.0) + share
+                    task.clock.pass_s[name] = task.clock.pass_s.get(name, 0.0) + share * scale
                     self._ready.append((task, result, error))
         return any(batcher.pending for batcher in batchers)
 
@@ -263,7 +270,11 @@ def run_blocking(fn: Callable[..., T], *args: Any) -> T:
     loop's executor while the task is parked and the loop goes on; elsewhere it is simply called."""
     current = greenlet.getcurrent()
     if isinstance(current, _TaskGreenlet):
-        return current.loop.wait(current.loop.executor.submit(fn, *args))
+        began = time.perf_counter()
+        try:
+            return current.loop.wait(current.loop.executor.submit(fn, *args))
+        finally:
+            current.task.clock.blocked_s += time.perf_counter() - began
     return fn(*args)
 
 
