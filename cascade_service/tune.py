@@ -57,7 +57,7 @@ def measure(
     variant = engine.variant(
         [d.name for d in engine.cascade.drafters], candidate.k_matrix, candidate.leniency, candidate.lookup
     )
-    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, speculation="fixed")  # each schedule as it is
     tokens = seconds = target_calls = 0.0
     swi = {"params": 0.0, "measured": 0.0}
     for ids in prompts:
@@ -82,7 +82,9 @@ def lone_drafter_k(
         variant = engine.variant([d.name], [[10 if isinstance(d, StatisticalConfig) else probe_k]])
         accepted = rejections = 0
         for ids in prompts:
-            review = variant.generate(ids, GenerationConfig(max_new_tokens=48)).stats.reviews.get(engine.target.name)
+            review = variant.generate(ids, GenerationConfig(max_new_tokens=48, speculation="fixed")).stats.reviews.get(
+                engine.target.name
+            )
             if review:
                 accepted += review.accepted
                 rejections += review.rejections

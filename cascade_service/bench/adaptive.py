@@ -89,7 +89,7 @@ def run(
         name: engine.variant(setting.tiers(), setting.k_matrix(k), 1.0, None, {setting.drafter: a} if a else None)
         for name, (k, a) in table.items()
     }
-    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, speculation="fixed")  # the stopping rules, every round
     for e in engines.values():  # warm-up: lazy initialisation everywhere, untimed
         e.generate(prompts[0][:8], GenerationConfig(max_new_tokens=8))
     speeds: dict[str, list[float]] = {name: [] for name in engines}

@@ -103,7 +103,9 @@ def run_point(
     loglik = 0.0
     for prompt in prompts:
         for seed in seeds:
-            gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, verification=v)
+            gen = GenerationConfig(  # every round drafts: the rule's cost and quality, not the floor's choice
+                max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, verification=v, speculation="fixed"
+            )
             start = time.perf_counter()
             result = engine.generate(prompt, gen)
             seconds += time.perf_counter() - start

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(load_config(path).cascade)
     texts = read_prompts(str(build_zoo("demo", zoo_dir("demo"))["prompts"]))[: args.prompts]
     ids = [engine.encode(t) for t in texts]
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, speculation="fixed")  # the same rounds both ways
     local: dict[str, list[float]] = {}
     remote: dict[str, list[float]] = {}
     wall = {"in-process": 0.0, "service": 0.0}

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = read_prompts(str(build_zoo("demo", zoo_dir("demo"))["prompts"]))[: args.prompts]
     local = Engine(config.cascade)
     ids = [local.encode(t) for t in texts]
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, speculation="fixed")  # the same rounds both ways
     print(f"config {path} (each tier its own deployment); {len(ids)} zoo prompts, {args.max_new_tokens} tokens")
 
     with ExitStack() as stack:

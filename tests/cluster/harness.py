@@ -170,7 +170,11 @@ class Load:
             while not self._stop.is_set():
                 sent = time.monotonic()
                 try:
-                    got = client.generate(prompt_token_ids=self.prompts[i], max_new_tokens=N, temperature=0)
+                    # The K-matrix every round (not the floor's timing-driven choice): each call of a prompt
+                    # then feeds the tiers the same tokens, and a schedule's switch shows in the drafters called.
+                    got = client.generate(
+                        prompt_token_ids=self.prompts[i], max_new_tokens=N, temperature=0, speculation="fixed"
+                    )
                 except errors.CascadeError as exc:
                     hinted = exc.code.name != "UNAVAILABLE" or exc.retry_delay_s is not None
                     self.outcomes.append(

@@ -89,10 +89,12 @@ def test_greedy_output_through_the_service_equals_the_oracle_and_in_process(tiny
     engine = Engine(load_config(config_path).cascade)
     for prompt in PROMPTS:
         expected = oracle(tiny_family["target"], prompt, 24)
-        result = client.generate(prompt_token_ids=prompt, max_new_tokens=24)
+        result = client.generate(prompt_token_ids=prompt, max_new_tokens=24)  # the default: the floor decides
         assert result.token_ids == expected
         assert result.token_ids == engine.generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
-        stats = result.stats
+        drafting = client.generate(prompt_token_ids=prompt, max_new_tokens=24, speculation="fixed")  # every round
+        assert drafting.token_ids == expected
+        stats = drafting.stats
         assert stats["target_calls"] < 24 and set(stats["tiers"]) >= {"target", "close", "mid"}
         streamed = list(client.stream(prompt_token_ids=prompt, max_new_tokens=24))
         assert [t for c in streamed for t in c.token_ids] == expected
@@ -103,9 +105,13 @@ def test_lossy_rules_through_the_service_equal_in_process(config_path, client):
     # The target is a deployment of its own here: its review applies the request's rule remotely, and
     # fuzzy rules make greedy drafts carry their rows across deployments.
     engine = Engine(load_config(config_path).cascade)
+    # A lossy rule's output depends on what was drafted: every round as scheduled on both sides.
     for rule, alpha in (("token-v3", 0.5), ("fuzzy-tv", 0.6), ("lossy", 0.3)):
-        mine = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=24, verification=Verification(rule, alpha)))
-        served = client.generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24, verification=rule, alpha=alpha)
+        gen = GenerationConfig(max_new_tokens=24, verification=Verification(rule, alpha), speculation="fixed")
+        mine = engine.generate(PROMPTS[0], gen)
+        served = client.generate(
+            prompt_token_ids=PROMPTS[0], max_new_tokens=24, verification=rule, alpha=alpha, speculation="fixed"
+        )
         assert served.token_ids == mine.token_ids, rule
         assert served.stats["verification"] == mine.stats.verification
         assert int(served.stats.get("off_target_tokens", 0)) == mine.stats.off_target_tokens

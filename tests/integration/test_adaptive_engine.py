@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ def test_the_stopping_rule_sets_the_block_length(tiny_family, tmp_path):
     fixed = make_engine(tiny_family, [[8]])
     pessimist = make_engine(tiny_family, [[8]], {"mid": AdaptiveLength("specdec", 0.5, _head(tmp_path, hidden, -5.0))})
     confident = make_engine(tiny_family, [[8]], {"mid": AdaptiveLength("confidence", 0.999)})
-    gen = GenerationConfig(max_new_tokens=N)
+    gen = GenerationConfig(max_new_tokens=N, speculation="fixed")  # every round as scheduled: what the rule stops
     stats = {
         name: e.generate(PROMPTS[0], gen).stats
         for name, e in (("fixed", fixed), ("pessimist", pessimist), ("confident", confident))
@@ -98,7 +99,7 @@ def test_a_request_threshold_sets_the_block_length_of_a_lone_drafter(tiny_family
     expected = oracle(tiny_family["target"], PROMPTS[0], N)
     blocks = {}
     for h in (None, 0.6, 0.9):
-        result = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=N, stop_threshold=h))
+        result = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=N, stop_threshold=h, speculation="fixed"))
         assert result.token_ids == expected, h
         blocks[h] = _mean_block(result)
     assert blocks[None] == blocks[0.6]  # unset: the configured threshold
@@ -117,9 +118,10 @@ def test_specdec_stops_a_reviewing_tier_part_and_keeps_the_output_exact(tiny_fam
     )
     for prompt in PROMPTS:
         expected = oracle(tiny_family["target"], prompt, N)
-        plain = fixed.generate(prompt, GenerationConfig(max_new_tokens=N))
-        short = adaptive.generate(prompt, GenerationConfig(max_new_tokens=N))
-        longer = adaptive.generate(prompt, GenerationConfig(max_new_tokens=N, stop_threshold=0.9))
+        gen = GenerationConfig(max_new_tokens=N, speculation="fixed")  # every round as scheduled
+        plain = fixed.generate(prompt, gen)
+        short = adaptive.generate(prompt, gen)
+        longer = adaptive.generate(prompt, replace(gen, stop_threshold=0.9))
         assert plain.token_ids == short.token_ids == longer.token_ids == expected
         assert _mean_block(plain) >= 4.0  # the quota, and the overshoot of close's last round
         assert _mean_block(short) <= 3.0 < _mean_block(plain)  # stopped at the third token at h = 0.6
@@ -150,14 +152,19 @@ def test_adaptive_through_the_service_equals_in_process(tiny_family, tmp_path):
     engine = Engine(load_config(path).cascade)
     with LocalService(str(path), num_cpus=4) as service, CascadeClient(service.address, timeout_s=120) as client:
         for prompt in PROMPTS:
-            mine = engine.generate(prompt, GenerationConfig(max_new_tokens=N))
-            served = client.generate(prompt_token_ids=prompt, max_new_tokens=N)
+            # every round as scheduled on both sides: the floor decides from timings, which differ
+            mine = engine.generate(prompt, GenerationConfig(max_new_tokens=N, speculation="fixed"))
+            served = client.generate(prompt_token_ids=prompt, max_new_tokens=N, speculation="fixed")
             assert served.token_ids == mine.token_ids == oracle(tiny_family["target"], prompt, N)
             assert served.stats["target_calls"] == mine.stats.target_calls  # same (short) blocks remotely
             # The request's threshold reaches the replica where the stopper runs: with this head
             # (acceptance 0.0067) h = 0.999 stops at the third token instead of the second.
-            mine = engine.generate(prompt, GenerationConfig(max_new_tokens=N, stop_threshold=0.999))
-            served = client.generate(prompt_token_ids=prompt, max_new_tokens=N, stop_threshold=0.999)
+            mine = engine.generate(
+                prompt, GenerationConfig(max_new_tokens=N, stop_threshold=0.999, speculation="fixed")
+            )
+            served = client.generate(
+                prompt_token_ids=prompt, max_new_tokens=N, stop_threshold=0.999, speculation="fixed"
+            )
             assert served.token_ids == mine.token_ids
             assert served.stats["target_calls"] == mine.stats.target_calls
             assert 2.0 < _mean_block(mine) <= 3.0

@@ -128,8 +128,10 @@ def test_logprobs_come_with_the_reply_and_with_each_chunk(engine, client):
     expected = engine.generate(PROMPT, GenerationConfig(max_new_tokens=24, logprobs=3)).stats.logprobs
     reply = client.generate(prompt_token_ids=PROMPT, logprobs=3)
     assert [t["token_id"] for t in reply.logprobs] == reply.token_ids == [t.token for t in expected]
+    # float32 logits of one position differ by ~1e-6 between passes of different lengths (a plain step, a
+    # review of a block), and which rounds drafted is the floor's decision from timings
     for got, want in zip(reply.logprobs, expected, strict=True):
-        assert abs(got["logprob"] - want.logprob) < 1e-6 and [a["token_id"] for a in got["top"]] == [
+        assert abs(got["logprob"] - want.logprob) < 1e-5 and [a["token_id"] for a in got["top"]] == [
             i for i, _ in want.top
         ]
     chunks = list(client.stream(prompt_token_ids=PROMPT, logprobs=3))

@@ -3,7 +3,8 @@
 For every drafter set, K-matrix and leniency, the cascade's greedy output equals plain
 `transformers` `generate(do_sample=False)` of the target, token for token. Drafters include ones
 that agree with the target often (its weights plus noise) and an unrelated one, so both the accept
-and the reject paths run.
+and the reject paths run. Requests run their K-matrix every round (speculation "fixed"), so every
+path runs whatever the floor would decide; the floor's own exactness is tests/integration/test_floor.py's.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def test_greedy_cascade_equals_transformers_generate(tiny_family, oracle_cache, 
     names, k_matrix = SETUPS[setup]
     engine = make_engine(tiny_family, names, k_matrix, leniency, bigram_path)
     for prompt in (SHORT, LONG):
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
+        result = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=40))
         expected = oracle_cache(prompt, 40)
         assert result.token_ids == expected
         assert result.stats.target_calls <= len(expected)
@@ -86,7 +87,7 @@ def test_greedy_cascade_through_the_wire_codec_equals_transformers_generate(
         tiny_family, names, k_matrix, 1.5, bigram_path, Lookup(2, 8) if "mag" in names else None, loopback=True
     )
     for prompt in (SHORT, LONG):
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
+        result = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=40))
         assert result.token_ids == oracle_cache(prompt, 40)
         assert result.stats.tiers["target"].hops == result.stats.target_calls  # it went through the wire
 
@@ -97,7 +98,7 @@ def test_every_k_matrix_entry_runs_and_is_counted(tiny_family, oracle_cache, big
     # the counts in stats.tiers; the output stays the target's own.
     names, k_matrix = SETUPS[setup]
     engine = make_engine(tiny_family, names, k_matrix, 1.5, bigram_path)
-    result = engine.generate(LONG, GenerationConfig(max_new_tokens=40))
+    result = engine.generate(LONG, GenerationConfig(speculation="fixed", max_new_tokens=40))
     assert result.token_ids == oracle_cache(LONG, 40)
     tiers = result.stats.to_dict()["tiers"]
     assert set(tiers) == {"target", *names}
@@ -124,7 +125,7 @@ def test_mag_lookup_gate_at_the_target_is_exact(tiny_family, oracle_cache, bigra
     gated = 0
     for prompt in (SHORT, LONG, MEDIUM):
         for n in (7, 40):
-            result = engine.generate(prompt, GenerationConfig(max_new_tokens=n))
+            result = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=n))
             assert result.token_ids == oracle_cache(prompt, n)
             by_drafter = result.stats.reviews["target"].drafted_by_drafter
             assert "mag" not in by_drafter  # row 0 gives MaG nothing: it reaches the target only by the gate
@@ -136,7 +137,7 @@ def test_mag_lookup_gate_at_the_target_is_exact(tiny_family, oracle_cache, bigra
 def test_max_new_tokens_reached_inside_a_block_is_exact(tiny_family, oracle_cache, max_new_tokens):
     names, k_matrix = SETUPS["csd_close_mid_mag"]
     engine = make_engine(tiny_family, names, k_matrix, 1.5)
-    result = engine.generate(MEDIUM, GenerationConfig(max_new_tokens=max_new_tokens))
+    result = engine.generate(MEDIUM, GenerationConfig(speculation="fixed", max_new_tokens=max_new_tokens))
     assert result.token_ids == oracle_cache(MEDIUM, max_new_tokens)
     assert len(result.token_ids) == max_new_tokens
 
@@ -152,7 +153,7 @@ def test_eos_inside_a_draft_block_stops_exactly_there(tiny_family, oracle_cache,
     names, k_matrix = SETUPS[setup]
     engine = make_engine(tiny_family, names, k_matrix, 1.0)
     engine.eos_ids = frozenset({eos})
-    chunks = list(engine.stream(LONG, GenerationConfig(max_new_tokens=40)))
+    chunks = list(engine.stream(LONG, GenerationConfig(speculation="fixed", max_new_tokens=40)))
     assert [t for c in chunks for t in c] == expected
     assert len(chunks[-1]) >= 2, "EOS should have come inside an accepted draft block"
 
@@ -163,9 +164,9 @@ def test_greedy_cascade_is_exact_on_other_architectures(tiny_family_factory, arc
     for names, k_matrix in (SETUPS["sd_close"], SETUPS["csd_close_mid_mag"]):
         engine = make_engine(family, names, k_matrix, 2.0)
         for prompt in (SHORT, LONG):
-            assert engine.generate(prompt, GenerationConfig(max_new_tokens=30)).token_ids == oracle(
-                family["target"], prompt, 30
-            )
+            assert engine.generate(
+                prompt, GenerationConfig(speculation="fixed", max_new_tokens=30)
+            ).token_ids == oracle(family["target"], prompt, 30)
 
 
 def test_kv_caches_never_reprefill_the_prefix(tiny_family, oracle_cache):
@@ -174,7 +175,7 @@ def test_kv_caches_never_reprefill_the_prefix(tiny_family, oracle_cache):
     # reviewed + the tokens it emitted. A re-prefill per round would add ~48 tokens per round.
     names, k_matrix = SETUPS["csd_close_mid_mag"]
     engine = make_engine(tiny_family, names, k_matrix, 1.5)
-    result = engine.generate(LONG, GenerationConfig(max_new_tokens=60))
+    result = engine.generate(LONG, GenerationConfig(speculation="fixed", max_new_tokens=60))
     stats = result.stats
     assert result.token_ids == oracle_cache(LONG, 60)
     base = len(LONG) + stats.generated
@@ -213,7 +214,9 @@ def test_greedy_cascade_with_low_precision_drafters_equals_transformers_generate
     # Invariant 6: drafters' dtypes change what they propose, never what the float32 target emits.
     engine = _mixed_engine(tiny_family, "float32", drafter_dtype)
     for prompt in (SHORT, LONG):
-        assert engine.generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids == oracle_cache(prompt, 40)
+        assert engine.generate(
+            prompt, GenerationConfig(speculation="fixed", max_new_tokens=40)
+        ).token_ids == oracle_cache(prompt, 40)
 
 
 def _ulp(value: float) -> float:
@@ -228,7 +231,7 @@ def test_greedy_cascade_with_a_bfloat16_target_is_its_argmax_path_up_to_bfloat16
     # and emit, at every position, a token that ties the maximum of the target's own (uncached) logits.
     engine = _mixed_engine(tiny_family, "bfloat16", "float32")
     for prompt in (SHORT, LONG, MEDIUM):
-        got = engine.generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
+        got = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=40)).token_ids
         model, expected = _generate(tiny_family["target"], prompt, 40, torch.bfloat16)
         with torch.inference_mode():
             logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1].float()  # [40, V]

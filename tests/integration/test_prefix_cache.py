@@ -35,7 +35,12 @@ def _converse(coordinator, family, turns, owner: str = ""):
     history: list[int] = []
     for turn in turns:
         params = coordinator.params(
-            session_id=record.session_id, prompt_ids=turn, max_new_tokens=N, temperature=0, owner=owner
+            session_id=record.session_id,
+            prompt_ids=turn,
+            max_new_tokens=N,
+            temperature=0,
+            owner=owner,
+            speculation="fixed",  # every tier drafts every round, so each one's cache is read
         )
         result = coordinator.generate(params)
         assert result.token_ids == oracle(family["target"], history + turn, N)
@@ -78,7 +83,7 @@ def test_every_shape_is_exact_with_the_cache_warm(tiny_family, shape):
     header = random_prompts(1, 3 * BLOCK, seed=5)[0]
     for tail in random_prompts(3, 7, seed=6):
         prompt = header + tail
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=N))
+        result = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=N))
         assert result.token_ids == oracle(tiny_family["target"], prompt, N)
     model_tiers = ["target", *(n for n in names if n != "mag")]
     assert all(result.stats.tiers[n].tokens_cached == 3 * BLOCK for n in model_tiers)
@@ -89,7 +94,7 @@ def test_a_prefix_cached_for_one_key_is_never_found_for_another(tiny_family):
     prompt = random_prompts(1, 50, seed=7)[0]
 
     def cached(owner: str) -> dict[str, int]:
-        params = coordinator.request(prompt, GenerationConfig(max_new_tokens=4), owner=owner)
+        params = coordinator.request(prompt, GenerationConfig(speculation="fixed", max_new_tokens=4), owner=owner)
         stats = coordinator.generate(params).stats
         return {n: stats.tiers[n].tokens_cached for n in ("target", "close", "mid")}
 

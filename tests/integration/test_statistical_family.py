@@ -92,6 +92,6 @@ def test_tune_runs_a_config_mixing_mag_and_suffix_decoding(mixed, tiny_family):
     engine = Engine(tuned.cascade)
     for prompt in PROMPTS:
         ids = engine.encode(prompt)
-        assert engine.generate(ids, GenerationConfig(max_new_tokens=16)).token_ids == oracle(
+        assert engine.generate(ids, GenerationConfig(speculation="fixed", max_new_tokens=16)).token_ids == oracle(
             tiny_family["target"], ids, 16
         )

@@ -48,7 +48,7 @@ def test_greedy_cascade_with_suffix_decoding_equals_transformers_generate(tiny_f
     engine = _engine(tiny_family, names, k_matrix, lookup)
     drafted = 0
     for prompt in PROMPTS:
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+        result = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
         assert result.token_ids == oracle(tiny_family["target"], prompt, 30), (setup, prompt)
         drafted += sum(t.tokens_out for name, t in result.stats.tiers.items() if name.startswith("suffix"))
     assert drafted > 0  # the suffix drafter ran: the repeating prompt has long matches
@@ -58,10 +58,10 @@ def test_the_next_request_drafts_from_the_last_ones_output(tiny_family):
     # A prompt that never repeats itself: only what an earlier request produced can be matched.
     engine = _engine(tiny_family, ["suffix"], [[16]])
     prompt = random_prompts(1, 20, seed=33)[0]
-    first = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+    first = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
     cache = engine.leaves.suffix("suffix").of("")  # in-process: one caller, one key's space
     assert cache.nodes > 0
-    again = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+    again = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
     assert again.token_ids == first.token_ids
     assert again.stats.target_calls < first.stats.target_calls  # it drafted the output it saw before
     # a variant of the engine (as bench and tune make) starts with none of its requests
@@ -102,8 +102,8 @@ def test_a_corpus_drafts_for_the_first_request(tiny_family, tmp_path):
     cascade = make_cascade(engine.cascade.target, [SuffixConfig(corpus=str(corpus), corpus_tokens=4096)], [[16]], 1.0)
     with_corpus = Engine(cascade)
     assert with_corpus.leaves.suffix("suffix").held_tokens == 0  # read-only: no key's space holds it
-    fresh = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
-    read = with_corpus.generate(prompt, GenerationConfig(max_new_tokens=30))
+    fresh = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
+    read = with_corpus.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
     assert fresh.token_ids == read.token_ids == expected
     # the corpus holds this very text (as its tokenizer reads it back), so it drafts most of it
     assert read.stats.target_calls < fresh.stats.target_calls
@@ -170,7 +170,7 @@ def test_a_config_mixing_mag_and_suffix_decoding_equals_transformers_generate(ti
     )
     engine = Engine(cascade)
     for prompt in PROMPTS:
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+        result = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
         assert result.token_ids == oracle(tiny_family["target"], prompt, 30), (order, prompt)
         rows = result.stats.reviews["close"].row()["entries"]
         assert rows["mag"]["blocks"] > 0 and rows["suffix"]["blocks"] > 0

@@ -39,7 +39,7 @@ def engine(tiny_family):
 
 def serve(engine: Engine, keys_file=None):
     """A fresh server (its own suffix caches) over the engine's models: (server, address)."""
-    coordinator = engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=NEW))
+    coordinator = engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=NEW, speculation="fixed"))
     server, port = start_server(coordinator, api_keys=load_api_keys(keys_file) if keys_file else None)
     return server, f"127.0.0.1:{port}"
 

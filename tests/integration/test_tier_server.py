@@ -21,7 +21,7 @@ PROMPTS = random_prompts(2, 10, seed=43)
 
 
 def _generate(engine: Engine, prompt, n=20, **gen):
-    return engine.generate(prompt, GenerationConfig(max_new_tokens=n, **gen))
+    return engine.generate(prompt, GenerationConfig(max_new_tokens=n, **{"speculation": "fixed", **gen}))
 
 
 def test_every_tier_remote_is_exact(tiny_family):

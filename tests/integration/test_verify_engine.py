@@ -33,7 +33,7 @@ def engine(tiny_family):
 
 @pytest.mark.parametrize("rule", [r for r in RULES if r != "exact"])
 def test_each_rule_at_its_strict_end_reproduces_the_oracle(tiny_family, engine, rule):
-    gen = GenerationConfig(max_new_tokens=N, verification=Verification(rule, STRICT_ALPHA[rule]))
+    gen = GenerationConfig(speculation="fixed", max_new_tokens=N, verification=Verification(rule, STRICT_ALPHA[rule]))
     for prompt in PROMPTS:
         result = engine.generate(prompt, gen)
         assert result.token_ids == oracle(tiny_family["target"], prompt, N)
@@ -45,7 +45,9 @@ def test_off_target_count_matches_an_independent_teacher_forced_target(tiny_fami
     model = AutoModelForCausalLM.from_pretrained(tiny_family["target"], local_files_only=True).eval()
     off_total = 0
     for prompt in PROMPTS:
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=N, verification=Verification(rule, alpha)))
+        result = engine.generate(
+            prompt, GenerationConfig(speculation="fixed", max_new_tokens=N, verification=Verification(rule, alpha))
+        )
         sequence = prompt + result.token_ids
         with torch.inference_mode():
             logits = model(torch.tensor([sequence])).logits[0]
