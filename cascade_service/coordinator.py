@@ -24,7 +24,7 @@ from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.encdec import check_request, decoder_context
-from .core.policy import OFF, BlockPolicy
+from .core.policy import OFF, PolicyFactory
 from .core.prediction import prediction_ids
 from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats, EngineTime
@@ -106,7 +106,7 @@ class Coordinator:
     make_stopper: StopperFactory | None = None  # SpecDec++ at a reviewing tier local to this process
     # The target's block policy per request, given whether it is greedy (scheduling.load.BySampling);
     # None: the fixed K-matrix.
-    policies: Callable[[bool], BlockPolicy] | None = None
+    policies: PolicyFactory | None = None
     # Positions the smallest model tier holds (its max_position_embeddings); None: no limit known. A
     # request's context (session history + prompt) plus its new tokens must fit.
     max_context: int | None = None

@@ -4,13 +4,13 @@ the per-request state they lead to."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
 from ..core.cascade import RequestState
 from ..core.grammar import GrammarMask, grammar_tokenizer
-from ..core.policy import OFF, SPECULATION, BlockPolicy
+from ..core.policy import OFF, SPECULATION, PolicyFactory
 from ..core.request import GenerationConfig
 from ..core.schedule import Schedule, ScheduleError
 from . import CascadeConfig
@@ -51,7 +51,7 @@ def prepare_state(
     state: RequestState,
     gen: GenerationConfig,
     context_length: int,
-    policies: Callable[[bool], BlockPolicy] | None,
+    policies: PolicyFactory | None,
     tokenizer: Any,
     vocab_size: int,
 ) -> None:
@@ -60,7 +60,7 @@ def prepare_state(
         state.sampling = replace(state.sampling, output_start=context_length)
     # A request's own row runs as given: load adaptation would price blocks its evidence never saw.
     mode = "fixed" if gen.target_row is not None and gen.speculation == "auto" else gen.speculation
-    state.policy = SPECULATION[mode](policies, state.sampling.greedy)
+    state.policy = SPECULATION[mode](policies, state.sampling.greedy, state.cache_salt)
     if state.policy is OFF:  # plain decoding: no drafter, the prediction included
         state.prediction = None
     if gen.response_format is not None:

@@ -160,14 +160,16 @@ class CascadeTier:
         for drafter, _ in self.drafters:
             drafter.release(request)
 
-    def _gates(self) -> list[tuple[Tier, int, int]]:
-        """(drafter, tokens wanted, min_match) that may fill a block before the K-matrix row runs."""
-        gates: list[tuple[Tier, int, int]] = []
+    def _gates(self) -> list[tuple[Tier, int, int, bool]]:
+        """(drafter, tokens wanted, min_match, whether the block policy rules on it) that may fill a block
+        before the K-matrix row runs. The request's own prediction is not the policy's to refuse or trim:
+        the client sent it to be verified (OpenAI's predicted outputs). The lookup gate is, as source "lookup"."""
+        gates: list[tuple[Tier, int, int, bool]] = []
         if self.final and self.state.prediction is not None:
-            gates.append((self.state.prediction, PREDICTION_BLOCK, 0))  # the proposer sizes its own blocks
+            gates.append((self.state.prediction, PREDICTION_BLOCK, 0, False))  # the proposer sizes its own blocks
         if self.lookup is not None:
             mag, gate = self.lookup
-            gates.append((mag, gate.tokens, gate.min_match))
+            gates.append((mag, gate.tokens, gate.min_match, True))
         return gates
 
     def _forced(self, ctx: Context, ceiling: int) -> Draft:
@@ -197,26 +199,29 @@ class CascadeTier:
         # csd.py. The block policy (the target's) may lower the ceiling further.
         ceiling = limit - 1
         policy = self.policy
-        policy.begin()  # the round's time runs from here: the lookup and the drafting are part of it
+        policy.begin(len(ctx), limit)  # the round's time runs from here: the lookup and the drafting are in it
         block = self._forced(ctx, ceiling)
         gated = False
         # The prediction first (the target's only), then the lookup gate: a block either fills it alone.
-        for source, want, min_match in self._gates():
+        for source, want, min_match, ruled in self._gates():
             if gated or len(block) >= ceiling:
                 break
+            if ruled and not policy.allows("lookup"):
+                continue
             held = len(block)
             asked = self._ask(request, ctx.extend(block.tokens), want, ceiling - held, min_match)
             reply = source.draft(asked)
             absorb(usage, reply.usage)
             block = block + reply.draft
             gated = len(block) > held
-            if gated:  # the lookup is already spent: the policy only trims it
+            if gated and ruled:  # the lookup is already spent: the policy only trims it
                 block = block.head(policy.cap("lookup", len(block), len(block)))
         ran: list[str] = []  # the row's drafters called in this block
         ended: list[str] = []  # those whose turn came after the block had ended (budget, cap or EOS)
         if not gated:
-            if ceiling > 0:
-                ceiling = policy.cap("model", sum(quota for _, quota in self.drafters), ceiling)
+            if len(block) < ceiling:
+                model = policy.allows("model")
+                ceiling = policy.cap("model", sum(quota for _, quota in self.drafters), ceiling) if model else 0
             block = self._fill(request, ctx, block, ceiling, usage, ran, ended)
         policy.drafted()
         st = self.state

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import CascadeConfig, GenerationConfig, ServingConfig
 from ..coordinator import Coordinator, LeafFactory, TierFactory, Tokenizer, smallest_context
 from ..core.adaptive import StopperFactory
-from ..core.policy import BlockPolicy
+from ..core.policy import PolicyFactory
 from ..extras import require
 from ..metrics import default_metrics
 from ..models.loop import Blocking
@@ -85,7 +85,7 @@ def assemble_coordinator(
     *,
     leaves: LeafFactory | None = None,
     make_stopper: StopperFactory | None = None,
-    policies: Callable[[bool], BlockPolicy] | None = None,
+    policies: PolicyFactory | None = None,
 ) -> Coordinator:
     """A coordinator over model tiers described by `facts` (tier name -> TierFacts, the target's
     included). A drafter whose vocabulary is not the target's fails here, before any request.

@@ -189,11 +189,19 @@ class DraftBudget:
         self._round: Round | None = None  # the trial's round under way
         self._start = self._draft_s = 0.0
 
-    def begin(self) -> None:
+    def begin(self, committed: int = 0, remaining: int = 0) -> None:
         """A round starts (the target's draft is asked for): its arm is fixed and its time runs."""
         self._round = self.model.trial.start_round()
         self._source = None
         self._start = charged()  # this thread's clock: the lookup and the drafting are part of the round
+
+    def allows(self, source: str) -> bool:
+        """Whether this round's arm lets `source` draft at all ("plain" lets nothing, "lookup" only the
+        lookup): an arm that keeps a source from drafting keeps it from costing anything too."""
+        if self._round is None:
+            self.begin()
+        assert self._round is not None
+        return _drafts(self._round.arm, source)
 
     def cap(self, source: str, offered: int, ceiling: int) -> int:
         """The block policy's cap (core.policy.BlockPolicy): this round's budget for `offered` drafts.
@@ -273,7 +281,9 @@ def expected_tokens(acceptance: float, k: int) -> float:
 BudgetFactory = Callable[[], DraftBudget]
 
 
-def load_policies(timer: PassTimer, max_block: int, arms: Sequence[str] = ARMS) -> Callable[[bool], DraftBudget]:
-    """The coordinator's policy per request, given whether it is greedy: load adaptation over the
-    target's passes (`timer`), greedy and sampled traffic judged apart (BySampling)."""
-    return BySampling(lambda: LoadModel(timer, max_block, arms)).budget
+def load_policies(timer: PassTimer, max_block: int, arms: Sequence[str] = ARMS) -> Callable[..., DraftBudget]:
+    """The coordinator's policy per request, given whether it is greedy (and its scope, unused: the load
+    and the target's passes are the machine's): load adaptation over the target's passes (`timer`),
+    greedy and sampled traffic judged apart (BySampling)."""
+    by_sampling = BySampling(lambda: LoadModel(timer, max_block, arms))
+    return lambda greedy, scope="": by_sampling.budget(greedy)

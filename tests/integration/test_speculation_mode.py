@@ -72,17 +72,18 @@ def test_a_bad_mode_is_refused_naming_the_field(mode):
 def test_the_modes_map_to_their_policies():
     from cascade_service.core.policy import FIXED, OFF, SPECULATION
 
-    made: list[bool] = []
+    made: list[tuple[bool, str]] = []
 
-    def policies(greedy: bool):
-        made.append(greedy)
+    def policies(greedy: bool, scope: str):
+        made.append((greedy, scope))
         return "the server's policy"
 
-    assert SPECULATION["auto"](policies, True) == "the server's policy" and made == [True]
-    assert SPECULATION["auto"](None, False) is FIXED  # a server that does not adapt runs the K-matrix
-    assert SPECULATION["fixed"](policies, False) is FIXED and SPECULATION["off"](policies, False) is OFF
-    assert made == [True]  # only "auto" asks the server's policies
+    assert SPECULATION["auto"](policies, True, "key") == "the server's policy" and made == [(True, "key")]
+    assert SPECULATION["auto"](None, False, "") is FIXED  # a server without policies runs the K-matrix
+    assert SPECULATION["fixed"](policies, False, "") is FIXED and SPECULATION["off"](policies, False, "") is OFF
+    assert made == [(True, "key")]  # only "auto" asks the server's policies, with the request's scope
     assert OFF.cap("model", 8, 8) == 0 and OFF.cap("lookup", 8, 8) == 0 and FIXED.cap("model", 8, 6) == 6
+    assert not OFF.allows("lookup") and FIXED.allows("model")
 
 
 def test_a_requests_own_target_row_runs_as_given_and_keeps_the_output(tiny_family):
