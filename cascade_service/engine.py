@@ -18,6 +18,7 @@ from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup
 from .core.local import ModelTier
+from .core.policy import PolicyFactory
 from .core.stats import CascadeStats
 from .core.tier import Scope, Tier
 from .models.acceptance_head import HeadCache
@@ -25,6 +26,7 @@ from .models.hf import HFModel, load_tokenizer
 from .models.loop import EngineLoop
 from .runtime.assemble import TierFacts, assemble_coordinator
 from .runtime.leaves import Leaves
+from .scheduling.floor import floor_policies
 from .scheduling.load import load_policies
 from .scheduling.trial import ARMS
 from .sessions import MemoryStore, SessionStore
@@ -178,6 +180,7 @@ class Engine:
         adapt_to_load: bool = False,
         arms: Sequence[str] | None = None,
         leaves: Leaves | None = None,
+        floor: bool = True,
     ) -> Coordinator:
         """A Coordinator over these loaded models (the standalone gRPC server, tests, this engine's own
         requests); its requests run in the engine loop when their front end submits them there.
@@ -185,14 +188,18 @@ class Engine:
         adapt_to_load: choose each round's draft budget from measured acceptance and the target's
         batched passes (scheduling.load). arms: the ways of drafting its trial chooses between
         (scheduling.trial.ARMS, all of them when None). leaves: the statistical drafters' state to
-        share (this engine's own requests share the engine's); a fresh one when None.
+        share (this engine's own requests share the engine's); a fresh one when None. floor: a
+        request's speculation "auto" drafts only while its measured rounds beat plain decoding
+        (scheduling.floor); False: "auto" runs the K-matrix (or load adaptation) as it is.
         """
         models = {model.name: model for model in self.tiers()} | self.remote  # MaG's server too
-        policies = None
+        policies: PolicyFactory | None = None
         if adapt_to_load:
             if not isinstance(self.target, HFModel) or self.target.batcher is None:
                 raise ValueError("adapt_to_load needs the target's passes in this process")
             policies = load_policies(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS)
+        if floor:
+            policies = floor_policies(policies)
         leaves = leaves or Leaves(self.cascade.drafters, self.target.vocab_size, self.encode)
         return assemble_coordinator(
             self.cascade,

@@ -54,6 +54,7 @@ def start_standalone(
     max_batch: int = 64,
     adapt_to_load: bool | None = None,
     http_port: int | None = None,
+    floor: bool | None = None,
 ) -> Standalone:
     """Load the config's tiers, turn on batching, serve gRPC on host:port (0 picks a free port).
 
@@ -61,7 +62,8 @@ def start_standalone(
     http_port: also serve the OpenAI-compatible HTTP API and /metrics there (0 picks a free port).
     adapt_to_load: each round's drafting follows measured acceptance and what the load makes of each way
     of drafting (scheduling.load) instead of the fixed K-matrix; None: as the config's
-    serving.adapt_to_load says (on by default).
+    serving.adapt_to_load says (on by default). floor: a request falls back to plain decoding where its
+    drafts do not pay (scheduling.floor); None: as serving.floor says (on by default).
     """
     cascade = config.cascade
     if plain:
@@ -89,6 +91,7 @@ def start_standalone(
         and not plain
         and getattr(engine.target, "batcher", None) is not None,
         arms=config.serving.load_arms,
+        floor=(config.serving.floor if floor is None else floor) and not plain,
     )
     limits = limits_from(config.serving.admission, workers=max_streams, max_queued=MAX_QUEUED_RPCS)
     name, tokenizer = engine.cascade.target.name, engine.tokenizer

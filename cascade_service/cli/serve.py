@@ -65,7 +65,15 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         "--fixed-schedule",
         dest="adapt_to_load",
         action="store_false",
-        help="with --frontend standalone: every round runs the K-matrix as configured (a baseline)",
+        help="with --frontend standalone: every round runs the K-matrix as configured, no floor (a baseline)",
+    )
+    p.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        default=None,
+        help="with --frontend standalone: no floor under the speedup (a request drafts even where its drafts "
+        "do not pay: a baseline); the Ray app reads serving.floor",
     )
     p.set_defaults(run=_run_serve)
 
@@ -100,6 +108,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             plain=args.plain,
             adapt_to_load=args.adapt_to_load,
             http_port=args.http_port,
+            floor=False if args.adapt_to_load is False else args.floor,
         )
         try:
             print(
@@ -117,10 +126,10 @@ def _run_serve(args: argparse.Namespace) -> int:
             _stopping(grace)
             standalone.stop(grace)
         return 0
-    if args.plain or args.adapt_to_load is not None:
+    if args.plain or args.adapt_to_load is not None or args.floor is not None:
         raise UsageError(
-            "--plain, --adapt-to-load and --fixed-schedule go with --frontend standalone (the Ray app "
-            "reads serving.adapt_to_load from the config)"
+            "--plain, --adapt-to-load, --fixed-schedule and --no-floor go with --frontend standalone (the Ray "
+            "app reads serving.adapt_to_load and serving.floor from the config)"
         )
     require("ray", f"serve --frontend {args.frontend} (the Ray Serve service)")
     from ..serving.local import LocalService

@@ -98,6 +98,10 @@ class ServingConfig:
     # at every load: docs/benchmarks.md "The default: speculation that adapts to load"). false: every
     # round runs the K-matrix as configured (as `serve --fixed-schedule` does).
     adapt_to_load: bool = True
+    # The floor under the speedup (scheduling.floor): a request whose measured rounds say drafting does
+    # not pay falls back to plain decoding, within a bounded loss (docs/algorithm.md "The floor"); on by
+    # default. false: speculation "auto" runs the K-matrix or load adaptation as it is (a baseline).
+    floor: bool = True
     # The ways of drafting its trial chooses between, wherever speculation adapts to load (scheduling.trial.ARMS);
     # None: every one the frontend can run. E.g. [full, budget] on a pool where drafting always pays, to
     # spare the trial its exploring; one arm alone: that arm, no trial.
@@ -246,6 +250,7 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
             "tls_cert_file",
             "tls_key_file",
             "adapt_to_load",
+            "floor",
             "load_arms",
             "shutdown_grace_s",
             "admission",
@@ -273,8 +278,9 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
         raise ConfigError(
             f"serving.shutdown_grace_s must be a number of seconds in [0, {MAX_SHUTDOWN_GRACE_S}], got {grace!r}"
         )
-    if not isinstance(serving.adapt_to_load, bool):
-        raise ConfigError(f"serving.adapt_to_load must be true or false, got {serving.adapt_to_load!r}")
+    for flag in ("adapt_to_load", "floor"):
+        if not isinstance(getattr(serving, flag), bool):
+            raise ConfigError(f"serving.{flag} must be true or false, got {getattr(serving, flag)!r}")
     serving = replace(serving, redis_url=resolve_redis_url(serving.redis_url, "serving.redis_url"))
     if (
         not isinstance(serving.session_namespace, str)

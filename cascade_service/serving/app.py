@@ -19,7 +19,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -40,9 +40,7 @@ from ..api.servicer import (
 )
 from ..api.tier.v1 import tier_pb2 as pb
 from ..config import (
-    CascadeConfig,
     Config,
-    ConfigError,
     ModelTierConfig,
     deployment_name,
     load_config,
@@ -62,14 +60,13 @@ from ..runtime.assemble import (
     hf_tokenizer,
     session_store,
 )
-from ..scheduling.load import DraftBudget, load_policies
-from ..scheduling.passes import PassTimer
 from ..startup import check_vocabularies
 from ..transport.client import RemoteModel, connect
 from ..transport.group import check_adaptive_reviewers, replica_tier, system_heads
 from ..transport.remote import RemoteTier
 from .calls import Calls, Stopped, raise_if_failed, reply_for
 from .placement import deployment_options
+from .policies import coordinator_policies, ray_arms
 from .ray_metrics import mirror_to_ray
 from .replica_http import replica_app
 from .session_actor import actor_store
@@ -173,7 +170,7 @@ class CoordinatorDeployment:
                     session_store(serving, lambda: Blocking(actor_store(serving))),
                     self.config.generation,
                     make_stopper=self.heads.stopper,  # SpecDec++ at a colocated reviewing tier
-                    policies=_load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None,
+                    policies=coordinator_policies(cascade, serving),
                 )
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
@@ -335,7 +332,7 @@ def app_builder(args: dict[str, Any]):
     redis_url = resolve_redis_url(args.get("redis_url") or None, "the app's redis_url argument")
     serving = config.serving
     if serving.adapt_to_load:
-        _ray_arms(serving.load_arms)  # a bad serving.load_arms fails here, not at the first request
+        ray_arms(serving.load_arms)  # a bad serving.load_arms fails here, not at the first request
     check_adaptive_reviewers(config.cascade, serving)
     # A foreign vocabulary fails here, before anything deploys (model directories this machine
     # cannot read are checked by the coordinator, once the tiers are up).
@@ -366,27 +363,3 @@ def app_builder(args: dict[str, Any]):
     return CoordinatorDeployment.options(name=COORDINATOR, **options).bind(  # type: ignore[attr-defined]
         path, handles, redis_url, options["max_ongoing_requests"]
     )
-
-
-RAY_ARMS = ("full", "lookup", "plain")
-
-
-def _load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> Callable[[bool], DraftBudget]:
-    """Load-adaptive speculation for the coordinator's requests (scheduling.load), without the "budget" arm.
-
-    Its cost model needs the target's batched passes and each request's share of the drafters' ones,
-    which live in other replicas here; the trial of the other arms only needs each round's wall time,
-    which the coordinator sees (every tier's reply and queueing included).
-    arms: serving.load_arms (None: RAY_ARMS).
-    """
-    return load_policies(PassTimer(), cascade.max_block(), _ray_arms(arms))
-
-
-def _ray_arms(arms: Sequence[str] | None) -> tuple[str, ...]:
-    """serving.load_arms as the Ray app runs them: RAY_ARMS when None; the "budget" arm is refused."""
-    if arms is not None and "budget" in arms:
-        raise ConfigError(
-            "serving.load_arms: the Ray app cannot run the 'budget' arm (its cost model needs "
-            f"the tiers' passes in the coordinator's process); choose among {list(RAY_ARMS)}"
-        )
-    return tuple(arms) if arms else RAY_ARMS

@@ -41,11 +41,13 @@ def sample_cascade(
     wrap=None,
     prediction=None,
     grammar=False,
+    policy=None,
 ):
     """Counts of the cascade's 3-token continuations over `samples` requests, and the exact target
     distribution. wire: every tier behind the wire codec in this process; wrap(tier, request_id): any
     other transport (a tier server); prediction: token ids the request predicts (core.prediction);
-    grammar: the request's output constrained by a ToyGrammar (and the exact distribution with it)."""
+    grammar: the request's output constrained by a ToyGrammar (and the exact distribution with it);
+    policy(): each request's block policy at the target (the K-matrix as configured when None)."""
     target, base, small = toy_tiers(*dtypes)
     models = {"base": base, "small": small}
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
@@ -60,6 +62,8 @@ def sample_cascade(
             state.prediction = StatisticalTier(PredictionProposer(prediction), VOCAB, PREDICTION)
         if grammar:
             state.grammar = ToyGrammar(VOCAB, PROMPT[-1])  # type: ignore[assignment]  # GrammarMask's interface
+        if policy is not None:
+            state.policy = policy()
         drafters = [MaxGram(bigram) if n == "mag" else models[n] for n in drafter_names]
         top, below = local_tiers(VOCAB, target, drafters)
         if wire:  # every tier behind the wire codec, as a remote tier is

@@ -100,6 +100,7 @@ def test_the_standalone_server_adapts_to_load_unless_told_to_fix_the_schedule(ti
 
     from cascade_service.config import Config
     from cascade_service.config.serving import ServingConfig
+    from cascade_service.scheduling.load import DraftBudget
     from cascade_service.standalone import start_standalone
 
     cascade = make_cascade(
@@ -114,7 +115,8 @@ def test_the_standalone_server_adapts_to_load_unless_told_to_fix_the_schedule(ti
     for config, flag, adapts in cases:
         served = start_standalone(config, adapt_to_load=flag)
         try:
-            assert (served.coordinator.policies is not None) == adapts, (flag, config.serving.adapt_to_load)
+            policy = served.coordinator.policies(True, "")  # the floor over load adaptation, or over the K-matrix
+            assert isinstance(policy.inner, DraftBudget) == adapts, (flag, config.serving.adapt_to_load)
             # Either way a greedy request is the target's own continuation.
             out = served.coordinator.generate(served.coordinator.params(prompt_ids=prompt, max_new_tokens=12))
             assert out.token_ids == oracle(tiny_family["target"], prompt, 12)
@@ -166,8 +168,11 @@ class _CyclingBudget:
         self.observed: list[tuple[int, int]] = []
         self.sources: set[str] = set()
 
-    def begin(self) -> None:
+    def begin(self, committed: int = 0, remaining: int = 0) -> None:
         self.begun += 1
+
+    def allows(self, source: str) -> bool:
+        return True
 
     def cap(self, source: str, offered: int, ceiling: int) -> int:
         self.calls += 1
@@ -195,7 +200,7 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
     )
     coordinator = Engine(cascade).coordinator(MemoryStore())
     budgets: list[_CyclingBudget] = []
-    coordinator.policies = lambda greedy: budgets.append(_CyclingBudget()) or budgets[-1]
+    coordinator.policies = lambda greedy, scope="": budgets.append(_CyclingBudget()) or budgets[-1]
     for prompt in random_prompts(3, 12, seed=44):
         prompt = prompt[:6] * 2  # repeats, so the MaG lookup finds matches
         out = coordinator.generate(coordinator.params(prompt_ids=prompt, max_new_tokens=30)).token_ids
@@ -221,7 +226,7 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     coordinator = engine.coordinator(MemoryStore(), adapt_to_load=True)
     made = []
     make = coordinator.policies
-    coordinator.policies = lambda greedy: made.append(make(greedy)) or made[-1]
+    coordinator.policies = lambda greedy, scope="": made.append(make(greedy, scope)) or made[-1]
     prompts = random_prompts(8, 10, seed=45)
     outputs: list[list[int] | None] = [None] * 8
 
@@ -232,6 +237,7 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     for prompt, out in zip(prompts, outputs):
         assert out == oracle(tiny_family["target"], prompt, 60)
     assert engine.target.batcher.timer.cost() is not None  # the cost was fitted and consulted
-    assert len(made) == 8 and all(b.chosen for b in made)
+    # under the floor (the default), the load budget caps what the floor lets draft
+    assert len(made) == 8 and all(floor.inner.chosen for floor in made)
     narrowed = engine.coordinator(MemoryStore(), adapt_to_load=True, arms=("plain", "lookup"))  # serving.load_arms
-    assert narrowed.policies(True).model.trial.arms == ("plain", "lookup")
+    assert narrowed.policies(True, "").inner.model.trial.arms == ("plain", "lookup")

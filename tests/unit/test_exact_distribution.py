@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from cascade_service.core import review as review_module
+from cascade_service.core.policy import FIXED
 from cascade_service.core.sampling import SamplingParams
+from cascade_service.scheduling.floor import FloorModel, GoodputFloor
 
 from ..helpers.toy import chi_square_rejects, exact_distribution
 from ..helpers.toy_cascade import CASES, LENGTH, PROMPT, SAMPLES, sample_cascade, toy_tiers
@@ -68,6 +70,34 @@ def test_under_a_grammar_the_output_is_distributed_as_the_masked_target(case, wi
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the masked target's"
     assert all(expected[seq] > 0 for seq in counts), "a sample the grammar refuses"
+
+
+@pytest.mark.parametrize("case", ["sd_small", "csd_base_mag_lookup", "csd_base_small_mag_lenient"])
+def test_the_distribution_is_exact_under_the_floor(case):
+    # The floor (scheduling.floor) turns a source on and off from what earlier rounds kept, its own
+    # request's and every request's: each round's block then depends on earlier draws, never on its own
+    # review's. A clock of its own makes a drafting round cost 1.8 plain steps, so the decision follows
+    # the acceptance the draws gave (on, off and probing all happen here).
+    model = FloorModel()
+    floors: list[GoodputFloor] = []
+
+    def policy() -> GoodputFloor:
+        clock = {"t": 0.0}
+
+        def tick() -> float:
+            clock["t"] += 1.0 + 0.8 * bool(floors[-1]._allowed)
+            return clock["t"]
+
+        floors.append(GoodputFloor(model, False, FIXED, clock=tick))
+        return floors[-1]
+
+    names, k, leniency, *lookup = CASES[case]
+    lookup_gate = lookup[0] if lookup else None
+    counts, expected = sample_cascade(names, k, leniency, SamplingParams(1.0), lookup=lookup_gate, policy=policy)
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
+    drafted = sum(f.drafting_rounds for f in floors)
+    assert 0 < drafted < sum(f.rounds for f in floors)  # it drafted in some rounds and not in others
 
 
 @pytest.mark.parametrize("case", ["csd_base_mag_lookup", "csd_base_small_mag_lenient"])

@@ -333,7 +333,7 @@ def test_an_arm_caps_every_round_and_only_drafting_rounds_teach_the_budget():
 def test_the_ray_coordinator_tries_every_arm_but_the_cost_model():
     from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
     from cascade_service.core.cascade import Lookup
-    from cascade_service.serving.app import _load_budgets
+    from cascade_service.serving.policies import load_budgets
 
     cascade = make_cascade(
         ModelTierConfig("large", "/m/large"),
@@ -342,13 +342,13 @@ def test_the_ray_coordinator_tries_every_arm_but_the_cost_model():
         1.0,
         Lookup(2, 12),
     )
-    budget = _load_budgets(cascade)(True)
+    budget = load_budgets(cascade)(True)
     # The coordinator cannot charge remote drafters' passes, so the cost model's arm is left out.
     assert budget.model.trial.arms == ("full", "lookup", "plain") and budget.model.max_block == 12
     # serving.load_arms narrows them, and cannot bring the cost model back in.
-    assert _load_budgets(cascade, ("plain", "lookup"))(False).model.trial.arms == ("plain", "lookup")
+    assert load_budgets(cascade, ("plain", "lookup"))(False).model.trial.arms == ("plain", "lookup")
     with pytest.raises(ConfigError, match=r"serving\.load_arms: the Ray app cannot run the 'budget' arm"):
-        _load_budgets(cascade, ("full", "budget"))
+        load_budgets(cascade, ("full", "budget"))
 
 
 def test_a_full_budget_leaves_the_ceiling_as_the_fixed_schedule_does():

@@ -1,0 +1,284 @@
+"""A floor under the speedup: each request drafts only while its own measured rounds say drafting beats
+plain decoding, and what it may lose finding that out is bounded (docs/algorithm.md "The floor under the
+speedup" states the rules and the guarantee; this is their code).
+
+A round's cost c is what the request spent from the start of one target round to the start of the next
+(`passes.spent`), its yield n the tokens it committed; plain decoding's cost per token p is measured the
+same way from rounds that drafted nothing (the request's own once it has had two, else every request's
+at this load level; where none was measured lately, a calibration round drafts nothing). A drafting round
+earns n p; its gain ratio is n p / c. Per source ("lookup": the MaG lookup gate; "model": the K-matrix's
+drafters) a request keeps decayed sums of n p and c, started from every request's at its level (its own
+API key's, greedy and sampled apart) as `prior_rounds` rounds' worth, and a source drafts while its
+ratio is at least 1 (less `margin` once on, more once off). A round belongs to the source that filled
+its block (a lookup that found nothing: a plain round). A source that rested is behind: its first round
+back pays a catch-up (reading the tokens committed meanwhile), which counts against the budget but not
+in its ratio, and it is let back only where the tokens the request has left can pay that back.
+
+The budget: L = sum over drafting rounds of (c - n p) stays within CREDIT p + EPSILON (plain time of
+the request's tokens), plus one round: a source not shown to pay drafts only as a probe whose expected
+loss fits under the bound on its own; past the bound only a source the request's own rounds showed to
+pay drafts. Probes come one stint (its catch-up round, one judged round) every `interval` rounds off,
+the interval tuned by every request's probes within [probe_min, probe_max] and doubled for the request
+after each of its failed probes; a probe that paid decides on its own, so no past locks a source out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
+from .goodput import (
+    BEHIND,
+    CREDIT,
+    DEFAULTS,
+    EPSILON,
+    FloorModel,
+    FloorSettings,
+    Gain,
+    Level,
+    ewma,
+)
+from .passes import spent
+
+__all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
+
+# A probe's stint ends after its judged round, or after this many rounds: a lookup's round is judged only
+# where MaG found a match (a miss drafts nothing and costs almost nothing), so its stint waits longer.
+PROBE_ROUNDS = {"lookup": 8, "model": 3}
+PROBE_HOPE = 2.0  # a probe is worth its catch-up only if a source earning this ratio would pay it back
+
+
+class GoodputFloor:
+    """One request's floor (see the module's docstring): a block policy over `inner` (the K-matrix as
+    configured, or load adaptation), which caps the sources the floor lets draft."""
+
+    def __init__(
+        self,
+        model: FloorModel,
+        greedy: bool,
+        inner: BlockPolicy,
+        clock: Callable[[], float] = spent,
+        scope: str = "",
+    ):
+        self.model, self.greedy, self.inner, self.clock, self.scope = model, greedy, inner, clock, scope
+        self.settings = model.settings
+        self.rounds = 0  # target rounds begun
+        self.drafting_rounds = 0  # of them, rounds whose block a source filled
+        self.loss = 0.0  # L: seconds its drafting rounds lost against plain decoding
+        self.plain_equivalent = 0.0  # plain decoding's time for the tokens of its judged rounds
+        self._own: dict[str, Gain] | None = None  # from the prior, at its first judged round
+        self._own_plain: float | None = None
+        self._own_plain_rounds = 0
+        self._on = set(SOURCES)
+        self._read = dict.fromkeys(SOURCES, 0)  # committed tokens each source has read
+        self._waited = dict.fromkeys(SOURCES, 0)
+        self._interval: dict[str, int] = {}
+        self._probing: dict[str, int] = {}  # source -> rounds of its probe's stint so far
+        self._stint: set[str] = set()  # sources that caught up and have not had a judged round since
+        self._mine = {s: Gain() for s in SOURCES}  # its own judged rounds per source, the prior aside
+        # the round under way: its level, p, committed length, the sources let draft, the one that did
+        self._level: Level | None = None
+        self._p: float | None = None
+        self._committed = 0
+        self._remaining = 0
+        self._allowed: frozenset[str] = frozenset()
+        self._source: str | None = None
+        self._began = 0.0
+        self._pending: tuple[str | None, int, int] | None = None  # (source, tokens, behind): judged next round
+
+    # --- the block policy ------------------------------------------------------------------------
+
+    def begin(self, committed: int = 0, remaining: int = 0) -> None:
+        now = self.clock()
+        if self._pending is not None:  # the last round ran from its begin to this one's
+            self._judge(*self._pending, now - self._began)
+            self._pending = None
+        self._began, self._committed, self._remaining = now, committed, remaining
+        self.inner.begin(committed, remaining)
+        self.model.started(self)
+        self.rounds += 1
+        self._level = self.model.at(self.greedy, self.model.level(), self.scope)
+        self._source = None
+        self._read_now: set[str] = set()
+        self._allowed = self._decide(self._level)
+
+    def allows(self, source: str) -> bool:
+        if source not in self._allowed or not self.inner.allows(source):
+            return False
+        if source == "lookup":
+            self._read_now.add(source)  # asked, MaG reads the committed tokens whether it finds a match or not
+        return True
+
+    def cap(self, source: str, offered: int, ceiling: int) -> int:
+        if source not in self._allowed:
+            return 0
+        k = self.inner.cap(source, offered, ceiling)
+        if k > 0:
+            self._source = source  # the block is this source's (a later cap of 0 keeps it so)
+            self._read_now.add(source)
+        return k
+
+    def drafted(self) -> None:
+        self.inner.drafted()
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """The review is in; the round is judged at the next one's begin (see the module's docstring)."""
+        self.model.ended(self)
+        self.inner.observe(drafted, accepted)
+        source = self._source if drafted > 0 else None
+        behind = self._committed - self._read[source] if source is not None else 0
+        for asked in self._read_now:
+            self._read[asked] = self._committed + accepted + 1  # it read up to the block it drafted
+        if source is None and drafted > 0:
+            return  # the request's prediction or its grammar's forced tokens filled it: not the floor's to judge
+        if source is not None:
+            self.drafting_rounds += 1
+        self._pending = (source, accepted + 1, behind)
+
+    # --- what a round taught ---------------------------------------------------------------------
+
+    def _judge(self, source: str | None, tokens: int, behind: int, cost: float) -> None:
+        here, p = self._level, self._p
+        if self.rounds == 1 or here is None:  # the prompt's prefill is in it: no evidence of a round's cost
+            return
+        if source is None:
+            self._own_plain = ewma(self._own_plain, cost, 0.3)
+            self._own_plain_rounds += 1
+            self.model.plain(here, cost)
+            if p is not None:
+                self.plain_equivalent += tokens * p
+            return
+        assert p is not None and self._own is not None  # a source drafts only where p is known
+        earned = tokens * p
+        self.loss += cost - earned
+        self.plain_equivalent += earned
+        own = self._own[source]
+        if behind > BEHIND:  # a catch-up: the budget's, and what catching up costs per token, not the ratio's
+            running = here.gains[source].mean_cost() or p  # what the round would have cost without it
+            self.model.caught_up(here, source, max(0.0, cost - running) / behind)
+            self._stint.add(source)  # its next round is judged, whatever the budget says: it paid to get there
+            return
+        self._stint.discard(source)
+        decay = self.settings.lookup_decay if source == "lookup" else self.settings.own_decay
+        self._mine[source].add(earned, cost, decay)
+        own.add(earned, cost, decay)
+        self.model.drafted(here, source, earned, cost)
+        if source in self._probing:
+            del self._probing[source]
+            paid = earned >= cost
+            if paid:  # its own round paid: that, not every request's past, decides now (a prior cannot lock it out)
+                own.earned, own.cost, own.rounds = (
+                    self._mine[source].earned,
+                    self._mine[source].cost,
+                    self._mine[source].rounds,
+                )
+            settings = self.settings
+            self._interval[source] = settings.probe_min if paid else min(settings.probe_max, 2 * self._interval[source])
+            self.model.probed(here, source, paid)
+
+    # --- the decision ----------------------------------------------------------------------------
+
+    def _decide(self, here: Level) -> frozenset[str]:
+        """The sources that may draft this round."""
+        if self.rounds == 1:  # the prefill round: draft where every request's rounds here say it pays
+            self._p = None
+            p = self._own_plain if self._own_plain_rounds >= 2 else here.plain_s
+            return frozenset(
+                s for s in SOURCES if _at_least_one(here.gains[s].ratio()) and self._pays_back(here, s, p, None)
+            )
+        calibrate = self.model.calibrating(here)
+        self._p = p = self._own_plain if self._own_plain_rounds >= 2 else here.plain_s
+        if p is None or calibrate:
+            return frozenset()
+        if self._own is None:
+            self._own = {s: _prior(here.gains[s], p, self.settings.prior_rounds) for s in SOURCES}
+            self._interval = dict(here.interval)
+        settings = self.settings
+        bound = settings.credit * p + settings.epsilon * self.plain_equivalent
+        over = self.loss > bound  # then only what its own rounds showed to pay drafts
+        allowed = set()
+        for source in SOURCES:
+            if source in self._probing:  # a probe's stint goes on until it has a judged round
+                self._probing[source] += 1
+                if self._probing[source] <= PROBE_ROUNDS[source]:
+                    allowed.add(source)
+                    continue
+                del self._probing[source]
+            if source in self._stint:  # caught up: one judged round, to know what it earns
+                allowed.add(source)
+                continue
+            # Within the bound the estimate decides (every request's prior in it); past it, only the
+            # request's own rounds: a source they show to pay earns the loss back.
+            ratio = (self._mine if over else self._own)[source].ratio()
+            if over and ratio is None:
+                ratio = 0.0
+            if ratio is None or ratio >= 1.0 + (-settings.margin if source in self._on else settings.margin):
+                if self._pays_back(here, source, p, ratio):  # a source running is never behind: it pays nothing
+                    allowed.add(source)
+                continue
+            if over:
+                continue
+            self._waited[source] += 1
+            # A probe must fit under the bound on its own: what the other source earned does not pay for it
+            # (a model probe that must read a long context costs several plain steps, and rarely pays).
+            if (
+                self._waited[source] >= self._interval[source]
+                and max(self.loss, 0.0) + self._probe_loss(here, source, p) <= bound
+                and self._pays_back(here, source, p, PROBE_HOPE)
+            ):
+                allowed.add(source)
+                self._probing[source] = 1
+                self._waited[source] = 0
+        self._on = {s for s in allowed if s not in self._probing}
+        return frozenset(allowed)
+
+    def _pays_back(self, here: Level, source: str, p: float | None, ratio: float | None) -> bool:
+        """Whether a source that must first catch up (read the tokens committed while it rested: the whole
+        prompt if it never drafted) can earn that back in the tokens the request has left: at gain ratio
+        r a token saves p (1 - 1/r). The first catch-up at a level (no rate measured yet), and a ratio
+        or p not known, are given the benefit of the doubt."""
+        behind = self._committed - self._read[source]
+        rate = here.catch_up_s[source]
+        if behind <= BEHIND or rate is None or p is None:
+            return True
+        if ratio is None:
+            ratio = here.gains[source].ratio()
+        if ratio is None:
+            return True
+        return self._remaining * p * (1.0 - 1.0 / max(ratio, 1e-9)) >= rate * behind
+
+    def _probe_loss(self, here: Level, source: str, p: float) -> float:
+        """What a probe of `source` loses if it earns no more than plain decoding: one running round's
+        expected cost less p, twice where it is behind (its catch-up round, and one judged round), plus
+        catching up (every request's rate per token behind, times the tokens)."""
+        assert self._own is not None
+        running = max(0.0, (self._own[source].mean_cost() or p) - p)
+        behind = self._committed - self._read[source]
+        if behind <= BEHIND:
+            return running
+        return 2 * running + (here.catch_up_s[source] or 0.0) * behind
+
+
+def _prior(population: Gain, p: float, rounds: float) -> Gain:
+    """A request's start: every request's rounds at its level as `rounds` rounds' worth; where none were
+    measured, one round that earned what it cost (a ratio of 1: no opinion, but then a single round of
+    its own does not decide alone)."""
+    if population.rounds > 0.0:
+        return population.scaled(rounds)
+    return Gain(p, p, 1.0)
+
+
+def _at_least_one(ratio: float | None) -> bool:
+    return ratio is None or ratio >= 1.0
+
+
+def floor_policies(inner: PolicyFactory | None, settings: FloorSettings = DEFAULTS) -> PolicyFactory:
+    """The coordinator's policy per request, given whether it is greedy and its scope (its API key's
+    salt): the floor over `inner`'s policy (load adaptation), or over the K-matrix as configured where
+    `inner` is None."""
+    model = FloorModel(settings)
+
+    def policy(greedy: bool, scope: str = "") -> BlockPolicy:
+        return GoodputFloor(model, greedy, inner(greedy, scope) if inner is not None else FIXED, scope=scope)
+
+    return policy

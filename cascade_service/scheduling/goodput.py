@@ -1,0 +1,157 @@
+"""What every request's floor (scheduling.floor) learns from and is bounded by: its settings, and the
+evidence every request of an API key leaves at a load level and sampling kind: what a plain round
+costs, what each source's drafting rounds earned, what catching up costs per token, how often to probe;
+and the load itself (target rounds in flight, the machine's)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.policy import SOURCES
+
+
+@dataclass(frozen=True)
+class FloorSettings:
+    """The floor's knobs (scheduling.floor and docs/algorithm.md say what each bounds)."""
+
+    # The share of plain decoding's time a request's drafting may lose, and the plain steps it may lose
+    # before its drafting has earned anything. Both are what finding out costs: with 1% and one step, a
+    # couple of rejected lookups early in a 64-token request stopped every lookup for the rest of it,
+    # and the default ran at 0.89x the fixed cascade on the family's own prompts and 0.99x plain on the
+    # prompts where drafts disagree; with 3% and three steps, 0.95x and 1.04x (bench.floor_settings).
+    epsilon: float = 0.03
+    credit: float = 3.0
+    margin: float = 0.02  # hysteresis around a gain ratio of 1
+    prior_rounds: float = 2.0  # every request's rounds at this level count as this many of a new request's own
+    # Per own round of a source: the estimate follows the text as it changes. A lookup's rounds are few
+    # and all-or-nothing (a match copied whole, or rejected at once), so its memory is longer.
+    own_decay: float = 0.9
+    lookup_decay: float = 0.97
+    probe_min: int = 4  # a source's rounds off between its probes, at least
+    probe_max: int = 64  # and at most
+
+
+DEFAULTS = FloorSettings()
+EPSILON, CREDIT = DEFAULTS.epsilon, DEFAULTS.credit  # the bound's terms, as scheduling.floor names them
+POPULATION_DECAY = 1.0 - 1.0 / 64  # per round of a source at a level, over every request
+SMOOTHING = 0.1  # EWMA of a plain round's cost, and of catching up per token
+BEHIND = 16  # tokens a source may trail the committed sequence by and still be running (a lookup round's)
+CALIBRATE = 128  # rounds at a level without a plain one: the next round there drafts nothing
+LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
+
+
+@dataclass
+class Gain:
+    """Decayed sums over rounds of one source: plain-equivalent seconds (n p), seconds spent (c), rounds."""
+
+    earned: float = 0.0
+    cost: float = 0.0
+    rounds: float = 0.0
+
+    def add(self, earned: float, cost: float, decay: float) -> None:
+        self.earned = self.earned * decay + earned
+        self.cost = self.cost * decay + cost
+        self.rounds = self.rounds * decay + 1.0
+
+    def ratio(self) -> float | None:
+        return self.earned / self.cost if self.cost > 0.0 else None
+
+    def mean_cost(self) -> float | None:
+        return self.cost / self.rounds if self.rounds > 0.0 else None
+
+    def scaled(self, rounds: float) -> Gain:
+        """The same means, as `rounds` rounds' worth."""
+        if self.rounds <= 0.0:
+            return Gain()
+        f = rounds / self.rounds
+        return Gain(self.earned * f, self.cost * f, rounds)
+
+
+def ewma(old: float | None, new: float, weight: float = SMOOTHING) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+@dataclass
+class Level:
+    """Every request's evidence at one load level, for one sampling kind."""
+
+    plain_s: float | None = None  # a round's cost when it drafted nothing (EWMA)
+    since_plain: int = 0  # rounds here since the last plain one
+    gains: dict[str, Gain] = field(default_factory=lambda: {s: Gain() for s in SOURCES})
+    catch_up_s: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))  # per token behind
+    interval: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, DEFAULTS.probe_min))
+
+
+class FloorModel:
+    """What every request's floor consults and feeds: plain rounds' cost and every request's drafting
+    rounds, by API key (a request learns only from its own key's: invariant 8, neither content nor
+    timing crosses tenants), load level and sampling kind; and the load itself (target rounds in
+    flight, the machine's). The least recently used keys' evidence goes past SCOPES keys."""
+
+    SCOPES = 1024
+
+    def __init__(self, settings: FloorSettings = DEFAULTS) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._levels: OrderedDict[str, dict[tuple[bool, int], Level]] = OrderedDict()
+        self._in_round: weakref.WeakSet[Any] = weakref.WeakSet()  # a request that dies mid-round leaves
+        self._load = 1.0
+
+    def level(self) -> int:
+        """The load level: log2 of the target rounds in flight (smoothed), rounded."""
+        return max(0, round(math.log2(max(self._load, 1.0))))
+
+    def at(self, greedy: bool, level: int, scope: str = "") -> Level:
+        with self._lock:
+            levels = self._levels.get(scope)
+            if levels is None:
+                levels = self._levels[scope] = {}
+                while len(self._levels) > self.SCOPES:
+                    self._levels.popitem(last=False)
+            else:
+                self._levels.move_to_end(scope)
+            found = levels.get((greedy, level))
+            if found is None:
+                found = levels[(greedy, level)] = Level(interval=dict.fromkeys(SOURCES, self.settings.probe_min))
+            return found
+
+    def started(self, floor: Any) -> None:
+        with self._lock:
+            self._in_round.add(floor)
+            self._load += LOAD_SMOOTHING * (len(self._in_round) - self._load)
+
+    def ended(self, floor: Any) -> None:
+        with self._lock:
+            self._in_round.discard(floor)
+
+    def calibrating(self, here: Level) -> bool:
+        """Whether this round at `here` must draft nothing: no plain round measured there, or none lately."""
+        with self._lock:
+            if here.plain_s is not None and here.since_plain < CALIBRATE:
+                here.since_plain += 1
+                return False
+            here.since_plain = 0  # this round is the calibration: the others go on drafting meanwhile
+            return True
+
+    def plain(self, here: Level, cost: float) -> None:
+        with self._lock:
+            here.since_plain = 0
+            here.plain_s = ewma(here.plain_s, cost)
+
+    def drafted(self, here: Level, source: str, earned: float, cost: float) -> None:
+        with self._lock:
+            here.gains[source].add(earned, cost, POPULATION_DECAY)
+
+    def caught_up(self, here: Level, source: str, per_token: float) -> None:
+        with self._lock:
+            here.catch_up_s[source] = ewma(here.catch_up_s[source], per_token)
+
+    def probed(self, here: Level, source: str, paid: bool) -> None:
+        with self._lock:
+            step = here.interval[source] // 2 if paid else here.interval[source] * 2
+            here.interval[source] = min(self.settings.probe_max, max(self.settings.probe_min, step))

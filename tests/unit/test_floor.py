@@ -1,0 +1,221 @@
+"""The floor under the speedup (scheduling.floor), on simulated rounds with a clock of our own: a request
+whose drafts do not pay falls back to plain decoding within a few rounds and loses no more than its
+bound; one whose drafts pay keeps drafting; probes come at a bounded rate; what catching up costs is
+the budget's, not the ratio's; the population's evidence starts a new request; load levels and sampling
+kinds are judged apart; the inner policy's caps and vetoes stand."""
+
+from __future__ import annotations
+
+import pytest
+
+from cascade_service.core.policy import FIXED, OFF
+from cascade_service.scheduling import goodput as fl
+from cascade_service.scheduling.floor import CREDIT, EPSILON, FloorModel, GoodputFloor
+
+PLAIN_S = 1.0  # a plain round's cost, in the clock's units
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Request:
+    """One request's rounds: each drafting source's round costs `cost[source]` (plus `catch_up` per token
+    it is behind) and keeps `accept[source]` of the `k` drafts it is capped at; a plain round costs PLAIN_S."""
+
+    def __init__(self, model: FloorModel, greedy: bool = True, inner=FIXED, prompt: int = 100, budget: int = 10_000):
+        self.clock = Clock()
+        self.floor = GoodputFloor(model, greedy, inner, clock=self.clock)
+        self.committed = prompt
+        self.end = prompt + budget  # max_new_tokens
+        self.sources: list[str | None] = []
+        self.read = {"lookup": 0, "model": 0}
+
+    def round(self, cost: dict, accept: dict, k: int = 4, hit: bool = False, catch_up: float = 0.0) -> str | None:
+        floor = self.floor
+        floor.begin(self.committed, self.end - self.committed)
+        source, drafted = None, 0
+        if hit and floor.allows("lookup"):
+            drafted = floor.cap("lookup", k, k)
+            source = "lookup" if drafted else None
+        if source is None and floor.allows("model"):
+            drafted = floor.cap("model", k, 16)
+            source = "model" if drafted else None
+        accepted = min(accept.get(source, 0), drafted)
+        spent = PLAIN_S if source is None else cost[source]
+        if source is not None:
+            spent += catch_up * max(0, self.committed - self.read[source] - 1)
+            self.read[source] = self.committed + accepted + 1
+        self.clock.t += spent
+        floor.observe(drafted, accepted)
+        self.committed += accepted + 1
+        self.sources.append(source)
+        return source
+
+    def plain_time(self) -> float:
+        return (self.committed - 100) * PLAIN_S
+
+
+BAD = ({"model": 1.6}, {"model": 0})  # a model round that keeps nothing: 1 token for 1.6 plain steps
+GOOD = ({"model": 1.6}, {"model": 3})  # 4 tokens for 1.6 plain steps: 2.5x
+
+
+def run(request: Request, rounds: int, shape=BAD, **kw) -> Request:
+    for _ in range(rounds):
+        request.round(*shape, **kw)
+    return request
+
+
+def test_drafts_that_do_not_pay_fall_back_to_plain_within_a_few_rounds():
+    request = run(Request(FloorModel()), 200)
+    drafting = [i for i, s in enumerate(request.sources) if s is not None]
+    assert drafting[:2] == [0, 2]  # the prompt's round drafts (nothing known), the next one measures p
+    assert len([i for i in drafting if i < 20]) <= 4  # one losing round turned it off; probes follow
+    # after that only probes: at most one stint per probe_min rounds off, and far fewer as they keep failing
+    assert len([i for i in drafting if i >= 20]) <= 180 // fl.DEFAULTS.probe_min // 2
+
+
+@pytest.mark.parametrize("catch_up", [0.0, 0.01])
+def test_what_drafting_loses_stays_within_the_bound_plus_one_round(catch_up):
+    request = run(Request(FloorModel()), 400, catch_up=catch_up)
+    floor = request.floor
+    worst_round = 1.6 + catch_up * 400 - PLAIN_S
+    assert floor.loss <= CREDIT * PLAIN_S + EPSILON * floor.plain_equivalent + worst_round
+    # and the clock agrees: the request took at most that much longer than plain decoding of its tokens
+    assert request.clock.t <= request.plain_time() * (1 + EPSILON) + CREDIT * PLAIN_S + worst_round + 1.6
+
+
+def test_drafts_that_pay_keep_drafting():
+    request = run(Request(FloorModel()), 100, GOOD)
+    assert request.sources.count("model") >= 97  # all but the calibration round
+    assert request.floor.loss < 0  # it gained
+
+
+def test_a_request_that_starts_paying_is_found_by_a_probe_and_drafts_again():
+    request = run(Request(FloorModel()), 40)
+    assert request.sources[-8:].count("model") <= 1
+    run(request, 80, GOOD)
+    assert request.sources[-30:].count("model") >= 28
+
+
+def test_a_catch_up_round_counts_in_the_budget_but_not_in_the_ratio():
+    # drafting pays 2.5x once running, but its first round after a long rest reads 2,000 tokens
+    model = FloorModel()
+    request = Request(model, prompt=2000)
+    request.floor.begin(2000, 10_000)  # the prompt's round: its drafters did not read the prompt
+    request.clock.t += 50.0
+    request.floor.observe(0, 0)
+    run(request, 60, GOOD, catch_up=0.002)
+    assert request.sources[-20:].count("model") >= 18  # the catch-up (4 plain steps) did not turn it off
+    level = model.at(True, 0)
+    assert level.gains["model"].ratio() == pytest.approx(4 / 1.6)  # judged rounds only
+    # per token behind: its 2,001 tokens at 0.002, beyond a running round's cost (p before any ran: the
+    # round's own 0.6 above p counts as catching up too)
+    assert level.catch_up_s["model"] == pytest.approx((4.0 + 0.6) / 2001)
+
+
+def test_a_source_that_must_catch_up_drafts_only_where_the_request_has_tokens_left_to_pay_it_back():
+    def prompt_round(request: Request) -> None:  # its drafters did not read the prompt (a lookup filled it, say)
+        request.floor.begin(request.committed, request.end - request.committed)
+        request.clock.t += 50.0
+        request.floor.observe(0, 0)
+        request.committed += 1
+
+    model = FloorModel()
+    first = Request(model, prompt=2000)
+    prompt_round(first)
+    run(first, 40, ({"model": 1.6}, {"model": 1}), catch_up=0.002)  # 2 tokens for 1.6 steps: 1.25x
+    assert model.at(True, 0).catch_up_s["model"] is not None
+    # 1.25x saves 0.2 of a plain step a token: reading 2,000 tokens (4 steps) takes 20 tokens to pay back
+    short = Request(model, prompt=2000, budget=12)
+    long = Request(model, prompt=2000, budget=400)
+    for request in (short, long):
+        prompt_round(request)
+        run(request, 10, ({"model": 1.6}, {"model": 1}), catch_up=0.002)
+    assert short.sources.count("model") == 0 and long.sources.count("model") >= 8
+
+
+def test_a_new_request_starts_from_every_requests_evidence():
+    model = FloorModel()
+    for _ in range(3):
+        run(Request(model), 30)
+    fresh = run(Request(model), 12)
+    assert fresh.sources[0] is None  # the prompt's round: every request's rounds here said model drafting loses
+    assert fresh.sources.count("model") <= 1
+
+
+def test_what_one_api_key_taught_never_reaches_another_keys_requests():
+    # invariant 8: a request starts from its own key's evidence only (timing must not cross tenants)
+    model = FloorModel()
+    for _ in range(3):
+        request = Request(model)
+        request.floor.scope = "alice"
+        run(request, 30)  # alice's drafts never pay
+    alice, bob = Request(model), Request(model)
+    alice.floor.scope, bob.floor.scope = "alice", "bob"
+    run(alice, 1), run(bob, 1)
+    assert alice.sources == [None] and bob.sources == ["model"]  # bob's first round drafts, nothing known
+
+
+def test_greedy_and_sampled_requests_learn_apart():
+    model = FloorModel()
+    for _ in range(3):
+        run(Request(model, greedy=False), 30)  # sampled: drafts never pay
+    for _ in range(3):
+        run(Request(model, greedy=True), 30, GOOD)
+    greedy = run(Request(model, greedy=True), 10, GOOD)
+    assert greedy.sources[0] == "model" and greedy.sources.count("model") >= 8
+
+
+def test_load_levels_follow_the_rounds_in_flight():
+    model = FloorModel()
+    floors = [GoodputFloor(model, True, FIXED, clock=Clock()) for _ in range(16)]
+    for floor in floors:
+        floor.begin(10)
+    for i in range(200):  # 16 requests, each always in a round but for the moment between two
+        floors[i % 16].observe(0, 0)
+        floors[i % 16].begin(10)
+    assert model.level() == 4
+    assert floors[0]._level is model.at(True, 4)
+    for floor in floors[1:]:
+        floor.observe(0, 0)
+    for _ in range(60):  # now alone
+        floors[0].observe(0, 0)
+        floors[0].begin(10)
+    assert model.level() == 0
+
+
+class LookupsOnly(type(FIXED)):  # type: ignore[misc]
+    def allows(self, source: str) -> bool:
+        return source == "lookup"
+
+
+def test_a_lookup_that_finds_nothing_is_a_plain_round():
+    request = Request(FloorModel(), inner=LookupsOnly())
+    request.round({}, {}, hit=False)
+    request.round({}, {}, hit=False)
+    floor = request.floor
+    floor.begin(request.committed)
+    assert floor.allows("lookup")
+    request.clock.t += 1.05
+    floor.observe(0, 0)  # it drafted nothing
+    floor.begin(request.committed + 1)
+    assert floor.drafting_rounds == 0 and floor.loss == 0.0
+    assert floor._own_plain_rounds == 2  # the calibration round and the lookup's miss
+
+
+def test_the_inner_policys_veto_and_caps_stand():
+    request = run(Request(FloorModel(), inner=OFF), 20, GOOD)
+    assert request.sources == [None] * 20  # OFF lets nothing draft, so the floor drafts nothing either
+
+
+def test_an_unknown_plain_cost_makes_the_round_plain_and_a_stale_one_is_measured_again():
+    model = FloorModel()
+    request = run(Request(model), 3, GOOD)
+    assert request.sources[1] is None  # no plain round measured at this level: a calibration
+    run(request, fl.CALIBRATE + 2, GOOD)
+    assert request.sources[3:].count(None) == 1  # one more after CALIBRATE rounds without a plain one
