@@ -18,6 +18,7 @@ import torch
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask, GrammarSpec
 from .mag import MaxGram
+from .placement import host_reads
 from .review import ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, sample
 from .stats import TierCounters, Usage
@@ -29,6 +30,17 @@ from .verify import final_rule
 def seeded(seed: int) -> torch.Generator:
     """The generator of one tier call (its draws move to the sampled tensor's device: core.placement)."""
     return torch.Generator().manual_seed(seed)
+
+
+def _generator(sampling: SamplingParams, seed: int, rule: ReviewRule | None = None) -> torch.Generator:
+    """A call's generator; greedy drafting and a review that draws nothing share one unseeded one rather
+    than make a generator per call on the round's critical path."""
+    if sampling.greedy and (rule is None or not rule.draws):
+        return _NO_DRAWS
+    return seeded(seed)
+
+
+_NO_DRAWS = torch.Generator()
 
 
 class ModelTier:
@@ -63,7 +75,7 @@ class ModelTier:
             request.context,
             request.k,
             request.sampling,
-            seeded(request.seed),
+            _generator(request.sampling, request.seed),
             request.eos_ids,
             self.vocab_size,
             counters,
@@ -95,7 +107,7 @@ class ModelTier:
             rule,
             request.leniency,
             request.sampling,
-            seeded(request.seed),
+            _generator(request.sampling, request.seed, rule),
             counters,
             request.logprobs,
             request.allowed,
@@ -217,9 +229,14 @@ def draft_autoregressive(
                 break
             allowed = mask[None]
         probs = sampling.probs(_score(scorer, scored, 1, counters), scored.tokens, allowed)[0]  # [V]
-        token = int(probs.argmax()) if sampling.greedy else sample(probs, generator)
+        if sampling.greedy:  # the token and its probability in one read (core.placement)
+            best, p_best, _ = host_reads(probs[None], [])
+            token, p_token = best[0], p_best[0]
+        else:
+            token = sample(probs, generator)
+            p_token = float(probs[token])
         tokens.append(token)
-        token_probs.append(float(probs[token]))
+        token_probs.append(p_token)
         rows.append(probs)
         if token in eos_ids:  # nothing after EOS can be kept
             break

@@ -118,75 +118,80 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
     return uniq, torch.zeros_like(uniq).scatter_add_(0, inverse, counts)
 
 
-class _Sequence:
-    """The request's tokens followed by this call's proposals, without copying the long prefix."""
+def _span(tokens: list[int], proposal: list[int], start: int, stop: int) -> list[int]:
+    """(tokens + proposal)[start:stop], without copying `tokens`."""
+    n = len(tokens)
+    if stop <= n:
+        return tokens[start:stop]
+    if start >= n:
+        return proposal[start - n : stop - n]
+    return tokens[start:] + proposal[: stop - n]
 
-    def __init__(self, tokens: list[int]):
-        self.tokens = tokens
-        self.extra: list[int] = []
 
-    def __len__(self) -> int:
-        return len(self.tokens) + len(self.extra)
-
-    def __getitem__(self, i: int) -> int:
-        n = len(self.tokens)
-        return self.tokens[i] if i < n else self.extra[i - n]
-
-    def span(self, start: int, stop: int) -> list[int]:
-        return [self[i] for i in range(start, stop)]
+_KEY = 1 << 32  # an edge's key: parent node * _KEY + token (an int: no tuple to build or hash per step)
 
 
 class _Trie:
     """N-grams read right to left: node (parent, token) extends its parent's n-gram one token leftwards.
 
-    Each node keeps the position of the token that followed the n-gram's earliest occurrence. Keys are
-    pairs, so adding or looking up an n-gram costs one dict operation per length, not one per token.
-    An overlay (base given) adds nodes on top of a base trie without changing it.
+    Each node keeps the position of the token that followed the n-gram's earliest occurrence. Adding or
+    looking up an n-gram costs one dict operation per length, not one per token. An overlay (base
+    given) adds nodes on top of a base trie without changing it.
+
+    Sequences are read through a window: `seq[i - offset]` is the sequence's token i, and `seq` holds at
+    least max_ngram tokens before the first position indexed or matched, so a call never copies the
+    long prefix it does not read.
     """
 
     def __init__(self, max_ngram: int, base: _Trie | None = None):
         self.max_ngram = max_ngram
         self.base = base
-        self.edges: dict[tuple[int, int], int] = {}
+        self.edges: dict[int, int] = {}
         self.follow: list[int] = []
         self.first_id: int = 1 if base is None else base.first_id + len(base.follow)  # 0 is the root
         self.ops = 0
-
-    def child(self, node: int, token: int) -> int | None:
-        self.ops += 1
-        if self.base is not None and node < self.first_id:
-            found = self.base.edges.get((node, token))
-            if found is not None:
-                return found
-        return self.edges.get((node, token))
 
     def follower(self, node: int) -> int:
         if node < self.first_id:
             return self.base.follower(node)  # type: ignore[union-attr]
         return self.follow[node - self.first_id]
 
-    def add(self, seq: _Sequence | list[int], j: int) -> None:
-        """Index every n-gram that ends just before position j, with seq[j] as its follower."""
-        node = 0
-        for n in range(1, min(self.max_ngram, j) + 1):
-            nxt = self.child(node, seq[j - n])
-            if nxt is None:
-                # Later occurrences never overwrite: the earliest one (prompt first) must win.
-                nxt = self.first_id + len(self.follow)
-                self.edges[(node, seq[j - n])] = nxt
-                self.follow.append(j)
-                self.ops += 1
-            node = nxt
+    def add(self, seq: Sequence[int], offset: int, lo: int, hi: int) -> None:
+        """For every position j in [lo, hi), index each n-gram that ends just before j, j its follower."""
+        # One tight loop with everything local: MaG indexes every committed token (a 700-token prompt
+        # is 11,000 steps at max_ngram 16), on the round's critical path.
+        edges, follow, first, max_ngram = self.edges, self.follow, self.first_id, self.max_ngram
+        base = self.base.edges if self.base is not None else None
+        new, ops = first + len(follow), 0
+        for j in range(max(lo, 1), hi):
+            node = 0
+            for n in range(1, min(max_ngram, j) + 1):
+                key = node * _KEY + seq[j - n - offset]
+                nxt = base.get(key) if base is not None and node < first else None
+                if nxt is None:
+                    nxt = edges.get(key)
+                    if nxt is None:
+                        # Later occurrences never overwrite: the earliest one (prompt first) must win.
+                        nxt = edges[key] = new
+                        new += 1
+                        follow.append(j)
+                        ops += 1
+                ops += 1
+                node = nxt
+        self.ops += ops
 
-    def longest_match(self, seq: _Sequence) -> int | None:
-        """Follower position of the earliest occurrence of seq's longest indexed suffix."""
-        return self.match(seq)[0]
-
-    def match(self, seq: _Sequence) -> tuple[int | None, int]:
-        """(follower position, length) of seq's longest indexed suffix; (None, 0) if none."""
-        node, end, length = 0, len(seq), 0
+    def match(self, seq: Sequence[int], offset: int, end: int) -> tuple[int | None, int]:
+        """(follower position, length) of the longest indexed suffix of the sequence's first `end`
+        tokens; (None, 0) if none."""
+        edges, first = self.edges, self.first_id
+        base = self.base.edges if self.base is not None else None
+        node, length = 0, 0
         for n in range(1, min(self.max_ngram, end - 1) + 1):
-            nxt = self.child(node, seq[end - n])
+            key = node * _KEY + seq[end - n - offset]
+            self.ops += 1
+            nxt = base.get(key) if base is not None and node < first else None
+            if nxt is None:
+                nxt = edges.get(key)
             if nxt is None:
                 break  # a longer suffix can't occur if this one doesn't
             node, length = nxt, n
@@ -223,11 +228,11 @@ class MaxGram:
 
     def propose(self, ctx: Context, k: int) -> list[int]:
         """Up to k tokens to follow ctx.tokens: n-gram matches first, then bigram fill; may be empty."""
-        seq = self._matched(ctx, k, min_match=1)
-        if seq is None:
+        proposal = self._matched(ctx, k, min_match=1)
+        if proposal is None:
             return []
-        self._fill_from_bigram(seq, k)
-        return seq.extra
+        self._fill_from_bigram(ctx.tokens, proposal, k)
+        return proposal
 
     def lookup(self, ctx: Context, k: int, min_match: int) -> list[int]:
         """Up to k tokens continuing an earlier occurrence of ctx's last `min_match`+ tokens, else [].
@@ -235,8 +240,8 @@ class MaxGram:
         No bigram fill: this is the confident half of MaG, which the target may review directly
         (`Lookup`), as prompt-lookup decoding does.
         """
-        seq = self._matched(ctx, k, min_match)
-        return [] if seq is None else seq.extra
+        proposal = self._matched(ctx, k, min_match)
+        return [] if proposal is None else proposal
 
     @property
     def indexed(self) -> int:
@@ -245,26 +250,43 @@ class MaxGram:
 
     def finish(self, tokens: Sequence[int] = ()) -> None:
         """The request is over. Given its final committed `tokens`, the index takes them in and goes to
-        `keep`, so a request that continues them reads only its own new tokens."""
-        if tokens and self.keep is not None and len(tokens) >= self._indexed:
+        `keep`, so a request that continues them reads only its own new tokens. An index the request
+        never read (its rounds never asked MaG: the floor kept it off) is not built now either: a
+        request that continues may build its own when it needs one."""
+        if tokens and self.keep is not None and 0 < self._indexed <= len(tokens):
             self._commit(Context(list(tokens), len(tokens)))
             self.keep(tuple(tokens), self)
 
-    def _matched(self, ctx: Context, k: int, min_match: int) -> _Sequence | None:
+    def _matched(self, ctx: Context, k: int, min_match: int) -> list[int] | None:
+        """The proposal so far (matches only); None where a lookup's match is shorter than min_match."""
         self._commit(ctx)
         if k <= 0:
             return None
-        seq = _Sequence(ctx.tokens)
+        tokens, end = ctx.tokens, len(ctx.tokens)
+        # The window the overlay reads: the pending tail, the proposals, and max_ngram tokens before them.
+        offset = max(0, min(ctx.stable, end) - self.max_ngram - 1)
+        window = tokens[offset:]
         overlay = _Trie(self.max_ngram, base=self._committed)
-        for j in range(max(ctx.stable, 1), len(seq)):
-            overlay.add(seq, j)
+        overlay.add(window, offset, max(ctx.stable, 1), end)
+        proposal: list[int] = []
         try:
-            if overlay.match(seq)[1] < min_match:
-                return seq if min_match <= 1 else None
-            self._extend_by_matches(seq, overlay, k)
+            if overlay.match(window, offset, end)[1] < min_match:
+                return proposal if min_match <= 1 else None
+            # Matching the virtual sequence (tokens + proposals) lets a match that runs into the end of
+            # the sequence carry on, e.g. repeating a period; the overlay dies with this call.
+            while len(proposal) < k:
+                start = overlay.match(window, offset, end)[0]
+                if start is None:
+                    break
+                stop = min(end, start + k - len(proposal))
+                take = _span(tokens, proposal, start, stop)
+                proposal += take
+                window += take
+                overlay.add(window, offset, end, end + len(take))
+                end += len(take)
         finally:
             self._tail_ops += overlay.ops
-        return seq
+        return proposal
 
     def _commit(self, ctx: Context) -> None:
         if not 0 <= ctx.stable <= len(ctx.tokens):
@@ -274,28 +296,16 @@ class MaxGram:
                 f"ctx.stable shrank from {self._indexed} to {ctx.stable}: committed tokens never "
                 "change within a request; use a new MaxGram per request"
             )
-        for j in range(max(self._indexed, 1), ctx.stable):
-            self._committed.add(ctx.tokens, j)
+        self._committed.add(ctx.tokens, 0, self._indexed, ctx.stable)
         self._indexed = ctx.stable
 
-    def _extend_by_matches(self, seq: _Sequence, overlay: _Trie, k: int) -> None:
-        # Matching the virtual sequence (tokens + proposals) lets a match that runs into the end of
-        # the sequence carry on, e.g. repeating a period; the overlay dies with this call.
-        while len(seq.extra) < k:
-            start = overlay.longest_match(seq)
-            if start is None:
-                return
-            end = len(seq)
-            take = seq.span(start, min(end, start + k - len(seq.extra)))
-            seq.extra.extend(take)
-            for j in range(end, len(seq)):
-                overlay.add(seq, j)
-
-    def _fill_from_bigram(self, seq: _Sequence, k: int) -> None:
+    def _fill_from_bigram(self, tokens: list[int], proposal: list[int], k: int) -> None:
         if self.bigram is None:
             return
-        while len(seq.extra) < k and len(seq):
-            nxt = self.bigram.next(seq[len(seq) - 1])
+        last = proposal[-1] if proposal else (tokens[-1] if tokens else None)
+        while len(proposal) < k and last is not None:
+            nxt = self.bigram.next(last)
             if nxt is None:
                 return
-            seq.extra.append(nxt)
+            proposal.append(nxt)
+            last = nxt

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from .placement import uniform
+from .placement import host_reads, uniform
 from .sampling import residual, reviewed_proposal, sample
 from .types import Draft
 
@@ -66,6 +66,8 @@ def token_logprobs(probs: torch.Tensor, tokens: list[int], top: int) -> tuple[To
 
 
 class ReviewRule(Protocol):
+    draws: bool  # whether a review may draw from its generator (greedy exact review never does)
+
     def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
         """target_probs: [len(block) + 1, V]; row i scores block position i, the last row the bonus.
         `block.dists`, when present, is on target_probs' device, in float32 (`Draft.for_reviewer`)."""
@@ -79,11 +81,13 @@ class GreedyReview:
     target(x) > draft(x) / l. The final review passes l = 1, so the output is the target's greedy one.
     """
 
+    draws = False
+
     def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
         k = len(block)
-        best = target_probs.argmax(dim=-1).tolist()  # [k + 1]
-        rows = torch.arange(k, device=target_probs.device)
-        p_drafted = target_probs[rows, block.tokens].tolist() if k else []
+        # Every value the decision reads, in one read: each row's argmax and its probability [k + 1], each
+        # draft's probability [k].
+        best, p_best, p_drafted = host_reads(target_probs, block.tokens)
         accepted = 0
         for i in range(k):
             x = block.tokens[i]
@@ -91,7 +95,7 @@ class GreedyReview:
                 break
             accepted += 1
         token = best[accepted]
-        token_probs = p_drafted[:accepted] + [float(target_probs[accepted, token])]
+        token_probs = p_drafted[:accepted] + [p_best[accepted]]
         # Drafts that carry rows (SamplingParams.rows) get this reviewer's rows for the level above.
         dists = None if block.dists is None else target_probs[: accepted + 1]
         return Verdict(accepted, token, token_probs, dists)
@@ -99,6 +103,8 @@ class GreedyReview:
 
 class SamplingReview:
     """Temperature > 0: speculative sampling with leniency, reporting true proposal distributions."""
+
+    draws = True
 
     def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
         k = len(block)

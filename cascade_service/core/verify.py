@@ -152,6 +152,8 @@ def output_distribution(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Te
 class VerifyReview:
     """The final verifier's ReviewRule for a lossy `Verification` (exact uses core.review's rules)."""
 
+    draws = True  # a lossy rule may draw even for a greedy request
+
     def __init__(self, verification: Verification, greedy: bool):
         self.v = verification
         self.greedy = greedy

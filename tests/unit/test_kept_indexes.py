@@ -40,7 +40,11 @@ def test_a_continuing_request_resumes_the_index_and_proposes_as_a_fresh_one():
 def test_an_index_is_found_only_under_its_key_and_for_a_context_that_continues_it():
     leaf = MaGLeaf(MaGConfig())
     history = _tokens(100, seed=3)
+    unused = leaf.proposer("alice", history)
+    unused.finish(history)  # never read during its request (the floor kept MaG off): nothing built, nothing kept
+    assert len(leaf.kept) == 0 and unused.index_ops == 0
     index = leaf.proposer("alice", history)
+    index.lookup(Context(history[:90], 90), 4, 2)
     index.finish(history)
     assert isinstance(leaf.proposer("bob", history + [1]), MaxGram) and len(leaf.kept) == 1  # not alice's
     other = list(history)
