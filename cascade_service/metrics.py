@@ -59,9 +59,17 @@ class Family:
         self.metric, self.kind, self.name, self.doc = metric, kind, name, doc
         self.label_names, self.buckets = tuple(labels), tuple(buckets)
         self.ray: Any = None  # a ray.util.metrics instrument, once mirrored
+        self._children: dict[tuple[str, ...], _Child] = {}
 
     def labels(self, *values: str) -> _Child:
-        return _Child(self, self.metric.labels(*values), dict(zip(self.label_names, values)))
+        # Kept per label values: the batchers record every forward pass, and a lookup in prometheus_client
+        # (a lock and a dict) plus a new child per pass was several microseconds of each round.
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _Child(
+                self, self.metric.labels(*values), dict(zip(self.label_names, values))
+            )
+        return child
 
     def inc(self, amount: float = 1.0) -> None:
         _Child(self, self.metric, {}).inc(amount)
@@ -143,6 +151,10 @@ class Metrics:
             return add(metric, "histogram", name, doc, labels, buckets)
 
         self.num_drafts = counter("spec_decode_num_drafts", "Draft blocks reviewed", ["tier"])
+        # Over num_drafts: the share of rounds that drafted (the others were plain steps: scheduling.floor).
+        self.drafted_rounds = counter(
+            "spec_decode_num_drafted_rounds", "Draft blocks reviewed that held at least one draft", ["tier"]
+        )
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens reviewed", ["tier", "drafter"])
         self.num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Draft tokens accepted", ["tier", "drafter"]
@@ -202,6 +214,8 @@ class Metrics:
         for reviewer, review in stats.reviews.items():
             if review.reviews:
                 self.num_drafts.labels(reviewer).inc(review.reviews)
+            if review.drafted_by_position and review.drafted_by_position[0]:
+                self.drafted_rounds.labels(reviewer).inc(review.drafted_by_position[0])
             for drafter, n in review.drafted_by_drafter.items():
                 self.num_draft_tokens.labels(reviewer, drafter).inc(n)
                 self.num_accepted_tokens.labels(reviewer, drafter).inc(review.accepted_by_drafter.get(drafter, 0))

@@ -240,6 +240,7 @@ class CascadeServicer:
         return pb.GenerateStats(
             generated_tokens=stats.generated,
             target_calls=stats.target_calls,
+            drafted_rounds=stats.drafted_rounds,
             cached_prompt_tokens=stats.tier(stats.target).tokens_cached if stats.target in stats.tiers else 0,
             tiers={
                 name: pb.TierStats(

@@ -162,6 +162,12 @@ class CascadeStats:
         return self.tier(self.target).calls
 
     @property
+    def drafted_rounds(self) -> int:
+        """Target rounds whose block held at least one draft (the rest were plain decoding steps)."""
+        review = self.reviews.get(self.target)
+        return review.drafted_by_position[0] if review is not None and review.drafted_by_position else 0
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per target call (accepted drafts + the replacement or bonus token)."""
         return self.generated / self.target_calls if self.target_calls else 0.0
@@ -203,6 +209,8 @@ class CascadeStats:
             "accepted_by_position": list(target_review.accepted_by_position),
             "drafted_by_position": list(target_review.drafted_by_position),
             "mean_accepted_length": self.mean_accepted_length,
+            "drafted_rounds": self.drafted_rounds,
+            "drafted_round_share": self.drafted_rounds / self.target_calls if self.target_calls else 0.0,
             "reviews": {
                 name: {
                     "reviews": r.reviews,

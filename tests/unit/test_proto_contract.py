@@ -123,6 +123,7 @@ def test_only_documented_counters_are_64_bit(described):
         "TierStats.tokens_cached",
         "GenerateStats.generated_tokens",
         "GenerateStats.cached_prompt_tokens",
+        "GenerateStats.drafted_rounds",
         "GenerateStats.accepted_prediction_tokens",
         "GenerateStats.rejected_prediction_tokens",
         "GenerateStats.target_calls",
