@@ -9,6 +9,7 @@ from pathlib import Path
 from ..extras import require
 from .runs import (
     check_range,
+    check_temperature_arg,
     command_line,
     config_summary,
     int_list,
@@ -42,8 +43,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     p.add_argument("--prompts", help='JSON lines, one {"prompt": "..."} per line (--load: optional)')
     p.add_argument(
         "--methods",
-        help="comma-separated: hf-ar, ar, hf-assisted:<tier>, hf-prompt-lookup, sd:<tier>, "
-        "csd:<tier>+<tier>... (hf-ar, the reference, always runs); not with --lossy",
+        help="comma-separated: hf-ar, ar, default, off, hf-assisted:<tier>, hf-prompt-lookup, sd:<tier>, "
+        "csd:<tier>+<tier>... (hf-ar, the reference, and ar, plain decoding through our engine, always run; "
+        "default: the config's cascade under the floor, as generate and serve run it); not with --lossy",
     )
     p.add_argument(
         "--lossy",
@@ -58,7 +60,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
         "--temperature",
         type=float,
         default=None,
-        help="with --lossy: sampling temperature (default 1.0); with --load: the requests' temperature "
+        help="the methods table's sampling temperature (default 0: greedy, every output compared with hf-ar's); "
+        "with --lossy: sampling temperature (default 1.0); with --load: the requests' temperature "
         "(default: the server's)",
     )
     p.add_argument("--seeds", default="0,1", help="with --lossy: sampling seeds per prompt")
@@ -96,10 +99,11 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
     )
     p.add_argument(
         "--modes",
-        default="cascade,plain",
-        help="with --load --config: what to serve and compare: cascade (the K-matrix as configured), "
-        "plain (the target alone), cascade-adaptive (draft budgets that follow acceptance and load: "
-        "what serve runs by default)",
+        default="default,plain",
+        help="with --load --config: what to serve and compare, each against plain at the same load: default "
+        "(what serve runs: the floor over load adaptation), cascade (the K-matrix as configured), "
+        "cascade-adaptive (load adaptation without the floor), off (the default server, every request with "
+        "speculation off), plain (the target alone)",
     )
     p.add_argument(
         "--adaptive",
@@ -182,7 +186,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     texts = read_prompts(args.prompts)
     tuned = [load_config(path).cascade for path in args.tuned]
-    methods = parse_methods(args.methods, config.cascade, sd_ks, tuned)  # bad names fail before any model loads
+    temperature = 0.0 if args.temperature is None else args.temperature
+    check_temperature_arg(temperature)
+    # bad names fail before any model loads
+    methods = parse_methods(args.methods, config.cascade, sd_ks, tuned, greedy=temperature == 0.0)
 
     def measure() -> tuple:
         zoo = Zoo(config.cascade)
@@ -190,7 +197,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         for i, ids in enumerate(prompts):
             if not ids:
                 raise ValueError(f"--prompts: prompt {i + 1} encodes to no tokens")
-        logs = run_bench(zoo, methods, prompts, args.max_new_tokens, args.repeats)
+        logs = run_bench(zoo, methods, prompts, args.max_new_tokens, args.repeats, temperature)
         # step times measured after the runs, on warm models
         return prompts, logs, zoo.swi_costs(), zoo.tier_costs()
 
@@ -202,12 +209,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         "config": config_summary(args.config, config.cascade),
         "machine": machine(),
         "max_new_tokens": args.max_new_tokens,
+        "temperature": temperature,
         "repeats": args.repeats,
         "sd_k_sweep": sd_ks,
         "prompts": [{"prompt": t, "num_tokens": len(ids)} for t, ids in zip(texts, prompts)],
         "swi_costs": costs,
         "tier_costs": tiers,
-        "methods": summarize(methods, logs, costs),
+        "methods": summarize(methods, logs, costs, greedy=temperature == 0.0),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

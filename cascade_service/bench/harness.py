@@ -2,7 +2,8 @@
 
 Interleaving (for each repeat, for each prompt, for each runner) spreads machine drift over all
 methods alike; each runner is warmed up once first. SWI is the paper's standardized walltime
-improvement (§5): n / (target calls + sum_i drafter calls_i * cost_i), MaG at cost 0.
+improvement (§5): n / (target calls + sum_i drafter calls_i * cost_i), MaG at cost 0. Sampled, every
+runner draws with the same seed for a (repeat, prompt), so each sees the same requests.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm import tqdm
 
 from ..core.stats import Usage, absorb
-from .methods import REFERENCE, Method, Outcome, Runner, drafted_label
+from .methods import GREEDY, PLAIN, REFERENCE, Method, Outcome, Runner, Sampling, drafted_label
 from .zoo import Zoo
 
 
@@ -32,10 +34,12 @@ class Tally:
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> calls / drafted / accepted
     rows: Usage = field(default_factory=Usage)  # the reviewers' counters summed, for how each row ran
     orchestration_s: float = 0.0  # the engine loop's time outside model passes, summed
+    drafted_rounds: int = 0  # target rounds whose block held a draft, summed
 
     def add(self, outcome: Outcome) -> None:
         absorb(self.rows, Usage(reviews=outcome.rows))
         self.orchestration_s += outcome.orchestration_s
+        self.drafted_rounds += outcome.drafted_rounds
         self.generated += len(outcome.token_ids)
         self.target_calls += outcome.target_calls
         for name, counts in outcome.tiers.items():
@@ -69,40 +73,52 @@ class RunnerLog:
 
 
 def run_bench(
-    zoo: Zoo, methods: Sequence[Method], prompts: Sequence[list[int]], max_new_tokens: int, repeats: int
+    zoo: Zoo,
+    methods: Sequence[Method],
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    repeats: int,
+    temperature: float = 0.0,
 ) -> dict[str, RunnerLog]:
     """Time every runner of every method; returns runner label -> log."""
     runners = [r for m in methods for r in m.variants]
     for runner in runners:  # warm-up: first-call allocations and lazy inits stay out of the timings
-        runner.run(zoo, prompts[0], max_new_tokens)
+        runner.run(zoo, prompts[0], max_new_tokens, Sampling(temperature, seed=2**62) if temperature else GREEDY)
     logs = {r.label: RunnerLog() for r in runners}
     bar = tqdm(total=repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=None)
-    for _ in range(repeats):
+    for repeat in range(repeats):
         zoo.forget()  # suffix decoding learns across prompts within a repeat, never from a repeat before
         for log in logs.values():
             log.times.append([])
             log.tokens.append([])
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            sampling = Sampling(temperature, seed=repeat * len(prompts) + i) if temperature else GREEDY
             for runner in runners:
-                _timed(runner, zoo, prompt, max_new_tokens, logs[runner.label])
+                _timed(runner, zoo, prompt, max_new_tokens, sampling, logs[runner.label])
             bar.update()
     bar.close()
     return logs
 
 
-def _timed(runner: Runner, zoo: Zoo, prompt: list[int], max_new_tokens: int, log: RunnerLog) -> None:
+def _timed(
+    runner: Runner, zoo: Zoo, prompt: list[int], max_new_tokens: int, sampling: Sampling, log: RunnerLog
+) -> None:
     began = time.perf_counter()
-    outcome = runner.run(zoo, prompt, max_new_tokens)
+    outcome = runner.run(zoo, prompt, max_new_tokens, sampling)
     log.times[-1].append(time.perf_counter() - began)
     log.tokens[-1].append(outcome.token_ids)
     log.tally.add(outcome)
 
 
 def summarize(
-    methods: Sequence[Method], logs: Mapping[str, RunnerLog], costs: Mapping[str, Mapping[str, float]]
+    methods: Sequence[Method],
+    logs: Mapping[str, RunnerLog],
+    costs: Mapping[str, Mapping[str, float]],
+    greedy: bool = True,
 ) -> dict[str, dict]:
-    """results.json's "methods": per method the figures of its fastest variant (plus any sweep)."""
-    reference = logs[REFERENCE].tokens[0]  # [prompt] hf-ar's tokens in the first repeat
+    """results.json's "methods": per method the figures of its fastest variant (plus any sweep).
+    Sampled (`greedy` False), outputs are not compared with hf-ar's (identical_to_hf_ar is None)."""
+    reference = logs[REFERENCE].tokens[0] if greedy else None  # [prompt] hf-ar's tokens in the first repeat
     out: dict[str, dict] = {}
     for method in methods:
         variants = [(r, _figures(logs[r.label], reference, costs)) for r in method.variants]
@@ -118,25 +134,30 @@ def summarize(
         figures["label"] = drafted_label(method.name, ranked)
         out[method.name] = figures
     base = out[REFERENCE]["tokens_per_s"]
+    plain = out[PLAIN]["tokens_per_s"] if PLAIN in out else 0.0
     for figures in [*out.values(), *(f for m in out.values() for f in m.get("sweep", {}).values())]:
         figures["speedup_vs_hf_ar"] = _ratio(figures["tokens_per_s"], base)
+        figures["speedup_vs_ar"] = _ratio(figures["tokens_per_s"], plain)
     return out
 
 
-def _figures(log: RunnerLog, reference: list[list[int]], costs: Mapping[str, Mapping[str, float]]) -> dict:
+def _figures(log: RunnerLog, reference: list[list[int]] | None, costs: Mapping[str, Mapping[str, float]]) -> dict:
     tally, n = log.tally, log.tally.generated
     by_repeat = [_ratio(sum(map(len, toks)), sum(times)) for toks, times in zip(log.tokens, log.times)]
-    figures = {
+    figures: dict[str, Any] = {
         "tokens_per_s": statistics.median(by_repeat),
         "speedup_vs_hf_ar": 0.0,  # filled in once hf-ar's speed is known
+        "speedup_vs_ar": 0.0,  # and ar's: plain decoding through our engine, at the same load
         "swi_params": tally.swi(costs.get("params", {})),
         "swi_measured": tally.swi(costs.get("measured", {})),
         "target_calls_per_token": _ratio(tally.target_calls, n),
         "mean_accepted_length": _ratio(n, tally.target_calls),
         # the engine's own time per target round (wall time outside model passes; 0 for transformers')
         "orchestration_per_round_ms": 1e3 * _ratio(tally.orchestration_s, tally.target_calls),
-        # Every repeat of every prompt, not just one: a flaky mismatch must not hide.
-        "identical_to_hf_ar": all(toks == reference for toks in log.tokens),
+        # the share of target rounds that drafted (the rest were plain steps: the floor's doing, or a lookup's miss)
+        "drafted_round_share": _ratio(tally.drafted_rounds, tally.target_calls),
+        # Every repeat of every prompt, not just one: a flaky mismatch must not hide. None: sampled.
+        "identical_to_hf_ar": None if reference is None else all(toks == reference for toks in log.tokens),
         "drafter_calls_per_token": {name: _ratio(calls, n) for name, calls in tally.drafter_calls.items()},
         "tiers": tally.tiers,  # per tier: calls, drafted and accepted tokens, summed over every run
         # per reviewer: how its K-matrix row ran, entry by entry (core.stats.ReviewCounters.row)
@@ -149,17 +170,18 @@ def _figures(log: RunnerLog, reference: list[list[int]], costs: Mapping[str, Map
     return figures
 
 
-def _per_prompt(log: RunnerLog, reference: list[list[int]]) -> list[dict]:
+def _per_prompt(log: RunnerLog, reference: list[list[int]] | None) -> list[dict]:
     rows = []
-    for i, expected in enumerate(reference):
+    for i in range(len(log.tokens[0])):
         time_s = statistics.median(times[i] for times in log.times)
-        tokens = len(log.tokens[0][i])
+        tokens = statistics.median(len(toks[i]) for toks in log.tokens)
+        same = None if reference is None else all(toks[i] == reference[i] for toks in log.tokens)
         rows.append(
             {
                 "generated_tokens": tokens,
                 "time_s": time_s,  # median over repeats
                 "tokens_per_s": _ratio(tokens, time_s),
-                "identical_to_hf_ar": all(toks[i] == expected for toks in log.tokens),
+                "identical_to_hf_ar": same,
             }
         )
     return rows

@@ -31,6 +31,8 @@ class Level:
     latencies: list[float] = field(default_factory=list)
     tokens: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    rounds: int = 0  # target rounds of the completed requests (their stats' target_calls)
+    drafted_rounds: int = 0  # of them, rounds whose block held a draft
 
     def summary(self) -> dict:
         lat = sorted(self.latencies)
@@ -39,6 +41,7 @@ class Level:
             "requests": len(lat),
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else 0.0,
+            "drafted_round_share": round(self.drafted_rounds / self.rounds, 3) if self.rounds else 0.0,
             "p50_s": round(statistics.median(lat), 4) if lat else None,
             "p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 4) if lat else None,
             "errors": sum(self.errors.values()),
@@ -55,12 +58,14 @@ def run_level(
     api_key: str | None,
     timeout_s: float,
     temperature: float | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Level:
     from ..client import CascadeClient, errors
 
     level = Level(concurrency)
     lock = threading.Lock()
     sampling: dict[str, Any] = {} if temperature is None else {"temperature": temperature}  # None: server default
+    sampling.update(options or {})  # the mode's own request fields (MODE_REQUESTS)
     deadline = time.monotonic() + duration_s
 
     def worker(index: int) -> None:
@@ -81,6 +86,8 @@ def run_level(
                 with lock:
                     level.latencies.append(elapsed)
                     level.tokens += len(result.token_ids)
+                    level.rounds += int(result.stats.get("target_calls", 0))
+                    level.drafted_rounds += int(result.stats.get("drafted_rounds", 0))
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
     start = time.perf_counter()
@@ -152,7 +159,19 @@ def _mb(value: int | None) -> float | None:
     return None if value is None else round(value / 2**20, 1)
 
 
-MODES = ("cascade", "plain", "cascade-adaptive")  # served as: --fixed-schedule, --plain, --adapt-to-load (the default)
+# What `serve --frontend standalone` runs for each mode: the K-matrix as configured; the target alone; load
+# adaptation without the floor; the default (no flag: the floor over load adaptation); and the default
+# server asked for speculation "off" by every request (plain rounds through the cascade's machinery).
+MODE_FLAGS = {
+    "cascade": ("--fixed-schedule",),
+    "plain": ("--plain",),
+    "cascade-adaptive": ("--adapt-to-load", "--no-floor"),
+    "default": (),
+    "off": (),
+}
+MODE_REQUESTS: dict[str, dict[str, Any]] = {"off": {"speculation": "off"}}
+MODES = tuple(MODE_FLAGS)
+RATIOS = {mode: f"{mode.replace('cascade-', '')}_over_plain" for mode in MODES if mode != "plain"}
 
 
 def run_modes(
@@ -164,7 +183,7 @@ def run_modes(
     out: Path,
     command: str,
     timeout_s: float = 300.0,
-    modes: Sequence[str] = MODES[:2],
+    modes: Sequence[str] = ("default", "plain"),
     temperature: float | None = None,
     blocks: int = 1,
 ) -> dict:
@@ -191,13 +210,15 @@ def run_modes(
         for block in range(blocks):
             for n in concurrencies:
                 for mode, target in targets.items():
+                    options = MODE_REQUESTS.get(mode)
                     level = run_level(
-                        target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature
+                        target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature, options
                     ).summary()
                     runs.append({"mode": mode, "block": block, **level})
                     print(
-                        f"{mode:>7} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
-                        f"tok/s, p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}",
+                        f"{mode:>16} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
+                        f"tok/s, p50 {level['p50_s']} s, p99 {level['p99_s']} s, errors {level['errors']}, "
+                        f"rounds that drafted {level['drafted_round_share']:.0%}",
                         flush=True,
                     )
     finally:
@@ -226,10 +247,9 @@ def _scaling(runs: list[dict]) -> dict:
     blocks = sorted({r.get("block", 0) for r in runs})
     by = {(r["mode"], r["concurrency"], r.get("block", 0)): r["tokens_per_s"] for r in runs}
     levels = sorted({r["concurrency"] for r in runs})
-    summary: dict = {"cascade_over_plain": {}, "over_single_stream": {}, "blocks": len(blocks)}
-    ratios = {"cascade": "cascade_over_plain", "cascade-adaptive": "adaptive_over_plain"}
+    summary: dict = {"over_single_stream": {}, "blocks": len(blocks)}
     for n in levels:
-        for mode, key in ratios.items():
+        for mode, key in RATIOS.items():
             paired = [
                 by[(mode, n, b)] / by[("plain", n, b)] for b in blocks if by.get(("plain", n, b)) and (mode, n, b) in by
             ]
@@ -244,10 +264,15 @@ def _scaling(runs: list[dict]) -> dict:
 
 
 def _scaling_lines(summary: dict) -> list[str]:
-    lines = [f"cascade / plain at {n} streams: {r:.2f}x" for n, r in summary["cascade_over_plain"].items()]
-    lines += [
-        f"cascade adapting to load / plain at {n} streams: {r:.2f}x"
-        for n, r in summary.get("adaptive_over_plain", {}).items()
+    names = {
+        "cascade": "cascade (K-matrix as configured)",
+        "cascade-adaptive": "cascade adapting to load, no floor",
+        "off": "cascade with speculation off",
+    }
+    lines = [
+        f"{names.get(mode, mode)} / plain at {n} streams: {r:.2f}x"
+        for mode, key in RATIOS.items()
+        for n, r in summary.get(key, {}).items()
     ]
     for mode, ratios in summary["over_single_stream"].items():
         lines.append(f"{mode}: throughput / single stream: " + ", ".join(f"{n}: {r:.2f}x" for n, r in ratios.items()))
@@ -261,7 +286,7 @@ class _ServerProcess:
         import subprocess
         import sys
 
-        flags = {"cascade": ["--fixed-schedule"], "plain": ["--plain"], "cascade-adaptive": ["--adapt-to-load"]}[mode]
+        flags = list(MODE_FLAGS[mode])
         args = [
             sys.executable,
             "-m",

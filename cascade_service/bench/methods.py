@@ -1,8 +1,13 @@
 """Benchmark methods: strings like `csd:base+mag` become runner objects here, once, against a config.
 
 A `Method` is what the user named; its `variants` are the runners actually timed (one, or one per k
-of an SD sweep, of which the fastest is reported). Every runner is greedy and exact, so each must
-reproduce `hf-ar`'s tokens.
+of an SD sweep, of which the fastest is reported). Every runner is exact: greedy, each must reproduce
+`hf-ar`'s tokens; sampled (`Sampling.temperature` > 0), each draws from the target's distribution, so
+only speeds and counters compare. `ar` (the target alone through our engine: plain decoding at the
+same load) runs beside every method, and each is reported against it as well as against `hf-ar`.
+`default` is the config's cascade as `generate` and the service run it: under the floor that turns
+drafting off where it does not pay (scheduling.floor); the other cascade methods run their K-matrix as
+configured, every round (a fixed configuration).
 """
 
 from __future__ import annotations
@@ -14,11 +19,32 @@ from typing import Protocol
 from ..config import CascadeConfig, ConfigError, GenerationConfig, StatisticalConfig, make_cascade
 from ..core.schedule import FILLS
 from ..core.stats import CascadeStats, ReviewCounters
-from ..zoo.baselines import HFRun, hf_assisted, hf_greedy, hf_prompt_lookup
+from ..zoo.baselines import HFRun, hf_assisted, hf_greedy, hf_prompt_lookup, hf_sampled
 from .zoo import Zoo
 
 REFERENCE = "hf-ar"
-USAGE = "hf-ar, ar, hf-prompt-lookup, suffix, hf-assisted:<tier>, sd:<tier>, csd:<tier>+<tier>+...[@entry|@total]"
+PLAIN = "ar"  # plain decoding through our engine: what every method is judged against at the same load
+DEFAULT = "default"  # the config's cascade under the default controller (the floor)
+OFF = "off"  # the config's cascade with speculation off: what a round without drafts costs it
+USAGE = (
+    "hf-ar, ar, default, off, hf-prompt-lookup, suffix, hf-assisted:<tier>, sd:<tier>, "
+    "csd:<tier>+<tier>+...[@entry|@total]"
+)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a run samples: temperature 0 is greedy; `seed` makes a sampled run reproducible."""
+
+    temperature: float = 0.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = Sampling()
 # `suffix`: suffix decoding alone, as vLLM runs it: the target reviews its drafts directly, up to this
 # many a round (the drafter's own rule, factor x match length, usually stops it sooner).
 SUFFIX_MAX_TOKENS = 32
@@ -38,6 +64,7 @@ class Outcome:
     # reviewer tier -> its counters, for how its K-matrix row ran (ReviewCounters.row); ours only
     rows: dict[str, ReviewCounters] = field(default_factory=dict)
     orchestration_s: float = 0.0  # the engine loop's time outside model passes (ours only)
+    drafted_rounds: int = 0  # target rounds whose block held a draft (ours only; CascadeStats.drafted_rounds)
 
 
 class Runner(Protocol):
@@ -46,8 +73,8 @@ class Runner(Protocol):
         """Unique among all runners of a bench, e.g. "sd:close@k=3"."""
         ...
 
-    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
-        """Greedy-decode `prompt_ids` (at most max_new_tokens new tokens)."""
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> Outcome:
+        """Decode `prompt_ids` (at most max_new_tokens new tokens), greedy unless `sampling` says."""
         ...
 
     def describe(self) -> dict:
@@ -66,11 +93,15 @@ class Method:
 class HFGreedy:
     label: str = REFERENCE
 
-    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
-        return _from_hf(hf_greedy(zoo.target, prompt_ids, max_new_tokens, zoo.eos_ids))
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> Outcome:
+        if sampling.greedy:
+            return _from_hf(hf_greedy(zoo.target, prompt_ids, max_new_tokens, zoo.eos_ids))
+        return _from_hf(
+            hf_sampled(zoo.target, prompt_ids, max_new_tokens, zoo.eos_ids, sampling.temperature, sampling.seed)
+        )
 
     def describe(self) -> dict:
-        return {"kind": "transformers generate, greedy, target alone"}
+        return {"kind": "transformers generate, target alone"}
 
 
 @dataclass(frozen=True)
@@ -78,7 +109,7 @@ class HFAssisted:
     label: str
     assistant: str  # drafter tier name
 
-    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> Outcome:
         assistant = zoo.transformers_model(self.assistant)  # the baseline as transformers runs it
         return _from_hf(hf_assisted(zoo.target, assistant, prompt_ids, max_new_tokens, zoo.eos_ids))
 
@@ -90,7 +121,7 @@ class HFAssisted:
 class HFPromptLookup:
     label: str = "hf-prompt-lookup"
 
-    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> Outcome:
         return _from_hf(hf_prompt_lookup(zoo.target, prompt_ids, max_new_tokens, zoo.eos_ids))
 
     def describe(self) -> dict:
@@ -99,18 +130,27 @@ class HFPromptLookup:
 
 @dataclass(frozen=True)
 class EngineRunner:
-    """Our engine over a subset of the config's drafters with its own schedule."""
+    """Our engine over a subset of the config's drafters with its own schedule: every round as the
+    K-matrix says ("fixed"), or under the default controller ("auto": the floor)."""
 
     label: str
     cascade: CascadeConfig
+    speculation: str = "fixed"
 
-    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int) -> Outcome:
-        result = zoo.engine(self.cascade).generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
+    def run(self, zoo: Zoo, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> Outcome:
+        gen = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=sampling.temperature,
+            seed=sampling.seed,
+            speculation=self.speculation,
+        )
+        result = zoo.engine(self.cascade).generate(prompt_ids, gen)
         return _from_stats(result.token_ids, result.stats)
 
     def describe(self) -> dict:
         return {
-            "kind": "cascade-service engine, greedy",
+            "kind": "cascade-service engine",
+            "speculation": self.speculation,
             "drafters": [d.name for d in self.cascade.drafters],
             "k_matrix": self.cascade.schedule.to_lists(),
             "leniency": self.cascade.leniency,
@@ -127,7 +167,14 @@ def _from_stats(token_ids: list[int], stats: CascadeStats) -> Outcome:
     reviews = {name: (list(r.accepted_by_position), list(r.drafted_by_position)) for name, r in stats.reviews.items()}
     orchestration = stats.engine.orchestration_s() if stats.engine is not None else 0.0
     return Outcome(
-        token_ids, stats.target_calls, drafter_calls, reviews, stats.per_tier(), dict(stats.reviews), orchestration
+        token_ids,
+        stats.target_calls,
+        drafter_calls,
+        reviews,
+        stats.per_tier(),
+        dict(stats.reviews),
+        orchestration,
+        stats.drafted_rounds,
     )
 
 
@@ -147,26 +194,34 @@ def drafted_label(name: str, tiers: dict[str, dict[str, int]]) -> str:
 
 
 def parse_methods(
-    spec: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Sequence[CascadeConfig] = ()
+    spec: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Sequence[CascadeConfig] = (), greedy: bool = True
 ) -> list[Method]:
-    """Parse a comma-separated method list; hf-ar (the reference) always comes first.
+    """Parse a comma-separated method list; hf-ar (the reference) and ar (plain decoding through our
+    engine, what each method is judged against at the same load) always come first.
 
-    Raises ValueError naming the offending method.
+    Raises ValueError naming the offending method; sampled (`greedy` False), transformers' assisted
+    generation and prompt lookup are refused (their greedy outputs are what they are compared on).
     """
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if not names:
         raise ValueError(f"--methods: give at least one method ({USAGE})")
     methods = [Method(REFERENCE, (HFGreedy(),))]
-    for name in dict.fromkeys(names):  # de-duplicated, order kept
+    for name in dict.fromkeys([PLAIN, *names]):  # de-duplicated, order kept
         if name != REFERENCE:
+            if not greedy and name.partition(":")[0] in ("hf-assisted", "hf-prompt-lookup"):
+                raise ValueError(f"method {name!r}: runs greedy only; leave it out with --temperature above 0")
             methods.append(_parse_one(name, config, sd_ks, tuned))
     return methods
 
 
 def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Sequence[CascadeConfig]) -> Method:
     kind, _, arg = name.partition(":")
-    if name == "ar":
+    if name == PLAIN:
         return Method(name, (EngineRunner(name, _cascade(name, config, (), None, 1.0)),))
+    if name == DEFAULT:  # the whole config, its K-matrix, leniency and lookup, as generate runs it
+        return Method(name, (EngineRunner(name, config, speculation="auto"),))
+    if name == OFF:  # the whole config with speculation off: plain rounds through the cascade's machinery
+        return Method(name, (EngineRunner(name, config, speculation="off"),))
     if name == "hf-prompt-lookup":
         return Method(name, (HFPromptLookup(),))
     if name == "suffix":

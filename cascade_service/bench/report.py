@@ -16,6 +16,8 @@ from .costs import markdown as cost_table
 COLUMNS = (
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("speedup vs hf-ar", "speedup_vs_hf_ar", "{:.2f}x"),
+    ("vs ar (plain, same load)", "speedup_vs_ar", "{:.2f}x"),
+    ("rounds that drafted", "drafted_round_share", "{:.0%}"),
     ("SWI (params)", "swi_params", "{:.2f}"),
     ("SWI (measured)", "swi_measured", "{:.2f}"),
     ("target calls/token", "target_calls_per_token", "{:.3f}"),
@@ -104,7 +106,7 @@ def _label(name: str, figures: dict) -> str:
 
 
 def _cells(figures: dict) -> list[str]:
-    return [fmt.format(figures[key]) for _, key, fmt in COLUMNS]
+    return ["-" if figures.get(key) is None else fmt.format(figures[key]) for _, key, fmt in COLUMNS]
 
 
 def _setup(figures: dict) -> str:
@@ -112,7 +114,8 @@ def _setup(figures: dict) -> str:
     if "best_k" in figures:
         return f"K = [[{figures['best_k']}]]"
     if setup.get("drafters"):
-        return f"K = {setup['k_matrix']}, leniency {setup['leniency']:g}"
+        floor = ", under the floor" if setup.get("speculation") == "auto" else ""
+        return f"K = {setup['k_matrix']}, leniency {setup['leniency']:g}{floor}"
     if "assistant" in setup:
         return f"assistant {setup['assistant']}"
     return ""

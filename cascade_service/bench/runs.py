@@ -116,7 +116,7 @@ def run_load(args: argparse.Namespace) -> int:
             args.max_new_tokens,
             Path(args.out),
             command
-            + (f" --modes {args.modes}" if args.modes != "cascade,plain" else "")
+            + (f" --modes {args.modes}" if args.modes != "default,plain" else "")
             + (f" --blocks {args.blocks}" if args.blocks != 1 else ""),
             modes=modes,
             temperature=args.temperature,
@@ -299,6 +299,7 @@ def command_line(args: argparse.Namespace) -> str:
         "--sd-k-sweep",
         args.sd_k_sweep,
         *(flag for tuned in args.tuned for flag in ("--tuned", tuned)),
+        *(["--temperature", str(args.temperature)] if args.temperature else []),
         "--out",
         args.out,
     ]

@@ -50,6 +50,19 @@ def hf_greedy(model: HFModel, prompt_ids: Sequence[int], max_new_tokens: int, eo
     return _generate(model, prompt_ids, max_new_tokens, eos_ids, {}, None)
 
 
+def hf_sampled(
+    model: HFModel,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    temperature: float,
+    seed: int,
+) -> HFRun:
+    """Plain `generate()` of the target alone, sampling at `temperature` (no top-k or top-p), seeded."""
+    torch.manual_seed(seed)
+    return _generate(model, prompt_ids, max_new_tokens, eos_ids, {"do_sample": True, "temperature": temperature}, None)
+
+
 def hf_assisted(
     model: HFModel, assistant: HFModel, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]
 ) -> HFRun:
@@ -105,17 +118,14 @@ def _generate(
         out = model.module.generate(  # type: ignore[operator]  # transformers' stubs type generate oddly
             ids,
             attention_mask=torch.ones_like(ids),
-            do_sample=False,
             max_new_tokens=max_new_tokens,
             min_new_tokens=0,
             eos_token_id=eos or None,
             pad_token_id=_pad_id(model, eos),
             # Unset sampling knobs a checkpoint's generation_config may carry, so greedy stays plain
-            # greedy (and transformers does not warn about flags that greedy ignores).
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            **extra,
+            # greedy (and transformers does not warn about flags that greedy ignores), and sampling
+            # samples the whole distribution at the temperature asked.
+            **{"do_sample": False, "temperature": None, "top_p": None, "top_k": None, **extra},
         )  # [1, S + n]
     drafter_calls = {assistant.name: counts[assistant.name]} if assistant is not None else {}
     # A decoder-only model returns the prompt and what follows; an encoder-decoder one (models.seq2seq)

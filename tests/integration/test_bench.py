@@ -1,5 +1,6 @@
-"""`cascade-service bench`: every method is greedy and exact, and the outputs have the documented shape;
-`--lossy` accounts each rule's deviation and `--adaptive` stays exact while it changes block lengths.
+"""`cascade-service bench`: every greedy method is exact and the outputs have the documented shape, every
+method beside plain decoding (`ar`) and the default (the floor); `--lossy` and `--adaptive` are in
+test_bench_modes.py.
 
 One bench run over the tiny family (module fixture) feeds most tests; it runs in-process through the
 command's own argparse registration.
@@ -13,22 +14,15 @@ import io
 import json
 
 import pytest
-import yaml
 
-from cascade_service.bench import lossy
 from cascade_service.bench.cli import add_bench_command
 from cascade_service.bench.methods import parse_methods
 from cascade_service.config import load_config, make_cascade
-from cascade_service.models.acceptance_head import AcceptanceHead
 
-from ..helpers.bench import run_bench
+from ..helpers.bench import bench_inputs, run_bench
 
-METHODS = ["hf-ar", "ar", "hf-assisted:close", "hf-prompt-lookup", "sd:close", "csd:close+mag", "csd:close+mid+mag"]
-PROMPTS = [
-    "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
-    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\n",  # repeats: lookups match
-    "import os\n",
-]
+METHODS = ["hf-ar", "ar", "default", "off", "hf-assisted:close", "hf-prompt-lookup", "sd:close", "csd:close+mag"]
+METHODS += ["csd:close+mid+mag"]
 FIGURES = {
     "tokens_per_s": float,
     "speedup_vs_hf_ar": float,
@@ -37,27 +31,15 @@ FIGURES = {
     "target_calls_per_token": float,
     "mean_accepted_length": float,
     "identical_to_hf_ar": bool,
+    "speedup_vs_ar": float,
+    "drafted_round_share": float,
 }
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def inputs(tiny_family, tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench")
-    config = {
-        "tiers": {
-            "target": {"name": "target", "path": str(tiny_family["target"])},
-            "drafters": [
-                {"name": "close", "path": str(tiny_family["close"]), "backend": "lean"},
-                {"name": "mid", "path": str(tiny_family["mid"])},
-                {"kind": "mag"},
-            ],
-        },
-        "schedule": {"k_matrix": [[4, 2, 0], [0, 2, 6], [0, 0, 6]], "leniency": 1.5},
-    }
-    (root / "config.yaml").write_text(yaml.safe_dump(config))
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return root
+    return bench_inputs(tmp_path_factory.mktemp("bench"), tiny_family)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +79,11 @@ def test_results_json_has_the_documented_figures_for_every_method(results):
         assert figures["tokens_per_s"] > 0 and figures["mean_accepted_length"] >= 1.0, method
     for key in ("config", "machine", "max_new_tokens", "prompts", "command"):
         assert key in results
-    assert results["methods"]["hf-ar"]["speedup_vs_hf_ar"] == 1.0
+    assert results["methods"]["hf-ar"]["speedup_vs_hf_ar"] == 1.0 and results["methods"]["ar"]["speedup_vs_ar"] == 1.0
+    # default: the whole config under the floor; off: no drafts; the fixed methods draft every round
+    assert results["methods"]["default"]["setup"]["speculation"] == "auto"
+    assert results["methods"]["off"]["drafted_round_share"] == 0.0 == results["methods"]["ar"]["drafted_round_share"]
+    assert results["methods"]["csd:close+mid+mag"]["drafted_round_share"] > 0.9
 
 
 def test_every_greedy_method_reproduces_hf_ar_token_for_token(results):
@@ -110,7 +96,7 @@ def test_every_greedy_method_reproduces_hf_ar_token_for_token(results):
 
 def test_call_counts_agree_between_forward_hooks_and_engine_counters(results):
     # Autoregressive decoding costs one target forward per token, however it is counted.
-    for method in ("hf-ar", "ar"):
+    for method in ("hf-ar", "ar", "off"):
         figures = results["methods"][method]
         assert figures["target_calls_per_token"] == 1.0 and figures["swi_params"] == 1.0, method
     assisted = results["methods"]["hf-assisted:close"]
@@ -176,8 +162,8 @@ def test_results_show_what_a_schedule_is_tuned_by(bench_out):
 
 def test_hf_ar_always_runs_first_as_the_reference(inputs):
     config = load_config(inputs / "config.yaml").cascade
-    methods = parse_methods("csd:close+mag,ar", config, [2])
-    assert [m.name for m in methods] == ["hf-ar", "csd:close+mag", "ar"]
+    for spec in ("csd:close+mag,ar", "csd:close+mag"):  # ar, plain decoding at the same load, always runs too
+        assert [m.name for m in parse_methods(spec, config, [2])] == ["hf-ar", "ar", "csd:close+mag"]
 
 
 def test_csd_takes_its_schedule_from_the_tuned_config_with_exactly_its_drafters(inputs):
@@ -209,154 +195,6 @@ def test_bad_method_names_raise_value_error_naming_the_method(inputs, tmp_path, 
             "--out",
             str(tmp_path),
         )
-
-
-# --- bench --lossy and --adaptive (issue 5) ---------------------------------------------------------
-
-
-def test_bench_lossy_writes_curves_and_accounts_the_deviation(inputs, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(lossy.GRIDS, "token-v3", (-1.0, 0.9))
-    monkeypatch.setitem(lossy.GRIDS, "lossy", (0.0, 0.9))
-    out = tmp_path / "lossy"
-    assert (
-        run_bench(
-            "--lossy",
-            "--config",
-            str(inputs / "config.yaml"),
-            "--prompts",
-            str(inputs / "prompts.jsonl"),
-            "--rules",
-            "token-v3,lossy",
-            "--temperature",
-            "1.0",
-            "--seeds",
-            "0",
-            "--max-new-tokens",
-            "12",
-            "--out",
-            str(out),
-        )
-        == 0
-    )
-    results = json.loads((out / "lossy.json").read_text())
-    assert results["exact"]["tv_per_token"] == 0.0 and results["exact"]["off_target_tokens"] == 0
-    for rule in ("token-v3", "lossy"):
-        strict, loose = results["rules"][rule]
-        assert strict["off_target_tokens"] == 0 and strict["tv_per_token"] == 0.0
-        assert loose["off_target_tokens"] > 0 and loose["tv_per_token"] > 0.0
-        assert loose["target_calls_per_token"] <= strict["target_calls_per_token"]
-    assert results["token_v3_vs_lossy"]["rows"]  # at least the zero-loss level
-    assert (out / "lossy_curves.png").read_bytes()[:8] == PNG_MAGIC
-    assert "token-v3 vs lossy" in capsys.readouterr().out
-
-
-def _adaptive(inputs, tiny_family, tmp_path, drafter: str, *flags: str) -> dict:
-    """`bench --adaptive` for `drafter` with a random depth-1 head of its width; adaptive.json."""
-    from cascade_service.models.hf import HFModel
-
-    AcceptanceHead(HFModel.load(tiny_family[drafter]).config.hidden_size, depth=1).save(tmp_path / "head")
-    out = tmp_path / "adaptive"
-    assert (
-        run_bench(
-            "--adaptive",
-            "--config",
-            str(inputs / "config.yaml"),
-            "--prompts",
-            str(inputs / "prompts.jsonl"),
-            "--drafter",
-            drafter,
-            "--head",
-            str(tmp_path / "head"),
-            "--max-k",
-            "6",
-            "--repeats",
-            "1",
-            *flags,
-            "--out",
-            str(out),
-        )
-        == 0
-    )
-    return json.loads((out / "adaptive.json").read_text())
-
-
-def test_bench_adaptive_is_exact_and_summarises_against_the_best_fixed_k(inputs, tiny_family, tmp_path):
-    results = _adaptive(
-        inputs,
-        tiny_family,
-        tmp_path,
-        "mid",
-        "--sd-k-sweep",
-        "1,3",
-        "--thresholds",
-        "0.5",
-        "--confidence",
-        "0.4",
-        "--max-new-tokens",
-        "10",
-    )
-    assert set(results["methods"]) == {"fixed K=1", "fixed K=3", "specdec h=0.5", "confidence h=0.4"}
-    assert all(m["identical"] for m in results["methods"].values())
-    assert results["best_fixed"] in ("fixed K=1", "fixed K=3")
-    assert set(results["summary"]) == {"specdec", "confidence"}
-    assert results["methods"]["fixed K=1"]["mean_block"] <= 1.0
-
-
-def test_bench_adaptive_at_a_reviewing_tier_is_exact_and_stops_early(inputs, tiny_family, tmp_path):
-    """--reviews: close reviews mid's drafts and SpecDec++ ends close's part of the target's block."""
-    results = _adaptive(
-        inputs,
-        tiny_family,
-        tmp_path,
-        "close",
-        "--reviews",
-        "mid",
-        "--other-k",
-        "2",
-        "--sd-k-sweep",
-        "1,4",
-        "--thresholds",
-        "0.01",
-        "--max-new-tokens",
-        "12",
-    )
-    assert (results["reviews"], results["other_k"]) == ("mid", 2)
-    assert set(results["methods"]) == {"fixed K=1", "fixed K=4", "specdec h=0.01"}  # no confidence rule here
-    assert all(m["identical"] for m in results["methods"].values())
-    # h = 0.01: the stopper ends every part at its second token (the head gives no certainty), so
-    # blocks are at most 2 long, where the cap alone would allow 6.
-    assert 0 < results["methods"]["specdec h=0.01"]["mean_block"] <= 2.0
-    assert results["methods"]["fixed K=4"]["mean_block"] > 2.0
-    assert "--reviews mid" in results["command"]
-
-
-def test_bench_adaptive_at_a_tier_drafting_under_a_reviewer_is_exact_and_stops_early(inputs, tiny_family, tmp_path):
-    """--under: mid drafts for close, which reviews it; SpecDec++ ends mid's block, not close's."""
-    results = _adaptive(
-        inputs,
-        tiny_family,
-        tmp_path,
-        "mid",
-        "--under",
-        "close",
-        "--other-k",
-        "3",
-        "--sd-k-sweep",
-        "1,5",
-        "--thresholds",
-        "0.01",
-        "--confidence",
-        "0.4",
-        "--max-new-tokens",
-        "12",
-    )
-    assert (results["under"], results["other_k"]) == ("close", 3)
-    assert set(results["methods"]) == {"fixed K=1", "fixed K=5", "specdec h=0.01", "confidence h=0.4"}
-    assert all(m["identical"] for m in results["methods"].values())
-    assert "drafting under close" in results["setting"]
-    # mean_block is mid's block as close sees it: at most 2 once the stopper ends it, 5 when fixed.
-    assert 0 < results["methods"]["specdec h=0.01"]["mean_block"] <= 2.0
-    assert results["methods"]["fixed K=5"]["mean_block"] > 2.0
 
 
 def test_the_recorded_command_repeats_every_tuned_config():

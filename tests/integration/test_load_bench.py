@@ -137,14 +137,16 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
     )
     results = json.loads((out / "load.json").read_text())
     runs = results["runs"]
-    assert [(r["mode"], r["concurrency"]) for r in runs] == [("cascade", 1), ("plain", 1), ("cascade", 3), ("plain", 3)]
+    # the default modes: what `serve` runs, beside plain decoding at the same load
+    assert [(r["mode"], r["concurrency"]) for r in runs] == [("default", 1), ("plain", 1), ("default", 3), ("plain", 3)]
     for run in runs:
-        assert set(run) >= {"mode", "concurrency", "tokens_per_s", "p50_s", "p99_s", "errors"}
+        assert set(run) >= {"mode", "concurrency", "tokens_per_s", "p50_s", "p99_s", "errors", "drafted_round_share"}
         assert run["requests"] > 0 and run["errors"] == 0 and run["tokens_per_s"] > 0
         assert 0 < run["p50_s"] <= run["p99_s"]
-    ratio = results["summary"]["cascade_over_plain"]["3"]
+        assert 0.0 <= run["drafted_round_share"] <= 1.0 and (run["mode"] != "plain" or run["drafted_round_share"] == 0)
+    ratio = results["summary"]["default_over_plain"]["3"]
     assert ratio == round(runs[2]["tokens_per_s"] / runs[3]["tokens_per_s"], 3)
-    assert "cascade / plain at 3 streams" in capsys.readouterr().out
+    assert "default / plain at 3 streams" in capsys.readouterr().out
 
 
 def test_load_takes_a_target_or_a_config_not_both(tmp_path):

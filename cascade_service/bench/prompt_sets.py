@@ -1,0 +1,100 @@
+"""Prompt sets that ship with the benchmarks, and how the one where drafts disagree was made.
+
+`disagree.jsonl`: long openings of Python modules from third-party packages the shipped family never
+trained on (it trained on the standard library's sources, 256-token windows) and that no benchmark or
+tuning prompt of the family comes from (those are click, jinja2, packaging and tqdm, and held-out
+stdlib modules). Each prompt is 400-700 tokens, past the windows the family was trained on, cut at a
+line boundary inside the module: the context lengths users send, on code in a style the family did not
+learn. The family's drafters part from its target there (first-position acceptance about 0.2 where it
+is 0.6 on the family's own prompts), which is what a floor under the speedup has to be judged on.
+Never used to tune anything.
+
+Rebuild (the same packages installed; the file is committed, so every machine benchmarks the same text):
+    python -m cascade_service.bench.prompt_sets --out cascade_service/bench/prompts/disagree.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+DISAGREE = PROMPTS_DIR / "disagree.jsonl"
+
+# (package, module file inside it): permissively licensed (BSD-3 / MIT) code, installed with the
+# service's own dependencies (starlette and uvicorn with the HTTP API, anyio and h11 under them, PyYAML
+# with the configs), two modules each.
+SOURCES = (
+    ("starlette", "routing.py"),
+    ("starlette", "datastructures.py"),
+    ("uvicorn", "config.py"),
+    ("uvicorn", "protocols/http/h11_impl.py"),
+    ("yaml", "emitter.py"),
+    ("yaml", "constructor.py"),
+    ("h11", "_connection.py"),
+    ("h11", "_readers.py"),
+    ("anyio", "_core/_fileio.py"),
+    ("anyio", "streams/memory.py"),
+    ("attr", "_make.py"),
+    ("attr", "validators.py"),
+)
+MIN_TOKENS, MAX_TOKENS = 400, 700
+
+
+def cut_prompt(source: str, count_tokens: Callable[[str], int], skip_lines: int, most: int) -> str | None:
+    """The longest run of whole lines of `source` from `skip_lines` on that counts at most `most`
+    tokens, ending on a non-blank indented line (inside a function, so there is code left to write);
+    None if no such run reaches MIN_TOKENS."""
+    lines = source.splitlines(keepends=True)[skip_lines:]
+    best = None
+    for end in range(1, len(lines) + 1):
+        text = "".join(lines[:end])
+        n = count_tokens(text)
+        if n > most:
+            break
+        last = lines[end - 1]
+        if n >= MIN_TOKENS and last.strip() and last.startswith((" ", "\t")):
+            best = text
+    return best
+
+
+def build(count_tokens: Callable[[str], int], sources: Sequence[tuple[str, str]] = SOURCES) -> list[dict]:
+    """One prompt per (package, module): the module's text after its first third (past the imports and
+    the module docstring), cut by `cut_prompt` at lengths spread evenly over MIN_TOKENS..MAX_TOKENS."""
+    prompts = []
+    for i, (package, module) in enumerate(sources):
+        most = MIN_TOKENS + (MAX_TOKENS - MIN_TOKENS) * (i % 4 + 1) // 4
+        root = Path(importlib.import_module(package).__file__ or "").parent
+        text = (root / module).read_text()
+        skip = len(text.splitlines()) // 3
+        prompt = cut_prompt(text, count_tokens, skip, most)
+        if prompt is None:
+            raise ValueError(f"{package}/{module}: no run of {MIN_TOKENS}-{MAX_TOKENS} tokens")
+        version = importlib.metadata.version(_distribution(package))
+        prompts.append({"prompt": prompt, "source": f"{package} {version}: {module}", "tokens": count_tokens(prompt)})
+    return prompts
+
+
+def _distribution(package: str) -> str:
+    return {"yaml": "PyYAML", "attr": "attrs"}.get(package, package)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..models.hf import load_tokenizer
+    from ..zoo.shipped import shipped_zoo
+
+    parser = argparse.ArgumentParser(description="Rebuild the shipped prompt set where drafts disagree.")
+    parser.add_argument("--out", default=str(DISAGREE))
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(shipped_zoo()["large"])
+    prompts = build(lambda text: len(tokenizer(text).input_ids))
+    Path(args.out).write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    print(f"{len(prompts)} prompts, {min(p['tokens'] for p in prompts)}-{max(p['tokens'] for p in prompts)} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
