@@ -46,6 +46,7 @@ __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettin
 # where MaG found a match (a miss drafts nothing and costs almost nothing), so its stint waits longer.
 PROBE_ROUNDS = {"lookup": 8, "model": 3}
 PROBE_HOPE = 2.0  # a probe is worth its catch-up only if a source earning this ratio would pay it back
+OWN_PLAIN_SMOOTHING = 0.3  # EWMA of the request's own plain rounds: its context grows, its p with it
 
 
 class GoodputFloor:
@@ -83,6 +84,7 @@ class GoodputFloor:
         self._remaining = 0
         self._allowed: frozenset[str] = frozenset()
         self._source: str | None = None
+        self._read_now: set[str] = set()  # the sources asked this round (they read the committed tokens)
         self._began = 0.0
         self._pending: tuple[str | None, int, int] | None = None  # (source, tokens, behind): judged next round
 
@@ -99,7 +101,7 @@ class GoodputFloor:
         self.rounds += 1
         self._level = self.model.at(self.greedy, self.model.level(), self.scope)
         self._source = None
-        self._read_now: set[str] = set()
+        self._read_now = set()
         self._allowed = self._decide(self._level)
 
     def allows(self, source: str) -> bool:
@@ -142,7 +144,7 @@ class GoodputFloor:
         if self.rounds == 1 or here is None:  # the prompt's prefill is in it: no evidence of a round's cost
             return
         if source is None:
-            self._own_plain = ewma(self._own_plain, cost, 0.3)
+            self._own_plain = ewma(self._own_plain, cost, OWN_PLAIN_SMOOTHING)
             self._own_plain_rounds += 1
             self.model.plain(here, cost)
             if p is not None:
