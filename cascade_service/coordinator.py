@@ -104,8 +104,8 @@ class Coordinator:
     leaves: LeafFactory | None = None
     param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
     make_stopper: StopperFactory | None = None  # SpecDec++ at a reviewing tier local to this process
-    # The target's block policy per request, given whether it is greedy (scheduling.load.BySampling);
-    # None: the fixed K-matrix.
+    # The target's block policy per request, given whether it is greedy and its scope (its API key's salt):
+    # the floor (scheduling.floor) over load adaptation (scheduling.load) or the K-matrix; None: the K-matrix.
     policies: PolicyFactory | None = None
     # Positions the smallest model tier holds (its max_position_embeddings); None: no limit known. A
     # request's context (session history + prompt) plus its new tokens must fit.
