@@ -25,6 +25,7 @@ after each of its failed probes; a probe that paid decides on its own, so no pas
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
 from .goodput import (
@@ -128,7 +129,7 @@ class GoodputFloor:
         self.model.ended(self)
         self.inner.observe(drafted, accepted)
         source = self._source if drafted > 0 else None
-        behind = self._committed - self._read[source] if source is not None else 0
+        behind = self._behind(source) if source is not None else 0
         for asked in self._read_now:
             self._read[asked] = self._committed + accepted + 1  # it read up to the block it drafted
         if source is None and drafted > 0:
@@ -169,11 +170,7 @@ class GoodputFloor:
             del self._probing[source]
             paid = earned >= cost
             if paid:  # its own round paid: that, not every request's past, decides now (a prior cannot lock it out)
-                own.earned, own.cost, own.rounds = (
-                    self._mine[source].earned,
-                    self._mine[source].cost,
-                    self._mine[source].rounds,
-                )
+                self._own[source] = replace(self._mine[source])
             settings = self.settings
             self._interval[source] = settings.probe_min if paid else min(settings.probe_max, 2 * self._interval[source])
             self.model.probed(here, source, paid)
@@ -184,12 +181,12 @@ class GoodputFloor:
         """The sources that may draft this round."""
         if self.rounds == 1:  # the prefill round: draft where every request's rounds here say it pays
             self._p = None
-            p = self._own_plain if self._own_plain_rounds >= 2 else here.plain_s
+            p = self._plain(here)
             return frozenset(
                 s for s in SOURCES if _at_least_one(here.gains[s].ratio()) and self._pays_back(here, s, p, None)
             )
         calibrate = self.model.calibrating(here)
-        self._p = p = self._own_plain if self._own_plain_rounds >= 2 else here.plain_s
+        self._p = p = self._plain(here)
         if p is None or calibrate:
             return frozenset()
         if self._own is None:
@@ -234,12 +231,20 @@ class GoodputFloor:
         self._on = {s for s in allowed if s not in self._probing}
         return frozenset(allowed)
 
+    def _plain(self, here: Level) -> float | None:
+        """p: the request's own plain rounds once it has had two, else every request's at this level."""
+        return self._own_plain if self._own_plain_rounds >= 2 else here.plain_s
+
+    def _behind(self, source: str) -> int:
+        """Committed tokens `source` has not read (the whole context if it never drafted)."""
+        return self._committed - self._read[source]
+
     def _pays_back(self, here: Level, source: str, p: float | None, ratio: float | None) -> bool:
         """Whether a source that must first catch up (read the tokens committed while it rested: the whole
         prompt if it never drafted) can earn that back in the tokens the request has left: at gain ratio
         r a token saves p (1 - 1/r). The first catch-up at a level (no rate measured yet), and a ratio
         or p not known, are given the benefit of the doubt."""
-        behind = self._committed - self._read[source]
+        behind = self._behind(source)
         rate = here.catch_up_s[source]
         if behind <= BEHIND or rate is None or p is None:
             return True
@@ -255,7 +260,7 @@ class GoodputFloor:
         catching up (every request's rate per token behind, times the tokens)."""
         assert self._own is not None
         running = max(0.0, (self._own[source].mean_cost() or p) - p)
-        behind = self._committed - self._read[source]
+        behind = self._behind(source)
         if behind <= BEHIND:
             return running
         return 2 * running + (here.catch_up_s[source] or 0.0) * behind
