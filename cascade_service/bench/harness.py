@@ -18,7 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ..core.stats import Usage, absorb
-from .methods import GREEDY, PLAIN, REFERENCE, Method, Outcome, Runner, Sampling, drafted_label
+from .methods import PLAIN, REFERENCE, Method, Outcome, Runner, Sampling, drafted_label
 from .zoo import Zoo
 
 
@@ -83,7 +83,7 @@ def run_bench(
     """Time every runner of every method; returns runner label -> log."""
     runners = [r for m in methods for r in m.variants]
     for runner in runners:  # warm-up: first-call allocations and lazy inits stay out of the timings
-        runner.run(zoo, prompts[0], max_new_tokens, Sampling(temperature, seed=2**62) if temperature else GREEDY)
+        runner.run(zoo, prompts[0], max_new_tokens, Sampling(temperature, seed=2**62))
     logs = {r.label: RunnerLog() for r in runners}
     bar = tqdm(total=repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=None)
     for repeat in range(repeats):
@@ -92,7 +92,7 @@ def run_bench(
             log.times.append([])
             log.tokens.append([])
         for i, prompt in enumerate(prompts):
-            sampling = Sampling(temperature, seed=repeat * len(prompts) + i) if temperature else GREEDY
+            sampling = Sampling(temperature, seed=repeat * len(prompts) + i)  # the seed matters only sampled
             for runner in runners:
                 _timed(runner, zoo, prompt, max_new_tokens, sampling, logs[runner.label])
             bar.update()
