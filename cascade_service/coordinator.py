@@ -14,12 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .config import (
-    CascadeConfig,
-    request_state,
-    with_stop_threshold,
-)
-from .config.requests import check_generation, check_vocabulary, prepare_state, request_schedule
+from .config import CascadeConfig
 from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
@@ -30,10 +25,19 @@ from .core.request import GenerationConfig, check_stop
 from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
 from .core.verify import Verification
+from .intake import (
+    check_generation,
+    check_vocabulary,
+    prepare_state,
+    request_schedule,
+    request_state,
+    with_stop_threshold,
+)
 from .metrics import Metrics, RequestTimes
+from .output import TextStream
+from .scheduling.loop import EngineLoop
 from .scheduling.passes import CURRENT_CLOCK
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
-from .textstream import TextStream
 
 MAX_PROMPT_TOKENS = 32_768
 
@@ -66,7 +70,7 @@ class GenerateParams:
     gen: GenerationConfig
     session_id: str | None = None
     stop: tuple[str, ...] = ()
-    owner: str = ""  # the caller's owner id (api.auth); a session is used only by its owner
+    owner: str = ""  # the caller's owner id (rpc.auth); a session is used only by its owner
     # The client set max_new_tokens (it must then fit the model's context, or the request is refused);
     # a server default is cut to what fits instead.
     explicit_max_new_tokens: bool = False
@@ -114,6 +118,9 @@ class Coordinator:
     metrics: Metrics | None = None
     # An encoder-decoder target's decoder start token (core.encdec); None: decoder-only.
     decoder_start: int | None = None
+    # The engine loop its requests run in (its wiring's engine core's, runtime.core), where front ends
+    # submit them; None: a coordinator no front end serves (a test's, one called in a task directly).
+    loop: EngineLoop | None = None
 
     # --- requests ----------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The in-process wiring: loaded tiers + the core cascade, one fresh cascade per request.
 
-Models are loaded once and shared; each request gets its own scorers (KV caches), MaG index, RNG and
-counters, so concurrent requests never see each other's state. A tier the config names by `address`
+Models are loaded once, by the process's engine core (runtime.core), and shared; each request gets
+its own scorers (KV caches), MaG index, RNG and counters, so concurrent requests never see each
+other's state. A tier the config names by `address`
 is not loaded: it is reached on its tier server over gRPC (`transport.client`), and the cascade calls
 it through the same `Tier` protocol.
 """
@@ -21,18 +22,17 @@ from .core.local import ModelTier
 from .core.policy import PolicyFactory
 from .core.stats import CascadeStats
 from .core.tier import Scope, Tier
-from .models.acceptance_head import HeadCache
 from .models.hf import HFModel, load_tokenizer
-from .models.loop import EngineLoop
-from .runtime.assemble import TierFacts, assemble_coordinator
+from .runtime.assemble import assemble_coordinator
+from .runtime.core import EngineCore
 from .runtime.leaves import Leaves
 from .scheduling.floor import floor_policies
 from .scheduling.load import load_policies
 from .scheduling.trial import ARMS
 from .sessions import MemoryStore, SessionStore
 from .startup import check_tiers, check_vocabularies
+from .tierhost.loopback import loopback
 from .transport.client import RemoteModel, connect
-from .transport.remote import loopback
 
 Drafter = HFModel | StatisticalConfig | RemoteModel
 
@@ -51,18 +51,20 @@ class Engine:
         cascade: CascadeConfig,
         loopback: bool = False,
         tier_client: TierClientConfig | None = None,
-        loop: EngineLoop | None = None,
+        core: EngineCore | None = None,
     ):
-        """`loopback`: every tier behind the wire codec (transport.remote.loopback), as a remote tier
+        """`loopback`: every tier behind the wire codec (tierhost.loopback), as a remote tier
         would be; tests use it to show that the codec changes no token. `tier_client`: how to reach
-        the tiers named by address (the config's serving.tier_client). `loop`: the engine loop its
-        requests and passes run in (the process's shared one by default)."""
+        the tiers named by address (the config's serving.tier_client). `core`: the process's engine
+        core, which loads the models and runs the requests and passes (a new one when None)."""
         self.cascade = cascade
         self.loopback = loopback
         check_tiers(cascade)  # a device this machine lacks or a foreign vocabulary fails before any weights load
+        self.core = core or EngineCore()
+        self.loop = self.core.loop  # every request of this engine runs in it, with the models' passes
         self.remote = connect(cascade, tier_client or TierClientConfig())  # asks each tier server what it hosts
         t = cascade.target
-        self.target: HFModel | RemoteModel = self.remote.get(t.name) or HFModel.for_tier(t)
+        self.target: HFModel | RemoteModel = self.remote.get(t.name) or self.core.model(t)
         self.drafters: list[Drafter] = []
         for d in cascade.drafters:
             if d.name in self.remote:
@@ -70,20 +72,23 @@ class Engine:
             elif isinstance(d, StatisticalConfig):
                 self.drafters.append(d)
             else:
-                self.drafters.append(HFModel.for_tier(d))
+                self.drafters.append(self.core.model(d))
         # Again with the weights' own counts (the LM heads' rows), which config.json may not record.
         check_vocabularies(cascade, {m.name: m.vocab_size for m in self.tiers()}, tokenizers=False)
         self.tokenizer = load_tokenizer(t.path)
         # MaG's bigram table, suffix decoding's recent requests and corpus (runtime.leaves)
-        self.leaves = Leaves(cascade.drafters, self.target.vocab_size, self.encode)
-        self.heads = HeadCache(self.target.device if isinstance(self.target, HFModel) else "cpu")
+        self.leaves = self.core.leaves(cascade.drafters, self.target.vocab_size, self.encode)
+        self.heads = self.core.heads(self.target.device if isinstance(self.target, HFModel) else "cpu")
         self._check_heads(cascade)
-        # Every request of this process runs in one engine loop (models.loop), with the models' passes.
-        self.loop = loop or EngineLoop.shared()
-        for model in self.models():
-            model.enable_batching(loop=self.loop)
-        # In-process requests (generate, bench, tune) take the serving path: a coordinator, no sessions.
-        self._local = self.coordinator(MemoryStore(), leaves=self.leaves)
+        self._own: Coordinator | None = None  # its own requests' coordinator, made when first asked for
+
+    @property
+    def _local(self) -> Coordinator:
+        """In-process requests (generate, bench, tune) take the serving path: a coordinator, no
+        sessions. Made on first use: a server that only serves builds its own coordinator alone."""
+        if self._own is None:
+            self._own = self.coordinator(MemoryStore(), leaves=self.leaves)
+        return self._own
 
     def _check_heads(self, cascade: CascadeConfig) -> None:
         """Load every acceptance head now: a missing or mismatched head fails here, not mid-request."""
@@ -135,7 +140,7 @@ class Engine:
         # its own requests only, MaG's table and any corpus as loaded once
         twin.leaves = Leaves(cascade.drafters, self.target.vocab_size, self.encode, like=self.leaves)
         twin._check_heads(cascade)
-        twin._local = twin.coordinator(MemoryStore(), leaves=twin.leaves)
+        twin._own = None
         return twin
 
     def stream(
@@ -200,10 +205,10 @@ class Engine:
             policies = load_policies(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS)
         if floor:
             policies = floor_policies(policies)
-        leaves = leaves or Leaves(self.cascade.drafters, self.target.vocab_size, self.encode)
+        leaves = leaves or self.core.leaves(self.cascade.drafters, self.target.vocab_size, self.encode)
         return assemble_coordinator(
             self.cascade,
-            {m.name: m.facts() if isinstance(m, RemoteModel) else TierFacts.of(m) for m in self.tiers()},
+            {m.name: m.facts() for m in self.tiers()},
             Tokenizer(self.encode, self.decode_text, self.tokenizer),
             tiers=lambda scope: {name: self._tier(m, scope) for name, m in models.items()},
             store=store,
@@ -211,6 +216,7 @@ class Engine:
             leaves=lambda owner, context: {name: self._wire(tier) for name, tier in leaves(owner, context).items()},
             make_stopper=self.make_stopper,
             policies=policies,
+            loop=self.loop,
         )
 
     def local_target(self) -> HFModel:

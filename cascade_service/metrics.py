@@ -177,7 +177,7 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token")
         self.queue = histogram("request_queue_time_seconds", "Arrival to start of work")
         self.tier_calls = counter("tier_calls", "Forward passes (MaG: proposals) per tier", ["tier"])
-        # The engine loop's accounting of finished requests (models/loop.py): where their time went.
+        # The engine loop's accounting of finished requests (scheduling/loop.py): where their time went.
         self.engine_pass_seconds = counter(
             "engine_pass_seconds", "Requests' shares of batched forward passes, per tier", ["tier"]
         )

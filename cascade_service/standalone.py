@@ -1,7 +1,7 @@
 """One process, no Ray: the engine's models with continuous batching, the coordinator and a gRPC server.
 
 `cascade-service serve --frontend standalone` runs this: one machine (one GPU, or the CPU) serving many
-concurrent requests, each tier batching their forward passes (models/batching.py). The Ray Serve app
+concurrent requests, every tier's forward passes batched in the process's engine core (runtime.core). The Ray Serve app
 (serving/) is the wiring for tiers on separate GPUs and independent scaling.
 """
 
@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api.admission import limits_from
-from .api.auth import ApiKeys, TlsFiles
 from .api.openai_http import http_options
 from .api.server import MAX_QUEUED_RPCS, start_server
 from .config import Config, make_cascade
 from .coordinator import Coordinator
 from .engine import Engine
+from .rpc.auth import ApiKeys, TlsFiles
 from .runtime.assemble import session_store
+from .runtime.core import EngineCore
 from .sessions import MemoryStore
 
 DEFAULT_MAX_STREAMS = 64  # requests decoding at once; more wait (up to MAX_QUEUED_RPCS), then RESOURCE_EXHAUSTED
@@ -37,9 +38,7 @@ class Standalone:
 
     def stop(self, grace_s: float | None = None) -> None:
         self.server.stop(grace_s).wait()
-        for model in self.engine.models():
-            if model.batcher is not None:
-                model.batcher.close()
+        self.engine.core.close()
 
 
 def start_standalone(
@@ -72,9 +71,7 @@ def start_standalone(
         import torch
 
         torch.set_num_threads(config.serving.torch_threads)
-    engine = Engine(cascade, tier_client=config.serving.tier_client)
-    for model in engine.models():
-        model.enable_batching(max_batch)
+    engine = Engine(cascade, tier_client=config.serving.tier_client, core=EngineCore(max_batch))
     store = session_store(
         config.serving,
         lambda: MemoryStore(

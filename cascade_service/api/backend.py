@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from .v1 import cascade_pb2 as pb
+from ..proto.v1 import cascade_pb2 as pb
 
 Reply = tuple[str, str, bytes]  # (status code name, details, serialized response)
 
@@ -34,7 +34,7 @@ def request_type(method: str) -> Any:
 
 class Backend(Protocol):
     """What serves a call once the front end admitted it. `owner`: the caller's owner id
-    (`api.auth.owner_of`), checked against a session's owner by the coordinator. Both methods run on a
+    (`rpc.auth.owner_of`), checked against a session's owner by the coordinator. Both methods run on a
     worker thread and may block."""
 
     def call(
@@ -58,14 +58,14 @@ class Backend(Protocol):
 class RecordingContext:
     """A servicer context for calls that arrive as bytes: records the status the servicer sets.
 
-    `owner`: the caller's owner id, authenticated by the front end that took the call (`api.auth`);
+    `owner`: the caller's owner id, authenticated by the front end that took the call (`rpc.auth`);
     `cancelled`: says when the caller has gone (the servicer's decode stops at its next round).
     """
 
     def __init__(self, owner: str = "", cancelled: Callable[[], bool] | None = None) -> None:
         self.code = grpc.StatusCode.OK
         self.details = ""
-        self.cascade_owner = owner  # api.auth.OWNER_ATTR
+        self.cascade_owner = owner  # rpc.auth.OWNER_ATTR
         self.cancelled = cancelled
 
     def set_code(self, code: grpc.StatusCode) -> None:

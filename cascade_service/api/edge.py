@@ -14,8 +14,8 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
+from ..rpc.auth import ApiKeys, TlsFiles
 from .admission import Limits
-from .auth import ApiKeys, TlsFiles
 from .backend import Backend
 from .frontend_server import FrontendServer, HttpOptions, start_frontend
 from .server import MAX_QUEUED_RPCS

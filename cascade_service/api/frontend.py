@@ -41,12 +41,12 @@ from grpc_reflection.v1alpha import reflection as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2
 
 from ..metrics import default_metrics
+from ..rpc.auth import ApiKeys, authenticate
+from ..rpc.reflection import METHOD as REFLECTION_METHOD
+from ..rpc.reflection import SERVICES, V1, V1ALPHA, advertised
 from .admission import CallHooks, Limits, Refused, Workers, abort, decode_body, time_left
-from .auth import ApiKeys, authenticate
 from .backend import STREAMING, UNARY, Backend, Reply, request_type
 from .health import HEALTH_SERVICES, status_reply, watch_reply
-from .reflection import METHOD as REFLECTION_METHOD
-from .reflection import SERVICES, V1, V1ALPHA, advertised
 from .servicer import SERVICE_NAME
 from .status import STOPPING
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import grpc
 
+from ..rpc.auth import ApiKeys, TlsFiles, bind
 from .admission import Limits
-from .auth import ApiKeys, TlsFiles, bind
 from .backend import Backend
 from .frontend import Frontend
 
@@ -146,7 +146,7 @@ def start_frontend(
 ) -> FrontendServer:
     """Serve CascadeService, health and reflection for `backend` on host:port (port 0 picks one).
 
-    api_keys: when given, every CascadeService call needs one of them (`api.auth`; health and
+    api_keys: when given, every CascadeService call needs one of them (`rpc.auth`; health and
     reflection stay open); tls: serve TLS; serving: what health answers until `set_serving` changes it.
     """
     return FrontendServer(backend, host, port, limits or Limits(), api_keys, tls, serving, http)

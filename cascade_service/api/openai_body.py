@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..core.limits import MAX_LOGIT_BIAS
+from ..proto.v1 import cascade_pb2 as pb
 from .choices import MAX_CHOICES, choice_counts
-from .v1 import cascade_pb2 as pb
 
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,

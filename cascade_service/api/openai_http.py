@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..metrics import CONTENT_TYPE, Metrics, default_metrics
+from ..proto.v1 import cascade_pb2 as pb
 from .admission import CallHooks, Refused
 from .choices import choice_requests
 from .frontend_server import HttpOptions
@@ -53,7 +54,6 @@ from .openai_body import (
     usage,
 )
 from .openai_stream import EventFormat, open_events
-from .v1 import cascade_pb2 as pb
 
 ChatTemplate = Callable[[list[dict[str, Any]]], str]
 

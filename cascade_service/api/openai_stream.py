@@ -19,6 +19,7 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..proto.v1 import cascade_pb2 as pb
 from .admission import CallHooks, Refused
 from .openai_body import (
     FINISH,
@@ -31,7 +32,6 @@ from .openai_body import (
     status_code,
     usage,
 )
-from .v1 import cascade_pb2 as pb
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The embedded wiring for one process; `serving.app` is the Ray Serve wiring of the same servicer. The
 front end (`api.frontend`) takes each call (keys, limits, the body, health, reflection) and hands an
 admitted one to `LocalBackend`, which runs the servicer as a task of the process's engine loop
-(models.loop), where its decode shares every model's batched passes with the other requests; the
+(scheduling.loop), where its decode shares every model's batched passes with the other requests; the
 front end's worker only waits for the reply, or for each streamed chunk.
 """
 
@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..coordinator import Coordinator
-from ..models.loop import EngineLoop
+from ..rpc.auth import ApiKeys, TlsFiles
+from ..scheduling.loop import EngineLoop
 from .admission import Limits
-from .auth import ApiKeys, TlsFiles
 from .backend import RecordingContext, Reply, request_type
 from .frontend_server import FrontendServer, HttpOptions, start_frontend
 from .servicer import CascadeServicer
@@ -31,9 +31,9 @@ class LocalBackend:
     """The front end's `Backend` for a coordinator in this process: the servicer in the engine loop,
     its decode stopped at the next round once the client is gone or past its deadline."""
 
-    def __init__(self, servicer: CascadeServicer, loop: EngineLoop | None = None):
+    def __init__(self, servicer: CascadeServicer, loop: EngineLoop):
         self.servicer = servicer
-        self.loop = loop or EngineLoop.shared()
+        self.loop = loop
 
     def call(
         self,
@@ -131,13 +131,18 @@ def start_server(
     limits: Limits | None = None,
     http: HttpOptions | None = None,
 ) -> tuple[FrontendServer, int]:
-    """Start serving; returns the server and the bound port (port 0 picks a free one).
+    """Start serving `coordinator`, whose requests run in its engine loop (`coordinator.loop`: its
+    engine core's); returns the server and the bound port (port 0 picks a free one).
 
-    api_keys: when given, every CascadeService call needs one of them (`api.auth`); tls: serve TLS.
+    api_keys: when given, every CascadeService call needs one of them (`rpc.auth`); tls: serve TLS.
     workers calls run at once and max_queued more wait; past that a call gets RESOURCE_EXHAUSTED.
     `limits` sets these and the rest of admission (`api.admission.Limits`); it wins over both.
     http: also serve the HTTP API (`api.openai_http`) on its port, on the same admission.
     """
     limits = limits or Limits(workers=workers, max_queued=max_queued)
-    server = start_frontend(LocalBackend(CascadeServicer(coordinator)), host, port, limits, api_keys, tls, http=http)
+    if coordinator.loop is None:
+        raise ValueError("coordinator.loop: a served coordinator runs its requests in its engine core's loop")
+    server = start_frontend(
+        LocalBackend(CascadeServicer(coordinator), coordinator.loop), host, port, limits, api_keys, tls, http=http
+    )
     return server, server.port

@@ -23,6 +23,8 @@ from ..core.stats import CascadeStats, TierCounters
 from ..core.tier import Overloaded, Unavailable
 from ..core.verify import Verification
 from ..metrics import default_metrics
+from ..proto.v1 import cascade_pb2 as pb
+from ..rpc.auth import owner_of
 from ..sessions import (
     SessionConflict,
     SessionExists,
@@ -31,10 +33,8 @@ from ..sessions import (
     SessionQuotaExceeded,
     StoreUnavailable,
 )
-from .auth import owner_of
 from .choices import choice_counts, choice_requests, mean_logprob, together
 from .status import set_status
-from .v1 import cascade_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cascade.v1.CascadeService"

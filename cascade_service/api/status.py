@@ -9,7 +9,7 @@ serialized `google.rpc.Status` with the same code and message and, by code,
 
 The details are a pure function of (code, message), so each front end builds the same bytes from what
 it has: the standalone server and the coordinator from the exception, the edge from the code and
-message it forwards, Ray Serve's proxy from the status it ends a call with (`api.proxy`).
+message it forwards, Ray Serve's proxy from the status it ends a call with (`serving.proxy`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from .v1 import cascade_pb2
+from ..proto.v1 import cascade_pb2
 
 DETAILS_KEY = "grpc-status-details-bin"
 # How long a client should wait before retrying: a full queue drains within a few decode rounds; a

@@ -175,8 +175,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from .methods import parse_methods
 
     require("matplotlib", "bench (its plots)")
-    from ..models.hf import on_loop_thread
     from ..prompts import read_prompts
+    from ..runtime.core import EngineCore
     from .report import markdown, plot_acceptance, plot_speedup
     from .zoo import Zoo
 
@@ -191,8 +191,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     # bad names fail before any model loads
     methods = parse_methods(args.methods, config.cascade, sd_ks, tuned, greedy=temperature == 0.0)
 
+    core = EngineCore()
+
     def measure() -> tuple:
-        zoo = Zoo(config.cascade)
+        zoo = Zoo(config.cascade, core)
         prompts = [zoo.encode(t) for t in texts]
         for i, ids in enumerate(prompts):
             if not ids:
@@ -203,7 +205,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     # Every method, ours and transformers' baselines, and every timing on one thread: the engine
     # loop's, where our passes run (models.hf.on_loop_thread says why one thread).
-    prompts, logs, costs, tiers = on_loop_thread(measure)
+    prompts, logs, costs, tiers = core.run(measure)
     results = {
         "command": command_line(args),
         "config": config_summary(args.config, config.cascade),

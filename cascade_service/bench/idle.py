@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from ..api.v1 import cascade_pb2 as pb
+from ..proto.v1 import cascade_pb2 as pb
 
 STREAMS_PER_CONNECTION = 50
 GENERATE = "/cascade.v1.CascadeService/Generate"

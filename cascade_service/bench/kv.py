@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 
 from ..config import ModelTierConfig, load_config
-from ..models.hf import HFModel, pass_time_s
+from ..models.hf import pass_time_s
+from ..runtime.core import EngineCore
 
 
 def _ints(text: str) -> list[int]:
@@ -35,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cascade = load_config(args.config).cascade
     rows, contexts = _ints(args.rows), _ints(args.context)
+    core = EngineCore()
     print(f"ms per pass, {args.tokens} new token(s) per row (median of {args.repeats}); dynamic / pool = speedup")
     for tier in [t for t in cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote]:
-        models = {kv: HFModel.for_tier(tier, kv=kv) for kv in ("dynamic", "pool")}
+        models = {kv: core.model(tier, kv=kv) for kv in ("dynamic", "pool")}
         for context in contexts:
             times = {
                 kv: [pass_time_s(m, r, context, args.repeats, args.tokens) for r in rows] for kv, m in models.items()

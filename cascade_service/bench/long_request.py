@@ -36,8 +36,8 @@ import torch
 
 from ..config import GenerationConfig, ModelTierConfig, make_cascade
 from ..engine import Engine
-from ..models.batching import PREFILL_CHUNK
 from ..paths import zoo_dir
+from ..scheduling.batcher import PREFILL_CHUNK
 from ..zoo.tiny import build_family, random_prompts
 
 CONDITIONS = ("alone", "prefill", "decode")
@@ -143,7 +143,6 @@ def _engine(path: str | None) -> Engine:
         path = str(large if large.is_dir() else build_family(Path(tempfile.mkdtemp()) / "tiny")["target"])
     engine = Engine(make_cascade(ModelTierConfig("target", path), [], [], 1.0))
     engine.eos_ids = frozenset()  # every request decodes its whole budget: equal work per run
-    engine.local_target().enable_batching()
     return engine
 
 

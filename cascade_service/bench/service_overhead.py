@@ -16,11 +16,11 @@ import time
 
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
-from ..demo import demo_config
 from ..engine import Engine
 from ..paths import zoo_dir
 from ..prompts import read_prompts
 from ..zoo.build import build_zoo
+from ..zoo.demo import demo_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,13 +35,14 @@ import yaml
 from ..config import GenerationConfig, load_config
 from ..core.tier import DraftRequest, Scope
 from ..core.types import Context
-from ..demo import demo_config
 from ..engine import Engine
 from ..paths import zoo_dir
 from ..prompts import read_prompts
+from ..tierhost.loopback import loopback
 from ..transport.client import TierReplicas
-from ..transport.remote import RemoteTier, loopback
+from ..transport.remote import RemoteTier
 from ..zoo.build import build_zoo
+from ..zoo.demo import demo_config
 
 CALL_TIER = "large"  # the target: a plain model tier on every transport
 

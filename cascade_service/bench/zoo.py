@@ -5,14 +5,16 @@ from __future__ import annotations
 from ..config import CascadeConfig, ModelTierConfig
 from ..engine import Engine
 from ..models.hf import HFModel
+from ..runtime.core import EngineCore
 
 
 class Zoo:
     """The config's target and drafters, loaded once; engines over any subset of the drafters share them."""
 
-    def __init__(self, cascade: CascadeConfig):
-        # One Engine over the whole config loads every tier (and MaG's bigram table) exactly once.
-        self._full = Engine(cascade)
+    def __init__(self, cascade: CascadeConfig, core: EngineCore | None = None):
+        # One Engine over the whole config loads every tier (and MaG's bigram table) exactly once, by
+        # `core` (the process's engine core: a new one when None).
+        self._full = Engine(cascade, core=core)
         self._cascade = cascade
         self._plain: dict[str, HFModel] = {}  # drafters on another backend, on transformers (transformers_model)
         self.target: HFModel = self._full.local_target()
@@ -53,7 +55,7 @@ class Zoo:
         if not isinstance(tier, ModelTierConfig) or tier.backend == "hf":
             return model
         if name not in self._plain:
-            self._plain[name] = HFModel.for_tier(tier, backend="hf")
+            self._plain[name] = self._full.core.model(tier, backend="hf")
         return self._plain[name]
 
     def tier_costs(self) -> dict[str, dict]:

@@ -21,9 +21,9 @@ from ..config import (
     make_generation,
     make_verification,
     target_from_arg,
-    with_stop_threshold,
 )
 from ..core.verify import RULES
+from ..intake import with_stop_threshold
 from .parser import UsageError
 
 

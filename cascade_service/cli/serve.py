@@ -192,7 +192,7 @@ def _stopping(grace_s: float) -> None:
 def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     """(API keys, TLS files) for `serve`, from the flags or else the config; UsageError where they are
     unusable, and for a non-loopback --host unless both keys and TLS are on."""
-    from ..api.auth import TlsFiles, is_loopback, load_api_keys
+    from ..rpc.auth import TlsFiles, is_loopback, load_api_keys
 
     serving = config.serving
     keys_file = args.api_keys or serving.api_keys_file

@@ -42,8 +42,8 @@ def add_tier_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_tier(args: argparse.Namespace) -> int:
-    from ..api.auth import TlsFiles, is_loopback, load_api_keys
-    from ..transport.server import start_tier_server
+    from ..rpc.auth import TlsFiles, is_loopback, load_api_keys
+    from ..tierhost.server import start_tier_server
 
     host, _, port_text = args.listen.rpartition(":")
     if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
@@ -64,14 +64,12 @@ def _run_tier(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(config.serving.torch_threads)
-    group = tier_group(config, args.tier)
+    group = tier_group(config, args.tier, max_batch=args.max_batch)
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     stop = threading.Event()
     _stop_on_signals(stop)
-    server = start_tier_server(
-        group, host, int(port_text), keys, tls, args.workers, args.max_queued, max_batch=args.max_batch
-    )
+    server = start_tier_server(group, host, int(port_text), keys, tls, args.workers, args.max_queued)
     try:
         hosted = ", ".join(
             f"{n}{' (sub-cascade)' if n in group.systems else ''}" for n in (t.name for t in group.info().tiers)
@@ -84,15 +82,18 @@ def _run_tier(args: argparse.Namespace) -> int:
     return 0
 
 
-def tier_group(config: Config, names: list[str]):  # -> transport.group.TierGroup (imported late: it loads torch)
-    """The TierGroup serving `names` of the config: their weights from their `path`; a member whose whole
-    sub-cascade is among them runs it in one call; MaG with its bigram table where named or needed."""
+def tier_group(config: Config, names: list[str], max_batch: int = 64):  # -> tierhost.group.TierGroup (late: torch)
+    """The TierGroup serving `names` of the config: their weights from their `path`, loaded by this
+    process's engine core (max_batch rows a pass); a member whose whole sub-cascade is among them runs
+    it in one call; MaG with its bigram table where named or needed."""
     from ..models.hf import config_vocab_size
+    from ..runtime.core import EngineCore
 
     def models_of(cascade):  # type: ignore[no-untyped-def]
         return [t for t in cascade.tiers if isinstance(t, ModelTierConfig)]
 
-    from ..transport.group import TierGroup, system_heads
+    from ..tierhost.group import TierGroup
+    from ..tierhost.subcascade import system_heads
 
     cascade = config.cascade
     by_name = {t.name: t for t in cascade.tiers}
@@ -124,4 +125,5 @@ def tier_group(config: Config, names: list[str]):  # -> transport.group.TierGrou
         systems=systems,
         mag=serves_mag,
         mag_vocab=mag_vocab,
+        core=EngineCore(max_batch, name="tier"),
     )

@@ -9,8 +9,6 @@ from typing import Unpack
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.client import errors
 from cascade_service.client.request import GenerateOptions, StreamOptions, generate_request
 from cascade_service.client.sync import (
@@ -28,6 +26,8 @@ from cascade_service.client.sync import (
     retry_delay_s,
     session_from,
 )
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 
 
 class AsyncCascadeClient:

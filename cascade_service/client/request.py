@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from cascade_service.api.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2 as pb
 
 
 class StreamOptions(TypedDict, total=False):

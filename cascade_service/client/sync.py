@@ -14,10 +14,10 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.client import errors
 from cascade_service.client.request import GenerateOptions, StreamOptions, generate_request
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 
 # Sleeps between tries of an idempotent call (get_session, health) that failed with UNAVAILABLE:
 # 3 tries in all. Other calls decode or mutate a session, so they are never retried automatically.

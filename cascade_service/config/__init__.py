@@ -11,17 +11,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from ..core.adaptive import AdaptiveLength, StopperFactory
-from ..core.cascade import Lookup, RequestState
-from ..core.local import StatisticalTier
-from ..core.prediction import PREDICTION, PredictionProposer
-from ..core.request import GenerationConfig, check_stop_threshold
-from ..core.sampling import sampling_of
+from ..core.adaptive import AdaptiveLength
+from ..core.cascade import Lookup
+from ..core.request import GenerationConfig
 from ..core.schedule import Schedule, ScheduleError
-from ..core.stats import CascadeStats
 from ..core.verify import Verification
 from .base import (
     BACKENDS,
@@ -84,53 +79,6 @@ def local_mag(cascade: CascadeConfig) -> MaGConfig | None:
 
 GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "verification"}
 GENERATION_KEYS |= {"repetition_penalty", "presence_penalty", "frequency_penalty"}
-
-
-def request_state(
-    gen: GenerationConfig,
-    stats: CascadeStats,
-    vocab_size: int,
-    eos_ids: frozenset[int],
-    adaptive: dict[str, AdaptiveLength] | None = None,
-    make_stopper: StopperFactory | None = None,
-) -> RequestState:
-    """The shared state of one request's cascade, from its generation settings."""
-    v = gen.verification
-    stats.verification = v.describe()
-    state = RequestState(
-        sampling_of(gen, rows=v.needs_rows),
-        torch.Generator().manual_seed(gen.seed),
-        stats,
-        vocab_size,
-        eos_ids,
-        v,
-        with_stop_threshold(adaptive or {}, gen.stop_threshold),
-        make_stopper,
-    )
-    state.logprobs = gen.logprobs
-    if gen.prediction:
-        state.prediction = StatisticalTier(PredictionProposer(gen.prediction), vocab_size, PREDICTION)
-        stats.tier(PREDICTION)
-    return state
-
-
-def with_stop_threshold(adaptive: dict[str, AdaptiveLength], threshold: float | None) -> dict[str, AdaptiveLength]:
-    """The tiers' adaptive draft lengths with a request's SpecDec++ threshold applied.
-
-    Raises ValueError naming `stop_threshold` when it is out of (0, 1) or no tier has an acceptance
-    head to apply it to: a request must not believe it changed something that does not exist.
-    """
-    threshold = check_stop_threshold(threshold)
-    if threshold is None:
-        return dict(adaptive)
-    if not any(spec.rule == "specdec" for spec in adaptive.values()):
-        raise ValueError(
-            "stop_threshold: no tier of this cascade has an acceptance head (schedule.adaptive with rule specdec)"
-        )
-    return {
-        tier: replace(spec, threshold=float(threshold)) if spec.rule == "specdec" else spec
-        for tier, spec in adaptive.items()
-    }
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class ModelTierConfig:
     name: str  # tier name in stats and K-matrix messages
     path: str  # local Hugging Face directory (config, safetensors, tokenizer)
     dtype: str = "float32"  # weights and compute dtype
-    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"; in a Ray replica given GPUs, those (transport.group)
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"; in a Ray replica given GPUs, those (tierhost.group)
     # Where the config set this tier ("tiers.drafters[1]", "--target"), for errors; "" when built in code.
     key: str = field(default="", compare=False)
     # host:port of the tier server(s) that serve this tier (`cascade-service tier`), replicas of one

@@ -88,7 +88,7 @@ class ServingConfig:
     # deployment name ("coordinator", "tier-<name>") -> Ray Serve options: num_replicas,
     # ray_actor_options (num_cpus, num_gpus, accelerator_type, resources), autoscaling_config, ...
     deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Access control of the gRPC edge (api/auth.py); relative paths are relative to the config file.
+    # Access control of the gRPC edge (rpc/auth.py); relative paths are relative to the config file.
     api_keys_file: str | None = None  # one key per line (`KEY [name]`, `#` comments); None: no keys
     tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file: serve TLS
     tls_key_file: str | None = None  # PEM private key

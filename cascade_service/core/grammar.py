@@ -120,7 +120,7 @@ def grammar_tokenizer(tokenizer: Any) -> Any:
 class GrammarSpec:
     """A request's grammar as it crosses the tier wire (transport.codec): its response format, where the
     output starts in the context (`start`) and how far the committed sequence reaches (`at`). A tier
-    server rebuilds or advances its own GrammarMask from it (transport.group), so its drafter masks too."""
+    server rebuilds or advances its own GrammarMask from it (tierhost.group), so its drafter masks too."""
 
     response_format: ResponseFormat
     start: int

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,9 +24,6 @@ from .limits import (
     check_top_p,
 )
 from .placement import PROBS_DTYPE, generator_for
-
-if TYPE_CHECKING:
-    from .request import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -127,21 +123,6 @@ class SamplingParams:
             counts = torch.bincount(seq[start:seen_end], minlength=vocab).to(logits.dtype) + later
             logits = logits - self.frequency_penalty * counts - self.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
-
-
-def sampling_of(gen: GenerationConfig, rows: bool = False) -> SamplingParams:
-    """A request's sampling settings, as every tier applies them."""
-    return SamplingParams(
-        gen.temperature,
-        gen.top_p,
-        rows=rows,
-        top_k=gen.top_k,
-        min_p=gen.min_p,
-        logit_bias=gen.logit_bias,
-        repetition_penalty=gen.repetition_penalty,
-        presence_penalty=gen.presence_penalty,
-        frequency_penalty=gen.frequency_penalty,
-    )
 
 
 def sharpen(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -55,7 +55,7 @@ class DraftRequest:
     cache_salt: str = ""  # the prefix cache the request may read and add to (its API key's: models.kvpool)
     # The request's response format, for a model drafter to mask each step with (core.grammar): its
     # state in the coordinator's process; over the wire, its spec, which a tier server follows with a
-    # state of its own (transport.group).
+    # state of its own (tierhost.group).
     grammar: GrammarMask | GrammarSpec | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -115,6 +115,20 @@ class Release:
 
     request_id: str
     tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TierFacts:
+    """What the coordinator needs to know of a loaded model tier (a tier replica's `info()`)."""
+
+    vocab_size: int  # the LM head's rows
+    num_parameters: int
+    eos_token_ids: tuple[int, ...]
+    max_positions: int | None  # None: the model names no limit
+    device: str
+    # An encoder-decoder model's decoder start token (a request's context is its prompt, then this:
+    # models.seq2seq); None for a decoder-only model.
+    decoder_start: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,32 +1,18 @@
-"""Continuous batching of one model's forward passes across concurrent requests: which passes share a
-batch and how a batched pass reads their caches. The engine loop (models/loop.py) runs them.
-
-Each request keeps its own KV cache (an `HFScorer`'s blocks of its model's paged pool, models.kvpool). How a
-pass over several rows reads their caches is `forward_batch`'s: in place over pool blocks
-(models.poolpass), or packed from per-request `DynamicCache`s (models.packed, `kv: dynamic`).
-
-Passes share a batch when they are alike in new tokens and in cached length (`take_batch`), so that
-neither padding outgrows the real work; a long prompt is fed in chunks (`chunk_end`), so other
-requests' passes run between them.
-"""
+"""A model's side of a batched pass: how one forward pass reads several requests' KV caches (in place
+over their pool blocks, or packed from their own caches). Which requests make a batch, and when, is
+the engine's (scheduling.batcher, scheduling.loop)."""
 
 from __future__ import annotations
 
-import time
-import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from cascade_service.models.loop import EngineLoop
 
 from cascade_service.models.kvpool import KVCache, PagedCache
 from cascade_service.models.packed import forward_packed
 from cascade_service.models.poolpass import forward_rows
-from cascade_service.scheduling.passes import ROW_POSITIONS, PassTimer, pads_within
+from cascade_service.scheduling.batcher import PREFILL_CHUNK, PREFILL_CHUNK_CUDA, Pass
 
 
 class PassModel(Protocol):
@@ -42,75 +28,8 @@ class PassModel(Protocol):
     def _sync(self) -> None: ...
 
 
-# Tokens per pass of a long prompt's prefill while other requests decode (models.loop.LoopBatcher):
-# between two chunks they get a pass, so a chunk's pass must cost well under theirs. Measured with
-# bench.long_request on the demo zoo's large model (CPU, 16 short requests beside a 3,500-token
-# prompt, docs/benchmarks.md): with 16 the short ones took 1.5-1.6x their time alone during the
-# prefill, with 32 1.8-2.1x, 64 2.6x, unchunked 3.7x.
-PREFILL_CHUNK = 16
-# On a GPU a pass of 16 tokens costs about what one of 256 does (its fixed part): larger chunks cost
-# the others nothing more and the long prompt far less. Not measured: no GPU was available.
-PREFILL_CHUNK_CUDA = 256
-
-
 def default_prefill_chunk(device: torch.device) -> int:
     return PREFILL_CHUNK_CUDA if device.type == "cuda" else PREFILL_CHUNK
-
-
-@dataclass
-class Pass:
-    """One request's forward pass: the tokens it feeds, its cache, how many rows of logits it keeps,
-    whether it wants the hidden states too; `task`: the engine-loop task waiting for it (models.loop)."""
-
-    fed: list[int]
-    cache: KVCache
-    keep: int
-    with_hidden: bool
-    task: Any = None
-
-
-def chunk_end(n: int, start: int, keep: int, size: int) -> int:
-    """Where the pass that feeds tokens[start:n] in chunks of at most `size` (0: one pass) stops.
-
-    n for the last pass, which holds every one of the `keep` rows whose logits are asked for: it is
-    longer than `size` where those are more, and the pass before it shorter.
-    """
-    if size <= 0 or n - start <= max(size, keep):
-        return n
-    return min(start + size, n - keep)
-
-
-def take_batch(pending: list[Pass], max_batch: int) -> list[Pass]:
-    """The next batch: the first waiting pass (whose turn it is) and those most like it in new tokens
-    and cached length.
-
-    A pass pads every row twice. Its new tokens to the most any row feeds: a padded query costs a whole
-    position's compute, so a 100-token prefill beside fifteen one-token draft steps would process 1,600
-    queries for 115 real ones. Its cache to the longest cache: a padded key is copied into the packed
-    cache and attended to, so one 4,000-token conversation beside 16 short ones made every row copy and
-    attend over 4,000 keys (on the demo zoo's large model, CPU: a 2 s pass instead of 35 ms, +1 GB).
-    So a batch is grown from the first waiting pass with the passes closest to it while both stay
-    within PAD_WASTE of the real work (scheduling.passes.pads_within): queries rows x S against sum s_i; keys
-    rows x (L + S + ROW_POSITIONS) against sum (L_i + s_i + ROW_POSITIONS), where ROW_POSITIONS is what
-    a row costs whatever its cache. The others wait for the next pass, which starts as soon as this one
-    ends; the first waiting pass is always in this one.
-    """
-    shapes = [(item, _past(item), len(item.fed)) for item in pending]  # (pass, L_i, s_i)
-    first, past0, new0 = shapes[0]
-    batch = [first]
-    steps, width, queries, keys = new0, past0, new0, past0 + new0 + ROW_POSITIONS
-    for item, past, new in sorted(shapes[1:], key=lambda shape: (abs(shape[2] - new0), abs(shape[1] - past0))):
-        if len(batch) == max_batch:
-            break
-        rows, s, w, k = len(batch) + 1, max(steps, new), max(width, past), past + new + ROW_POSITIONS
-        if pads_within(rows, s, queries + new) and pads_within(rows, w + s + ROW_POSITIONS, keys + k):
-            batch.append(item)
-            steps, width, queries, keys = s, w, queries + new, keys + k
-    return batch
-
-
-def _past(item: Pass) -> int:
-    return item.cache.get_seq_length()
 
 
 def forward_batch(model: PassModel, batch: list[Pass]) -> list[object]:
@@ -123,101 +42,13 @@ def forward_batch(model: PassModel, batch: list[Pass]) -> list[object]:
     return forward_packed(model, batch)
 
 
-class LoopBatcher:
-    """One model's place in the engine loop: its waiting passes, how they are batched, and what its
-    passes were (`batch_sizes`, `timer`: a pass's cost fitted from recent ones, which load
-    adaptation reads).
+def executor(model: PassModel):
+    """`model`'s batched passes as the engine's batcher runs them (scheduling.batcher.LoopBatcher)."""
 
-    prefill_chunk: the most tokens one pass of a long prompt feeds while other requests use the model
-    (0: a prompt in one pass), so their passes run between its chunks; LONE_CHUNK while none does.
-    FAIR: the waiting pass of the request with the least model time goes first (else the oldest).
-    """
+    def execute(batch: list[Pass]) -> list[Any]:
+        with torch.inference_mode():
+            results = forward_batch(model, batch)
+        model._sync()
+        return results
 
-    LONE_CHUNK = 256
-    FAIR = True
-
-    def __init__(self, loop: EngineLoop, model: PassModel, max_batch: int = 64, prefill_chunk: int = 16):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0 (0: unchunked), got {prefill_chunk}")
-        self.loop, self.model = loop, model
-        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.batch_sizes: dict[int, int] = {}
-        self.timer = PassTimer()
-        self.on_pass: Callable[[int, float], None] | None = None  # (rows, seconds) after each pass: metrics
-        self.pending: list[Pass] = []
-        # Fair turns: the model seconds each request (its cache) has had, and the least of those when
-        # the last batch was chosen, where a request that arrives (or comes back) starts.
-        self._used: weakref.WeakKeyDictionary[KVCache, float] = weakref.WeakKeyDictionary()
-        self._clock = 0.0
-        self._recent: set[int] = set()  # the caches (one per request) of the last two passes
-        self._last: set[int] = set()
-
-    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False) -> Any:
-        """Like the model's `_forward(tokens, cache, keep, with_hidden)`, as part of the loop's batched
-        passes. A long prompt is fed in chunks, each a pass of its own; only the last one's logits come
-        back. On failure the cache is cut back to what it held before. From outside the loop's tasks
-        (another thread) the call is handed to the loop and waited for."""
-        if not self.loop.in_task():
-            return self.loop.run(self.forward, tokens, cache, keep, with_hidden)
-        tokens = list(tokens)
-        n, start, cached = len(tokens), 0, cache.get_seq_length()
-        try:
-            while (end := chunk_end(n, start, keep, self._chunk(cache, n - start))) < n:
-                # keep=1, not 0: HF's logits_to_keep=0 means every row. The one row is dropped.
-                self.loop._park(("pass", self, Pass(tokens[start:end], cache, 1, False)))
-                start = end
-            return self.loop._park(("pass", self, Pass(tokens[start:], cache, keep, with_hidden)))
-        except BaseException:
-            if cache.get_seq_length() > cached:
-                cache.crop(cached - cache.get_seq_length())  # negative: positions to drop (4.x and 5.x)
-            raise
-
-    def close(self) -> None:
-        """The model leaves the loop (its passes already run are unaffected)."""
-
-    def _chunk(self, cache: KVCache, rest: int) -> int:
-        if self.prefill_chunk == 0 or rest <= self.prefill_chunk:
-            return 0
-        others = bool(self.pending) or bool(self._recent - {id(cache)})
-        return self.prefill_chunk if others else max(self.prefill_chunk, self.LONE_CHUNK)
-
-    def _take(self) -> list[Pass]:
-        """The next batch off the waiting passes: grown (take_batch) from the pass whose request has had
-        the least model time (the oldest of those on a tie), so a request whose passes are dear (a long
-        prompt, a long cache) has the model as long as each of the others, not every other pass."""
-        pending = self.pending
-        if self.FAIR:
-            first = min(pending, key=lambda item: self._used.get(item.cache, 0.0))
-        else:
-            first = pending[0]
-        self._clock = max(self._clock, self._used.get(first.cache, 0.0))
-        batch = take_batch([first] + [item for item in pending if item is not first], self.max_batch)
-        taken = {id(item) for item in batch}
-        self.pending = [item for item in pending if id(item) not in taken]
-        return batch
-
-    def _run(self, batch: list[Pass]) -> list[tuple[Pass, Any, BaseException | None, float]]:
-        """One batched pass: (pass, result, error, its share of the seconds) per row."""
-        self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
-        for item in batch:  # not below the clock: time spent elsewhere is no credit to jump the queue
-            self._used[item.cache] = max(self._used.get(item.cache, 0.0), self._clock)
-        began = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                results = forward_batch(self.model, batch)
-            self.model._sync()
-        except BaseException as exc:
-            return [(item, None, exc, 0.0) for item in batch]
-        seconds = time.perf_counter() - began
-        tokens = [len(item.fed) for item in batch]
-        self.timer.record(len(batch), sum(tokens), seconds, max(tokens))
-        if self.on_pass is not None:
-            self.on_pass(len(batch), seconds)
-        shares = self.timer.shares(tokens, seconds)
-        for item, share in zip(batch, shares):
-            self._used[item.cache] = self._used.get(item.cache, 0.0) + share
-        rows = {id(item.cache) for item in batch}
-        self._recent, self._last = rows | self._last, rows
-        return [(item, result, None, share) for item, result, share in zip(batch, results, shares)]
+    return execute

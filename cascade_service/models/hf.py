@@ -17,12 +17,14 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from ..core.tier import TierFacts
 from ..metrics import Metrics, default_metrics
-from .batching import Pass, default_prefill_chunk, forward_batch
+from ..scheduling.batcher import LoopBatcher, Pass
+from ..scheduling.loop import EngineLoop
+from .batching import default_prefill_chunk, executor, forward_batch
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
 from .lean import BACKENDS
-from .loop import EngineLoop, LoopBatcher
 from .poolpass import PoolPass
 from .rows import last_rows
 from .scorer import HFScorer
@@ -174,21 +176,19 @@ class HFModel:
         self._step_times: dict[int, float] = {}
         self.batcher: LoopBatcher | None = None  # once enable_batching() ran: passes run in the engine loop
 
-    def enable_batching(
-        self, max_batch: int = 64, prefill_chunk: int | None = None, loop: EngineLoop | None = None
-    ) -> None:
-        """From now on this model's forward passes run in the engine loop (models.loop; the process's
-        shared one unless `loop` is given), batched with concurrent requests' (models.batching).
+    def enable_batching(self, loop: EngineLoop, max_batch: int = 64, prefill_chunk: int | None = None) -> None:
+        """From now on this model's forward passes run in the engine loop `loop` (scheduling.loop: its
+        engine core's, runtime.core), batched with concurrent requests' (scheduling.batcher).
 
         prefill_chunk: the most tokens one pass of a prompt feeds while other requests decode (0: a
         prompt in one pass; None: this device's default, models.batching.default_prefill_chunk).
         """
         chunk = default_prefill_chunk(self.device) if prefill_chunk is None else prefill_chunk
         if self.batcher is None:
-            self.batcher = (loop or EngineLoop.shared()).batcher(self, max_batch, chunk)
+            self.batcher = loop.batcher(self.name, executor(self), max_batch, chunk)
             metrics = default_metrics()
             self.batcher.on_pass = lambda rows, seconds: self._on_pass(metrics, rows, seconds)
-        elif loop is not None and loop is not self.batcher.loop:
+        elif loop is not self.batcher.loop:
             raise ValueError(f"{self.name}: its passes already run in the engine loop {self.batcher.loop.name}")
         else:  # settings for the same loop (a test, a benchmark's variant): the last ones win
             self.batcher.max_batch, self.batcher.prefill_chunk = max_batch, chunk
@@ -262,13 +262,16 @@ class HFModel:
         module.eval().to(target)
         return kind(BACKENDS[backend](module), name or local.resolve().name, kv, kv_budget_mb)
 
-    @classmethod
-    def for_tier(cls, tier: Any, **overrides: Any) -> HFModel:
-        """Load the model a config's tier names (a `config.ModelTierConfig`), with `overrides` of its
-        fields: a model that serves, so it is built on the engine loop's thread (`on_loop_thread`)."""
-        names = ("path", "dtype", "device", "name", "backend", "kv", "kv_budget_mb")
-        fields = {key: getattr(tier, key) for key in names}
-        return on_loop_thread(cls.load, **{**fields, **overrides})
+    def facts(self) -> TierFacts:
+        """What a coordinator needs to know of this tier (core.tier.TierFacts)."""
+        return TierFacts(
+            self.vocab_size,
+            self.num_parameters,
+            tuple(sorted(self.eos_token_ids)),
+            self.max_positions,
+            str(self.device),
+            self.decoder_start,
+        )
 
     def scorer(self, salt: str = "") -> HFScorer:
         """A fresh scorer (own KV cache) for one request; `salt` (its API key's) scopes the prefix
@@ -290,8 +293,9 @@ class HFModel:
         if context_len < 0 or repeats < 1:
             raise ValueError(f"need context_len >= 0 and repeats >= 1, got {context_len}, {repeats}")
         if context_len not in self._step_times:
-            loop = self.batcher.loop if self.batcher is not None else None
-            self._step_times[context_len] = on_loop_thread(self._measure_step, context_len, repeats, loop=loop)
+            measure = functools.partial(self._measure_step, context_len, repeats)
+            # On the loop's thread once the model serves there (on_loop_thread says why).
+            self._step_times[context_len] = self.batcher.loop.run(measure) if self.batcher is not None else measure()
         return self._step_times[context_len]
 
     def _measure_step(self, context_len: int, repeats: int) -> float:
@@ -324,14 +328,14 @@ class HFModel:
         return last_rows(out.logits, out.hidden_states[-1] if with_hidden else None, keep)
 
 
-def on_loop_thread(fn: Callable[..., T], *args: Any, loop: EngineLoop | None = None, **kwargs: Any) -> T:
-    """fn(*args, **kwargs) on the thread of `loop` (default: the shared engine loop), waited for.
+def on_loop_thread(loop: EngineLoop, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on the thread of `loop`, waited for.
 
     Torch's CPU kernels run on an OpenMP team per calling thread. Once a second thread has run a
     parallel op (a lean drafter packing its weights, a step timed), libgomp sees more threads than
     cores and stops spinning between parallel regions: on 2 cores every pass in the loop took twice
     as long (the quality target, 3 tokens: 5.6 ms, 11-13 ms). So serving models compute there."""
-    return (loop or EngineLoop.shared()).run(functools.partial(fn, *args, **kwargs))
+    return loop.run(functools.partial(fn, *args, **kwargs))
 
 
 def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7, tokens: int = 1) -> float:

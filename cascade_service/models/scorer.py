@@ -5,17 +5,26 @@ under its salt, and publishes its own full committed blocks as it goes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from cascade_service.core.types import Context
 
-from .kvpool import PagedCache
-from .loop import current_loop
+from ..scheduling.loop import current_loop
+from .kvpool import KVCache, KVPool, PagedCache
 
-if TYPE_CHECKING:
-    from .hf import HFModel
+
+class ScoredModel(Protocol):
+    """What a scorer needs of its model (`models.hf.HFModel` is one): the scorer is made by the model,
+    so this module never imports the model's."""
+
+    name: str
+    kv_pool: KVPool
+
+    def new_cache(self, salt: str = "") -> KVCache: ...
+
+    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False) -> Any: ...
 
 
 class HFScorer:
@@ -30,7 +39,7 @@ class HFScorer:
     keep_hidden: bool = False
     last_hidden: torch.Tensor | None = None
 
-    def __init__(self, model: HFModel, salt: str = ""):
+    def __init__(self, model: ScoredModel, salt: str = ""):
         self.name = model.name
         self.tokens_processed = 0
         self.tokens_cached = 0  # positions the prefix cache gave instead of a pass (models.kvpool)

@@ -64,6 +64,7 @@ class Seq2SeqScorer(HFScorer):
         self._encoder_ids: list[int] | None = None
         self._encoder_out: torch.Tensor | None = None
         super().__init__(model, salt)
+        self._seq2seq = model  # the encoder's too, which a scorer's model (ScoredModel) need not have
         assert model.decoder_start is not None  # HFModel.scorer() makes this scorer for such models
         self.start = model.decoder_start
 
@@ -77,7 +78,7 @@ class Seq2SeqScorer(HFScorer):
             ) from None
         encoder_ids = ctx.tokens[:split]
         if encoder_ids != self._encoder_ids:  # a new request's input (or a scorer reused for another)
-            self._encoder_ids, self._encoder_out = encoder_ids, encode(self._model, encoder_ids)
+            self._encoder_ids, self._encoder_out = encoder_ids, encode(self._seq2seq, encoder_ids)
             self.reset()
         return super().logits(Context(ctx.tokens[split:], max(0, ctx.stable - split)), n)
 

@@ -10,60 +10,20 @@ wiring's own store.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..config import CascadeConfig, GenerationConfig, ServingConfig
 from ..coordinator import Coordinator, LeafFactory, TierFactory, Tokenizer, smallest_context
 from ..core.adaptive import StopperFactory
 from ..core.policy import PolicyFactory
+from ..core.tier import TierFacts
 from ..extras import require
 from ..metrics import default_metrics
-from ..models.loop import Blocking
+from ..scheduling.loop import Blocking, EngineLoop
 from ..sessions import SessionStore
 from ..startup import check_vocabularies
 from .leaves import Leaves
-
-if TYPE_CHECKING:
-    from ..models.hf import HFModel
-
-
-@dataclass(frozen=True)
-class TierFacts:
-    """What the coordinator needs to know of a loaded model tier (a tier replica's `info()`)."""
-
-    vocab_size: int  # the LM head's rows
-    num_parameters: int
-    eos_token_ids: tuple[int, ...]
-    max_positions: int | None  # None: the model names no limit
-    device: str
-    # An encoder-decoder model's decoder start token (a request's context is its prompt, then this:
-    # models.seq2seq); None for a decoder-only model.
-    decoder_start: int | None = None
-
-    @classmethod
-    def of(cls, model: HFModel) -> TierFacts:
-        return cls(
-            model.vocab_size,
-            model.num_parameters,
-            tuple(sorted(model.eos_token_ids)),
-            model.max_positions,
-            str(model.device),
-            model.decoder_start,
-        )
-
-    @classmethod
-    def from_pb(cls, info: Any) -> TierFacts:
-        """From the tier API's `TierInfo` (a tier deployment's `info()`, decoded; 0 max_positions: no limit)."""
-        return cls(
-            int(info.vocab_size),
-            int(info.num_parameters),
-            tuple(int(t) for t in info.eos_token_ids),
-            int(info.max_positions) or None,
-            str(info.device),
-            int(info.decoder_start) if info.encoder_decoder else None,
-        )
 
 
 def hf_tokenizer(tokenizer: Any) -> Tokenizer:
@@ -86,6 +46,7 @@ def assemble_coordinator(
     leaves: LeafFactory | None = None,
     make_stopper: StopperFactory | None = None,
     policies: PolicyFactory | None = None,
+    loop: EngineLoop | None = None,
 ) -> Coordinator:
     """A coordinator over model tiers described by `facts` (tier name -> TierFacts, the target's
     included). A drafter whose vocabulary is not the target's fails here, before any request.
@@ -111,6 +72,7 @@ def assemble_coordinator(
         max_context=smallest_context(f.max_positions for f in facts.values()),
         decoder_start=target.decoder_start,
         metrics=default_metrics(),
+        loop=loop,
     )
 
 
@@ -134,7 +96,3 @@ def session_store(
             )
         )
     return embedded()
-
-
-def model_facts(models: Sequence[HFModel]) -> dict[str, TierFacts]:
-    return {model.name: TierFacts.of(model) for model in models}

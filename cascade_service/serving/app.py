@@ -29,7 +29,6 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from ..api.admission import limits_from
-from ..api.auth import authenticate_context, load_api_keys
 from ..api.backend import UNARY, RecordingContext, Reply, request_type
 from ..api.frontend import Frontend
 from ..api.health import check_reply, watch_reply
@@ -38,7 +37,6 @@ from ..api.servicer import (
     caller_gone,
     fail,
 )
-from ..api.tier.v1 import tier_pb2 as pb
 from ..config import (
     Config,
     ModelTierConfig,
@@ -51,19 +49,22 @@ from ..config import (
 from ..core.local import ModelTier
 from ..core.tier import Scope, Tier
 from ..metrics import default_metrics
-from ..models.acceptance_head import HeadCache
-from ..models.hf import HFModel, load_tokenizer
-from ..models.loop import Blocking, EngineLoop, task_cancelled
+from ..models.hf import load_tokenizer
+from ..proto.tier.v1 import tier_pb2 as pb
+from ..rpc.auth import authenticate_context, load_api_keys
 from ..runtime.assemble import (
-    TierFacts,
     assemble_coordinator,
     hf_tokenizer,
     session_store,
 )
+from ..runtime.core import EngineCore
+from ..scheduling.loop import Blocking, task_cancelled
 from ..startup import check_vocabularies
+from ..tierhost.modeltier import replica_tier
+from ..tierhost.subcascade import check_adaptive_reviewers, system_heads
 from ..transport.client import RemoteModel, connect
-from ..transport.group import check_adaptive_reviewers, replica_tier, system_heads
 from ..transport.remote import RemoteTier
+from ..transport.wire import facts_from_pb
 from .calls import Calls, Stopped, raise_if_failed, reply_for
 from .placement import deployment_options
 from .policies import coordinator_policies, ray_arms
@@ -83,9 +84,9 @@ log = logging.getLogger(__name__)
 APP_NAME = "cascade"
 COORDINATOR = "coordinator"
 GRPC_SERVICER_FUNCTIONS = [
-    "cascade_service.api.proxy.add_cascade_service",  # with the rich error details on streams
+    "cascade_service.serving.proxy.add_cascade_service",  # with the rich error details on streams
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
-    "cascade_service.api.reflection.add_reflection_v1",  # Ray's proxy serves v1alpha itself
+    "cascade_service.rpc.reflection.add_reflection_v1",  # Ray's proxy serves v1alpha itself
 ]
 WATCH_POLL_S = 5.0  # how often a health Watch looks for a change of status
 
@@ -112,15 +113,16 @@ class CoordinatorDeployment:
         keys_file = self.config.serving.api_keys_file
         self.api_keys = load_api_keys(keys_file) if keys_file else None
         self.local: dict[str, Any] = {}  # colocated model tiers, loaded with the servicer
-        self.heads = HeadCache()  # acceptance heads of colocated tiers (adaptive draft length)
         self.systems: set[str] = set()  # group members that run their sub-cascade in their replica
         self.remote: dict[str, RemoteModel] = {}  # tiers named by address (transport.client)
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
-        # Calls run as tasks of the replica's engine loop (models.loop), where colocated tiers' passes
-        # batch; this pool runs what must not block Serve's event loop: building the servicer, the
-        # tokenizer's load.
-        self.engine = EngineLoop.shared()
+        # The replica's engine core (runtime.core): calls run as tasks of its loop, where colocated
+        # tiers' passes batch; it loads those tiers. This pool runs what must not block Serve's event
+        # loop: building the servicer, the tokenizer's load.
+        self.core = EngineCore(name="coordinator")
+        self.engine = self.core.loop
+        self.heads = self.core.heads()  # acceptance heads of colocated tiers (adaptive draft length)
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="coordinator-setup")
         self._calls = Calls()
         self.max_ongoing = max_ongoing
@@ -151,13 +153,12 @@ class CoordinatorDeployment:
                 if colocated:  # they follow the coordinator's GPUs, as a tier replica's tiers follow its own
                     gpus = replica_gpus()
                     colocated = [replica_tier(t, gpus, COORDINATOR) for t in colocated]
-                self.local = {t.name: HFModel.for_tier(t) for t in colocated}
-                for model in self.local.values():  # concurrent requests share a colocated tier's passes
-                    model.enable_batching(loop=self.engine)
-                facts = {name: TierFacts.of(model) for name, model in self.local.items()}
+                # concurrent requests share a colocated tier's passes (the core's loop batches them)
+                self.local = {t.name: self.core.model(t) for t in colocated}
+                facts = {name: model.facts() for name, model in self.local.items()}
                 for handle in {id(h): h for h in self.handles.values()}.values():
                     hosted = pb.InfoReply.FromString(handle.info.remote().result()).tiers  # protobuf on the handle
-                    facts |= {info.name: TierFacts.from_pb(info) for info in hosted}
+                    facts |= {info.name: facts_from_pb(info) for info in hosted}
                 # Tiers named by address: on tier servers of their own, reached over gRPC.
                 self.remote = connect(cascade, serving.tier_client)
                 facts |= {name: model.facts() for name, model in self.remote.items() if not model.mag}
@@ -171,6 +172,7 @@ class CoordinatorDeployment:
                     self.config.generation,
                     make_stopper=self.heads.stopper,  # SpecDec++ at a colocated reviewing tier
                     policies=coordinator_policies(cascade, serving),
+                    loop=self.engine,
                 )
                 self._servicer = CascadeServicer(coordinator)
             return self._servicer
@@ -229,7 +231,7 @@ class CoordinatorDeployment:
     async def rpc(self, method: str, body: bytes, owner: str = "") -> Reply:
         """A unary call arriving as bytes from our own gRPC edge (api/edge.py).
 
-        `owner`: the caller's owner id, from the API key the edge checked (api/auth.py); only the edge
+        `owner`: the caller's owner id, from the API key the edge checked (rpc/auth.py); only the edge
         holds a handle to this deployment, so it is trusted here.
         """
         try:
@@ -311,7 +313,7 @@ class CoordinatorDeployment:
 
 def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any) -> Any:
     """Call a servicer method (an engine loop task). A caller that hangs up or runs out of time has
-    Serve cancel this call: the task is told (models.loop.task_cancelled) and its decode stops after
+    Serve cancel this call: the task is told (scheduling.loop.task_cancelled) and its decode stops after
     the round under way; its finally blocks free the tiers' KV caches, and the session is left as it
     was."""
     if method in ("Generate", "GenerateStream"):  # a decode: it stops between rounds once told

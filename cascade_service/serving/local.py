@@ -17,16 +17,16 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.admission import limits_from
-from ..api.auth import ApiKeys, TlsFiles
 from ..api.backend import Reply
 from ..api.edge import health_request, is_serving, start_edge
 from ..api.frontend_server import FrontendServer
-from ..api.v1 import cascade_pb2 as pb
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from ..coordinator import cache_salt
 from ..core.tier import AFFINITY_TOKENS, affinity_key
 from ..metrics import default_metrics, merge_expositions
 from ..models.hf import load_tokenizer
+from ..proto.v1 import cascade_pb2 as pb
+from ..rpc.auth import ApiKeys, TlsFiles
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
 from .session_actor import RAY_NAMESPACE

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 from ..api.admission import Limits
-from ..api.auth import ApiKeys
 from ..api.backend import Reply
 from ..api.frontend import Frontend
 from ..api.openai_http import http_options
+from ..rpc.auth import ApiKeys
 
 
 class Coordinator(Protocol):

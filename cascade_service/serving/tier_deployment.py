@@ -14,8 +14,10 @@ from ray.serve.handle import DeploymentHandle
 from ..config import MaGConfig, ModelTierConfig, TierServerConfig, deployment_name
 from ..core.tier import Overloaded, Unavailable
 from ..metrics import default_metrics
-from ..models.loop import EngineLoop
-from ..transport.group import SubCascade, TierGroup, replica_tier
+from ..runtime.core import EngineCore
+from ..tierhost.group import TierGroup
+from ..tierhost.modeltier import replica_tier
+from ..tierhost.subcascade import SubCascade
 from .ray_metrics import mirror_to_ray
 from .routing import routing_key
 
@@ -50,7 +52,7 @@ class TierDeployment:
     """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them.
 
     Block calls (draft, review) carry the tier protocol's bytes (transport.codec); each runs as a task
-    of the replica's engine loop (models.loop), which batches every waiting call's forward passes of
+    of the replica's engine loop (scheduling.loop), which batches every waiting call's forward passes of
     each model, so requests decoding at once share passes.
     """
 
@@ -60,7 +62,7 @@ class TierDeployment:
 
             torch.set_num_threads(spec.torch_threads)
         mirror_to_ray()  # the forward passes' metrics, for the cluster's Prometheus
-        # Each tier follows the GPUs Ray gave this replica (transport.group.replica_tier).
+        # Each tier follows the GPUs Ray gave this replica (tierhost.modeltier.replica_tier).
         name, gpus = deployment_name([t.name for t in spec.tiers]), replica_gpus()
         group = [replica_tier(t, gpus, name) for t in spec.tiers]
         mag = spec.mag
@@ -69,10 +71,9 @@ class TierDeployment:
             mag.bigram if mag else None,
             mag.max_ngram if mag else 16,
             systems=dict(spec.systems),
+            core=EngineCore(name="tier"),  # the replica's: it loads the group's models, runs their passes
         )
-        self.engine = EngineLoop.shared()
-        for server in self.group.servers.values():
-            server.model.enable_batching(loop=self.engine)
+        self.engine = self.group.loop
         # The tier API over gRPC as well (serving.deployments.<name>.grpc_port): coordinators outside
         # this cluster reach the same group, and their calls batch with the handle calls.
         port = spec.grpc_port
@@ -82,7 +83,7 @@ class TierDeployment:
         return None if self.grpc_server is None else self.grpc_server.port
 
     def info(self) -> bytes:
-        """The tier API's InfoReply, encoded: what this replica hosts (transport.group.TierGroup.info)."""
+        """The tier API's InfoReply, encoded: what this replica hosts (tierhost.group.TierGroup.info)."""
         return self.group.info().SerializeToString()
 
     async def draft(self, data: bytes) -> bytes:
@@ -106,9 +107,9 @@ class TierDeployment:
         return self.group.counters()
 
 
-def _tier_api(group: TierGroup, grpc: TierServerConfig, port: int, workers: int):  # -> transport.server.TierServer
-    from ..api.auth import TlsFiles, load_api_keys
-    from ..transport.server import start_tier_server
+def _tier_api(group: TierGroup, grpc: TierServerConfig, port: int, workers: int):  # -> tierhost.server.TierServer
+    from ..rpc.auth import TlsFiles, load_api_keys
+    from ..tierhost.server import start_tier_server
 
     keys = load_api_keys(grpc.api_keys_file) if grpc.api_keys_file else None
     cert, key, ca = grpc.tls_cert_file, grpc.tls_key_file, grpc.client_ca_file

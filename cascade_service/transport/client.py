@@ -26,13 +26,12 @@ from typing import Any
 
 import grpc
 
-from ..api.auth import ChannelTls
-from ..api.tier.v1 import tier_pb2 as pb
 from ..config import CascadeConfig, ConfigError, MaGConfig, TierClientConfig
-from ..core.tier import Overloaded, Unavailable
-from ..runtime.assemble import TierFacts
+from ..core.tier import Overloaded, TierFacts, Unavailable
+from ..proto.tier.v1 import tier_pb2 as pb
+from ..rpc.auth import ChannelTls
 from .remote import Invoke, RemoteTier
-from .server import MAX_MESSAGE_BYTES, SERVICE
+from .wire import MAX_MESSAGE_BYTES, SERVICE, facts_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ class TierReplicas:
         return grpc.secure_channel(replica, self._credentials, options)
 
     def _call(self, address: str, method: str, data: bytes) -> bytes:
-        # Blocks: in an engine loop task, RemoteTier runs it on the loop's executor (models.loop).
+        # Blocks: in an engine loop task, RemoteTier runs it on the loop's executor (scheduling.loop).
         return self._stubs[address][method](data, timeout=self.settings.timeout_s, metadata=self._metadata)
 
     def _release(self, address: str, data: bytes) -> None:
@@ -215,7 +214,7 @@ class RemoteModel:
         self.name = name
         self.mag = mag  # MaG on a tier server: drafts, has no parameters to weigh
         self.replicas = replicas
-        self._facts = facts = TierFacts.from_pb(info)  # the server's TierInfo, read once
+        self._facts = facts = facts_from_pb(info)  # the server's TierInfo, read once
         self.vocab_size, self.num_parameters = facts.vocab_size, facts.num_parameters
         self.eos_token_ids = frozenset(facts.eos_token_ids)
         self.max_positions, self.device, self.decoder_start = facts.max_positions, facts.device, facts.decoder_start

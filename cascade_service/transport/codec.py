@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from ..api.tier.v1 import tier_pb2 as pb
 from ..core.adaptive import AdaptiveLength
 from ..core.placement import to_host
 from ..core.review import TokenLogprob, Verdict
@@ -37,6 +36,7 @@ from ..core.stats import ReviewCounters, TierCounters, Usage
 from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest
 from ..core.types import Context, Draft
 from ..core.verify import Verification
+from ..proto.tier.v1 import tier_pb2 as pb
 from .grammars import grammar_in, grammar_out
 
 

@@ -3,7 +3,7 @@
 `invoke(method, data) -> data` is all it knows of the transport (a Ray Serve deployment handle in
 `serving.app`, a gRPC channel in `transport.client`, a direct call in tests); what it sends and
 receives is `transport.codec`'s encoding of `core.tier`'s messages. A call carries the context tokens
-after what it sent last time (the server kept those, `transport.host`); a server that holds something
+after what it sent last time (the server kept those, `tierhost.host`); a server that holds something
 else (another replica answered, it restarted) answers "resend" and gets the whole context, from which
 it rebuilds its KV cache. So a replica change costs one prefill and never changes a token.
 """
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..core.stats import Usage
-from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
-from ..models.loop import run_blocking
+from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest
+from ..scheduling.loop import run_blocking
 from .codec import (
     decode_draft_reply,
     decode_review_reply,
@@ -25,7 +25,6 @@ from .codec import (
     encode_release,
     encode_review_request,
 )
-from .host import TierHost
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +40,9 @@ class RemoteTier:
     """One request's view of a remote tier (implements `core.tier.Tier`).
 
     `system`: the replica runs this tier's whole sub-cascade for a draft (configured at deployment;
-    `transport.group.TierGroup`); its reply's usage then covers every tier inside. `blocking`: `invoke`
+    `tierhost.group.TierGroup`); its reply's usage then covers every tier inside. `blocking`: `invoke`
     waits on another process, so in an engine loop task it runs on the loop's executor while the task
-    is parked (models.loop.run_blocking) and the loop's other requests go on.
+    is parked (scheduling.loop.run_blocking) and the loop's other requests go on.
     """
 
     def __init__(self, name: str, request_id: str, invoke: Invoke, system: bool = False, blocking: bool = True):
@@ -134,24 +133,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
-
-
-def loopback(tier: Tier, request_id: str = "") -> RemoteTier:
-    """`tier` behind the wire codec and a `TierHost` in this process: every message it gets and gives
-    crosses as bytes, contexts as deltas, as they would to a tier server.
-
-    The reference transport: tests run the cascade through it to show that the codec loses nothing.
-    """
-    host = TierHost(lambda name, request: tier)
-
-    def invoke(method: str, data: bytes) -> bytes:
-        if method == "draft":
-            return host.draft(data)
-        if method == "review":
-            return host.review(data)
-        if method == "release":
-            tier.release(host.release(data))
-            return b""
-        raise ValueError(f"method: unknown tier call {method!r}")
-
-    return RemoteTier(tier.name, request_id, invoke, system=tier.system, blocking=False)

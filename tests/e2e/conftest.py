@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from cascade_service.api.v1 import cascade_pb2_grpc
+from cascade_service.proto.v1 import cascade_pb2_grpc
 
 from .serve_process import ServeProcess, write_config
 

@@ -11,7 +11,7 @@ import re
 import openai
 import pytest
 
-from cascade_service.api.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle

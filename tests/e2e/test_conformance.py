@@ -31,9 +31,9 @@ from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from cascade_service import procfs
-from cascade_service.api import reflection
-from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.client import CascadeClient, errors
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.rpc import reflection
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.grpc_errors import BAD_REQUESTS  # checked here as every front end answers them

@@ -8,10 +8,10 @@ import socket
 import grpc
 import yaml
 
-from cascade_service.api.tier.v1 import tier_pb2 as pb
 from cascade_service.client import CascadeClient
+from cascade_service.proto.tier.v1 import tier_pb2 as pb
 from cascade_service.serving.local import LocalService
-from cascade_service.transport.server import SERVICE
+from cascade_service.tierhost.server import SERVICE
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle

@@ -197,8 +197,8 @@ def test_a_plain_grpc_call_without_a_deadline_is_served(tiny_family, service):
     # which gRPC reports as ~1e308 s left, into a timer that overflowed: UNAVAILABLE).
     import grpc
 
-    from cascade_service.api.v1 import cascade_pb2 as pb
-    from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
+    from cascade_service.proto.v1 import cascade_pb2 as pb
+    from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(service.address) as channel:
         stub = pb_grpc.CascadeServiceStub(channel)
@@ -246,8 +246,8 @@ def test_a_client_deadline_or_cancel_stops_the_tiers_work_and_frees_their_caches
 
     import grpc
 
-    from cascade_service.api.v1 import cascade_pb2 as pb
-    from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
+    from cascade_service.proto.v1 import cascade_pb2 as pb
+    from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 
     before = _calls()
     if how == "unary-cancel":  # a client that hangs up on a unary call (no deadline)

@@ -13,8 +13,8 @@ import time
 import grpc
 import pytest
 
-from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2_grpc
 
 from .serve_process import ServeProcess, left_behind, write_config
 

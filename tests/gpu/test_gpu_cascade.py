@@ -128,8 +128,6 @@ def test_greedy_fuzzy_rows_cross_from_cpu_drafters_to_a_cuda_target(tiny_family)
 
 def test_concurrent_requests_share_batched_passes_on_cuda(tiny_family):
     engine = _engine(tiny_family, "all_on_cuda")
-    for model in engine.models():
-        model.enable_batching()
     prompts = [p[: 3 + 2 * i] for i, p in enumerate(random_prompts(6, 20, seed=8))]
     outputs: list[list[int] | None] = [None] * len(prompts)
     start = threading.Barrier(len(prompts))

@@ -9,8 +9,9 @@ import torch
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.models.batching import Pass, forward_batch
+from cascade_service.models.batching import forward_batch
 from cascade_service.models.hf import HFModel
+from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.threads import concurrently
@@ -60,8 +61,6 @@ def test_concurrent_greedy_requests_on_cuda_pools_are_the_targets_path(tiny_fami
             target, [ModelTierConfig("mid", str(tiny_family["mid"]), device="cuda"), MaGConfig()], [[3, 1], [0, 3]], 1.5
         )
     )
-    for model in engine.models():
-        model.enable_batching()
     oracle_model = load(tiny_family["target"], "cuda", "float32")
     prompts = random_prompts(6, 12, seed=13)
     outputs: list[list[int]] = [[] for _ in prompts]

@@ -2,7 +2,7 @@
 
 - The standalone server (one process, batching on) with the target on cuda and a drafter on the CPU.
 - The Ray Serve app on local Ray with the target's deployment given a GPU while the config says
-  `device: cpu`: the tier follows the GPU Ray gave it (transport.group.replica_tier), and the draft rows
+  `device: cpu`: the tier follows the GPU Ray gave it (tierhost.modeltier.replica_tier), and the draft rows
   that cross from the CPU drafter's replica as float32 arrays are reviewed there.
 Greedy output equals `generate()` on cuda (tests/gpu/oracle.py); sampled requests run and are
 reproducible per seed.
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from cascade_service.api.tier.v1 import tier_pb2 as pb
 from cascade_service.client import CascadeClient
 from cascade_service.config import parse_config
+from cascade_service.proto.tier.v1 import tier_pb2 as pb
 from cascade_service.zoo.tiny import random_prompts
 
 from .oracle import GPU, assert_greedy, load

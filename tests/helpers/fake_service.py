@@ -14,9 +14,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cascade_service.api.status import DETAILS_KEY, set_status
-from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.client import errors
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 
 API_KEY = "sekret"
 OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "verification")

@@ -6,7 +6,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from cascade_service.api.status import DETAILS_KEY
-from cascade_service.api.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2 as pb
 
 # (request, field, message), on the wire: the trailer as any gRPC client in any language reads it.
 BAD_REQUESTS = [

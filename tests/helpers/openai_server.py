@@ -22,7 +22,7 @@ N = 16  # the server's max_new_tokens, and what the tests ask for
 @contextmanager
 def openai_server(family: dict, keys_dir: Path) -> Iterator:
     """A running standalone server (`.port` gRPC, `.http_port` HTTP) that knows KEY_A."""
-    from cascade_service.api.auth import load_api_keys
+    from cascade_service.rpc.auth import load_api_keys
 
     keys = load_api_keys(write_keys(keys_dir / "keys"))
     config = Config(tiny_cascade(family), GenerationConfig(max_new_tokens=N))

@@ -10,8 +10,8 @@ from pathlib import Path
 from cascade_service.cli.tier import tier_group
 from cascade_service.config import CascadeConfig, Config, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.tier import Tier
-from cascade_service.transport.host import TierHost
-from cascade_service.transport.server import TierServer, start_tier_server
+from cascade_service.tierhost.host import TierHost
+from cascade_service.tierhost.server import TierServer, start_tier_server
 
 
 def tiny_cascade(family: dict[str, Path], k_matrix=None, leniency: float = 1.5, mag: bool = True) -> CascadeConfig:

@@ -13,7 +13,7 @@ from cascade_service.core.mag import BigramTable, MaxGram
 from cascade_service.core.prediction import PREDICTION, PredictionProposer
 from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
-from cascade_service.transport.remote import loopback
+from cascade_service.tierhost.loopback import loopback
 
 from .toy import ToyGrammar, ToyScorer, exact_distribution
 

@@ -13,12 +13,12 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cascade_service.api.server import start_server
-from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2_grpc
 from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
 

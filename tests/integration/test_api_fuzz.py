@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 from cascade_service.api.server import start_server
 from cascade_service.api.status import DETAILS_KEY
-from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.verify import RULES
 from cascade_service.engine import Engine
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle

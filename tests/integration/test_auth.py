@@ -1,4 +1,4 @@
-"""Access control (api/auth.py): API keys, sessions bound to the key that made them, and TLS (`serve`'s
+"""Access control (rpc/auth.py): API keys, sessions bound to the key that made them, and TLS (`serve`'s
 loopback rule: test_serve_access.py). The standalone server on loopback with tiny models, the real client
 SDK; the edge with a fake backend (no Ray) for the owner id it forwards.
 """
@@ -12,12 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cascade_service.api.auth import TlsFiles, load_api_keys, owner_id
 from cascade_service.api.backend import RecordingContext
 from cascade_service.api.edge import start_edge
 from cascade_service.api.server import start_server
 from cascade_service.api.servicer import CascadeServicer
-from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.cli import main
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import (
@@ -28,6 +26,8 @@ from cascade_service.config import (
 )
 from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.rpc.auth import TlsFiles, load_api_keys, owner_id
 from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
 

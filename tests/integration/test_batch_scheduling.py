@@ -1,4 +1,4 @@
-"""Batching in the engine loop (models/loop.py, models/batching.py): which passes share a batch,
+"""Batching in the engine loop (scheduling/loop.py, models/batching.py): which passes share a batch,
 chunked prefills, every ready request in one pass, and fair turns.
 
 Each choice is checked for what it promises (padding within bounds, the oldest pass always goes, a
@@ -16,15 +16,16 @@ from transformers import DynamicCache
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.models.batching import Pass
 from cascade_service.models.hf import HFModel
+from cascade_service.runtime.core import EngineCore
+from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
 
 
 def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
-    from cascade_service.models.batching import take_batch
+    from cascade_service.scheduling.batcher import take_batch
     from cascade_service.scheduling.passes import PAD_WASTE
 
     def passes(*lengths):
@@ -61,7 +62,7 @@ def _padding_within_bounds(batch: list[Pass]) -> bool:
 
 
 def test_a_long_cache_is_not_batched_with_short_ones_and_the_oldest_pass_always_goes():
-    from cascade_service.models.batching import take_batch
+    from cascade_service.scheduling.batcher import take_batch
 
     shorts = [_cached(30 + 3 * i) for i in range(16)]  # ragged short caches: 30 to 75 positions
     long = _cached(4000)
@@ -80,7 +81,7 @@ def test_a_long_cache_is_not_batched_with_short_ones_and_the_oldest_pass_always_
 
 
 def test_short_caches_of_different_lengths_are_grouped_by_their_new_tokens_alone():
-    from cascade_service.models.batching import take_batch
+    from cascade_service.scheduling.batcher import take_batch
 
     # Short caches count alike (a row costs ROW_POSITIONS whatever its cache): a prefill of 4 tokens
     # and steps of 1 to 3 over caches of 0 to 200 positions are grouped as with empty caches.
@@ -93,7 +94,7 @@ def test_short_caches_of_different_lengths_are_grouped_by_their_new_tokens_alone
 def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
     import itertools
 
-    from cascade_service.models.batching import chunk_end
+    from cascade_service.scheduling.batcher import chunk_end
 
     def chunks(n, keep, size):
         bounds = [0]
@@ -108,7 +109,7 @@ def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
 
 
 def _loop_with(model, **settings):
-    from cascade_service.models.loop import EngineLoop
+    from cascade_service.scheduling.loop import EngineLoop
 
     loop = EngineLoop("test-loop")
     batcher = loop.batcher(model)
@@ -200,7 +201,7 @@ def test_a_prefill_is_cut_small_while_another_request_decodes_and_its_passes_run
 
 
 def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family, monkeypatch):
-    from cascade_service.models.batching import LoopBatcher
+    from cascade_service.scheduling.batcher import LoopBatcher
 
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"])),
@@ -208,10 +209,8 @@ def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_
         [[3, 1], [0, 3]],
         1.5,
     )
-    engine = Engine(cascade)
     monkeypatch.setattr(LoopBatcher, "LONE_CHUNK", 40)  # chunks of 40 and of 16 as the traffic goes
-    engine.target.enable_batching(prefill_chunk=16)
-    engine.drafters[0].enable_batching(prefill_chunk=16)
+    engine = Engine(cascade, core=EngineCore(prefill_chunk=16))
     prompts = random_prompts(6, 8, seed=22)
     prompts[0] = random_prompts(1, 200, seed=23)[0]  # 5 to 13 chunks at the target and at the drafter
     before = dict(engine.target.batcher.batch_sizes)

@@ -15,8 +15,9 @@ import torch
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
-from cascade_service.models.batching import Pass, forward_batch
+from cascade_service.models.batching import forward_batch
 from cascade_service.models.hf import HFModel
+from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
@@ -76,8 +77,6 @@ def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family, 
         1.5,
     )
     engine = Engine(cascade)
-    engine.target.enable_batching()
-    engine.drafters[0].enable_batching()
     prompts = random_prompts(10, 10, seed=21)
     prompts = [p[: 4 + i] for i, p in enumerate(prompts)]  # ragged prompts too
     budgets = [6 + 9 * i for i in range(10)]
@@ -221,8 +220,6 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
         1.5,
     )
     engine = Engine(cascade)
-    for model in engine.models():
-        model.enable_batching()
     coordinator = engine.coordinator(MemoryStore(), adapt_to_load=True)
     made = []
     make = coordinator.policies

@@ -8,11 +8,11 @@ import grpc
 import pytest
 
 from cascade_service.api.server import start_server
-from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig
 from cascade_service.core.cascade import Lookup
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2_grpc
 from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
 

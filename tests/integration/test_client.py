@@ -11,8 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from cascade_service.api.status import RETRY_DELAY_S
-from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.client import CascadeClient, Chunk, GenerateResult, SessionInfo, errors
+from cascade_service.proto.v1 import cascade_pb2 as pb
 
 from ..helpers.fake_service import (
     API_KEY,

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from cascade_service.api.status import RETRY_DELAY_S
-from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.client import AsyncCascadeClient, SessionInfo, errors
+from cascade_service.proto.v1 import cascade_pb2 as pb
 
 from ..helpers.fake_service import API_KEY, OPTIONAL_FIELDS, STATUS_CASES, assert_maps, closed_port_target, run_async
 

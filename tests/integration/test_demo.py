@@ -31,9 +31,9 @@ def test_in_process_worker_decodes_in_a_child_process_and_reports_errors(tiny_fa
 
     import yaml
 
+    from cascade_service.bench.inprocess import InProcessWorker
     from cascade_service.config import GenerationConfig, load_config
     from cascade_service.engine import Engine
-    from cascade_service.runtime.inprocess import InProcessWorker
 
     tiny_config = tmp_path / "tiny.yaml"
     tiny_config.write_text(
@@ -63,7 +63,7 @@ def test_demo_schedule_is_the_tuned_one_in_configs_demo_yaml():
     from pathlib import Path
 
     from cascade_service.config import load_config
-    from cascade_service.demo import DEFAULT_LAYOUT, DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP, LAYOUTS
+    from cascade_service.zoo.demo import DEFAULT_LAYOUT, DEMO_K_MATRIX, DEMO_LENIENCY, DEMO_LOOKUP, LAYOUTS
 
     config = load_config(Path(__file__).parents[2] / "configs" / "demo.yaml")
     cascade = config.cascade

@@ -19,9 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from cascade_service.api.admission import Limits
-from cascade_service.api.auth import ApiKeys
 from cascade_service.api.server import start_server
-from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.config import (
     GenerationConfig,
     MaGConfig,
@@ -29,6 +27,8 @@ from cascade_service.config import (
     make_cascade,
 )
 from cascade_service.engine import Engine
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.rpc.auth import ApiKeys
 from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
 

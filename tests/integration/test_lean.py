@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from cascade_service.config import BACKENDS, ConfigError, GenerationConfig, ModelTierConfig, make_cascade, parse_config
 from cascade_service.engine import Engine
 from cascade_service.models import lean
-from cascade_service.models.batching import Pass, forward_batch
+from cascade_service.models.batching import forward_batch
 from cascade_service.models.hf import HFModel
+from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle

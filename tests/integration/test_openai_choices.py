@@ -81,7 +81,7 @@ def test_n_choices_stream_together_each_under_its_index(choices):
 
 def test_best_of_keeps_the_candidates_with_the_highest_logprob_per_token():
     from cascade_service.api.choices import mean_logprob
-    from cascade_service.api.v1 import cascade_pb2 as pb
+    from cascade_service.proto.v1 import cascade_pb2 as pb
 
     def reply(*logprobs: float) -> list:
         return [pb.TokenLogprob(logprob=lp) for lp in logprobs]

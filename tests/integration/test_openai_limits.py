@@ -52,7 +52,7 @@ class Gate:
 def gated(tiny_family):
     """A standalone server (1 worker, no queue) whose target is on a gated tier server."""
     from cascade_service.cli.tier import tier_group
-    from cascade_service.transport.server import start_tier_server
+    from cascade_service.tierhost.server import start_tier_server
 
     cascade = tiny_cascade(tiny_family, mag=False)
     gate = Gate(tier_group(Config(cascade), ["target"]))

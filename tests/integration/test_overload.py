@@ -12,10 +12,10 @@ import threading
 import grpc
 
 from cascade_service.api.server import start_server
-from cascade_service.api.v1 import cascade_pb2 as pb
-from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
 

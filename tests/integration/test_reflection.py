@@ -21,10 +21,7 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2
 
-from cascade_service.api import reflection
-from cascade_service.api.auth import ApiKeys
 from cascade_service.api.server import start_server
-from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.config import (
     GenerationConfig,
     MaGConfig,
@@ -33,6 +30,9 @@ from cascade_service.config import (
 )
 from cascade_service.core.cascade import Lookup
 from cascade_service.engine import Engine
+from cascade_service.proto.v1 import cascade_pb2 as pb
+from cascade_service.rpc import reflection
+from cascade_service.rpc.auth import ApiKeys
 from cascade_service.serving.app import GRPC_SERVICER_FUNCTIONS
 from cascade_service.sessions import MemoryStore
 

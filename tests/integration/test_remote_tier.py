@@ -17,8 +17,9 @@ from cascade_service.core.cascade import Lookup
 from cascade_service.models.hf import load_tokenizer
 from cascade_service.runtime.leaves import Leaves
 from cascade_service.sessions import MemoryStore
+from cascade_service.tierhost.group import TierGroup
+from cascade_service.tierhost.subcascade import SubCascade
 from cascade_service.transport.codec import decode_draft_reply, decode_review_reply
-from cascade_service.transport.group import SubCascade, TierGroup
 from cascade_service.transport.remote import RemoteTier
 from cascade_service.zoo.tiny import random_prompts
 
@@ -103,7 +104,7 @@ def test_remote_sampling_is_reproducible_per_seed(tiny_family):
 def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_family, tmp_path):
     from cascade_service.config import ServingConfig
     from cascade_service.core.mag import BigramTable
-    from cascade_service.transport.group import system_heads
+    from cascade_service.tierhost.subcascade import system_heads
 
     tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}
     bigram = tmp_path / "bigram.json"
@@ -170,7 +171,7 @@ def test_a_reviewing_tier_with_a_head_must_review_where_its_hidden_states_are(ti
     # a reviewing tier whose reviews would cross to another replica one block at a time.
     from cascade_service.config import ConfigError, ServingConfig
     from cascade_service.core.adaptive import AdaptiveLength
-    from cascade_service.transport.group import check_adaptive_reviewers
+    from cascade_service.tierhost.subcascade import check_adaptive_reviewers
 
     tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}
     adaptive = {"close": AdaptiveLength("specdec", 0.5, "head-dir")}

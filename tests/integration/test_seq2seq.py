@@ -75,8 +75,6 @@ def test_the_encoder_runs_once_per_request_per_tier(t5, monkeypatch):
 
 def test_concurrent_encoder_decoder_requests_through_the_batcher_stay_exact(t5):
     cascade = engine(t5, ["close"], [[3]])
-    for model in cascade.models():
-        model.enable_batching()
     prompts = [p[: 6 + i] for i, p in enumerate(random_prompts(6, 14, seed=12))]
     outputs: list[list[int]] = [[] for _ in prompts]
     start = threading.Barrier(len(prompts))

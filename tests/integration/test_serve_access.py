@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from cascade_service.api.auth import ApiKeys, TlsFiles
 from cascade_service.cli import UsageError, main
 from cascade_service.cli.serve import serve_access
 from cascade_service.config import load_config
+from cascade_service.rpc.auth import ApiKeys, TlsFiles
 
 from ..helpers.access import KEY_A
 

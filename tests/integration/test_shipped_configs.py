@@ -72,7 +72,7 @@ def _served_here(cascade, servers: ExitStack):
     """The cascade with each address replaced by a tier server on loopback hosting those tiers."""
     from cascade_service.cli.tier import tier_group
     from cascade_service.config import Config
-    from cascade_service.transport.server import start_tier_server
+    from cascade_service.tierhost.server import start_tier_server
 
     local = replace(cascade, target=replace(cascade.target, address=()))
     local = replace(local, drafters=tuple(_at(d, ()) for d in cascade.drafters))

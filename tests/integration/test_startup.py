@@ -17,7 +17,8 @@ from cascade_service.cli import main
 from cascade_service.config import ConfigError, ModelTierConfig, parse_config
 from cascade_service.engine import Engine
 from cascade_service.models import hf
-from cascade_service.transport.group import TierServer, replica_tier
+from cascade_service.runtime.core import EngineCore
+from cascade_service.tierhost.modeltier import TierServer, replica_tier
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 no_gpu = pytest.mark.skipif(GPUS > 0, reason="needs a machine without CUDA devices")
@@ -154,8 +155,12 @@ def test_the_ray_app_refuses_another_vocabulary_before_deploying(tiny_family, tm
 
 
 def test_a_tier_server_refuses_a_device_this_machine_lacks(tiny_family, no_weights):
-    with pytest.raises(ConfigError, match=rf"^tier 'close' device: cuda:{GPUS + 1} does not exist"):
-        TierServer(ModelTierConfig("close", str(tiny_family["close"]), device=f"cuda:{GPUS + 1}"))
+    core = EngineCore()
+    try:
+        with pytest.raises(ConfigError, match=rf"^tier 'close' device: cuda:{GPUS + 1} does not exist"):
+            TierServer(ModelTierConfig("close", str(tiny_family["close"]), device=f"cuda:{GPUS + 1}"), core)
+    finally:
+        core.close()
 
 
 @pytest.mark.parametrize(

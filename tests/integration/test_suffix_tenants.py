@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cascade_service.api.auth import load_api_keys
 from cascade_service.api.server import start_server
 from cascade_service.client import CascadeClient
 from cascade_service.config import GenerationConfig, ModelTierConfig, SuffixConfig, make_cascade
 from cascade_service.engine import Engine
+from cascade_service.rpc.auth import load_api_keys
 from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
 

@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cascade_service.api.auth import load_api_keys
-from cascade_service.api.tier.v1 import tier_pb2 as pb
-from cascade_service.transport.server import SERVICE
+from cascade_service.proto.tier.v1 import tier_pb2 as pb
+from cascade_service.rpc.auth import load_api_keys
+from cascade_service.tierhost.server import SERVICE
 
 from ..helpers.access import KEY_A, write_keys
 from ..helpers.tier_servers import serve_group, tiny_cascade
@@ -125,7 +125,7 @@ def test_health_and_reflection_are_served(channel):
         assert (
             stub.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
         )
-    from cascade_service.api.reflection import ServerReflectionRequest, v1_info
+    from cascade_service.rpc.reflection import ServerReflectionRequest, v1_info
 
     replies = list(v1_info(channel)(iter([ServerReflectionRequest(list_services="")]), timeout=10))
     names = {s.name for s in replies[0].list_services_response.service}
@@ -135,7 +135,7 @@ def test_health_and_reflection_are_served(channel):
 def test_a_server_with_keys_refuses_calls_without_one(tiny_family, tmp_path):
     from cascade_service.cli.tier import tier_group
     from cascade_service.config import Config
-    from cascade_service.transport.server import start_tier_server
+    from cascade_service.tierhost.server import start_tier_server
 
     keys = load_api_keys(write_keys(tmp_path / "keys"))
     server = start_tier_server(tier_group(Config(tiny_cascade(tiny_family)), ["mag"]), api_keys=keys)

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import yaml
 
-from cascade_service.api.tier.v1 import tier_pb2 as pb
 from cascade_service.cli.main import main
-from cascade_service.transport.server import SERVICE
+from cascade_service.proto.tier.v1 import tier_pb2 as pb
+from cascade_service.tierhost.server import SERVICE
 
 
 @pytest.fixture

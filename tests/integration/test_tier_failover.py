@@ -70,9 +70,9 @@ def test_with_no_replica_left_the_call_fails_unavailable(tiny_family):
 
 
 def test_the_edge_answers_unavailable_when_a_tier_is_down(tiny_family):
-    from cascade_service.api.v1 import cascade_pb2 as pb
-    from cascade_service.api.v1 import cascade_pb2_grpc as pb_grpc
     from cascade_service.config import Config
+    from cascade_service.proto.v1 import cascade_pb2 as pb
+    from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
     from cascade_service.standalone import start_standalone
 
     cascade = tiny_cascade(tiny_family, mag=False)
@@ -94,7 +94,7 @@ def test_the_edge_answers_unavailable_when_a_tier_is_down(tiny_family):
 
 
 def test_tls_with_client_certificates_and_a_key(tiny_family, tmp_path):
-    from cascade_service.api.auth import TlsFiles, load_api_keys
+    from cascade_service.rpc.auth import TlsFiles, load_api_keys
 
     (tmp_path / "server").mkdir()
     (tmp_path / "client").mkdir()

@@ -67,7 +67,7 @@ def test_sampled_tokens_are_the_same_remote_as_in_process(tiny_family):
 
 
 def test_a_round_sends_the_new_tokens_not_the_whole_context(tiny_family, monkeypatch):
-    from cascade_service.api.tier.v1 import tier_pb2
+    from cascade_service.proto.tier.v1 import tier_pb2
     from cascade_service.transport import remote as remote_module
 
     sent: list = []
@@ -104,9 +104,9 @@ def test_a_tier_the_server_does_not_host_fails_at_start(tiny_family):
 def test_the_distribution_is_exact_with_remote_tiers_over_grpc():
     # Toy tiers behind a real tier server: rows, seeds and verdicts cross gRPC, contexts as deltas.
     from cascade_service.core.sampling import SamplingParams
+    from cascade_service.tierhost.server import start_tier_server
     from cascade_service.transport.client import TierReplicas
     from cascade_service.transport.remote import RemoteTier
-    from cascade_service.transport.server import start_tier_server
 
     from ..helpers.tier_servers import HostedTiers
     from ..helpers.toy import chi_square_rejects

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from cascade_service.api.admission import Limits, limits_from
 from cascade_service.api.decode import blame, decode
-from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.config import ConfigError, parse_config
+from cascade_service.proto.v1 import cascade_pb2 as pb
 
 
 def test_a_valid_message_decodes_and_has_no_fault():

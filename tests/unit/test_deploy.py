@@ -38,9 +38,9 @@ from ..helpers.deploy_files import (  # noqa: E402
 
 DEPLOYMENTS = {"coordinator", "tier-large", "tier-base", "tier-small"}
 IMPORT_PATH = "cascade_service.serving.app:app_builder"
-CASCADE_SERVICER = "cascade_service.api.proxy.add_cascade_service"
+CASCADE_SERVICER = "cascade_service.serving.proxy.add_cascade_service"
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
-REFLECTION_SERVICER = "cascade_service.api.reflection.add_reflection_v1"
+REFLECTION_SERVICER = "cascade_service.rpc.reflection.add_reflection_v1"
 REDIS_URL_ENV = "CASCADE_REDIS_URL"
 REDIS_URL_REFERENCE = "${" + REDIS_URL_ENV + "}"  # how every deploy file names the session store
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from cascade_service.demo import DEMO_K_MATRIX
+from cascade_service.zoo.demo import DEMO_K_MATRIX
 
 ROOT = Path(__file__).resolve().parents[2]
 CLAIM = re.compile(r"\(`configs/demo\.yaml`\) runs K = `(\[\[[^`]*\]\])`")

@@ -1,4 +1,4 @@
-"""The engine loop (models/loop.py) on fake models: tasks interleave at their passes, a blocking call
+"""The engine loop (scheduling/loop.py) on fake models: tasks interleave at their passes, a blocking call
 parks only its own task, errors and cancellation reach the right task, a consumer that leaves early
 closes its task's generator, and each task's clock says where its time went."""
 
@@ -13,7 +13,7 @@ import pytest
 from transformers import DynamicCache
 
 from cascade_service.models import batching
-from cascade_service.models.loop import EngineLoop, run_blocking, task_cancelled
+from cascade_service.scheduling.loop import EngineLoop, run_blocking, task_cancelled
 from cascade_service.scheduling.passes import CURRENT_CLOCK, charged
 
 
@@ -39,7 +39,7 @@ def _together(loop: EngineLoop, calls: list[tuple]) -> list:
 
 
 def _model(loop: EngineLoop, name: str = "m"):
-    return loop.batcher(types.SimpleNamespace(name=name, _sync=lambda: None))
+    return loop.batcher(name, batching.executor(types.SimpleNamespace(name=name, _sync=lambda: None)))
 
 
 def test_tasks_interleave_at_their_passes_and_share_them(loop):
@@ -209,8 +209,8 @@ def test_work_handed_to_the_loop_thread_runs_there():
 
     engine = EngineLoop("thread-check")
     try:
-        assert on_loop_thread(lambda: threading.current_thread().name, loop=engine) == "thread-check"
+        assert on_loop_thread(engine, lambda: threading.current_thread().name) == "thread-check"
         # and inside one of its tasks it is simply called (no hand-off, no deadlock)
-        assert engine.run(lambda: on_loop_thread(threading.current_thread, loop=engine)) is engine._thread
+        assert engine.run(lambda: on_loop_thread(engine, threading.current_thread)) is engine._thread
     finally:
         engine.close()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cascade_service.core.types import Context
+from cascade_service.tierhost.host import HeldContexts
 from cascade_service.transport.codec import Address, prefix_digest
-from cascade_service.transport.host import HeldContexts
 
 
 def _call(held: HeldContexts, tokens: list[int], offset: int, rid: str = "r", tier: str = "t") -> Context | None:

@@ -13,7 +13,7 @@ MAX_LINES = 400
 def _sources():
     for folder in ("cascade_service", "tests"):
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if not any(g in path.relative_to(ROOT).as_posix() for g in ("api/v1/", "api/tier/v1/")):
+            if not any(g in path.relative_to(ROOT).as_posix() for g in ("proto/v1/", "proto/tier/v1/")):
                 yield path
 
 

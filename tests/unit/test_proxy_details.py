@@ -1,4 +1,4 @@
-"""api/proxy.py on Ray Serve's own gRPC server class with a stand-in for the proxy's handler factory:
+"""serving/proxy.py on Ray Serve's own gRPC server class with a stand-in for the proxy's handler factory:
 a CascadeService call that ends in an error without the details trailer gets the one every other
 front end sends (api/status.rich_status); the services registered after it get Ray's factory back."""
 
@@ -12,9 +12,9 @@ import pytest
 from ray.serve._private.grpc_util import gRPCGenericServer
 from ray.serve._private.proxy_request_response import gRPCStreamingType
 
-from cascade_service.api.proxy import add_cascade_service
 from cascade_service.api.status import DETAILS_KEY, rich_status
-from cascade_service.api.v1 import cascade_pb2_grpc
+from cascade_service.proto.v1 import cascade_pb2_grpc
+from cascade_service.serving.proxy import add_cascade_service
 
 MESSAGE = "max_new_tokens must be in [1, 4096], got 0"
 

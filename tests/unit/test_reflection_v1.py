@@ -14,7 +14,7 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2
 
-from cascade_service.api import reflection
+from cascade_service.rpc import reflection
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,7 +113,7 @@ def test_a_v1_file_added_by_someone_else_first_is_kept(name):
         assert theirs.options.deprecated
         descriptor_pool.Default().AddSerializedFile(theirs.SerializeToString())
 
-        from cascade_service.api import reflection
+        from cascade_service.rpc import reflection
         assert reflection.ServerReflectionRequest.DESCRIPTOR.file.name == "{name}"
         assert reflection.ServerReflectionRequest.DESCRIPTOR.file.GetOptions().deprecated
         assert reflection.ServerReflectionRequest.DESCRIPTOR.full_name == "grpc.reflection.v1.ServerReflectionRequest"

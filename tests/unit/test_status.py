@@ -20,10 +20,10 @@ from cascade_service.api.status import (
     rich_status,
     set_status,
 )
-from cascade_service.api.v1 import cascade_pb2 as pb
 from cascade_service.client import errors, sync
-from cascade_service.config import with_stop_threshold
 from cascade_service.core.verify import Verification
+from cascade_service.intake import with_stop_threshold
+from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.sessions.store import (
     MAX_SESSION_TOKENS,
     check_session_id,

@@ -246,7 +246,7 @@ def test_malformed_bytes_fail_as_value_errors(data, message):
 
 
 def test_decoding_checks_what_the_types_check():
-    from cascade_service.api.tier.v1 import tier_pb2 as pb
+    from cascade_service.proto.tier.v1 import tier_pb2 as pb
 
     hot = pb.DraftRequest(context=pb.Context(tokens=[1], stable=1), sampling=pb.Sampling(temperature=math.inf))
     with pytest.raises(ValueError, match="temperature"):

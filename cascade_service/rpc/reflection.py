@@ -17,7 +17,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from .v1 import cascade_pb2
+from ..proto.v1 import cascade_pb2
 
 V1ALPHA = reflection.SERVICE_NAME  # grpc.reflection.v1alpha.ServerReflection
 V1 = "grpc.reflection.v1.ServerReflection"

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-CHILD_MODULE = "cascade_service.runtime.inprocess"
+CHILD_MODULE = "cascade_service.bench.inprocess"
 
 
 class InProcessWorker:

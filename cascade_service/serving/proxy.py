@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from .status import DETAILS_KEY, code_of, rich_status
-from .v1 import cascade_pb2_grpc
+from ..api.status import DETAILS_KEY, code_of, rich_status
+from ..proto.v1 import cascade_pb2_grpc
 
 
 def add_cascade_service(servicer: Any, server: Any) -> None:

@@ -1,10 +1,10 @@
-"""Generate the gRPC stubs in `cascade_service/api/` from `protos/`, reproducibly.
+"""Generate the gRPC stubs in `cascade_service/proto/` from `protos/`, reproducibly.
 
-    python -m cascade_service.api.codegen          # rewrite the stubs
-    python -m cascade_service.api.codegen --check  # exit 1 if the committed stubs are stale
+    python -m cascade_service.proto.codegen          # rewrite the stubs
+    python -m cascade_service.proto.codegen --check  # exit 1 if the committed stubs are stale
 
-Each proto package has its folder: cascade.v1 (the client API) in `api/v1/`, cascade.tier.v1 (the
-tier API) in `api/tier/v1/`. protoc writes `from cascade.v1 import cascade_pb2` into the gRPC module,
+Each proto package has its folder: cascade.v1 (the client API) in `proto/v1/`, cascade.tier.v1 (the
+tier API) in `proto/tier/v1/`. protoc writes `from cascade.v1 import cascade_pb2` into the gRPC module,
 an import that only works with `protos/`'s output folder on sys.path, and names the message classes'
 module `cascade.v1.cascade_pb2`; both are rewritten so the stubs live inside the package. The protoc
 version is part of the output, so `--check` needs the pinned grpcio-tools.
@@ -19,17 +19,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "protos"
-API_DIR = Path(__file__).resolve().parent
-# proto file -> (its folder of stubs under api/, the proto's module name)
+STUBS_DIR = Path(__file__).resolve().parent
+# proto file -> (its folder of stubs under proto/, the proto's module name)
 PROTOS = {
     "cascade/v1/cascade.proto": ("v1", "cascade_pb2"),
     "cascade/tier/v1/tier.proto": ("tier/v1", "tier_pb2"),
 }
-_HEADER = '"""Generated from protos/{} by `python -m cascade_service.api.codegen`; do not edit."""\n'
+_HEADER = '"""Generated from protos/{} by `python -m cascade_service.proto.codegen`; do not edit."""\n'
 
 
 def generate() -> dict[Path, str]:
-    """{path under api/: contents} of the generated stubs."""
+    """{path under proto/: contents} of the generated stubs."""
     import grpc_tools
     from grpc_tools import protoc  # build-time tool: imported only here
 
@@ -49,7 +49,7 @@ def generate() -> dict[Path, str]:
         files: dict[Path, str] = {}
         for proto, (folder, module) in PROTOS.items():
             package = str(Path(proto).parent).replace("/", ".")  # cascade.tier.v1
-            target = "cascade_service.api." + folder.replace("/", ".")
+            target = "cascade_service.proto." + folder.replace("/", ".")
             for path in sorted((Path(tmp) / Path(proto).parent).glob(f"{module}*")):
                 text = path.read_text().replace(f"from {package} import {module}", f"from . import {module}")
                 # Message classes take their __module__ from this string; it must be the real module so
@@ -68,17 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     stale = [
         str(name)
         for name, text in files.items()
-        if not (API_DIR / name).exists() or (API_DIR / name).read_text() != text
+        if not (STUBS_DIR / name).exists() or (STUBS_DIR / name).read_text() != text
     ]
     if check:
         if stale:
-            print(f"stale gRPC stubs: {', '.join(stale)}; run `python -m cascade_service.api.codegen`", file=sys.stderr)
+            print(
+                f"stale gRPC stubs: {', '.join(stale)}; run `python -m cascade_service.proto.codegen`", file=sys.stderr
+            )
             return 1
         return 0
     for name, text in files.items():
-        (API_DIR / name).parent.mkdir(parents=True, exist_ok=True)
-        (API_DIR / name).write_text(text)
-    print(f"wrote {len(files)} files under {API_DIR}")
+        (STUBS_DIR / name).parent.mkdir(parents=True, exist_ok=True)
+        (STUBS_DIR / name).write_text(text)
+    print(f"wrote {len(files)} files under {STUBS_DIR}")
     return 0
 
 

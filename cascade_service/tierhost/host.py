@@ -1,7 +1,7 @@
 """The serving side of the tier protocol over bytes: decode a call, rebuild its context, run it, encode.
 
-Every transport ends here: the gRPC tier server (`transport.server`), a Ray tier deployment
-(`transport.group.TierGroup`) and the in-process loopback (`transport.remote.loopback`). A call carries
+Every transport ends here: the gRPC tier server (`tierhost.server`), a Ray tier deployment
+(`tierhost.group.TierGroup`) and the in-process loopback (`tierhost.loopback`). A call carries
 only the context tokens the server does not hold yet (`transport.codec.Address`); `HeldContexts`
 keeps each request's last context per tier and puts the two together, or says "resend" when what it
 holds is not the prefix the caller meant (a restart, a failover to another replica, an eviction).
@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from ..core.tier import DraftRequest, Release, ReviewRequest, Tier
 from ..core.types import Context
-from .codec import (
+from ..transport.codec import (
     RESEND,
     Address,
     decode_draft_request,

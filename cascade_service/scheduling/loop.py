@@ -5,7 +5,7 @@ A task (a request's decode, a tier server's call, a benchmark's generation) runs
 own on the loop's thread, and the cascade in it stays the plain synchronous recursion of core/: where
 a model tier needs a forward pass (`HFModel.forward`), the task parks on that model's queue and the
 loop goes on with the others. Once every runnable task has parked, the loop runs each model's waiting
-passes as batched passes (grouped by `models.batching.take_batch`, the request with the least model
+passes as batched passes (grouped by `scheduling.batcher.take_batch`, the request with the least model
 time first), hands each task its rows and resumes it. So there is no thread or event-loop hand-off per
 forward pass, a request joins or leaves between passes, and the batch is exactly the requests that
 were ready: nothing waits on a timer to gather them.
@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 
 import greenlet
 
-from cascade_service.models.batching import LoopBatcher, PassModel
-from cascade_service.scheduling.passes import CURRENT_CLOCK, TaskClock
+from .batcher import LoopBatcher, Pass
+from .passes import CURRENT_CLOCK, TaskClock
 
 T = TypeVar("T")
 
@@ -60,15 +60,13 @@ class _TaskGreenlet(greenlet.greenlet):
 
 
 class EngineLoop:
-    """The loop (see the module's docstring). `shared()` is the process's: every model that serves
-    in a process joins it (`HFModel.enable_batching`)."""
+    """The loop (see the module's docstring). A process's engine core (runtime.core.EngineCore) owns
+    one, and every model it serves joins it (`HFModel.enable_batching`)."""
 
-    _shared: EngineLoop | None = None
-    _shared_lock = threading.Lock()
     _names = itertools.count()
 
-    def __init__(self, name: str = "engine", io_workers: int = 32):
-        self.name = name
+    def __init__(self, name: str | None = None, io_workers: int = 32):
+        self.name = name or f"engine-{next(self._names)}"
         self._cond = threading.Condition()
         self._arrived: deque[tuple[_Task, Any, BaseException | None]] = deque()  # from any thread
         self._ready: deque[tuple[_Task, Any, BaseException | None]] = deque()  # the loop's own
@@ -76,21 +74,17 @@ class EngineLoop:
         self._live = 0  # tasks submitted and not finished
         self._closed = False
         self._main: greenlet.greenlet | None = None
-        self.executor = ThreadPoolExecutor(io_workers, thread_name_prefix=f"{name}-io")
+        self.executor = ThreadPoolExecutor(io_workers, thread_name_prefix=f"{self.name}-io")
         self.iterations = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
-    @classmethod
-    def shared(cls) -> EngineLoop:
-        with cls._shared_lock:
-            if cls._shared is None or cls._shared._closed:
-                cls._shared = cls(f"engine-{next(cls._names)}")
-            return cls._shared
-
-    def batcher(self, model: PassModel, max_batch: int = 64, prefill_chunk: int = 16) -> LoopBatcher:
-        """`model`'s place in this loop: its passes batched with concurrent requests' (models.batching)."""
-        batcher = LoopBatcher(self, model, max_batch, prefill_chunk)
+    def batcher(
+        self, name: str, execute: Callable[[list[Pass]], list[Any]], max_batch: int = 64, prefill_chunk: int = 16
+    ) -> LoopBatcher:
+        """A model's place in this loop: its passes (`execute` runs a batch of them: models.batching)
+        batched with concurrent requests' (scheduling.batcher)."""
+        batcher = LoopBatcher(self, name, execute, max_batch, prefill_chunk)
         with self._cond:
             self._batchers.append(batcher)
         return batcher
@@ -175,9 +169,11 @@ class EngineLoop:
 
     def wait(self, future: Future) -> Any:
         """Park the current task until `future` (run elsewhere) is done; its result, or its exception."""
-        return self._park(("future", future))
+        return self.park(("future", future))
 
-    def _park(self, why: tuple) -> Any:
+    def park(self, why: tuple) -> Any:
+        """Switch from the current task back to the loop, saying why: ("pass", batcher, pass) or
+        ("future", future); the value the loop resumes it with is returned."""
         assert self._main is not None and self.in_task(), "only a task of this loop parks"
         return self._main.switch(why)
 
@@ -200,7 +196,7 @@ class EngineLoop:
 
     def _iterate(self) -> bool:
         """One iteration: every ready task runs until it parks, then each model runs one batched pass
-        of its waiting ones (the turn of the request with the least model time: LoopBatcher._take),
+        of its waiting ones (the turn of the request with the least model time: LoopBatcher.take),
         whose tasks are ready for the next iteration. Whether passes are still waiting."""
         self.iterations += 1
         while self._ready:
@@ -209,9 +205,9 @@ class EngineLoop:
             batchers = list(self._batchers)
         for batcher in batchers:
             if batcher.pending:
-                name = batcher.model.name
+                name = batcher.name
                 began = time.perf_counter()
-                outcomes = batcher._run(batcher._take())
+                outcomes = batcher.run(batcher.take())
                 # The batcher's own work around the pass (choosing the batch, the timer, the metrics) is
                 # the rows' too: charged in proportion to their shares, a round of three passes costs
                 # its request three times that, which a round's cost must show (scheduling.floor).

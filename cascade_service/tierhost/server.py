@@ -1,7 +1,7 @@
 """A tier as a gRPC service of its own: cascade.tier.v1.Tier over a `TierGroup` (`cascade-service tier`).
 
 The server is a `grpc.aio` server on an event loop of its own. A call is checked there (its API key,
-its deadline, the queue) and only then handed to the process's engine loop (models.loop) as a task,
+its deadline, the queue) and only then handed to the process's engine loop (scheduling.loop) as a task,
 so idle, unauthenticated or refused calls cost nothing there. Concurrent calls share forward passes:
 the engine loop batches every waiting call's passes of each model, as a Ray tier replica does.
 
@@ -24,27 +24,25 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from ..api.auth import ApiKeys, TlsFiles, bearer, bind
-from ..api.reflection import enable_reflection
-from ..api.tier.v1 import tier_pb2 as pb
-from ..models.loop import EngineLoop
+from ..proto.tier.v1 import tier_pb2 as pb
+from ..rpc.auth import ApiKeys, TlsFiles, bearer, bind
+from ..rpc.reflection import enable_reflection
+from ..scheduling.loop import EngineLoop
+from ..transport.wire import MAX_MESSAGE_BYTES, SERVICE
 from .host import UnknownTier
 
 log = logging.getLogger(__name__)
 
-SERVICE = pb.DESCRIPTOR.services_by_name["Tier"].full_name  # cascade.tier.v1.Tier
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 DEFAULT_WORKERS = 64  # calls at work at once in the engine loop (their passes batch)
 DEFAULT_MAX_QUEUED = 256  # calls beyond those; past both, RESOURCE_EXHAUSTED
-# Sampling sends full distribution rows (block x vocabulary float32): room for a long block of a large
-# vocabulary, and a bound on what one call can make the server buffer.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class Served(Protocol):
-    """What a tier server serves: encoded calls in, encoded replies out (`transport.group.TierGroup`)."""
+    """What a tier server serves: encoded calls in, encoded replies out (`tierhost.group.TierGroup`)."""
 
     mag_vocab: int | None
+    loop: EngineLoop  # where its calls run (its engine core's: runtime.core)
 
     def draft(self, data: bytes) -> bytes: ...
 
@@ -69,7 +67,7 @@ class TierService:
     ):
         self.group = group
         self.api_keys = api_keys
-        self.engine = EngineLoop.shared()  # where the group's models run their passes
+        self.engine = group.loop  # where the group's models run their passes
         self.capacity = workers + max_queued
         self.in_flight = 0  # on the loop only
         self.stopping = False
@@ -196,18 +194,15 @@ class TierServer:
 
 
 def start_tier_server(
-    group: Any,  # transport.group.TierGroup, or any `Served`
+    group: Any,  # tierhost.group.TierGroup, or any `Served`
     host: str = "127.0.0.1",
     port: int = 0,
     api_keys: ApiKeys | None = None,
     tls: TlsFiles | None = None,
     workers: int = DEFAULT_WORKERS,
     max_queued: int = DEFAULT_MAX_QUEUED,
-    max_batch: int = 64,
     reuse_port: bool = False,
 ) -> TierServer:
-    """Serve `group` on host:port (0 picks a free port), each model batching concurrent calls' passes."""
-    for server in getattr(group, "servers", {}).values():
-        if server.model.batcher is None:
-            server.model.enable_batching(max_batch)
+    """Serve `group` on host:port (0 picks a free port), each model batching concurrent calls' passes
+    in its engine core's loop."""
     return TierServer(TierService(group, api_keys, workers, max_queued), host, port, tls, reuse_port)

@@ -1,1 +1,0 @@
-"""Generated from protos/cascade/tier/v1/tier.proto by `python -m cascade_service.api.codegen`; do not edit."""

@@ -1,0 +1,103 @@
+"""The engine core: one per process that serves models, and the only place a model is loaded.
+
+It owns what a process's requests share: the engine loop (scheduling.loop) where every request's work
+and every model's batched passes run, the models (each loaded once, on the loop's thread, batching
+from the start; their KV pools are theirs, models.kvpool), the acceptance heads, the statistical
+drafters' tables. Every wiring asks it for tiers: the in-process `Engine` and the standalone server
+(engine.py, standalone.py), a tier server's `TierGroup` (tierhost.group), the Ray app's coordinator
+and tier replicas (serving/). Each of those processes builds one (`EngineCore(...)`); nothing of it is
+a process-wide global, so a test may hold several, each with its own loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ..config import ModelTierConfig, StatisticalConfig
+from ..core.mag import BigramTable
+from ..models.acceptance_head import HeadCache
+from ..models.hf import HFModel
+from ..scheduling.loop import EngineLoop
+from .leaves import Encode, Leaves
+
+T = TypeVar("T")
+# A tier's fields that say which weights, how they run and where their KV caches live: one model per value.
+MODEL_FIELDS = ("path", "dtype", "device", "name", "backend", "kv", "kv_budget_mb")
+DEFAULT_MAX_BATCH = 64  # rows of one batched forward pass
+
+
+class EngineCore:
+    """A process's engine (see the module's docstring).
+
+    max_batch: the most requests one batched pass of a model holds; prefill_chunk: the most tokens one
+    pass of a long prompt feeds while others decode (None: the device's default, models.batching).
+    """
+
+    def __init__(self, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int | None = None, name: str | None = None):
+        self.loop = EngineLoop(name)
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self._models: dict[tuple, HFModel] = {}
+        self._heads: dict[str, HeadCache] = {}
+        self._tables: dict[str, BigramTable] = {}
+        self._leaves: Leaves | None = None  # the first wiring's: later ones share its tables (`leaves`)
+        self._lock = threading.Lock()
+        self.loads = 0  # models loaded from disk by this core (a test counts them per wiring)
+
+    def model(self, tier: ModelTierConfig, **overrides: Any) -> HFModel:
+        """The model a config's tier names (with `overrides` of its fields: a benchmark's other KV
+        storage or backend), loaded the first time it is asked for, on the loop's thread: torch's CPU
+        kernels run on an OpenMP team per calling thread, and a second team halves every pass on a
+        small machine (models.hf.on_loop_thread). Its passes batch in this core's loop."""
+        fields = {key: getattr(tier, key) for key in MODEL_FIELDS} | overrides
+        key = tuple(sorted(fields.items()))
+        with self._lock:
+            model = self._models.get(key)
+            if model is None:
+                model = self.loop.run(HFModel.load, **fields)
+                model.enable_batching(self.loop, self.max_batch, self.prefill_chunk)
+                self._models[key] = model
+                self.loads += 1
+            return model
+
+    def models(self) -> list[HFModel]:
+        """Every model loaded here, in the order they were."""
+        with self._lock:
+            return list(self._models.values())
+
+    def heads(self, device: str | torch.device = "cpu") -> HeadCache:
+        """The acceptance heads on `device` (SpecDec++), each loaded once and shared by requests."""
+        with self._lock:
+            return self._heads.setdefault(str(device), HeadCache(device))
+
+    def bigram(self, path: str) -> BigramTable:
+        """MaG's bigram table at `path`, read once."""
+        with self._lock:
+            table = self._tables.get(path)
+            if table is None:
+                table = self._tables[path] = BigramTable.load(path)
+            return table
+
+    def leaves(self, drafters: Sequence[object], vocab_size: int, encode: Encode | None = None) -> Leaves:
+        """A wiring's statistical drafters (runtime.leaves): their tables loaded once per core, shared
+        by every wiring (and an engine's variants) that names the same; their requests their own."""
+        with self._lock:
+            like = self._leaves
+        leaves = Leaves([d for d in drafters if isinstance(d, StatisticalConfig)], vocab_size, encode, like=like)
+        with self._lock:
+            self._leaves = self._leaves or leaves
+        return leaves
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) as a task of this core's loop, waited for."""
+        return self.loop.run(fn, *args)
+
+    def close(self) -> None:
+        """The process is done serving: every model leaves the loop, and the loop stops."""
+        for model in self.models():
+            if model.batcher is not None:
+                model.batcher.close()
+        self.loop.close()
