@@ -11,6 +11,7 @@ a process-wide global, so a test may hold several, each with its own loop.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -57,7 +58,7 @@ class EngineCore:
         with self._lock:
             model = self._models.get(key)
             if model is None:
-                model = self.loop.run(HFModel.load, **fields)
+                model = self.loop.run(functools.partial(HFModel.load, **fields))
                 model.enable_batching(self.loop, self.max_batch, self.prefill_chunk)
                 self._models[key] = model
                 self.loads += 1

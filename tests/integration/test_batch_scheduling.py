@@ -109,10 +109,11 @@ def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
 
 
 def _loop_with(model, **settings):
+    from cascade_service.models.batching import executor
     from cascade_service.scheduling.loop import EngineLoop
 
     loop = EngineLoop("test-loop")
-    batcher = loop.batcher(model)
+    batcher = loop.batcher(model.name, executor(model))
     for name, value in settings.items():
         setattr(batcher, name, value)
     return loop, batcher
@@ -251,11 +252,11 @@ def test_turns_go_to_the_request_that_had_the_least_model_time_the_oldest_on_a_t
         dear, cheap, like = _cached(4000), _cached(10), _cached(12)
         batcher._used.update({dear.cache: 0.5, cheap.cache: 0.1, like.cache: 0.1})
         batcher.pending = [dear, cheap, like]
-        assert batcher._take() == [cheap, like]  # the oldest of the least used first; like joins it
+        assert batcher.take() == [cheap, like]  # the oldest of the least used first; like joins it
         assert batcher.pending == [dear] and batcher._clock == 0.1
         batcher._used[cheap.cache] = batcher._used[like.cache] = 0.6  # they had their turns
         batcher.pending = [cheap, like, dear]
-        assert batcher._take() == [dear] and batcher._clock == 0.5
+        assert batcher.take() == [dear] and batcher._clock == 0.5
     finally:
         loop.close()
 

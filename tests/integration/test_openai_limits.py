@@ -25,7 +25,7 @@ class Gate:
 
     def __init__(self, group):
         self.group, self.open, self.calls = group, threading.Event(), 0
-        self.mag_vocab = group.mag_vocab
+        self.mag_vocab, self.loop = group.mag_vocab, group.loop
 
     def draft(self, data: bytes) -> bytes:
         self.calls += 1
