@@ -155,7 +155,7 @@ class Engine:
             if chunk.token_ids:
                 yield chunk.token_ids
 
-    def _tier(self, model: HFModel | RemoteModel, scope: Scope) -> Tier:
+    def request_tier(self, model: HFModel | RemoteModel, scope: Scope) -> Tier:
         """One request's tier of a model: its own KV cache here (from its salt's cached prefixes), or
         on the tier server replica its affinity picks (which reads the salt from each call)."""
         if isinstance(model, RemoteModel):
@@ -210,7 +210,7 @@ class Engine:
             self.cascade,
             {m.name: m.facts() for m in self.tiers()},
             Tokenizer(self.encode, self.decode_text, self.tokenizer),
-            tiers=lambda scope: {name: self._tier(m, scope) for name, m in models.items()},
+            tiers=lambda scope: {name: self.request_tier(m, scope) for name, m in models.items()},
             store=store,
             defaults=defaults or GenerationConfig(),
             leaves=lambda owner, context: {name: self._wire(tier) for name, tier in leaves(owner, context).items()},

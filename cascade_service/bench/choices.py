@@ -21,7 +21,7 @@ from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
 from ..engine import Engine
 from ..sessions import MemoryStore
-from .prediction import _prompts
+from .prediction import encoded_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     print("prompt | repeat | n together (s) | one after another (s) | ratio")
     try:
         with CascadeClient(f"127.0.0.1:{port}", timeout_s=600) as client:
-            for i, prompt in enumerate(_prompts(engine, args.prompts, 120)):
+            for i, prompt in enumerate(encoded_prompts(engine, args.prompts, 120)):
                 ask = {"prompt_token_ids": prompt, "max_new_tokens": args.new_tokens, "temperature": 1.0}
                 client.generate(**ask | {"max_new_tokens": 4})  # the prompt's prefix cache, warm for both
                 for repeat in range(args.repeats):

@@ -199,7 +199,7 @@ def run_modes(
     """
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
-    servers = {mode: _ServerProcess(config_path, mode) for mode in modes}
+    servers = {mode: ServerProcess(config_path, mode) for mode in modes}
     runs = []
     try:
         targets = {mode: server.wait_ready() for mode, server in servers.items()}
@@ -279,7 +279,7 @@ def _scaling_lines(summary: dict) -> list[str]:
     return lines
 
 
-class _ServerProcess:
+class ServerProcess:
     """`cascade-service serve --frontend standalone` in a child process on a free loopback port."""
 
     def __init__(self, config_path: str, mode: str, extra: Sequence[str] = ()):

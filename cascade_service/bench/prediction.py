@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "prompt | tok/s none | exact (x) | edited (x) | target passes none/exact/edited | kept/rejected exact, edited"
     )
-    for i, prompt in enumerate(_prompts(engine, args.prompts, args.prompt_tokens)):
+    for i, prompt in enumerate(encoded_prompts(engine, args.prompts, args.prompt_tokens)):
         reference = engine.generate(prompt, plain)  # warms the caches too
         text = engine.decode_text(reference.token_ids)
         edited = _edit(text, args.edit_share, random.Random(i))
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prompts(engine: Engine, count: int, tokens: int) -> list[list[int]]:
+def encoded_prompts(engine: Engine, count: int, tokens: int) -> list[list[int]]:
     """`count` windows of `tokens` tokens, each from its own held-out file (its middle)."""
     out = []
     for paths in eval_package_files().values():

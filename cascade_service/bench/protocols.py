@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .load import Level, _ServerProcess
+from .load import Level, ServerProcess
 
 PROTOCOLS = ("grpc", "http")
 
@@ -149,7 +149,7 @@ def run_protocols(
     from ..config import load_config
 
     model = load_config(config_path).cascade.target.name
-    server = _ServerProcess(config_path, "cascade", extra=["--http-port", "0"])
+    server = ServerProcess(config_path, "cascade", extra=["--http-port", "0"])
     runs: list[dict[str, Any]] = []
     try:
         target = server.wait_ready()

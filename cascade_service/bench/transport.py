@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         context = Context(ids[0], len(ids[0]))
         small = next(m for m in local.models() if m.name == CALL_TIER)
         calls: dict[str, Callable[[Context], Any]] = {
-            "in-process": _draft_call(local._tier(small, Scope("bench"))),
-            "codec (loopback)": _draft_call(loopback(local._tier(small, Scope("bench")))),
+            "in-process": _draft_call(local.request_tier(small, Scope("bench"))),
+            "codec (loopback)": _draft_call(loopback(local.request_tier(small, Scope("bench")))),
             "gRPC": _draft_call(RemoteTier(CALL_TIER, "bench", TierReplicas([addresses[CALL_TIER]]).invoker("bench"))),
         }
         timings: dict[str, list[float]] = {name: [] for name in calls}

@@ -94,7 +94,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--http-port must be in [0, 65535], got {args.http_port}")
     grace = config.serving.shutdown_grace_s
     stop = threading.Event()
-    _stop_on_signals(stop)
+    stop_on_signals(stop)
     if args.frontend == "standalone":
         from ..standalone import start_standalone
 
@@ -123,7 +123,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                 )
             stop.wait()
         finally:
-            _stopping(grace)
+            stopping(grace)
             standalone.stop(grace)
         return 0
     if args.plain or args.adapt_to_load is not None or args.floor is not None:
@@ -147,13 +147,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         address = service.start()
         # ray.init replaced our SIGTERM handler with its own, which exits at once without draining.
-        _stop_on_signals(stop)
+        stop_on_signals(stop)
         print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)
         if service.http_port is not None:
             print(f"serving the OpenAI-compatible HTTP API on http://{args.host}:{service.http_port}/v1", flush=True)
         stop.wait()
     finally:
-        _stopping(grace)
+        stopping(grace)
         service.stop(grace)
     return 0
 
@@ -163,7 +163,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 TEARDOWN_S = 60.0
 
 
-def _stop_on_signals(stop: Any) -> None:
+def stop_on_signals(stop: Any) -> None:
     """SIGTERM and SIGINT set `stop` (the caller drains and exits 0); a second one exits at once (1)."""
 
     def handle(signum: int, frame: Any) -> None:
@@ -176,7 +176,7 @@ def _stop_on_signals(stop: Any) -> None:
         signal.signal(sig, handle)
 
 
-def _stopping(grace_s: float) -> None:
+def stopping(grace_s: float) -> None:
     """Announce the drain and bound it: past grace_s + TEARDOWN_S the process exits with status 1."""
     print(f"stopping: draining calls in flight for up to {grace_s:g} s", file=sys.stderr, flush=True)
 

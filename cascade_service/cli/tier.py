@@ -7,7 +7,7 @@ import threading
 
 from ..config import MAG, SUFFIX, Config, ConfigError, MaGConfig, ModelTierConfig, ServingConfig, load_config
 from .parser import UsageError
-from .serve import _stop_on_signals, _stopping
+from .serve import stop_on_signals, stopping
 
 
 def add_tier_command(sub: argparse._SubParsersAction) -> None:
@@ -68,7 +68,7 @@ def _run_tier(args: argparse.Namespace) -> int:
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     stop = threading.Event()
-    _stop_on_signals(stop)
+    stop_on_signals(stop)
     server = start_tier_server(group, host, int(port_text), keys, tls, args.workers, args.max_queued)
     try:
         hosted = ", ".join(
@@ -77,7 +77,7 @@ def _run_tier(args: argparse.Namespace) -> int:
         print(f"serving cascade.tier.v1.Tier [{hosted}] on {host}:{server.port} (Ctrl-C stops)", flush=True)
         stop.wait()
     finally:
-        _stopping(config.serving.shutdown_grace_s)
+        stopping(config.serving.shutdown_grace_s)
         server.stop(config.serving.shutdown_grace_s)
     return 0
 

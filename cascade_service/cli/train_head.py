@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     """Train a head on a zoo (built first if missing); prints the summary as JSON on stdout."""
     from cascade_service.cli.parser import UsageError
     from cascade_service.paths import zoo_dir
-    from cascade_service.zoo.build import _training_texts
+    from cascade_service.zoo.build import training_texts
     from cascade_service.zoo.families import family
 
     if args.reviewer == "base" and args.drafter != "small":
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = RUN_PRESETS[args.preset] | ({"steps": args.steps} if args.steps is not None else {})
     default = f"head-{args.drafter}" + ("" if args.reviewer == "large" else f"-under-{args.reviewer}")
     out = Path(args.out).expanduser() if args.out else zoo_dir(args.preset) / default
-    texts = _training_texts(corpus_chars, progress=False)  # never the held-out modules
+    texts = training_texts(corpus_chars, progress=False)  # never the held-out modules
     # The reviewer plays the paper's target: it writes the responses and its distribution labels them.
     summary = train_head(
         paths[args.reviewer],

@@ -30,11 +30,11 @@ from .base import (
     ModelTierConfig,
     StatisticalConfig,
     SuffixConfig,
-    _addresses,
-    _check_int,
-    _mapping,
-    _only,
-    _resolve,
+    check_int,
+    mapping_at,
+    only_keys,
+    parse_addresses,
+    resolve_path,
 )
 from .serving import (  # noqa: F401 - part of this package's interface
     ADMISSION_KEYS,
@@ -44,8 +44,8 @@ from .serving import (  # noqa: F401 - part of this package's interface
     ServingConfig,
     TierClientConfig,
     TierServerConfig,
-    _serving,
     deployment_name,
+    parse_serving,
     resolve_redis_url,
     tier_groups,
 )
@@ -102,13 +102,13 @@ def load_config(path: str | Path) -> Config:
 
 
 def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
-    _only(raw, "", {"tiers", "schedule", "generation", "model", "serving"})
-    model_defaults = _mapping(raw.get("model", {}), "model")
-    _only(
+    only_keys(raw, "", {"tiers", "schedule", "generation", "model", "serving"})
+    model_defaults = mapping_at(raw.get("model", {}), "model")
+    only_keys(
         model_defaults, "model.", {"dtype", "device", "kv", "kv_budget_mb"}
     )  # what every model tier takes unless it says
-    tiers = _mapping(raw.get("tiers"), "tiers")
-    _only(tiers, "tiers.", {"target", "drafters"})
+    tiers = mapping_at(raw.get("tiers"), "tiers")
+    only_keys(tiers, "tiers.", {"target", "drafters"})
     target = _model_tier(tiers.get("target"), "tiers.target", "target", model_defaults, base_dir)
     drafter_list = tiers.get("drafters", [])
     if not isinstance(drafter_list, list):
@@ -116,8 +116,8 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
     drafters = tuple(
         _drafter(item, f"tiers.drafters[{i}]", model_defaults, base_dir) for i, item in enumerate(drafter_list)
     )
-    schedule_raw = _mapping(raw.get("schedule", {}), "schedule")
-    _only(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup", "adaptive", "fill"})
+    schedule_raw = mapping_at(raw.get("schedule", {}), "schedule")
+    only_keys(schedule_raw, "schedule.", {"k_matrix", "leniency", "lookup", "adaptive", "fill"})
     cascade = make_cascade(
         target,
         drafters,
@@ -127,11 +127,11 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
         make_adaptive(schedule_raw.get("adaptive", {}), base_dir),
         schedule_raw.get("fill", "entry"),
     )
-    gen_raw = _mapping(raw.get("generation", {}), "generation")
-    _only(gen_raw, "generation.", GENERATION_KEYS)
+    gen_raw = mapping_at(raw.get("generation", {}), "generation")
+    only_keys(gen_raw, "generation.", GENERATION_KEYS)
     if "verification" in gen_raw:
         gen_raw = {**gen_raw, "verification": make_verification(gen_raw["verification"], "generation.verification")}
-    serving = _serving(_mapping(raw.get("serving", {}), "serving"), cascade, base_dir)
+    serving = parse_serving(mapping_at(raw.get("serving", {}), "serving"), cascade, base_dir)
     return Config(cascade, make_generation(GenerationConfig(), gen_raw), serving)
 
 
@@ -180,14 +180,14 @@ def make_cascade(
 def make_adaptive(raw: Any, base_dir: Path = Path("."), where: str = "schedule.adaptive") -> dict[str, AdaptiveLength]:
     """{tier: {rule, threshold, head}} -> AdaptiveLength per tier; errors name the field."""
     out = {}
-    for tier, spec in _mapping(raw, where).items():
-        spec = _mapping(spec, f"{where}.{tier}")
-        _only(spec, f"{where}.{tier}.", {"rule", "threshold", "head"})
+    for tier, spec in mapping_at(raw, where).items():
+        spec = mapping_at(spec, f"{where}.{tier}")
+        only_keys(spec, f"{where}.{tier}.", {"rule", "threshold", "head"})
         head = spec.get("head")
         if head is not None:
             if not isinstance(head, str) or not head:
                 raise ConfigError(f"{where}.{tier}.head must be a directory written by `cascade-service train-head`")
-            head = _resolve(head, base_dir)
+            head = resolve_path(head, base_dir)
         try:
             out[str(tier)] = AdaptiveLength(spec.get("rule", ""), spec.get("threshold", 0.0), head)
         except (TypeError, ValueError) as exc:
@@ -198,7 +198,7 @@ def make_adaptive(raw: Any, base_dir: Path = Path("."), where: str = "schedule.a
 def _lookup(raw: Any) -> Lookup | None:
     if raw is None:
         return None
-    _only(_mapping(raw, "schedule.lookup"), "schedule.lookup.", {"min_match", "tokens", "tier"})
+    only_keys(mapping_at(raw, "schedule.lookup"), "schedule.lookup.", {"min_match", "tokens", "tier"})
     try:
         return Lookup(**raw)
     except ValueError as exc:
@@ -215,8 +215,8 @@ def make_generation(base: GenerationConfig, overrides: dict[str, Any]) -> Genera
 
 def make_verification(raw: Any, where: str = "verification") -> Verification:
     """{rule, alpha, beta} (beta: a number, or "tuned") -> Verification; errors name `where`."""
-    raw = _mapping(raw, where)
-    _only(raw, where + ".", {"rule", "alpha", "beta"})
+    raw = mapping_at(raw, where)
+    only_keys(raw, where + ".", {"rule", "alpha", "beta"})
     beta = raw.get("beta", 1.0)
     try:
         return Verification(raw.get("rule", "exact"), raw.get("alpha"), None if beta == "tuned" else beta)
@@ -244,7 +244,7 @@ def target_from_arg(path: str, dtype: str, device: str) -> ModelTierConfig:
 def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTierConfig | StatisticalConfig:
     if isinstance(item, str) and item in STATISTICAL:
         return STATISTICAL[item]({}, where, base_dir)
-    item = _mapping(item, where)
+    item = mapping_at(item, where)
     kind = item.get("kind")
     if kind is None and item.get("name") == MAG and "path" not in item:
         kind = MAG  # `{name: mag}` has always meant MaG
@@ -256,24 +256,24 @@ def _drafter(item: Any, where: str, defaults: dict, base_dir: Path) -> ModelTier
 
 
 def _mag(item: dict, where: str, base_dir: Path) -> MaGConfig:
-    _only(item, where + ".", {"kind", "name", "bigram", "max_ngram", "address"})
+    only_keys(item, where + ".", {"kind", "name", "bigram", "max_ngram", "address"})
     bigram = item.get("bigram")
     max_ngram = item.get("max_ngram", 16)
-    _check_int(max_ngram, where + ".max_ngram", 1, 64)
-    address = _addresses(item["address"], where + ".address") if "address" in item else ()
-    return MaGConfig(item.get("name", MAG), _resolve(bigram, base_dir) if bigram else None, max_ngram, address)
+    check_int(max_ngram, where + ".max_ngram", 1, 64)
+    address = parse_addresses(item["address"], where + ".address") if "address" in item else ()
+    return MaGConfig(item.get("name", MAG), resolve_path(bigram, base_dir) if bigram else None, max_ngram, address)
 
 
 def _suffix(item: dict, where: str, base_dir: Path) -> SuffixConfig:
     fields = {"depth", "factor", "min_prob", "cache_tokens", "total_cache_tokens", "corpus", "corpus_tokens"}
-    _only(item, where + ".", {"kind", *fields})
+    only_keys(item, where + ".", {"kind", *fields})
     defaults = SuffixConfig()
     depth = item.get("depth", defaults.depth)
-    _check_int(depth, where + ".depth", 2, 256)
+    check_int(depth, where + ".depth", 2, 256)
     ints = {}
     for key in ("cache_tokens", "total_cache_tokens", "corpus_tokens"):
         ints[key] = item.get(key, getattr(defaults, key))
-        _check_int(ints[key], f"{where}.{key}", 0, 10_000_000)
+        check_int(ints[key], f"{where}.{key}", 0, 10_000_000)
     if ints["total_cache_tokens"] < ints["cache_tokens"]:
         raise ConfigError(
             f"{where}.total_cache_tokens ({ints['total_cache_tokens']}) must be at least cache_tokens "
@@ -289,7 +289,7 @@ def _suffix(item: dict, where: str, base_dir: Path) -> SuffixConfig:
     if corpus is not None:
         if not isinstance(corpus, str) or not corpus:
             raise ConfigError(f"{where}.corpus must be the path of a UTF-8 text file, got {corpus!r}")
-        corpus = _resolve(corpus, base_dir)
+        corpus = resolve_path(corpus, base_dir)
         if not Path(corpus).is_file():
             raise ConfigError(f"{where}.corpus: {corpus} is not a file")
     return SuffixConfig(
@@ -308,9 +308,11 @@ STATISTICAL: dict[str, Callable[[dict, str, Path], StatisticalConfig]] = {MAG: _
 
 
 def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:
-    item = _mapping(item, where)
-    _only(item, where + ".", {"name", "path", "dtype", "device", "kind", "address", "backend", "kv", "kv_budget_mb"})
-    address = _addresses(item["address"], where + ".address") if "address" in item else ()
+    item = mapping_at(item, where)
+    only_keys(
+        item, where + ".", {"name", "path", "dtype", "device", "kind", "address", "backend", "kv", "kv_budget_mb"}
+    )
+    address = parse_addresses(item["address"], where + ".address") if "address" in item else ()
     if address and "path" not in item:
         if where.endswith("target"):
             raise ConfigError(f"{where}.path: a remote target still needs the directory of its tokenizer")
@@ -318,7 +320,7 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
             raise ConfigError(f"{where}.name: a remote tier without a path needs a name (its name on the tier server)")
     elif not isinstance(item.get("path"), str) or not item["path"]:
         raise ConfigError(f"{where}.path must be a local model directory")
-    path = _resolve(item["path"], base_dir) if "path" in item else ""
+    path = resolve_path(item["path"], base_dir) if "path" in item else ""
     name = item.get("name") or default_name or Path(path).name
     dtype = item.get("dtype", defaults.get("dtype", "float32"))
     if dtype not in DTYPES:

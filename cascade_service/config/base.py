@@ -97,7 +97,7 @@ STATISTICAL_KINDS = (MAG, SUFFIX)
 ADDRESS = re.compile(r"(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})")
 
 
-def _addresses(value: Any, where: str) -> tuple[str, ...]:
+def parse_addresses(value: Any, where: str) -> tuple[str, ...]:
     """`address`: one host:port, or a non-empty list of distinct ones (replicas)."""
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items or len(set(map(str, items))) != len(items):
@@ -109,23 +109,23 @@ def _addresses(value: Any, where: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _resolve(path: str, base_dir: Path) -> str:
+def resolve_path(path: str, base_dir: Path) -> str:
     expanded = Path(expand(path))
     return str(expanded if expanded.is_absolute() else (base_dir / expanded))
 
 
-def _mapping(value: Any, where: str) -> dict:
+def mapping_at(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
     return value
 
 
-def _only(mapping: dict, prefix: str, allowed: set[str]) -> None:
+def only_keys(mapping: dict, prefix: str, allowed: set[str]) -> None:
     unknown = sorted(set(mapping) - allowed)
     if unknown:
         raise ConfigError(f"unknown field {prefix}{unknown[0]} (allowed: {', '.join(sorted(allowed))})")
 
 
-def _check_int(value: Any, where: str, lo: int, hi: int) -> None:
+def check_int(value: Any, where: str, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ConfigError(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")

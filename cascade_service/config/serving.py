@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..scheduling.trial import ARMS
-from .base import ConfigError, ModelTierConfig, _check_int, _mapping, _only, _resolve
+from .base import ConfigError, ModelTierConfig, check_int, mapping_at, only_keys, resolve_path
 
 if TYPE_CHECKING:
     from . import CascadeConfig
@@ -152,8 +152,8 @@ def _admission(value: Any) -> dict[str, float]:
     """serving.admission: known keys, each a number (the ranges are Limits' own, checked when `serve` starts)."""
     if value is None:
         return {}
-    raw = _mapping(value, "serving.admission")
-    _only(raw, "serving.admission.", set(ADMISSION_KEYS))
+    raw = mapping_at(value, "serving.admission")
+    only_keys(raw, "serving.admission.", set(ADMISSION_KEYS))
     for key, number in raw.items():
         if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(f"serving.admission.{key} must be a number, got {number!r}")
@@ -163,9 +163,9 @@ def _admission(value: Any) -> dict[str, float]:
 
 
 def _tier_client(value: Any, cascade: CascadeConfig, base_dir: Path) -> TierClientConfig:
-    raw = _mapping(value if value is not None else {}, "serving.tier_client")
+    raw = mapping_at(value if value is not None else {}, "serving.tier_client")
     where = "serving.tier_client."
-    _only(raw, where, {"tls", "ca_file", "cert_file", "key_file", "api_key", "timeout_s"})
+    only_keys(raw, where, {"tls", "ca_file", "cert_file", "key_file", "api_key", "timeout_s"})
     files = _paths(raw, ("ca_file", "cert_file", "key_file"), where, base_dir)
     if (files["cert_file"] is None) != (files["key_file"] is None):
         raise ConfigError(f"{where}cert_file and {where}key_file go together")
@@ -194,9 +194,9 @@ def _tier_client(value: Any, cascade: CascadeConfig, base_dir: Path) -> TierClie
 
 
 def _tier_server(value: Any, base_dir: Path) -> TierServerConfig:
-    raw = _mapping(value if value is not None else {}, "serving.tier_server")
+    raw = mapping_at(value if value is not None else {}, "serving.tier_server")
     where = "serving.tier_server."
-    _only(raw, where, {"host", "api_keys_file", "tls_cert_file", "tls_key_file", "client_ca_file"})
+    only_keys(raw, where, {"host", "api_keys_file", "tls_cert_file", "tls_key_file", "client_ca_file"})
     host = raw.get("host", "127.0.0.1")
     if not isinstance(host, str) or not host:
         raise ConfigError(f"{where}host must be a host name or address, got {host!r}")
@@ -219,7 +219,7 @@ def _paths(raw: dict[str, Any], names: Sequence[str], where: str, base_dir: Path
         path = raw.get(name)
         if path is not None and not (isinstance(path, str) and path):
             raise ConfigError(f"{where}{name} must be a file path (a string), got {path!r}")
-        files[name] = None if path is None else _resolve(path, base_dir)
+        files[name] = None if path is None else resolve_path(path, base_dir)
     return files
 
 
@@ -233,8 +233,8 @@ def _env(value: str, where: str) -> str:
     return ENV_REFERENCE.sub(lookup, value)
 
 
-def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
-    _only(
+def parse_serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(".")) -> ServingConfig:
+    only_keys(
         raw,
         "serving.",
         {
@@ -267,12 +267,12 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
         tier_client=_tier_client(raw.get("tier_client"), cascade, base_dir),
         tier_server=_tier_server(raw.get("tier_server"), base_dir),
     )
-    _check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
-    _check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
+    check_int(serving.grpc_port, "serving.grpc_port", 1, 65535)
+    check_int(serving.session_ttl_s, "serving.session_ttl_s", 1, 10 * 365 * 24 * 3600)
     if serving.max_sessions_per_key is not None:
-        _check_int(serving.max_sessions_per_key, "serving.max_sessions_per_key", 1, 10**9)
+        check_int(serving.max_sessions_per_key, "serving.max_sessions_per_key", 1, 10**9)
     if serving.torch_threads is not None:
-        _check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
+        check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
     grace = serving.shutdown_grace_s
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
         raise ConfigError(
@@ -318,17 +318,19 @@ def _serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = Path(
             f"serving.groups must be disjoint non-empty lists of model tiers not in serving.colocate, got {groups!r}"
         )
     names = {"coordinator"} | {deployment_name(group) for group in tier_groups(model_tiers, colocate, groups)}
-    deployments = _mapping(raw.get("deployments", {}), "serving.deployments")
+    deployments = mapping_at(raw.get("deployments", {}), "serving.deployments")
     for name, options in deployments.items():
         if name not in names:
             raise ConfigError(f"serving.deployments.{name}: no such deployment (have: {', '.join(sorted(names))})")
-        _only(_mapping(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS)
+        only_keys(
+            mapping_at(options, f"serving.deployments.{name}"), f"serving.deployments.{name}.", DEPLOYMENT_OPTIONS
+        )
         if "grpc_port" in options:
             if name == "coordinator":
                 raise ConfigError(
                     "serving.deployments.coordinator.grpc_port: only a tier deployment serves the tier API"
                 )
-            _check_int(options["grpc_port"], f"serving.deployments.{name}.grpc_port", 1, 65535)
+            check_int(options["grpc_port"], f"serving.deployments.{name}.grpc_port", 1, 65535)
     return replace(
         serving,
         colocate=tuple(colocate),

@@ -13,7 +13,7 @@ import torch
 
 from .quote import quoted
 
-_TINY = 1e-30
+TINY = 1e-30
 
 
 class Rule:
@@ -217,7 +217,7 @@ def divergence(kind: str, target_probs: torch.Tensor, draft_probs: torch.Tensor)
 
 def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        terms = torch.where(a > 0, a * (a.clamp_min(_TINY).log() - b.clamp_min(0).log()), torch.zeros_like(a))
+        terms = torch.where(a > 0, a * (a.clamp_min(TINY).log() - b.clamp_min(0).log()), torch.zeros_like(a))
     return terms.sum(-1)
 
 

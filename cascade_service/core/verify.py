@@ -56,13 +56,13 @@ from .placement import uniform
 from .quote import quoted
 from .review import ReviewRule, Verdict, rule_for
 from .rules import (  # noqa: F401 - the registry's names are part of this module's interface
-    _TINY,
     ALPHA_RANGE,
     CASCADE_RULES,
     FUZZY_RULES,
     REGISTRY,
     RULES,
     STRICT_ALPHA,
+    TINY,
     Lossy,
     Rule,
     divergence,
@@ -183,7 +183,7 @@ class VerifyReview:
                 ):
                     break
                 off += 1
-                loss += math.log(target_max[i]) - math.log(max(float(target_probs[i, x]), _TINY))
+                loss += math.log(target_max[i]) - math.log(max(float(target_probs[i, x]), TINY))
             accepted += 1
         token = best[accepted]
         probs = [float(target_probs[i, block.tokens[i]]) for i in range(accepted)]
@@ -223,7 +223,7 @@ class VerifyReview:
                 replacement = None if keep else target_row
             else:
                 pi = target_distribution(v, draft_row, target_row)
-                ratio = float(pi[x]) / max(float(draft_row[x]), _TINY)
+                ratio = float(pi[x]) / max(float(draft_row[x]), TINY)
                 keep = float(uniform((), target_probs, generator)) < min(1.0, ratio)
                 out = output_distribution(pi, draft_row)
                 replacement = None if keep else residual(pi, draft_row)
@@ -231,7 +231,7 @@ class VerifyReview:
             if gap > 1e-6:
                 off += 1
                 deviation += gap
-                loss += float(((target_row - out) * target_row.clamp_min(_TINY).log()).sum())
+                loss += float(((target_row - out) * target_row.clamp_min(TINY).log()).sum())
             if not keep:
                 assert replacement is not None
                 accepted, token = i, sample(replacement, generator)

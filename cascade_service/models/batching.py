@@ -23,9 +23,11 @@ class PassModel(Protocol):
     device: torch.device
     module: Any
 
-    def _forward(self, tokens: Sequence[int], cache: KVCache | None, keep: int, with_hidden: bool = False) -> Any: ...
+    def forward_now(
+        self, tokens: Sequence[int], cache: KVCache | None, keep: int, with_hidden: bool = False
+    ) -> Any: ...
 
-    def _sync(self) -> None: ...
+    def sync(self) -> None: ...
 
 
 def default_prefill_chunk(device: torch.device) -> int:
@@ -34,9 +36,9 @@ def default_prefill_chunk(device: torch.device) -> int:
 
 def forward_batch(model: PassModel, batch: list[Pass]) -> list[object]:
     """One forward pass for several requests' passes: in place over their pool blocks (models.poolpass),
-    or packed from their own caches (models.packed); a lone pass is the model's own `_forward`."""
+    or packed from their own caches (models.packed); a lone pass is the model's own `forward_now`."""
     if len(batch) == 1 or getattr(model, "encoder_decoder", False):  # encoder-decoder: one row a pass
-        return [model._forward(one.fed, one.cache, one.keep, with_hidden=one.with_hidden) for one in batch]
+        return [model.forward_now(one.fed, one.cache, one.keep, with_hidden=one.with_hidden) for one in batch]
     if isinstance(batch[0].cache, PagedCache):
         return forward_rows(model, batch)
     return forward_packed(model, batch)
@@ -48,7 +50,7 @@ def executor(model: PassModel):
     def execute(batch: list[Pass]) -> list[Any]:
         with torch.inference_mode():
             results = forward_batch(model, batch)
-        model._sync()
+        model.sync()
         return results
 
     return execute

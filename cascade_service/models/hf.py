@@ -223,7 +223,7 @@ class HFModel:
     def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False):
         """A cached forward pass for one request: in the engine loop once batching is on."""
         if self.batcher is None:
-            return self._forward(tokens, cache, keep, with_hidden=with_hidden)
+            return self.forward_now(tokens, cache, keep, with_hidden=with_hidden)
         if not isinstance(cache, PagedCache):
             return self.batcher.forward(tokens, cache, keep, with_hidden)
         cache.pinned += 1  # queued: the pool never preempts a cache a pending pass was planned on
@@ -281,7 +281,7 @@ class HFModel:
     def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Plain no-cache forward: [len(tokens), V] float32 logits on the model's device."""
         with torch.inference_mode():
-            logits = self._forward(tokens, None, len(tokens))
+            logits = self.forward_now(tokens, None, len(tokens))
         assert isinstance(logits, torch.Tensor)  # without hidden states
         return logits
 
@@ -301,20 +301,23 @@ class HFModel:
     def _measure_step(self, context_len: int, repeats: int) -> float:
         return pass_time_s(self, 1, context_len, repeats)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
+        """Wait for the device's queued work (a pass's time is what it took to finish)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _forward(
+    def forward_now(
         self, tokens: Sequence[int], cache: KVCache | PoolPass | None, keep: int, with_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One request's pass now, on the calling thread: what a batch of one runs (models.batching),
+        and the timers. A request's tiers call `forward`, which takes its turn in the engine loop."""
         if isinstance(cache, PagedCache):
             # A lone row over its blocks: the model makes its mask and positions from the cache's
             # length, as over a DynamicCache (models.kvpool.PoolPass).
             with self.kv_pool.lock:
                 step = PoolPass(self.kv_pool, [cache], len(tokens))
                 try:
-                    result = self._forward(tokens, step, keep, with_hidden)
+                    result = self.forward_now(tokens, step, keep, with_hidden)
                 except BaseException:
                     step.abandon()
                     raise
@@ -349,13 +352,13 @@ def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int =
     with torch.inference_mode():
         for cache, prompt in zip(caches, prompts):
             if context_len:
-                model._forward(prompt[:context_len], cache, 1)
+                model.forward_now(prompt[:context_len], cache, 1)
         for _ in range(2 + repeats):
             batch = [Pass(p[context_len:], c, tokens, False) for p, c in zip(prompts, caches)]
-            model._sync()
+            model.sync()
             began = time.perf_counter()
             forward_batch(model, batch)
-            model._sync()
+            model.sync()
             times.append(time.perf_counter() - began)
             for cache in caches:
                 cache.crop(-tokens)  # every repeat decodes against the same cache length

@@ -135,7 +135,7 @@ class PoolPass:
 def forward_rows(model: Any, rows: Sequence[Any]) -> list[Any]:
     """One forward pass of `model` (an `HFModel`) over two or more `rows` (each a batcher's pass: fed,
     cache, keep, with_hidden), reading and writing their blocks in place; a lone row's pass is
-    `HFModel._forward`'s.
+    `HFModel.forward_now`'s.
 
     Returns per row its [keep, V] float32 logits, or (logits, hidden [keep, H]) where asked for.
     """

@@ -2,7 +2,7 @@
 
 A batched pass (models.kvpool's in place, models.packed's over packed caches) feeds each row's new
 tokens right-padded to the longest, sends through the LM head only the positions some row asked for,
-and hands each row back its last `keep` rows; a lone pass (HFModel._forward, models.seq2seq) only the
+and hands each row back its last `keep` rows; a lone pass (HFModel.forward_now, models.seq2seq) only the
 last `keep`.
 """
 

@@ -105,7 +105,7 @@ class Seq2SeqModel(HFModel):
     def full_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         raise ValueError(f"{self.name}: an encoder-decoder model scores a decoder sequence: use scorer()")
 
-    def _forward(
+    def forward_now(
         self, tokens: Sequence[int], cache: KVCache | PoolPass | None, keep: int, with_hidden: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(cache, Seq2SeqCache)  # new_cache() made it

@@ -142,7 +142,7 @@ class LoopBatcher:
         self._last: set[int] = set()
 
     def forward(self, tokens: Sequence[int], cache: Cache, keep: int, with_hidden: bool = False) -> Any:
-        """Like the model's `_forward(tokens, cache, keep, with_hidden)`, as part of the loop's batched
+        """Like the model's `forward_now(tokens, cache, keep, with_hidden)`, as part of the loop's batched
         passes. A long prompt is fed in chunks, each a pass of its own; only the last one's logits come
         back. On failure the cache is cut back to what it held before. From outside the loop's tasks
         (another thread) the call is handed to the loop and waited for."""

@@ -182,7 +182,7 @@ def held_out_modules(root: Path = STDLIB) -> list[Path]:
     return [root / f"{m}.py" for m in HELD_OUT_MODULES if (root / f"{m}.py").is_file()]
 
 
-def _read(path: Path) -> str:
+def read_text_file(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -252,14 +252,14 @@ def _build(spec: ZooSpec, paths: dict[str, Path], progress: bool) -> dict:
         timings[phase] = round(now - clock, 2)
         clock = now
 
-    texts = _training_texts(spec.corpus_chars, progress)
+    texts = training_texts(spec.corpus_chars, progress)
     tokenizer = train_tokenizer(texts, spec.vocab_size, progress)
     lap("tokenizer")
     stream = encode_files(tokenizer, texts, progress)  # [N] with EOS after each file
     BigramTable.from_tokens(stream, len(tokenizer)).save(paths["bigram"])
-    held = [_read(p) for p in held_out_modules()]
+    held = [read_text_file(p) for p in held_out_modules()]
     packages = eval_package_files()
-    external = [_read(p) for files in packages.values() for p in files]
+    external = [read_text_file(p) for files in packages.values() for p in files]
     prompts = extract_prompts(external, tokenizer, spec.prompts, spec.max_prompt_tokens)
     write_prompts(paths["prompts"], prompts)
     write_prompts(paths["tune_prompts"], extract_prompts(held, tokenizer, spec.tune_prompts, spec.max_prompt_tokens))
@@ -270,7 +270,7 @@ def _build(spec: ZooSpec, paths: dict[str, Path], progress: bool) -> dict:
             family["large"], {n: family[n] for n in TIERS[1:]}, stream, spec.schedule, spec.seed, progress
         )
     for name, module in family.items():
-        _save(module, tokenizer, paths[name])
+        save_model(module, tokenizer, paths[name])
     lap("train")
     sources = {"heldout": held, "external": external}  # held-out stdlib modules; the evaluation packages
     evaluation = evaluate_sources(
@@ -327,12 +327,12 @@ def _compute_params(module: LlamaForCausalLM) -> int:
     return sum(p.numel() for p in module.parameters()) - embedding.numel()
 
 
-def _training_texts(limit: int | None, progress: bool) -> list[str]:
+def training_texts(limit: int | None, progress: bool) -> list[str]:
     texts, chars = [], 0
     for path in tqdm(corpus_files(), desc="read corpus", unit="file", disable=not progress):
         if limit is not None and chars >= limit:
             break
-        texts.append(_read(path))
+        texts.append(read_text_file(path))
         chars += len(texts[-1])
     return texts
 
@@ -382,7 +382,7 @@ def _new_model(shape: Shape, tokenizer: PreTrainedTokenizerFast, seed: int) -> L
         return LlamaForCausalLM(config)
 
 
-def _save(module: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path) -> None:
+def save_model(module: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path) -> None:
     module.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cascade_service.models.hf import load_tokenizer
 from cascade_service.prompts import read_prompts
-from cascade_service.zoo.build import TIERS, _read, held_out_modules
+from cascade_service.zoo.build import TIERS, held_out_modules, read_text_file
 from cascade_service.zoo.evaluate import eval_package_files, eval_source_versions, evaluate_sources
 
 
@@ -28,8 +28,8 @@ def evaluate_dir(zoo: str | Path, prompts_path: str | Path | None = None, steps:
     tokenizer = load_tokenizer(paths["large"])
     packages = eval_package_files()
     sources = {
-        "heldout": [_read(p) for p in held_out_modules()],
-        "external": [_read(p) for files in packages.values() for p in files],
+        "heldout": [read_text_file(p) for p in held_out_modules()],
+        "external": [read_text_file(p) for files in packages.values() for p in files],
     }
     report = evaluate_sources(paths, TIERS, tokenizer, sources, prompts, steps=steps, windows=windows)
     report["evaluation"] = {

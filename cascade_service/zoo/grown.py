@@ -93,11 +93,11 @@ def build_grown(preset: str, out_dir: str | Path, source: dict[str, Path], progr
 
 
 def _build(spec: GrownSpec, source: dict[str, Path], source_report: dict, paths: dict[str, Path], progress: bool):
-    from cascade_service.zoo.build import _read, _save, _training_texts, held_out_modules
+    from cascade_service.zoo.build import held_out_modules, read_text_file, save_model, training_texts
 
     began = time.perf_counter()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(source["large"]), local_files_only=True)
-    texts = _training_texts(source_report["spec"]["corpus_chars"], progress)
+    texts = training_texts(source_report["spec"]["corpus_chars"], progress)
     stream = encode_files(tokenizer, texts, progress)  # the source's corpus, as it was tokenized
     family = {name: LlamaForCausalLM.from_pretrained(str(source[name])) for name in TIERS}
     family["large"] = grow(family["large"], spec.growth, spec.seed)
@@ -106,13 +106,13 @@ def _build(spec: GrownSpec, source: dict[str, Path], source_report: dict, paths:
             family["large"], {n: family[n] for n in TIERS[1:]}, stream, spec.schedule, spec.seed, progress
         )
     for name, module in family.items():
-        _save(module, tokenizer, paths[name])
+        save_model(module, tokenizer, paths[name])
     for key in ("bigram", "prompts", "tune_prompts"):
         paths[key].write_bytes(source[key].read_bytes())
     trained = time.perf_counter()
     prompts = [json.loads(line)["prompt"] for line in paths["prompts"].read_text().splitlines() if line.strip()]
-    external = [_read(p) for files in eval_package_files().values() for p in files]
-    held = [_read(p) for p in held_out_modules()]
+    external = [read_text_file(p) for files in eval_package_files().values() for p in files]
+    held = [read_text_file(p) for p in held_out_modules()]
     evaluation = evaluate_sources(
         paths,
         TIERS,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig, PreTrainedTokenizerFast, T5Config
 
 from cascade_service.zoo import train
-from cascade_service.zoo.build import _read, _training_texts, held_out_modules, train_tokenizer
+from cascade_service.zoo.build import held_out_modules, read_text_file, train_tokenizer, training_texts
 from cascade_service.zoo.evaluate import ends_in_loop, eval_package_files
 from cascade_service.zoo.prompts import write_prompts
 
@@ -236,14 +236,16 @@ def build_t5_zoo(preset: str, out_dir: str | Path, progress: bool = True) -> dic
     marker.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
-    texts = _training_texts(spec.corpus_chars, progress)
+    texts = training_texts(spec.corpus_chars, progress)
     tokenizer = train_tokenizer(texts, spec.vocab_size, progress=False)
     data = _encode(tokenizer, function_pairs(texts), spec)
-    held_pairs = function_pairs(_read(p) for p in held_out_modules())
+    held_pairs = function_pairs(read_text_file(p) for p in held_out_modules())
     held = _encode(tokenizer, held_pairs, spec)[:64]
     tune = [s for s, _ in held_pairs[64:] if _usable(tokenizer, s, spec)]
     write_prompts(paths["tune_prompts"], _spread(tune, spec.tune_prompts))
-    external = [source for source, _ in function_pairs(_read(p) for f in eval_package_files().values() for p in f)]
+    external = [
+        source for source, _ in function_pairs(read_text_file(p) for f in eval_package_files().values() for p in f)
+    ]
     prompts = _spread([s for s in external if _usable(tokenizer, s, spec)], spec.prompts)
     write_prompts(paths["prompts"], prompts)
     family = {name: _new_model(getattr(spec, name), tokenizer, spec.seed * 100 + i) for i, name in enumerate(TIERS)}

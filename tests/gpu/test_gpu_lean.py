@@ -25,8 +25,8 @@ def test_lean_pass_on_cuda_matches_transformers(tiny_family, dtype):
     for model in models:
         cache = DynamicCache()
         with torch.inference_mode():
-            model._forward(prompt[:16], cache, 1)
-            outs.append(model._forward(prompt[16:], cache, 4))
+            model.forward_now(prompt[:16], cache, 1)
+            outs.append(model.forward_now(prompt[16:], cache, 4))
     assert outs[1].device.type == "cuda"
     tol = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)

@@ -122,7 +122,7 @@ def _loop_with(model, **settings):
 def _fake(name: str = "fake"):
     import types
 
-    return types.SimpleNamespace(name=name, _sync=lambda: None)
+    return types.SimpleNamespace(name=name, sync=lambda: None)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary and absolute positions
@@ -134,7 +134,7 @@ def test_a_chunked_prefill_gives_the_logits_and_cache_of_one_pass(tiny_family_fa
     try:
         with torch.inference_mode():
             whole, chunked = DynamicCache(), DynamicCache()
-            ref_logits, ref_hidden = model._forward(prompt, whole, keep, with_hidden=True)
+            ref_logits, ref_hidden = model.forward_now(prompt, whole, keep, with_hidden=True)
             logits, hidden = batcher.forward(prompt, chunked, keep, with_hidden=True)  # handed to the loop
             assert batcher.batch_sizes == {1: 5}  # 32 + 32 + 32 + 32 + 22 (or 40 rows kept: 32 x 3 + 14 + 40)
             assert logits.dtype == torch.float32 and logits.shape == ref_logits.shape == (keep, model.vocab_size)
@@ -143,7 +143,7 @@ def test_a_chunked_prefill_gives_the_logits_and_cache_of_one_pass(tiny_family_fa
             assert chunked.get_seq_length() == whole.get_seq_length() == len(prompt)
             # The caches hold the same keys and values: the next step gives the same logits.
             torch.testing.assert_close(
-                batcher.forward([7], chunked, 1), model._forward([7], whole, 1), rtol=1e-4, atol=1e-4
+                batcher.forward([7], chunked, 1), model.forward_now([7], whole, 1), rtol=1e-4, atol=1e-4
             )
     finally:
         loop.close()
@@ -166,7 +166,7 @@ def test_a_failed_chunked_prefill_leaves_the_cache_as_it_was(tiny_family, monkey
     cache = DynamicCache()
     try:
         with torch.inference_mode():
-            model._forward([5, 6, 7], cache, 1)
+            model.forward_now([5, 6, 7], cache, 1)
             with pytest.raises(RuntimeError, match="out of memory"):
                 batcher.forward(random_prompts(1, 60, seed=3)[0], cache, 1)
     finally:

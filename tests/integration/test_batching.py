@@ -38,13 +38,13 @@ def test_a_batched_pass_gives_each_request_its_own_logits(tiny_family_factory, a
         for p, n, tokens, keep in zip(prompts, cached, fed, keeps):
             cache = model.new_cache()
             if n:
-                model._forward(p[:n], cache, 1)
-            alone.append(model._forward(tokens, cache, keep))
+                model.forward_now(p[:n], cache, 1)
+            alone.append(model.forward_now(tokens, cache, keep))
         caches = []
         for p, n in zip(prompts, cached):
             cache = model.new_cache()
             if n:
-                model._forward(p[:n], cache, 1)
+                model.forward_now(p[:n], cache, 1)
             caches.append(cache)
         together = forward_batch(model, [Pass(t, c, k, False) for t, c, k in zip(fed, caches, keeps)])
         for a, b in zip(alone, together):

@@ -73,7 +73,7 @@ def test_blocks_go_back_on_rollback_and_on_drop(tiny_family):
     pool = model.kv_pool
     cache = model.new_cache()
     with torch.inference_mode():
-        model._forward(random_prompts(1, 40, seed=1)[0], cache, 1)
+        model.forward_now(random_prompts(1, 40, seed=1)[0], cache, 1)
     assert len(cache.table) == 3 and pool.used_blocks() == 3
     cache.crop(-20)  # 20 positions: 2 blocks
     assert len(cache.table) == 2 and pool.used_blocks() == 2

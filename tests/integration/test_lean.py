@@ -36,8 +36,8 @@ def test_lean_passes_equal_transformers_passes(tiny_family):
     # A prompt from scratch, a block after a cache (the shifted causal mask), a lone step, the hidden state.
     for start, end, keep in ((0, 20, 20), (20, 26, 6), (26, 27, 1)):
         with torch.inference_mode():
-            want = reference._forward(ids[start:end], caches[0], keep, with_hidden=True)
-            got = fast._forward(ids[start:end], caches[1], keep, with_hidden=True)
+            want = reference.forward_now(ids[start:end], caches[0], keep, with_hidden=True)
+            got = fast.forward_now(ids[start:end], caches[1], keep, with_hidden=True)
         for a, b in zip(want, got):
             assert a.shape == b.shape
             torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
@@ -56,8 +56,8 @@ def test_lean_batched_pass_over_ragged_caches_equals_each_row_alone(tiny_family)
             with torch.inference_mode():
                 for cache in caches:
                     if past:
-                        model._forward(past, cache, 1)
-                alone.append(model._forward(new, caches[1], keep))
+                        model.forward_now(past, cache, 1)
+                alone.append(model.forward_now(new, caches[1], keep))
             batch.append(Pass(list(new), caches[0], keep, False))
         with torch.inference_mode():
             got = forward_batch(model, batch)

@@ -39,7 +39,7 @@ def _together(loop: EngineLoop, calls: list[tuple]) -> list:
 
 
 def _model(loop: EngineLoop, name: str = "m"):
-    return loop.batcher(name, batching.executor(types.SimpleNamespace(name=name, _sync=lambda: None)))
+    return loop.batcher(name, batching.executor(types.SimpleNamespace(name=name, sync=lambda: None)))
 
 
 def test_tasks_interleave_at_their_passes_and_share_them(loop):
