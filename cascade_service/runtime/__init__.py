@@ -1,2 +1,3 @@
-"""The composition root: where the wirings (in-process engine, standalone server, Ray app) assemble
-a coordinator and its session store from the config, one way for all three."""
+"""The composition root: a process's engine core (`core.EngineCore`: the only place a model is loaded),
+and one way for every wiring (in-process engine, standalone server, Ray app, tier servers) to assemble
+a coordinator and its session store from the config (`assemble`)."""
