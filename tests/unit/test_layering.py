@@ -174,3 +174,21 @@ def test_the_cycle_check_finds_lazy_and_type_only_circles():
     typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .loop import EngineLoop\n"
     batcher = dict(files, **{"scheduling/batcher.py": files["scheduling/batcher.py"] + typed})
     assert cycle(module_graph(batcher)) is not None  # scheduling.loop imports the batcher
+
+
+# What a request runs with (its generator, its grammar state, its tiers): built by intake.py per request.
+RUNTIME_STATE = {"torch", "RequestState", "GrammarMask", "StatisticalTier", "PredictionProposer"}
+
+
+def runtime_state_in(rel: str, source: str) -> set[str]:
+    """The runtime types (or torch) a config module imports."""
+    return {name.split(".")[-1] for name in modules(rel, source)} & RUNTIME_STATE | (
+        {"torch"} & {name.split(".")[0] for name in modules(rel, source)}
+    )
+
+
+def test_the_config_builds_no_runtime_state():
+    found = {rel: runtime_state_in(rel, src) for rel, src in sources().items() if rel.startswith("config/")}
+    assert not any(found.values()), found
+    # The negative control: what config/__init__.py built before issue 47.
+    assert runtime_state_in("config/__init__.py", "import torch\nfrom ..core.cascade import RequestState\n")
