@@ -11,7 +11,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import CascadeConfig
@@ -20,26 +20,18 @@ from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.encdec import check_request, decoder_context
 from .core.policy import OFF, PolicyFactory
-from .core.prediction import prediction_ids
-from .core.request import GenerationConfig, check_stop
+from .core.request import GenerationConfig
 from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
 from .core.verify import Verification
-from .intake import (
-    check_generation,
-    check_vocabulary,
-    prepare_state,
-    request_schedule,
-    request_state,
-    with_stop_threshold,
-)
+from .intake import MAX_PROMPT_TOKENS, Intake, Request, decode_state
 from .metrics import Metrics, RequestTimes
-from .output import TextStream
+from .output import Chunk, Output
 from .scheduling.loop import EngineLoop
 from .scheduling.passes import CURRENT_CLOCK
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 
-MAX_PROMPT_TOKENS = 32_768
+__all__ = ["MAX_PROMPT_TOKENS", "Cancelled", "Chunk", "Coordinator", "Request", "Tokenizer", "cache_salt"]
 
 # A request's scope (its id, prefix-cache salt, routing key) -> {model tier name: its Tier for it}
 TierFactory = Callable[[Scope], "dict[str, Tier]"]
@@ -60,30 +52,6 @@ class Cancelled(Exception):
 
 def _never() -> bool:
     return False
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    """A validated request; every bad value was turned into a ValueError naming its field."""
-
-    prompt_ids: tuple[int, ...]
-    gen: GenerationConfig
-    session_id: str | None = None
-    stop: tuple[str, ...] = ()
-    owner: str = ""  # the caller's owner id (rpc.auth); a session is used only by its owner
-    # The client set max_new_tokens (it must then fit the model's context, or the request is refused);
-    # a server default is cut to what fits instead.
-    explicit_max_new_tokens: bool = False
-
-
-@dataclass
-class Chunk:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None  # on the last chunk: "eos", "length" or "stop"
-    stats: CascadeStats | None = None  # on the last chunk
-    session_length: int = 0  # on the last chunk of a session request
-    logprobs: list = field(default_factory=list)  # per token, when asked for (core.review.TokenLogprob)
 
 
 @dataclass
@@ -124,6 +92,20 @@ class Coordinator:
 
     # --- requests ----------------------------------------------------------------------------------
 
+    def intake(self) -> Intake:
+        """What this coordinator's requests are built for and checked against (intake.Intake)."""
+        return Intake(
+            self.cascade,
+            self.vocab_size,
+            self.eos_ids,
+            self.tokenizer.encode,
+            self.tokenizer.source,
+            self.defaults,
+            self.max_context,
+            self.decoder_start,
+            check_session_id,
+        )
+
     def params(
         self,
         *,
@@ -147,17 +129,10 @@ class Coordinator:
         logprobs: int | None = None,
         response_format: Any = None,  # core.grammar.ResponseFormat
         owner: str = "",
-    ) -> GenerateParams:
-        """Validate one request's fields (ValueError names the field) and apply the server defaults."""
-        ids = self._prompt_ids(prompt, prompt_ids)
-        self._check_prompt_length(len(ids))
-        check_request(self.decoder_start, ids, session=bool(session_id))
-        if session_id:
-            check_session_id(session_id)
-        elif not ids:
-            raise ValueError("prompt: empty (give prompt, prompt_token_ids or a session_id with history)")
-        stop = check_stop(stop)
-        overrides: dict[str, Any] = {
+    ) -> Request:
+        """A served request from its fields (ValueError names the field), the server's defaults filled
+        in: built and validated once (intake.Intake.served)."""
+        fields: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "temperature": temperature,
             "top_p": top_p,
@@ -165,7 +140,6 @@ class Coordinator:
             "min_p": min_p,
             "logit_bias": logit_bias,
             **(penalties or {}),  # repetition_penalty, presence_penalty, frequency_penalty: as given
-            "prediction": prediction_ids(self.tokenizer.encode, prediction) if prediction is not None else None,
             "seed": seed,
             "verification": verification,
             "stop_threshold": stop_threshold,
@@ -174,136 +148,58 @@ class Coordinator:
             "logprobs": logprobs,
             "response_format": response_format,
         }
-        gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
-        check_generation(self.vocab_size, self.cascade, gen, self.tokenizer.source)
-        with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)  # one no tier can use fails here
-        params = GenerateParams(
-            tuple(int(t) for t in ids), gen, session_id or None, stop, owner, max_new_tokens is not None
+        return self.intake().served(
+            fields,
+            prompt=prompt,
+            prompt_ids=prompt_ids,
+            session_id=session_id,
+            stop=stop,
+            prediction=prediction,
+            owner=owner,
         )
-        return self._fit(params, 0) if not session_id else params  # a session's history is read in stream()
 
-    def request(self, prompt_ids: Sequence[int], gen: GenerationConfig, owner: str = "") -> GenerateParams:
+    def request(self, prompt_ids: Sequence[int], gen: GenerationConfig, owner: str = "") -> Request:
         """A validated request from token ids and whole generation settings (in-process callers:
         `Engine.generate`, bench, tune), checked as `params` checks a served one."""
-        ids = self._prompt_ids("", prompt_ids)
-        self._check_prompt_length(len(ids))
-        check_request(self.decoder_start, ids, session=False)
-        if not ids:
-            raise ValueError("prompt: empty (give at least one token)")
-        with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)
-        check_generation(self.vocab_size, self.cascade, gen, self.tokenizer.source)
-        return self._fit(GenerateParams(tuple(int(t) for t in ids), gen, owner=owner, explicit_max_new_tokens=True), 0)
+        return self.intake().given(prompt_ids, gen, owner)
 
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt (or session) taken: one position must be left for a new token."""
-        return MAX_PROMPT_TOKENS if self.max_context is None else min(MAX_PROMPT_TOKENS, self.max_context - 1)
+        return self.intake().max_prompt_tokens
 
-    def _check_prompt_length(self, n: int) -> None:
-        if n > self.max_prompt_tokens:
-            held = "" if self.max_context is None else f" (the model holds {self.max_context} positions)"
-            raise ValueError(f"prompt: {n} tokens, more than the limit of {self.max_prompt_tokens}{held}")
-
-    def _fit(self, params: GenerateParams, history: int) -> GenerateParams:
-        """`params` with its context (history + prompt) and new tokens within the model's positions:
-        ValueError naming the field when the client's own numbers do not fit; a server default of
-        max_new_tokens is cut to what is left."""
-        if self.max_context is None:
-            return params
-        context = history + len(params.prompt_ids)
-        if context >= self.max_context:
-            raise ValueError(
-                f"prompt: the session's {history} tokens plus the prompt's {len(params.prompt_ids)} "
-                f"leave no room in the model's context of {self.max_context} positions"
-            )
-        room = self.max_context - context
-        wanted = params.gen.max_new_tokens
-        if wanted <= room:
-            return params
-        if params.explicit_max_new_tokens:
-            what = (
-                f"the session's {history} tokens plus the prompt's {len(params.prompt_ids)}"
-                if history
-                else f"the prompt's {len(params.prompt_ids)} tokens"
-            )
-            raise ValueError(
-                f"max_new_tokens: {what} plus max_new_tokens {wanted} exceed the model's context of "
-                f"{self.max_context} positions (at most {room} new tokens fit)"
-            )
-        return replace(params, gen=replace(params.gen, max_new_tokens=room))
-
-    def stream(self, params: GenerateParams, cancelled: Callable[[], bool] = _never) -> Iterator[Chunk]:
+    def stream(self, request: Request, cancelled: Callable[[], bool] = _never) -> Iterator[Chunk]:
         """Yield text/token chunks as target rounds finish; the last one has finish_reason and stats.
 
         `cancelled` is asked after every target round: once it says True the decode stops there, every
         tier frees the request's KV cache, the session is left as it was, and Cancelled is raised. So a
         client that hangs up or runs out of time costs at most the round already under way.
         """
-        record = check_access(self.store.get(params.session_id), params.owner) if params.session_id else None
-        context = list(record.token_ids if record else ()) + list(params.prompt_ids)
-        if not context:
-            raise ValueError("prompt: empty (the session has no history yet)")
-        context = decoder_context(context, self.decoder_start)  # an encoder-decoder target: + its start token
-        if record is not None:
-            params = self._fit(params, len(record.token_ids))  # before any work
-        request_id = uuid.uuid4().hex
-        stats = CascadeStats(self.cascade.target.name)
-        salt = cache_salt(params.owner)
-        scope = Scope(request_id, salt, affinity_key(salt, params.session_id, context))
-        tiers = self.tiers(scope) | (self.leaves(params.owner, context) if self.leaves is not None else {})
-        text = TextStream(self.tokenizer.decode, params.stop)
-        out: list[int] = []
-        new: list[int] = []
-        finish = "length"
-        clock = _Clock(self.metrics)
-        task = CURRENT_CLOCK.get()  # the engine loop task this request runs in (None elsewhere)
-        mark = task.mark() if task is not None else None  # a task may run several requests (bench)
+        run = _Run(self, request)
         try:
-            for new in self._decode(request_id, salt, tiers, context, params.gen, stats):
-                clock.tokens(len(new))
-                if cancelled():
-                    raise Cancelled(f"the request was cancelled after {len(out)} tokens")
-                cut = text.feed(new)
-                if cut is not None:
-                    new, finish = new[:cut], "stop"
-                elif new and new[-1] in self.eos_ids:
-                    finish = "eos"
-                out += new
-                if finish != "length":
+            for new in run.rounds(cancelled):
+                chunk = run.output.feed(new)
+                if chunk is not None:
+                    yield chunk
+                if run.output.done:
                     break  # this round's tokens go out with the last chunk
-                delta = text.take(final=False)
-                if new or delta:
-                    yield Chunk(new, delta, logprobs=stats.logprobs[len(out) - len(new) : len(out)])
-                new = []
         finally:
-            clock.stop()
-            # Every tier the request had: model tiers free their KV caches (a remote tier its replica's,
-            # if it called it), suffix decoding hands the request's sequence to its key's trie.
-            done = Release(request_id, tuple(context + out))  # their prefix caches keep what they hold of it
-            for tier in tiers.values():
-                tier.release(done)
-        stats.generated = len(out)
-        session_length = 0
-        if record is not None:
-            updated = self.store.append(record.session_id, list(params.prompt_ids) + out, record.version)
-            session_length = len(updated.token_ids)
-        if task is not None and mark is not None:
-            stats.engine = EngineTime(*task.since(mark))
-        clock.finished(stats, len(context), finish)
-        tail = stats.logprobs[len(out) - len(new) : len(out)]
-        yield Chunk(new, text.take(final=True), finish, stats, session_length, tail)
+            run.release()
+        stats, session_length = run.finish()
+        yield run.output.end(stats, session_length)
 
-    def generate(self, params: GenerateParams, cancelled: Callable[[], bool] = _never) -> Chunk:
-        tokens: list[int] = []
-        texts: list[str] = []
-        logprobs: list = []
-        last = Chunk([], "")
-        for chunk in self.stream(params, cancelled):
-            tokens += chunk.token_ids
-            texts.append(chunk.text)
-            logprobs += chunk.logprobs
-            last = chunk
-        return Chunk(tokens, "".join(texts), last.finish_reason, last.stats, last.session_length, logprobs)
+    def generate(self, request: Request, cancelled: Callable[[], bool] = _never) -> Chunk:
+        """The whole reply as one chunk: the tokens and text a stream of the request would send, made
+        once by the decode (no chunk per round)."""
+        run = _Run(self, request)
+        try:
+            for new in run.rounds(cancelled):
+                run.output.add(new)
+                if run.output.done:
+                    break
+        finally:
+            run.release()
+        return run.output.whole(*run.finish())
 
     def _decode(
         self,
@@ -311,12 +207,20 @@ class Coordinator:
         salt: str,
         tiers: dict[str, Tier],
         context: list[int],
-        gen: GenerationConfig,
+        request: Request,
         stats: CascadeStats,
-    ):
-        state = request_state(gen, stats, self.vocab_size, self.eos_ids, self.cascade.adaptive, self.make_stopper)
-        state.request_id, state.cache_salt = request_id, salt
-        prepare_state(state, gen, len(context), self.policies, self.tokenizer.source, self.vocab_size)
+    ) -> Iterator[list[int]]:
+        """The request's rounds of committed tokens (core.decode), over a cascade built from its fields."""
+        state = decode_state(
+            request,
+            stats,
+            (request_id, salt),
+            len(context),
+            self.policies,
+            self.tokenizer.source,
+            self.vocab_size,
+            self.make_stopper,
+        )
         missing = [d.name for d in self.cascade.drafters if d.name not in tiers]
         if missing:  # a wiring fault, not the caller's: no tier (or no leaves) for a drafter of the config
             raise RuntimeError(f"no tier for drafter {missing[0]!r} in this coordinator")
@@ -324,26 +228,19 @@ class Coordinator:
         system = build_cascade(
             tiers[self.cascade.target.name],
             drafters,
-            request_schedule(self.cascade, gen),
+            request.schedule,
             self.cascade.leniency,
             state,
             None if state.policy is OFF else self.cascade.lookup,  # no drafts: no lookup to pay for either
         )
-        yield from decode(system, context, gen.max_new_tokens, state)
-
-    def _prompt_ids(self, prompt: str, prompt_ids: Sequence[int]) -> list[int]:
-        if prompt and prompt_ids:
-            raise ValueError("prompt: give prompt or prompt_token_ids, not both")
-        ids = list(prompt_ids) if prompt_ids else (self.tokenizer.encode(prompt) if prompt else [])
-        check_vocabulary(self.vocab_size, "prompt_token_ids", ids)
-        return ids
+        return decode(system, context, request.gen.max_new_tokens, state)
 
     # --- sessions ----------------------------------------------------------------------------------
 
     def create_session(self, session_id: str = "", prompt: str = "", prompt_ids: Sequence[int] = (), owner: str = ""):
         check_request(self.decoder_start, (), session=True)
-        ids = self._prompt_ids(prompt, prompt_ids)
-        self._check_prompt_length(len(ids))  # a session no request could continue is refused up front
+        # a session no request could continue is refused up front (the prompt's own checks)
+        ids = self.intake().prompt(prompt, prompt_ids, session=False)
         if session_id:
             check_session_id(session_id)
         return self.store.create(ids, session_id or None, owner)
@@ -361,6 +258,65 @@ class Coordinator:
         except SessionNotFound:
             return False
         return self.store.delete(session_id)
+
+
+class _Run:
+    """One decode of a request: its context (session history + prompt), tiers, output and clock; its
+    rounds, then every tier released and the session updated."""
+
+    def __init__(self, coordinator: Coordinator, request: Request):
+        c = self.coordinator = coordinator
+        self.record = check_access(c.store.get(request.session_id), request.owner) if request.session_id else None
+        context = list(self.record.token_ids if self.record else ()) + list(request.prompt_ids)
+        if not context:
+            raise ValueError("prompt: empty (the session has no history yet)")
+        self.context = decoder_context(context, c.decoder_start)  # an encoder-decoder target: + its start token
+        if self.record is not None:
+            request = c.intake().fit(request, len(self.record.token_ids))  # before any work
+        self.request = request
+        self.request_id = uuid.uuid4().hex
+        self.stats = CascadeStats(c.cascade.target.name)
+        self.salt = cache_salt(request.owner)
+        scope = Scope(self.request_id, self.salt, affinity_key(self.salt, request.session_id, self.context))
+        self.tiers = c.tiers(scope) | (c.leaves(request.owner, self.context) if c.leaves is not None else {})
+        self.output = Output(c.tokenizer.decode, request.stop.strings, request.stop.eos_ids, self.stats.logprobs)
+        self.task = CURRENT_CLOCK.get()  # the engine loop task this request runs in (None elsewhere)
+        self.mark = self.task.mark() if self.task is not None else None  # a task may run several requests (bench)
+        self.clock = _Clock(c.metrics)
+
+    def rounds(self, cancelled: Callable[[], bool]) -> Iterator[list[int]]:
+        """Each target round's committed tokens; Cancelled once `cancelled()` says so after a round."""
+        for new in self.coordinator._decode(
+            self.request_id, self.salt, self.tiers, self.context, self.request, self.stats
+        ):
+            self.clock.tokens(len(new))
+            if cancelled():
+                raise Cancelled(f"the request was cancelled after {len(self.output.tokens)} tokens")
+            yield new
+
+    def release(self) -> None:
+        self.clock.stop()
+        # Every tier the request had: model tiers free their KV caches (a remote tier its replica's,
+        # if it called it), suffix decoding hands the request's sequence to its key's trie.
+        done = Release(self.request_id, tuple(self.context + self.output.tokens))  # prefix caches keep what they hold
+        for tier in self.tiers.values():
+            tier.release(done)
+
+    def finish(self) -> tuple[CascadeStats, int]:
+        """After a decode that ended well: the session updated, the stats and metrics complete; (stats,
+        the session's length, 0 without one)."""
+        stats, out = self.stats, self.output.tokens
+        stats.generated = len(out)
+        session_length = 0
+        if self.record is not None:
+            updated = self.coordinator.store.append(
+                self.record.session_id, list(self.request.prompt_ids) + out, self.record.version
+            )
+            session_length = len(updated.token_ids)
+        if self.task is not None and self.mark is not None:
+            stats.engine = EngineTime(*self.task.since(self.mark))
+        self.clock.finished(stats, len(self.context), self.output.finish)
+        return stats, session_length
 
 
 class _Clock:

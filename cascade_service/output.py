@@ -1,8 +1,91 @@
-"""A request's text as it streams: incremental detokenization with stop strings (the coordinator's)."""
+"""A request's output, as it streams and as one reply: the text (incremental detokenization), the
+stop-string cut, the end-of-sequence finish and the logprobs of the tokens kept (`Output`, one per
+request, fed each target round's tokens)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .core.stats import CascadeStats
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # on the last chunk: "eos", "length" or "stop"
+    stats: CascadeStats | None = None  # on the last chunk
+    session_length: int = 0  # on the last chunk of a session request
+    logprobs: list = field(default_factory=list)  # per token, when asked for (core.review.TokenLogprob)
+
+
+class Output:
+    """One request's output, fed each round's committed tokens (`feed` for a stream, `add` for one
+    reply: the same cut and the same text either way).
+
+    A round that completes a stop string keeps its tokens up to the one that completed it and ends the
+    request ("stop"); one whose last kept token is an end-of-sequence token ends it too ("eos"); the
+    decode's own end is "length". The round that ends the request goes out with the last chunk.
+    `logprobs`: the decode's list of the target's logprobs (CascadeStats.logprobs), one per committed
+    token, which the decode appends to as it goes.
+    """
+
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str], eos_ids: frozenset[int], logprobs: list[Any]
+    ):
+        self.text = TextStream(decode, stop)
+        self.eos_ids = eos_ids
+        self.logprobs = logprobs
+        self.tokens: list[int] = []  # every token kept so far
+        self.texts: list[str] = []  # the text taken so far, in the pieces it was taken in (add)
+        self.finish = "length"
+        self.last: list[int] = []  # the kept tokens of the round that ended the request
+
+    @property
+    def done(self) -> bool:
+        """Whether a stop string or an end-of-sequence token ended the request."""
+        return self.finish != "length"
+
+    def feed(self, new: list[int]) -> Chunk | None:
+        """A round's tokens; the chunk to emit now, if any (None also when this round ended the request)."""
+        kept = self._round(new)
+        if kept is None or not (kept[0] or kept[1]):
+            return None
+        n = len(self.tokens)
+        return Chunk(kept[0], kept[1], logprobs=self.logprobs[n - len(kept[0]) : n])
+
+    def add(self, new: list[int]) -> None:
+        """A round's tokens, for a reply made whole at the end (`whole`)."""
+        kept = self._round(new)
+        if kept is not None and kept[1]:
+            self.texts.append(kept[1])
+
+    def _round(self, new: list[int]) -> tuple[list[int], str] | None:
+        """The round's kept tokens and the text now safe to emit; None when the round ended the request."""
+        cut = self.text.feed(new)
+        if cut is not None:
+            new, self.finish = new[:cut], "stop"
+        elif new and new[-1] in self.eos_ids:
+            self.finish = "eos"
+        self.tokens += new
+        if self.done:
+            self.last = new
+            return None
+        return new, self.text.take(final=False)
+
+    def end(self, stats: CascadeStats, session_length: int) -> Chunk:
+        """A stream's last chunk: the tokens of the round that ended the request and the text held back."""
+        n = len(self.tokens)
+        tail = self.logprobs[n - len(self.last) : n]
+        return Chunk(self.last, self.text.take(final=True), self.finish, stats, session_length, tail)
+
+    def whole(self, stats: CascadeStats, session_length: int) -> Chunk:
+        """The reply of a request fed by `add`: every kept token and the text a stream would have sent."""
+        self.texts.append(self.text.take(final=True))
+        n = len(self.tokens)
+        return Chunk(self.tokens, "".join(self.texts), self.finish, stats, session_length, self.logprobs[:n])
 
 
 class TextStream:

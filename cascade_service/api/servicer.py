@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from ..coordinator import Cancelled, Chunk, Coordinator
+from ..coordinator import Cancelled, Coordinator
 from ..core.grammar import ResponseFormat
 from ..core.prediction import PREDICTION
 from ..core.request import PENALTIES
@@ -23,6 +23,7 @@ from ..core.stats import CascadeStats, TierCounters
 from ..core.tier import Overloaded, Unavailable
 from ..core.verify import Verification
 from ..metrics import default_metrics
+from ..output import Chunk
 from ..proto.v1 import cascade_pb2 as pb
 from ..rpc.auth import owner_of
 from ..sessions import (
