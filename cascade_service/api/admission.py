@@ -30,8 +30,9 @@ MAX_REQUEST_BYTES = 5 * MAX_SESSION_TOKENS + (64 << 10)
 class Limits:
     """What a front end admits. See the module docstring for the order in which they apply.
 
-    workers: calls served at once (each holds a thread while it runs); max_queued: admitted calls
-    waiting for a worker; max_pending: calls whose body has not arrived yet, over all connections;
+    workers: calls served at once (each a decode in the engine loop, or a thread that waits on a remote
+    coordinator); max_queued: admitted calls waiting for a worker; max_pending: calls whose body has
+    not arrived yet, over all connections;
     max_calls_per_key: calls open at once under one API key (with keys configured);
     max_streams_per_connection: calls open at once on one HTTP/2 connection; body_timeout_s: the time a
     request body (or the next message of a reflection stream) may take to arrive; max_probes: health

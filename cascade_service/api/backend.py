@@ -1,21 +1,30 @@
-"""What serves a call once a front end took it: the method table, the `Backend` protocol, and the
-context a servicer records its status in when a call arrives as bytes.
+"""What serves a call once a front end took it: the method table, the admitted `Call` (its request
+parsed once, by the front end), the `Backend` protocol, and the context a servicer records its status
+in when a call arrives without a gRPC context of its own.
 
-The asyncio front end (`api.frontend`) hands each admitted call's bytes to a `Backend`; the
-coordinator deployment (`serving.app`) serves bytes forwarded by the edge through a
-`RecordingContext`.
+The asyncio front end (`api.frontend`) hands each admitted call to a `Backend` on its event loop: the
+coordinator in this process (`api.server.LocalBackend`, whose decodes the front end awaits on the
+engine loop, with no thread between them), or one that reaches another process (`api.blocking`). The
+coordinator deployment (`serving.app`) serves bytes forwarded by the edge through a `RecordingContext`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from ..proto.v1 import cascade_pb2 as pb
+from .admission import CallHooks
 
-Reply = tuple[str, str, bytes]  # (status code name, details, serialized response)
+# A reply's message: a protobuf message where it was made in this process, or its bytes where it
+# crossed from another one; each side converts only what it must (`payload_bytes`, `payload_message`).
+Payload: TypeAlias = Message | bytes
+Reply = tuple[str, str, Payload]  # (status code name, details, the response)
+M = TypeVar("M", bound=Message)
 
 # method -> (request type, response type)
 UNARY = {
@@ -32,26 +41,56 @@ def request_type(method: str) -> Any:
     return {**UNARY, **STREAMING}[method][0]
 
 
-class Backend(Protocol):
-    """What serves a call once the front end admitted it. `owner`: the caller's owner id
-    (`rpc.auth.owner_of`), checked against a session's owner by the coordinator. Both methods run on a
-    worker thread and may block."""
+@dataclass(frozen=True)
+class Call:
+    """One admitted call as a front end hands it to its backend.
 
-    def call(
-        self,
-        method: str,
-        request: bytes,
-        timeout_s: float | None,
-        owner: str = "",
-        on_end: Callable[[Callable[[], None]], bool] | None = None,
-    ) -> Reply:
-        """`on_end(cancel)` registers `cancel` to run when the client's call ends; it returns False when
-        the call has ended already (then cancel at once). A client that hangs up cancels the work."""
+    `request`: the request message, parsed once where the call arrived (the gRPC front end decodes its
+    body; the HTTP API builds the message). `body`: the bytes it arrived as, for a backend that sends it
+    on to another process as they are; None where it was made here. `owner`: the caller's owner id
+    (`rpc.auth.owner_of`), checked against a session's owner by the coordinator. `hooks`: where the
+    backend registers what stops its work when the call ends (the client hung up, the server drains).
+    """
+
+    method: str
+    request: Any
+    owner: str = ""
+    timeout_s: float | None = None
+    hooks: CallHooks = field(default_factory=CallHooks)
+    body: bytes | None = None
+
+    def wire(self) -> bytes:
+        """The request as bytes for another process: those it arrived as, or the message serialized."""
+        return self.body if self.body is not None else self.request.SerializeToString()
+
+
+def payload_bytes(payload: Payload) -> bytes:
+    return payload if isinstance(payload, bytes) else payload.SerializeToString()
+
+
+def payload_message(kind: type[M], payload: Payload) -> M:
+    """A reply's message: as made in this process, or parsed from the bytes another process sent."""
+    if isinstance(payload, bytes):
+        return kind.FromString(payload)
+    assert isinstance(payload, kind), f"a {type(payload).__name__} where a {kind.__name__} was due"
+    return payload
+
+
+class Backend(Protocol):
+    """What serves an admitted call, on the front end's event loop: it must not block it."""
+
+    async def call(self, call: Call) -> Reply:
+        """The reply of a unary call. A call whose hooks end (the client hung up, its deadline passed,
+        the server drains) stops its work: a decode at its next round."""
         ...
 
-    def stream(self, method: str, request: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
-        """Replies in order. The iterator's `close()` may be called from another thread while a reply
-        is being made: it asks the work to stop, and the iteration then ends."""
+    def stream(self, call: Call) -> AsyncGenerator[Reply, None]:
+        """Replies in order, a failure's status as the last. Closing the iterator early stops the work
+        (a decode at its next round) before it returns."""
+        ...
+
+    def close(self) -> None:
+        """The front end has stopped: free what the backend holds for its calls."""
         ...
 
 

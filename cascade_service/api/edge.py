@@ -1,11 +1,12 @@
 """The gRPC edge in front of a remote coordinator: bound to the address we choose, forwarding bytes.
 
-`cascade-service serve` runs this in its own process on loopback and forwards each call, as serialized
-protobuf bytes, to the coordinator deployment through a `Backend` (a Ray Serve handle; see
-`serving.app.HandleBackend`). Ray Serve's own gRPC proxy listens on every interface with no way to
-choose, so it is used on clusters (deploy/serve_config.yaml) and not for the local default. The edge
-also serves standard health checking and reflection, and turns a client's cancel into a cancel of the
-remote call.
+`cascade-service serve` runs this in its own process on loopback and forwards each call, as the
+protobuf bytes it arrived as (decoded once here, for admission and routing), to the coordinator
+deployment through a `BlockingBackend` (a Ray Serve handle; see `serving.local.HandleBackend`), each
+call on a worker thread (`api.blocking.OnThreads`). Ray Serve's own gRPC proxy listens on every
+interface with no way to choose, so it is used on clusters (deploy/serve_config.yaml) and not for the
+local default. The edge also serves standard health checking and reflection, and turns a client's
+cancel into a cancel of the remote call.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from grpc_health.v1 import health_pb2
 
 from ..rpc.auth import ApiKeys, TlsFiles
 from .admission import Limits
-from .backend import Backend
+from .blocking import BlockingBackend, OnThreads
 from .frontend_server import FrontendServer, HttpOptions, start_frontend
 from .server import MAX_QUEUED_RPCS
 
 
 def start_edge(
-    backend: Backend,
+    backend: BlockingBackend,
     host: str = "127.0.0.1",
     port: int = 0,
     workers: int = 32,
@@ -39,7 +40,7 @@ def start_edge(
     and limits as `api.server.start_server` takes them; http: the OpenAI-compatible HTTP API too.
     """
     limits = limits or Limits(workers=workers, max_queued=max_queued)
-    server = start_frontend(backend, host, port, limits, api_keys, tls, serving=False, http=http)
+    server = start_frontend(OnThreads(backend, limits.workers), host, port, limits, api_keys, tls, False, http)
     return server, server.port, server
 
 

@@ -1,7 +1,7 @@
 """The asyncio gRPC front end of the standalone server and the edge: admission before work.
 
-A call costs a worker (a thread that runs the coordinator, or waits on the remote one) only once it is
-admitted, and it is admitted only after
+A call costs a worker (a decode in the engine loop, or a thread that waits on a remote coordinator) only
+once it is admitted, and it is admitted only after
 1. its headers carry a known API key, when keys are configured. This is checked before the body is
    read, so a call without a key is refused at once, whatever it sends afterwards;
 2. its key has fewer than `max_calls_per_key` calls open;
@@ -9,18 +9,21 @@ admitted, and it is admitted only after
    INTERNAL grpcio answers for bytes it cannot deserialize);
 4. a worker is free, or fewer than `max_queued` admitted calls wait for one (RESOURCE_EXHAUSTED).
 Until then a call is a coroutine on one event loop, not a thread. At most `max_pending` calls wait for
-their bodies at once, and each connection carries at most `max_streams_per_connection` calls
-(HTTP/2's own limit, which the client's transport respects). Health and reflection are answered on the
-loop and never wait for a worker, and they have a bound of their own (`max_probes` open at once), so a
-probe answers while every worker is busy and the service's calls are at their bounds.
+their bodies at once, and each connection carries at most `max_streams_per_connection` calls (HTTP/2's
+own limit, which the client's transport respects). The body is decoded once, here: the backend is
+handed the message (and the bytes, for a backend that forwards them to another process). Health and
+reflection are answered on the loop and never wait for a worker, and they have a bound of their own
+(`max_probes` open at once), so a probe answers while every worker is busy and the service's calls are
+at their bounds.
 
 To take the body in our own code, every method is registered as request-streaming with raw bytes (the
 wire is the same for a unary request: one message, then the half-close), so the handler runs as soon
 as the headers arrive.
 
-Behind the front end is a `Backend` (`api.backend`): the coordinator in this process
-(`api.server.LocalBackend`) or the coordinator deployment behind a Ray Serve handle
-(`serving.local.HandleBackend`).
+Behind the front end is a `Backend` (`api.backend`), awaited on this event loop: the coordinator in this
+process (`api.server.LocalBackend`: its decode a task of the engine loop, no thread between), or the
+coordinator deployment behind a Ray Serve handle (`serving.local.HandleBackend`, on worker threads:
+`api.blocking.OnThreads`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -45,7 +47,7 @@ from ..rpc.auth import ApiKeys, authenticate
 from ..rpc.reflection import METHOD as REFLECTION_METHOD
 from ..rpc.reflection import SERVICES, V1, V1ALPHA, advertised
 from .admission import CallHooks, Limits, Refused, Workers, abort, decode_body, time_left
-from .backend import STREAMING, UNARY, Backend, Reply, request_type
+from .backend import STREAMING, UNARY, Backend, Call, Reply, payload_bytes, request_type
 from .health import HEALTH_SERVICES, status_reply, watch_reply
 from .servicer import SERVICE_NAME
 from .status import STOPPING
@@ -64,7 +66,6 @@ class Frontend:
         self.api_keys = api_keys
         self.serving = serving
         self.stopping = False
-        self.pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="cascade-call")
         self.workers = Workers(limits)
         self._pending = 0
         self._per_key: Counter[str] = Counter()
@@ -95,19 +96,15 @@ class Frontend:
     async def _unary(self, method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         try:
             with self.open_call(context.invocation_metadata()) as owner:
-                body = await self._body(requests, request_type(method))
-                call = CallHooks()
-                async with self.admitted(call):
-                    reply = await self.run(
-                        call,
-                        functools.partial(self.backend.call, method, body, time_left(context), owner, call.on_end),
-                    )
-                code, details, payload = reply
-                if call.stopped:
+                message, body = await self._body(requests, request_type(method))
+                call = Call(method, message, owner, time_left(context), CallHooks(), body)
+                async with self.admitted(call.hooks):
+                    code, details, payload = await self.run(call)
+                if call.hooks.stopped:
                     code, details = "UNAVAILABLE", STOPPING
                 if code != "OK":
                     raise Refused(grpc.StatusCode[code], details)
-                return payload
+                return payload_bytes(payload)
         except Refused as refused:
             default_metrics().refused(refused.code.name)
             await abort(context, refused.code, refused.message)
@@ -118,16 +115,16 @@ class Frontend:
     ) -> AsyncIterator[bytes]:
         try:
             with self.open_call(context.invocation_metadata()) as owner:
-                body = await self._body(requests, request_type(method))
-                call = CallHooks()
-                async with self.admitted(call):
-                    async for code, details, payload in self.replies(call, method, body, time_left(context), owner):
-                        if call.stopped:
+                message, body = await self._body(requests, request_type(method))
+                call = Call(method, message, owner, time_left(context), CallHooks(), body)
+                async with self.admitted(call.hooks):
+                    async for code, details, payload in self.replies(call):
+                        if call.hooks.stopped:
                             code, details = "UNAVAILABLE", STOPPING
                         if code != "OK":
                             raise Refused(grpc.StatusCode[code], details)
-                        yield payload
-                    if call.stopped:  # the backend ended quietly when the stop cancelled it
+                        yield payload_bytes(payload)
+                    if call.hooks.stopped:  # the backend ended quietly when the stop cancelled it
                         raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         except Refused as refused:
             default_metrics().refused(refused.code.name)
@@ -222,10 +219,9 @@ class Frontend:
         finally:
             self._probes -= 1
 
-    async def _body(self, requests: AsyncIterator[bytes], kind: Any) -> bytes:
-        """A service call's request: its bytes (what a backend is handed), counted against
-        max_pending while they arrive, and checked to decode as a `kind` (bytes that are no `kind`
-        never reach a backend)."""
+    async def _body(self, requests: AsyncIterator[bytes], kind: Any) -> tuple[Any, bytes]:
+        """A service call's request, decoded once (bytes that are no `kind` never reach a backend), and
+        its bytes; counted against max_pending while they arrive."""
         if self._pending >= self.limits.max_pending:
             raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -236,8 +232,7 @@ class Frontend:
             body = await self._message(requests)
         finally:
             self._pending -= 1
-        decode_body(kind, body)
-        return body
+        return decode_body(kind, body), body
 
     async def _probe(self, requests: AsyncIterator[bytes]) -> Any:
         """A health call's request (bounded by the probe slot its caller holds, not by max_pending)."""
@@ -268,7 +263,7 @@ class Frontend:
     @contextlib.asynccontextmanager
     async def admitted(self, call: CallHooks) -> AsyncIterator[None]:
         """A worker (or a place in the queue for one) for an admitted call, which a drain can cancel.
-        The worker itself is given back by the thread's completion (`run`, `replies`)."""
+        The worker itself is given back when the backend's work has ended (`run`, `replies`)."""
         if self.stopping:
             raise Refused(grpc.StatusCode.UNAVAILABLE, STOPPING)
         self._calls.add(call)
@@ -282,51 +277,35 @@ class Frontend:
 
     # --- running on a worker ---------------------------------------------------------------------------
 
-    async def run(self, call: CallHooks, work: Callable[[], Reply]) -> Reply:
-        """work() on a worker thread. The worker is given back when the thread is done, not when the
-        client leaves: a cancelled call's thread runs until the backend notices the cancel."""
-        future = asyncio.get_running_loop().run_in_executor(self.pool, work)
-        future.add_done_callback(lambda _: self.workers.release())
+    async def run(self, call: Call) -> Reply:
+        """The backend's reply, awaited on this loop. A caller cancelled meanwhile (the client hung up,
+        its deadline passed) ends the call; the worker is given back once the backend's work has ended."""
         try:
-            return await asyncio.shield(future)
+            return await self.backend.call(call)
         except asyncio.CancelledError:
-            call.end()  # the client hung up, or its deadline passed
+            call.hooks.end()
             raise
-
-    async def replies(
-        self, call: CallHooks, method: str, body: bytes, timeout_s: float | None, owner: str
-    ) -> AsyncIterator[Reply]:
-        """A stream's replies: one worker thread iterates the backend's stream and hands each reply to
-        the loop."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
-
-        def pump() -> None:
-            try:
-                replies = self.backend.stream(method, body, timeout_s, owner)
-                close = getattr(replies, "close", None)
-                if close is not None and not call.on_end(close):
-                    close()
-                for reply in replies:
-                    loop.call_soon_threadsafe(queue.put_nowait, reply)
-                    if call.ended:
-                        break
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-            except BaseException as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-
-        future = loop.run_in_executor(self.pool, pump)
-        future.add_done_callback(lambda _: self.workers.release())
-        try:
-            while (item := await queue.get()) is not None:
-                if isinstance(item, BaseException):
-                    log.error("a stream's backend failed", exc_info=item)
-                    raise Refused(
-                        grpc.StatusCode.INTERNAL, f"internal error ({type(item).__name__}); see the server log"
-                    )
-                yield item
         finally:
-            call.end()  # a stream that ends early (client gone, an error) stops the backend
+            self.workers.release()
+
+    async def replies(self, call: Call) -> AsyncIterator[Reply]:
+        """A stream's replies from the backend. Ending early (the client gone, an error) ends the call,
+        which stops the backend's work; the worker is given back once that work has ended."""
+        replies = self.backend.stream(call)
+        try:
+            async for reply in replies:
+                yield reply
+        except Exception as exc:
+            log.error("a stream's backend failed", exc_info=exc)
+            raise Refused(
+                grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+            ) from None
+        finally:
+            call.hooks.end()
+            try:
+                await replies.aclose()
+            finally:
+                self.workers.release()
 
     # --- health and stopping ------------------------------------------------------------------------------
 

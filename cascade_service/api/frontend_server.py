@@ -122,7 +122,7 @@ class FrontendServer:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-            self.frontend.pool.shutdown(wait=False, cancel_futures=True)
+            self.frontend.backend.close()
             self._stopped.set()
         return self._stopped
 

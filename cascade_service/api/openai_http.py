@@ -2,12 +2,13 @@
 
 `POST /v1/completions`, `POST /v1/chat/completions` (where the tokenizer has a chat template),
 `GET /v1/models`, server-sent events when `stream` is true, `GET /metrics` (Prometheus) and `GET /health`.
-A request body becomes a `cascade.v1.GenerateRequest` and runs through the same backend, the same
-admission (keys, per-key limits, workers, queue) and the same validation as a gRPC call, so a field
-is refused with the same message; the gRPC status becomes the HTTP status of an OpenAI-style error
-body. Cascade knobs ride as extra body fields: `verification` ({rule, alpha, beta, tune_beta}),
-`stop_threshold`, `seed`, `session_id`. Replies carry `usage` and the cascade's stats as `cascade`.
-A client that disconnects cancels its request at the next round (its KV caches are freed).
+A request body becomes a `cascade.v1.GenerateRequest` message, handed to the same backend as it is
+(no bytes in between within one process), through the same admission (keys, per-key limits, workers,
+queue) and the same validation as a gRPC call, so a field is refused with the same message; the gRPC
+status becomes the HTTP status of an OpenAI-style error body. Cascade knobs ride as extra body
+fields: `verification` ({rule, alpha, beta, tune_beta}), `stop_threshold`, `seed`, `session_id`.
+Replies carry `usage` and the cascade's stats as `cascade`. A client that disconnects cancels its
+request at the next round (its KV caches are freed).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.routing import Route
 from ..metrics import CONTENT_TYPE, Metrics, default_metrics
 from ..proto.v1 import cascade_pb2 as pb
 from .admission import CallHooks, Refused
+from .backend import Call, payload_message
 from .choices import choice_requests
 from .frontend_server import HttpOptions
 from .openai_body import (
@@ -232,21 +234,17 @@ class _Api:
         return JSONResponse(self._completion(list(reply.choices) or [reply], message, prompt, chat))
 
     async def _one(self, request: Request, message: pb.GenerateRequest, owner: str) -> pb.GenerateResponse:
-        call = CallHooks()
-        async with self.frontend.admitted(call):
-            work = self.frontend.run(
-                call,
-                lambda: self.frontend.backend.call("Generate", message.SerializeToString(), None, owner, call.on_end),
-            )
-            task = asyncio.ensure_future(work)
+        call = Call("Generate", message, owner, None, CallHooks())
+        async with self.frontend.admitted(call.hooks):
+            task = asyncio.ensure_future(self.frontend.run(call))
             while not task.done():
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
-                    call.end()  # the decode stops at its next round and frees its KV caches
+                    call.hooks.end()  # the decode stops at its next round and frees its KV caches
             code, details, payload = task.result()
         if code != "OK":
             raise Refused(status_code(code), details)
-        return pb.GenerateResponse.FromString(payload)
+        return payload_message(pb.GenerateResponse, payload)
 
     def _completion(self, replies: list[Any], message: pb.GenerateRequest, prompt: str, chat: bool):
         """The OpenAI body of a reply's choices (pb.GenerateResponse, or its pb.Choice each)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..proto.v1 import cascade_pb2 as pb
 from .admission import CallHooks, Refused
+from .backend import Call, payload_message
 from .openai_body import (
     FINISH,
     HTTP_STATUS,
@@ -52,7 +53,7 @@ class _Choice:
             return None
         if code != "OK":
             raise Refused(status_code(code), details)
-        return pb.GenerateChunk.FromString(payload)
+        return payload_message(pb.GenerateChunk, payload)
 
     async def close(self) -> None:
         self.call.end()
@@ -120,7 +121,7 @@ async def open_events(
         choice = _Choice(index, call, frontend.admitted(call))
         await choice.admitted.__aenter__()
         choices.append(choice)
-        choice.replies = aiter(frontend.replies(call, "GenerateStream", message.SerializeToString(), None, owner))
+        choice.replies = aiter(frontend.replies(Call("GenerateStream", message, owner, None, call)))
         return await choice.next()
 
     async def close_all() -> None:

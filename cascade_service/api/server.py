@@ -1,24 +1,25 @@
 """The standalone gRPC server (no Ray): the CascadeService servicer behind the asyncio front end.
 
 The embedded wiring for one process; `serving.app` is the Ray Serve wiring of the same servicer. The
-front end (`api.frontend`) takes each call (keys, limits, the body, health, reflection) and hands an
-admitted one to `LocalBackend`, which runs the servicer as a task of the process's engine loop
-(scheduling.loop), where its decode shares every model's batched passes with the other requests; the
-front end's worker only waits for the reply, or for each streamed chunk.
+front end (`api.frontend`) takes each call (keys, limits, the body, health, reflection), decodes its
+request once, and hands the message to `LocalBackend`, which runs the servicer as a task of the
+process's engine loop (scheduling.loop), where its decode shares every model's batched passes with the
+other requests. The front end awaits the task on its own event loop (`EngineLoop.arun`, `aiterate`):
+no thread waits between them, for the reply or for each streamed chunk.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, cast
 
 from ..coordinator import Coordinator
 from ..rpc.auth import ApiKeys, TlsFiles
-from ..scheduling.loop import EngineLoop
+from ..scheduling.loop import EngineLoop, task_cancelled
 from .admission import Limits
-from .backend import RecordingContext, Reply, request_type
+from .backend import Call, RecordingContext, Reply
 from .frontend_server import FrontendServer, HttpOptions, start_frontend
 from .servicer import CascadeServicer
 
@@ -29,79 +30,51 @@ MAX_QUEUED_RPCS = 64
 
 class LocalBackend:
     """The front end's `Backend` for a coordinator in this process: the servicer in the engine loop,
-    its decode stopped at the next round once the client is gone or past its deadline."""
+    awaited on the front end's event loop; its decode stopped at the next round once the client is gone
+    or past its deadline, or the server drains."""
 
     def __init__(self, servicer: CascadeServicer, loop: EngineLoop):
         self.servicer = servicer
         self.loop = loop
 
-    def call(
-        self,
-        method: str,
-        body: bytes,
-        timeout_s: float | None,
-        owner: str = "",
-        on_end: Callable[[Callable[[], None]], bool] | None = None,
-    ) -> Reply:
-        gone = threading.Event()
-        if on_end is not None and not on_end(gone.set):
-            gone.set()
-        deadline = _deadline(timeout_s)
-        context = RecordingContext(owner, _cancelled(gone, deadline))
-        request = request_type(method).FromString(body)
-        if method == "Generate":
-            response = self.loop.run(self.servicer.Generate, request, context, context.cancelled)
+    async def call(self, call: Call) -> Reply:
+        gone, deadline = _gone(call), _deadline(call.timeout_s)
+        context = RecordingContext(call.owner, _cancelled(gone, deadline))
+        if call.method == "Generate":
+            response = await self.loop.arun(self.servicer.Generate, call.request, context, context.cancelled)
         else:
-            response = self.loop.run(getattr(self.servicer, method), request, context)
-        return (*_status(context, gone, deadline, method), response.SerializeToString())
+            response = await self.loop.arun(getattr(self.servicer, call.method), call.request, context)
+        return (*_status(context, gone, deadline, call.method), response)
 
-    def stream(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> _LocalStream:
-        request = request_type(method).FromString(body)
-        return _LocalStream(self.servicer, self.loop, method, request, owner, timeout_s)
-
-
-class _LocalStream:
-    """GenerateStream's replies, made in the engine loop; its status (when the servicer set one) comes
-    as the last reply."""
-
-    def __init__(
-        self,
-        servicer: CascadeServicer,
-        loop: EngineLoop,
-        method: str,
-        request: Any,
-        owner: str,
-        timeout_s: float | None,
-    ):
-        self._gone = threading.Event()
-        self._method, self._deadline = method, _deadline(timeout_s)
-        self._context = RecordingContext(owner, _cancelled(self._gone, self._deadline))
-        stream = getattr(servicer, method)
-        self._chunks = loop.iterate(lambda: stream(request, self._context, self._context.cancelled))
-        self._done = False
-
-    def __iter__(self) -> Iterator[Reply]:
-        return self
-
-    def __next__(self) -> Reply:
-        if self._done:
-            raise StopIteration
+    async def stream(self, call: Call) -> AsyncGenerator[Reply, None]:
+        """GenerateStream's chunks, made in the engine loop; its status (when the servicer set one) comes
+        as the last reply."""
+        gone, deadline = _gone(call), _deadline(call.timeout_s)
+        context = RecordingContext(call.owner, _cancelled(gone, deadline))
+        method = getattr(self.servicer, call.method)
+        # an async generator (EngineLoop.aiterate), closed below
+        chunks = cast(
+            AsyncGenerator[Any, None], self.loop.aiterate(lambda: method(call.request, context, context.cancelled))
+        )
         try:
-            return "OK", "", next(self._chunks).SerializeToString()
-        except StopIteration:
-            self._done = True
-            if self._context.code.name != "OK":
-                return (*_status(self._context, self._gone, self._deadline, self._method), b"")
-            raise
+            async for chunk in chunks:
+                yield "OK", "", chunk
+        finally:
+            await chunks.aclose()  # a consumer that left early: the decode stops at its next round
+        if context.code.name != "OK":
+            yield (*_status(context, gone, deadline, call.method), b"")
 
     def close(self) -> None:
-        """Stop the decode: at once when called between replies; from another thread while a reply is
-        being made, at its next round (the iterating thread then closes the generator)."""
-        self._gone.set()
-        try:
-            self._chunks.close()
-        except ValueError:  # "generator already executing": the decode sees the cancel and ends
-            pass
+        """Nothing of its own: the engine loop is its engine core's."""
+
+
+def _gone(call: Call) -> threading.Event:
+    """Set when the call ends (the client hung up, the server drains): read by the decode, in the
+    engine loop's thread, after each round."""
+    gone = threading.Event()
+    if not call.hooks.on_end(gone.set):
+        gone.set()
+    return gone
 
 
 def _deadline(timeout_s: float | None) -> float | None:
@@ -109,7 +82,8 @@ def _deadline(timeout_s: float | None) -> float | None:
 
 
 def _cancelled(gone: threading.Event, deadline: float | None) -> Callable[[], bool]:
-    return lambda: gone.is_set() or (deadline is not None and time.monotonic() > deadline)
+    # task_cancelled: the awaiting coroutine itself was cancelled (EngineLoop.arun, aiterate tell the task)
+    return lambda: gone.is_set() or task_cancelled() or (deadline is not None and time.monotonic() > deadline)
 
 
 def _status(context: RecordingContext, gone: threading.Event, deadline: float | None, method: str) -> tuple[str, str]:

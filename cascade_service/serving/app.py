@@ -19,17 +19,17 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from ..api.admission import limits_from
-from ..api.backend import UNARY, RecordingContext, Reply, request_type
+from ..api.backend import UNARY, RecordingContext, Reply, payload_bytes, request_type
 from ..api.frontend import Frontend
 from ..api.health import check_reply, watch_reply
 from ..api.servicer import (
@@ -229,35 +229,55 @@ class CoordinatorDeployment:
         return await self._unary("DeleteSession", request, grpc_context)
 
     async def rpc(self, method: str, body: bytes, owner: str = "") -> Reply:
-        """A unary call arriving as bytes from our own gRPC edge (api/edge.py).
+        """A unary call arriving as bytes from our own gRPC edge (api/edge.py), parsed once, here.
 
         `owner`: the caller's owner id, from the API key the edge checked (rpc/auth.py); only the edge
         holds a handle to this deployment, so it is trusted here.
         """
+        code, details, response = await self.serve(method, request_type(method).FromString(body), owner)
+        return code, details, payload_bytes(response)
+
+    async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
+        """A streaming call arriving as bytes from the edge, parsed once, here."""
+        replies = self.serve_stream(method, request_type(method).FromString(body), owner)
+        try:
+            async for code, details, payload in replies:
+                yield code, details, payload_bytes(payload)
+        finally:
+            await replies.aclose()
+
+    async def serve(
+        self, method: str, request: Any, owner: str = "", cancelled: Callable[[], bool] | None = None
+    ) -> Reply:
+        """A unary call's reply, its request a message (`rpc`'s, or the replica's HTTP API's, made here);
+        the response comes as a message. `cancelled`: says when the caller has gone."""
         try:
             with self._calls.admit():
                 servicer = await self._servicer_ready()
-
-                def run() -> Reply:
-                    context = RecordingContext(owner)
-                    response = _serve(servicer, method, request_type(method).FromString(body), context)
-                    return context.code.name, context.details, response.SerializeToString()
-
-                return await self.engine.arun(run)
+                context = RecordingContext(owner)
+                response = await self.engine.arun(_serve, servicer, method, request, context, cancelled)
+                return context.code.name, context.details, response
         except Stopped as exc:
             return reply_for(exc)
 
-    async def rpc_stream(self, method: str, body: bytes, owner: str = "") -> AsyncIterator[Reply]:
+    async def serve_stream(
+        self, method: str, request: Any, owner: str = "", cancelled: Callable[[], bool] | None = None
+    ) -> AsyncGenerator[Reply, None]:
+        """A streaming call's replies (chunks as messages), its request a message; a failure's status last."""
         context = RecordingContext(owner)
         with self._calls.stream():
             try:
                 with self._calls.admit():
                     servicer = await self._servicer_ready()
-                    request = request_type(method).FromString(body)
-                    async for chunk in self.engine.aiterate(
-                        functools.partial(_serve, servicer, method, request, context)
-                    ):
-                        yield "OK", "", chunk.SerializeToString()
+                    chunks = cast(
+                        AsyncGenerator[Any, None],  # EngineLoop.aiterate's, closed below
+                        self.engine.aiterate(functools.partial(_serve, servicer, method, request, context, cancelled)),
+                    )
+                    try:
+                        async for chunk in chunks:
+                            yield "OK", "", chunk
+                    finally:
+                        await chunks.aclose()  # left early: the decode stops at its next round
             except Stopped as exc:
                 yield reply_for(exc)
                 return
@@ -270,7 +290,7 @@ class CoordinatorDeployment:
         Serve stops this replica. Returns how many were cancelled. `serve` calls it on SIGTERM."""
         if self.http is None:
             return await self._calls.drain(grace_s)
-        # HTTP calls run through rpc / rpc_stream, so the calls' drain ends them; the HTTP front end
+        # HTTP calls run through serve / serve_stream, so the calls' drain ends them; the HTTP front end
         # stops taking new ones (503) and its health says so.
         cancelled, _ = await asyncio.gather(self._calls.drain(grace_s), self.http.drain(grace_s))
         return cancelled
@@ -311,13 +331,16 @@ class CoordinatorDeployment:
             return False
 
 
-def _serve(servicer: CascadeServicer, method: str, request: Any, context: Any) -> Any:
+def _serve(
+    servicer: CascadeServicer, method: str, request: Any, context: Any, cancelled: Callable[[], bool] | None = None
+) -> Any:
     """Call a servicer method (an engine loop task). A caller that hangs up or runs out of time has
     Serve cancel this call: the task is told (scheduling.loop.task_cancelled) and its decode stops after
     the round under way; its finally blocks free the tiers' KV caches, and the session is left as it
-    was."""
+    was. `cancelled`: the caller's own word that it has gone (the replica's HTTP API); by default the
+    gRPC context's."""
     if method in ("Generate", "GenerateStream"):  # a decode: it stops between rounds once told
-        gone = caller_gone(context)
+        gone = cancelled or caller_gone(context)
         return getattr(servicer, method)(request, context, lambda: task_cancelled() or gone())
     return getattr(servicer, method)(request, context)
 

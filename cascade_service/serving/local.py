@@ -6,18 +6,17 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
-from google.protobuf.message import DecodeError
 from ray import serve
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from ..api.admission import limits_from
-from ..api.backend import Reply
+from ..api.backend import Call, Reply
 from ..api.edge import health_request, is_serving, start_edge
 from ..api.frontend_server import FrontendServer
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
@@ -25,7 +24,6 @@ from ..coordinator import cache_salt
 from ..core.tier import AFFINITY_TOKENS, affinity_key
 from ..metrics import default_metrics, merge_expositions
 from ..models.hf import load_tokenizer
-from ..proto.v1 import cascade_pb2 as pb
 from ..rpc.auth import ApiKeys, TlsFiles
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
@@ -35,59 +33,50 @@ log = logging.getLogger(__name__)
 
 
 class HandleBackend:
-    """The edge's `Backend`: calls the coordinator deployment through a Ray Serve handle."""
+    """The edge's `BlockingBackend`: calls the coordinator deployment through a Ray Serve handle,
+    sending the request's bytes as they arrived (the replica parses them once, in its own process) and
+    routing on the message the front end decoded."""
 
     def __init__(self, handle: DeploymentHandle):
         self.handle = handle.options(_by_reference=False)  # Serve's direct transport: half the latency
 
-    def call(
-        self,
-        method: str,
-        body: bytes,
-        timeout_s: float | None,
-        owner: str = "",
-        on_end: Callable[[Callable[[], None]], bool] | None = None,
-    ) -> Reply:
-        response = self._routed(method, body, owner).rpc.remote(method, body, owner)
+    def call(self, call: Call) -> Reply:
+        response = self._routed(call).rpc.remote(call.method, call.wire(), call.owner)
         # A client that hangs up cancels the coordinator's call, which stops decoding at its next round
         # (after a normal end, cancelling a finished response does nothing).
-        if on_end is not None and not on_end(response.cancel):
+        if not call.hooks.on_end(response.cancel):
             response.cancel()  # the client was already gone
         try:
-            return response.result(timeout_s=timeout_s)
+            return response.result(timeout_s=call.timeout_s)
         except TimeoutError:
             response.cancel()
-            return "DEADLINE_EXCEEDED", f"{method}: deadline exceeded", b""
+            return "DEADLINE_EXCEEDED", f"{call.method}: deadline exceeded", b""
         except RequestCancelledError:
-            return "CANCELLED", f"{method}: cancelled by the client", b""
+            return "CANCELLED", f"{call.method}: cancelled by the client", b""
         except BackPressureError:
             return "RESOURCE_EXHAUSTED", "the coordinator is at its queue limit; retry later", b""
         except Exception as exc:
             return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
 
-    def stream(self, method: str, body: bytes, timeout_s: float | None, owner: str = "") -> Iterator[Reply]:
-        handle = self._routed(method, body, owner).options(stream=True)
-        return _ReplyStream(handle.rpc_stream.remote(method, body, owner))
+    def stream(self, call: Call) -> Iterator[Reply]:
+        handle = self._routed(call).options(stream=True)
+        return _ReplyStream(handle.rpc_stream.remote(call.method, call.wire(), call.owner))
 
-    def _routed(self, method: str, body: bytes, owner: str) -> DeploymentHandle:
+    def _routed(self, call: Call) -> DeploymentHandle:
         """The handle for one call: a request's turns go to the coordinator replica that decoded the
         session's last ones, and requests with one prompt head meet (serving.routing); the rest as
         Serve routes them."""
-        key = edge_affinity(method, body, owner)
+        key = edge_affinity(call.method, call.request, call.owner)
         return self.handle.options(multiplexed_model_id=key) if key else self.handle
 
 
-def edge_affinity(method: str, body: bytes, owner: str) -> str:
+def edge_affinity(method: str, request: Any, owner: str) -> str:
     """A Generate call's routing key at the edge (core.tier.affinity_key over its session, else its
-    prompt's head: token ids, or the text's first characters); "" for other calls or a body that does
-    not parse (the coordinator then refuses it as usual)."""
+    prompt's head: token ids, or the text's first characters); "" for other calls. `request`: the
+    call's message, as the front end decoded it."""
     if method not in ("Generate", "GenerateStream"):
         return ""
-    try:
-        request = pb.GenerateRequest.FromString(body)
-    except DecodeError:
-        return ""
-    head = list(request.prompt_token_ids) or [ord(c) for c in request.prompt[: 4 * AFFINITY_TOKENS]]
+    head = list(request.prompt_token_ids[:AFFINITY_TOKENS]) or [ord(c) for c in request.prompt[: 4 * AFFINITY_TOKENS]]
     return affinity_key(cache_salt(owner), request.session_id, head)
 
 

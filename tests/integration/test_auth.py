@@ -167,27 +167,23 @@ def test_without_keys_sessions_are_anonymous_and_open_but_keyed_ones_stay_closed
 
 
 class FakeBackend:
-    """Plays the coordinator deployment: runs the servicer on the bytes with a RecordingContext(owner),
-    as `serving.app.CoordinatorDeployment.rpc` does."""
+    """Plays the coordinator deployment: runs the servicer on the call's message with a
+    RecordingContext(owner), as `serving.app.CoordinatorDeployment.serve` does."""
 
     def __init__(self, coordinator):
         self.servicer = CascadeServicer(coordinator)
         self.owners: list[str] = []
 
-    def call(self, method, body, timeout_s, owner="", on_end=None):
-        from cascade_service.api.backend import request_type
-
-        self.owners.append(owner)
-        context = RecordingContext(owner)
-        response = getattr(self.servicer, method)(request_type(method).FromString(body), context)
+    def call(self, call):
+        self.owners.append(call.owner)
+        context = RecordingContext(call.owner)
+        response = getattr(self.servicer, call.method)(call.request, context)
         return context.code.name, context.details, response.SerializeToString()
 
-    def stream(self, method, body, timeout_s, owner=""):
-        from cascade_service.api.backend import request_type
-
-        self.owners.append(owner)
-        context = RecordingContext(owner)
-        for chunk in getattr(self.servicer, method)(request_type(method).FromString(body), context):
+    def stream(self, call):
+        self.owners.append(call.owner)
+        context = RecordingContext(call.owner)
+        for chunk in getattr(self.servicer, call.method)(call.request, context):
             yield "OK", "", chunk.SerializeToString()
         if context.code.name != "OK":
             yield context.code.name, context.details, b""

@@ -14,7 +14,6 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from cascade_service.api.backend import request_type
 from cascade_service.api.edge import start_edge
 from cascade_service.api.server import start_server
 from cascade_service.api.servicer import Overloaded, Unavailable
@@ -42,12 +41,12 @@ class FakeDeployment:
     """A `Backend` answering as the coordinator deployment does, (code name, details, body); the
     prompt says which failure. A stream sends one chunk first when the prompt ends in "-late"."""
 
-    def call(self, method, request, timeout_s, owner="", on_end=None):
-        code, details = FAILURES[request_type(method).FromString(request).prompt]
+    def call(self, call):
+        code, details = FAILURES[call.request.prompt]
         return code, details, b""
 
-    def stream(self, method, request, timeout_s, owner="") -> Iterator[tuple[str, str, bytes]]:
-        prompt = request_type(method).FromString(request).prompt
+    def stream(self, call) -> Iterator[tuple[str, str, bytes]]:
+        prompt = call.request.prompt
         if prompt.endswith("-late"):
             yield "OK", "", pb.GenerateChunk(text="a", token_ids=[7]).SerializeToString()
         code, details = FAILURES[prompt.removesuffix("-late")]
