@@ -34,7 +34,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -117,8 +117,9 @@ class Frontend:
             with self.open_call(context.invocation_metadata()) as owner:
                 message, body = await self._body(requests, request_type(method))
                 call = Call(method, message, owner, time_left(context), CallHooks(), body)
-                async with self.admitted(call.hooks):
-                    async for code, details, payload in self.replies(call):
+                # closed here, not when collected: an error status ends the backend's work before the call does
+                async with self.admitted(call.hooks), contextlib.aclosing(self.replies(call)) as replies:
+                    async for code, details, payload in replies:
                         if call.hooks.stopped:
                             code, details = "UNAVAILABLE", STOPPING
                         if code != "OK":
@@ -288,7 +289,7 @@ class Frontend:
         finally:
             self.workers.release()
 
-    async def replies(self, call: Call) -> AsyncIterator[Reply]:
+    async def replies(self, call: Call) -> AsyncGenerator[Reply, None]:
         """A stream's replies from the backend. Ending early (the client gone, an error) ends the call,
         which stops the backend's work; the worker is given back once that work has ended."""
         replies = self.backend.stream(call)
