@@ -93,7 +93,9 @@ class Intake:
         owner: str = "",
     ) -> Request:
         """A served request from its fields (each None when the client left it to the server's
-        defaults; `penalties` by name), checked in the order a client reads its first error in."""
+        defaults; the penalties by name). The checks run in one order (the prompt, the session id, the
+        stop strings, each setting, then what the settings name here), so a request with several faults
+        is refused for the same one every time."""
         ids = self.prompt(prompt, prompt_ids, session=bool(session_id))
         if session_id:
             self.check_session(session_id)
@@ -125,6 +127,8 @@ class Intake:
         owner: str,
         explicit_max_new_tokens: bool,
     ) -> Request:
+        """The request from checked ids and settings: what the settings name must exist here, and what
+        a decode reads of them is worked out now, once."""
         schedule, grammar = check_generation(self.vocab_size, self.cascade, gen, self.tokenizer)
         adaptive = with_stop_threshold(self.cascade.adaptive, gen.stop_threshold)  # one no tier can use fails here
         # A request's own row runs as given: load adaptation would price blocks its evidence never saw.
