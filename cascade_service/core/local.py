@@ -11,13 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask, GrammarSpec
-from .mag import MaxGram
 from .placement import host_reads
 from .review import ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, sample
@@ -134,9 +133,11 @@ class ModelTier:
         return self._stoppers[spec]
 
 
+@runtime_checkable
 class Proposer(Protocol):
-    """A statistical drafter's per-request state: MaG (core.mag.MaxGram) or suffix decoding
-    (core.suffix.SuffixDecoder)."""
+    """A statistical drafter's per-request state: MaG (core.mag.MaxGram), suffix decoding
+    (core.suffix.SuffixDecoder), a predicted output (core.prediction.PredictionProposer). Checkable at
+    run time: whatever proposes is a statistical tier, whichever kind it is."""
 
     def propose(self, ctx: Context, k: int) -> list[int]: ...
 
@@ -281,12 +282,16 @@ def _score(scorer: Scorer, ctx: Context, n: int, counters: TierCounters) -> torc
 
 
 def local_tiers(
-    vocab_size: int, target: Scorer, drafters: Sequence[Scorer | MaxGram], make_stopper: StopperFactory | None = None
+    vocab_size: int, target: Scorer, drafters: Sequence[Scorer | Proposer], make_stopper: StopperFactory | None = None
 ) -> tuple[ModelTier, list[Tier]]:
-    """The tiers of one request whose models (and MaG) all run in this process: (target, drafters)."""
+    """The tiers of one request whose models and statistical drafters all run in this process:
+    (target, drafters). A drafter that proposes (`Proposer`: any statistical kind) is a statistical
+    tier, a scorer a model tier."""
 
-    def tier(t: Scorer | MaxGram) -> Tier:
-        return StatisticalTier(t, vocab_size) if isinstance(t, MaxGram) else ModelTier(t, vocab_size, make_stopper)
+    def tier(t: Scorer | Proposer) -> Tier:
+        if isinstance(t, Proposer):
+            return StatisticalTier(t, vocab_size)
+        return ModelTier(t, vocab_size, make_stopper)
 
     return ModelTier(target, vocab_size, make_stopper), [tier(d) for d in drafters]
 
