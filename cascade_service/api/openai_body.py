@@ -185,7 +185,8 @@ def choices_of(body: Mapping[str, Any], chat: bool, stream: bool, message: pb.Ge
 def put_response_format(value: Any, message: pb.GenerateRequest) -> None:
     """OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
     "json_schema": {"name", "schema", "strict"}}; and, as vLLM takes them, {"type": "regex", "regex": ...}
-    and {"type": "grammar", "grammar": ...} (Lark). Compiling it is the coordinator's check."""
+    and {"type": "grammar", "grammar": ...} (Lark); for the JSON types, an optional "whitespace" (see the
+    gRPC API's ResponseFormat). Compiling it is the coordinator's check."""
     if value is None:
         return
     kind = value.get("type") if isinstance(value, dict) else None
@@ -209,6 +210,11 @@ def put_response_format(value: Any, message: pb.GenerateRequest) -> None:
             "response_format must be text, json_object, json_schema (with json_schema.schema), regex or grammar",
             "response_format",
         )
+    whitespace = value.get("whitespace")  # our extension: "compact" (default), "spaced" or "free"
+    if whitespace is not None:
+        if not isinstance(whitespace, str):
+            raise HttpError(400, "response_format.whitespace must be a string", "response_format.whitespace")
+        message.response_format.whitespace = whitespace  # its range is the coordinator's check
 
 
 def put_speculation(value: Any, message: pb.GenerateRequest) -> None:

@@ -353,4 +353,4 @@ def _response_format(request: pb.GenerateRequest) -> ResponseFormat | None:
     if kind is None:
         return None
     value = getattr(request.response_format, kind)
-    return ResponseFormat(kind, "" if isinstance(value, bool) else value)
+    return ResponseFormat(kind, "" if isinstance(value, bool) else value, request.response_format.whitespace)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..config import load_config
+from ..core.grammar import WHITESPACE
 from .structured import schemas
 
 
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     for schema in schemas(args.schemas):
         text = json.dumps(schema)
         start = time.perf_counter()
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+        # Compact, as xgrammar's below (any_whitespace=False): the same language for both
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=WHITESPACE["compact"])
         matcher = llguidance.LLMatcher(llg_tokenizer, grammar)
         matcher.compute_bitmask()
         times["llguidance"][0].append(time.perf_counter() - start)

@@ -1,15 +1,16 @@
 """Structured output: does every output follow its JSON schema, and what does the grammar cost?
 
     python -m cascade_service.bench.structured [--config configs/demo.yaml] [--schemas 50]
-        [--max-new-tokens 160]
+        [--max-new-tokens 160] [--whitespace compact|spaced|free]
 
 In process, greedy. `--schemas` JSON schemas generated here (objects of 1 to 4 properties drawn from
-enums, bounded integers, booleans, short strings, short arrays and nested objects, compact JSON: no free
-whitespace), each with a prompt from code the zoo never trained on followed by a comment that asks for
-JSON. Per schema: the cascade with the format, then without it for as many tokens; printed: the share of
-outputs that parse and validate against their schema (the `jsonschema` package checks them), the median
-tokens per second of each and their ratio, and the grammar's own time per output token (every mask, the
-forced tokens and the matcher's steps, timed around core.grammar.GrammarMask).
+enums, bounded integers, booleans, short strings, short arrays and nested objects; the whitespace is
+the request's: compact, the service's default, unless `--whitespace` says otherwise), each with a prompt
+from code the zoo never trained on followed by a comment that asks for JSON. Per schema: the cascade
+with the format, then without it for as many tokens; printed: how many outputs end within the budget
+and how many parse and validate against their schema (the `jsonschema` package checks them), the median
+tokens per second of each and their ratio, and the grammar's own time per output token (every mask,
+the forced tokens and the matcher's steps, timed around core.grammar.GrammarMask).
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--schemas", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--whitespace", choices=list(grammar.WHITESPACE), default=grammar.DEFAULT_WHITESPACE)
     args = parser.parse_args(argv)
     engine = Engine(load_config(args.config).cascade)
     spent = _time_the_grammar()
     prompts = _prompts(engine, args.schemas)
-    valid, ratios, overheads, lengths = 0, [], [], []
+    valid, ended, ratios, overheads, lengths = 0, 0, [], [], []
     for i, schema in enumerate(schemas(args.schemas)):
         prompt = prompts[i % len(prompts)]
         spent[0] = 0.0
-        fmt = ResponseFormat("json_schema", json.dumps(schema))
+        fmt = ResponseFormat("json_schema", json.dumps(schema), args.whitespace)
         start = time.perf_counter()
         got = engine.generate(prompt, GenerationConfig(max_new_tokens=args.max_new_tokens, response_format=fmt))
         rate = len(got.token_ids) / (time.perf_counter() - start)
+        ended += len(got.token_ids) < args.max_new_tokens  # the grammar ended it, not the budget
         # The same prompt, free, for as many tokens: a request's fixed costs (the prompt's prefill) weigh alike.
         start = time.perf_counter()
         free = engine.generate(prompt, GenerationConfig(max_new_tokens=max(1, len(got.token_ids))))
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         overheads.append(spent[0] / max(1, len(got.token_ids)))
         lengths.append(len(got.token_ids))
     print(
-        f"{valid}/{args.schemas} outputs valid; tokens/s constrained / free: median {statistics.median(ratios):.2f}x "
+        f"{ended}/{args.schemas} outputs ended within {args.max_new_tokens} tokens, {valid} valid; "
+        f"tokens/s constrained / free: median {statistics.median(ratios):.2f}x "
         f"(min {min(ratios):.2f}x); grammar time per output token: median {1e3 * statistics.median(overheads):.3f} ms; "
         f"output tokens: median {statistics.median(lengths)}"
     )
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def schemas(count: int, seed: int = 0) -> list[dict]:
-    """`count` distinct object schemas, compact (no free whitespace: llguidance's option)."""
+    """`count` distinct object schemas (their whitespace is the request's option, not the schema's)."""
     rng = random.Random(seed)
     kinds = [
         lambda: {"enum": rng.sample(["red", "green", "blue", "black", "white"], 3)},
@@ -95,7 +99,6 @@ def schemas(count: int, seed: int = 0) -> list[dict]:
             "properties": properties,
             "required": keys,
             "additionalProperties": False,
-            "x-guidance": {"whitespace_flexible": False},
         }
         text = json.dumps(schema, sort_keys=True)
         if text not in seen:

@@ -104,7 +104,9 @@ def generate_request(
     if speculation is not None or target_row is not None:  # the server checks both
         fields["speculation"] = pb.Speculation(mode=speculation or "", target_row=list(target_row or ()))
     response_format = get("response_format")
-    if response_format is not None:  # one of json_schema (a dict or JSON text), json_object, regex, lark
+    # One of json_schema (a dict or JSON text), json_object, regex, lark; with a JSON one, optionally
+    # whitespace ("compact", the server's default, "spaced" or "free").
+    if response_format is not None:
         formats: dict[str, Any] = {k: json.dumps(v) if isinstance(v, dict) else v for k, v in response_format.items()}
         fields["response_format"] = pb.ResponseFormat(**formats)
     return pb.GenerateRequest(**fields)

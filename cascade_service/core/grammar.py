@@ -35,46 +35,70 @@ import torch
 MAX_FORMAT_BYTES = 64 * 1024  # a schema, regex or grammar; a larger one is refused before it is compiled
 
 
-def _schema(text: str) -> str:
+# A JSON format's whitespace outside strings -> llguidance's JSON compile options. Compact by default, as
+# OpenAI's strict mode answers: with free whitespace a weak model can fill its budget with runs of spaces
+# and newlines between keys (the shipped family at max_tokens 96: 3 of 6 outputs unparsed, issue 48),
+# and every such token costs a target round. "spaced" is Python's json.dumps layout (", " and ": ").
+# These are the compiler's defaults: a schema's own "x-guidance" options still win over them.
+WHITESPACE: dict[str, dict[str, Any]] = {
+    "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
+    "spaced": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    "free": {"whitespace_flexible": True},
+}
+DEFAULT_WHITESPACE = "compact"
+
+
+def _schema(text: str, whitespace: str) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(text)
+    options: Any = WHITESPACE[whitespace]  # llguidance's JsonCompileOptions (a TypedDict)
+    return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
 
 
-def _regex(text: str) -> str:
+def _regex(text: str, _whitespace: str) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_regex(text)
 
 
-def _lark(text: str) -> str:
+def _lark(text: str, _whitespace: str) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
-# A response format's kind -> its grammar, from the format's text (json_object: any JSON object).
-FORMATS: dict[str, Callable[[str], str]] = {
+# A response format's kind -> its grammar, from the format's text and whitespace (json_object: any JSON
+# object; the whitespace style is only for the JSON kinds).
+FORMATS: dict[str, Callable[[str, str], str]] = {
     "json_schema": _schema,
-    "json_object": lambda _text: _schema('{"type": "object"}'),
+    "json_object": lambda _text, whitespace: _schema('{"type": "object"}', whitespace),
     "regex": _regex,
     "lark": _lark,
 }
+JSON_FORMATS = frozenset({"json_schema", "json_object"})
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
     """What a request's output must be: `kind` (one of FORMATS) and its text (the schema as JSON, the
-    regular expression, the Lark grammar; empty for json_object)."""
+    regular expression, the Lark grammar; empty for json_object); for the JSON kinds, the whitespace
+    allowed outside strings (one of WHITESPACE; empty: DEFAULT_WHITESPACE)."""
 
     kind: str
     text: str = ""
+    whitespace: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in FORMATS:
             raise ValueError(f"response_format must be one of {', '.join(FORMATS)}, got {self.kind!r}")
         if not isinstance(self.text, str) or len(self.text.encode()) > MAX_FORMAT_BYTES:
             raise ValueError(f"response_format: at most {MAX_FORMAT_BYTES} bytes of {self.kind}")
+        if self.whitespace and self.whitespace not in WHITESPACE:
+            raise ValueError(
+                f"response_format.whitespace must be one of {', '.join(WHITESPACE)}, got {self.whitespace!r}"
+            )
+        if self.whitespace and self.kind not in JSON_FORMATS:
+            raise ValueError(f"response_format.whitespace applies to json_schema and json_object, not {self.kind}")
         if self.kind == "json_schema":
             try:
                 json.loads(self.text)
@@ -87,15 +111,15 @@ class ResponseFormat:
         """The llguidance grammar, checked (ValueError naming response_format when it cannot be used).
         Compiled once per format: the coordinator checks it when a request arrives and uses it when the
         request decodes, and clients repeat their schemas."""
-        return _compiled(self.kind, self.text)
+        return _compiled(self.kind, self.text, self.whitespace or DEFAULT_WHITESPACE)
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(kind: str, text: str) -> str:
+def _compiled(kind: str, text: str, whitespace: str) -> str:
     import llguidance
 
     try:
-        grammar = FORMATS[kind](text)
+        grammar = FORMATS[kind](text, whitespace)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"response_format: {exc}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)

@@ -12,7 +12,7 @@ def grammar_out(grammar: GrammarMask | GrammarSpec | None) -> pb.Grammar | None:
     if spec is None:
         return None
     fmt = spec.response_format
-    return pb.Grammar(kind=fmt.kind, text=fmt.text, start=spec.start, at=spec.at)
+    return pb.Grammar(kind=fmt.kind, text=fmt.text, whitespace=fmt.whitespace, start=spec.start, at=spec.at)
 
 
 def grammar_in(m: pb.DraftRequest) -> GrammarSpec | None:
@@ -22,4 +22,4 @@ def grammar_in(m: pb.DraftRequest) -> GrammarSpec | None:
     g = m.grammar
     if not g.start <= g.at <= len(m.context.tokens) + m.context.offset:
         raise ValueError(f"grammar.at: {g.at} is not within the context (output from {g.start})")
-    return GrammarSpec(ResponseFormat(g.kind, g.text), g.start, g.at)  # ValueError naming response_format
+    return GrammarSpec(ResponseFormat(g.kind, g.text, g.whitespace), g.start, g.at)  # ValueError naming response_format

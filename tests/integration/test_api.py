@@ -217,6 +217,14 @@ def test_stop_strings_end_the_output_before_the_stop(engine, client):
             {"prompt_token_ids": [1, 2], "response_format": {"json_schema": '{"items":' * 900 + "{}" + "}" * 900}},
             "response_format",
         ),
+        (
+            {"prompt_token_ids": [1, 2], "response_format": {"json_object": True, "whitespace": "tabs"}},
+            "response_format.whitespace",
+        ),
+        (
+            {"prompt_token_ids": [1, 2], "response_format": {"regex": "[0-9]", "whitespace": "free"}},
+            "response_format.whitespace",
+        ),
         ({"prompt_token_ids": [1, 2], "presence_penalty": 3.0}, "presence_penalty"),
         ({"prompt_token_ids": [1, 2], "frequency_penalty": -2.5}, "frequency_penalty"),
         ({"prompt_token_ids": [1, 2], "prediction": list(range(40000))}, "prediction"),

@@ -101,6 +101,10 @@ def test_a_bad_format_is_refused_naming_response_format():
         ResponseFormat("json_schema", "{not json")
     with pytest.raises(ValueError, match="^response_format must be one of"):
         ResponseFormat("xml")
+    with pytest.raises(ValueError, match="^response_format.whitespace must be one of compact, spaced, free"):
+        ResponseFormat("json_object", "", "tabs")
+    with pytest.raises(ValueError, match="^response_format.whitespace applies to json_schema and json_object"):
+        ResponseFormat("regex", "[0-9]", "free")
 
 
 def test_drafters_on_tier_servers_mask_with_a_grammar_state_of_their_own(tiny_family):
@@ -119,3 +123,37 @@ def test_drafters_on_tier_servers_mask_with_a_grammar_state_of_their_own(tiny_fa
         grammars = servers["mid"].service.group.servers["mid"].grammars
         assert grammars.replays == len(PROMPTS) * len(FORMATS)  # a state per request, kept across its calls
         assert soon(lambda: len(grammars) == 0)  # released with the requests
+
+
+def test_json_output_is_compact_by_default_so_a_whitespace_loving_model_still_parses(tiny_family):
+    # A target that prefers whitespace above all (logit_bias on every whitespace token): where JSON allows
+    # free whitespace between keys, it fills the budget with it and never closes the object; compact (the
+    # default) and spaced leave it no whitespace to choose outside strings, so the object closes in a few
+    # tokens and parses. The control ("free") shows the bias does what this test needs.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_family["target"])
+    blank = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) and not tokenizer.decode([i]).strip()]
+    assert len(blank) > 5, "the tiny tokenizer must have whitespace tokens for this test to mean anything"
+    schema = {k: v for k, v in SCHEMA.items() if k != "x-guidance"}  # the request's option decides
+    engine = make_engine(tiny_family, ["close", "mid"], [[3, 3], [0, 4]], 1.5)
+    budget = 32
+    for whitespace, parses in (("", True), ("compact", True), ("spaced", True), ("free", False)):
+        fmt = ResponseFormat("json_schema", json.dumps(schema), whitespace)
+        config = GenerationConfig(
+            max_new_tokens=budget, response_format=fmt, logit_bias=tuple((i, 50.0) for i in blank)
+        )
+        for prompt in PROMPTS:
+            got = engine.generate(prompt, config)
+            text = tokenizer.decode(got.token_ids, skip_special_tokens=True)
+            if parses:
+                value = json.loads(text)
+                assert set(value) == {"color", "size"}, text
+                assert len(got.token_ids) < budget, (whitespace, text)  # ended by the grammar
+                gaps = re.sub(r'"[^"]*"', "", text)  # what lies outside strings
+                if whitespace == "spaced":  # exactly one space after each separator, none elsewhere
+                    assert gaps.count(", ") == gaps.count(",") and gaps.count(": ") == gaps.count(":"), text
+                    gaps = gaps.replace(", ", ",").replace(": ", ":")
+                assert not re.search(r"\s", gaps), text
+            else:
+                assert len(got.token_ids) == budget, text  # the budget ran out first
+                with pytest.raises(ValueError):
+                    json.loads(text)

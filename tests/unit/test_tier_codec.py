@@ -274,6 +274,11 @@ def test_a_grammar_crosses_as_its_format_and_positions_and_is_checked():
     request = DraftRequest("r", Context([5, 6, 7, 8, 9], 4), 3, 3, grammar=spec)
     _, decoded = codec.decode_draft_request(codec.encode_draft_request(request, "close"))
     assert decoded.grammar == spec
+    # A JSON format's whitespace style crosses too: a drafter masking with another would draft tokens
+    # the target's grammar refuses.
+    spaced = GrammarSpec(ResponseFormat("json_object", "", "spaced"), 2, 4)
+    _, decoded = codec.decode_draft_request(codec.encode_draft_request(replace(request, grammar=spaced), "close"))
+    assert decoded.grammar == spaced
     _, plain = codec.decode_draft_request(codec.encode_draft_request(DraftRequest("r", Context([5], 1), 1, 1), "close"))
     assert plain.grammar is None
     for bad, message in (
@@ -285,4 +290,8 @@ def test_a_grammar_crosses_as_its_format_and_positions_and_is_checked():
     forged = codec.pb.DraftRequest.FromString(codec.encode_draft_request(request, "close"))
     forged.grammar.kind = "xml"
     with pytest.raises(ValueError, match="^response_format must be one of"):
+        codec.decode_draft_request(forged.SerializeToString())
+    forged = codec.pb.DraftRequest.FromString(codec.encode_draft_request(request, "close"))
+    forged.grammar.whitespace = "tabs"
+    with pytest.raises(ValueError, match="^response_format.whitespace must be one of"):
         codec.decode_draft_request(forged.SerializeToString())

@@ -127,16 +127,18 @@ class DraftRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., want: _Optional[int] = ..., limit: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., adaptive: _Optional[_Mapping[str, Adaptive]] = ..., min_match: _Optional[int] = ..., cache_salt: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class Grammar(_message.Message):
-    __slots__ = ("kind", "text", "start", "at")
+    __slots__ = ("kind", "text", "start", "at", "whitespace")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     text: str
     start: int
     at: int
-    def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., start: _Optional[int] = ..., at: _Optional[int] = ...) -> None: ...
+    whitespace: str
+    def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., start: _Optional[int] = ..., at: _Optional[int] = ..., whitespace: _Optional[str] = ...) -> None: ...
 
 class TierCounters(_message.Message):
     __slots__ = ("calls", "tokens_processed", "tokens_out", "time_s", "hops", "tokens_cached")
