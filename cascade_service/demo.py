@@ -6,19 +6,25 @@ instead, `--preset grown` makes the cost-realistic one), starts the service on b
 loopback), and decodes prompts from code the family never trained on three ways, interleaved, over
 several passes: the large model alone and the cascade in-process (both in a child process of their own),
 and the cascade through the client SDK. Prints the outputs, a speed table, the service / in-process
-throughput per pass and the service's orchestration overhead per target round.
+throughput per pass and the service's orchestration overhead per target round. Only those lines reach
+the terminal: Ray's, Serve's, gRPC's, torch's and transformers' output goes to a log file under the home,
+named at the end (quiet.py), unless `--verbose`.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO
 
 from .config import load_config
 from .models.hf import load_tokenizer
 from .prompts import read_prompts
-from .zoo.demo import DEFAULT_LAYOUT, DEFAULT_PRESET, LAYOUTS, demo_config
+from .quiet import log_path, third_party_output
+from .zoo.demo import DEFAULT_LAYOUT, DEFAULT_PRESET, demo_config
 
 
 def run_demo(
@@ -27,24 +33,32 @@ def run_demo(
     preset: str = DEFAULT_PRESET,
     layout: str = DEFAULT_LAYOUT,
     passes: int = 3,
+    verbose: bool = False,
 ) -> int:
     """Decode prompts from code the zoo never trained on three ways: large alone and the cascade in-process
     (in a child process of their own), and the cascade through the service (Ray Serve tiers, gRPC edge,
-    client SDK)."""
+    client SDK). The terminal shows the demo's own lines; third-party output (Ray, Ray Serve, gRPC,
+    torch, transformers) goes to a log under the home, named at the end, unless `verbose`."""
+    log = None if verbose else log_path("demo")
+    with third_party_output(log) as out:
+        _demo(out, max_new_tokens, prompts, preset, layout, passes)
+    if log is not None:
+        print(f"\nthird-party logs: {log}", flush=True)
+    return 0
+
+
+def _demo(out: TextIO, max_new_tokens: int, prompts: int, preset: str, layout: str, passes: int) -> None:
     from .bench.inprocess import InProcessWorker
     from .client import CascadeClient
     from .serving.local import LocalService
     from .zoo.families import family
 
-    print(f"loading the {preset} family (shipped, or made on first use, offline)", flush=True)
+    say = functools.partial(print, file=out, flush=True)
+    say(f"loading the {preset} family (shipped, or made on first use, offline)")
     config_path = demo_config(preset, layout)
     texts = read_prompts(str(family(preset)["prompts"]))[:prompts]
     tokenizer = load_tokenizer(load_config(config_path).cascade.target.path)  # the models load elsewhere
-    print(
-        f"starting the service ({layout} layout: {LAYOUTS[layout] or 'a deployment per tier'}): local Ray, "
-        "Ray Serve, gRPC on loopback",
-        flush=True,
-    )
+    say(f"starting the service ({layout} layout): local Ray, Ray Serve, gRPC on loopback")
     # The in-process runs live in a child process: timed in this (Ray driver) process they would share
     # the CPU with Ray's threads and the gRPC edge, an unfair and unstable baseline on a small machine.
     with (
@@ -53,7 +67,7 @@ def run_demo(
         LocalService(str(config_path)) as service,
         CascadeClient(service.address, timeout_s=600) as client,
     ):
-        print(f"service up at {service.address}", flush=True)
+        say(f"service up at {service.address}")
         runs = {
             "ar (large alone)": lambda ids: _local(worker, "ar", ids, max_new_tokens),
             "csd in-process": lambda ids: _local(worker, "csd", ids, max_new_tokens),
@@ -71,12 +85,11 @@ def run_demo(
                 for name in order:  # interleaved: machine drift hits all alike
                     results[p][name].append(runs[name](ids))
     for text, outcome in zip(texts, results[0]["csd via service"]):
-        print(
+        say(
             f"\n--- prompt (tail): ...{text[-120:]!r}\n"
             f"--- continuation: {tokenizer.decode(outcome.tokens, skip_special_tokens=True)!r}"
         )
-    _print_table(results)
-    return 0
+    _print_table(results, say)
 
 
 @dataclass
@@ -107,25 +120,25 @@ def _throughput(runs: list[_Run]) -> float:
     return sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)  # all tokens / all seconds
 
 
-def _print_table(passes: list[dict[str, list[_Run]]]) -> None:
+def _print_table(passes: list[dict[str, list[_Run]]], say: Callable[..., None]) -> None:
     reference, local, remote = "ar (large alone)", "csd in-process", "csd via service"
     results = {name: [run for p in passes for run in p[name]] for name in passes[0]}
     speed = {name: statistics.median(len(run.tokens) / run.seconds for run in runs) for name, runs in results.items()}
-    print(f"\n{'method':<18} {'tok/s (median)':>14} {'vs ar':>7} {'target calls/tok':>17} {'same tokens as ar':>18}")
+    say(f"\n{'method':<18} {'tok/s (median)':>14} {'vs ar':>7} {'target calls/tok':>17} {'same tokens as ar':>18}")
     for name, runs in results.items():
         calls = sum(r.target_calls for r in runs) / max(1, sum(len(r.tokens) for r in runs))
         same = [r.tokens for r in runs] == [r.tokens for r in results[reference]]
-        print(f"{name:<18} {speed[name]:>14.1f} {speed[name] / speed[reference]:>6.2f}x {calls:>17.3f} {same!s:>18}")
+        say(f"{name:<18} {speed[name]:>14.1f} {speed[name] / speed[reference]:>6.2f}x {calls:>17.3f} {same!s:>18}")
     hops = sum(r.hops for r in results[remote])
     ratios = [_throughput(p[remote]) / _throughput(p[local]) for p in passes]
-    print(
+    say(
         f"\nservice / in-process throughput (all tokens / all seconds), per pass: "
         f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x "
         f"({_throughput(results[remote]):.1f} / {_throughput(results[local]):.1f} tok/s over all passes)"
     )
     rounds = {name: sum(r.target_calls for r in results[name]) for name in (local, remote)}
     per_round = {name: 1000 * sum(r.orchestration_s for r in results[name]) / max(1, rounds[name]) for name in rounds}
-    print(
+    say(
         f"orchestration per target round, from the engine's accounting (wall time outside model passes): "
         f"{per_round[local]:.2f} ms in-process, {per_round[remote]:.2f} ms in the service "
         f"({hops / max(1, rounds[remote]):.2f} tier hops per round)"

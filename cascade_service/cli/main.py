@@ -74,13 +74,19 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="colocated: every model tier in the coordinator's replica (one machine); embedded: large in the "
         "coordinator, base+small one deployment; separate: one deployment per tier",
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Ray's, Serve's, gRPC's, torch's and transformers' output on the terminal too (by default it "
+        "goes to $CASCADE_SERVICE_HOME/logs/demo-<time>-<pid>.log, named at the end)",
+    )
     p.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo  # heavy imports only when needed
 
-    return run_demo(args.max_new_tokens, args.prompts, args.preset, args.layout, args.passes)
+    return run_demo(args.max_new_tokens, args.prompts, args.preset, args.layout, args.passes, args.verbose)
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:

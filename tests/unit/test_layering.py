@@ -18,6 +18,7 @@ LAYERS: dict[str, set[str]] = {
     "prompts": set(),
     "extras": set(),
     "procfs": set(),
+    "quiet": {"paths"},
     "output": {"core"},
     # The engine's scheduling: the loop, the batcher, pass costs, block policies (load, the floor).
     "scheduling": {"core"},
@@ -52,7 +53,7 @@ LAYERS: dict[str, set[str]] = {
     "tune": {"config", "core", "engine", "prompts"},
     "bench": {"api", "client", "config", "core", "engine", "extras", "models", "paths", "procfs", "prompts", "proto"}
     | {"runtime", "scheduling", "serving", "sessions", "standalone", "tierhost", "transport", "zoo"},
-    "demo": {"bench", "client", "config", "core", "models", "paths", "prompts", "serving", "zoo"},
+    "demo": {"bench", "client", "config", "core", "models", "paths", "prompts", "quiet", "serving", "zoo"},
     "cli": {"api", "bench", "client", "config", "core", "demo", "engine", "extras", "intake", "models", "paths", "rpc"}
     | {"runtime", "serving", "standalone", "tierhost", "tune", "zoo"},
 }
