@@ -49,6 +49,6 @@ def test_generate_works_without_the_extras(tiny_family):
 
 
 def test_what_needs_an_extra_names_it(tmp_path):
-    done = _cli("serve", "--config", "configs/tiny.yaml", "--frontend", "ray", "--grpc-port", "0")
+    done = _cli("serve", "--config", "configs/presets/tiny.yaml", "--frontend", "ray", "--grpc-port", "0")
     assert done.returncode == 2
     assert "pip install 'cascade-service[serve]'" in done.stderr, done.stderr

@@ -1,11 +1,11 @@
 """Every shipped config runs as its K-matrix says: each drafter it names drafts, and each positive
 entry runs in every block of its row that leaves it room (invariant 7, per block: the rows' counters).
 
-The configs point at the shipped family (in the package) and at `$CASCADE_SERVICE_HOME/zoo/{demo,test,
-tiny,t5,grown}`. The `test` zoo has the same tier names (large, base, small, bigram) as the demo zoo
-and trains in under a minute, so it stands in for `demo` here; `tiny` is the random-weight family; the
-`t5-test` preset stands in for `t5`, `grown-test` for `grown`. Device
-and dtype are set to CPU float32: the schedule, not the placement, is what this checks (the GPU suite
+The configs point at the shipped family (in the package) and, under configs/presets/, at
+`$CASCADE_SERVICE_HOME/zoo/{demo,test,tiny,t5,grown}`. The `test` zoo has the same tier names (large,
+base, small, bigram) as the demo zoo and trains in under a minute, so it stands in for `demo` here;
+`tiny` is the random-weight family; the `t5-test` preset stands in for `t5`, `grown-test` for `grown`.
+Device and dtype are set to CPU float32: the schedule, not the placement, is what this checks (the GPU suite
 covers placement). Tiers a config names by address run on tier servers started here on loopback,
 built from the same config.
 """
@@ -24,7 +24,8 @@ from cascade_service.core.stats import Usage, absorb
 from cascade_service.engine import Engine
 from cascade_service.zoo.tiny import build_family
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = sorted(CONFIGS_DIR.rglob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +35,11 @@ def home(test_zoo_home: Path) -> Path:
         (zoo / "demo").symlink_to(zoo / "test", target_is_directory=True)
     if not (zoo / "tiny").exists():
         build_family(zoo / "tiny")
-    if not (zoo / "t5").exists():  # configs/t5.yaml's family: the t5-test preset stands in (seconds)
+    if not (zoo / "t5").exists():  # configs/presets/t5.yaml's family: the t5-test preset stands in (seconds)
         from cascade_service.zoo.t5 import build_t5_zoo
 
         build_t5_zoo("t5-test", zoo / "t5")
-    if not (zoo / "grown").exists():  # configs/grown.yaml's: grown-test stands in (from the test zoo, seconds)
+    if not (zoo / "grown").exists():  # configs/presets/grown.yaml's: grown-test stands in (from the test zoo, seconds)
         from cascade_service.zoo.families import family
         from cascade_service.zoo.grown import build_grown
 
@@ -53,10 +54,11 @@ def _on_cpu(tier):
 
 
 def test_every_shipped_config_is_checked():
-    assert {p.name for p in CONFIGS} >= {"demo.yaml", "test.yaml", "tiny.yaml", "cluster.yaml", "heterogeneous.yaml"}
+    names = {str(p.relative_to(CONFIGS_DIR)) for p in CONFIGS}
+    assert names >= {"demo.yaml", "presets/demo.yaml", "presets/test.yaml", "cluster.yaml", "heterogeneous.yaml"}
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS_DIR)))
 def test_every_configured_drafter_drafts(home, path, monkeypatch):
     monkeypatch.setenv("CASCADE_SERVICE_HOME", str(home))
     monkeypatch.setenv("CASCADE_REDIS_URL", "redis://127.0.0.1:6379/0")  # cluster.yaml reads it; never dialled here
