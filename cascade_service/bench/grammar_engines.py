@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         text = json.dumps(schema)
         start = time.perf_counter()
         # Compact, as xgrammar's below (any_whitespace=False): the same language for both
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=WHITESPACE["compact"])
+        compact: Any = WHITESPACE["compact"]  # llguidance's JsonCompileOptions (a TypedDict)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=compact)
         matcher = llguidance.LLMatcher(llg_tokenizer, grammar)
         matcher.compute_bitmask()
         times["llguidance"][0].append(time.perf_counter() - start)
