@@ -16,7 +16,7 @@ import grpc
 from ..metrics import default_metrics
 from ..sessions.store import MAX_SESSION_TOKENS
 from .decode import decode
-from .status import DETAILS_KEY, rich_status
+from .status import DETAILS_KEY, rich_status, set_status, too_large
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,16 @@ def limits_from(settings: Mapping[str, float], **defaults: Any) -> Limits:
         return Limits(**{**defaults, **settings})
     except ValueError as exc:
         raise ValueError(f"serving.admission.{exc}") from None
+
+
+def within_limit(request: Any, limit: int, grpc_context: Any) -> bool:
+    """Whether a request message is within `limit` bytes (Limits.max_message_bytes). gRPC checks that on
+    receipt on the servers we start; Ray's proxy takes up to 2 GiB, so the coordinator checks its calls
+    here. Past it, the context gets RESOURCE_EXHAUSTED naming the limit, with no retry hint."""
+    if (size := request.ByteSize()) <= limit:
+        return True
+    set_status(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, too_large(size, limit))
+    return False
 
 
 class Refused(Exception):

@@ -5,7 +5,8 @@ serialized `google.rpc.Status` with the same code and message and, by code,
 - INVALID_ARGUMENT: a `google.rpc.BadRequest` with one FieldViolation naming the request field (when
   the message names one, as every message of ours about a field does: "max_new_tokens must be ...",
   "verification.beta: give beta or tune_beta, not both");
-- RESOURCE_EXHAUSTED, UNAVAILABLE: a `google.rpc.RetryInfo` saying how long to wait before retrying.
+- RESOURCE_EXHAUSTED, UNAVAILABLE: a `google.rpc.RetryInfo` saying how long to wait before retrying
+  (not for a request too large to serve: retrying it cannot help).
 
 The details are a pure function of (code, message), so each front end builds the same bytes from what
 it has: the standalone server and the coordinator from the exception, the edge from the code and
@@ -33,6 +34,10 @@ DETAILS_KEY = "grpc-status-details-bin"
 # edge, the Ray coordinator), so a client matches one text.
 STOPPING = "the service is stopping; retry the request"
 RETRY_DELAY_S = {grpc.StatusCode.RESOURCE_EXHAUSTED: 1.0, grpc.StatusCode.UNAVAILABLE: 2.0}
+# What a request past the front end's message limit is told where our code, not gRPC's, refuses it
+# (behind Ray's proxy; gRPC itself says "Received message larger than max (N vs. LIMIT)"): its status is
+# RESOURCE_EXHAUSTED with no RetryInfo, since the same request can never succeed.
+TOO_LARGE = "request too large"
 _REQUESTS = ("GenerateRequest", "CreateSessionRequest", "GetSessionRequest", "DeleteSessionRequest")
 _LEADING_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*")
 
@@ -68,7 +73,7 @@ def rich_status(code: grpc.StatusCode, message: str) -> status_pb2.Status:
     if code == grpc.StatusCode.INVALID_ARGUMENT and (field := field_of(message)) is not None:
         violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
-    if code in RETRY_DELAY_S:
+    if code in RETRY_DELAY_S and not message.startswith(TOO_LARGE):
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(RETRY_DELAY_S[code] * 1e9))
         details.append(error_details_pb2.RetryInfo(retry_delay=delay))
@@ -78,6 +83,10 @@ def rich_status(code: grpc.StatusCode, message: str) -> status_pb2.Status:
         any_detail.Pack(detail)
         packed.append(any_detail)
     return status_pb2.Status(code=code.value[0], message=message, details=packed)
+
+
+def too_large(size: int, limit: int) -> str:
+    return f"{TOO_LARGE}: {size} bytes, more than the limit of {limit} (serving.admission.max_message_bytes)"
 
 
 def set_status(context: Any, code: grpc.StatusCode, message: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any, cast
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ..api.admission import limits_from
+from ..api.admission import limits_from, within_limit
 from ..api.backend import UNARY, RecordingContext, Reply, payload_bytes, request_type
 from ..api.frontend import Frontend
 from ..api.health import check_reply, watch_reply
@@ -126,6 +126,8 @@ class CoordinatorDeployment:
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="coordinator-setup")
         self._calls = Calls()
         self.max_ongoing = max_ongoing
+        # Held to calls from Ray's proxy (api.admission.within_limit); ours refuse larger ones on receipt.
+        self.max_message_bytes = limits_from(self.config.serving.admission).max_message_bytes
         self.http: Frontend | None = None  # the HTTP API's front end, once Serve built the app
         mirror_to_ray()
 
@@ -193,8 +195,9 @@ class CoordinatorDeployment:
         return tiers
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
-        context = authenticate_context(self.api_keys, grpc_context)
-        if context is None:  # UNAUTHENTICATED is set on grpc_context
+        within = within_limit(request, self.max_message_bytes, grpc_context)  # else RESOURCE_EXHAUSTED is set
+        context = authenticate_context(self.api_keys, grpc_context) if within else None
+        if context is None:  # RESOURCE_EXHAUSTED or UNAUTHENTICATED is set on grpc_context
             return UNARY[method][1]()
         try:
             with self._calls.admit():
@@ -207,7 +210,8 @@ class CoordinatorDeployment:
         return await self._unary("Generate", request, grpc_context)
 
     async def GenerateStream(self, request, grpc_context) -> AsyncIterator[Any]:
-        context = authenticate_context(self.api_keys, grpc_context)
+        within = within_limit(request, self.max_message_bytes, grpc_context)  # else RESOURCE_EXHAUSTED is set
+        context = authenticate_context(self.api_keys, grpc_context) if within else None
         with self._calls.stream():
             if context is not None:
                 try:

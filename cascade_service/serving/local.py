@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import ray
 from ray import serve
+from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
@@ -19,6 +21,7 @@ from ..api.admission import limits_from
 from ..api.backend import Call, Reply
 from ..api.edge import health_request, is_serving, start_edge
 from ..api.frontend_server import FrontendServer
+from ..api.status import TOO_LARGE
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from ..coordinator import cache_salt
 from ..core.tier import AFFINITY_TOKENS, affinity_key
@@ -39,9 +42,14 @@ class HandleBackend:
 
     def __init__(self, handle: DeploymentHandle):
         self.handle = handle.options(_by_reference=False)  # Serve's direct transport: half the latency
+        # A request past what the direct transport carries (a replica's gRPC server takes 4 MiB by
+        # default) goes through Ray's object store instead, so the coordinator answers it as it answers
+        # any request (a prompt past the model's limit: INVALID_ARGUMENT naming it), not the transport.
+        self.by_reference = handle.options(_by_reference=True)
 
     def call(self, call: Call) -> Reply:
-        response = self._routed(call).rpc.remote(call.method, call.wire(), call.owner)
+        wire = call.wire()
+        response = self._routed(call, len(wire)).rpc.remote(call.method, wire, call.owner)
         # A client that hangs up cancels the coordinator's call, which stops decoding at its next round
         # (after a normal end, cancelling a finished response does nothing).
         if not call.hooks.on_end(response.cancel):
@@ -56,18 +64,36 @@ class HandleBackend:
         except BackPressureError:
             return "RESOURCE_EXHAUSTED", "the coordinator is at its queue limit; retry later", b""
         except Exception as exc:
-            return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
+            return transport_failure(exc)
 
     def stream(self, call: Call) -> Iterator[Reply]:
-        handle = self._routed(call).options(stream=True)
-        return _ReplyStream(handle.rpc_stream.remote(call.method, call.wire(), call.owner))
+        wire = call.wire()
+        handle = self._routed(call, len(wire)).options(stream=True)
+        return _ReplyStream(handle.rpc_stream.remote(call.method, wire, call.owner))
 
-    def _routed(self, call: Call) -> DeploymentHandle:
-        """The handle for one call: a request's turns go to the coordinator replica that decoded the
-        session's last ones, and requests with one prompt head meet (serving.routing); the rest as
-        Serve routes them."""
+    def _routed(self, call: Call, size: int) -> DeploymentHandle:
+        """The handle for one call of `size` bytes: a request's turns go to the coordinator replica that
+        decoded the session's last ones, and requests with one prompt head meet (serving.routing); the
+        rest as Serve routes them."""
+        handle = self.handle if size <= DIRECT_MAX_BYTES else self.by_reference
         key = edge_affinity(call.method, call.request, call.owner)
-        return self.handle.options(multiplexed_model_id=key) if key else self.handle
+        return handle.options(multiplexed_model_id=key) if key else handle
+
+
+# The largest request the edge sends over Serve's direct transport: a replica's inter-deployment gRPC
+# server receives at most RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH bytes (4 MiB unless set), and the
+# call's other arguments and framing need room beside the request's bytes.
+DIRECT_MAX_BYTES = RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH - (64 << 10)
+
+
+def transport_failure(exc: Exception) -> Reply:
+    """The status of a call the handle could not deliver. A message the transport refuses for its size
+    is RESOURCE_EXHAUSTED (retrying it cannot help); anything else is UNAVAILABLE with a retry hint
+    (the coordinator restarting, or gone)."""
+    code = getattr(exc, "code", None)  # grpc.aio.AioRpcError, from Serve's direct transport
+    if callable(code) and code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "RESOURCE_EXHAUSTED", f"{TOO_LARGE}: the coordinator's transport refused it ({exc.details()})", b""  # type: ignore[attr-defined]
+    return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
 
 
 def edge_affinity(method: str, request: Any, owner: str) -> str:
@@ -102,7 +128,7 @@ class _ReplyStream:
             return "RESOURCE_EXHAUSTED", "the coordinator is at its queue limit; retry later", b""
         except Exception as exc:
             self.closed = True
-            return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
+            return transport_failure(exc)
 
     def close(self) -> None:
         if not self.closed:

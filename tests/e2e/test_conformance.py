@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from cascade_service import procfs
+from cascade_service.api.admission import MAX_REQUEST_BYTES as MAX_MESSAGE_BYTES
 from cascade_service.client import CascadeClient, errors
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.rpc import reflection
@@ -223,6 +224,29 @@ def test_the_sdk_exposes_the_field_violations(served):
             with pytest.raises(errors.InvalidArgument) as caught:
                 call()
             assert caught.value.field_violations == (errors.FieldViolation(field, message),)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+def test_an_oversized_request_gets_the_same_final_status_naming_the_limit(served, streaming):
+    # A client told to retry retries what can never succeed: every front end answers an oversized
+    # request as the standalone server does, with a status no client retries, naming the limit.
+    call = served.stub.GenerateStream if streaming else served.stub.Generate
+    # Far past what a model can hold, but within the message limit (serving.admission.max_message_bytes,
+    # by default a session's whole limit of token ids), then past that limit.
+    prompt = pb.GenerateRequest(prompt="x" * 5_000_000, max_new_tokens=4)
+    error = _error(call, prompt, timeout=120)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+    assert error.details().startswith("prompt: "), error.details()  # the model's limit, named
+    huge = pb.GenerateRequest(prompt="x" * (MAX_MESSAGE_BYTES + 1000), max_new_tokens=4)
+    error = _error(call, huge, timeout=120)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (error.code(), error.details())
+    assert str(MAX_MESSAGE_BYTES) in error.details(), error.details()
+    trailers = dict(error.trailing_metadata() or ())
+    if "grpc-status-details-bin" in trailers:  # ours, behind Ray's proxy (gRPC's own refusal has none)
+        details = status_pb2.Status.FromString(trailers["grpc-status-details-bin"]).details
+        assert not any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in details)  # retrying cannot help
+    # The front end still serves afterwards.
+    assert served.stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=1), timeout=60).token_ids
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])

@@ -19,6 +19,7 @@ from cascade_service.api.status import (
     field_of,
     rich_status,
     set_status,
+    too_large,
 )
 from cascade_service.client import errors, sync
 from cascade_service.core.verify import Verification
@@ -144,6 +145,29 @@ def test_retry_info_exactly_for_resource_exhausted_and_unavailable(code):
         assert delays == []
     bad = error_details_pb2.BadRequest()
     assert any(d.Unpack(bad) for d in status.details) == (code == grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_a_request_too_large_to_serve_gets_no_retry_hint():
+    # RESOURCE_EXHAUSTED for a full queue says when to retry; for a request past the message limit the
+    # same request can never succeed, so its status carries no RetryInfo (as gRPC's own refusal).
+    status = rich_status(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large(6_000_000, 5_065_536))
+    assert status.message == (
+        "request too large: 6000000 bytes, more than the limit of 5065536 (serving.admission.max_message_bytes)"
+    )
+    assert not any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
+    full = rich_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "the coordinator is at its queue limit; retry later")
+    assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in full.details)
+
+
+def test_the_edge_answers_a_message_its_transport_refuses_for_size_without_a_retry_hint():
+    from cascade_service.serving.local import transport_failure
+
+    refused = _Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5000123 vs. 4194304)", ())
+    code, message, _ = transport_failure(refused)
+    assert code == "RESOURCE_EXHAUSTED" and message.startswith("request too large: ") and "4194304" in message
+    code, message, _ = transport_failure(_Failed(grpc.StatusCode.UNAVAILABLE, "connection reset", ()))
+    assert (code, message) == ("UNAVAILABLE", "coordinator unavailable (_Failed); retry")
+    assert transport_failure(RuntimeError("actor died"))[0] == "UNAVAILABLE"
 
 
 class _Failed(grpc.RpcError):
