@@ -41,13 +41,15 @@ def run_demo(
     torch, transformers) goes to a log under the home, named at the end, unless `verbose`."""
     log = None if verbose else log_path("demo")
     with third_party_output(log) as out:
-        _demo(out, max_new_tokens, prompts, preset, layout, passes)
+        decode_three_ways(out, max_new_tokens, prompts, preset, layout, passes)
     if log is not None:
         print(f"\nthird-party logs: {log}", flush=True)
     return 0
 
 
-def _demo(out: TextIO, max_new_tokens: int, prompts: int, preset: str, layout: str, passes: int) -> None:
+def decode_three_ways(out: TextIO, max_new_tokens: int, prompts: int, preset: str, layout: str, passes: int) -> None:
+    """The demo itself (run_demo's arguments): its lines go to `out`, whatever else is printed to the
+    process's stdout and stderr."""
     from .bench.inprocess import InProcessWorker
     from .client import CascadeClient
     from .serving.local import LocalService
