@@ -138,8 +138,10 @@ class LoopBatcher:
         # the last batch was chosen, where a request that arrives (or comes back) starts.
         self._used: weakref.WeakKeyDictionary[Cache, float] = weakref.WeakKeyDictionary()
         self._clock = 0.0
-        self._recent: set[int] = set()  # the caches (one per request) of the last two passes
-        self._last: set[int] = set()
+        # The caches (one per request) of the last two passes, held weakly: a request that has ended is
+        # no longer one to make room for (a session's next turn chunked its prefill for the last one's).
+        self._recent: weakref.WeakSet[Cache] = weakref.WeakSet()
+        self._last: weakref.WeakSet[Cache] = weakref.WeakSet()
 
     def forward(self, tokens: Sequence[int], cache: Cache, keep: int, with_hidden: bool = False) -> Any:
         """Like the model's `forward_now(tokens, cache, keep, with_hidden)`, as part of the loop's batched
@@ -167,7 +169,7 @@ class LoopBatcher:
     def _chunk(self, cache: Cache, rest: int) -> int:
         if self.prefill_chunk == 0 or rest <= self.prefill_chunk:
             return 0
-        others = bool(self.pending) or bool(self._recent - {id(cache)})
+        others = bool(self.pending) or any(other is not cache for other in self._recent)
         return self.prefill_chunk if others else max(self.prefill_chunk, self.LONE_CHUNK)
 
     def take(self) -> list[Pass]:
@@ -203,6 +205,6 @@ class LoopBatcher:
         shares = self.timer.shares(tokens, seconds)
         for item, share in zip(batch, shares):
             self._used[item.cache] = self._used.get(item.cache, 0.0) + share
-        rows = {id(item.cache) for item in batch}
+        rows = weakref.WeakSet(item.cache for item in batch)
         self._recent, self._last = rows | self._last, rows
         return [(item, result, None, share) for item, result, share in zip(batch, results, shares)]

@@ -7,6 +7,7 @@ chunked prefill equals one pass, no request starves) and, where tokens come out,
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -199,6 +200,32 @@ def test_a_prefill_is_cut_small_while_another_request_decodes_and_its_passes_run
     # has had no model time), the prompt's chunks are cut to 10 while it was among the last two
     # passes, then back to 40.
     assert ran == [[40], [1], [10], [10], [40]], ran
+
+
+def test_a_request_that_has_ended_does_not_cut_the_next_prefill_small(monkeypatch):
+    # A session's next turn came right after its last one ended: the last one's cache was still among
+    # the last two passes, so the new turn's prefill went in chunks of 16 (each paying for the whole
+    # history's attention) as if another request were decoding. Only a live request counts.
+    from cascade_service.models import batching
+
+    ran: list[list[int]] = []
+    monkeypatch.setattr(
+        batching, "forward_batch", lambda model, batch: ran.append([len(p.fed) for p in batch]) or [None] * len(batch)
+    )
+    loop, batcher = _loop_with(_fake(), prefill_chunk=10, LONE_CHUNK=40)
+    try:
+        live = DynamicCache()
+        loop.run(batcher.forward, [1], live, 1)  # a request that still decodes: its cache is held
+        loop.run(batcher.forward, [1] * 60, DynamicCache(), 1)
+        assert ran[1:] == [[10], [10], [40]], ran  # the control: cut small beside a live request
+        loop.run(batcher.forward, [1], live, 1)
+        del live  # that request ends
+        gc.collect()
+        ran.clear()
+        loop.run(batcher.forward, [1] * 60, DynamicCache(), 1)
+        assert ran == [[40], [20]], ran
+    finally:
+        loop.close()
 
 
 def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family, monkeypatch):
