@@ -14,7 +14,10 @@ from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+import grpc
+
 from .backend import Call, Reply
+from .status import TOO_LARGE
 
 log = logging.getLogger(__name__)
 
@@ -84,3 +87,13 @@ class OnThreads:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def transport_failure(exc: Exception) -> Reply:
+    """The status of a call a blocking backend could not deliver. A message the transport refuses for
+    its size is RESOURCE_EXHAUSTED (retrying it cannot help); anything else is UNAVAILABLE with a retry
+    hint (the coordinator restarting, or gone)."""
+    code = getattr(exc, "code", None)  # grpc.aio.AioRpcError, from Serve's direct transport
+    if callable(code) and code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "RESOURCE_EXHAUSTED", f"{TOO_LARGE}: the coordinator's transport refused it ({exc.details()})", b""  # type: ignore[attr-defined]
+    return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import ray
 from ray import serve
 from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
@@ -19,9 +18,9 @@ from ray.serve.handle import DeploymentHandle
 
 from ..api.admission import limits_from
 from ..api.backend import Call, Reply
+from ..api.blocking import transport_failure
 from ..api.edge import health_request, is_serving, start_edge
 from ..api.frontend_server import FrontendServer
-from ..api.status import TOO_LARGE
 from ..config import ModelTierConfig, deployment_name, load_config, tier_groups
 from ..coordinator import cache_salt
 from ..core.tier import AFFINITY_TOKENS, affinity_key
@@ -84,16 +83,6 @@ class HandleBackend:
 # server receives at most RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH bytes (4 MiB unless set), and the
 # call's other arguments and framing need room beside the request's bytes.
 DIRECT_MAX_BYTES = RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH - (64 << 10)
-
-
-def transport_failure(exc: Exception) -> Reply:
-    """The status of a call the handle could not deliver. A message the transport refuses for its size
-    is RESOURCE_EXHAUSTED (retrying it cannot help); anything else is UNAVAILABLE with a retry hint
-    (the coordinator restarting, or gone)."""
-    code = getattr(exc, "code", None)  # grpc.aio.AioRpcError, from Serve's direct transport
-    if callable(code) and code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return "RESOURCE_EXHAUSTED", f"{TOO_LARGE}: the coordinator's transport refused it ({exc.details()})", b""  # type: ignore[attr-defined]
-    return "UNAVAILABLE", f"coordinator unavailable ({type(exc).__name__}); retry", b""
 
 
 def edge_affinity(method: str, request: Any, owner: str) -> str:

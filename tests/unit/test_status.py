@@ -160,7 +160,7 @@ def test_a_request_too_large_to_serve_gets_no_retry_hint():
 
 
 def test_the_edge_answers_a_message_its_transport_refuses_for_size_without_a_retry_hint():
-    from cascade_service.serving.local import transport_failure
+    from cascade_service.api.blocking import transport_failure
 
     refused = _Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (5000123 vs. 4194304)", ())
     code, message, _ = transport_failure(refused)
