@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -200,8 +200,7 @@ class CoordinatorDeployment:
         if context is None:  # RESOURCE_EXHAUSTED or UNAUTHENTICATED is set on grpc_context
             return UNARY[method][1]()
         try:
-            with self._calls.admit():
-                return await self.engine.arun(_serve, await self._servicer_ready(), method, request, context)
+            return await self._calls.run(self._arun(method, request, context))
         except Stopped as exc:
             fail(grpc_context, exc, None)
             return UNARY[method][1]()
@@ -215,10 +214,10 @@ class CoordinatorDeployment:
         with self._calls.stream():
             if context is not None:
                 try:
-                    with self._calls.admit():
-                        servicer = await self._servicer_ready()
-                        async for chunk in self.engine.aiterate(lambda: servicer.GenerateStream(request, context)):
-                            yield chunk
+                    servicer = await self._calls.run(self._servicer_ready())
+                    chunks = self.engine.aiterate(lambda: servicer.GenerateStream(request, context))
+                    async for chunk in self._calls.iterate(chunks):
+                        yield chunk
                 except Stopped as exc:
                     fail(grpc_context, exc, None)
             raise_if_failed(grpc_context)
@@ -255,12 +254,10 @@ class CoordinatorDeployment:
     ) -> Reply:
         """A unary call's reply, its request a message (`rpc`'s, or the replica's HTTP API's, made here);
         the response comes as a message. `cancelled`: says when the caller has gone."""
+        context = RecordingContext(owner)
         try:
-            with self._calls.admit():
-                servicer = await self._servicer_ready()
-                context = RecordingContext(owner)
-                response = await self.engine.arun(_serve, servicer, method, request, context, cancelled)
-                return context.code.name, context.details, response
+            response = await self._calls.run(self._arun(method, request, context, cancelled))
+            return context.code.name, context.details, response
         except Stopped as exc:
             return reply_for(exc)
 
@@ -271,22 +268,20 @@ class CoordinatorDeployment:
         context = RecordingContext(owner)
         with self._calls.stream():
             try:
-                with self._calls.admit():
-                    servicer = await self._servicer_ready()
-                    chunks = cast(
-                        AsyncGenerator[Any, None],  # EngineLoop.aiterate's, closed below
-                        self.engine.aiterate(functools.partial(_serve, servicer, method, request, context, cancelled)),
-                    )
-                    try:
-                        async for chunk in chunks:
-                            yield "OK", "", chunk
-                    finally:
-                        await chunks.aclose()  # left early: the decode stops at its next round
+                servicer = await self._calls.run(self._servicer_ready())
+                chunks = self.engine.aiterate(functools.partial(_serve, servicer, method, request, context, cancelled))
+                # Closed by iterate when the caller leaves early: the decode stops at its next round.
+                async for chunk in self._calls.iterate(chunks):
+                    yield "OK", "", chunk
             except Stopped as exc:
                 yield reply_for(exc)
                 return
             if context.code.name != "OK":
                 yield context.code.name, context.details, b""
+
+    async def _arun(self, method: str, request: Any, context: Any, cancelled: Callable[[], bool] | None = None) -> Any:
+        """A unary call's response, decoded as an engine loop task (`_serve`)."""
+        return await self.engine.arun(_serve, await self._servicer_ready(), method, request, context, cancelled)
 
     async def drain(self, grace_s: float) -> int:
         """Stop taking calls (new ones, and health, answer UNAVAILABLE / NOT_SERVING), give those in
