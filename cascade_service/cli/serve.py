@@ -4,11 +4,12 @@ may reach it (API keys, TLS, loopback)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from ..config import load_config
 from ..extras import require
@@ -125,7 +126,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         finally:
             stopping(grace)
             standalone.stop(grace)
-        return 0
+        exit_now(0)
     if args.plain or args.adapt_to_load is not None or args.floor is not None:
         raise UsageError(
             "--plain, --adapt-to-load, --fixed-schedule and --no-floor go with --frontend standalone (the Ray "
@@ -155,7 +156,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     finally:
         stopping(grace)
         service.stop(grace)
-    return 0
+    exit_now(0)
 
 
 # Beyond the drain's grace period, stopping Serve and Ray may take this long before `serve` gives up
@@ -187,6 +188,16 @@ def stopping(grace_s: float) -> None:
     timer = threading.Timer(grace_s + TEARDOWN_S, give_up)
     timer.daemon = True
     timer.start()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit once a stop has ended everything the process started: its output flushed, without the
+    interpreter's teardown of every module (torch's, transformers', Ray's objects), which took 3 s
+    after a drained stop and 13 s on a loaded 2-core machine, past the stop's bound (grace + 5 s)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve_access(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:

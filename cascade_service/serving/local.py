@@ -29,6 +29,8 @@ from ..models.hf import load_tokenizer
 from ..rpc.auth import ApiKeys, TlsFiles
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
+from .proxy import short_proxy_drain, wait_for_proxies
+from .reap import descendants, end_leftovers
 from .session_actor import RAY_NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -129,10 +131,11 @@ FRONTENDS = ("edge", "ray")
 # The edge's calls in flight at once: each holds a thread that waits on the coordinator (which does the
 # work); serving.admission.workers overrides it.
 EDGE_WORKERS = 32
-# Seconds Ray's proxy gets to forward the statuses of streams a stop cancelled (see stop()). 1 s was too
-# little on a loaded 2-core CI machine once more (a stream read CANCELLED, "client disconnected", instead
-# of UNAVAILABLE); a stop behind Ray's proxy keeps its bound of grace + 45 s either way.
-PROXY_SETTLE_S = 3.0
+# Beyond the grace period, the longest a stop waits for Ray's proxy to write the statuses of the calls
+# the coordinator ended (measured: well under 1 s; see stop()).
+PROXY_SETTLE_S = 2.0
+# After ray.shutdown(), how long the processes Ray started get to exit before they are killed (reap.py).
+LEFTOVER_S = 1.0
 
 
 class LocalService:
@@ -185,6 +188,8 @@ class LocalService:
         config = load_config(self.config_path)  # a bad config fails here, before Ray starts
         limits = limits_from(config.serving.admission, workers=EDGE_WORKERS)
         if not ray.is_initialized():
+            if self.frontend == "ray":
+                short_proxy_drain()  # so that stop() learns when the proxy holds no call
             runtime_env = loopback_ray()
             ray.init(
                 namespace=RAY_NAMESPACE,
@@ -299,43 +304,36 @@ class LocalService:
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Drain, then stop: health turns NOT_SERVING and no new call is taken; calls in flight get
-        grace_s to finish and are then cancelled (the client sees CANCELLED, never a silent end);
-        the app is deleted (its replicas drain for their graceful_shutdown_timeout_s, the config's
-        serving.shutdown_grace_s); Serve and Ray stop if this service started them."""
+        grace_s to finish, then end with UNAVAILABLE and a retry hint; Ray stops if this service
+        started it (else the app is deleted, its replicas draining for their graceful_shutdown_timeout_s,
+        the config's serving.shutdown_grace_s)."""
         if self.checker is not None:
             self.checker.set_serving(False)
         if self.server is not None:  # the edge: its calls in flight finish or end UNAVAILABLE
             self.server.stop(grace=grace_s).wait()
             self.server = None
         try:
-            # Through Ray's proxy: the coordinator drains its own calls, and cancels what is left with
-            # a status before Serve stops it (Serve's own deadline would kill the replica mid-call).
-            cancelled = (
-                self._handle().drain.remote(0.0 if self.frontend == "edge" else grace_s).result(timeout_s=grace_s + 30)
-            )
-            if cancelled and self.frontend != "edge":
-                # The replica has handed each cancelled stream's status to Serve; give Ray's proxy a
-                # moment to write them to the clients before the app goes (else they read CANCELLED).
-                time.sleep(PROXY_SETTLE_S)
+            # Through Ray's proxy: the coordinator drains its own calls, and ends what is left with a
+            # status before anything stops (Serve's own deadline would kill the replica mid-call).
+            self._handle().drain.remote(0.0 if self.frontend == "edge" else grace_s).result(timeout_s=grace_s + 30)
+            if self.frontend == "ray" and self.started_ray and not wait_for_proxies(PROXY_SETTLE_S):
+                log.warning("Ray's proxy still held calls %g s after the drain; stopping anyway", PROXY_SETTLE_S)
         except Exception:
-            log.debug("no coordinator to drain", exc_info=True)
-        if self.started_ray and self.frontend == "edge":
-            # Ray goes with everything in it. Our own gRPC server has ended every call, so deleting
-            # the app first (Serve's controller stops replicas and proxies one by one, each waiting out
-            # its own graceful timeout) would only hold the exit past the grace period: 60 s after a
-            # hostile run. Behind Ray's proxy the app is deleted first: killing the proxy while it
-            # writes the drained calls' statuses turned them into CANCELLED ("client disconnected").
+            log.debug("no coordinator or proxy to drain", exc_info=True)
+        if self.started_ray:
+            # Ray goes with everything in it. Every call has ended with its status (our edge ended
+            # them, or Ray's proxy has written them), so deleting the app first (Serve's controller
+            # stops replicas and proxies one by one, each waiting out its own graceful timeout) would
+            # only hold the exit past the grace period: 60 s after a hostile run.
+            started = descendants()
             ray.shutdown()
+            end_leftovers(started, LEFTOVER_S)
             self.started_ray = False
             return
         try:
             serve.delete(APP_NAME)
         except Exception:
             pass
-        if self.started_ray:
-            serve.shutdown()
-            ray.shutdown()
-            self.started_ray = False
 
     def __enter__(self) -> LocalService:
         self.start()

@@ -5,11 +5,15 @@ fails reaches it as a raised error, from which it takes only the code and the me
 `grpc_servicer_functions` entry registers the service and wraps the proxy's handlers for it so that
 a call ending in an error without the details trailer gets it, built from that code and message
 (`api.status.rich_status`, the same bytes every other front end sends).
+
+It also tells a stop when Ray's proxies have written every drained call's status (`wait_for_proxies`).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -94,3 +98,39 @@ def add_details(context: Any) -> None:
         return
     details = rich_status(code, context.details() or "").SerializeToString()
     context.set_trailing_metadata((*trailing, (DETAILS_KEY, details)))
+
+
+# Ray's proxy says it is drained once it holds no call and has drained for this long (30 s by default:
+# a node an autoscaler removes keeps taking stragglers). A local Ray started by `serve` sets it short
+# (`short_proxy_drain`, before ray.init: the proxy's process reads it at import) so a stop learns
+# the moment the proxy has no call left, instead of guessing how long forwarding the drained calls'
+# statuses takes.
+MIN_DRAINING_ENV = "RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S"
+
+
+def short_proxy_drain() -> None:
+    os.environ.setdefault(MIN_DRAINING_ENV, "0.01")  # Ray reads a positive number; an operator's wins
+
+
+def wait_for_proxies(timeout_s: float) -> bool:
+    """Drain Ray's proxies and wait until none holds a call (its status written to the client): True,
+    or False once timeout_s passed. Called once the coordinator has ended its calls (their statuses
+    are then on their way through the proxy); tearing Ray down before that turned them into CANCELLED
+    ("client disconnected": the proxy cancels what it still forwards when its app or process goes)."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE, SERVE_PROXY_NAME
+
+    deadline = time.monotonic() + timeout_s
+    proxies = [
+        ray.get_actor(actor["name"], namespace=SERVE_NAMESPACE)
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == SERVE_NAMESPACE and actor["name"].startswith(SERVE_PROXY_NAME)
+    ]
+    ray.get([proxy.update_draining.remote(True) for proxy in proxies], timeout=timeout_s)
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        if all(ray.get([proxy.is_drained.remote() for proxy in proxies], timeout=left + 0.5)):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
