@@ -63,6 +63,9 @@ class ServeProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # A group of its own: what it starts (Ray's processes included) is found by its group id,
+            # even once reparented, and a stop's test can tell that nothing of the group outlives it.
+            process_group=0,
         )
         self.stderr: list[str] = []
         threading.Thread(target=lambda: self.stderr.extend(self.process.stderr), daemon=True).start()
@@ -95,6 +98,24 @@ def left_behind(pids: set[int], wait_s: float = 15.0) -> dict[int, str]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.25)
+
+
+def group(pgid: int, wait_s: float = 0.0) -> dict[int, str]:
+    """The processes of process group `pgid` still running after up to wait_s (zombies count as gone),
+    with their commands: a process Ray started and then lost (its parent gone) is still found here."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        members = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):  # after "pid (comm)": state, ppid, pgrp
+                members[int(stat.parent.name)] = procfs.command(int(stat.parent.name))
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.1)
 
 
 def _running(pid: int) -> bool:
