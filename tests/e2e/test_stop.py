@@ -91,7 +91,10 @@ class Streams:
                 self.started.abort()  # ended before its first chunk: wait_until_decoding fails at once
 
     def wait_until_decoding(self) -> None:
-        self.started.wait()
+        try:
+            self.started.wait()
+        except threading.BrokenBarrierError:
+            raise AssertionError(f"a stream ended before its first chunk: {self.endings}") from None
 
     def ended(self, timeout_s: float) -> list[tuple[grpc.StatusCode, str]]:
         for thread in self.threads:
