@@ -30,7 +30,7 @@ from ..rpc.auth import ApiKeys, TlsFiles
 from .app import APP_NAME, GRPC_SERVICER_FUNCTIONS, app_builder
 from .loopback import loopback_ray
 from .proxy import short_proxy_drain, wait_for_proxies
-from .reap import descendants, end_leftovers
+from .reap import children, descendants, end_leftovers
 from .session_actor import RAY_NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -176,6 +176,7 @@ class LocalService:
         # (frontend "ray"); None: none (the proxy then listens on a loopback port nobody is told of).
         self.http_port = http_port
         self.started_ray = False
+        self.ray_processes: dict[int, str] = {}  # those ray.init started here (reap.py): pid -> start time
         self.server: FrontendServer | None = None
         self.checker: FrontendServer | None = None
         self.handle: DeploymentHandle | None = None
@@ -191,6 +192,7 @@ class LocalService:
             if self.frontend == "ray":
                 short_proxy_drain()  # so that stop() learns when the proxy holds no call
             runtime_env = loopback_ray()
+            before = children()
             ray.init(
                 namespace=RAY_NAMESPACE,
                 include_dashboard=False,
@@ -199,6 +201,7 @@ class LocalService:
                 logging_level=logging.WARNING,
                 runtime_env=runtime_env,
             )
+            self.ray_processes = {pid: t for pid, t in children().items() if pid not in before}
             self.started_ray = True
         if self.frontend == "ray":
             self.port = self.port or _free_port(self.host)
@@ -325,7 +328,7 @@ class LocalService:
             # them, or Ray's proxy has written them), so deleting the app first (Serve's controller
             # stops replicas and proxies one by one, each waiting out its own graceful timeout) would
             # only hold the exit past the grace period: 60 s after a hostile run.
-            started = descendants()
+            started = descendants(self.ray_processes)
             ray.shutdown()
             end_leftovers(started, LEFTOVER_S)
             self.started_ray = False

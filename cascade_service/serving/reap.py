@@ -1,11 +1,12 @@
-"""What a local Ray leaves behind: the processes below `serve` (all of them Ray's), found before
-ray.shutdown() and ended if they outlive it.
+"""What a local Ray leaves behind: the processes ray.init started and every process below them, found
+before ray.shutdown() and ended if they outlive it.
 
 ray.shutdown() gives the raylet 1 s to exit on SIGTERM, then kills it; the raylet's agents
 (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) notice their parent is gone only by polling, and then
 report its death to a GCS that has gone too. After a heavy hostile run both were still running once
-`serve` had exited (issue 48). Only the processes recorded below this one are ended, each checked by
-its start time: never a process group, which `serve` may share with whatever started it.
+`serve` had exited (issue 48). Only those processes are ended, each checked by its start time: never a
+process group, which `serve` may share with whatever started it, nor another child of this process
+(a test's Redis server beside an in-process service).
 """
 
 from __future__ import annotations
@@ -21,21 +22,32 @@ log = logging.getLogger(__name__)
 PROC = Path("/proc")
 
 
-def descendants() -> dict[int, str]:
-    """Every process below this one, now: pid -> its start time (a pid reused later is not taken for it)."""
-    parents: dict[int, int] = {}
-    starts: dict[int, str] = {}
+def children() -> dict[int, str]:
+    """The processes this one started that still run: pid -> start time (a pid reused later is not
+    taken for one of them)."""
+    return {pid: start for pid, (ppid, start) in _table().items() if ppid == os.getpid()}
+
+
+def descendants(roots: dict[int, str]) -> dict[int, str]:
+    """`roots` still running and every process below them, now (pid -> start time)."""
+    table = _table()
+    tree = {pid for pid, start in roots.items() if pid in table and table[pid][1] == start}
+    grew = True
+    while grew:
+        below = {pid for pid, (ppid, _) in table.items() if ppid in tree} - tree
+        tree |= below
+        grew = bool(below)
+    return {pid: table[pid][1] for pid in tree}
+
+
+def _table() -> dict[int, tuple[int, str]]:
+    """Every process now: pid -> (parent pid, start time)."""
+    table = {}
     for stat in PROC.glob("[0-9]*/stat"):
         fields = _fields(stat)
         if fields is not None:
-            pid = int(stat.parent.name)
-            parents[pid], starts[pid] = int(fields[1]), fields[19]  # after "pid (comm)": ppid, starttime
-    tree, grew = {os.getpid()}, True
-    while grew:
-        children = {pid for pid, ppid in parents.items() if ppid in tree} - tree
-        tree |= children
-        grew = bool(children)
-    return {pid: starts[pid] for pid in tree - {os.getpid()}}
+            table[int(stat.parent.name)] = (int(fields[1]), fields[19])  # after "pid (comm)": ppid, starttime
+    return table
 
 
 def end_leftovers(started: dict[int, str], wait_s: float) -> list[int]:
