@@ -1,7 +1,6 @@
 """The served front ends of the conformance suites (test_api_controls, test_conformance): one real
 `cascade-service serve` process per front end and module (test_conformance's last test stops each with
-SIGTERM; with the processes shared, the stop behind Ray's proxy twice ended its stream CANCELLED
-instead of UNAVAILABLE in CI, after test_api_controls' traffic)."""
+SIGTERM, within grace + 5 s on every front end)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from .serve_process import ServeProcess, write_config
 
 FRONTENDS = ("standalone", "edge", "ray")
 GRACE_S = 3.0
-# Beyond the grace period: stopping Serve and Ray. `serve` itself gives up at grace + 60 s (exit 1).
-TEARDOWN_BOUND_S = 45.0
+# Beyond the grace period: every front end's stop (Serve and Ray included) is bounded at grace + 5 s.
+TEARDOWN_BOUND_S = 5.0
 
 
 @dataclass
