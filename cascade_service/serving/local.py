@@ -12,6 +12,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray._private import auto_init_hook
 from ray.serve._private.constants import RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
@@ -203,6 +204,10 @@ class LocalService:
             )
             self.ray_processes = {pid: t for pid, t in children().items() if pid not in before}
             self.started_ray = True
+        # Ray starts a new local cluster when any of its APIs runs in a process without one: a thread of
+        # Serve's left in this process after stop() (a handle's long poll) did so once, a second cluster
+        # that nothing stops. This process uses the Ray it chose here, or none.
+        auto_init_hook.enable_auto_connect = False
         if self.frontend == "ray":
             self.port = self.port or _free_port(self.host)
             # Serve's HTTP proxy comes with its gRPC proxy and serves the coordinator's HTTP app (the

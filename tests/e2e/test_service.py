@@ -12,8 +12,10 @@ import os
 import re
 
 import pytest
+import ray
 import redis
 import yaml
+from ray.exceptions import RaySystemError
 
 from cascade_service import procfs
 from cascade_service.client import CascadeClient, errors
@@ -71,7 +73,13 @@ def service(config_path):
     try:
         svc.start()
         yield svc
+        started_ray = svc.started_ray  # this module's service started the process's Ray, so stops it
         svc.stop()
+        # Once stopped, nothing in this process starts a Ray of its own (a thread of Serve's left behind
+        # once did: a second local cluster nothing stopped); an API call says Ray is not running.
+        assert started_ray
+        with pytest.raises(RaySystemError, match="Ray has not been started"):
+            ray.get_actor("anything")
     finally:
         if before is None:
             os.environ.pop(REPORT_INTERVAL, None)
