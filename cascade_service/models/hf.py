@@ -22,6 +22,7 @@ from ..metrics import Metrics, default_metrics
 from ..scheduling.batcher import LoopBatcher, Pass
 from ..scheduling.loop import EngineLoop
 from .batching import default_prefill_chunk, executor, forward_batch
+from .cachearg import cache_kwargs
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
 from .lean import BACKENDS
@@ -327,7 +328,7 @@ class HFModel:
         extra = {"logits_to_keep": keep} if self._keeps_logits else {}
         if with_hidden:
             extra["output_hidden_states"] = True
-        out = self.module(input_ids=ids, past_key_values=cache, use_cache=cache is not None, **extra)
+        out = self.module(input_ids=ids, use_cache=cache is not None, **cache_kwargs(self.module, cache), **extra)
         return last_rows(out.logits, out.hidden_states[-1] if with_hidden else None, keep)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from .cachearg import cache_kwargs
 from .rows import padded_inputs, split_outputs
 
 
@@ -42,7 +43,7 @@ def forward_packed(model: Any, batch: Sequence[Any]) -> list[object]:
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=packed,
+        **cache_kwargs(model.module, packed),
         use_cache=True,
         logits_to_keep=torch.tensor(wanted, device=device),
         output_hidden_states=any(item.with_hidden for item in batch),

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .cachearg import cache_kwargs
 from .kvpool import BLOCK, NULL, KVPool, PagedCache
 from .rows import padded_inputs, split_outputs
 
@@ -32,6 +33,8 @@ class PoolPass:
     caches: Sequence[PagedCache]
     steps: int
     _index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Read by transformers' masking (4.54 - 4.57 without a default): a pool pass is never compiled.
+    is_compileable = False
 
     def __post_init__(self) -> None:
         self.starts = [cache.length for cache in self.caches]
@@ -117,8 +120,10 @@ class PoolPass:
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.starts[0]
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.starts[0] + query_length, 0
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
+        # transformers before 5.x's mask rework passes the pass's cache_position [S], later ones S.
+        steps = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return self.starts[0] + steps, 0
 
     def commit(self, news: Sequence[int]) -> None:
         """After the pass: each row's cache holds its real new tokens, and no block past them."""
@@ -148,7 +153,7 @@ def forward_rows(model: Any, rows: Sequence[Any]) -> list[Any]:
                 input_ids=ids,
                 attention_mask=step.mask(model.dtype, device),
                 position_ids=step.positions(device),
-                past_key_values=step,
+                **cache_kwargs(model.module, step),
                 use_cache=True,
                 logits_to_keep=torch.tensor(wanted, device=device),
                 output_hidden_states=any(row.with_hidden for row in rows),

@@ -131,7 +131,9 @@ class HFScorer:
         if length == 0:
             self.reset()
             return
-        # Negative crop = tokens to remove: the form both transformers 4.x and 5.x accept.
-        self._cache.crop(length - self._cache.get_seq_length())
+        # Negative crop = tokens to remove: the form both transformers 4.x and 5.x accept. Never 0:
+        # crop(0) empties a DynamicCache before transformers 5.14 and is a no-op after.
+        if (drop := self._cache.get_seq_length() - length) > 0:
+            self._cache.crop(-drop)
         del self._tokens[length:]
         self._trusted = min(self._trusted, length)

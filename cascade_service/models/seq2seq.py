@@ -18,6 +18,7 @@ from transformers import AutoModelForSeq2SeqLM, DynamicCache, EncoderDecoderCach
 
 from cascade_service.core.types import Context
 
+from .cachearg import cache_kwargs
 from .hf import MODEL_KINDS, HFModel, HFScorer
 from .kvpool import KVCache
 from .poolpass import PoolPass
@@ -49,7 +50,7 @@ def forward(
     out = model.module(
         encoder_outputs=(cache.encoder_out,),
         decoder_input_ids=ids,
-        past_key_values=cache,
+        **cache_kwargs(model.module, cache),
         use_cache=True,
         output_hidden_states=with_hidden,
     )

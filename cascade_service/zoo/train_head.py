@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from cascade_service.core.sampling import sharpen
 from cascade_service.models.acceptance_head import AcceptanceHead
+from cascade_service.models.cachearg import cache_kwargs, returned_cache
 
 _WARMUP = 0.03  # fraction of steps with a linear ramp (official code: warmup_ratio 0.03, then cosine)
 _LOSS_WINDOW = 20  # the reported final loss averages the last steps: one minibatch is noisy
@@ -115,7 +116,7 @@ def respond(
         rows.append(log_probs(out.logits[:, -1], temperature))  # [B, V]
         tokens.append(_draw(rows[-1], gen))  # [B]
         if step + 1 < new_tokens:
-            out = target(input_ids=tokens[-1][:, None], past_key_values=out.past_key_values, use_cache=True)
+            out = target(input_ids=tokens[-1][:, None], use_cache=True, **cache_kwargs(target, returned_cache(out)))
     return torch.stack(tokens, dim=1), torch.stack(rows, dim=1)
 
 
