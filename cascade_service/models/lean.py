@@ -7,9 +7,12 @@ norm). A drafter's numerics never change the cascade's output, because the targe
 token it proposes, so a drafter may run any forward that computes the same function up to rounding.
 `LeanLlama` is that forward for Llama-family weights: q, k and v in one matmul, gate and up in one,
 rotary embedding from a precomputed table, `F.rms_norm` and `scaled_dot_product_attention` with
-grouped heads, about 15 kernel calls per layer.
+grouped heads, about 15 kernel calls per layer. In bfloat16 or float16 it rounds where transformers'
+Llama does: RMSNorm in float32, rounded to the dtype, then times the weight; cos and sin in float32,
+then rounded; attention by the same SDPA call as transformers' default `sdpa` path (softmax inside
+the kernel in float32). On the CPU its bf16 logits equal transformers' (tests/integration/test_lean.py).
 
-It keeps transformers' calling convention (input_ids, past_key_values, attention_mask,
+It keeps transformers' calling convention (input_ids, cache or past_key_values, attention_mask,
 position_ids, logits_to_keep, output_hidden_states) and the same `DynamicCache`, so the scorer, the
 batcher and `step_time_s` drive it unchanged. The target never runs on it (config refuses it there):
 the target's transformers forward is what the output must equal.
@@ -116,15 +119,20 @@ class LeanLlama(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        past_key_values: Any = None,
+        cache: Any = None,
         use_cache: bool = True,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool = False,
+        past_key_values: Any = None,
     ) -> LeanOutput:
+        # `cache` is transformers 5.2x's name (models.cachearg); `past_key_values`, the older one, is
+        # taken too, as transformers' own forwards take it until 5.40.
+        if cache is not None and past_key_values is not None:
+            raise ValueError("the lean forward got both cache and past_key_values: pass cache only")
         batch, steps = input_ids.shape
-        cache = past_key_values if use_cache else None
+        cache = (cache if cache is not None else past_key_values) if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + steps, device=input_ids.device).expand(batch, steps)
@@ -132,13 +140,11 @@ class LeanLlama(nn.Module):
         mask = _mask(attention_mask, batch, steps, past, input_ids.device)
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.blocks):
-            x = x + self._attend(
-                layer, F.rms_norm(x, x.shape[-1:], layer.norm_in, self.eps), cos, sin, cache, index, mask
-            )
-            h = F.rms_norm(x, x.shape[-1:], layer.norm_mid, self.eps)
+            x = x + self._attend(layer, _rms_norm(x, layer.norm_in, self.eps), cos, sin, cache, index, mask)
+            h = _rms_norm(x, layer.norm_mid, self.eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
-        x = F.rms_norm(x, x.shape[-1:], self.norm, self.eps)
+        x = _rms_norm(x, self.norm, self.eps)
         kept = _keep(x, logits_to_keep)
         return LeanOutput(self.lm_head(kept), (x,) if output_hidden_states else None)
 
@@ -164,6 +170,14 @@ class LeanLlama(nn.Module):
         causal = mask is None and steps > 1 and k.shape[2] == steps
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv)
         return F.linear(out.transpose(1, 2).reshape(batch, steps, heads * dim), layer.out)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)  # one kernel: the same function in float32
+    # In a 16-bit dtype, transformers' LlamaRMSNorm order and roundings: the norm in float32, rounded
+    # to the dtype, then times the weight in the dtype (F.rms_norm would multiply before rounding).
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
