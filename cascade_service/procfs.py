@@ -15,16 +15,30 @@ PROC = Path("/proc")
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-def descendants(root: int) -> set[int]:
-    """`root` and every process below it."""
-    parents: dict[int, int] = {}
-    for stat in PROC.glob("[0-9]*/stat"):
-        try:
-            # the command name in parentheses may hold spaces: the parent pid is after its ")"
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    tree, grew = {root}, True
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parentheses):
+    [0] the state, [1] the parent pid, [19] the start time; None once the process is gone."""
+    try:
+        return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """Every process now: pid -> (parent pid, start time; the pair names a process, a pid alone may be
+    reused)."""
+    table = {}
+    for entry in PROC.glob("[0-9]*"):
+        fields = stat_fields(int(entry.name))
+        if fields is not None:
+            table[int(entry.name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def descendants(*roots: int) -> set[int]:
+    """`roots` and every process below them."""
+    parents = {pid: ppid for pid, (ppid, _) in processes().items()}
+    tree, grew = set(roots), True
     while grew:
         children = {pid for pid, ppid in parents.items() if ppid in tree} - tree
         tree |= children

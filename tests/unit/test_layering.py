@@ -46,7 +46,19 @@ LAYERS: dict[str, set[str]] = {
     "engine": {"config", "coordinator", "core", "models", "runtime", "scheduling", "sessions", "startup"}
     | {"tierhost", "transport"},
     "standalone": {"api", "config", "coordinator", "engine", "rpc", "runtime", "sessions"},
-    "serving": {"api", "client", "config", "coordinator", "core", "intake", "metrics", "models", "proto", "rpc"}
+    "serving": {
+        "api",
+        "client",
+        "config",
+        "coordinator",
+        "core",
+        "intake",
+        "metrics",
+        "models",
+        "procfs",
+        "proto",
+        "rpc",
+    }
     | {"runtime", "scheduling", "sessions", "startup", "tierhost", "transport"},
     # Offline tools and commands on top.
     "zoo": {"core", "models", "paths", "prompts"},
