@@ -59,7 +59,12 @@ def test_the_standalone_server_serves_a_gpu_target_exactly(tiny_family):
 
 
 def test_a_ray_tier_given_a_gpu_runs_on_it_and_serves_exactly(tiny_family, tmp_path):
-    from ray import serve
+    try:
+        from ray import serve
+    except ImportError as exc:
+        # A GPU machine without network gets only the wheels .ci/gpu-check carries, and Ray's does not
+        # fit in one device call (docs/devices.md "GPU check"): say so rather than fail on the import.
+        pytest.skip(f"Ray is not importable here ({exc}); install cascade-service[serve] to run this test")
 
     from cascade_service.serving.app import APP_NAME
     from cascade_service.serving.local import LocalService
