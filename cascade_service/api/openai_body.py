@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 from ..core.limits import MAX_LOGIT_BIAS
 from ..proto.v1 import cascade_pb2 as pb
 from .choices import MAX_CHOICES, choice_counts
+from .status import too_large
 
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -237,9 +238,18 @@ def put_speculation(value: Any, message: pb.GenerateRequest) -> None:
         message.speculation.target_row.extend(row)
 
 
-async def json_body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The request's body as a JSON object. At most `limit` bytes (serving.admission.max_message_bytes,
+    the gRPC API's message limit) are read: a larger body is a 413 naming the limit, refused as it
+    arrives, so an oversized or endless body never sits in memory whole."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, too_large(None, limit))
+        chunks.append(chunk)
     try:
-        body = json.loads(await request.body() or b"null")
+        body = json.loads(b"".join(chunks) or b"null")
     except ValueError:
         raise HttpError(400, "the body is not JSON") from None
     except RecursionError:  # Python's parser recurses per level: a hostile body nests thousands deep

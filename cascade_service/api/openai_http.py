@@ -135,7 +135,7 @@ class _Api:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         try:
-            body = await json_body(request)
+            body = await json_body(request, self.frontend.limits.max_message_bytes)
             message, prompt = self._request(body, chat)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):

@@ -85,8 +85,10 @@ def rich_status(code: grpc.StatusCode, message: str) -> status_pb2.Status:
     return status_pb2.Status(code=code.value[0], message=message, details=packed)
 
 
-def too_large(size: int, limit: int) -> str:
-    return f"{TOO_LARGE}: {size} bytes, more than the limit of {limit} (serving.admission.max_message_bytes)"
+def too_large(size: int | None, limit: int) -> str:
+    """What a request message (or an HTTP body) past the limit is told; size None: not read to its end."""
+    read = f"{size} bytes, more" if size is not None else "more"
+    return f"{TOO_LARGE}: {read} than the limit of {limit} bytes (serving.admission.max_message_bytes)"
 
 
 def set_status(context: Any, code: grpc.StatusCode, message: str) -> None:

@@ -247,6 +247,15 @@ def test_an_oversized_request_gets_the_same_final_status_naming_the_limit(served
         assert not any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in details)  # retrying cannot help
     # The front end still serves afterwards.
     assert served.stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=1), timeout=60).token_ids
+    if not streaming:  # and over HTTP (on "ray", the replica's app behind Ray's HTTP proxy): 413, the limit named
+        body = b'{"model": "target", "max_tokens": 4, "prompt": "' + b"x" * (MAX_MESSAGE_BYTES + 1) + b'"}'
+        request = urllib.request.Request(
+            served.http_url + "/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=60)
+        assert caught.value.code == 413
+        assert str(MAX_MESSAGE_BYTES) in json.loads(caught.value.read())["error"]["message"]
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])

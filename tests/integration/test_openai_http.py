@@ -13,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from cascade_service.api.admission import MAX_REQUEST_BYTES
 from cascade_service.standalone import start_standalone
 from cascade_service.zoo.tiny import random_prompts
 
@@ -358,3 +359,18 @@ def test_a_json_schema_response_format_gives_json_of_the_schema(client):
     value = json.loads(reply.choices[0].text)
     assert isinstance(value["ok"], bool) and value["n"] in (1, 2, 3) and reply.choices[0].finish_reason == "stop"
     assert not any(c.isspace() for c in reply.choices[0].text), reply.choices[0].text  # compact by default
+
+
+def test_a_body_past_the_message_limit_is_a_413_naming_it_and_a_big_prompt_within_it_a_400(server):
+    # The HTTP API holds a body to the gRPC API's message limit (serving.admission.max_message_bytes), read
+    # as it arrives; within it, a prompt past what the model holds is refused naming `prompt`, as gRPC does.
+    head = b'{"model": "target", "max_tokens": 4, "prompt": "'
+    code, reply = _post(server, "/v1/completions", head + b"x" * (MAX_REQUEST_BYTES + 1) + b'"}')
+    assert code == 413, reply
+    assert reply["error"]["message"] == (
+        f"request too large: more than the limit of {MAX_REQUEST_BYTES} bytes (serving.admission.max_message_bytes)"
+    )
+    code, reply = _post(server, "/v1/completions", head + b"x" * 4_000_000 + b'"}')
+    assert code == 400 and reply["error"]["param"] == "prompt", reply
+    code, reply = _post(server, "/v1/completions", {"model": "target", "prompt": PROMPT, "max_tokens": 2})
+    assert code == 200 and reply["choices"][0]["text"] is not None  # still serving

@@ -152,7 +152,7 @@ def test_a_request_too_large_to_serve_gets_no_retry_hint():
     # same request can never succeed, so its status carries no RetryInfo (as gRPC's own refusal).
     status = rich_status(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large(6_000_000, 5_065_536))
     assert status.message == (
-        "request too large: 6000000 bytes, more than the limit of 5065536 (serving.admission.max_message_bytes)"
+        "request too large: 6000000 bytes, more than the limit of 5065536 bytes (serving.admission.max_message_bytes)"
     )
     assert not any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
     full = rich_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "the coordinator is at its queue limit; retry later")
