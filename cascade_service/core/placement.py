@@ -15,12 +15,15 @@ the reviewer one level up. The rule:
 3. Reading a review's decision on the host: once per review, every value it needs (`host_reads`).
 4. Randomness: the request's CPU generator is the source of truth (seeded once per request, so a
    seeded request is reproducible). torch draws from a tensor only with a generator on the tensor's
-   device, so a draw for a tensor elsewhere uses a generator made on that device and seeded from the
-   request's generator at that moment (`generator_for`). On the CPU the request's generator is used
-   as it is, so CPU outputs for a seed do not depend on this rule.
+   device, so a draw for a tensor elsewhere uses the request's generator on that device: made the
+   first time the request draws there, seeded from the request's generator, and kept with it
+   (`generator_for`). On the CPU the request's generator is used as it is, so CPU outputs for a seed
+   do not depend on this rule.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -55,18 +58,27 @@ def to_host(rows: torch.Tensor) -> torch.Tensor:
     return rows.detach().to(device="cpu", dtype=PROBS_DTYPE)
 
 
-def generator_for(source: torch.Generator, device: torch.device) -> torch.Generator:
-    """A generator for drawing from a tensor on `device`: `source` itself when it lives there, else a
-    new generator on `device` seeded from `source` (one draw from it).
+# A request's generator -> its generators on other devices, kept while the request's lives (weakly: a
+# request that ends takes its generators with it).
+_ON_DEVICES: weakref.WeakKeyDictionary[torch.Generator, dict[torch.device, torch.Generator]] = (
+    weakref.WeakKeyDictionary()
+)
 
-    A fresh generator per draw costs microseconds beside a forward pass and keeps no state per
-    request; CUDA's Philox streams under distinct seeds are independent, so the draws stay
-    independent of each other and of the drafts, which exact speculative sampling needs.
+
+def generator_for(source: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator for drawing from a tensor on `device`: `source` itself when it lives there, else the
+    request's generator on `device`, made on its first draw there, seeded from `source` (one draw from
+    it), and kept: a round draws on the device without making a generator (CUDA's Philox streams
+    under distinct seeds are independent, so a request's draws stay independent of other requests').
+    A request's draws come from one thread at a time (its decode), so no lock is taken.
     """
     if source.device == device:
         return source
-    seed = int(torch.randint(0, 2**62, (1,), generator=source, device=source.device))
-    return torch.Generator(device=device).manual_seed(seed)
+    on_devices = _ON_DEVICES.setdefault(source, {})
+    if device not in on_devices:
+        seed = int(torch.randint(0, 2**62, (1,), generator=source, device=source.device))
+        on_devices[device] = torch.Generator(device=device).manual_seed(seed)
+    return on_devices[device]
 
 
 def uniform(shape: tuple[int, ...], like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

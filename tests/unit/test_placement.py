@@ -166,4 +166,10 @@ def test_draws_on_another_device_are_seeded_from_the_requests_generator():
         assert draws(5) == draws(5)  # reproducible from the request's seed
         assert draws(5) != draws(6)
         counts = Counter(draws(7) + draws(8) + draws(9))
-        assert len(counts) == VOCAB  # not one fixed token: every derived generator starts fresh
+        assert len(counts) == VOCAB  # not one fixed token: the device generator's stream goes on
+        # One generator per request and device, made at its first draw there and kept, not one per draw.
+        source, other = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+        on_cuda = placement.generator_for(source, torch.device("cuda:0"))
+        assert placement.generator_for(source, torch.device("cuda:0")) is on_cuda
+        assert placement.generator_for(source, torch.device("cuda:1")) is not on_cuda
+        assert placement.generator_for(other, torch.device("cuda:0")) is not on_cuda
