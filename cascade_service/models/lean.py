@@ -140,11 +140,11 @@ class LeanLlama(nn.Module):
         mask = _mask(attention_mask, batch, steps, past, input_ids.device)
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.blocks):
-            x = x + self._attend(layer, _rms_norm(x, layer.norm_in, self.eps), cos, sin, cache, index, mask)
-            h = _rms_norm(x, layer.norm_mid, self.eps)
+            x = x + self._attend(layer, rms_norm(x, layer.norm_in, self.eps), cos, sin, cache, index, mask)
+            h = rms_norm(x, layer.norm_mid, self.eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
-        x = _rms_norm(x, self.norm, self.eps)
+        x = rms_norm(x, self.norm, self.eps)
         kept = _keep(x, logits_to_keep)
         return LeanOutput(self.lm_head(kept), (x,) if output_hidden_states else None)
 
@@ -163,7 +163,7 @@ class LeanLlama(nn.Module):
         qkv = F.linear(h, layer.qkv).view(batch, steps, heads + 2 * kv, dim).transpose(1, 2)  # [B, n, S, D]
         # q and k rotate together: one rotation over heads + kv_heads rows.
         qk = qkv[:, : heads + kv]
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = qk * cos + rotate_half(qk) * sin
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
         if cache is not None:
             k, v = cache.update(k, v, index)
@@ -172,7 +172,7 @@ class LeanLlama(nn.Module):
         return F.linear(out.transpose(1, 2).reshape(batch, steps, heads * dim), layer.out)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], weight, eps)  # one kernel: the same function in float32
     # In a 16-bit dtype, transformers' LlamaRMSNorm order and roundings: the norm in float32, rounded
@@ -180,7 +180,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
