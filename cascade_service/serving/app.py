@@ -125,9 +125,9 @@ class CoordinatorDeployment:
         self.heads = self.core.heads()  # acceptance heads of colocated tiers (adaptive draft length)
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="coordinator-setup")
         self._calls = Calls()
-        self.max_ongoing = max_ongoing
-        # Held to calls from Ray's proxy (api.admission.within_limit); ours refuse larger ones on receipt.
-        self.max_message_bytes = limits_from(self.config.serving.admission).max_message_bytes
+        # serving.admission sized to the calls Serve lets into this replica: the HTTP app's admission,
+        # and the message limit calls from Ray's proxy are held to (ours refuse larger ones on receipt).
+        self.limits = limits_from(self.config.serving.admission, workers=max_ongoing)
         self.http: Frontend | None = None  # the HTTP API's front end, once Serve built the app
         mirror_to_ray()
 
@@ -137,9 +137,8 @@ class CoordinatorDeployment:
         Its calls go through the same admission code as the edge's: serving.admission sized to the calls
         Serve lets into this replica, the same API keys."""
         cascade = self.config.cascade
-        limits = limits_from(self.config.serving.admission, workers=self.max_ongoing)
         tokenizer = await asyncio.get_running_loop().run_in_executor(self.pool, load_tokenizer, cascade.target.path)
-        app, self.http = replica_app(self, cascade.target.name, tokenizer, limits, self.api_keys)
+        app, self.http = replica_app(self, cascade.target.name, tokenizer, self.limits, self.api_keys)
         return app
 
     def _build(self) -> CascadeServicer:
@@ -195,7 +194,7 @@ class CoordinatorDeployment:
         return tiers
 
     async def _unary(self, method: str, request: Any, grpc_context: Any) -> Any:
-        within = within_limit(request, self.max_message_bytes, grpc_context)  # else RESOURCE_EXHAUSTED is set
+        within = within_limit(request, self.limits.max_message_bytes, grpc_context)  # else RESOURCE_EXHAUSTED is set
         context = authenticate_context(self.api_keys, grpc_context) if within else None
         if context is None:  # RESOURCE_EXHAUSTED or UNAUTHENTICATED is set on grpc_context
             return UNARY[method][1]()
@@ -209,7 +208,7 @@ class CoordinatorDeployment:
         return await self._unary("Generate", request, grpc_context)
 
     async def GenerateStream(self, request, grpc_context) -> AsyncIterator[Any]:
-        within = within_limit(request, self.max_message_bytes, grpc_context)  # else RESOURCE_EXHAUSTED is set
+        within = within_limit(request, self.limits.max_message_bytes, grpc_context)  # else RESOURCE_EXHAUSTED is set
         context = authenticate_context(self.api_keys, grpc_context) if within else None
         with self._calls.stream():
             if context is not None:
