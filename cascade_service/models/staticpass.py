@@ -120,22 +120,19 @@ def forward_static_rows(model: Any, fed: Sequence[Sequence[int]], caches: Sequen
     """Each row's [len(fed[i]), V] float32 logits from one fixed-shape pass of `model` (an HFModel over
     a LeanLlama with a pool), the caches then holding the new tokens; None (nothing done) where the pass
     fits no bucket."""
-    pool = model.kv_pool
+    if bucket(len(caches), ROW_BUCKETS) is None or bucket(max(map(len, fed)), TOKEN_BUCKETS) is None:
+        return None  # before any block is taken: the eager pass takes them
+    pool, lean = model.kv_pool, model.module
     with pool.lock:
         for cache, new in zip(caches, fed):
             pool.own_tail(cache, caches)
             pool.extend(cache, cache.length + len(new), caches)
         inputs = static_inputs(caches, fed, model.dtype, model.device)
-        if inputs is None:
-            for cache in caches:
-                pool.truncate(cache, cache.length)
-            return None
-        for layer in range(len(model.module.blocks)):
-            like = torch.empty(
-                1, model.module.kv_heads, 1, model.module.head_dim, dtype=model.dtype, device=model.device
-            )
+        assert inputs is not None  # the buckets held it, checked above
+        like = torch.empty(1, lean.kv_heads, 1, lean.head_dim, dtype=model.dtype, device=model.device)
+        for layer in range(len(lean.blocks)):
             pool.reserve(layer, like)
-        logits = static_forward(model.module, pool, inputs)
+        logits = static_forward(lean, pool, inputs)
         for cache, new in zip(caches, fed):
             cache.length += len(new)
             pool.truncate(cache, cache.length)
