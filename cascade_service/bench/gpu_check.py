@@ -330,7 +330,10 @@ class WheelList:
 
 
 def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+    """A distribution's name as pip compares them (PEP 503)."""
+    from packaging.utils import canonicalize_name  # transformers' own dependency
+
+    return str(canonicalize_name(name))
 
 
 def read_wheel_list(text: str) -> WheelList:
