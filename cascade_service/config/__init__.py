@@ -22,6 +22,7 @@ from .base import (
     BACKENDS,
     DEVICE,
     DTYPES,
+    GRAPH_MODES,
     KV_STORAGES,
     MAG,
     SUFFIX,
@@ -105,7 +106,7 @@ def parse_config(raw: dict[str, Any], base_dir: Path = Path(".")) -> Config:
     only_keys(raw, "", {"tiers", "schedule", "generation", "model", "serving"})
     model_defaults = mapping_at(raw.get("model", {}), "model")
     only_keys(
-        model_defaults, "model.", {"dtype", "device", "kv", "kv_budget_mb"}
+        model_defaults, "model.", {"dtype", "device", "kv", "kv_budget_mb", "graphs"}
     )  # what every model tier takes unless it says
     tiers = mapping_at(raw.get("tiers"), "tiers")
     only_keys(tiers, "tiers.", {"target", "drafters"})
@@ -309,9 +310,8 @@ STATISTICAL: dict[str, Callable[[dict, str, Path], StatisticalConfig]] = {MAG: _
 
 def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict, base_dir: Path) -> ModelTierConfig:
     item = mapping_at(item, where)
-    only_keys(
-        item, where + ".", {"name", "path", "dtype", "device", "kind", "address", "backend", "kv", "kv_budget_mb"}
-    )
+    fields = {"name", "path", "dtype", "device", "kind", "address", "backend", "kv", "kv_budget_mb", "graphs"}
+    only_keys(item, where + ".", fields)
     address = parse_addresses(item["address"], where + ".address") if "address" in item else ()
     if address and "path" not in item:
         if where.endswith("target"):
@@ -342,6 +342,18 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
     budget = item.get("kv_budget_mb", defaults.get("kv_budget_mb"))
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0):
         raise ConfigError(f"{where}.kv_budget_mb must be a positive number of MiB, got {budget!r}")
+    graphs = item.get("graphs", defaults.get("graphs", "auto"))
+    if graphs not in GRAPH_MODES:
+        raise ConfigError(f"{where}.graphs must be one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
     return ModelTierConfig(
-        str(name), path, dtype, device, key=where, address=address, backend=backend, kv=kv, kv_budget_mb=budget
+        str(name),
+        path,
+        dtype,
+        device,
+        key=where,
+        address=address,
+        backend=backend,
+        kv=kv,
+        kv_budget_mb=budget,
+        graphs=graphs,
     )

@@ -12,6 +12,7 @@ import torch
 from cascade_service.models.kvpool import KVCache, PagedCache
 from cascade_service.models.packed import forward_packed
 from cascade_service.models.poolpass import forward_rows
+from cascade_service.models.staticpass import static_rows
 from cascade_service.scheduling.batcher import PREFILL_CHUNK, PREFILL_CHUNK_CUDA, Pass
 
 
@@ -36,7 +37,12 @@ def default_prefill_chunk(device: torch.device) -> int:
 
 def forward_batch(model: PassModel, batch: list[Pass]) -> list[object]:
     """One forward pass for several requests' passes: in place over their pool blocks (models.poolpass),
-    or packed from their own caches (models.packed); a lone pass is the model's own `forward_now`."""
+    or packed from their own caches (models.packed); a lone pass is the model's own `forward_now`.
+    Where the model runs fixed-shape passes (models.staticpass: CUDA graphs on cuda) and the batch fits
+    a bucket, that pass instead."""
+    fixed = static_rows(model, batch)
+    if fixed is not None:
+        return fixed
     if len(batch) == 1 or getattr(model, "encoder_decoder", False):  # encoder-decoder: one row a pass
         return [model.forward_now(one.fed, one.cache, one.keep, with_hidden=one.with_hidden) for one in batch]
     if isinstance(batch[0].cache, PagedCache):

@@ -29,6 +29,7 @@ from .lean import BACKENDS
 from .poolpass import PoolPass
 from .rows import last_rows
 from .scorer import HFScorer
+from .staticpass import GRAPH_MODES, StaticRunner, start_graphs
 
 T = TypeVar("T")
 
@@ -176,6 +177,8 @@ class HFModel:
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
         self._step_times: dict[int, float] = {}
         self.batcher: LoopBatcher | None = None  # once enable_batching() ran: passes run in the engine loop
+        # How its passes run in fixed shapes (models.staticpass.GRAPH_MODES; `use_graphs`): None, as before.
+        self.static: StaticRunner | None = None
 
     def enable_batching(self, loop: EngineLoop, max_batch: int = 64, prefill_chunk: int | None = None) -> None:
         """From now on this model's forward passes run in the engine loop `loop` (scheduling.loop: its
@@ -193,6 +196,16 @@ class HFModel:
             raise ValueError(f"{self.name}: its passes already run in the engine loop {self.batcher.loop.name}")
         else:  # settings for the same loop (a test, a benchmark's variant): the last ones win
             self.batcher.max_batch, self.batcher.prefill_chunk = max_batch, chunk
+        start_graphs(self, max_batch)  # on cuda the graphs are captured now, not on a request's time
+
+    def use_graphs(self, mode: str) -> None:
+        """Run this model's passes that fit a bucket in fixed shapes (models.staticpass.GRAPH_MODES:
+        "auto" captures CUDA graphs on cuda, "eager" runs the same shapes uncaptured, "off" neither).
+        Only a pool's passes have fixed-shape indices: other storages ignore it."""
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"unknown graphs mode {mode!r}; expected one of {sorted(GRAPH_MODES)}")
+        usable = self.prefix_caching
+        self.static = GRAPH_MODES[mode](self.module, self.kv_pool, self.dtype, self.device) if usable else None
 
     def _on_pass(self, metrics: Metrics, rows: int, seconds: float) -> None:
         metrics.forward_pass(self.name, rows, seconds)
@@ -223,8 +236,8 @@ class HFModel:
 
     def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False):
         """A cached forward pass for one request: in the engine loop once batching is on."""
-        if self.batcher is None:
-            return self.forward_now(tokens, cache, keep, with_hidden=with_hidden)
+        if self.batcher is None:  # a batch of one, now
+            return forward_batch(self, [Pass(list(tokens), cache, keep, with_hidden)])[0]
         if not isinstance(cache, PagedCache):
             return self.batcher.forward(tokens, cache, keep, with_hidden)
         cache.pinned += 1  # queued: the pool never preempts a cache a pending pass was planned on
@@ -243,17 +256,21 @@ class HFModel:
         backend: str = "hf",
         kv: str = "pool",
         kv_budget_mb: float | None = None,
+        graphs: str = "auto",
     ) -> HFModel:
         """Load a local Hugging Face model directory in eval mode on `device`.
 
         dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto";
         backend: the forward that runs it (models.lean.BACKENDS: "hf", or "lean" for a drafter);
         kv: where requests' KV caches live (models.kvpool.STORAGES: "pool" or "dynamic");
-        kv_budget_mb: the most its pool holds (None: models.kvsize.DEFAULT_FRACTION of the device's memory).
+        kv_budget_mb: the most its pool holds (None: models.kvsize.DEFAULT_FRACTION of the device's memory);
+        graphs: how passes run in fixed shapes (models.staticpass.GRAPH_MODES: "auto", "eager", "off").
         Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
         """
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {sorted(BACKENDS)}")
+        if graphs not in GRAPH_MODES:  # before the weights load
+            raise ValueError(f"unknown graphs mode {graphs!r}; expected one of {sorted(GRAPH_MODES)}")
         torch_dtype = _parse_dtype(dtype)
         target = resolve_device(device)
         local = _local_dir(path)
@@ -261,7 +278,9 @@ class HFModel:
         kind = MODEL_KINDS[is_encoder_decoder(local)]  # chosen once, here: HFModel or Seq2SeqModel
         module = kind.auto.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
         module.eval().to(target)
-        return kind(BACKENDS[backend](module), name or local.resolve().name, kv, kv_budget_mb)
+        model = kind(BACKENDS[backend](module), name or local.resolve().name, kv, kv_budget_mb)
+        model.use_graphs(graphs)
+        return model
 
     def facts(self) -> TierFacts:
         """What a coordinator needs to know of this tier (core.tier.TierFacts)."""

@@ -119,6 +119,9 @@ class KVPool:
         # Where events go besides `counters` (models.hf sets the process's metrics: metrics.KV_EVENTS).
         self.report: Callable[[str, int], None] = _ignore
         self.clock = itertools.count(1)
+        # How much the tensors grow at a time; models.staticpass doubles it under captured graphs (a
+        # growth moves the tensors, and every graph holding their addresses is captured again).
+        self.growth = GROWTH
 
     # --- what it holds ------------------------------------------------------------------------------
 
@@ -229,7 +232,7 @@ class KVPool:
         self._release(old)
 
     def _grown(self, old: torch.Tensor) -> torch.Tensor:
-        size = max(self.blocks, FIRST_BLOCKS, int(old.shape[0] * GROWTH))
+        size = max(self.blocks, FIRST_BLOCKS, int(old.shape[0] * self.growth))
         if self.max_blocks is not None:
             size = min(size, self.max_blocks)
         grown = old.new_zeros((size, *old.shape[1:]))

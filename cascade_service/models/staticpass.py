@@ -1,5 +1,4 @@
-"""A lean model's batched pass over the KV pool in fixed shapes (issue 49, work in progress: not yet
-wired into the batcher, not yet captured on a GPU).
+"""A model's batched pass over the KV pool in fixed shapes, and those passes captured as CUDA graphs.
 
 On a GPU a small model's step is kernel launches and Python, not arithmetic (the shipped family's
 target: 9.15 ms a row on an H200, where its arithmetic is microseconds). Capturing a pass as a CUDA
@@ -8,30 +7,38 @@ the pass may depend on the rows' lengths or read a value back to the host. This 
 
 - shapes come from buckets: rows B (ROW_BUCKETS), new tokens per row S (TOKEN_BUCKETS: the block sizes
   a schedule uses, k + 1) and context width W (a multiple of WIDTH_STEP); a pass outside them runs as
-  today (models.poolpass);
+  before (models.poolpass), and so does a pass that asks for hidden states;
 - every index the pass needs is a tensor of those shapes (`StaticInputs`), filled on the host before the
-  pass: the ids, their positions, the pool slots the new keys go to, the slots each row reads (its
-  blocks, then the NULL block), and the additive mask. Padding rows and tokens write to the NULL block
-  (block 0, which no request owns and every read masks) and read it;
-- the pass (`static_forward`) writes with `index_copy_` and reads with `index_select` over the pool's
-  flat slots: the same work for any rows of the same bucket.
+  pass: the ids, their positions, the pool slots the new keys go to and the slots each row reads (its
+  blocks in position order, then the NULL block). Key column c of a row is its position c, so the mask
+  is made on the device from the positions (no [B, S, W] host tensor to copy). Padding rows and
+  tokens write to the NULL block (block 0, which no request owns and every read masks) and read it;
+- the model (the target's transformers forward or a lean drafter's: both take a 4D mask, explicit
+  positions and a cache object) runs over `FixedSlots`, a cache whose `update` writes with
+  `index_copy_` and reads with `index_select` over the pool's flat slots: the same kernels for any rows
+  of the same bucket.
 
-What is left (issue 49 points 1 and 2): capturing `static_forward` per bucket on cuda (and again when
-the pool's tensors grow: a captured graph holds their addresses), routing the batcher's passes of lean
-models on cuda to it, and measuring it against torch.compile's reduce-overhead mode.
+How a model runs it is `GRAPH_MODES` (config: a model tier's `graphs:`): captured as CUDA graphs on cuda
+(`CapturedPasses`), eager in the same shapes (`EagerPasses`, what the CPU tests drive), or not at all.
+torch.cuda.CUDAGraph directly rather than torch.compile's reduce-overhead mode: the pass mutates the
+pool in place and the pool's tensors are reallocated when it grows, which reduce-overhead treats as
+new inputs (copies or re-records), and compiling at startup takes minutes on a 2-core CI machine.
+Neither has been measured against the other on a GPU yet (issue 49): docs/devices.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
+from .cachearg import cache_kwargs
 from .kvpool import BLOCK, NULL, KVPool, PagedCache
-from .lean import LeanLlama, rms_norm, rotate_half
+
+log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)
@@ -50,93 +57,150 @@ class StaticInputs:
     ids: torch.Tensor  # [B, S] long: the new tokens (0 where padding)
     positions: torch.Tensor  # [B, S] long: their positions (0 where padding)
     write: torch.Tensor  # [B * S] long: the flat pool slot each new token's keys go to (NULL's where padding)
-    read: torch.Tensor  # [B * W] long: the flat slots each row reads, its blocks in order, then NULL's
-    mask: torch.Tensor  # [B, 1, S, W]: 0 where a query sees a key, the dtype's min elsewhere
+    read: torch.Tensor  # [B * W] long: the flat slots each row reads, its positions in order, then NULL's
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """The bucket (B, S, W)."""
+        rows, steps = self.ids.shape
+        return rows, steps, self.read.shape[0] // rows
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.ids, self.positions, self.write, self.read
+
+
+def padding_inputs(rows: int, steps: int, width: int, device: torch.device) -> StaticInputs:
+    """A pass of padding only, in one bucket: it writes and reads nothing but the NULL block (how a
+    bucket is captured before any request needs it)."""
+    zeros = torch.zeros((rows, steps), dtype=torch.long, device=device)
+    return StaticInputs(
+        zeros,
+        zeros.clone(),
+        torch.full((rows * steps,), NULL * BLOCK, dtype=torch.long, device=device),
+        torch.full((rows * width,), NULL * BLOCK, dtype=torch.long, device=device),
+    )
 
 
 def static_inputs(
-    caches: Sequence[PagedCache], news: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device
+    caches: Sequence[PagedCache], news: Sequence[Sequence[int]], device: torch.device
 ) -> StaticInputs | None:
     """The inputs of a pass feeding `news[i]` to `caches[i]` (whose tables already hold blocks for
     them), in bucket shapes; None where the pass fits no bucket."""
     rows = bucket(len(caches), ROW_BUCKETS)
     steps = bucket(max(len(n) for n in news), TOKEN_BUCKETS)
-    longest = max(c.length + len(n) for c, n in zip(caches, news))
     if rows is None or steps is None:
         return None
+    longest = max(c.length + len(n) for c, n in zip(caches, news))
     width = -(-longest // WIDTH_STEP) * WIDTH_STEP
-    ids = torch.zeros((rows, steps), dtype=torch.long)
-    positions = torch.zeros((rows, steps), dtype=torch.long)
-    write = torch.full((rows, steps), NULL * BLOCK, dtype=torch.long)
-    read = torch.full((rows, width), NULL * BLOCK, dtype=torch.long)
-    seen = torch.zeros((rows, steps, width), dtype=torch.bool)
+    inputs = padding_inputs(rows, steps, width, torch.device("cpu"))
+    write, read = inputs.write.view(rows, steps), inputs.read.view(rows, width)
+    offsets = torch.arange(BLOCK)
     for i, (cache, new) in enumerate(zip(caches, news)):
         start, n = cache.length, len(new)
-        table = torch.tensor(cache.table, dtype=torch.long)
-        slots = (table[:, None] * BLOCK + torch.arange(BLOCK)).view(-1)[: start + n]
-        ids[i, :n] = torch.tensor(list(new), dtype=torch.long)
-        positions[i, :n] = torch.arange(start, start + n)
-        write[i, :n] = slots[start : start + n]
+        slots = (torch.tensor(cache.table, dtype=torch.long)[:, None] * BLOCK + offsets).view(-1)[: start + n]
+        inputs.ids[i, :n] = torch.tensor(list(new), dtype=torch.long)
+        inputs.positions[i, :n] = torch.arange(start, start + n)
+        write[i, :n] = slots[start:]
         read[i, : start + n] = slots
-        # Query j of row i sees keys 0 .. start + j.
-        seen[i, :n, : start + n] = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
-    # A padding query sees one key (NULL's), so its softmax has something to normalise: no NaN.
-    seen[:, :, 0] |= ~seen.any(dim=-1)
-    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
-    return StaticInputs(
-        ids.to(device), positions.to(device), write.view(-1).to(device), read.view(-1).to(device), mask.to(device)
-    )
+    if device.type == "cpu":
+        return inputs
+    return StaticInputs(*(t.pin_memory().to(device, non_blocking=True) for t in inputs.tensors()))
+
+
+def static_mask(positions: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B, 1, S, W]: the query at position p sees key columns 0..p (a row's columns
+    are its positions in order). A padding query (position 0) sees column 0 only, so its softmax has a
+    key to normalise over: no NaN."""
+    hidden = torch.arange(width, device=positions.device)[None, None, :] > positions[:, :, None]
+    return torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(hidden, torch.finfo(dtype).min)[
+        :, None
+    ]
+
+
+class FixedSlots:
+    """The cache a model sees during a fixed-shape pass (duck-typed as transformers' `Cache`, as
+    models.poolpass.PoolPass is): `update` stores the new keys at `write` and returns the keys at `read`,
+    [B, kv_heads, W, head_dim], whatever the rows' lengths."""
+
+    is_compileable = False  # read by transformers' masking; the 4D mask it is given is used as it is
+
+    def __init__(self, pool: KVPool, inputs: StaticInputs):
+        self.pool, self.inputs = pool, inputs
+        self.rows, self.steps, self.width = inputs.key
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        heads, dim = key_states.shape[1], key_states.shape[3]
+        got = []
+        for store, new in ((self.pool.keys, key_states), (self.pool.values, value_states)):
+            flat = store[layer_idx].view(-1, heads, dim)
+            flat.index_copy_(0, self.inputs.write, new.transpose(1, 2).reshape(-1, heads, dim))
+            got.append(flat.index_select(0, self.inputs.read).view(self.rows, self.width, heads, dim).transpose(1, 2))
+        return got[0], got[1]
+
+    # Positions and the mask are given explicitly: what transformers would make from these is unused.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: Any, layer_idx: int = 0) -> tuple[int, int]:
+        return self.width, 0
+
+
+def kv_like(config: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [1, kv_heads, 1, head_dim] tensor shaped like one layer's keys (what the pool reserves by)."""
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return torch.empty(1, kv, 1, dim, dtype=dtype, device=device)
+
+
+def layer_count(config: Any) -> int:
+    return int(config.num_hidden_layers)
 
 
 @torch.inference_mode()
-def static_forward(model: LeanLlama, pool: KVPool, inputs: StaticInputs) -> torch.Tensor:
-    """The lean forward over `inputs` (every shape fixed by its bucket): [B, S, V] logits, the new
+def static_forward(module: Any, pool: KVPool, inputs: StaticInputs, dtype: torch.dtype) -> torch.Tensor:
+    """`module`'s forward over `inputs` (every shape fixed by its bucket): [B, S, V] logits, the new
     keys and values written to the pool. No host read and no shape that depends on the rows' lengths."""
-    rows, steps = inputs.ids.shape
-    width = inputs.read.shape[0] // rows
-    heads, kv, dim = model.heads, model.kv_heads, model.head_dim
-    cos, sin = model.cos[inputs.positions].unsqueeze(1), model.sin[inputs.positions].unsqueeze(1)
-    x = F.embedding(inputs.ids, model.embed)
-    for index, layer in enumerate(model.blocks):
-        h = rms_norm(x, layer.norm_in, model.eps)
-        qkv = F.linear(h, layer.qkv).view(rows, steps, heads + 2 * kv, dim).transpose(1, 2)
-        qk = qkv[:, : heads + kv]
-        qk = qk * cos + rotate_half(qk) * sin
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
-        keys, values = pool.keys[index].view(-1, kv, dim), pool.values[index].view(-1, kv, dim)
-        keys.index_copy_(0, inputs.write, k.transpose(1, 2).reshape(rows * steps, kv, dim))
-        values.index_copy_(0, inputs.write, v.transpose(1, 2).reshape(rows * steps, kv, dim))
-        k_all = keys.index_select(0, inputs.read).view(rows, width, kv, dim).transpose(1, 2)
-        v_all = values.index_select(0, inputs.read).view(rows, width, kv, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=inputs.mask, enable_gqa=heads != kv)
-        x = x + F.linear(out.transpose(1, 2).reshape(rows, steps, heads * dim), layer.out)
-        h = rms_norm(x, layer.norm_mid, model.eps)
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, layer.down)
-    return model.lm_head(rms_norm(x, model.norm, model.eps))
+    mask = static_mask(inputs.positions, inputs.key[2], dtype)
+    out = module(
+        input_ids=inputs.ids,
+        attention_mask=mask,
+        position_ids=inputs.positions,
+        use_cache=True,
+        **cache_kwargs(module, FixedSlots(pool, inputs)),
+    )
+    return out.logits
 
 
-def forward_static_rows(model: Any, fed: Sequence[Sequence[int]], caches: Sequence[PagedCache]) -> list[Any] | None:
-    """Each row's [len(fed[i]), V] float32 logits from one fixed-shape pass of `model` (an HFModel over
-    a LeanLlama with a pool), the caches then holding the new tokens; None (nothing done) where the pass
-    fits no bucket."""
-    if bucket(len(caches), ROW_BUCKETS) is None or bucket(max(map(len, fed)), TOKEN_BUCKETS) is None:
-        return None  # before any block is taken: the eager pass takes them
-    pool, lean = model.kv_pool, model.module
-    with pool.lock:
-        for cache, new in zip(caches, fed):
-            pool.own_tail(cache, caches)
-            pool.extend(cache, cache.length + len(new), caches)
-        inputs = static_inputs(caches, fed, model.dtype, model.device)
-        assert inputs is not None  # the buckets held it, checked above
-        like = torch.empty(1, lean.kv_heads, 1, lean.head_dim, dtype=model.dtype, device=model.device)
-        for layer in range(len(lean.blocks)):
-            pool.reserve(layer, like)
-        logits = static_forward(lean, pool, inputs)
-        for cache, new in zip(caches, fed):
-            cache.length += len(new)
-            pool.truncate(cache, cache.length)
-    return [logits[i, : len(new)].float() for i, new in enumerate(fed)]
+class StaticRunner(Protocol):
+    """How a model's fixed-shape passes run: `run` gives a pass's [B, S, V] logits (a tensor the next
+    pass does not overwrite). `runs`: passes run so far; `captures`: graphs captured so far."""
+
+    runs: int
+    captures: int
+
+    def run(self, inputs: StaticInputs) -> torch.Tensor: ...
+
+    def warm(self, max_rows: int) -> None: ...
+
+
+class EagerPasses:
+    """The fixed-shape pass run eagerly: the same kernels a captured graph replays, on any device."""
+
+    captures = 0
+
+    def __init__(self, module: Any, pool: KVPool, dtype: torch.dtype):
+        self.module, self.pool, self.dtype = module, pool, dtype
+        self.runs = 0
+
+    def run(self, inputs: StaticInputs) -> torch.Tensor:
+        self.runs += 1
+        return static_forward(self.module, self.pool, inputs, self.dtype)
+
+    def warm(self, max_rows: int) -> None:
+        pass
 
 
 @dataclass
@@ -148,44 +212,143 @@ class _Graph:
 
 
 class CapturedPasses:
-    """`static_forward` of one lean model on cuda as CUDA graphs, one per bucket (B, S, W), captured at
-    its first use and again once the pool's tensors have grown (a graph holds their addresses).
-    Unverified: no GPU has run this yet (issue 49)."""
+    """`static_forward` of one model on cuda as CUDA graphs, one per bucket (B, S, W): the first width's
+    captured at startup (`warm`), others at first use, and again once the pool's tensors have grown (a
+    graph holds their addresses). The graphs share one memory pool: they replay one at a time on one
+    stream, and each replay's logits are copied out before the next."""
 
-    def __init__(self, model: LeanLlama, pool: KVPool):
-        self.model, self.pool = model, pool
+    def __init__(self, module: Any, pool: KVPool, dtype: torch.dtype):
+        self.module, self.pool, self.dtype = module, pool, dtype
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
-        self.captures = 0
+        self.captures = self.runs = 0
+        self._memory = torch.cuda.graph_pool_handle()
 
     def run(self, inputs: StaticInputs) -> torch.Tensor:
         """[B, S, V] logits of the pass over `inputs` (a copy: the graph's buffer is reused)."""
-        rows, steps = inputs.ids.shape
-        key = (rows, steps, inputs.read.shape[0] // rows)
-        storage = tuple(t.data_ptr() for t in self.pool.keys + self.pool.values)
-        entry = self.graphs.get(key)
-        if entry is None or entry.storage != storage:
-            entry = self.graphs[key] = self._capture(inputs, storage)
-        else:
-            for name in ("ids", "positions", "write", "read", "mask"):  # into the graph's own buffers
-                getattr(entry.inputs, name).copy_(getattr(inputs, name))
-            entry.graph.replay()
+        entry = self._graph(inputs)
+        for mine, given in zip(entry.inputs.tensors(), inputs.tensors()):
+            mine.copy_(given, non_blocking=True)
+        entry.graph.replay()
+        self.runs += 1
         return entry.logits.clone()
 
+    def warm(self, max_rows: int) -> None:
+        """Capture every row and token bucket at the first width: a pass of padding each, which writes
+        only the NULL block. Largest first, so later captures reuse the shared pool's memory."""
+        device = self.pool.keys[0].device
+        for rows in sorted((b for b in ROW_BUCKETS if b <= max(1, max_rows)), reverse=True):
+            for steps in sorted(TOKEN_BUCKETS, reverse=True):
+                self._graph(padding_inputs(rows, steps, WIDTH_STEP, device))
+
+    def _graph(self, inputs: StaticInputs) -> _Graph:
+        storage = tuple(t.data_ptr() for t in self.pool.keys + self.pool.values)
+        entry = self.graphs.get(inputs.key)
+        if entry is None or entry.storage != storage:
+            entry = self.graphs[inputs.key] = self._capture(inputs, storage)
+        return entry
+
     def _capture(self, inputs: StaticInputs, storage: tuple[int, ...]) -> _Graph:
-        # A warm-up pass on a side stream first (what torch's CUDA-graph recipe asks: lazy inits and
-        # workspace allocations happen outside the capture); it writes this pass's keys, as the replay
-        # would, so its result is the pass's.
-        static = StaticInputs(
-            *(t.clone() for t in (inputs.ids, inputs.positions, inputs.write, inputs.read, inputs.mask))
-        )
+        # torch's recipe: a warm-up pass on a side stream first (lazy inits and workspaces happen
+        # outside the capture). The captured buffers then get each pass's inputs copied in by `run`.
+        static = StaticInputs(*(t.clone() for t in inputs.tensors()))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            static_forward(self.model, self.pool, static)
+            static_forward(self.module, self.pool, static, self.dtype)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = static_forward(self.model, self.pool, static)
-        graph.replay()  # capturing records the work without doing it
+        with torch.cuda.graph(graph, pool=self._memory):
+            logits = static_forward(self.module, self.pool, static, self.dtype)
         self.captures += 1
         return _Graph(graph, static, logits, storage)
+
+
+# graphs: how a model tier runs its fixed-shape passes (config: a model tier's `graphs:`), by device
+# type. Each entry: (module, pool, dtype, device) -> a runner, or None (every pass as before).
+GRAPH_MODES: dict[str, Callable[[Any, KVPool, torch.dtype, torch.device], StaticRunner | None]] = {
+    # CUDA graphs on cuda; elsewhere none: on a CPU the padded shapes cost more than launches do.
+    "auto": lambda module, pool, dtype, device: CapturedPasses(module, pool, dtype) if device.type == "cuda" else None,
+    "off": lambda module, pool, dtype, device: None,
+    # The fixed-shape pass without capture, on any device: what the graphs replay, to compare against.
+    "eager": lambda module, pool, dtype, device: EagerPasses(module, pool, dtype),
+}
+
+
+class CaptureFailed(RuntimeError):
+    """A pass could not be captured or replayed: the model runs every pass eagerly from then on."""
+
+
+def forward_static_rows(model: Any, fed: Sequence[Sequence[int]], caches: Sequence[PagedCache]) -> list[Any] | None:
+    """Each row's [len(fed[i]), V] float32 logits from one fixed-shape pass of `model` (an HFModel with
+    a `static` runner and a pool), the caches then holding the new tokens; None (nothing done) where
+    the pass fits no bucket. A failure leaves the caches as they were."""
+    if bucket(len(caches), ROW_BUCKETS) is None or bucket(max(map(len, fed)), TOKEN_BUCKETS) is None:
+        return None  # before any block is taken: the eager pass takes them
+    pool = model.kv_pool
+    with pool.lock:
+        starts = [cache.length for cache in caches]
+        now = next(pool.clock)
+        try:
+            for cache, new in zip(caches, fed):
+                pool.own_tail(cache, caches)
+                pool.extend(cache, cache.length + len(new), caches)
+                cache.used = now
+            inputs = static_inputs(caches, fed, model.device)
+            assert inputs is not None  # the buckets held it, checked above
+            like = kv_like(model.config, model.dtype, model.device)
+            for layer in range(layer_count(model.config)):
+                pool.reserve(layer, like)
+            try:
+                logits = model.static.run(inputs)
+            except Exception as exc:
+                raise CaptureFailed(str(exc)) from exc
+        except BaseException:
+            for cache, start in zip(caches, starts):
+                pool.truncate(cache, start)
+            raise
+        for cache, new in zip(caches, fed):
+            cache.length += len(new)
+            pool.truncate(cache, cache.length)
+    return [logits[i, : len(new)].float() for i, new in enumerate(fed)]
+
+
+def static_rows(model: Any, batch: Sequence[Any]) -> list[Any] | None:
+    """A batcher's passes (fed, cache, keep, with_hidden) as one fixed-shape pass of `model` where it
+    has a runner and they fit a bucket: each row's last `keep` [keep, V] float32 logits. None where
+    they do not (nothing done): a pass asking for hidden states, caches outside a pool, a shape past
+    the buckets. A runner that fails is dropped with a warning and the pass left to the eager path."""
+    if getattr(model, "static", None) is None or any(item.with_hidden for item in batch):
+        return None
+    if not all(isinstance(item.cache, PagedCache) for item in batch):
+        return None
+    try:
+        rows = forward_static_rows(model, [item.fed for item in batch], [item.cache for item in batch])
+    except CaptureFailed as exc:
+        log.warning("%s: fixed-shape passes off, every pass eager from now on: %s", model.name, exc.__cause__)
+        model.static = None
+        return None
+    if rows is None:
+        return None
+    return [logits[len(item.fed) - item.keep :] for item, logits in zip(batch, rows)]
+
+
+def start_graphs(model: Any, max_batch: int) -> None:
+    """Before `model` serves: its pool's tensors made for every layer, and its runner's first buckets
+    captured (CUDA graphs: a capture takes milliseconds a bucket, not to be paid by a request). A pool
+    under captured graphs grows by doubling: each growth moves its tensors, and every graph is then
+    captured again at its next use."""
+    runner = getattr(model, "static", None)
+    if runner is None:
+        return
+    pool = model.kv_pool
+    like = kv_like(model.config, model.dtype, model.device)
+    with pool.lock:
+        for layer in range(layer_count(model.config)):
+            pool.reserve(layer, like)
+        if isinstance(runner, CapturedPasses):
+            pool.growth = max(pool.growth, 2.0)
+        try:
+            runner.warm(max_batch)
+        except Exception as exc:
+            log.warning("%s: fixed-shape passes off, every pass eager: capture failed: %s", model.name, exc)
+            model.static = None

@@ -27,7 +27,7 @@ from .leaves import Encode, Leaves
 
 T = TypeVar("T")
 # A tier's fields that say which weights, how they run and where their KV caches live: one model per value.
-MODEL_FIELDS = ("path", "dtype", "device", "name", "backend", "kv", "kv_budget_mb")
+MODEL_FIELDS = ("path", "dtype", "device", "name", "backend", "kv", "kv_budget_mb", "graphs")
 DEFAULT_MAX_BATCH = 64  # rows of one batched forward pass
 
 

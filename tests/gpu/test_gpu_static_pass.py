@@ -1,37 +1,101 @@
 """models.staticpass on cuda: a pass replayed from a captured CUDA graph gives the eager fixed-shape
-pass's logits and writes the same keys; a bucket is captured once, and again after the pool grew.
-Unverified until a GPU runs it (issue 49)."""
+pass's logits and writes the same keys (a lean drafter and the target's transformers forward); a bucket
+is captured once, and again after the pool's tensors moved; a cascade whose tiers all replay graphs is
+the target's greedy path and reproducible per seed when sampled. Unverified until a GPU runs it
+(issue 49)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from cascade_service.config import ModelTierConfig, make_cascade
+from cascade_service.core.request import GenerationConfig
+from cascade_service.engine import Engine
 from cascade_service.models.hf import HFModel
-from cascade_service.models.staticpass import CapturedPasses, static_forward, static_inputs
+from cascade_service.models.staticpass import CapturedPasses, forward_static_rows, static_forward, static_inputs
+from cascade_service.scheduling.loop import EngineLoop
 from cascade_service.zoo.tiny import random_prompts
+
+from .oracle import assert_greedy, load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_a_replayed_pass_equals_the_eager_one(tiny_family):
-    model = HFModel.load(tiny_family["mid"], backend="lean", kv="pool", device="cuda")
-    caches = [model.new_cache() for _ in range(3)]
-    for cache, history in zip(caches, random_prompts(3, 30, seed=9)):
+def _prefilled(model: HFModel, rows: int, length: int, seed: int) -> list:
+    caches = [model.new_cache() for _ in range(rows)]
+    for cache, history in zip(caches, random_prompts(rows, length, seed=seed)):
         with torch.inference_mode():
             model.forward_now(history, cache, 1)
+    return caches
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_a_replayed_pass_equals_the_eager_one(tiny_family, backend):
+    model = HFModel.load(tiny_family["mid"], backend=backend, kv="pool", device="cuda", graphs="off")
+    caches = _prefilled(model, 3, 30, seed=9)
     pool = model.kv_pool
     for cache in caches:
         pool.extend(cache, cache.length + 2, caches)
-    inputs = static_inputs(caches, [[5, 6], [7, 8], [9, 10]], model.dtype, model.device)
+    inputs = static_inputs(caches, [[5, 6], [7, 8], [9, 10]], model.device)
     assert inputs is not None
-    eager = static_forward(model.module, pool, inputs)
+    eager = static_forward(model.module, pool, inputs, model.dtype)
     keys = [t.clone() for t in pool.keys]
-    captured = CapturedPasses(model.module, pool)
+    captured = CapturedPasses(model.module, pool, model.dtype)
     first = captured.run(inputs)  # captured here
     again = captured.run(inputs)  # replayed
-    assert captured.captures == 1
+    assert captured.captures == 1 and captured.runs == 2
     torch.testing.assert_close(first, eager)
     torch.testing.assert_close(again, eager)
     for before, after in zip(keys, pool.keys):
         torch.testing.assert_close(before, after)  # the same keys written to the same slots
+
+
+def test_buckets_are_captured_at_start_and_again_after_the_pool_moved(tiny_family):
+    model = HFModel.load(tiny_family["mid"], backend="lean", kv="pool", device="cuda")
+    model.enable_batching(EngineLoop("gpu-static-test"), max_batch=4)
+    runner = model.static
+    assert isinstance(runner, CapturedPasses)
+    assert runner.captures == 3 * 5  # rows 1, 2, 4 by tokens 1, 2, 4, 8, 16 at the first width
+    caches = _prefilled(model, 2, 20, seed=4)
+    got = forward_static_rows(model, [[3], [4]], caches)
+    assert got is not None and runner.captures == 15  # a warm bucket: replayed, not captured
+    before = runner.captures
+    moved = _prefilled(model, 8, 300, seed=5)  # 150 blocks: the pool's tensors grow and move
+    assert model.kv_pool.capacity > 32 and moved
+    got = forward_static_rows(model, [[5], [6]], caches)
+    assert got is not None and runner.captures == before + 1  # the moved pool: that bucket again
+    for rows, history, new in zip(got, random_prompts(2, 20, seed=4), ([3, 5], [4, 6])):
+        with torch.inference_mode():
+            expected = model.module(input_ids=torch.tensor([history + new], device="cuda")).logits[0, -1:]
+        torch.testing.assert_close(rows, expected.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cascade_replaying_graphs_is_the_targets_greedy_path(tiny_family, dtype):
+    drafters = [
+        ModelTierConfig(n, str(tiny_family[n]), dtype=dtype, device="cuda", backend="lean") for n in ("close", "mid")
+    ]
+    target = ModelTierConfig("target", str(tiny_family["target"]), dtype=dtype, device="cuda")
+    engine = Engine(make_cascade(target, drafters, [[3, 2], [0, 4]], 1.0))
+    model = load(tiny_family["target"], "cuda", dtype)
+    for prompt in random_prompts(3, 12, seed=19):
+        got = engine.generate(prompt, GenerationConfig(max_new_tokens=32)).token_ids
+        assert_greedy(model, prompt, got, 32)
+    for tier in engine.core.models():
+        runner = tier.static
+        assert isinstance(runner, CapturedPasses), f"{tier.name}: graphs were dropped (see the log)"
+        assert runner.captures > 0 and runner.runs > 0, tier.name
+
+
+def test_sampled_output_on_graphs_is_reproducible_per_seed(tiny_family):
+    drafters = [ModelTierConfig("mid", str(tiny_family["mid"]), device="cuda", backend="lean")]
+    target = ModelTierConfig("target", str(tiny_family["target"]), device="cuda")
+    engine = Engine(make_cascade(target, drafters, [[4]], 1.0))
+    prompt = random_prompts(1, 10, seed=23)[0]
+    runs = [
+        engine.generate(prompt, GenerationConfig(max_new_tokens=32, temperature=1.0, seed=seed)).token_ids
+        for seed in (7, 7, 8)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]  # another seed, another draw (a 32-token tie would be a broken sampler)

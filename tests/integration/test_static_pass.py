@@ -1,14 +1,26 @@
-"""models.staticpass: a lean model's pass over the KV pool in bucket shapes gives each row the logits of
-the model's own forward over that row's whole sequence, with rows of different lengths, padding rows
-and tokens, and blocks shared by a prefix; the caches then hold exactly the new tokens."""
+"""models.staticpass: a pass over the KV pool in bucket shapes (what a CUDA graph replays) gives each row
+the logits of the model's own forward over that row's whole sequence, for a lean drafter and for the
+target's transformers forward, with rows of different lengths, padding rows and tokens; the caches then
+hold exactly the new tokens. Routed through the batcher (`graphs: eager`), a cascade's output is
+transformers' greedy `generate()`'s; a runner that fails is dropped and the passes go eager."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
+from cascade_service.config import ConfigError, MaGConfig, ModelTierConfig, make_cascade, parse_config
+from cascade_service.core.request import GenerationConfig
+from cascade_service.engine import Engine
+from cascade_service.models.batching import forward_batch
 from cascade_service.models.hf import HFModel
-from cascade_service.models.staticpass import ROW_BUCKETS, forward_static_rows, static_inputs
+from cascade_service.models.staticpass import ROW_BUCKETS, EagerPasses, forward_static_rows, static_inputs
+from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
+from tests.helpers.oracle import oracle
+from tests.helpers.threads import concurrently
 
 
 def _reference(model: HFModel, sequence: list[int], n: int) -> torch.Tensor:
@@ -16,8 +28,9 @@ def _reference(model: HFModel, sequence: list[int], n: int) -> torch.Tensor:
         return model.module(input_ids=torch.tensor([sequence])).logits[0, -n:].float()
 
 
-def test_a_bucketed_pass_gives_each_row_its_own_forwards_logits(tiny_family):
-    model = HFModel.load(tiny_family["mid"], backend="lean", kv="pool")
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_a_bucketed_pass_gives_each_row_its_own_forwards_logits(tiny_family, backend):
+    model = HFModel.load(tiny_family["mid"], backend=backend, kv="pool", graphs="eager")
     histories = random_prompts(3, 40, seed=5)
     histories[1] = histories[1][:7]  # rows of different lengths: padding within the width bucket
     caches = [model.new_cache() for _ in histories]
@@ -25,8 +38,8 @@ def test_a_bucketed_pass_gives_each_row_its_own_forwards_logits(tiny_family):
         with torch.inference_mode():
             model.forward_now(history, cache, 1)
     news = [[11, 12, 13], [14], [15, 16]]  # 3 rows -> the 4-row bucket, 3 tokens -> the 4-token bucket
-    inputs = static_inputs(caches, news, model.dtype, model.device)
-    assert inputs is not None and inputs.ids.shape == (4, 4) and inputs.mask.shape[-1] == 256
+    inputs = static_inputs(caches, news, model.device)
+    assert inputs is not None and inputs.key == (4, 4, 256)
     got = forward_static_rows(model, news, caches)
     assert got is not None
     for cache, history, new, rows in zip(caches, histories, news, got):
@@ -35,15 +48,76 @@ def test_a_bucketed_pass_gives_each_row_its_own_forwards_logits(tiny_family):
         assert cache.length == len(history) + len(new)
     # The next step reads what the static pass wrote: it agrees with the reference too.
     got = forward_static_rows(model, [[21], [22], [23]], caches)
+    assert got is not None
     for history, new, rows, nxt in zip(histories, news, got, (21, 22, 23)):
         torch.testing.assert_close(rows, _reference(model, history + new + [nxt], 1), rtol=1e-4, atol=1e-4)
+    assert isinstance(model.static, EagerPasses) and model.static.runs == 2
 
 
 def test_a_pass_past_the_buckets_is_left_to_the_eager_path(tiny_family):
-    model = HFModel.load(tiny_family["mid"], backend="lean", kv="pool")
+    model = HFModel.load(tiny_family["mid"], backend="lean", kv="pool", graphs="eager")
     caches = [model.new_cache() for _ in range(ROW_BUCKETS[-1] + 1)]
     assert forward_static_rows(model, [[1]] * len(caches), caches) is None
     assert all(cache.length == 0 and not cache.table for cache in caches)  # nothing taken
     one = model.new_cache()
     assert forward_static_rows(model, [list(range(1, 40))], [one]) is None  # 39 tokens: no token bucket
     assert one.length == 0
+    # Through the batcher's entry point the same 39 tokens run eagerly, and hidden states (which the
+    # fixed-shape pass does not give) too: the runner ran none of them.
+    logits = forward_batch(model, [Pass(list(range(1, 40)), one, 2, False)])[0]
+    torch.testing.assert_close(logits, _reference(model, list(range(1, 40)), 2), rtol=1e-4, atol=1e-4)
+    logits, hidden = forward_batch(model, [Pass([40], one, 1, True)])[0]
+    assert hidden.shape[0] == 1
+    assert model.static is not None and model.static.runs == 0
+
+
+def test_graphs_default_to_nothing_on_the_cpu_and_unknown_modes_are_refused(tiny_family):
+    assert HFModel.load(tiny_family["mid"]).static is None  # "auto": CUDA graphs on cuda only
+    assert HFModel.load(tiny_family["mid"], kv="dynamic", graphs="eager").static is None  # no pool: no slots
+    with pytest.raises(ValueError, match="graphs mode 'always'"):
+        HFModel.load(tiny_family["mid"], graphs="always")
+    tiers = {"target": {"path": str(tiny_family["target"])}, "drafters": [{"kind": "mag"}]}
+    assert parse_config({"tiers": tiers, "model": {"graphs": "eager"}}).cascade.target.graphs == "eager"
+    tiers["target"]["graphs"] = "sometimes"
+    with pytest.raises(ConfigError, match=r"tiers\.target\.graphs must be one of auto, eager, off"):
+        parse_config({"tiers": tiers})
+
+
+def test_a_cascade_on_fixed_shape_passes_is_the_oracles_output(tiny_family):
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"]), graphs="eager"),
+        [ModelTierConfig("mid", str(tiny_family["mid"]), backend="lean", graphs="eager"), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.0,
+    )
+    engine = Engine(cascade)
+    prompts = [p[: 5 + 3 * i] for i, p in enumerate(random_prompts(6, 30, seed=44))]
+    budgets = [10 + 7 * i for i in range(6)]
+    outputs: list[list[int] | None] = [None] * 6
+    start = threading.Barrier(6)
+
+    def run(i: int) -> None:
+        start.wait()
+        outputs[i] = engine.generate(prompts[i], GenerationConfig(max_new_tokens=budgets[i])).token_ids
+
+    concurrently(6, run)
+    for prompt, budget, out in zip(prompts, budgets, outputs):
+        assert out == oracle(tiny_family["target"], prompt, budget)
+    for model in engine.core.models():
+        assert model.static is not None and model.static.runs > 0, model.name  # the fixed-shape passes ran
+
+
+class _Broken(EagerPasses):
+    def run(self, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_runner_that_fails_is_dropped_and_the_pass_runs_eagerly(tiny_family, caplog):
+    model = HFModel.load(tiny_family["mid"], backend="lean", kv="pool", graphs="eager")
+    model.static = _Broken(model.module, model.kv_pool, model.dtype)
+    history = random_prompts(1, 12, seed=3)[0]  # 12 tokens: the 16-token bucket
+    cache = model.new_cache()
+    logits = forward_batch(model, [Pass(history, cache, 1, False)])[0]
+    torch.testing.assert_close(logits, _reference(model, history, 1), rtol=1e-4, atol=1e-4)
+    assert model.static is None and cache.length == len(history)
+    assert "fixed-shape passes off" in caplog.text and "stream is capturing" in caplog.text
