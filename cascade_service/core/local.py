@@ -214,6 +214,8 @@ def draft_autoregressive(
     `stopper` (adaptive draft length) says so. Under a `grammar` each step's distribution is masked to
     what it allows (the rows are the masked distributions: what the tokens were drawn from); drafting
     stops where nothing is allowed, or where the context already holds a draft it refuses."""
+    if k > 1 and stopper is None and grammar is None and chainable(sampling) and getattr(scorer, "chains", False):
+        return _draft_chained(scorer, ctx, k, eos_ids, counters)
     tokens: list[int] = []
     token_probs: list[float] = []
     rows: list[torch.Tensor] = []
@@ -247,6 +249,23 @@ def draft_autoregressive(
             break
     dists = (torch.stack(rows) if rows else torch.zeros(0, vocab_size)) if sampling.carries_rows else None
     return Draft(tokens, token_probs, dists, [scorer.name] * len(tokens))
+
+
+def chainable(sampling: SamplingParams) -> bool:
+    """Whether a draft under `sampling` may run its steps chained on the device (models.chain): plain
+    greedy, each step's token the argmax of the model's own softmax, nothing the host must add."""
+    return sampling.greedy and not sampling.carries_rows and not sampling.logit_bias and not sampling.penalized
+
+
+def _draft_chained(scorer: Scorer, ctx: Context, k: int, eos_ids: frozenset[int], counters: TierCounters) -> Draft:
+    """draft_autoregressive's greedy draft as one chained run (HFScorer.draft_greedy): the same tokens,
+    one read back to the host instead of one per token; cut after an EOS, as the loop would stop."""
+    start = time.perf_counter()
+    tokens, probs = scorer.draft_greedy(ctx, k)  # type: ignore[attr-defined]  # HFScorer's, where `chains`
+    counters.time_s += time.perf_counter() - start
+    counters.calls += k
+    end = next((i + 1 for i, token in enumerate(tokens) if token in eos_ids), len(tokens))
+    return Draft(tokens[:end], probs[:end], None, [scorer.name] * end)
 
 
 def score_and_review(

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from cascade_service.models.chain import chain_eagerly, chained
 from cascade_service.models.kvpool import KVCache, PagedCache
 from cascade_service.models.packed import forward_packed
 from cascade_service.models.poolpass import forward_rows
@@ -39,7 +40,10 @@ def forward_batch(model: PassModel, batch: list[Pass]) -> list[object]:
     """One forward pass for several requests' passes: in place over their pool blocks (models.poolpass),
     or packed from their own caches (models.packed); a lone pass is the model's own `forward_now`.
     Where the model runs fixed-shape passes (models.staticpass: CUDA graphs on cuda) and the batch fits
-    a bucket, that pass instead."""
+    a bucket, that pass instead; a batch with a chained draft (Pass.chain) runs as models.chain has it."""
+    if any(item.chain > 1 for item in batch):
+        done = chained(model, batch)
+        return done if done is not None else chain_eagerly(model, batch, forward_batch)
     fixed = static_rows(model, batch)
     if fixed is not None:
         return fixed

@@ -234,15 +234,16 @@ class HFModel:
         holds the encoder's output for `prompt`."""
         return self.new_cache()
 
-    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False):
-        """A cached forward pass for one request: in the engine loop once batching is on."""
+    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False, chain: int = 1):
+        """A cached forward pass for one request: in the engine loop once batching is on. `chain` > 1:
+        then that many greedy draft steps on the device, (tokens, probabilities) back (models.chain)."""
         if self.batcher is None:  # a batch of one, now
-            return forward_batch(self, [Pass(list(tokens), cache, keep, with_hidden)])[0]
+            return forward_batch(self, [Pass(list(tokens), cache, keep, with_hidden, chain=chain)])[0]
         if not isinstance(cache, PagedCache):
-            return self.batcher.forward(tokens, cache, keep, with_hidden)
+            return self.batcher.forward(tokens, cache, keep, with_hidden, chain)
         cache.pinned += 1  # queued: the pool never preempts a cache a pending pass was planned on
         try:
-            return self.batcher.forward(tokens, cache, keep, with_hidden)
+            return self.batcher.forward(tokens, cache, keep, with_hidden, chain)
         finally:
             cache.pinned -= 1
 

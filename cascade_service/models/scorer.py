@@ -24,7 +24,9 @@ class ScoredModel(Protocol):
 
     def new_cache(self, salt: str = "") -> KVCache: ...
 
-    def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False) -> Any: ...
+    def forward(
+        self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False, chain: int = 1
+    ) -> Any: ...
 
 
 class HFScorer:
@@ -55,15 +57,7 @@ class HFScorer:
         """[n, V] float32 logits; row j predicts the token after `ctx.tokens[:len(ctx) - n + 1 + j]`."""
         if not 1 <= n <= len(ctx):
             raise ValueError(f"n must be in [1, {len(ctx)}] for a context of {len(ctx)} tokens, got {n}")
-        cache = self._cache
-        if cache.get_seq_length() < len(self._tokens):  # the pool preempted the cache: re-read the rest
-            self._rollback(cache.get_seq_length())
-        # Logits are not cached, so the first requested row's input token is re-fed even if cached.
-        start = min(self._common_prefix(ctx.tokens), len(ctx) - n)
-        self._rollback(start)
-        if start == 0 and isinstance(self._cache, PagedCache):
-            start = self._attach(ctx, n)
-        fed = ctx.tokens[start:]
+        fed = self._fed(ctx, n)
         try:
             with torch.inference_mode():
                 if self.keep_hidden:
@@ -73,14 +67,56 @@ class HFScorer:
                 else:
                     rows = self._model.forward(fed, self._cache, n)  # [n, V]
         finally:
-            if isinstance(self._cache, PagedCache):
-                self._model.kv_pool.settle(self._cache)
+            self._settle()
+        self._fed_done(ctx, fed)
+        return rows
+
+    @property
+    def chains(self) -> bool:
+        """Whether `draft_greedy` runs its steps chained on the device (models.chain): a model with a
+        fixed-shape runner, over a pool."""
+        return getattr(self._model, "static", None) is not None and isinstance(self._cache, PagedCache)
+
+    def draft_greedy(self, ctx: Context, k: int) -> tuple[list[int], list[float]]:
+        """k greedy tokens after `ctx` and each one's probability (softmax at temperature 1), from one
+        chained run of k passes with one read back to the host (models.chain). The cache then holds
+        ctx and the first k - 1 of them; the caller cuts the draft where it likes (an EOS), and the
+        next call rolls the cache back to what it shares with that call's context."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        fed = self._fed(ctx, 1)
+        try:
+            with torch.inference_mode():
+                tokens, probs = self._model.forward(fed, self._cache, 1, chain=k)
+        finally:
+            self._settle()
+        self._fed_done(ctx, fed + tokens[:-1])
+        return tokens, probs
+
+    def _fed(self, ctx: Context, n: int) -> list[int]:
+        """What a pass for ctx's last n rows feeds, after the cache is rolled back to what it shares
+        with ctx (a fresh cache attaches ctx's cached prefix first)."""
+        cache = self._cache
+        if cache.get_seq_length() < len(self._tokens):  # the pool preempted the cache: re-read the rest
+            self._rollback(cache.get_seq_length())
+        # Logits are not cached, so the first requested row's input token is re-fed even if cached.
+        start = min(self._common_prefix(ctx.tokens), len(ctx) - n)
+        self._rollback(start)
+        if start == 0 and isinstance(self._cache, PagedCache):
+            start = self._attach(ctx, n)
+        return list(ctx.tokens[start:])
+
+    def _settle(self) -> None:
+        if isinstance(self._cache, PagedCache):
+            self._model.kv_pool.settle(self._cache)
+
+    def _fed_done(self, ctx: Context, fed: list[int]) -> None:
+        """The cache now holds `fed` after what it held: count them, publish ctx's committed blocks."""
         self._tokens.extend(fed)
         self.tokens_processed += len(fed)
         self._trusted = min(max(self._trusted, ctx.stable), len(self._tokens))
         if isinstance(self._cache, PagedCache):
             self._model.kv_pool.publish(self._cache, self._tokens, self._trusted)
-        return rows
 
     def _attach(self, ctx: Context, n: int) -> int:
         """A fresh cache starts from the longest cached prefix of the committed tokens; where another

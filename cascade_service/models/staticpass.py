@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -174,14 +174,26 @@ def static_forward(module: Any, pool: KVPool, inputs: StaticInputs, dtype: torch
     return out.logits
 
 
+Feed = tuple[torch.Tensor, torch.Tensor]  # (ids [B], use [B] bool) on the device: StaticRunner.run
+
+
+def fed_ids(ids: torch.Tensor, feed: Feed) -> torch.Tensor:
+    """`ids` [B, S] with each row's first token replaced by feed's where feed's `use` holds."""
+    tokens, use = feed
+    first = torch.where(use, tokens, ids[:, 0])
+    return torch.cat([first[:, None], ids[:, 1:]], dim=1)
+
+
 class StaticRunner(Protocol):
     """How a model's fixed-shape passes run: `run` gives a pass's [B, S, V] logits (a tensor the next
-    pass does not overwrite). `runs`: passes run so far; `captures`: graphs captured so far."""
+    pass does not overwrite). `feed`, where given, is (ids [B], use [B] bool) on the device: rows where
+    `use` holds take that id as their first token instead of the one in `inputs` (a chained draft's
+    step: models.chain). `runs`: passes run so far; `captures`: graphs captured so far."""
 
     runs: int
     captures: int
 
-    def run(self, inputs: StaticInputs) -> torch.Tensor: ...
+    def run(self, inputs: StaticInputs, feed: Feed | None = None) -> torch.Tensor: ...
 
     def warm(self, max_rows: int) -> None: ...
 
@@ -195,8 +207,10 @@ class EagerPasses:
         self.module, self.pool, self.dtype = module, pool, dtype
         self.runs = 0
 
-    def run(self, inputs: StaticInputs) -> torch.Tensor:
+    def run(self, inputs: StaticInputs, feed: Feed | None = None) -> torch.Tensor:
         self.runs += 1
+        if feed is not None:
+            inputs = replace(inputs, ids=fed_ids(inputs.ids, feed))
         return static_forward(self.module, self.pool, inputs, self.dtype)
 
     def warm(self, max_rows: int) -> None:
@@ -223,11 +237,13 @@ class CapturedPasses:
         self.captures = self.runs = 0
         self._memory = torch.cuda.graph_pool_handle()
 
-    def run(self, inputs: StaticInputs) -> torch.Tensor:
+    def run(self, inputs: StaticInputs, feed: Feed | None = None) -> torch.Tensor:
         """[B, S, V] logits of the pass over `inputs` (a copy: the graph's buffer is reused)."""
         entry = self._graph(inputs)
         for mine, given in zip(entry.inputs.tensors(), inputs.tensors()):
             mine.copy_(given, non_blocking=True)
+        if feed is not None:  # on the device, after the copy: no host read of the fed ids
+            entry.inputs.ids.copy_(fed_ids(entry.inputs.ids, feed))
         entry.graph.replay()
         self.runs += 1
         return entry.logits.clone()
@@ -324,12 +340,18 @@ def static_rows(model: Any, batch: Sequence[Any]) -> list[Any] | None:
     try:
         rows = forward_static_rows(model, [item.fed for item in batch], [item.cache for item in batch])
     except CaptureFailed as exc:
-        log.warning("%s: fixed-shape passes off, every pass eager from now on: %s", model.name, exc.__cause__)
-        model.static = None
+        drop_runner(model, exc)
         return None
     if rows is None:
         return None
     return [logits[len(item.fed) - item.keep :] for item, logits in zip(batch, rows)]
+
+
+def drop_runner(model: Any, failure: CaptureFailed) -> None:
+    """After a fixed-shape pass failed (the caches already as they were): the model's passes run
+    eagerly from now on, and the log says why."""
+    log.warning("%s: fixed-shape passes off, every pass eager from now on: %s", model.name, failure.__cause__)
+    model.static = None
 
 
 def start_graphs(model: Any, max_batch: int) -> None:

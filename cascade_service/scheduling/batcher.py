@@ -50,13 +50,16 @@ PREFILL_CHUNK_CUDA = 256
 @dataclass
 class Pass:
     """One request's forward pass: the tokens it feeds, its cache, how many rows of logits it keeps,
-    whether it wants the hidden states too; `task`: the engine-loop task waiting for it (models.loop)."""
+    whether it wants the hidden states too; `task`: the engine-loop task waiting for it (models.loop).
+    `chain` > 1: a greedy draft of that many tokens chained on the device after `fed` (models.chain),
+    whose result is (tokens, their probabilities) instead of logits."""
 
     fed: list[int]
     cache: Any  # a KV cache (Cache)
     keep: int
     with_hidden: bool
     task: Any = None
+    chain: int = 1
 
 
 def chunk_end(n: int, start: int, keep: int, size: int) -> int:
@@ -143,13 +146,14 @@ class LoopBatcher:
         self._recent: weakref.WeakSet[Cache] = weakref.WeakSet()
         self._last: weakref.WeakSet[Cache] = weakref.WeakSet()
 
-    def forward(self, tokens: Sequence[int], cache: Cache, keep: int, with_hidden: bool = False) -> Any:
+    def forward(self, tokens: Sequence[int], cache: Cache, keep: int, with_hidden: bool = False, chain: int = 1) -> Any:
         """Like the model's `forward_now(tokens, cache, keep, with_hidden)`, as part of the loop's batched
         passes. A long prompt is fed in chunks, each a pass of its own; only the last one's logits come
-        back. On failure the cache is cut back to what it held before. From outside the loop's tasks
-        (another thread) the call is handed to the loop and waited for."""
+        back (with `chain` > 1, the last one drafts: Pass.chain). On failure the cache is cut back to
+        what it held before. From outside the loop's tasks (another thread) the call is handed to the
+        loop and waited for."""
         if not self.loop.in_task():
-            return self.loop.run(self.forward, tokens, cache, keep, with_hidden)
+            return self.loop.run(self.forward, tokens, cache, keep, with_hidden, chain)
         tokens = list(tokens)
         n, start, cached = len(tokens), 0, cache.get_seq_length()
         try:
@@ -157,7 +161,7 @@ class LoopBatcher:
                 # keep=1, not 0: HF's logits_to_keep=0 means every row. The one row is dropped.
                 self.loop.park(("pass", self, Pass(tokens[start:end], cache, 1, False)))
                 start = end
-            return self.loop.park(("pass", self, Pass(tokens[start:], cache, keep, with_hidden)))
+            return self.loop.park(("pass", self, Pass(tokens[start:], cache, keep, with_hidden, chain=chain)))
         except BaseException:
             if cache.get_seq_length() > cached:
                 cache.crop(cached - cache.get_seq_length())  # negative: positions to drop (4.x and 5.x)
@@ -187,6 +191,14 @@ class LoopBatcher:
         self.pending = [item for item in pending if id(item) not in taken]
         return batch
 
+    def _record(self, batch: list[Pass], seconds: float) -> None:
+        """The timer's view of a pass: a chained one (Pass.chain) as its steps, each an equal share of
+        the time, so the fitted cost stays that of one pass."""
+        steps = max(item.chain for item in batch)
+        for step in range(steps):
+            fed = [len(item.fed) if step == 0 else 1 for item in batch if step < item.chain]
+            self.timer.record(len(fed), sum(fed), seconds / steps, max(fed))
+
     def run(self, batch: list[Pass]) -> list[tuple[Pass, Any, BaseException | None, float]]:
         """One batched pass: (pass, result, error, its share of the seconds) per row."""
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
@@ -198,8 +210,8 @@ class LoopBatcher:
         except BaseException as exc:
             return [(item, None, exc, 0.0) for item in batch]
         seconds = time.perf_counter() - began
-        tokens = [len(item.fed) for item in batch]
-        self.timer.record(len(batch), sum(tokens), seconds, max(tokens))
+        tokens = [len(item.fed) + item.chain - 1 for item in batch]
+        self._record(batch, seconds)
         if self.on_pass is not None:
             self.on_pass(len(batch), seconds)
         shares = self.timer.shares(tokens, seconds)

@@ -11,9 +11,10 @@ import threading
 import pytest
 import torch
 
-from cascade_service.config import ConfigError, MaGConfig, ModelTierConfig, make_cascade, parse_config
+from cascade_service.config import ConfigError, ModelTierConfig, make_cascade, parse_config
 from cascade_service.core.request import GenerationConfig
 from cascade_service.engine import Engine
+from cascade_service.models import chain
 from cascade_service.models.batching import forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.models.staticpass import ROW_BUCKETS, EagerPasses, forward_static_rows, static_inputs
@@ -83,11 +84,14 @@ def test_graphs_default_to_nothing_on_the_cpu_and_unknown_modes_are_refused(tiny
         parse_config({"tiers": tiers})
 
 
-def test_a_cascade_on_fixed_shape_passes_is_the_oracles_output(tiny_family):
+def test_a_cascade_on_fixed_shape_passes_is_the_oracles_output(tiny_family, monkeypatch):
+    chains = []
+    real = chain._chained
+    monkeypatch.setattr(chain, "_chained", lambda model, batch: chains.append(len(batch)) or real(model, batch))
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"]), graphs="eager"),
-        [ModelTierConfig("mid", str(tiny_family["mid"]), backend="lean", graphs="eager"), MaGConfig()],
-        [[3, 1], [0, 3]],
+        [ModelTierConfig(n, str(tiny_family[n]), backend="lean", graphs="eager") for n in ("close", "mid")],
+        [[2, 2], [0, 3]],  # mid, the lowest tier, drafts alone: greedily, chained
         1.0,
     )
     engine = Engine(cascade)
@@ -105,6 +109,7 @@ def test_a_cascade_on_fixed_shape_passes_is_the_oracles_output(tiny_family):
         assert out == oracle(tiny_family["target"], prompt, budget)
     for model in engine.core.models():
         assert model.static is not None and model.static.runs > 0, model.name  # the fixed-shape passes ran
+    assert chains and max(chains) > 1  # the drafter's greedy drafts chained, several requests' in one run
 
 
 class _Broken(EagerPasses):
