@@ -1,6 +1,7 @@
 """The GPU check (`.ci/gpu-check run`, docs/devices.md "GPU check"): in one call on a GPU machine, the
-shipped family's methods with every tier on the device, the load bench at 1 and 8 streams and the GPU
-suite, written as one table (gpu-check.md) with the raw logs beside it.
+shipped family's methods with every tier on the device (hf-ar and ar again with `graphs: off`: what
+the captured passes change), the load bench at 1 and 8 streams and the GPU suite, written as one
+table (gpu-check.md) with the raw logs beside it.
 
     python -m cascade_service.bench.gpu_check --device cuda --out DIR [--quick]
 
@@ -35,6 +36,7 @@ import yaml
 from ..paths import families
 
 METHODS = ("hf-ar", "ar", "sd:base", "suffix", "csd:base+small+mag")
+EAGER_METHODS = ("hf-ar", "ar")  # again with `graphs: off`: what the captured passes changed, one run apart
 LOAD_MODE = "cascade-adaptive"  # the cascade adapting to load, against plain decoding of its target
 STREAMS = (1, 8)
 WHEEL_LIST = ".ci/gpu-wheels.txt"
@@ -49,11 +51,12 @@ class Settings:
     load_s: float  # seconds per load level (each server also warms up for min(5, this))
     budget_s: float  # the whole check; the suite gets what the benches leave
     bench_s: float  # the methods bench's cap
+    eager_s: float  # the graphs-off bench's cap
     load_cap_s: float  # the load bench's cap (two servers' start-up included)
 
 
-FULL = Settings(6, 64, 2, "2,3,4", 10.0, 480.0, 120.0, 110.0)
-QUICK = Settings(2, 8, 1, "3", 1.0, 240.0, 100.0, 100.0)
+FULL = Settings(6, 64, 2, "2,3,4", 10.0, 480.0, 120.0, 45.0, 110.0)
+QUICK = Settings(2, 8, 1, "3", 1.0, 240.0, 100.0, 60.0, 100.0)
 
 
 @dataclass
@@ -142,17 +145,20 @@ def _version(name: str) -> str | None:
         return None
 
 
-def with_device(source: Path, device: str, dest: Path) -> Path:
-    """`source` with `model: {device: ...}` set, the default of every tier that names none."""
+def with_device(source: Path, device: str, dest: Path, **model: str) -> Path:
+    """`source` with `model: {device: ...}` (and `model`'s other keys) set, the defaults of every tier
+    that names none."""
     raw = yaml.safe_load(source.read_text())
-    raw.setdefault("model", {})["device"] = device
+    raw.setdefault("model", {}).update(device=device, **model)
     dest.write_text(yaml.safe_dump(raw, sort_keys=False))
     return dest
 
 
-def bench_rows(results: dict, command: str) -> list[tuple[str, str, str]]:
+def bench_rows(
+    results: dict, command: str, names: Sequence[str] = METHODS, label: str = ""
+) -> list[tuple[str, str, str]]:
     methods, rows = results["methods"], list[tuple[str, str, str]]()
-    for name in METHODS:
+    for name in names:
         m = methods[name]
         figure = f"{m['tokens_per_s']:.1f} tok/s"
         if name != "hf-ar":
@@ -164,14 +170,18 @@ def bench_rows(results: dict, command: str) -> list[tuple[str, str, str]]:
         if m["orchestration_per_round_ms"]:
             figure += f", orchestration {m['orchestration_per_round_ms']:.2f} ms a round"
         figure += {True: ", identical to hf-ar", False: ", DIFFERS from hf-ar", None: ""}[m["identical_to_hf_ar"]]
-        rows.append((f"bench {name}", figure, command if not rows else "same run"))
+        rows.append((f"bench {name}{label}", figure, command if not rows else "same run"))
     for tier, cost in results["tier_costs"].items():
         step = cost["step_ms"]
         shown = (
             f"{step['1']:.3f} ms at 1 row, {step['16']:.3f} ms at 16 ({cost['backend']}, {cost['params'] / 1e6:.2f}M)"
         )
-        rows.append((f"step {tier}", shown, "same run"))
+        rows.append((f"step {tier}{label}", shown, "same run"))
     return rows
+
+
+def eager_rows(results: dict, command: str) -> list[tuple[str, str, str]]:
+    return bench_rows(results, command, EAGER_METHODS, " (graphs off)")
 
 
 def load_rows(results: dict, command: str) -> list[tuple[str, str, str]]:
@@ -234,13 +244,15 @@ def table(rows: Sequence[tuple[str, str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def steps(device: str, s: Settings, root: Path, work: Path, out: Path) -> tuple[Step, Step, Step]:
-    """The methods bench, the load bench and the suite, each on `device`, their outputs under `work`."""
+def steps(device: str, s: Settings, root: Path, work: Path, out: Path) -> tuple[Step, Step, Step, Step]:
+    """The methods bench, the same with graphs off (hf-ar and ar), the load bench and the suite, each
+    on `device`, their outputs under `work`."""
     cli = [sys.executable, "-m", "cascade_service.cli", "bench"]
     prompts = work / "prompts.jsonl"
     held_out = (families() / "quality" / "prompts.jsonl").read_text().splitlines()
     prompts.write_text("\n".join(held_out[: s.prompts]) + "\n")
     bench_config = with_device(root / "configs" / "bench-quality.yaml", device, work / "bench-quality.yaml")
+    eager_config = with_device(root / "configs" / "bench-quality.yaml", device, work / "eager.yaml", graphs="off")
     load_config = with_device(root / "configs" / "demo.yaml", device, work / "demo.yaml")
     bench = Step(
         "bench",
@@ -248,6 +260,12 @@ def steps(device: str, s: Settings, root: Path, work: Path, out: Path) -> tuple[
         + ["--methods", ",".join(METHODS), "--max-new-tokens", str(s.max_new_tokens), "--repeats", str(s.repeats)]
         + ["--sd-k-sweep", s.sd_ks, "--out", str(work / "bench")],
         out / "bench.log",
+    )
+    eager = Step(
+        "bench-eager",
+        [*cli, "--config", str(eager_config), "--prompts", str(prompts), "--methods", ",".join(EAGER_METHODS)]
+        + ["--max-new-tokens", str(s.max_new_tokens), "--repeats", str(s.repeats), "--out", str(work / "eager")],
+        out / "eager.log",
     )
     load = Step(
         "load",
@@ -257,7 +275,7 @@ def steps(device: str, s: Settings, root: Path, work: Path, out: Path) -> tuple[
         out / "load.log",
     )
     suite = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"]
-    return bench, load, Step("pytest", suite, out / "pytest.log")
+    return bench, eager, load, Step("pytest", suite, out / "pytest.log")
 
 
 KEPT = {
@@ -295,13 +313,15 @@ def measure(
     rows: list[tuple[str, str, str]],
 ) -> list[str]:
     """The three steps, their rows appended to `rows`; returns what did not run clean."""
-    bench, load, suite = steps(device, settings, root, work, out)
+    bench, eager, load, suite = steps(device, settings, root, work, out)
     rows.append(("configs", f"WORK/bench-quality.yaml, WORK/demo.yaml: configs/ with model.device {device}", ""))
+    rows.append(("configs, graphs off", "WORK/eager.yaml: WORK/bench-quality.yaml with model.graphs off", ""))
     failures = []
     # The benches first: they are short and their figures are what the check is for; the suite, the
     # longest step (200 s on an H200), gets what they leave of the budget.
     for step, cap, produced, produce in (
         (bench, settings.bench_s, work / "bench" / "results.json", bench_rows),
+        (eager, settings.eager_s, work / "eager" / "results.json", eager_rows),
         (load, settings.load_cap_s, work / "load" / "load.json", load_rows),
     ):
         run_step(step, min(cap, deadline - time.monotonic()), root)

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)
 WIDTH_STEP = 256  # context widths in steps of this many positions (16 blocks)
+WARM_ROWS = 4  # row buckets captured before serving (CapturedPasses.warm); larger ones at first use
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -249,10 +250,12 @@ class CapturedPasses:
         return entry.logits.clone()
 
     def warm(self, max_rows: int) -> None:
-        """Capture every row and token bucket at the first width: a pass of padding each, which writes
-        only the NULL block. Largest first, so later captures reuse the shared pool's memory."""
+        """Capture the row buckets up to WARM_ROWS by every token bucket at the first width: a pass of
+        padding each, which writes only the NULL block. Largest first, so later captures reuse the
+        shared pool's memory. Bigger batches are captured at their first use: they come under load,
+        where one capture's milliseconds are shared by many requests."""
         device = self.pool.keys[0].device
-        for rows in sorted((b for b in ROW_BUCKETS if b <= max(1, max_rows)), reverse=True):
+        for rows in sorted((b for b in ROW_BUCKETS if b <= min(max(1, max_rows), WARM_ROWS)), reverse=True):
             for steps in sorted(TOKEN_BUCKETS, reverse=True):
                 self._graph(padding_inputs(rows, steps, WIDTH_STEP, device))
 

@@ -17,6 +17,7 @@ import torch
 from packaging.requirements import Requirement
 
 from cascade_service.bench.gpu_check import (
+    EAGER_METHODS,
     METHODS,
     WHEEL_LIST,
     Step,
@@ -67,6 +68,10 @@ def test_the_quick_cpu_check_writes_every_row_with_a_positive_figure(tmp_path):
     assert "--methods hf-ar,ar,sd:base,suffix,csd:base+small+mag" in rows["bench hf-ar"][1]
     for tier in ("large", "base", "small"):  # the shipped family's three models, each step timed
         assert first_number(rows[f"step {tier}"][0]) > 0, tier
+        assert first_number(rows[f"step {tier} (graphs off)"][0]) > 0, tier
+    for method in EAGER_METHODS:  # the same family with its fixed-shape passes off, in the same call
+        assert "identical to hf-ar" in rows[f"bench {method} (graphs off)"][0], method
+    assert "eager.yaml" in rows["bench hf-ar (graphs off)"][1]
     for streams in ("1 stream", "8 streams"):
         assert first_number(rows[f"served cascade-adaptive / plain, {streams}"][0]) > 0, streams
     for mode in ("cascade-adaptive", "plain"):
@@ -79,7 +84,7 @@ def test_the_quick_cpu_check_writes_every_row_with_a_positive_figure(tmp_path):
     assert "needs CUDA" in rows["pytest skipped"][0]
     # What comes back from a device call: at most 8 files of at most 16 MiB.
     files = sorted(p.name for p in out.iterdir())
-    assert {"gpu-check.md", "bench.log", "load.log", "pytest.log", "bench-results.json", "load.json"} <= set(files)
+    assert {"gpu-check.md", "bench.log", "eager.log", "load.log", "pytest.log", "bench-results.json"} <= set(files)
     assert len(files) <= 8 and all((out / f).stat().st_size < 16 << 20 for f in files), files
 
 
