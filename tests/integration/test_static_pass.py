@@ -29,9 +29,11 @@ def _reference(model: HFModel, sequence: list[int], n: int) -> torch.Tensor:
         return model.module(input_ids=torch.tensor([sequence])).logits[0, -n:].float()
 
 
-@pytest.mark.parametrize("backend", ["lean", "hf"])
-def test_a_bucketed_pass_gives_each_row_its_own_forwards_logits(tiny_family, backend):
-    model = HFModel.load(tiny_family["mid"], backend=backend, kv="pool", graphs="eager")
+@pytest.mark.parametrize(("arch", "backend"), [("llama", "lean"), ("llama", "hf"), ("qwen2", "hf"), ("gpt2", "hf")])
+def test_a_bucketed_pass_gives_each_row_its_own_forwards_logits(tiny_family_factory, arch, backend):
+    # transformers' forwards of the families the project loads, and the lean one: on cuda, every
+    # model over a pool runs this pass by default (graphs: auto).
+    model = HFModel.load(tiny_family_factory(arch)["mid"], backend=backend, kv="pool", graphs="eager")
     histories = random_prompts(3, 40, seed=5)
     histories[1] = histories[1][:7]  # rows of different lengths: padding within the width bucket
     caches = [model.new_cache() for _ in histories]
