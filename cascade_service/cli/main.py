@@ -120,6 +120,20 @@ def _run_train_head(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_distill(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("distill", help="train a drafter to agree with a target, on the target's own outputs")
+    from .distill import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(run=_run_distill)
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    from .distill import run
+
+    return run(args)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from ..bench.cli import add_bench_command
 
@@ -132,6 +146,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_demo,
     _add_tune,
     _add_train_head,
+    _add_distill,
     _add_bench,
     add_serve_command,
     add_tier_command,

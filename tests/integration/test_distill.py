@@ -1,0 +1,111 @@
+"""`cascade-service distill` on the tiny family: agreement with the target rises, a stopped run resumed
+ends with the weights an unstopped one has, the output is a model directory the engine loads (its
+output still the target's), a drafter distilled from a distilled drafter works (a cascade in order),
+and bad arguments are refused naming the flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cascade_service.cli.main import main
+from cascade_service.config import ModelTierConfig, make_cascade
+from cascade_service.core.request import GenerationConfig
+from cascade_service.engine import Engine
+from cascade_service.zoo import distill as distill_module
+from cascade_service.zoo.distill import Settings, distill
+from cascade_service.zoo.tiny import random_prompts
+from tests.helpers.oracle import oracle
+
+SOURCE = Path(__file__).resolve().parents[2] / "cascade_service" / "core"  # code files to cut prompts from
+QUICK = Settings(
+    steps=30,
+    batch=4,
+    prompts=40,
+    min_prompt_tokens=20,
+    max_prompt_tokens=60,
+    continuation=16,
+    held_out=0.2,
+    checkpoint_every=10,
+    lr=1e-2,
+)
+
+
+def test_agreement_rises_and_the_drafter_serves(tiny_family, tmp_path):
+    out = tmp_path / "drafter"
+    report = distill(tiny_family["target"], SOURCE, out, size="32:1", settings=QUICK, progress=False)
+    before, after = report["before"], report["after"]
+    assert after["acceptance_by_position"][0] > before["acceptance_by_position"][0] + 0.1, report
+    assert after["agreement_by_context"]["0-256"] > before["agreement_by_context"]["0-256"] + 0.1, report
+    assert report["steps"] == 30 and report["sequences"] > 0 and report["peak_rss_mb"] > 0
+    assert json.loads((out / "distill.json").read_text())["after"] == after
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("distilled", str(out), backend="lean")],
+        [[3]],
+        1.0,
+    )
+    engine = Engine(cascade)
+    for prompt in random_prompts(2, 12, seed=3):
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == oracle(
+            tiny_family["target"], prompt, 20
+        )
+    # A cascade in order: a smaller drafter distilled against the one just made, the same command.
+    second = distill(out, SOURCE, tmp_path / "smaller", size="16:1", settings=QUICK, progress=False)
+    assert second["after"]["acceptance_by_position"][0] > second["before"]["acceptance_by_position"][0]
+
+
+def test_a_stopped_run_resumes_to_the_weights_of_an_unstopped_one(tiny_family, tmp_path, monkeypatch):
+    whole = tmp_path / "whole"
+    distill(tiny_family["target"], SOURCE, whole, size="32:1", settings=QUICK, progress=False)
+    real = distill_module._save
+
+    def save_then_stop(path, drafter, opt, step, *rest):
+        real(path, drafter, opt, step, *rest)
+        if step == 20:
+            raise KeyboardInterrupt  # a stop right after the step-20 checkpoint
+
+    monkeypatch.setattr(distill_module, "_save", save_then_stop)
+    stopped = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        distill(tiny_family["target"], SOURCE, stopped, size="32:1", settings=QUICK, progress=False)
+    assert not (stopped / "model.safetensors").exists()
+    monkeypatch.undo()
+    lines = (stopped / ".distill" / "sequences.jsonl").read_text()
+    report = distill(tiny_family["target"], SOURCE, stopped, size="32:1", settings=QUICK, resume=True, progress=False)
+    assert (stopped / ".distill" / "sequences.jsonl").read_text() == lines  # the continuations were reused
+    assert report["steps"] == 30
+    a, b = load_file(whole / "model.safetensors"), load_file(stopped / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_arguments_are_refused_naming_the_flag(tiny_family, tmp_path, capsys):
+    common = ["distill", "--target", str(tiny_family["target"]), "--prompts", str(SOURCE)]
+    assert main([*common, "--size", "huge", "--out", str(tmp_path / "a")]) == 2
+    assert "--size must be one of base, small or HIDDEN:LAYERS" in capsys.readouterr().err
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert main([*common, "--size", "small", "--out", str(taken)]) == 2
+    assert "exists and is not a distill run's directory" in capsys.readouterr().err
+    assert main([*common, "--size", "small", "--out", str(tmp_path / "b"), "--prompts", "/nonexistent"]) == 2
+    assert "--prompts /nonexistent: no such file or folder" in capsys.readouterr().err
+    assert main([*common, "--drafter", str(tiny_family["mid"]), "--size", "small", "--out", str(tmp_path / "c")]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_command_distills_with_total_variation_and_reports_on_other_code(tiny_family, tmp_path, capsys):
+    out, other = tmp_path / "tv", SOURCE.parent / "scheduling"
+    args = ["distill", "--target", str(tiny_family["target"]), "--prompts", str(SOURCE), "--size", "32:1"]
+    args += ["--out", str(out), "--report-prompts", str(other), "--divergence", "tv", "--steps", "12"]
+    args += ["--batch", "4", "--prompts-count", "30", "--min-prompt-tokens", "20", "--max-prompt-tokens", "60"]
+    assert main([*args, "--continuation", "8", "--checkpoint-every", "5"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    report = json.loads((out / "distill.json").read_text())
+    assert shown["after"] == report["after"] and report["steps"] == 12
+    assert report["settings"]["divergence"] == "tv" and report["report_prompts"] == str(other)
+    assert report["held_out_prompts"] == 16
