@@ -11,13 +11,15 @@ On the CPU this prices `graphs: eager` (the fixed shapes without capture) agains
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from ..config import ModelTierConfig, load_config
-from ..models.hf import HFModel, pass_time_s
-from ..models.staticpass import WARM_ROWS, start_graphs
+from ..models.hf import pass_time_s
+from ..models.staticpass import WARM_ROWS
+from ..runtime.core import EngineCore
 
 CONTEXTS = (64, 512)
 TOKENS = (1, 4)
@@ -26,11 +28,12 @@ TOKENS = (1, 4)
 def step_table(tiers: Sequence[ModelTierConfig], modes: Sequence[str], device: str, repeats: int) -> str:
     lines = ["| tier | graphs | " + " | ".join(f"{t} tok @ {c}" for c in CONTEXTS for t in TOKENS) + " |"]
     lines.append("|---" * (2 + len(CONTEXTS) * len(TOKENS)) + "|")
+    core = EngineCore(max_batch=WARM_ROWS)  # loads each as a server does: graphs captured before timing
     for tier in tiers:
         for mode in modes:
-            model = HFModel.load(tier.path, tier.dtype, device, tier.name, tier.backend, tier.kv, graphs=mode)
-            start_graphs(model, WARM_ROWS)  # captured before timing, as a serving model is
-            times = [pass_time_s(model, 1, c, repeats, tokens=t) * 1e3 for c in CONTEXTS for t in TOKENS]
+            model = core.model(tier, device=device, graphs=mode)
+            timed = [functools.partial(pass_time_s, model, 1, c, repeats, tokens=t) for c in CONTEXTS for t in TOKENS]
+            times = [core.loop.run(time) * 1e3 for time in timed]  # on the loop's thread, as it serves
             shown = " | ".join(f"{ms:.2f} ms" for ms in times)
             lines.append(f"| {tier.name} ({tier.backend}) | {mode} | {shown} |")
     return "\n".join(lines) + "\n"
