@@ -13,7 +13,7 @@ from pathlib import Path
 from cascade_service.models.hf import load_tokenizer
 from cascade_service.prompts import read_prompts
 from cascade_service.zoo.build import TIERS, held_out_modules, read_text_file
-from cascade_service.zoo.evaluate import eval_package_files, eval_source_versions, evaluate_sources
+from cascade_service.zoo.evaluate import context_rows, eval_package_files, eval_source_versions, evaluate_sources
 
 
 def evaluate_dir(zoo: str | Path, prompts_path: str | Path | None = None, steps: int = 64, windows: int = 16) -> dict:
@@ -54,6 +54,7 @@ def format_evaluation(report: dict) -> str:
             f"{t['heldout_loss']:16.3f} {t['heldout_bits_per_char']:9.3f} "
             f"{t['external_loss']:17.3f} {t['external_bits_per_char']:9.3f}"
         )
+    rows += context_rows(report)
     loops = report["loops"]
     rows.append(
         f"large's greedy continuations ending in a loop: {loops['ending_in_a_loop']}/{loops['continuations']} "

@@ -37,6 +37,7 @@ from ..models.hf import load_tokenizer
 from .distill_data import Trajectory, continue_prompts, cut_prompts, held_out, source_texts
 from .train import cosine_lr, threads
 
+TOP_K = 32  # the report's measure of how much top-k compression of the target's distributions would lose
 REPORT_PROMPTS = 16  # held-out prompts the report measures on
 STATE = ".distill"  # under the output directory: the sequences and the checkpoint
 CONTEXT_BUCKETS = (0, 256, 512, 1024)
@@ -275,9 +276,12 @@ def measure(target, drafter, reference: Sequence[Trajectory], k: int) -> dict:
     accepted = [0] * k
     points = 0
     by_context: dict[str, list[int]] = {}
+    top_mass: list[float] = []
     for t in reference:
         seq = torch.tensor([t.ids])
-        want = target(input_ids=seq).logits[0].argmax(-1)  # [L]
+        logits = target(input_ids=seq).logits[0]
+        want = logits.argmax(-1)  # [L]
+        top_mass.append(float(torch.softmax(logits.float(), -1).topk(TOP_K, -1).values.sum(-1).mean()))
         got = drafter(input_ids=seq).logits[0].argmax(-1)
         last = len(t.ids) - 1
         for lo, hi in zip(CONTEXT_BUCKETS, (*CONTEXT_BUCKETS[1:], None)):
@@ -304,4 +308,7 @@ def measure(target, drafter, reference: Sequence[Trajectory], k: int) -> dict:
         "acceptance_by_position": [round(a / max(1, points), 4) for a in accepted],
         "agreement_by_context": {name: round(n / total, 4) for name, (n, total) in by_context.items()},
         "points": points,
+        # What keeping only the target's top TOP_K probabilities per position would drop (they are
+        # never stored here: each batch's are made from one target pass and dropped).
+        f"target_top{TOP_K}_mass": round(sum(top_mass) / max(1, len(top_mass)), 4),
     }

@@ -27,6 +27,7 @@ from cascade_service.zoo.tiny import greedy_tokens
 # Pure-Python, documented library code that an install of this project always brings along: click (for
 # uvicorn), jinja2 (for torch), packaging (for transformers), tqdm (ours). Missing ones are skipped.
 EVAL_PACKAGES = ("click", "jinja2", "packaging", "tqdm")
+CONTEXT_WINDOW = 1024  # positions of the windows loss and agreement are counted by position in
 LOOP_WINDOW, LOOP_GRAM, LOOP_REPEATS = 32, 4, 4  # "ends in a loop": see ends_in_loop
 
 
@@ -97,6 +98,9 @@ def evaluate_family(
             source: train.teacher_forced(target, loaded, windows(s, window_count, window_len))
             for source, s in held.items()
         }
+        # The same sources in windows as long as the service's contexts, counted by position.
+        long = {source: windows(s, max(1, window_count // 4), CONTEXT_WINDOW) for source, s in held.items()}
+        by_context = {source: train.by_context(target, loaded, w) for source, w in long.items() if w and w[0]}
     report: dict = {"tiers": {}}
     for name, model in loaded.items():
         report["tiers"][name] = {
@@ -113,6 +117,7 @@ def evaluate_family(
             },
         }
     report["tiers"][target_name]["pass_ms"] = {f"threads_{n}": ms for n, ms in passes_ms.items()}
+    report["by_context"] = {"window": CONTEXT_WINDOW, "sources": by_context}
     looped = [ends_in_loop(c) for c in continuations]
     report["loops"] = {
         "continuations": len(continuations),
@@ -148,6 +153,7 @@ def format_report(report: dict) -> str:
             + ", ".join(f"{ms:.2f}" for ms in passes)
             + f" ms ({passes[-1] / passes[0]:.2f}x a step at 9)"
         )
+    rows += context_rows(report)
     loops = report["loops"]
     rows.append(
         f"large's greedy continuations ending in a loop: {loops['ending_in_a_loop']}/{loops['continuations']} "
@@ -155,6 +161,16 @@ def format_report(report: dict) -> str:
     )
     rows.append("build s: " + ", ".join(f"{k} {v:.1f}" for k, v in report["build_s"].items()))
     return "\n".join(rows)
+
+
+def context_rows(report: dict) -> list[str]:
+    """One line per source and tier: loss and agreement by position in the report's long windows."""
+    rows = []
+    for source, per_tier in report.get("by_context", {}).get("sources", {}).items():
+        for name, spans in per_tier.items():
+            shown = ", ".join(f"{span} {v['loss']:.2f}/{v['agreement']:.2f}" for span, v in spans.items())
+            rows.append(f"{name} on {source} by position (loss/agreement): {shown}")
+    return rows
 
 
 def encode_files(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str], progress: bool = True) -> torch.Tensor:

@@ -12,6 +12,7 @@ that costs a teacher forward only.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import statistics
 import time
@@ -243,4 +244,32 @@ def teacher_forced(target: HFModel, models: dict[str, HFModel], windows: Sequenc
             agree += int((logits.argmax(-1) == top).sum())
             total += len(window) - 1
         report[name] = {"loss": round(sum(losses) / max(1, total), 4), "agreement": round(agree / max(1, total), 4)}
+    return report
+
+
+CONTEXT_BUCKETS = (0, 256, 512, 1024, 2048)  # where a window's positions are counted (by_context)
+
+
+def by_context(target: HFModel, models: dict[str, HFModel], windows: Sequence[Sequence[int]]) -> dict:
+    """`teacher_forced`'s loss and agreement counted by the position in the window that predicts:
+    0-256, 256-512, 512-1024, ... (a family trained on short windows shows it here, past them)."""
+    target_top = [target.full_logits(w)[:-1].argmax(-1) for w in windows]
+    report: dict[str, dict[str, dict[str, float]]] = {}
+    for name, model in models.items():
+        sums: dict[str, list[float]] = {}
+        for window, top in zip(windows, target_top):
+            logits = model.full_logits(window)[:-1]  # [len(w) - 1, V]
+            losses = F.cross_entropy(logits, torch.tensor(window[1:]), reduction="none")
+            agree = logits.argmax(-1) == top
+            for lo, hi in itertools.pairwise(CONTEXT_BUCKETS):
+                if lo >= len(losses):
+                    break
+                tally = sums.setdefault(f"{lo}-{hi}", [0.0, 0.0, 0.0])
+                tally[0] += float(losses[lo:hi].sum())
+                tally[1] += float(agree[lo:hi].sum())
+                tally[2] += len(losses[lo:hi])
+        report[name] = {
+            span: {"loss": round(loss / n, 4), "agreement": round(same / n, 4)}
+            for span, (loss, same, n) in sums.items()
+        }
     return report

@@ -129,7 +129,16 @@ def test_zoo_evaluate_measures_a_built_family_on_given_prompts(zoo, tmp_path, ca
     assert report["loops"]["continuations"] == 2 and report["evaluation"]["vocab_size"] == PRESETS["test"].vocab_size
     for name in TIERS:
         assert 0 < report["tiers"][name]["external_bits_per_char"] < 8  # below a byte per character
-    assert "ending in a loop" in capsys.readouterr().out
+    # Loss and agreement by position in 1,024-token windows: each span of each tier, the target agreeing
+    # with itself everywhere.
+    spans = report["by_context"]["sources"]["external"]
+    assert report["by_context"]["window"] == 1024
+    for name in TIERS:
+        assert list(spans[name]) == ["0-256", "256-512", "512-1024"], spans[name]
+        assert all(v["loss"] > 0 and 0 <= v["agreement"] <= 1 for v in spans[name].values())
+    assert all(v["agreement"] == 1.0 for v in spans["large"].values())
+    shown = capsys.readouterr().out
+    assert "ending in a loop" in shown and "large on external by position (loss/agreement): 0-256" in shown
 
 
 def test_zoo_evaluate_refuses_a_directory_without_a_family(tmp_path):
