@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -185,8 +186,8 @@ def distill(
             )
         )
         generated_s = time.perf_counter() - made
-        checkpoint = state / "checkpoint.pt"
-        saved = torch.load(checkpoint, weights_only=False) if resume and checkpoint.exists() else None
+        checkpoint = state / "checkpoint"
+        saved = _restore(checkpoint) if resume else None
         before = saved["before"] if saved else measure(target, drafter, reference, settings.draft_k)
         trained = _train(target, drafter, sequences, settings, checkpoint, saved, before, progress)
         after = measure(target, drafter, reference, settings.draft_k)
@@ -251,10 +252,42 @@ def _train(target, drafter, sequences: Sequence[Trajectory], s: Settings, checkp
 
 
 def _save(path: Path, drafter, opt, step: int, agree, before, settings: Settings) -> None:
-    part = path.with_suffix(".part")
-    state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "agree": agree}
-    torch.save(state | {"before": before, "settings": asdict(settings)}, part)
-    os.replace(part, path)  # a stop while writing leaves the last whole checkpoint
+    """The checkpoint: tensors in safetensors (the drafter's, the optimizer's moments), the rest in
+    JSON beside them (no pickle: a checkpoint is data, never code)."""
+    optimizer = opt.state_dict()
+    tensors = {f"drafter.{k}": v.contiguous() for k, v in drafter.state_dict().items()}
+    for index, moments in optimizer["state"].items():
+        tensors |= {f"optimizer.{index}.{k}": v.contiguous() for k, v in moments.items()}
+    meta = {"step": step, "agree": agree, "before": before, "settings": asdict(settings)}
+    meta["param_groups"] = optimizer["param_groups"]
+    for suffix, write in ((".safetensors", lambda part: save_file(tensors, part)), (".json", _json(meta))):
+        part = path.with_suffix(suffix + ".part")
+        write(part)
+        os.replace(part, path.with_suffix(suffix))  # a stop while writing leaves the last whole file
+    # The JSON is written last and names the step: a checkpoint is whole when its step matches.
+
+
+def _json(meta: dict) -> Callable[[Path], None]:
+    def write(part: Path) -> None:
+        part.write_text(json.dumps(meta))
+
+    return write
+
+
+def _restore(path: Path) -> dict | None:
+    """The checkpoint `_save` wrote, as (drafter state, optimizer state, step, ...), or None."""
+    meta_path, tensor_path = path.with_suffix(".json"), path.with_suffix(".safetensors")
+    if not meta_path.exists() or not tensor_path.exists():
+        return None
+    meta, tensors = json.loads(meta_path.read_text()), load_file(tensor_path)
+    drafter = {k.removeprefix("drafter."): v for k, v in tensors.items() if k.startswith("drafter.")}
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    optimizer = {"state": state, "param_groups": meta["param_groups"]}
+    return {"drafter": drafter, "optimizer": optimizer} | {k: meta[k] for k in ("step", "agree", "before")}
 
 
 def _batch(batch: Sequence[Trajectory], prompt_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
