@@ -30,9 +30,8 @@ from .staticpass import (
     CaptureFailed,
     bucket,
     drop_runner,
-    kv_like,
-    layer_count,
     static_inputs,
+    take_blocks,
 )
 
 Forward = Callable[[Any, list[Any]], list[Any]]  # models.batching.forward_batch
@@ -69,16 +68,8 @@ def _chained(model: Any, batch: Sequence[Any]) -> list[Any] | None:
     caches = [item.cache for item in batch]
     steps = max(item.chain for item in batch)
     with pool.lock:
-        starts = [cache.length for cache in caches]
-        now = next(pool.clock)
+        starts = take_blocks(model, caches, [len(item.fed) + item.chain - 1 for item in batch])
         try:
-            for cache, item in zip(caches, batch):
-                pool.own_tail(cache, caches)
-                pool.extend(cache, cache.length + len(item.fed) + item.chain - 1, caches)
-                cache.used = now
-            like = kv_like(model.config, model.dtype, device)
-            for layer in range(layer_count(model.config)):
-                pool.reserve(layer, like)
             plans = _plans(batch, caches, starts, steps, device)
             try:
                 firsts, drafted = _run(model.static, batch, plans, device)

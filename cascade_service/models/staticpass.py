@@ -305,18 +305,10 @@ def forward_static_rows(model: Any, fed: Sequence[Sequence[int]], caches: Sequen
         return None  # before any block is taken: the eager pass takes them
     pool = model.kv_pool
     with pool.lock:
-        starts = [cache.length for cache in caches]
-        now = next(pool.clock)
+        starts = take_blocks(model, caches, [len(new) for new in fed])
         try:
-            for cache, new in zip(caches, fed):
-                pool.own_tail(cache, caches)
-                pool.extend(cache, cache.length + len(new), caches)
-                cache.used = now
             inputs = static_inputs(caches, fed, model.device)
             assert inputs is not None  # the buckets held it, checked above
-            like = kv_like(model.config, model.dtype, model.device)
-            for layer in range(layer_count(model.config)):
-                pool.reserve(layer, like)
             try:
                 logits = model.static.run(inputs)
             except Exception as exc:
@@ -329,6 +321,34 @@ def forward_static_rows(model: Any, fed: Sequence[Sequence[int]], caches: Sequen
             cache.length += len(new)
             pool.truncate(cache, cache.length)
     return [logits[i, : len(new)].float() for i, new in enumerate(fed)]
+
+
+def take_blocks(model: Any, caches: Sequence[PagedCache], more: Sequence[int]) -> list[int]:
+    """Under the pool's lock, before a fixed-shape pass: each cache given blocks for `more[i]` positions
+    past its length (a shared last block made its own first), marked used now, and every layer's
+    tensors holding them. Returns the lengths before, which a failed pass cuts the caches back to."""
+    pool = model.kv_pool
+    starts = [cache.length for cache in caches]
+    now = next(pool.clock)
+    try:
+        for cache, n in zip(caches, more):
+            pool.own_tail(cache, caches)
+            pool.extend(cache, cache.length + n, caches)
+            cache.used = now
+        reserve_layers(model)
+    except BaseException:
+        for cache, start in zip(caches, starts):
+            pool.truncate(cache, start)
+        raise
+    return starts
+
+
+def reserve_layers(model: Any) -> None:
+    """Every layer of `model`'s pool has its tensors, holding every block handed out (a capture needs
+    their addresses, a pass their room)."""
+    like = kv_like(model.config, model.dtype, model.device)
+    for layer in range(layer_count(model.config)):
+        model.kv_pool.reserve(layer, like)
 
 
 def static_rows(model: Any, batch: Sequence[Any]) -> list[Any] | None:
@@ -366,10 +386,8 @@ def start_graphs(model: Any, max_batch: int) -> None:
     if runner is None:
         return
     pool = model.kv_pool
-    like = kv_like(model.config, model.dtype, model.device)
     with pool.lock:
-        for layer in range(layer_count(model.config)):
-            pool.reserve(layer, like)
+        reserve_layers(model)
         if isinstance(runner, CapturedPasses):
             pool.growth = max(pool.growth, 2.0)
         try:
