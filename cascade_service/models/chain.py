@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .kvpool import PagedCache
+from .poolhold import holding, replayed
 from .staticpass import (
     ROW_BUCKETS,
     TOKEN_BUCKETS,
@@ -31,7 +32,6 @@ from .staticpass import (
     bucket,
     drop_runner,
     static_inputs,
-    take_blocks,
 )
 
 Forward = Callable[[Any, list[Any]], list[Any]]  # models.batching.forward_batch
@@ -64,24 +64,12 @@ def _chained(model: Any, batch: Sequence[Any]) -> list[Any] | None:
         return None
     if bucket(len(batch), ROW_BUCKETS) is None or bucket(max(len(i.fed) for i in batch), TOKEN_BUCKETS) is None:
         return None
-    pool, device = model.kv_pool, model.device
+    device = model.device
     caches = [item.cache for item in batch]
     steps = max(item.chain for item in batch)
-    with pool.lock:
-        starts = take_blocks(model, caches, [len(item.fed) + item.chain - 1 for item in batch])
-        try:
-            plans = _plans(batch, caches, starts, steps, device)
-            try:
-                firsts, drafted = _run(model.static, batch, plans, device)
-            except Exception as exc:
-                raise CaptureFailed(str(exc)) from exc
-        except BaseException:
-            for cache, start in zip(caches, starts):
-                pool.truncate(cache, start)
-            raise
-        for cache, start, item in zip(caches, starts, batch):
-            cache.length = start + len(item.fed) + item.chain - 1
-            pool.truncate(cache, cache.length)
+    with holding(model, caches, [len(item.fed) + item.chain - 1 for item in batch]) as starts:
+        plans = _plans(batch, caches, starts, steps, device)
+        firsts, drafted = replayed(_run, model.static, batch, plans, device)
     read = drafted.tolist() if drafted is not None else []  # the run's one device-to-host copy
     results: list[Any] = []
     for i, (item, first) in enumerate(zip(batch, firsts)):

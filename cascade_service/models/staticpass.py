@@ -37,6 +37,7 @@ import torch
 
 from .cachearg import cache_kwargs
 from .kvpool import BLOCK, NULL, KVPool, PagedCache
+from .poolhold import CaptureFailed, holding, replayed, reserve_layers
 
 log = logging.getLogger(__name__)
 
@@ -146,18 +147,6 @@ class FixedSlots:
 
     def get_mask_sizes(self, query_length: Any, layer_idx: int = 0) -> tuple[int, int]:
         return self.width, 0
-
-
-def kv_like(config: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A [1, kv_heads, 1, head_dim] tensor shaped like one layer's keys (what the pool reserves by)."""
-    heads = int(config.num_attention_heads)
-    kv = int(getattr(config, "num_key_value_heads", None) or heads)
-    dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return torch.empty(1, kv, 1, dim, dtype=dtype, device=device)
-
-
-def layer_count(config: Any) -> int:
-    return int(config.num_hidden_layers)
 
 
 @torch.inference_mode()
@@ -293,62 +282,17 @@ GRAPH_MODES: dict[str, Callable[[Any, KVPool, torch.dtype, torch.device], Static
 }
 
 
-class CaptureFailed(RuntimeError):
-    """A pass could not be captured or replayed: the model runs every pass eagerly from then on."""
-
-
 def forward_static_rows(model: Any, fed: Sequence[Sequence[int]], caches: Sequence[PagedCache]) -> list[Any] | None:
     """Each row's [len(fed[i]), V] float32 logits from one fixed-shape pass of `model` (an HFModel with
     a `static` runner and a pool), the caches then holding the new tokens; None (nothing done) where
     the pass fits no bucket. A failure leaves the caches as they were."""
     if bucket(len(caches), ROW_BUCKETS) is None or bucket(max(map(len, fed)), TOKEN_BUCKETS) is None:
         return None  # before any block is taken: the eager pass takes them
-    pool = model.kv_pool
-    with pool.lock:
-        starts = take_blocks(model, caches, [len(new) for new in fed])
-        try:
-            inputs = static_inputs(caches, fed, model.device)
-            assert inputs is not None  # the buckets held it, checked above
-            try:
-                logits = model.static.run(inputs)
-            except Exception as exc:
-                raise CaptureFailed(str(exc)) from exc
-        except BaseException:
-            for cache, start in zip(caches, starts):
-                pool.truncate(cache, start)
-            raise
-        for cache, new in zip(caches, fed):
-            cache.length += len(new)
-            pool.truncate(cache, cache.length)
+    with holding(model, caches, [len(new) for new in fed]):
+        inputs = static_inputs(caches, fed, model.device)
+        assert inputs is not None  # the buckets held it, checked above
+        logits = replayed(model.static.run, inputs)
     return [logits[i, : len(new)].float() for i, new in enumerate(fed)]
-
-
-def take_blocks(model: Any, caches: Sequence[PagedCache], more: Sequence[int]) -> list[int]:
-    """Under the pool's lock, before a fixed-shape pass: each cache given blocks for `more[i]` positions
-    past its length (a shared last block made its own first), marked used now, and every layer's
-    tensors holding them. Returns the lengths before, which a failed pass cuts the caches back to."""
-    pool = model.kv_pool
-    starts = [cache.length for cache in caches]
-    now = next(pool.clock)
-    try:
-        for cache, n in zip(caches, more):
-            pool.own_tail(cache, caches)
-            pool.extend(cache, cache.length + n, caches)
-            cache.used = now
-        reserve_layers(model)
-    except BaseException:
-        for cache, start in zip(caches, starts):
-            pool.truncate(cache, start)
-        raise
-    return starts
-
-
-def reserve_layers(model: Any) -> None:
-    """Every layer of `model`'s pool has its tensors, holding every block handed out (a capture needs
-    their addresses, a pass their room)."""
-    like = kv_like(model.config, model.dtype, model.device)
-    for layer in range(layer_count(model.config)):
-        model.kv_pool.reserve(layer, like)
 
 
 def static_rows(model: Any, batch: Sequence[Any]) -> list[Any] | None:
