@@ -25,14 +25,7 @@ import torch
 
 from .kvpool import PagedCache
 from .poolhold import holding, replayed
-from .staticpass import (
-    ROW_BUCKETS,
-    TOKEN_BUCKETS,
-    CaptureFailed,
-    bucket,
-    drop_runner,
-    static_inputs,
-)
+from .staticpass import CaptureFailed, drop_runner, fits, static_inputs
 
 Forward = Callable[[Any, list[Any]], list[Any]]  # models.batching.forward_batch
 
@@ -58,11 +51,7 @@ def chained(model: Any, batch: Sequence[Any]) -> list[Any] | None:
 
 
 def _chained(model: Any, batch: Sequence[Any]) -> list[Any] | None:
-    if getattr(model, "static", None) is None or any(item.with_hidden for item in batch):
-        return None
-    if not all(isinstance(item.cache, PagedCache) for item in batch):
-        return None
-    if bucket(len(batch), ROW_BUCKETS) is None or bucket(max(len(i.fed) for i in batch), TOKEN_BUCKETS) is None:
+    if not fits(model, batch):
         return None
     device = model.device
     caches = [item.cache for item in batch]

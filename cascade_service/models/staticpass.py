@@ -295,14 +295,25 @@ def forward_static_rows(model: Any, fed: Sequence[Sequence[int]], caches: Sequen
     return [logits[i, : len(new)].float() for i, new in enumerate(fed)]
 
 
+def fits(model: Any, batch: Sequence[Any]) -> bool:
+    """Whether a batcher's passes can run as one fixed-shape pass of `model`: it has a runner, no pass
+    asks for hidden states, every cache is a pool's, and the rows and tokens fit the buckets."""
+    if getattr(model, "static", None) is None or any(item.with_hidden for item in batch):
+        return False
+    if not all(isinstance(item.cache, PagedCache) for item in batch):
+        return False
+    return (
+        bucket(len(batch), ROW_BUCKETS) is not None
+        and bucket(max(len(i.fed) for i in batch), TOKEN_BUCKETS) is not None
+    )
+
+
 def static_rows(model: Any, batch: Sequence[Any]) -> list[Any] | None:
     """A batcher's passes (fed, cache, keep, with_hidden) as one fixed-shape pass of `model` where it
     has a runner and they fit a bucket: each row's last `keep` [keep, V] float32 logits. None where
     they do not (nothing done): a pass asking for hidden states, caches outside a pool, a shape past
     the buckets. A runner that fails is dropped with a warning and the pass left to the eager path."""
-    if getattr(model, "static", None) is None or any(item.with_hidden for item in batch):
-        return None
-    if not all(isinstance(item.cache, PagedCache) for item in batch):
+    if not fits(model, batch):
         return None
     try:
         rows = forward_static_rows(model, [item.fed for item in batch], [item.cache for item in batch])
