@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ..models.hf import load_tokenizer
-from .distill_data import Trajectory, continue_prompts, cut_prompts, held_out, source_texts
+from .distill_data import Corpus, Trajectory, continue_prompts, cut_prompts, held_out, source_texts
 from .train import cosine_lr, threads
 
 TOP_K = 32  # the report's measure of how much top-k compression of the target's distributions would lose
@@ -130,14 +130,14 @@ def _load(path: Path):
 
 def distill(
     target_dir: Path,
-    source: Path,
+    source: Path | Corpus,
     out: Path,
     start: Path | None = None,
     size: str | None = None,
     settings: Settings = Settings(),
     resume: bool = False,
     progress: bool = True,
-    report_source: Path | None = None,
+    report_source: Path | Corpus | None = None,
 ) -> dict:
     """Train a drafter for the target in `target_dir` (see the module doc); returns the report, also
     written to `out/distill.json`, the drafter to `out` as a model directory. The report's prompts are

@@ -39,9 +39,24 @@ class Trajectory:
     mode: str  # "greedy" or "sampled": how the target continued it
 
 
-def source_texts(source: Path) -> list[str]:
+@dataclass(frozen=True)
+class Corpus:
+    """Texts already read, named for the report (a family's recipe gathers them from several places)."""
+
+    name: str
+    texts: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def source_texts(source: Path | Corpus) -> list[str]:
     """The texts prompts are cut from: the prompts of a JSON-lines file as they are, or every text or
-    code file under a folder (sorted, so every run reads them in one order)."""
+    code file under a folder (sorted, so every run reads them in one order), or a Corpus's texts."""
+    if isinstance(source, Corpus):
+        if not source.texts:
+            raise ValueError(f"prompts from {source.name}: no texts")
+        return list(source.texts)
     if source.is_dir():
         files = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         texts = [p.read_text(errors="replace") for p in files]

@@ -109,3 +109,22 @@ def test_the_command_distills_with_total_variation_and_reports_on_other_code(tin
     assert shown["after"] == report["after"] and report["steps"] == 12
     assert report["settings"]["divergence"] == "tv" and report["report_prompts"] == str(other)
     assert report["held_out_prompts"] == 16
+
+
+def test_acceptance_measures_a_drafter_without_training_it(tiny_family, tmp_path, capsys):
+    from cascade_service.zoo.acceptance import acceptance
+    from cascade_service.zoo.acceptance import main as acceptance_main
+
+    quick = Settings(min_prompt_tokens=20, max_prompt_tokens=60, continuation=16, threads=1)
+    target = tiny_family["target"]
+    weights = (target / "model.safetensors").read_bytes()
+    itself = acceptance(target, target, SOURCE, quick)  # a drafter that is its target agrees everywhere
+    assert itself["acceptance_by_position"] == [1.0] * quick.draft_k and itself["points"] > 0
+    assert set(itself["agreement_by_context"].values()) == {1.0}
+    other = acceptance(target, tiny_family["unrelated"], SOURCE, quick)
+    assert other["acceptance_by_position"][0] < 1.0 and other["held_out_prompts"] == itself["held_out_prompts"]
+    assert (target / "model.safetensors").read_bytes() == weights  # measured, not trained
+    argv = ["--target", str(target), "--drafter", str(tiny_family["unrelated"]), "--prompts", str(SOURCE)]
+    assert acceptance_main([*argv, "--threads", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["prompts"] == str(SOURCE) and printed["points"] > 0

@@ -1,0 +1,64 @@
+"""How well a drafter agrees with its target on given prompts, measured as `distill`'s report does
+(acceptance by draft position along the target's greedy continuations, agreement by context position),
+without training anything: `python -m cascade_service.zoo.acceptance --target DIR --drafter DIR
+--prompts SRC [SRC ...]`, one JSON line per source.
+
+For a drafter already made (shipped, distilled, or a family's own), on text of the user's choosing:
+the check behind "the drafters agree where it matters" on code or prose a family never trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from ..models.hf import load_tokenizer
+from .distill import REPORT_PROMPTS, Settings, measure
+from .distill_data import continue_prompts, cut_prompts, source_texts
+from .train import threads
+
+
+def acceptance(target_dir: Path, drafter_dir: Path, source: Path, settings: Settings | None = None) -> dict:
+    """`distill`'s report figures for the drafter in `drafter_dir` under the target in `target_dir`, on
+    REPORT_PROMPTS prompts cut from `source` as `distill --report-prompts` cuts them."""
+    settings = settings or Settings()
+    with threads(settings.threads):
+        target = _load(target_dir)
+        drafter = _load(drafter_dir)
+        tokenizer = load_tokenizer(target_dir)
+        lo, hi = settings.min_prompt_tokens, settings.max_prompt_tokens
+        prompts = cut_prompts(source_texts(source), tokenizer, REPORT_PROMPTS, lo, hi, settings.seed + 1)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        with tempfile.TemporaryDirectory() as scratch:
+            made = Path(scratch) / "held_out.jsonl"
+            reference = list(continue_prompts(target, prompts, made, settings.continuation, 0.0, pad, settings.seed))
+        return {"prompts": str(source), "held_out_prompts": len(reference)} | measure(
+            target, drafter, reference, settings.draft_k
+        )
+
+
+def _load(path: Path):
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="a drafter's acceptance under its target, on given prompts")
+    parser.add_argument("--target", required=True, help="the reviewing model's directory")
+    parser.add_argument("--drafter", required=True, help="the drafter's directory")
+    parser.add_argument("--prompts", required=True, nargs="+", help="JSON-lines files or folders, as distill's")
+    parser.add_argument("--threads", type=int, default=Settings.threads)
+    args = parser.parse_args(argv)
+    settings = Settings(threads=args.threads)
+    for source in args.prompts:
+        report = acceptance(Path(args.target), Path(args.drafter), Path(source), settings)
+        print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
