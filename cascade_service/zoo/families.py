@@ -3,8 +3,10 @@
 
 - shipped: trained once and shipped with the package (zoo/shipped.py); no training on a new machine.
   `zoo build --preset quality` still rebuilds it from its recipe, into $CASCADE_SERVICE_HOME.
-- built: trained here from a recipe (zoo/build.py: demo, quality, test; zoo/t5.py: t5, t5-test).
+- built: trained here from a recipe (zoo/build.py: demo, quality-short, test; zoo/t5.py: t5, t5-test).
 - grown: made here from another family in minutes (zoo/grown.py: grown, grown-test).
+- lengthened: another family trained further at long contexts, drafters distilled against it
+  (zoo/lengthen.py: quality from quality-short, long-test from test).
 - tiny: random weights (zoo/tiny.py), for tests.
 """
 
@@ -34,6 +36,12 @@ def _grown(preset: str, out: Path) -> Paths:
     return build_grown(preset, out, family(GROWN_PRESETS[preset].source))  # shipped, or built here first
 
 
+def _long(preset: str, out: Path) -> Paths:
+    from .lengthen import LONG_PRESETS, build_long
+
+    return build_long(preset, out, family(LONG_PRESETS[preset].source))
+
+
 def _tiny(preset: str, out: Path) -> Paths:
     from .tiny import build_family
 
@@ -43,13 +51,15 @@ def _tiny(preset: str, out: Path) -> Paths:
 # preset -> (how `zoo build` makes it, a line for --help)
 BUILDERS: dict[str, tuple[Callable[[str, Path], Paths], str]] = {
     "demo": (_built, "trained here (about 8-14 minutes on 2 cores)"),
-    "quality": (_built, "the shipped family's recipe, rebuilt here (about an hour)"),
+    "quality": (_long, "the shipped family, rebuilt here: quality-short, then lengthened (about 1 h 40 min)"),
+    "quality-short": (_built, "the shipped family's first stage: 256-token windows (about 77 minutes)"),
     "test": (_built, "trained, tiny (under a minute)"),
     "tiny": (_tiny, "random weights (seconds)"),
     "t5": (_t5, "an encoder-decoder family, docstring -> code (minutes)"),
     "t5-test": (_t5, "the same, tiny (seconds)"),
     "grown": (_grown, "the shipped family's target grown to 27M parameters, trained briefly, drafters distilled"),
     "grown-test": (_grown, "the same from the test zoo (seconds)"),
+    "long-test": (_long, "the test zoo lengthened, drafters distilled (seconds)"),
 }
 
 

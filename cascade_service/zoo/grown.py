@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cascade_service.zoo import train
+from cascade_service.zoo.build import built_with
 from cascade_service.zoo.evaluate import encode_files, eval_package_files, evaluate_sources, format_report
 from cascade_service.zoo.grow import Growth, grow
 
@@ -73,18 +75,26 @@ def build_grown(preset: str, out_dir: str | Path, source: dict[str, Path], progr
     if preset not in GROWN_PRESETS:
         raise ValueError(f"unknown grown preset {preset!r}; expected one of {sorted(GROWN_PRESETS)}")
     spec = GROWN_PRESETS[preset]
+    source_report = json.loads(source["report"].read_text())
     out = Path(out_dir).expanduser()
+    return derived(spec, source, out, lambda paths: _build(spec, source, source_report, paths, progress), progress)
+
+
+def derived(
+    spec, source: dict[str, Path], out: Path, make: Callable[[dict[str, Path]], dict], progress: bool = True
+) -> dict[str, Path]:
+    """A family made from `source` by `spec` in `out`: reused when `out` holds one made by the same spec
+    from the same weights, else made by `make` (which writes the tiers and returns the report)."""
     paths = {name: out / name for name in TIERS} | {
         key: out / source[key].name for key in ("bigram", "prompts", "tune_prompts", "report")
     }
-    source_report = json.loads(source["report"].read_text())
-    stamp = {"spec": asdict(spec), "source": _fingerprint(source)}
+    stamp = {"spec": asdict(spec), "source": _fingerprint(source)} | built_with()
     marker = out / "zoo.json"
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
         return paths
     marker.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    report = _build(spec, source, source_report, paths, progress)
+    report = make(paths)
     paths["report"].write_text(json.dumps(report, indent=1) + "\n")
     if progress:
         print(format_report(report), file=sys.stderr)

@@ -39,6 +39,11 @@ def shipped_zoo(name: str = SHIPPED) -> dict[str, Path]:
     manifest (sizes and SHA-256 of every file)."""
     root = family_dir(name)
     verify(root)
+    return zoo_paths(root)
+
+
+def zoo_paths(root: Path) -> dict[str, Path]:
+    """The paths of the family (a built zoo, or a shipped one) in `root`, by key."""
     return {tier: root / tier for tier in ("large", "base", "small")} | {
         "bigram": root / "bigram.json",
         "report": root / "report.json",
@@ -84,8 +89,8 @@ def ship(built: Path, name: str = SHIPPED) -> Path:
     manifest = {
         "family": name,
         "preset": report["preset"],
-        "builder": stamp["builder"],
-        "corpus_sha256": stamp["corpus_sha256"],
+        # a trained zoo's recipe version and corpus; a family made from another, that one's weights
+        **{key: stamp[key] for key in ("builder", "corpus_sha256", "source") if key in stamp},
         "built_with": {k: stamp[k] for k in ("python", "torch", "transformers")},
         "files": files,
     }

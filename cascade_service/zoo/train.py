@@ -87,6 +87,23 @@ def threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+class Laps:
+    """A build's seconds per phase: `laps("train")` ends the phase running since the last call."""
+
+    def __init__(self) -> None:
+        self.began = self.clock = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = round(now - self.clock, 2)
+        self.clock = now
+
+    def total(self) -> dict[str, float]:
+        """Every phase's seconds, and the whole build's as "total"."""
+        return self.seconds | {"total": round(time.perf_counter() - self.began, 2)}
+
+
 def cosine_lr(step: int, total: int, peak: float) -> float:
     warmup = max(1, round(total * _WARMUP))
     if step < warmup:
