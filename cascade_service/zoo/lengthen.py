@@ -195,7 +195,7 @@ def lengthen(large: LlamaForCausalLM, stream: torch.Tensor, spec: LongSpec, prog
         embed_lr=spec.lr,
         threads=spec.threads,
     )
-    trainee = train._Trainee(large, spec.lr, schedule, spec.steps)
+    trainee = train.Trainee(large, spec.lr, schedule, spec.steps)
     batches = train.packed_windows(stream, spec.batch, spec.window + 1, torch.Generator().manual_seed(spec.seed))
     bar = tqdm(total=spec.steps, desc=f"large on {spec.window}-token windows", unit="step", disable=not progress)
     for _ in range(spec.steps):
@@ -234,23 +234,18 @@ def _portable(report: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m cascade_service.zoo.lengthen --source DIR --out OUT`: the second stage alone, on a
+    family already in DIR (`zoo build --preset quality` runs both stages, the first one's too)."""
     import argparse
 
-    from cascade_service.zoo.families import family
+    from cascade_service.zoo.shipped import zoo_paths
 
     parser = argparse.ArgumentParser(description="lengthen a family (zoo/lengthen.py) into a directory")
     parser.add_argument("--preset", default="quality", choices=sorted(LONG_PRESETS))
-    parser.add_argument("--source", help="the source family's directory (default: the preset's source family)")
+    parser.add_argument("--source", required=True, help="the source family's directory (a built or shipped zoo)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    spec = LONG_PRESETS[args.preset]
-    if args.source:
-        from cascade_service.zoo.shipped import zoo_paths
-
-        source = zoo_paths(Path(args.source))
-    else:
-        source = family(spec.source)
-    paths = build_long(args.preset, args.out, source)  # prints the report
+    paths = build_long(args.preset, args.out, zoo_paths(Path(args.source)))  # prints the report
     print(paths["report"])
     return 0
 

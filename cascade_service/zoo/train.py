@@ -112,7 +112,7 @@ def cosine_lr(step: int, total: int, peak: float) -> float:
     return peak * (_FLOOR + (1 - _FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class _Trainee:
+class Trainee:
     """One model with its optimizer, schedule and log."""
 
     def __init__(self, module: PreTrainedModel, block_lr: float, schedule: Schedule, total_steps: int):
@@ -175,10 +175,10 @@ def train_family(
 ) -> dict[str, TrainLog]:
     """Train `large` on `stream` (1-D token ids) and distill each drafter from it, in place."""
     batches = packed_windows(stream, schedule.batch, schedule.seq_len + 1, torch.Generator().manual_seed(seed))
-    teacher = _Trainee(large, schedule.lm_lr, schedule, schedule.lm_steps)
+    teacher = Trainee(large, schedule.lm_lr, schedule, schedule.lm_steps)
     total = schedule.lm_steps + schedule.distill_steps
     joined = schedule.drafters_start
-    students = {name: _Trainee(m, schedule.drafter_lr, schedule, total - joined) for name, m in drafters.items()}
+    students = {name: Trainee(m, schedule.drafter_lr, schedule, total - joined) for name, m in drafters.items()}
     tokens = schedule.batch * schedule.seq_len
     bar = tqdm(total=total, desc="train large + drafters", unit="step", disable=not progress)
     for step in range(total):
