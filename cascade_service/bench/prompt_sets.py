@@ -1,12 +1,13 @@
 """Prompt sets that ship with the benchmarks, and how the one where drafts disagree was made.
 
 `disagree.jsonl`: long openings of Python modules from third-party packages the shipped family never
-trained on (it trained on the standard library's sources, 256-token windows) and that no benchmark or
-tuning prompt of the family comes from (those are click, jinja2, packaging and tqdm, and held-out
-stdlib modules). Each prompt is 400-700 tokens, past the windows the family was trained on, cut at a
-line boundary inside the module: the context lengths users send, on code in a style the family did not
-learn. The family's drafters part from its target there (first-position acceptance about 0.2 where it
-is 0.6 on the family's own prompts), which is what a floor under the speedup has to be judged on.
+trained on (its corpus is the standard library's sources and, for its long-context stage, seven other
+packages, none of these: zoo/lengthen.py) and that no benchmark or tuning prompt of the family comes
+from (those are click, jinja2, packaging and tqdm, and held-out stdlib modules). Each prompt is 400-700
+tokens, cut at a line boundary inside the module: the context lengths users send, on code in a style
+the family did not learn. The drafters of the family trained on 256-token windows parted from it there
+(first-position acceptance about 0.2 where it was 0.6 on its own prompts); that is what a floor under
+the speedup was first judged on.
 Never used to tune anything.
 
 Rebuild (the same packages installed; the file is committed, so every machine benchmarks the same text):
