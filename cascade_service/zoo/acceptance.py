@@ -14,12 +14,9 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
-
 from ..models.hf import load_tokenizer
-from .distill import REPORT_PROMPTS, Settings, measure
-from .distill_data import continue_prompts, cut_prompts, source_texts
+from .distill import Settings, cut_report_prompts, load_model, measure, pad_id
+from .distill_data import continue_prompts
 from .train import threads
 
 
@@ -28,22 +25,17 @@ def acceptance(target_dir: Path, drafter_dir: Path, source: Path, settings: Sett
     REPORT_PROMPTS prompts cut from `source` as `distill --report-prompts` cuts them."""
     settings = settings or Settings()
     with threads(settings.threads):
-        target = _load(target_dir)
-        drafter = _load(drafter_dir)
+        target = load_model(target_dir).eval()
+        drafter = load_model(drafter_dir).eval()
         tokenizer = load_tokenizer(target_dir)
-        lo, hi = settings.min_prompt_tokens, settings.max_prompt_tokens
-        prompts = cut_prompts(source_texts(source), tokenizer, REPORT_PROMPTS, lo, hi, settings.seed + 1)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        prompts = cut_report_prompts(source, tokenizer, settings)
         with tempfile.TemporaryDirectory() as scratch:
             made = Path(scratch) / "held_out.jsonl"
-            reference = list(continue_prompts(target, prompts, made, settings.continuation, 0.0, pad, settings.seed))
+            pad, tokens = pad_id(tokenizer), settings.continuation
+            reference = list(continue_prompts(target, prompts, made, tokens, 0.0, pad, settings.seed))
         return {"prompts": str(source), "held_out_prompts": len(reference)} | measure(
             target, drafter, reference, settings.draft_k
         )
-
-
-def _load(path: Path):
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ from cascade_service.zoo.evaluate import (
     format_report,
 )
 from cascade_service.zoo.prompts import extract_prompts, write_prompts
+from cascade_service.zoo.shipped import zoo_paths
 from cascade_service.zoo.tiny import BOS, EOS, PAD
 
 BUILDER_VERSION = 2  # bump when the artefacts a spec produces change
@@ -217,12 +218,7 @@ def build_zoo(preset: str | ZooSpec, out_dir: str | Path, progress: bool = True)
         raise ValueError(f"unknown zoo preset {preset!r}; expected one of {sorted(PRESETS)}")
     spec = PRESETS[preset] if isinstance(preset, str) else preset
     out = Path(out_dir).expanduser()
-    paths = {name: out / name for name in TIERS} | {
-        "bigram": out / "bigram.json",
-        "report": out / "report.json",
-        "prompts": out / "prompts.jsonl",
-        "tune_prompts": out / "tune_prompts.jsonl",
-    }
+    paths = zoo_paths(out)
     marker = out / "zoo.json"
     stamp = _stamp(spec, corpus_files() + held_out_modules(), eval_package_files())
     if marker.is_file() and json.loads(marker.read_text()) == stamp:

@@ -124,7 +124,8 @@ def new_drafter(target_config, shape: DrafterShape, seed: int) -> LlamaForCausal
         return LlamaForCausalLM(config)
 
 
-def _load(path: Path):
+def load_model(path: Path):
+    """A causal LM from its directory, in float32 (what distillation and its measures run in)."""
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
 
 
@@ -150,10 +151,10 @@ def distill(
     state = out / STATE
     state.mkdir(parents=True, exist_ok=True)
     with threads(settings.threads):
-        target = _load(target_dir).eval()
+        target = load_model(target_dir).eval()
         tokenizer = load_tokenizer(target_dir)
         if start is not None:
-            drafter = _load(start)
+            drafter = load_model(start)
         else:
             drafter = new_drafter(target.config, parse_size(size or ""), settings.seed)
         vocab, wanted = drafter.config.vocab_size, target.config.vocab_size
@@ -170,12 +171,10 @@ def distill(
         train_prompts = [p for p in prompts if not held_out(p, settings.held_out)]
         report_prompts = [p for p in prompts if held_out(p, settings.held_out)][:REPORT_PROMPTS]
         if report_source is not None:
-            texts = source_texts(report_source)
-            lo, hi = settings.min_prompt_tokens, settings.max_prompt_tokens
-            report_prompts = cut_prompts(texts, tokenizer, REPORT_PROMPTS, lo, hi, settings.seed + 1)
+            report_prompts = cut_report_prompts(report_source, tokenizer, settings)
         if not train_prompts or not report_prompts:
             raise ValueError(f"--prompts {source}: {len(prompts)} prompts leave none to train on or none held out")
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        pad = pad_id(tokenizer)
         made = time.perf_counter()
         s, made_at = settings, state / "sequences.jsonl"
         generate = continue_prompts(target, train_prompts, made_at, s.continuation, s.sampled, pad, s.seed)
@@ -213,6 +212,16 @@ def distill(
     }
     (out / "distill.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def cut_report_prompts(source: Path | Corpus, tokenizer, settings: Settings) -> list[list[int]]:
+    """The report's prompts cut from other text than training's (`--report-prompts`)."""
+    lo, hi = settings.min_prompt_tokens, settings.max_prompt_tokens
+    return cut_prompts(source_texts(source), tokenizer, REPORT_PROMPTS, lo, hi, settings.seed + 1)
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
 def _train(target, drafter, sequences: Sequence[Trajectory], s: Settings, checkpoint: Path, saved, before, progress):

@@ -109,7 +109,7 @@ def build_long(preset: str, out_dir: str | Path, source: dict[str, Path], progre
 
 
 def _build(spec: LongSpec, source: dict[str, Path], paths: dict[str, Path], progress: bool) -> dict:
-    from cascade_service.zoo.build import read_text_file, training_texts
+    from cascade_service.zoo.build import held_out_modules, read_text_file, training_texts
 
     if overlap := sorted(set(spec.packages) & set(EVAL_PACKAGES)):
         raise ValueError(f"{spec.name}: trains on evaluation packages {overlap}")
@@ -146,8 +146,6 @@ def _build(spec: LongSpec, source: dict[str, Path], paths: dict[str, Path], prog
     for key in ("bigram", "prompts", "tune_prompts"):
         paths[key].write_bytes(source[key].read_bytes())
     prompts = [json.loads(line)["prompt"] for line in paths["prompts"].read_text().splitlines() if line.strip()]
-    from cascade_service.zoo.build import held_out_modules
-
     evaluation = evaluate_sources(
         paths,
         TIERS,
