@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cascade_service.zoo import train
@@ -35,7 +33,6 @@ from cascade_service.zoo.evaluate import (
     eval_source_versions,
     evaluate_sources,
 )
-from cascade_service.zoo.fused import head_loss
 
 TIERS = ("large", "base", "small")
 # Packages every install of this project brings (through Ray Serve, transformers and rich): pure
@@ -181,8 +178,8 @@ def _build(spec: LongSpec, source: dict[str, Path], paths: dict[str, Path], prog
 
 
 def lengthen(large: LlamaForCausalLM, stream: torch.Tensor, spec: LongSpec, progress: bool) -> train.TrainLog:
-    """Train `large` further, in place, on windows of `spec.window` tokens of `stream` (with the zoo's
-    warm-up and cosine schedule, fused head loss); returns its log."""
+    """Train `large` further, in place, on windows of `spec.window` tokens of `stream`: the zoo's own
+    training (train.train_family) with no drafters beside it; returns its log."""
     schedule = train.Schedule(
         batch=spec.batch,
         seq_len=spec.window,
@@ -193,20 +190,7 @@ def lengthen(large: LlamaForCausalLM, stream: torch.Tensor, spec: LongSpec, prog
         embed_lr=spec.lr,
         threads=spec.threads,
     )
-    trainee = train.Trainee(large, spec.lr, schedule, spec.steps)
-    batches = train.packed_windows(stream, spec.batch, spec.window + 1, torch.Generator().manual_seed(spec.seed))
-    bar = tqdm(total=spec.steps, desc=f"large on {spec.window}-token windows", unit="step", disable=not progress)
-    for _ in range(spec.steps):
-        began = time.perf_counter()
-        window = next(batches)
-        states = trainee.hidden(window[:, :-1])
-        trainee.step(head_loss(states, trainee.head, targets=window[:, 1:].reshape(-1)), window[:, 1:].numel())
-        trainee.log.seconds += time.perf_counter() - began
-        bar.set_postfix({"loss": f"{trainee.log.losses[-1]:.3f}"}, refresh=False)
-        bar.update()
-    bar.close()
-    large.eval()
-    return trainee.log
+    return train.train_family(large, {}, stream, schedule, spec.seed, progress)["large"]
 
 
 def _declaring(module: LlamaForCausalLM, positions: int) -> LlamaForCausalLM:

@@ -187,7 +187,7 @@ def train_family(
         inputs, targets = window[:, :-1], window[:, 1:].reshape(-1)  # [B, S], [B * S]
         if step < schedule.lm_steps:
             states = teacher.hidden(inputs)  # [B * S, d]
-            if step >= joined:  # from the head as it was for this forward pass, not as the step leaves it
+            if step >= joined and students:  # from the head as it was for this forward pass, not as the step leaves it
                 reference = teacher_distribution(states, teacher.head)
             teacher.step(head_loss(states, teacher.head, targets=targets), tokens)
         else:
