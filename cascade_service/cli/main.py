@@ -11,6 +11,7 @@ from ..extras import MissingExtra
 from ..zoo.families import BUILDERS
 from .client import add_client
 from .generate import add_generate
+from .models import add_models_command
 from .parser import Parser, UsageError
 from .serve import add_serve_command
 from .tier import add_tier_command
@@ -151,6 +152,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_serve_command,
     add_tier_command,
     add_client,
+    add_models_command,
 ]
 
 
