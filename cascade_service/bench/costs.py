@@ -42,9 +42,7 @@ def _step_ms(model: HFModel, rows: int) -> float:
 
 
 def backend_of(model: HFModel) -> str:
-    from ..models.lean import LeanLlama
-
-    return "lean" if isinstance(model.module, LeanLlama) else "hf"
+    return model.backend
 
 
 def markdown(costs: dict[str, dict]) -> str:

@@ -14,7 +14,7 @@ SUFFIX = "suffix"
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 # The forward a model tier runs on (models.lean.BACKENDS): transformers' own, or the lean rewrite that
 # drafters may use (their numerics never change the output; the target's do, so it runs "hf").
-BACKENDS = ("hf", "lean")
+BACKENDS = ("hf", "lean", "int8")
 # Where a model tier keeps its requests' KV caches (models.kvpool.STORAGES): slots of one pool that a
 # batched pass reads in place, or a DynamicCache per request packed into each batched pass.
 KV_STORAGES = ("pool", "dynamic")

@@ -23,6 +23,7 @@ from ..scheduling.batcher import LoopBatcher, Pass
 from ..scheduling.loop import EngineLoop
 from .batching import default_prefill_chunk, executor, forward_batch
 from .cachearg import cache_kwargs
+from .cpukernels import packed_parameters, weight_major
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
 from .lean import BACKENDS
@@ -42,7 +43,7 @@ _DTYPES: dict[str, torch.dtype | str] = {
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # 5.x renamed from_pretrained's `torch_dtype` to `dtype` (the old name is deprecated); 4.x knows only it.
-_DTYPE_KWARG = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+DTYPE_KWARG = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
 
 
 def _parse_dtype(dtype: str) -> torch.dtype | str:
@@ -160,12 +161,14 @@ class HFModel:
         # Where requests' KV caches live (models.kvpool): blocks of one paged pool with a prefix cache,
         # read in place ("pool"), or a DynamicCache each, packed per batched pass ("dynamic").
         self.kv = kv
+        self.backend = "hf"  # the forward it runs (models.lean.BACKENDS), set by `load`
         self.kv_pool = kv_pool(module.config, self.dtype, self.device, kv_budget_mb, name)
         metrics = default_metrics()
         self.kv_pool.report = lambda event, amount: metrics.kv_event(name, event, amount)
         head = module.get_output_embeddings()
-        self.vocab_size: int = head.weight.shape[0] if head is not None else module.config.vocab_size
-        self.num_parameters: int = sum(p.numel() for p in module.parameters())
+        # out_features: an int8 head (models.cpukernels) keeps its weight packed, not as `.weight`
+        self.vocab_size: int = head.out_features if head is not None else module.config.vocab_size
+        self.num_parameters: int = sum(p.numel() for p in module.parameters()) + packed_parameters(module)
         self.eos_token_ids: set[int] = _eos_ids(module)
         # The positions the model holds: a learned position table (GPT-2's n_positions) indexes out of
         # range past it, and rotary models were never trained there. None: the config names no limit.
@@ -277,9 +280,12 @@ class HFModel:
         local = _local_dir(path)
         hf_logging.disable_progress_bar()  # a "Loading weights" bar per tier per process is only noise
         kind = MODEL_KINDS[is_encoder_decoder(local)]  # chosen once, here: HFModel or Seq2SeqModel
-        module = kind.auto.from_pretrained(local, local_files_only=True, **{_DTYPE_KWARG: torch_dtype})
+        module = kind.auto.from_pretrained(local, local_files_only=True, **{DTYPE_KWARG: torch_dtype})
         module.eval().to(target)
-        model = kind(BACKENDS[backend](module), name or local.resolve().name, kv, kv_budget_mb)
+        runs = BACKENDS[backend](module)
+        weight_major(runs)  # on the CPU, the faster product for few rows (models.cpukernels)
+        model = kind(runs, name or local.resolve().name, kv, kv_budget_mb)
+        model.backend = backend
         model.use_graphs(graphs)
         return model
 

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpukernels import quantize_int8
+
 _ROTARY_KINDS = ("default", None)
 
 
@@ -215,4 +217,5 @@ def _keep(x: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
 BACKENDS: dict[str, Callable[[Any], Any]] = {
     "hf": lambda module: module,
     "lean": LeanLlama,
+    "int8": quantize_int8,  # transformers' forward over int8 linear layers (models.cpukernels)
 }
