@@ -21,6 +21,10 @@ from ..core.stats import Usage, absorb
 from .methods import PLAIN, REFERENCE, Method, Outcome, Runner, Sampling, drafted_label
 from .zoo import Zoo
 
+# The warm-up run's length: enough for first-call allocations and a drafted round or two; a full-length
+# warm-up would double a benchmark of a real target (0.5-0.7 s a step on the 2-core host).
+WARM_UP_TOKENS = 16
+
 
 @dataclass
 class Tally:
@@ -69,6 +73,8 @@ class Tally:
 class RunnerLog:
     times: list[list[float]] = field(default_factory=list)  # [repeat][prompt] seconds
     tokens: list[list[list[int]]] = field(default_factory=list)  # [repeat][prompt] generated ids
+    # [repeat][prompt] (seconds to the first output, tokens that came with it): Outcome.first_token_s
+    first: list[list[tuple[float, int]]] = field(default_factory=list)
     tally: Tally = field(default_factory=Tally)
 
 
@@ -83,7 +89,7 @@ def run_bench(
     """Time every runner of every method; returns runner label -> log."""
     runners = [r for m in methods for r in m.variants]
     for runner in runners:  # warm-up: first-call allocations and lazy inits stay out of the timings
-        runner.run(zoo, prompts[0], max_new_tokens, Sampling(temperature, seed=2**62))
+        runner.run(zoo, prompts[0], min(max_new_tokens, WARM_UP_TOKENS), Sampling(temperature, seed=2**62))
     logs = {r.label: RunnerLog() for r in runners}
     bar = tqdm(total=repeats * len(prompts), desc="bench", unit="prompt", file=sys.stderr, disable=None)
     for repeat in range(repeats):
@@ -91,6 +97,7 @@ def run_bench(
         for log in logs.values():
             log.times.append([])
             log.tokens.append([])
+            log.first.append([])
         for i, prompt in enumerate(prompts):
             sampling = Sampling(temperature, seed=repeat * len(prompts) + i)  # the seed matters only sampled
             for runner in runners:
@@ -107,6 +114,7 @@ def _timed(
     outcome = runner.run(zoo, prompt, max_new_tokens, sampling)
     log.times[-1].append(time.perf_counter() - began)
     log.tokens[-1].append(outcome.token_ids)
+    log.first[-1].append((outcome.first_token_s, outcome.first_tokens))
     log.tally.add(outcome)
 
 
@@ -133,19 +141,26 @@ def summarize(
         ranked = dict(sorted(figures.get("tiers", {}).items(), key=lambda kv: order.get(kv[0], len(order))))
         figures["label"] = drafted_label(method.name, ranked)
         out[method.name] = figures
-    base = out[REFERENCE]["tokens_per_s"]
-    plain = out[PLAIN]["tokens_per_s"] if PLAIN in out else 0.0
-    for figures in [*out.values(), *(f for m in out.values() for f in m.get("sweep", {}).values())]:
-        figures["speedup_vs_hf_ar"] = _ratio(figures["tokens_per_s"], base)
-        figures["speedup_vs_ar"] = _ratio(figures["tokens_per_s"], plain)
+    for key in ("tokens_per_s", "decode_tokens_per_s"):
+        base = out[REFERENCE][key]
+        plain = out[PLAIN][key] if PLAIN in out else 0.0
+        prefix = "" if key == "tokens_per_s" else "decode_"
+        for figures in [*out.values(), *(f for m in out.values() for f in m.get("sweep", {}).values())]:
+            figures[f"{prefix}speedup_vs_hf_ar"] = _ratio(figures[key], base)
+            figures[f"{prefix}speedup_vs_ar"] = _ratio(figures[key], plain)
     return out
 
 
 def _figures(log: RunnerLog, reference: list[list[int]] | None, costs: Mapping[str, Mapping[str, float]]) -> dict:
     tally, n = log.tally, log.tally.generated
     by_repeat = [_ratio(sum(map(len, toks)), sum(times)) for toks, times in zip(log.tokens, log.times)]
+    decode_by_repeat = [_decode_rate(*run) for run in zip(log.tokens, log.times, log.first)]
     figures: dict[str, Any] = {
         "tokens_per_s": statistics.median(by_repeat),
+        # Decoding apart from the prompt's read: tokens after the first output over the time after it
+        # (each repeat's prompts summed; the median repeat), and the time to first token (median run).
+        "decode_tokens_per_s": statistics.median(decode_by_repeat),
+        "ttft_s": statistics.median(t for first in log.first for t, _ in first),
         "speedup_vs_hf_ar": 0.0,  # filled in once hf-ar's speed is known
         "speedup_vs_ar": 0.0,  # and ar's: plain decoding through our engine, at the same load
         "swi_params": tally.swi(costs.get("params", {})),
@@ -163,6 +178,7 @@ def _figures(log: RunnerLog, reference: list[list[int]] | None, costs: Mapping[s
         # per reviewer: how its K-matrix row ran, entry by entry (core.stats.ReviewCounters.row)
         "rows": {name: review.row() for name, review in tally.rows.reviews.items()},
         "tokens_per_s_by_repeat": by_repeat,
+        "decode_tokens_per_s_by_repeat": decode_by_repeat,
         "per_prompt": _per_prompt(log, reference),
     }
     if acceptance := tally.acceptance_by_position():
@@ -181,10 +197,21 @@ def _per_prompt(log: RunnerLog, reference: list[list[int]] | None) -> list[dict]
                 "generated_tokens": tokens,
                 "time_s": time_s,  # median over repeats
                 "tokens_per_s": _ratio(tokens, time_s),
+                "ttft_s": statistics.median(first[i][0] for first in log.first),
+                "decode_tokens_per_s": statistics.median(
+                    _decode_rate([toks[i]], [times[i]], [first[i]])
+                    for toks, times, first in zip(log.tokens, log.times, log.first)
+                ),
                 "identical_to_hf_ar": same,
             }
         )
     return rows
+
+
+def _decode_rate(tokens: Sequence[list[int]], times: Sequence[float], first: Sequence[tuple[float, int]]) -> float:
+    """Tokens after each run's first output over the time after it, summed over the runs."""
+    after = sum(len(toks) - n for toks, (_, n) in zip(tokens, first))
+    return _ratio(after, sum(t - at for t, (at, _) in zip(times, first)))
 
 
 def _add_into(total: list[int], counts: Sequence[int]) -> None:

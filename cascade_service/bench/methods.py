@@ -12,6 +12,7 @@ configured, every round (a fixed configuration).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -65,6 +66,10 @@ class Outcome:
     rows: dict[str, ReviewCounters] = field(default_factory=dict)
     orchestration_s: float = 0.0  # the engine loop's time outside model passes (ours only)
     drafted_rounds: int = 0  # target rounds whose block held a draft (ours only; CascadeStats.drafted_rounds)
+    # When the first output arrived (seconds from the call) and how many tokens came with it: the time to
+    # first token is the prompt's read (prefill, or a prefix-cache hit), the rest is decoding.
+    first_token_s: float = 0.0
+    first_tokens: int = 0
 
 
 class Runner(Protocol):
@@ -144,8 +149,15 @@ class EngineRunner:
             seed=sampling.seed,
             speculation=self.speculation,
         )
-        result = zoo.engine(self.cascade).generate(prompt_ids, gen)
-        return _from_stats(result.token_ids, result.stats)
+        stats = CascadeStats(self.cascade.target.name)  # filled in by the stream at its end
+        tokens: list[int] = []
+        first_token_s, first_tokens = 0.0, 0
+        began = time.perf_counter()
+        for chunk in zoo.engine(self.cascade).stream(prompt_ids, gen, stats):
+            if not tokens:
+                first_token_s, first_tokens = time.perf_counter() - began, len(chunk)
+            tokens += chunk
+        return replace(_from_stats(tokens, stats), first_token_s=first_token_s, first_tokens=first_tokens)
 
     def describe(self) -> dict:
         return {
@@ -159,7 +171,14 @@ class EngineRunner:
 
 
 def _from_hf(run: HFRun) -> Outcome:
-    return Outcome(run.token_ids, run.target_calls, dict(run.drafter_calls), {})
+    return Outcome(
+        run.token_ids,
+        run.target_calls,
+        dict(run.drafter_calls),
+        {},
+        first_token_s=run.first_token_s,
+        first_tokens=run.first_tokens,
+    )
 
 
 def _from_stats(token_ids: list[int], stats: CascadeStats) -> Outcome:

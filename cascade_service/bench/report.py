@@ -17,6 +17,11 @@ COLUMNS = (
     ("tok/s", "tokens_per_s", "{:.1f}"),
     ("speedup vs hf-ar", "speedup_vs_hf_ar", "{:.2f}x"),
     ("vs ar (plain, same load)", "speedup_vs_ar", "{:.2f}x"),
+    # decoding apart from the prompt's read (prefill or a prefix-cache hit decides a short request's tok/s)
+    ("decode tok/s", "decode_tokens_per_s", "{:.2f}"),
+    ("decode vs hf-ar", "decode_speedup_vs_hf_ar", "{:.2f}x"),
+    ("decode vs ar", "decode_speedup_vs_ar", "{:.2f}x"),
+    ("TTFT s", "ttft_s", "{:.2f}"),
     ("rounds that drafted", "drafted_round_share", "{:.0%}"),
     ("SWI (params)", "swi_params", "{:.2f}"),
     ("SWI (measured)", "swi_measured", "{:.2f}"),

@@ -114,7 +114,12 @@ class EngineLoop:
 
     def iterate(self, make: Callable[[], Iterator[T]]) -> Generator[T, None, None]:
         """The items of the iterator make() returns, made by a task, handed over as they come. Leaving
-        the loop early closes the iterator in its task (a generator's finally blocks run there)."""
+        the loop early closes the iterator in its task (a generator's finally blocks run there); inside a
+        task of this loop, simply iterated (as `run` calls: a task waiting for another task would wait
+        for ever)."""
+        if self.in_task():
+            yield from make()
+            return
         items: queue.SimpleQueue = queue.SimpleQueue()
         task = self._submit(_drain, (make, items.put))
         try:

@@ -8,6 +8,7 @@ modules, so the counts are the same kind of figure as `CascadeStats` calls (one 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +26,31 @@ class HFRun:
     token_ids: list[int]  # generated ids only, EOS included when it came
     target_calls: int  # forward passes of the target module
     drafter_calls: dict[str, int] = field(default_factory=dict)  # assistant name -> forward passes
+    first_token_s: float = 0.0  # seconds from the call to the first generated token(s) reaching the streamer
+    first_tokens: int = 0  # how many tokens arrived with it (assisted generation streams a round at once)
+
+
+class _FirstToken:
+    """A `generate()` streamer that notes when the first generated tokens arrive and how many.
+
+    generate() hands a decoder-only model's streamer the prompt first, then each step's new tokens; an
+    encoder-decoder model's gets its decoder start token first. Either way the second `put` is the first
+    output. Nothing else is kept: the tokens come back from generate() itself."""
+
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+        self.calls = 0
+        self.at = 0.0
+        self.tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.at = time.perf_counter() - self.began
+            self.tokens = int(value.numel())
+
+    def end(self) -> None:
+        pass
 
 
 @contextmanager
@@ -114,6 +140,7 @@ def _generate(
     modules = {model.name: model.module}
     if assistant is not None:
         modules[assistant.name] = assistant.module
+    first = _FirstToken()
     with torch.inference_mode(), count_forwards(modules) as counts, _quiet():
         out = model.module.generate(  # type: ignore[operator]  # transformers' stubs type generate oddly
             ids,
@@ -122,6 +149,7 @@ def _generate(
             min_new_tokens=0,
             eos_token_id=eos or None,
             pad_token_id=_pad_id(model, eos),
+            streamer=first,
             # Unset sampling knobs a checkpoint's generation_config may carry, so greedy stays plain
             # greedy (and transformers does not warn about flags that greedy ignores), and sampling
             # samples the whole distribution at the temperature asked.
@@ -131,7 +159,7 @@ def _generate(
     # A decoder-only model returns the prompt and what follows; an encoder-decoder one (models.seq2seq)
     # its decoder's sequence, from the decoder start token.
     generated = out[0, 1:] if model.encoder_decoder else out[0, ids.shape[1] :]
-    return HFRun(generated.tolist(), counts[model.name], drafter_calls)
+    return HFRun(generated.tolist(), counts[model.name], drafter_calls, first.at, first.tokens)
 
 
 @contextmanager
