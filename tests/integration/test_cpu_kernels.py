@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cascade_service.config import ConfigError, ModelTierConfig, parse_config, make_cascade
+from cascade_service.config import ConfigError, ModelTierConfig, make_cascade, parse_config
 from cascade_service.core.request import GenerationConfig
 from cascade_service.engine import Engine
 from cascade_service.models.cpukernels import WeightMajorLinear, quantize_int8, weight_major

