@@ -34,39 +34,57 @@ def run_demo(
     layout: str = DEFAULT_LAYOUT,
     passes: int = 3,
     verbose: bool = False,
+    config: str | None = None,
 ) -> int:
     """Decode prompts from code the zoo never trained on three ways: large alone and the cascade in-process
     (in a child process of their own), and the cascade through the service (Ray Serve tiers, gRPC edge,
     client SDK). The terminal shows the demo's own lines; third-party output (Ray, Ray Serve, gRPC,
-    torch, transformers) goes to a log under the home, named at the end, unless `verbose`."""
+    torch, transformers) goes to a log under the home, named at the end, unless `verbose`. `config`: a
+    config of the user's (a fetched real family) instead of a zoo preset; its own `serving` section is
+    the layout, and the prompts are third-party code (bench/prompts/disagree.jsonl)."""
     log = None if verbose else log_path("demo")
     with third_party_output(log) as out:
-        decode_three_ways(out, max_new_tokens, prompts, preset, layout, passes)
+        decode_three_ways(out, max_new_tokens, prompts, preset, layout, passes, config)
     if log is not None:
         print(f"\nthird-party logs: {log}", flush=True)
     return 0
 
 
-def decode_three_ways(out: TextIO, max_new_tokens: int, prompts: int, preset: str, layout: str, passes: int) -> None:
+def decode_three_ways(
+    out: TextIO,
+    max_new_tokens: int,
+    prompts: int,
+    preset: str,
+    layout: str,
+    passes: int,
+    config: str | None = None,
+) -> None:
     """The demo itself (run_demo's arguments): its lines go to `out`, whatever else is printed to the
     process's stdout and stderr."""
     from .bench.inprocess import InProcessWorker
+    from .bench.prompt_sets import DISAGREE
     from .client import CascadeClient
     from .serving.local import LocalService
     from .zoo.families import family
 
     say = functools.partial(print, file=out, flush=True)
-    say(f"loading the {preset} family (shipped, or made on first use, offline)")
-    config_path = demo_config(preset, layout)
-    texts = read_prompts(str(family(preset)["prompts"]))[:prompts]
+    threads: int | None
+    if config is None:
+        say(f"loading the {preset} family (shipped, or made on first use, offline)")
+        config_path = str(demo_config(preset, layout))
+        texts = read_prompts(str(family(preset)["prompts"]))[:prompts]
+        threads = 1  # the in-process baseline is fastest so on the zoo's tiny models (ar 651 against 565 tok/s)
+    else:
+        config_path, layout = config, "the config's"
+        texts = read_prompts(str(DISAGREE))[:prompts]
+        threads = load_config(config).serving.torch_threads  # as the service's replica runs it
     tokenizer = load_tokenizer(load_config(config_path).cascade.target.path)  # the models load elsewhere
     say(f"starting the service ({layout} layout): local Ray, Ray Serve, gRPC on loopback")
     # The in-process runs live in a child process: timed in this (Ray driver) process they would share
     # the CPU with Ray's threads and the gRPC edge, an unfair and unstable baseline on a small machine.
     with (
-        # One torch thread there too: the in-process baseline is fastest so (ar 651 against 565 tok/s with two).
-        InProcessWorker(str(config_path), torch_threads=1) as worker,
-        LocalService(str(config_path)) as service,
+        InProcessWorker(config_path, torch_threads=threads) as worker,
+        LocalService(config_path) as service,
         CascadeClient(service.address, timeout_s=600) as client,
     ):
         say(f"service up at {service.address}")

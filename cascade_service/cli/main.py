@@ -67,6 +67,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="which family: quality (default) is shipped with the package; the others are made on first "
         "use (demo: the 8-minute training; grown: the cost-realistic target, minutes)",
     )
+    p.add_argument(
+        "--config",
+        help="a config of your own instead of a zoo preset (e.g. configs/qwen2.5-coder.yaml after `cascade-service "
+        "models fetch qwen2.5-coder`): its tiers and its serving layout, prompts from third-party code",
+    )
     p.add_argument("--passes", type=int, default=3, help="timed passes over the prompts (after one warm-up)")
     p.add_argument(
         "--layout",
@@ -87,7 +92,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo  # heavy imports only when needed
 
-    return run_demo(args.max_new_tokens, args.prompts, args.preset, args.layout, args.passes, args.verbose)
+    if args.config and (args.preset != "quality" or args.layout != "colocated"):
+        raise UsageError("demo: --config names the family and the layout; leave out --preset and --layout")
+    if args.config:
+        from ..config import load_config
+
+        load_config(args.config)  # a bad config fails here, before Ray starts
+    return run_demo(args.max_new_tokens, args.prompts, args.preset, args.layout, args.passes, args.verbose, args.config)
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:

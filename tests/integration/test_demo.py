@@ -154,3 +154,17 @@ def test_demo_schedule_is_the_tuned_one_in_configs_demo_yaml():
     )
     assert config.serving.colocate == tuple(LAYOUTS[DEFAULT_LAYOUT]["colocate"])
     assert config.serving.groups == ()
+
+
+def test_demo_takes_a_config_of_ones_own_with_its_layout_and_third_party_prompts(tiny_family, tmp_path, monkeypatch):
+    import cascade_service.demo
+    from cascade_service.cli.main import main
+
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"tiers:\n  target:\n    path: {tiny_family['target']}\n  drafters:\n    - kind: mag\n")
+    seen: list = []
+    monkeypatch.setattr(cascade_service.demo, "decode_three_ways", lambda out, *args: seen.append(args))
+    assert main(["demo", "--config", str(config), "--prompts", "1"]) == 0
+    assert seen and seen[0][-1] == str(config)
+    assert main(["demo", "--config", str(config), "--layout", "separate"]) == 2
+    assert main(["demo", "--config", str(tmp_path / "missing.yaml")]) == 2
