@@ -2,10 +2,11 @@
 documented `cascade-service ...` (or `python -m cascade_service...`) command names with --config or
 --tuned is in the repository and loads (load_config), and each model, bigram and head directory it
 names either exists after the README's install (the shipped family, in the package) or lies in
-$CASCADE_SERVICE_HOME/zoo/<preset> for a preset that a documented `zoo build --preset` makes. A
+$CASCADE_SERVICE_HOME/zoo/<preset> for a preset that a documented `zoo build --preset` makes, or in
+$CASCADE_SERVICE_HOME/models/<family> for a family that a documented `models fetch` makes. A
 command's --tuned configs name its --config's family: a schedule tuned on one family says nothing
-about another. And every shipped config names the shipped family, except those under
-configs/presets/, whose file names start with the preset they need.
+about another. And every shipped config names the shipped family or a fetched real one, except those
+under configs/presets/, whose file names start with the preset they need.
 
 Placeholders (C, P, configs/FAMILY.yaml: any name with a capital letter, or not ending in .yaml) are
 not files and are skipped; a YAML a documented `tune --out` writes counts as the family it was tuned on.
@@ -23,6 +24,7 @@ import pytest
 from cascade_service.config import ConfigError, load_config
 from cascade_service.paths import families
 from cascade_service.zoo.families import BUILDERS
+from cascade_service.zoo.packaged import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -74,6 +76,12 @@ def documented_builds(texts: list[str]) -> set[str]:
     return built
 
 
+def documented_fetches(texts: list[str]) -> set[str]:
+    """The packaged families a documented `models fetch F` (into the default home) makes."""
+    runs = (t for text in texts for t in commands(text) if _runs(t, "models", "fetch") and not option(t, "--root"))
+    return {word for tokens in runs for word in tokens if word in FAMILIES}
+
+
 def documented_heads(texts: list[str]) -> set[str]:
     """The presets a documented `train-head --preset P` writes a head into (its zoo, by default)."""
     runs = (t for text in texts for t in commands(text) if _runs(t, "train-head"))
@@ -97,7 +105,9 @@ class Fresh:
 
     def __init__(self, home: Path, texts: list[str]):
         self.zoo = home / "zoo"
+        self.models = home / "models"
         self.builds = documented_builds(texts)
+        self.fetches = documented_fetches(texts)
         self.heads = documented_heads(texts)
 
     def origin(self, file: str) -> tuple[str | None, str]:
@@ -106,6 +116,11 @@ class Fresh:
         if path.is_relative_to(families()):
             name = path.relative_to(families()).parts[0]
             return (f"shipped {name}", "") if path.exists() else (None, f"{file} is not in the package")
+        if path.is_relative_to(self.models):
+            family = path.relative_to(self.models).parts[0]
+            if family not in self.fetches:
+                return None, f"{file}: no documented `cascade-service models fetch {family}` makes it"
+            return f"fetched {family}", ""
         if not path.is_relative_to(self.zoo):
             return ("a file", "") if path.exists() else (None, f"{file} does not exist")
         preset, *rest = path.relative_to(self.zoo).parts
@@ -176,7 +191,8 @@ def shipped_config_problems(path: Path, fresh: Fresh, relative: Path | None = No
     found = [f"{relative}: {why}" for _, why in origins if why]
     families_named = {family for family, _ in origins if family}
     if relative.parts[0] != "presets":
-        return found + [f"{relative} names {f}" for f in sorted(families_named) if not f.startswith("shipped")]
+        named = [f for f in sorted(families_named) if not f.startswith(("shipped", "fetched"))]
+        return found + [f"{relative} names {f}" for f in named]
     stem = relative.stem
     preset = max((p for p in BUILDERS if stem == p or stem.startswith(p + "-")), key=len, default=None)
     if preset is None:
