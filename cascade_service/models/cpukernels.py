@@ -5,15 +5,16 @@ Measured on the 2-core host (AMD EPYC, AVX2, torch 2.13's MKL; docs/benchmarks.m
 `F.linear(x, W)` for a few rows x is MKL's sgemm with W transposed, and its cost grows with the rows
 long before the arithmetic should matter: Qwen2.5-Coder-1.5B's MLP projection (8,960 x 1,536) takes
 3.8 ms for 1 row and 14.1 ms for 8, its LM head (151,936 x 1,536) 66 ms and 271 ms. The same product
-written as `W @ x^T` (W as stored, one column per row of x) takes 4.3 / 7.5 ms and 68 / 91 ms, and is
-never slower up to 256 rows. A verification pass of k + 1 tokens is such a product: at 2.9x a decode
-step it made speculation on a real target hardly pay; `WeightMajorLinear` brings it down. For one row
-both forms give the same bits; for several they differ from one row at a time by rounding alone
-(about 1e-5 on these layers), as `F.linear` itself does between a batched pass and single rows.
+written as `W @ x^T` (W as stored, one column per row of x) takes 4.3 / 7.5 ms and 68 / 91 ms, and
+was never slower from 2 to 256 rows. A verification pass of k + 1 tokens is such a product: the
+1.5B's pass of 8 tokens cost 2.9x its one-token step, which made speculation on a real target hardly
+pay; `WeightMajorLinear` makes it 2.0x. For one row both forms give the same bits (it keeps MKL's);
+for several they differ from one row at a time by rounding alone (about 1e-5 on these layers), as
+`F.linear` itself does between a batched pass and single rows.
 
 A drafter's numerics never reach the output (the target reviews every token), so a drafter may also
 run int8 weights: per output channel, dequantized on the fly by fbgemm's dynamic-quantized linear
-(activations quantized per pass). On the same host the 0.5B drafter's step falls from 227 to 82 ms.
+(activations quantized per pass). On the same host the 0.5B drafter's step falls from 241 to 69 ms.
 Only the CPU has those kernels; the target never runs them (config refuses every backend but `hf`
 there).
 """
@@ -32,9 +33,11 @@ class WeightMajorLinear(nn.Linear):
     """nn.Linear computed as W @ x^T: the same function, the faster product for few rows on the CPU."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's own signature
-        if input.dim() < 2 or input.dtype != self.weight.dtype:
-            return F.linear(input, self.weight, self.bias)
         rows = input.reshape(-1, self.in_features)  # [N, in]
+        if rows.shape[0] == 1 or input.dtype != self.weight.dtype:
+            # one row: the same bits either way, and MKL's own product is the faster (523 against 571 ms a
+            # 1.5B step, measured side by side)
+            return F.linear(input, self.weight, self.bias)
         out = torch.mm(self.weight, rows.t()).t()  # [out, N] -> [N, out], a view
         if self.bias is not None:
             out = out + self.bias
