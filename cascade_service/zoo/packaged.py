@@ -14,6 +14,7 @@ matches the registry is not made again.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import shutil
 import subprocess
@@ -286,7 +287,7 @@ def convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
     """
     for module in ("gguf", "accelerate"):
         try:
-            __import__(module)
+            importlib.import_module(module)
         except ImportError:
             raise FetchError(
                 f"converting a GGUF needs the {module!r} package: pip install 'cascade-service[gguf]'"
