@@ -25,7 +25,7 @@ def tier_costs(target: HFModel, drafters: dict[str, HFModel], plain: dict[str, H
     for name, model in {target.name: target, **drafters}.items():
         step = target_ms if model is target else {rows: _step_ms(model, rows) for rows in ROWS}
         entry: dict = {
-            "backend": backend_of(model),
+            "backend": model.backend,
             "params": model.num_parameters,
             "step_ms": {str(r): ms for r, ms in step.items()},
             "vs_target": {str(r): ms / target_ms[r] for r, ms in step.items()},
@@ -39,10 +39,6 @@ def tier_costs(target: HFModel, drafters: dict[str, HFModel], plain: dict[str, H
 def _step_ms(model: HFModel, rows: int) -> float:
     # One row: the model's cached step time, which the SWI costs already measured in the same run.
     return 1e3 * (model.step_time_s() if rows == 1 else pass_time_s(model, rows))
-
-
-def backend_of(model: HFModel) -> str:
-    return model.backend
 
 
 def markdown(costs: dict[str, dict]) -> str:
