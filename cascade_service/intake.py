@@ -15,14 +15,13 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-import torch
-
 from .config import CascadeConfig
 from .core.adaptive import AdaptiveLength, StopperFactory
 from .core.cascade import RequestState
 from .core.encdec import check_request
 from .core.grammar import GrammarMask, grammar_tokenizer
 from .core.local import StatisticalTier
+from .core.placement import request_generator
 from .core.policy import OFF, SPECULATION, PolicyFactory
 from .core.prediction import PREDICTION, PredictionProposer, prediction_ids
 from .core.request import GenerationConfig, check_stop, check_stop_threshold
@@ -267,7 +266,7 @@ def decode_state(
         sampling = replace(sampling, output_start=context_length)
     state = RequestState(
         sampling,
-        torch.Generator().manual_seed(gen.seed),
+        request_generator(gen.seed),
         stats,
         vocab_size,
         request.stop.eos_ids,

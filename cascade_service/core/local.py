@@ -17,7 +17,7 @@ import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask, GrammarSpec
-from .placement import host_reads
+from .placement import host_reads, request_generator
 from .review import ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, sample
 from .stats import TierCounters, Usage
@@ -28,7 +28,7 @@ from .verify import final_rule
 
 def seeded(seed: int) -> torch.Generator:
     """The generator of one tier call (its draws move to the sampled tensor's device: core.placement)."""
-    return torch.Generator().manual_seed(seed)
+    return request_generator(seed)
 
 
 def _generator(sampling: SamplingParams, seed: int, rule: ReviewRule | None = None) -> torch.Generator:

@@ -16,14 +16,12 @@ the reviewer one level up. The rule:
 4. Randomness: the request's CPU generator is the source of truth (seeded once per request, so a
    seeded request is reproducible). torch draws from a tensor only with a generator on the tensor's
    device, so a draw for a tensor elsewhere uses the request's generator on that device: made the
-   first time the request draws there, seeded from the request's generator, and kept with it
-   (`generator_for`). On the CPU the request's generator is used as it is, so CPU outputs for a seed
+   first time the request draws there, seeded from the request's generator, and kept on it
+   (`RequestGenerator`, `generator_for`). On the CPU the request's generator is used as it is, so CPU outputs for a seed
    do not depend on this rule.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -58,27 +56,42 @@ def to_host(rows: torch.Tensor) -> torch.Tensor:
     return rows.detach().to(device="cpu", dtype=PROBS_DTYPE)
 
 
-# A request's generator -> its generators on other devices, kept while the request's lives (weakly: a
-# request that ends takes its generators with it).
-_ON_DEVICES: weakref.WeakKeyDictionary[torch.Generator, dict[torch.device, torch.Generator]] = (
-    weakref.WeakKeyDictionary()
-)
+class RequestGenerator(torch.Generator):
+    """A request's CPU generator, which keeps the request's generators on other devices with it (they
+    live and die with the request's). Not a weak-keyed table beside it: torch's Generator accepts
+    weak references only from 2.13 on, and the GPU images we run on have 2.11, where every sampled
+    draw on a cuda tensor failed with a TypeError (the first GPU check, 2026-11-27)."""
+
+    __slots__ = ("elsewhere",)
+    elsewhere: dict[torch.device, torch.Generator]
+
+
+def request_generator(seed: int) -> RequestGenerator:
+    """A request's generator, seeded (its draws move to a sampled tensor's device: `generator_for`)."""
+    gen = RequestGenerator()
+    gen.manual_seed(seed)
+    gen.elsewhere = {}
+    return gen
 
 
 def generator_for(source: torch.Generator, device: torch.device) -> torch.Generator:
     """A generator for drawing from a tensor on `device`: `source` itself when it lives there, else the
     request's generator on `device`, made on its first draw there, seeded from `source` (one draw from
-    it), and kept: a round draws on the device without making a generator (CUDA's Philox streams
-    under distinct seeds are independent, so a request's draws stay independent of other requests').
-    A request's draws come from one thread at a time (its decode), so no lock is taken.
+    it), and kept on a `RequestGenerator`: a round draws on the device without making a generator
+    (CUDA's Philox streams under distinct seeds are independent, so a request's draws stay independent
+    of other requests'). Any other generator gets a fresh one per call, seeded the same way. A
+    request's draws come from one thread at a time (its decode), so no lock is taken.
     """
     if source.device == device:
         return source
-    on_devices = _ON_DEVICES.setdefault(source, {})
-    if device not in on_devices:
+    elsewhere: dict[torch.device, torch.Generator] | None = getattr(source, "elsewhere", None)
+    found = elsewhere.get(device) if elsewhere is not None else None
+    if found is None:
         seed = int(torch.randint(0, 2**62, (1,), generator=source, device=source.device))
-        on_devices[device] = torch.Generator(device=device).manual_seed(seed)
-    return on_devices[device]
+        found = torch.Generator(device=device).manual_seed(seed)
+        if elsewhere is not None:
+            elsewhere[device] = found
+    return found
 
 
 def uniform(shape: tuple[int, ...], like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

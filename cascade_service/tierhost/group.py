@@ -15,13 +15,12 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from .. import __version__
 from ..config import MAG, ConfigError, ModelTierConfig
 from ..core.cascade import RequestState, build_cascade
 from ..core.local import StatisticalTier
 from ..core.mag import MaxGram
+from ..core.placement import request_generator
 from ..core.stats import CascadeStats
 from ..core.tier import DraftReply, DraftRequest, ReviewRequest, Tier
 from ..models.hf import HFModel
@@ -160,7 +159,7 @@ class TierGroup:
         head = self.servers[name].model
         state = RequestState(
             request.sampling,
-            torch.Generator().manual_seed(request.seed),
+            request_generator(request.seed),
             stats,
             head.vocab_size,
             request.eos_ids,

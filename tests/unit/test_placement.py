@@ -9,6 +9,7 @@ draft rows meeting the reviewer's from another device).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import pytest
@@ -160,7 +161,7 @@ def test_draws_on_another_device_are_seeded_from_the_requests_generator():
         probs = torch.tensor([0.1, 0.2, 0.3, 0.4], device="cuda:0")
 
         def draws(seed: int) -> list[int]:
-            source = torch.Generator().manual_seed(seed)
+            source = placement.request_generator(seed)
             return [sampling_module.sample(probs, source) for _ in range(40)]
 
         assert draws(5) == draws(5)  # reproducible from the request's seed
@@ -168,8 +169,29 @@ def test_draws_on_another_device_are_seeded_from_the_requests_generator():
         counts = Counter(draws(7) + draws(8) + draws(9))
         assert len(counts) == VOCAB  # not one fixed token: the device generator's stream goes on
         # One generator per request and device, made at its first draw there and kept, not one per draw.
-        source, other = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+        source, other = placement.request_generator(1), placement.request_generator(1)
         on_cuda = placement.generator_for(source, torch.device("cuda:0"))
         assert placement.generator_for(source, torch.device("cuda:0")) is on_cuda
         assert placement.generator_for(source, torch.device("cuda:1")) is not on_cuda
         assert placement.generator_for(other, torch.device("cuda:0")) is not on_cuda
+
+
+def test_draws_on_another_device_need_no_weak_reference_to_a_generator(monkeypatch):
+    # torch before 2.13 (the GPU images' 2.11) refuses weak references to a Generator; the first GPU
+    # check failed every sampled cuda draw on a weak-keyed table of them. Refuse them here the same way.
+    real_ref = weakref.ref
+
+    def ref(obj, *args):
+        if isinstance(obj, torch.Generator):
+            raise TypeError(f"cannot create weak reference to {type(obj).__name__!r} object")
+        return real_ref(obj, *args)
+
+    monkeypatch.setattr(weakref, "ref", ref)
+    with VirtualDevices():
+        probs = torch.tensor([0.1, 0.2, 0.3, 0.4], device="cuda:0")
+        seeded = [sampling_module.sample(probs, placement.request_generator(4)) for _ in range(2)]
+        assert seeded[0] == seeded[1]
+        plain = torch.Generator().manual_seed(4)  # not a request's: a device generator per call, still seeded
+        assert placement.generator_for(plain, torch.device("cuda:0")) is not placement.generator_for(
+            plain, torch.device("cuda:0")
+        )
