@@ -88,7 +88,14 @@ def _run(runner: Any, batch: Sequence[Any], plans: list[Any], device: torch.devi
     firsts: list[Any] = []
     tokens, probs = [], []
     feed = None
+    # Every host value a step needs goes to the device here, before the first step: a copy inside the
+    # loop would be a blocking transfer per step (the chain's point is one read per run).
     last = torch.tensor([len(item.fed) - 1 for item in batch], device=device)
+    width = plans[0].ids.shape[0]
+    uses = torch.tensor(
+        [[item.chain > j + 1 for item in batch] + [False] * (width - rows) for j in range(len(plans) - 1)],
+        device=device,
+    ).reshape(len(plans) - 1, width)  # step j + 1 feeds row i when its chain is longer than j + 1
     for j, inputs in enumerate(plans):
         logits = runner.run(inputs, feed)  # [B, S, V]
         if j == 0:
@@ -103,8 +110,7 @@ def _run(runner: Any, batch: Sequence[Any], plans: list[Any], device: torch.devi
         tokens.append(best)
         probs.append(p_best)
         if j + 1 < len(plans):
-            use = torch.tensor([item.chain > j + 1 for item in batch], device=device)
-            feed = (_padded(best, inputs.ids.shape[0]), _padded(use, inputs.ids.shape[0]))
+            feed = (_padded(best, inputs.ids.shape[0]), uses[j])
     if len(plans) == 1 and all(item.chain == 1 for item in batch):
         return firsts, None
     # tokens as float32 beside their probabilities: ids below 2**24 are exact, and one copy reads both

@@ -122,6 +122,10 @@ class KVPool:
         # How much the tensors grow at a time; models.staticpass doubles it under captured graphs (a
         # growth moves the tensors, and every graph holding their addresses is captured again).
         self.growth = GROWTH
+        # Bumped whenever the tensors are replaced: a captured graph holds their addresses, and after
+        # `empty_cache()` a new tensor can take an old one's address with another capacity, so the
+        # addresses alone cannot tell a stale graph (models.staticpass `pool_identity`).
+        self.generation = 0
 
     # --- what it holds ------------------------------------------------------------------------------
 
@@ -237,6 +241,7 @@ class KVPool:
             size = min(size, self.max_blocks)
         grown = old.new_zeros((size, *old.shape[1:]))
         grown[: old.shape[0]] = old
+        self.generation += 1
         return grown
 
     # --- the prefix cache ---------------------------------------------------------------------------

@@ -167,6 +167,13 @@ def static_forward(module: Any, pool: KVPool, inputs: StaticInputs, dtype: torch
 Feed = tuple[torch.Tensor, torch.Tensor]  # (ids [B], use [B] bool) on the device: StaticRunner.run
 
 
+def pool_identity(pool: KVPool) -> tuple[int, ...]:
+    """What a captured graph's pool must still be for a replay: the same tensors, told apart by the
+    pool's generation (bumped at every growth) and capacity as well as their addresses, which a new
+    tensor can reuse after `empty_cache()`."""
+    return (pool.generation, pool.capacity, *(t.data_ptr() for t in pool.keys + pool.values))
+
+
 def fed_ids(ids: torch.Tensor, feed: Feed) -> torch.Tensor:
     """`ids` [B, S] with each row's first token replaced by feed's where feed's `use` holds."""
     tokens, use = feed
@@ -212,7 +219,7 @@ class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     inputs: StaticInputs  # the buffers the graph reads: each replay copies a pass's inputs into them
     logits: torch.Tensor  # the buffer it writes
-    storage: tuple[int, ...]  # the pool tensors' addresses it was captured over
+    storage: tuple[int, ...]  # the pool it was captured over (pool_identity)
 
 
 class CapturedPasses:
@@ -249,7 +256,7 @@ class CapturedPasses:
                 self._graph(padding_inputs(rows, steps, WIDTH_STEP, device))
 
     def _graph(self, inputs: StaticInputs) -> _Graph:
-        storage = tuple(t.data_ptr() for t in self.pool.keys + self.pool.values)
+        storage = pool_identity(self.pool)
         entry = self.graphs.get(inputs.key)
         if entry is None or entry.storage != storage:
             entry = self.graphs[inputs.key] = self._capture(inputs, storage)

@@ -1,8 +1,8 @@
-"""models.staticpass on cuda: a pass replayed from a captured CUDA graph gives the eager fixed-shape
-pass's logits and writes the same keys (a lean drafter and the target's transformers forward); a bucket
-is captured once, and again after the pool's tensors moved; a cascade whose tiers all replay graphs is
-the target's greedy path and reproducible per seed when sampled. Unverified until a GPU runs it
-(issue 49)."""
+"""models.staticpass on cuda: a pass replayed from a captured CUDA graph with new inputs copied in gives
+the eager fixed-shape pass's logits over those inputs and writes their keys (a lean drafter and the
+target's transformers forward); a bucket is captured once, and again after the pool's tensors moved; a
+cascade whose tiers all replay graphs is the target's greedy path and reproducible per seed when
+sampled."""
 
 from __future__ import annotations
 
@@ -38,17 +38,23 @@ def test_a_replayed_pass_equals_the_eager_one(tiny_family, backend):
     for cache in caches:
         pool.extend(cache, cache.length + 2, caches)
     inputs = static_inputs(caches, [[5, 6], [7, 8], [9, 10]], model.device)
-    assert inputs is not None
-    eager = static_forward(model.module, pool, inputs, model.dtype)
-    keys = [t.clone() for t in pool.keys]
+    other = static_inputs(caches, [[11, 12], [13, 14], [15, 16]], model.device)  # same slots, new ids
+    assert inputs is not None and other is not None
+    eager = static_forward(model.module, pool, other, model.dtype)
+    other_keys = [t.clone() for t in pool.keys + pool.values]
+    eager_first = static_forward(model.module, pool, inputs, model.dtype)
+    first_keys = [t.clone() for t in pool.keys + pool.values]
     captured = CapturedPasses(model.module, pool, model.dtype)
-    first = captured.run(inputs)  # captured here
-    again = captured.run(inputs)  # replayed
+    first = captured.run(inputs)  # captured here, over the first ids
+    torch.testing.assert_close(first, eager_first)
+    # Replay with the other ids copied in, over a pool that holds the first ids' keys at those slots:
+    # the replay must compute from its new inputs and write their keys itself.
+    again = captured.run(other)
     assert captured.captures == 1 and captured.runs == 2
-    torch.testing.assert_close(first, eager)
     torch.testing.assert_close(again, eager)
-    for before, after in zip(keys, pool.keys):
-        torch.testing.assert_close(before, after)  # the same keys written to the same slots
+    assert any(not torch.equal(a, b) for a, b in zip(first_keys, other_keys))  # the check below can fail
+    for want, got in zip(other_keys, pool.keys + pool.values):
+        torch.testing.assert_close(got, want)  # the new ids' keys, written by the replay
 
 
 def test_buckets_are_captured_at_start_and_again_after_the_pool_moved(tiny_family):

@@ -123,6 +123,23 @@ def test_a_fixed_shape_pass_reads_nothing_back_and_a_chain_reads_once(tiny_famil
 _run = chain._run
 
 
+def test_a_chain_copies_nothing_from_the_host_between_its_steps(tiny_family, monkeypatch):
+    # On a GPU a tensor built from host values is a blocking copy; a chain builds every step's inputs
+    # before its first step, so none may be made once a step has run (the CPU cannot see the copy
+    # itself: count the host-made tensors after the first step's argmax).
+    model = HFModel.load(tiny_family["mid"], backend="lean", graphs="eager")
+    caches = [model.new_cache() for _ in range(2)]
+    for cache, history in zip(caches, random_prompts(2, 20, seed=3)):
+        forward_batch(model, [Pass(history, cache, 1, False)])
+    stepped, late = [], []
+    real_tensor, real_step = torch.tensor, chain.greedy_step
+    monkeypatch.setattr(chain, "greedy_step", lambda rows: stepped.append(1) or real_step(rows))
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: (late.append(1) if stepped else None) or real_tensor(*a, **k))
+    got = forward_batch(model, [Pass([7], caches[0], 1, False, chain=5), Pass([8], caches[1], 1, False, chain=3)])
+    assert len(stepped) == 5 and [len(tokens) for tokens, _ in got] == [5, 3]
+    assert late == []
+
+
 def test_only_plain_greedy_drafts_chain():
     assert chain_ok(SamplingParams())
     assert not chain_ok(SamplingParams(temperature=1.0))

@@ -17,7 +17,14 @@ from cascade_service.engine import Engine
 from cascade_service.models import chain
 from cascade_service.models.batching import forward_batch
 from cascade_service.models.hf import HFModel
-from cascade_service.models.staticpass import ROW_BUCKETS, EagerPasses, forward_static_rows, static_inputs
+from cascade_service.models.kvpool import BLOCK
+from cascade_service.models.staticpass import (
+    ROW_BUCKETS,
+    EagerPasses,
+    forward_static_rows,
+    pool_identity,
+    static_inputs,
+)
 from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 from tests.helpers.oracle import oracle
@@ -128,3 +135,20 @@ def test_a_runner_that_fails_is_dropped_and_the_pass_runs_eagerly(tiny_family, c
     torch.testing.assert_close(logits, _reference(model, history, 1), rtol=1e-4, atol=1e-4)
     assert model.static is None and cache.length == len(history)
     assert "fixed-shape passes off" in caplog.text and "stream is capturing" in caplog.text
+
+
+def test_a_pool_that_grew_is_never_taken_for_the_one_a_graph_was_captured_over(tiny_family):
+    # A graph replays over the addresses it was captured with; after empty_cache() a grown pool's new
+    # tensor may sit at an old address. Put the old tensors back after a growth (same addresses, same
+    # capacity): the identity must still differ, since the pool's contents were replaced in between.
+    model = HFModel.load(tiny_family["mid"], backend="lean", graphs="eager")
+    pool = model.kv_pool
+    cache = model.new_cache()
+    forward_batch(model, [Pass(random_prompts(1, 20, seed=4)[0], cache, 1, False)])
+    before, keys, values = pool_identity(pool), list(pool.keys), list(pool.values)
+    pool.extend(cache, pool.capacity * BLOCK + 1, [cache])  # blocks past the capacity
+    for layer, keys_of_layer in enumerate(keys):  # what a pass does first: the tensors grow to hold them
+        pool.reserve(layer, keys_of_layer.new_zeros((1, keys_of_layer.shape[2], 1, keys_of_layer.shape[3])))
+    assert pool_identity(pool) != before
+    pool.keys[:], pool.values[:] = keys, values
+    assert pool_identity(pool) != before
