@@ -12,8 +12,11 @@ import torch
 from cascade_service.config import ModelTierConfig, make_cascade
 from cascade_service.core.request import GenerationConfig
 from cascade_service.engine import Engine
+from cascade_service.models import chain
+from cascade_service.models.batching import forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.models.staticpass import CapturedPasses, forward_static_rows, static_forward, static_inputs
+from cascade_service.scheduling.batcher import Pass
 from cascade_service.scheduling.loop import EngineLoop
 from cascade_service.zoo.tiny import random_prompts
 
@@ -105,3 +108,46 @@ def test_sampled_output_on_graphs_is_reproducible_per_seed(tiny_family):
     ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]  # another seed, another draw (a 32-token tie would be a broken sampler)
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_a_fixed_shape_pass_and_a_chains_steps_never_synchronize(tiny_family, backend, monkeypatch):
+    # The CPU tests count Python-level reads only; here CUDA itself says whether anything between a
+    # chain's first step and its one read at the end (or inside a fixed-shape pass) waits for the device.
+    model = HFModel.load(tiny_family["mid"], backend=backend, kv="pool", device="cuda")
+    model.enable_batching(EngineLoop("gpu-sync-test"), max_batch=4)
+    caches = _prefilled(model, 2, 20, seed=6)
+    pool = model.kv_pool
+    for cache in caches:
+        pool.extend(cache, cache.length + 2, caches)
+    inputs = static_inputs(caches, [[3, 4], [5, 6]], model.device)
+    for cache in caches:
+        pool.truncate(cache, cache.length)
+    assert inputs is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        static_forward(model.module, pool, inputs, model.dtype)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    run = chain._run
+
+    def strict(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def chained(seed: int) -> list:
+        return forward_batch(
+            model, [Pass([seed], caches[0], 1, False, chain=5), Pass([seed + 1], caches[1], 1, False, chain=3)]
+        )
+
+    lengths = [cache.length for cache in caches]
+    first = chained(7)  # captures the buckets it needs (a capture synchronizes by design)
+    for cache, length in zip(caches, lengths):
+        pool.truncate(cache, length)
+    monkeypatch.setattr(chain, "_run", strict)
+    assert chained(7) == first  # replayed, with no wait on the device between steps
