@@ -27,7 +27,7 @@ from .cpukernels import packed_parameters, weight_major
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
 from .lean import BACKENDS
-from .poolpass import PoolPass
+from .poolpass import PoolPass, ragged
 from .rows import last_rows
 from .scorer import HFScorer
 from .staticpass import GRAPH_MODES, StaticRunner, start_graphs
@@ -195,6 +195,9 @@ class HFModel:
             self.batcher = loop.batcher(self.name, executor(self), max_batch, chunk)
             metrics = default_metrics()
             self.batcher.on_pass = lambda rows, seconds: self._on_pass(metrics, rows, seconds)
+            # Ragged passes where the pool's passes run as transformers' forward; fixed-shape passes
+            # (CUDA graphs) pad to their buckets instead.
+            self.batcher.ragged = self.batcher.timer.ragged = self.prefix_caching and ragged(self) and not self.static
         elif loop is not self.batcher.loop:
             raise ValueError(f"{self.name}: its passes already run in the engine loop {self.batcher.loop.name}")
         else:  # settings for the same loop (a test, a benchmark's variant): the last ones win

@@ -4,15 +4,26 @@ A pass over rows R with S new tokens each writes each row's new keys at its own 
 with one indexed store per layer, and attends over its blocks gathered whole, once per layer (each
 block one contiguous copy); a lone row over consecutive blocks reads a view. The 4D mask hides every
 key past a row's own length, so no row is padded on the left and a row's positions are its own.
+
+A ragged pass (`ragged`: a transformers model under SDPA) feeds rows of different new-token counts
+without padding them: the embeddings, every linear layer and the LM head run over the rows'
+s_1 + ... + s_R real tokens concatenated ([1, T]), and attention runs once per group of rows with the
+same s (`ragged_attention`, a transformers attention function for this pass alone). So a k + 1-token
+verification beside fifteen one-token decode rows costs k + 16 tokens, not 16 (k + 1): what a
+verification adds to a shared pass is its extra tokens.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cachearg import cache_kwargs
 from .kvpool import BLOCK, NULL, KVPool, PagedCache
@@ -32,7 +43,11 @@ class PoolPass:
     pool: KVPool
     caches: Sequence[PagedCache]
     steps: int
+    # Ragged: each row's real new tokens (the pass's S is their most); the model's inputs are the
+    # rows' real tokens concatenated, and only those are written. None: every row feeds S.
+    news: Sequence[int] | None = None
     _index: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _real: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     # Read by transformers' masking (4.54 - 4.57 without a default): a pool pass is never compiled.
     is_compileable = False
 
@@ -72,8 +87,36 @@ class PoolPass:
         return self._index[device]
 
     def positions(self, device: torch.device) -> torch.Tensor:
-        """position_ids [rows, S]: row i's new tokens sit at L_i, L_i + 1, ..."""
-        return self._indices(device)[2]
+        """position_ids [rows, S]: row i's new tokens sit at L_i, L_i + 1, ... (ragged: [1, T], the real
+        tokens' alone, in row order)."""
+        positions = self._indices(device)[2]
+        return positions.view(-1)[self.real(device)][None] if self.news is not None else positions
+
+    def groups(self, device: torch.device) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """A ragged pass's rows grouped by new-token count s: (their row indices [n], s, their tokens'
+        indices into the [T] concatenation, [n * s], row by row)."""
+        assert self.news is not None
+        offsets = [sum(self.news[:i]) for i in range(len(self.news))]
+        by_steps: dict[int, list[int]] = {}
+        for i, n in enumerate(self.news):
+            by_steps.setdefault(n, []).append(i)
+        return [
+            (
+                torch.tensor(rows, device=device),
+                steps,
+                torch.tensor([offsets[i] + j for i in rows for j in range(steps)], device=device),
+            )
+            for steps, rows in by_steps.items()
+        ]
+
+    def real(self, device: torch.device) -> torch.Tensor:
+        """A ragged pass's real tokens as indices into its [rows * S] padded layout ([T], row order)."""
+        if device not in self._real:
+            assert self.news is not None
+            self._real[device] = torch.tensor(
+                [i * self.steps + j for i, n in enumerate(self.news) for j in range(n)], device=device
+            )
+        return self._real[device]
 
     def mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The additive 4D mask [rows, 1, S, W]: query j of row i sees keys 0 .. L_i + j (its cache and
@@ -102,8 +145,13 @@ class PoolPass:
             window = slice(lo, lo + self.width)
             return flat_keys[window].transpose(0, 1)[None], flat_values[window].transpose(0, 1)[None]
         written, read, _ = self._indices(key_states.device)
-        keys.view(-1, heads, dim)[written] = key_states.transpose(1, 2)  # [rows, S, heads, dim]
-        values.view(-1, heads, dim)[written] = value_states.transpose(1, 2)
+        if self.news is not None:  # [1, heads, T, dim]: the real tokens' keys go to their slots alone
+            written = written.view(-1)[self.real(key_states.device)]
+            keys.view(-1, heads, dim)[written] = key_states[0].transpose(0, 1)  # [T, heads, dim]
+            values.view(-1, heads, dim)[written] = value_states[0].transpose(0, 1)
+        else:
+            keys.view(-1, heads, dim)[written] = key_states.transpose(1, 2)  # [rows, S, heads, dim]
+            values.view(-1, heads, dim)[written] = value_states.transpose(1, 2)
         # Whole blocks, each one contiguous copy: [rows, W, heads, dim] -> [rows, heads, W, dim] (a lone
         # row's W is its length, not whole blocks: the model made its mask for exactly that).
         rows = len(self.caches)
@@ -137,13 +185,68 @@ class PoolPass:
             self.pool.truncate(cache, start)
 
 
+# A ragged pass's attention: transformers' attention layers call the function registered under their
+# config's `_attn_implementation`, so for the pass alone (under the pool's lock, which every pass of
+# the model holds) the config names this one, and the pass's layout is this thread's. Registered with
+# SDPA's mask function too, so a forward that met the name elsewhere would build SDPA's own mask.
+RAGGED = "cascade-ragged"
+_layout = threading.local()
+
+
+def ragged_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA for a ragged pass, one call per group of rows with the same new-token count: query
+    [1, heads, T] (the rows' real tokens) is cut into each group's [n, heads, s, dim], which attends to
+    its rows' keys (of [R, kv_heads, W, dim]) under their rows of the pass's [R, 1, S, W] mask; the
+    outputs come back as [1, T, heads, dim]. Grouped, not padded to S: on a small model attention is
+    most of a pass, and a 7-token verification padding fifteen one-token rows to 7 queries tripled it
+    (docs/benchmarks.md). Outside a ragged pass: SDPA itself."""
+    groups = getattr(_layout, "groups", None)
+    if groups is None or query.shape[0] == key.shape[0]:
+        return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
+    heads, dim = query.shape[1], query.shape[3]
+    out = query.new_empty((query.shape[2], heads, value.shape[3]))  # [T, heads, dim]
+    for rows, steps, tokens in groups:
+        n = rows.shape[0]
+        q = query[0][:, tokens].view(heads, n, steps, dim).transpose(0, 1)  # [n, heads, s, dim]
+        got, _ = sdpa_attention_forward(
+            module, q, key[rows], value[rows], mask[rows, :, :steps], *args, **kwargs
+        )  # [n, s, heads, dim]
+        out[tokens] = got.reshape(n * steps, heads, -1)
+    return out[None], None
+
+
+ALL_ATTENTION_FUNCTIONS.register(RAGGED, ragged_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(RAGGED, sdpa_mask)
+
+
+def ragged(model: Any) -> bool:
+    """Whether `model`'s batched pool passes run ragged: transformers' own forward (backend `hf`) under
+    SDPA, whose attention this pass's replaces (the lean forward and eager attention do not look it up)."""
+    config = getattr(model.module, "config", None)
+    return (
+        getattr(model, "backend", None) == "hf"
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+        and not getattr(model, "encoder_decoder", False)
+    )
+
+
 def forward_rows(model: Any, rows: Sequence[Any]) -> list[Any]:
     """One forward pass of `model` (an `HFModel`) over two or more `rows` (each a batcher's pass: fed,
     cache, keep, with_hidden), reading and writing their blocks in place; a lone row's pass is
-    `HFModel.forward_now`'s.
+    `HFModel.forward_now`'s. Ragged where the model allows (`ragged`), else right-padded.
 
     Returns per row its [keep, V] float32 logits, or (logits, hidden [keep, H]) where asked for.
     """
+    if ragged(model):
+        return _forward_ragged(model, rows)
     device, pool = model.device, model.kv_pool
     ids, news, wanted = padded_inputs(rows, device)
     with pool.lock:
@@ -163,3 +266,43 @@ def forward_rows(model: Any, rows: Sequence[Any]) -> list[Any]:
             raise
         step.commit(news)
     return split_outputs(out, rows, news, wanted)
+
+
+def _forward_ragged(model: Any, rows: Sequence[Any]) -> list[Any]:
+    device, pool = model.device, model.kv_pool
+    news = [len(row.fed) for row in rows]
+    ids = torch.tensor([[t for row in rows for t in row.fed]], dtype=torch.long, device=device)  # [1, T]
+    ends = [sum(news[: i + 1]) for i in range(len(rows))]
+    kept = [list(range(end - row.keep, end)) for row, end in zip(rows, ends)]  # each row's rows, flat
+    wanted = sorted({j for row_kept in kept for j in row_kept})
+    config = model.module.config
+    with pool.lock:
+        step = PoolPass(pool, [row.cache for row in rows], max(news), news=news)
+        _layout.groups = step.groups(device)
+        config._attn_implementation = RAGGED
+        try:
+            out = model.module(
+                input_ids=ids,
+                attention_mask=step.mask(model.dtype, device),  # [R, 1, S, W]: 4D, used as it is
+                position_ids=step.positions(device),
+                **cache_kwargs(model.module, step),
+                use_cache=True,
+                logits_to_keep=torch.tensor(wanted, device=device),
+                output_hidden_states=any(row.with_hidden for row in rows),
+            )
+        except BaseException:
+            step.abandon()
+            raise
+        finally:
+            config._attn_implementation = "sdpa"
+            _layout.groups = None
+        step.commit(news)
+    index = {j: k for k, j in enumerate(wanted)}
+    results: list[Any] = []
+    for row, row_kept in zip(rows, kept):
+        logits = out.logits[0, [index[j] for j in row_kept]].float()  # [keep, V]
+        if row.with_hidden:
+            results.append((logits, out.hidden_states[-1][0, row_kept].float()))
+        else:
+            results.append(logits)
+    return results

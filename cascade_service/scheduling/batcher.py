@@ -73,7 +73,7 @@ def chunk_end(n: int, start: int, keep: int, size: int) -> int:
     return min(start + size, n - keep)
 
 
-def take_batch(pending: list[Pass], max_batch: int) -> list[Pass]:
+def take_batch(pending: list[Pass], max_batch: int, ragged: bool = False) -> list[Pass]:
     """The next batch: the first waiting pass (whose turn it is) and those most like it in new tokens
     and cached length.
 
@@ -87,6 +87,9 @@ def take_batch(pending: list[Pass], max_batch: int) -> list[Pass]:
     rows x (L + S + ROW_POSITIONS) against sum (L_i + s_i + ROW_POSITIONS), where ROW_POSITIONS is what
     a row costs whatever its cache. The others wait for the next pass, which starts as soon as this one
     ends; the first waiting pass is always in this one.
+
+    ragged: the model's passes take rows of any new-token count unpadded (models.poolpass's ragged
+    pass), so only the keys bound a batch: a k + 1-token verification joins one-token decode steps.
     """
     shapes = [(item, _past(item), len(item.fed)) for item in pending]  # (pass, L_i, s_i)
     first, past0, new0 = shapes[0]
@@ -96,7 +99,7 @@ def take_batch(pending: list[Pass], max_batch: int) -> list[Pass]:
         if len(batch) == max_batch:
             break
         rows, s, w, k = len(batch) + 1, max(steps, new), max(width, past), past + new + ROW_POSITIONS
-        if pads_within(rows, s, queries + new) and pads_within(rows, w + s + ROW_POSITIONS, keys + k):
+        if (ragged or pads_within(rows, s, queries + new)) and pads_within(rows, w + s + ROW_POSITIONS, keys + k):
             batch.append(item)
             steps, width, queries, keys = s, w, queries + new, keys + k
     return batch
@@ -135,6 +138,9 @@ class LoopBatcher:
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.batch_sizes: dict[int, int] = {}
         self.timer = PassTimer()
+        # Whether the model's passes take rows of any new-token count unpadded (models.hf sets it from
+        # models.poolpass.ragged): batches then mix decode steps, verifications and prefill chunks.
+        self.ragged = False
         self.on_pass: Callable[[int, float], None] | None = None  # (rows, seconds) after each pass: metrics
         self.pending: list[Pass] = []
         # Fair turns: the model seconds each request (its cache) has had, and the least of those when
@@ -186,7 +192,7 @@ class LoopBatcher:
         else:
             first = pending[0]
         self._clock = max(self._clock, self._used.get(first.cache, 0.0))
-        batch = take_batch([first] + [item for item in pending if item is not first], self.max_batch)
+        batch = take_batch([first] + [item for item in pending if item is not first], self.max_batch, self.ragged)
         taken = {id(item) for item in batch}
         self.pending = [item for item in pending if id(item) not in taken]
         return batch

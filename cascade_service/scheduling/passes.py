@@ -128,6 +128,7 @@ class PassTimer:
         # (at _recorded, cost, {n: a row of n tokens' expected seconds}, the passes fitted): replaced
         # whole, so the many readers per pass need no lock
         self._fitted: tuple[int, PassCost | None, dict[int, float], list] = (-1, None, {}, [])
+        self.ragged = False  # the model's passes are ragged (scheduling.batcher.take_batch): no padding
 
     def shares(self, tokens: Sequence[int], seconds: float) -> list[float]:
         """Split a pass's `seconds` among its rows by the fitted cost: fixed part evenly, the rest by
@@ -160,7 +161,7 @@ class PassTimer:
             return None
         seconds = fitted[2].get(n)
         if seconds is None:  # priced on demand, once per fit: most fits are only read by `shares`
-            seconds = fitted[2][n] = _row_seconds(fitted[1], fitted[3], n)
+            seconds = fitted[2][n] = _row_seconds(fitted[1], fitted[3], n, self.ragged)
         return seconds
 
     def cost(self) -> PassCost | None:
@@ -182,8 +183,9 @@ class PassTimer:
         return fitted
 
 
-def _row_seconds(cost: PassCost, passes: list[tuple[int, int, float, int]], n: int) -> float:
-    """A row of n tokens' expected cost over recent passes (see PassTimer.row_seconds)."""
+def _row_seconds(cost: PassCost, passes: list[tuple[int, int, float, int]], n: int, ragged: bool = False) -> float:
+    """A row of n tokens' expected cost over recent passes (see PassTimer.row_seconds); in a ragged
+    model's passes a row always joins and costs its own tokens."""
     alone = cost.fixed_s + cost.per_request_s + cost.per_token_s * n
     if not passes:
         return alone
@@ -192,8 +194,8 @@ def _row_seconds(cost: PassCost, passes: list[tuple[int, int, float, int]], n: i
         # The pass less one average row is what the other requests would bring (a pass of one row
         # was this request's own: there is nobody to share with).
         others, their_tokens = requests - 1, tokens - tokens / requests
-        width = max(longest, n)
-        if others > 0 and pads_within(others + 1, width, their_tokens + n):  # take_batch would join
+        width = n if ragged else max(longest, n)
+        if others > 0 and (ragged or pads_within(others + 1, width, their_tokens + n)):  # take_batch would join
             total += cost.fixed_s / (others + 1) + cost.per_request_s + cost.per_token_s * width
         else:
             total += alone

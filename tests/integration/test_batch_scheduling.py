@@ -43,6 +43,38 @@ def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
     assert len(take_batch(passes(*[1] * 10), max_batch=4)) == 4
 
 
+def test_a_ragged_models_batch_mixes_new_token_counts_and_is_bound_by_its_keys_alone():
+    from cascade_service.scheduling.batcher import take_batch
+
+    # Fifteen decode steps and a 7-token verification: padded, 16 rows of 7 > 1.5 x 22 real queries, so
+    # the verification waits; ragged, it joins (its extra tokens are all it adds).
+    steps = [_cached(40 + i) for i in range(15)]
+    verification = _cached(45, new=7)
+    assert verification not in take_batch(steps + [verification], max_batch=64)
+    assert take_batch(steps + [verification], max_batch=64, ragged=True) == steps + [verification]
+    # A prefill chunk joins too; a cache of 4,000 positions still does not (its keys would pad the rest).
+    chunk, long = _cached(0, new=16), _cached(4000)
+    batch = take_batch(steps + [chunk, long], max_batch=64, ragged=True)
+    assert chunk in batch and long not in batch
+
+
+def test_a_ragged_models_row_is_priced_by_its_own_tokens():
+    from cascade_service.scheduling.passes import PassTimer
+
+    padded, ragged = PassTimer(min_passes=4), PassTimer(min_passes=4)
+    ragged.ragged = True
+    for timer in (padded, ragged):
+        for rows in (4, 8, 12, 16):
+            for tokens in (rows, rows + 6):  # one-token rows, with and without a 7-token row
+                timer.record(rows, tokens, 0.01 + 0.001 * rows + 0.002 * tokens, longest=1 if tokens == rows else 7)
+    # A 7-token row: padded, it would pad every pass of one-token rows (or go alone); ragged, it shares
+    # the fixed part and pays its 7 tokens.
+    assert ragged.row_seconds(7) < padded.row_seconds(7)
+    assert ragged.row_seconds(1) < padded.row_seconds(1)  # nor is a decode step padded to a verification's 7
+    cost = ragged.cost()
+    assert cost is not None and ragged.row_seconds(7) - ragged.row_seconds(1) == pytest.approx(6 * cost.per_token_s)
+
+
 def _cached(past: int, new: int = 1) -> Pass:
     """A pass feeding `new` tokens to a cache of `past` positions (synthetic keys and values)."""
     cache = DynamicCache()

@@ -1,0 +1,113 @@
+"""models.poolpass's ragged pass: rows of different new-token counts in one pass, the linear layers over
+their real tokens concatenated and attention per row, give each row the logits of the model's own
+forward over that row's whole sequence (transformers', not ours), write exactly the real tokens' keys,
+and leave every row's cache at its own length; a later pass over those caches still matches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.core.request import GenerationConfig
+from cascade_service.engine import Engine
+from cascade_service.models import hf, poolpass
+from cascade_service.models.batching import forward_batch
+from cascade_service.models.hf import HFModel
+from cascade_service.models.poolpass import ragged
+from cascade_service.scheduling.batcher import Pass
+from cascade_service.zoo.tiny import random_prompts
+
+
+def _reference(model: HFModel, sequence: list[int], n: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.module(input_ids=torch.tensor([sequence])).logits[0, -n:].float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_rows_of_1_3_and_11_new_tokens_share_one_ragged_pass(tiny_family_factory, arch, monkeypatch):
+    model = HFModel.load(tiny_family_factory(arch)["mid"], backend="hf", kv="pool", graphs="off")
+    assert ragged(model)
+    spread = []
+    real_attention = poolpass.ragged_attention
+
+    def counted(*args, **kwargs):
+        spread.append(args[1].shape[0])  # the query's batch: 1, the rows' tokens concatenated
+        return real_attention(*args, **kwargs)
+
+    monkeypatch.setitem(poolpass.ALL_ATTENTION_FUNCTIONS._global_mapping, poolpass.RAGGED, counted)
+    histories = random_prompts(3, 40, seed=11)
+    cached = [5, 23, 37]  # different cached lengths, not block-aligned
+    caches = [model.new_cache() for _ in histories]
+    for cache, history, n in zip(caches, histories, cached):
+        forward_batch(model, [Pass(history[:n], cache, 1, False)])
+    news = [[7], [8, 9, 10], list(range(20, 31))]
+    keeps = [1, 3, 2]
+    got = forward_batch(model, [Pass(new, cache, keep, False) for new, cache, keep in zip(news, caches, keeps)])
+    assert spread and set(spread) == {1}  # the pass ran ragged, in every layer
+    assert model.module.config._attn_implementation == "sdpa"  # and left the model as it was
+    for rows, history, n, new, keep, cache in zip(got, histories, cached, news, keeps, caches):
+        sequence = history[:n] + new
+        torch.testing.assert_close(rows, _reference(model, sequence, keep), rtol=1e-4, atol=1e-4)
+        assert cache.length == len(sequence)
+    # The keys written are the real tokens' alone: a next pass over every cache is each row's forward.
+    again = forward_batch(model, [Pass([4], cache, 1, False) for cache in caches])
+    for rows, history, n, new in zip(again, histories, cached, news):
+        torch.testing.assert_close(rows, _reference(model, history[:n] + new + [4], 1), rtol=1e-4, atol=1e-4)
+
+
+def test_a_ragged_pass_that_fails_leaves_the_caches_and_the_model_as_they_were(tiny_family, monkeypatch):
+    model = HFModel.load(tiny_family["mid"], backend="hf", kv="pool", graphs="off")
+    caches = [model.new_cache() for _ in range(2)]
+    for cache, history in zip(caches, random_prompts(2, 12, seed=12)):
+        forward_batch(model, [Pass(history, cache, 1, False)])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setitem(poolpass.ALL_ATTENTION_FUNCTIONS._global_mapping, poolpass.RAGGED, broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        forward_batch(model, [Pass([1, 2, 3], caches[0], 1, False), Pass([4], caches[1], 1, False)])
+    assert [cache.length for cache in caches] == [12, 12]
+    assert model.module.config._attn_implementation == "sdpa"
+    assert getattr(poolpass._layout, "groups", None) is None
+
+
+def test_the_lean_forward_and_eager_attention_keep_padded_passes(tiny_family):
+    assert not ragged(HFModel.load(tiny_family["mid"], backend="lean", kv="pool"))
+    eager = HFModel.load(tiny_family["mid"], backend="hf", kv="pool")
+    eager.module.config._attn_implementation = "eager"
+    assert not ragged(eager)
+
+
+@pytest.mark.parametrize("ragged_passes", [True, False])
+def test_requests_verifying_beside_fourteen_plain_ones_cost_the_target_no_extra_passes(
+    tiny_family, ragged_passes, monkeypatch
+):
+    # Sixteen streams, two of them drafting with MaG (drafts that take no pass of their own, so the
+    # verifying rows are ready for every target pass): with ragged passes a 5-token verification joins
+    # the fourteen one-token steps, and the target runs no more passes than for sixteen plain streams.
+    # Padded (the negative control), it cannot join, and the passes grow.
+    if not ragged_passes:
+        monkeypatch.setattr(hf, "ragged", lambda model: False)
+    engine = Engine(make_cascade(ModelTierConfig("target", str(tiny_family["target"])), [MaGConfig()], [[4]], 1.0))
+    assert engine.target.batcher.ragged is ragged_passes
+    prompts = [p * 3 for p in random_prompts(16, 6, seed=31)]  # repeats: MaG has something to draft
+
+    def served(speculation: list[str]) -> tuple[list[list[int]], int]:
+        sizes = engine.target.batcher.batch_sizes
+        before = sum(sizes.values())
+        futures = [
+            engine.loop.submit(engine.generate, p, GenerationConfig(max_new_tokens=24, speculation=s))
+            for p, s in zip(prompts, speculation)
+        ]
+        token_ids = [f.result().token_ids for f in futures]
+        return token_ids, sum(sizes.values()) - before
+
+    plain, plain_passes = served(["off"] * 16)
+    mixed, mixed_passes = served(["fixed"] * 2 + ["off"] * 14)
+    assert mixed == plain
+    if ragged_passes:
+        assert mixed_passes <= plain_passes
+    else:
+        assert mixed_passes > plain_passes + 4
