@@ -2,10 +2,11 @@
 plain decoding, and what it may lose finding that out is bounded (docs/algorithm.md "The floor under the
 speedup" states the rules and the guarantee; this is their code).
 
-A round's cost c is what the request spent from the start of one target round to the start of the next
-(`passes.spent`), its yield n the tokens it committed; plain decoding's cost per token p is measured the
-same way from rounds that drafted nothing (the request's own once it has had two, else every request's
-at this load level; where none was measured lately, a calibration round drafts nothing). A drafting round
+A round's cost c is the wall time the request took from the start of one target round to the start of
+the next (`passes.waited`: its waits for other requests' passes included), its yield n the tokens it
+committed; plain decoding's cost per token p is measured the same way from rounds that drafted nothing
+(the request's own once it has had two, else every request's at this load level; where none was
+measured lately, a calibration round drafts nothing). A drafting round
 earns n p; its gain ratio is n p / c. Per source ("lookup": the MaG lookup gate; "model": the K-matrix's
 drafters) a request keeps decayed sums of n p and c, started from every request's at its level (its own
 API key's, greedy and sampled apart) as `prior_rounds` rounds' worth, and a source drafts while its
@@ -39,7 +40,7 @@ from .goodput import (
     Level,
     ewma,
 )
-from .passes import spent
+from .passes import waited
 
 __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
 
@@ -59,7 +60,7 @@ class GoodputFloor:
         model: FloorModel,
         greedy: bool,
         inner: BlockPolicy,
-        clock: Callable[[], float] = spent,
+        clock: Callable[[], float] = waited,
         scope: str = "",
     ):
         self.model, self.greedy, self.inner, self.clock, self.scope = model, greedy, inner, clock, scope

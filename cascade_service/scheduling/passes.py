@@ -86,15 +86,15 @@ def charged() -> float:
     return clock.ran_s() + clock.passes_s
 
 
-def spent() -> float:
-    """What the current request has cost so far, for comparing its rounds (scheduling.floor): its
-    compute (`charged`) and the time it sat parked on calls outside the loop (a remote tier's reply),
-    which a remote tier's round costs the request as surely as a local pass does. Outside an engine
-    loop task, the calling thread's CPU time."""
-    clock = CURRENT_CLOCK.get()
-    if clock is None:
-        return time.thread_time()
-    return clock.ran_s() + clock.passes_s + clock.blocked_s
+def waited() -> float:
+    """The wall clock a request's rounds are judged by (scheduling.floor): from the start of one target
+    round to the next, everything the request waited through, its own passes and Python, its turn,
+    the other requests' passes in the loop iterations its drafting spanned, remote replies. A round
+    whose drafter steps span k iterations of a loaded loop waits through k of everyone's target passes,
+    which its shares of the passes (`charged`) leave out: that is what made drafting look cheap under
+    load while the request ran slower than plain. Plain rounds are timed by the same clock, so the two
+    compare at the same load."""
+    return time.perf_counter()
 
 
 @dataclass(frozen=True)

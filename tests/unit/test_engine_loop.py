@@ -214,3 +214,32 @@ def test_work_handed_to_the_loop_thread_runs_there():
         assert engine.run(lambda: on_loop_thread(engine, threading.current_thread)) is engine._thread
     finally:
         engine.close()
+
+
+def test_the_floors_clock_counts_the_passes_a_drafting_round_waited_through(loop):
+    # A request drafting with a small model takes three of its passes while a plain request's target
+    # pass runs in each of those loop iterations: its round waited through all of them. Shares of the
+    # passes (charged) see only its own small ones; the floor's clock (waited) sees the wait.
+    from cascade_service.scheduling.floor import GoodputFloor
+    from cascade_service.scheduling.passes import waited
+
+    target, drafter = _model(loop, "target"), _model(loop, "drafter")
+
+    def plain() -> None:
+        cache = DynamicCache()
+        for _ in range(4):
+            target.forward([1], cache, 1)
+
+    def drafting() -> tuple[float, float]:
+        cache = DynamicCache()
+        began, began_charged = waited(), charged()
+        for _ in range(3):
+            drafter.forward([2], cache, 1)
+        target.forward([3], cache, 1)
+        return waited() - began, charged() - began_charged
+
+    futures = _together(loop, [(plain,), (drafting,)])
+    wall, shares = futures[1].result()
+    assert wall >= 4 * 0.005  # three drafter iterations (each with the plain request's pass) and its own
+    assert shares < 0.6 * wall  # what the share clock charged: about half
+    assert GoodputFloor.__init__.__defaults__ is not None and waited in GoodputFloor.__init__.__defaults__
