@@ -1,4 +1,4 @@
-"""The matrix products a model runs on the CPU: its weights' own layout for every linear layer, and
+"""The matrix products a model runs on the CPU: its weights' own layout for every large linear layer, and
 int8 weights for a drafter that asks for them (the `int8` backend).
 
 Measured on the 2-core host (AMD EPYC, AVX2, torch 2.13's MKL; docs/benchmarks.md "A real family"),
@@ -6,9 +6,10 @@ Measured on the 2-core host (AMD EPYC, AVX2, torch 2.13's MKL; docs/benchmarks.m
 long before the arithmetic should matter: Qwen2.5-Coder-1.5B's MLP projection (8,960 x 1,536) takes
 3.8 ms for 1 row and 14.1 ms for 8, its LM head (151,936 x 1,536) 66 ms and 271 ms. The same product
 written as `W @ x^T` (W as stored, one column per row of x) takes 4.3 / 7.5 ms and 68 / 91 ms, and
-was never slower from 2 to 256 rows. A verification pass of k + 1 tokens is such a product: the
-1.5B's pass of 8 tokens cost 2.9x its one-token step, which made speculation on a real target hardly
-pay; `WeightMajorLinear` makes it 2.0x. For one row both forms give the same bits (it keeps MKL's);
+was never slower from 2 to 256 rows on those layers (small ones keep MKL's: `WEIGHT_MAJOR_MIN`). A
+verification pass of k + 1 tokens is such a product: the 1.5B's pass of 8 tokens cost 2.9x its
+one-token step, which made speculation on a real target hardly pay; `WeightMajorLinear` makes it
+2.0x. For one row both forms give the same bits (it keeps MKL's);
 for several they differ from one row at a time by rounding alone (about 1e-5 on these layers), as
 `F.linear` itself does between a batched pass and single rows.
 
@@ -44,13 +45,25 @@ class WeightMajorLinear(nn.Linear):
         return out.reshape(*input.shape[:-1], self.out_features)
 
 
-def weight_major(module: nn.Module) -> int:
-    """Run every plain float32 nn.Linear of a CPU model as WeightMajorLinear (the same weights, in
-    place); returns how many. Other devices and dtypes keep their kernels (cuBLAS has no such gap, and
-    bf16 products on this CPU take another path)."""
+# The smallest weight (elements) that runs weight-major. Below it MKL's own product is as fast or faster:
+# side by side on the 2-core host (2 to 16 rows, medians of 9; noisy, a test suite ran beside them),
+# 64 x 64 took 1.2-1.3x longer weight-major, the 1.5B's k/v projection (256 x 1,536) 1.1-3.7x, 896 x 896
+# 0.84-1.02x, while 2,048 x 512 took 0.46-0.76x and 1,536 x 1,536 0.32-0.47x.
+WEIGHT_MAJOR_MIN = 1 << 20
+
+
+def weight_major(module: nn.Module, min_weights: int = WEIGHT_MAJOR_MIN) -> int:
+    """Run every plain float32 nn.Linear of a CPU model with at least `min_weights` weights as
+    WeightMajorLinear (the same weights, in place); returns how many. Other devices and dtypes keep
+    their kernels (cuBLAS has no such gap, and bf16 products on this CPU take another path)."""
     count = 0
     for layer in module.modules():
-        if type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32:
+        if (
+            type(layer) is nn.Linear
+            and layer.weight.device.type == "cpu"
+            and layer.weight.dtype == torch.float32
+            and layer.weight.numel() >= min_weights
+        ):
             layer.__class__ = WeightMajorLinear
             count += 1
     return count

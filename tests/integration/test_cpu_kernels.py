@@ -25,7 +25,7 @@ def test_weight_major_is_the_same_function_and_one_row_the_same_bits(bias):
     layer = nn.Linear(96, 200, bias=bias)
     reference = nn.Linear(96, 200, bias=bias)
     reference.load_state_dict(layer.state_dict())
-    assert weight_major(layer) == 1 and type(layer) is WeightMajorLinear
+    assert weight_major(layer, min_weights=0) == 1 and type(layer) is WeightMajorLinear
     one = torch.randn(1, 1, 96)
     assert torch.equal(layer(one), reference(one))
     for shape in [(3, 96), (2, 5, 96), (1, 33, 96)]:
@@ -37,14 +37,17 @@ def test_weight_major_is_the_same_function_and_one_row_the_same_bits(bias):
 
 def test_weight_major_leaves_other_dtypes_and_subclasses_alone():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Embedding(4, 8))
-    assert weight_major(model) == 1
+    assert weight_major(model, min_weights=0) == 1
     assert [type(m) for m in model] == [WeightMajorLinear, nn.Linear, nn.Embedding]
 
 
-def test_a_loaded_cpu_model_runs_weight_major(tiny_family):
-    model = HFModel.load(tiny_family["target"])
-    linears = [m for m in model.module.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is WeightMajorLinear for m in linears)
+def test_weight_major_takes_large_weights_only(tiny_family):
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(256, 1536), nn.Linear(64, 64))
+    assert weight_major(model) == 1  # 1,048,576 weights; 393,216 and 4,096 keep MKL's own product
+    assert [type(m) for m in model] == [WeightMajorLinear, nn.Linear, nn.Linear]
+    loaded = HFModel.load(tiny_family["target"])  # a tiny model: every layer small, none swapped
+    linears = [m for m in loaded.module.modules() if isinstance(m, nn.Linear)]
+    assert linears and not any(type(m) is WeightMajorLinear for m in linears)
 
 
 def test_int8_drafts_and_the_output_stays_the_targets(tiny_family):
