@@ -238,14 +238,15 @@ def ragged(model: Any) -> bool:
     )
 
 
-def forward_rows(model: Any, rows: Sequence[Any]) -> list[Any]:
+def forward_rows(model: Any, rows: Sequence[Any], allow_ragged: bool = True) -> list[Any]:
     """One forward pass of `model` (an `HFModel`) over two or more `rows` (each a batcher's pass: fed,
     cache, keep, with_hidden), reading and writing their blocks in place; a lone row's pass is
-    `HFModel.forward_now`'s. Ragged where the model allows (`ragged`), else right-padded.
+    `HFModel.forward_now`'s. Ragged where the model allows (`ragged`) and `allow_ragged` (False: a
+    benchmark's padded pass beside it), else right-padded.
 
     Returns per row its [keep, V] float32 logits, or (logits, hidden [keep, H]) where asked for.
     """
-    if ragged(model):
+    if allow_ragged and ragged(model):
         return _forward_ragged(model, rows)
     device, pool = model.device, model.kv_pool
     ids, news, wanted = padded_inputs(rows, device)

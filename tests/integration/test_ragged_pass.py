@@ -111,3 +111,11 @@ def test_requests_verifying_beside_fourteen_plain_ones_cost_the_target_no_extra_
         assert mixed_passes <= plain_passes
     else:
         assert mixed_passes > plain_passes + 4
+
+
+def test_the_mixed_pass_bench_times_every_way_and_leaves_the_caches(tiny_family, capsys):
+    from cascade_service.bench import mixedpass
+
+    mixedpass.main([str(tiny_family["target"]), "--context", "40", "--rows", "4", "--k", "3", "--repeats", "1"])
+    printed = capsys.readouterr().out
+    assert all(f"{way} " in printed for way in mixedpass.WAYS) and "verification of 4 tokens" in printed
