@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -46,6 +47,7 @@ class EngineCore:
         self._tables: dict[str, BigramTable] = {}
         self._leaves: Leaves | None = None  # the first wiring's: later ones share its tables (`leaves`)
         self._lock = threading.Lock()
+        self._loading: dict[tuple, Future] = {}  # models being loaded now, by key (`model`)
         self.loads = 0  # models loaded from disk by this core (a test counts them per wiring)
 
     def model(self, tier: ModelTierConfig, **overrides: Any) -> HFModel:
@@ -55,14 +57,33 @@ class EngineCore:
         small machine (models.hf.on_loop_thread). Its passes batch in this core's loop."""
         fields = {key: getattr(tier, key) for key in MODEL_FIELDS} | overrides
         key = tuple(sorted(fields.items()))
+        # The load runs outside the lock: it waits for the loop, and a loop task that meanwhile asks
+        # for heads(), bigram() or leaves() takes the lock (held across the load, that was a deadlock).
+        # A second caller of the same model waits for the first one's load instead of loading again.
         with self._lock:
             model = self._models.get(key)
-            if model is None:
-                model = self.loop.run(functools.partial(HFModel.load, **fields))
-                model.enable_batching(self.loop, self.max_batch, self.prefill_chunk)
-                self._models[key] = model
-                self.loads += 1
-            return model
+            if model is not None:
+                return model
+            loading = self._loading.get(key)
+            mine = loading is None
+            if loading is None:
+                loading = self._loading[key] = Future()
+        if not mine:
+            return loading.result()
+        try:
+            model = self.loop.run(functools.partial(HFModel.load, **fields))
+            model.enable_batching(self.loop, self.max_batch, self.prefill_chunk)
+        except BaseException as exc:
+            with self._lock:
+                del self._loading[key]
+            loading.set_exception(exc)
+            raise
+        with self._lock:
+            self._models[key] = model
+            self.loads += 1
+            del self._loading[key]
+        loading.set_result(model)
+        return model
 
     def models(self) -> list[HFModel]:
         """Every model loaded here, in the order they were."""

@@ -35,6 +35,8 @@ class Parking(Protocol):
 
     def park(self, why: tuple) -> Any: ...
 
+    def leave(self, batcher: LoopBatcher) -> None: ...
+
 
 # Tokens per pass of a long prompt's prefill while other requests decode (models.loop.LoopBatcher):
 # between two chunks they get a pass, so a chunk's pass must cost well under theirs. Measured with
@@ -143,6 +145,7 @@ class LoopBatcher:
         self.ragged = False
         self.on_pass: Callable[[int, float], None] | None = None  # (rows, seconds) after each pass: metrics
         self.pending: list[Pass] = []
+        self.closed = False  # close() ran: no pass of this model runs again
         # Fair turns: the model seconds each request (its cache) has had, and the least of those when
         # the last batch was chosen, where a request that arrives (or comes back) starts.
         self._used: weakref.WeakKeyDictionary[Cache, float] = weakref.WeakKeyDictionary()
@@ -158,6 +161,8 @@ class LoopBatcher:
         back (with `chain` > 1, the last one drafts: Pass.chain). On failure the cache is cut back to
         what it held before. From outside the loop's tasks (another thread) the call is handed to the
         loop and waited for."""
+        if self.closed:
+            raise RuntimeError(f"the model {self.name} has left the engine loop {self.loop.name} (closed)")
         if not self.loop.in_task():
             return self.loop.run(self.forward, tokens, cache, keep, with_hidden, chain)
         tokens = list(tokens)
@@ -174,7 +179,15 @@ class LoopBatcher:
             raise
 
     def close(self) -> None:
-        """The model leaves the loop (its passes already run are unaffected)."""
+        """The model leaves the loop: the loop runs no more of its passes, a pass waiting for its turn
+        fails (RuntimeError) in its task, and a later `forward` fails at once (passes already run are
+        unaffected). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self.loop.run(self.loop.leave, self)
+            except RuntimeError:  # the loop itself has closed: it runs no pass again anyway
+                pass
 
     def _chunk(self, cache: Cache, rest: int) -> int:
         if self.prefill_chunk == 0 or rest <= self.prefill_chunk:

@@ -176,6 +176,18 @@ class EngineLoop:
         """Park the current task until `future` (run elsewhere) is done; its result, or its exception."""
         return self.park(("future", future))
 
+    def leave(self, batcher: LoopBatcher) -> None:
+        """`batcher`'s model leaves this loop (LoopBatcher.close, which calls it as a task, so on the
+        loop's thread, where the waiting passes live): its waiting passes fail in their tasks."""
+        with self._cond:
+            if batcher in self._batchers:
+                self._batchers.remove(batcher)
+        for item in batcher.pending:
+            assert item.task is not None
+            gone = RuntimeError(f"the model {batcher.name} left the engine loop {self.name} before its pass ran")
+            self._ready.append((item.task, None, gone))
+        batcher.pending.clear()
+
     def park(self, why: tuple) -> Any:
         """Switch from the current task back to the loop, saying why: ("pass", batcher, pass) or
         ("future", future); the value the loop resumes it with is returned."""

@@ -161,3 +161,27 @@ def test_the_source_check_finds_a_second_loader(source):
     # The negative control: a serving replica that loaded, batched or looped on its own is caught.
     assert _violations("serving/app.py", source)
     assert not _violations("runtime/core.py", source)
+
+
+def test_a_loop_task_asking_the_core_for_heads_while_a_model_loads_does_not_deadlock(tiny_family, monkeypatch):
+    # The load waits for the loop; a loop task that takes the core's lock meanwhile (here: the load
+    # itself asks for the acceptance heads) used to wait for a lock held across the load, for ever.
+    from cascade_service.config import ModelTierConfig
+    from cascade_service.runtime.core import EngineCore
+
+    core = EngineCore()
+    real_load = HFModel.load
+
+    def load(*args, **kwargs):
+        core.heads()  # on the loop's thread, while the caller waits for this load
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(HFModel, "load", load)
+    got: list[HFModel] = []
+    caller = threading.Thread(target=lambda: got.append(core.model(ModelTierConfig("t", str(tiny_family["mid"])))))
+    caller.daemon = True  # a deadlock must fail the test, not hang the suite
+    caller.start()
+    caller.join(timeout=60)
+    assert not caller.is_alive() and len(got) == 1
+    assert core.model(ModelTierConfig("t", str(tiny_family["mid"]))) is got[0] and core.loads == 1
+    core.close()

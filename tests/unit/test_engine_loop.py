@@ -243,3 +243,22 @@ def test_the_floors_clock_counts_the_passes_a_drafting_round_waited_through(loop
     assert wall >= 4 * 0.005  # three drafter iterations (each with the plain request's pass) and its own
     assert shares < 0.6 * wall  # what the share clock charged: about half
     assert GoodputFloor.__init__.__defaults__ is not None and waited in GoodputFloor.__init__.__defaults__
+
+
+def test_a_model_that_leaves_the_loop_fails_its_waiting_pass_and_every_later_one(loop):
+    model = _model(loop)
+
+    def request() -> int:
+        return model.forward([1], DynamicCache(), 1)
+
+    def closer() -> None:  # runs after `request` parked, before the loop's passes
+        model.close()
+
+    waiting, closed = _together(loop, [(request,), (closer,)])
+    closed.result()
+    with pytest.raises(RuntimeError, match="left the engine loop"):
+        waiting.result(timeout=10)
+    with pytest.raises(RuntimeError, match="has left the engine loop"):
+        loop.run(request)
+    assert loop.passes == [] and model not in loop._batchers
+    model.close()  # again: nothing more to do
