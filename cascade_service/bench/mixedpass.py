@@ -16,10 +16,12 @@ import time
 
 import torch
 
+from ..config import ModelTierConfig
 from ..models.batching import forward_batch
 from ..models.hf import HFModel
 from ..models.kvpool import PagedCache
 from ..models.poolpass import forward_rows
+from ..runtime.core import EngineCore
 from ..scheduling.batcher import Pass
 
 WAYS = ("plain", "ragged-mixed", "padded-mixed", "split")
@@ -72,8 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=6, help="drafts the verifying row checks (k + 1 tokens)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    model = HFModel.load(args.model, kv="pool", graphs="off")
-    got = measure(model, args.context, args.rows, args.k, args.repeats)
+    # Loaded by an engine core and timed on its loop's thread, as a server runs its passes (the
+    # loop's OpenMP team; another thread's would be a second team on the same cores).
+    core = EngineCore()
+    try:
+        model = core.model(ModelTierConfig("model", args.model, kv="pool", graphs="off"))
+        got = core.loop.run(measure, model, args.context, args.rows, args.k, args.repeats)
+    finally:
+        core.close()
     print(
         f"{args.model}: context {args.context}, {args.rows} rows, a verification of {args.k + 1} tokens: "
         + ", ".join(f"{way} {seconds * 1e3:.1f} ms" for way, seconds in got.items())
