@@ -253,20 +253,27 @@ def forward_rows(model: Any, rows: Sequence[Any], allow_ragged: bool = True) -> 
     with pool.lock:
         step = PoolPass(pool, [row.cache for row in rows], ids.shape[1])
         try:
-            out = model.module(
-                input_ids=ids,
-                attention_mask=step.mask(model.dtype, device),
-                position_ids=step.positions(device),
-                **cache_kwargs(model.module, step),
-                use_cache=True,
-                logits_to_keep=torch.tensor(wanted, device=device),
-                output_hidden_states=any(row.with_hidden for row in rows),
-            )
+            out = _module_pass(model, step, ids, wanted, rows)
         except BaseException:
             step.abandon()
             raise
         step.commit(news)
     return split_outputs(out, rows, news, wanted)
+
+
+def _module_pass(model: Any, step: PoolPass, ids: torch.Tensor, wanted: list[int], rows: Sequence[Any]) -> Any:
+    """The model's forward over a pool pass: its ids ([rows, S] padded, or [1, T] ragged), the pass's
+    4D mask ([rows, 1, S, W], which transformers uses as it is) and positions, the LM head on `wanted`."""
+    device = model.device
+    return model.module(
+        input_ids=ids,
+        attention_mask=step.mask(model.dtype, device),
+        position_ids=step.positions(device),
+        **cache_kwargs(model.module, step),
+        use_cache=True,
+        logits_to_keep=torch.tensor(wanted, device=device),
+        output_hidden_states=any(row.with_hidden for row in rows),
+    )
 
 
 def _forward_ragged(model: Any, rows: Sequence[Any]) -> list[Any]:
@@ -282,15 +289,7 @@ def _forward_ragged(model: Any, rows: Sequence[Any]) -> list[Any]:
         _layout.groups = step.groups(device)
         config._attn_implementation = RAGGED
         try:
-            out = model.module(
-                input_ids=ids,
-                attention_mask=step.mask(model.dtype, device),  # [R, 1, S, W]: 4D, used as it is
-                position_ids=step.positions(device),
-                **cache_kwargs(model.module, step),
-                use_cache=True,
-                logits_to_keep=torch.tensor(wanted, device=device),
-                output_hidden_states=any(row.with_hidden for row in rows),
-            )
+            out = _module_pass(model, step, ids, wanted, rows)
         except BaseException:
             step.abandon()
             raise
