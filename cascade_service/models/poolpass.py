@@ -27,7 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cachearg import cache_kwargs
 from .kvpool import BLOCK, NULL, KVPool, PagedCache
-from .rows import padded_inputs, split_outputs
+from .rows import kept_outputs, padded_inputs, split_outputs
 
 
 @dataclass
@@ -287,22 +287,14 @@ def _forward_ragged(model: Any, rows: Sequence[Any]) -> list[Any]:
     with pool.lock:
         step = PoolPass(pool, [row.cache for row in rows], max(news), news=news)
         _layout.groups = step.groups(device)
-        config._attn_implementation = RAGGED
+        previous, config._attn_implementation = config._attn_implementation, RAGGED
         try:
             out = _module_pass(model, step, ids, wanted, rows)
         except BaseException:
             step.abandon()
             raise
         finally:
-            config._attn_implementation = "sdpa"
+            config._attn_implementation = previous
             _layout.groups = None
         step.commit(news)
-    index = {j: k for k, j in enumerate(wanted)}
-    results: list[Any] = []
-    for row, row_kept in zip(rows, kept):
-        logits = out.logits[0, [index[j] for j in row_kept]].float()  # [keep, V]
-        if row.with_hidden:
-            results.append((logits, out.hidden_states[-1][0, row_kept].float()))
-        else:
-            results.append(logits)
-    return results
+    return kept_outputs(out, rows, [(0, row_kept) for row_kept in kept], wanted)

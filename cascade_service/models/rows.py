@@ -26,14 +26,24 @@ def padded_inputs(batch: Sequence[Any], device: torch.device) -> tuple[torch.Ten
 
 
 def split_outputs(out: Any, batch: Sequence[Any], news: Sequence[int], wanted: Sequence[int]) -> list[Any]:
-    """Each row's [keep, V] float32 logits of a pass whose head ran on `wanted`, with its [keep, H]
-    final hidden states where it asked for them."""
+    """Each row's [keep, V] float32 logits of a padded pass ([rows, S]) whose head ran on `wanted`,
+    with its [keep, H] final hidden states where it asked for them."""
+    kept = [(i, list(range(s - item.keep, s))) for i, (item, s) in enumerate(zip(batch, news))]
+    return kept_outputs(out, batch, kept, wanted)
+
+
+def kept_outputs(
+    out: Any, batch: Sequence[Any], kept: Sequence[tuple[int, list[int]]], wanted: Sequence[int]
+) -> list[Any]:
+    """Each row's kept logits (float32), with its final hidden states where it asked for them: row r's
+    are at sequence `kept[r][0]`, positions `kept[r][1]`, of a pass whose head ran on `wanted` (a
+    padded pass: row i's own sequence; a ragged one: every row in sequence 0)."""
     index = {j: k for k, j in enumerate(wanted)}
     results: list[Any] = []
-    for i, (item, s) in enumerate(zip(batch, news)):
-        logits = out.logits[i, [index[j] for j in range(s - item.keep, s)]].float()  # [keep, V]
+    for item, (seq, positions) in zip(batch, kept):
+        logits = out.logits[seq, [index[j] for j in positions]].float()  # [keep, V]
         if item.with_hidden:
-            results.append((logits, out.hidden_states[-1][i, s - item.keep : s].float()))
+            results.append((logits, out.hidden_states[-1][seq, positions].float()))
         else:
             results.append(logits)
     return results
