@@ -197,7 +197,7 @@ class HFModel:
             self.batcher.on_pass = lambda rows, seconds: self._on_pass(metrics, rows, seconds)
             # Ragged passes where the pool's passes run as transformers' forward; fixed-shape passes
             # (CUDA graphs) pad to their buckets instead.
-            self.batcher.ragged = self.batcher.timer.ragged = self.prefix_caching and ragged(self) and not self.static
+            self.batcher.ragged = self.prefix_caching and ragged(self) and not self.static
         elif loop is not self.batcher.loop:
             raise ValueError(f"{self.name}: its passes already run in the engine loop {self.batcher.loop.name}")
         else:  # settings for the same loop (a test, a benchmark's variant): the last ones win

@@ -140,9 +140,6 @@ class LoopBatcher:
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.batch_sizes: dict[int, int] = {}
         self.timer = PassTimer()
-        # Whether the model's passes take rows of any new-token count unpadded (models.hf sets it from
-        # models.poolpass.ragged): batches then mix decode steps, verifications and prefill chunks.
-        self.ragged = False
         self.on_pass: Callable[[int, float], None] | None = None  # (rows, seconds) after each pass: metrics
         self.pending: list[Pass] = []
         self.closed = False  # close() ran: no pass of this model runs again
@@ -154,6 +151,17 @@ class LoopBatcher:
         # no longer one to make room for (a session's next turn chunked its prefill for the last one's).
         self._recent: weakref.WeakSet[Cache] = weakref.WeakSet()
         self._last: weakref.WeakSet[Cache] = weakref.WeakSet()
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the model's passes take rows of any new-token count unpadded (models.hf sets it from
+        models.poolpass.ragged): batches then mix decode steps, verifications and prefill chunks. Kept
+        by the pass timer, which prices a row by it."""
+        return self.timer.ragged
+
+    @ragged.setter
+    def ragged(self, value: bool) -> None:
+        self.timer.ragged = value
 
     def forward(self, tokens: Sequence[int], cache: Cache, keep: int, with_hidden: bool = False, chain: int = 1) -> Any:
         """Like the model's `forward_now(tokens, cache, keep, with_hidden)`, as part of the loop's batched
