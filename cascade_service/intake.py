@@ -275,6 +275,8 @@ def decode_state(
         make_stopper,
     )
     state.request_id, state.cache_salt = scope
+    # A lossless sampled request draws by position, so its seed alone fixes its output (core.sampling `race`)
+    state.seed, state.keyed = gen.seed, not sampling.greedy and gen.verification.rule == "exact"
     state.logprobs = gen.logprobs
     state.policy = SPECULATION[request.speculation](policies, sampling.greedy, state.cache_salt)
     if gen.prediction:

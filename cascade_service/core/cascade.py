@@ -71,6 +71,10 @@ class RequestState:
     prediction: Tier | None = None
     logprobs: int = -1  # >= 0: the target's review reports each emitted token's logprob, this many alternatives
     grammar: GrammarMask | None = None  # the request's response format at the target's review (core.grammar)
+    # A lossless sampled request draws by position (core.sampling `race`): every tier call carries
+    # `seed`, the request's own, and `keyed`; otherwise each call's seed comes from `generator`.
+    seed: int = 0
+    keyed: bool = False
 
     def request(self, context: Context, want: int, limit: int) -> DraftRequest:
         """The request's draft request for the target's system."""
@@ -84,11 +88,15 @@ class RequestState:
             self.eos_ids,
             self.adaptive,
             cache_salt=self.cache_salt,
+            keyed=self.keyed,
         )
 
-    def seed(self) -> int:
-        """A seed for one tier call (0 when greedy: nothing is drawn)."""
-        return 0 if self.sampling.greedy else call_seed(self.generator)
+    def tier_seed(self) -> int:
+        """The seed of one tier call: 0 when greedy (nothing is drawn), the request's own when its draws
+        are keyed by position, else a fresh one from the request's generator."""
+        if self.sampling.greedy:
+            return 0
+        return self.seed if self.keyed else call_seed(self.generator)
 
 
 class CascadeTier:
@@ -186,8 +194,16 @@ class CascadeTier:
 
     def _ask(self, request: DraftRequest, ctx: Context, want: int, limit: int, min_match: int = 0) -> DraftRequest:
         st = self.state  # a drafter in this process masks with the request's grammar (core.grammar)
-        seed = st.seed()
-        return replace(request, context=ctx, want=want, limit=limit, seed=seed, min_match=min_match, grammar=st.grammar)
+        return replace(
+            request,
+            context=ctx,
+            want=want,
+            limit=limit,
+            seed=st.tier_seed(),
+            min_match=min_match,
+            grammar=st.grammar,
+            keyed=st.keyed,
+        )
 
     def _round(
         self, request: DraftRequest, ctx: Context, limit: int, usage: Usage
@@ -235,12 +251,13 @@ class CascadeTier:
                 block,
                 self.leniency,
                 st.sampling,
-                st.seed(),
+                st.tier_seed(),
                 st.verification if self.final else EXACT,
                 hidden=self.stopper is not None,
                 cache_salt=request.cache_salt,
                 logprobs=st.logprobs if self.final else -1,
                 allowed=allowed,
+                keyed=st.keyed,
             )
         )
         absorb(usage, review.usage)

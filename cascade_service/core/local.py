@@ -18,8 +18,8 @@ import torch
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask, GrammarSpec
 from .placement import host_reads, request_generator
-from .review import ReviewRule, Verdict, token_logprobs
-from .sampling import SamplingParams, sample
+from .review import KeyedReview, ReviewRule, Verdict, token_logprobs
+from .sampling import SamplingParams, race, sample
 from .stats import TierCounters, Usage
 from .tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
 from .types import Context, Draft, Scorer
@@ -31,10 +31,10 @@ def seeded(seed: int) -> torch.Generator:
     return request_generator(seed)
 
 
-def _generator(sampling: SamplingParams, seed: int, rule: ReviewRule | None = None) -> torch.Generator:
-    """A call's generator; greedy drafting and a review that draws nothing share one unseeded one rather
-    than make a generator per call on the round's critical path."""
-    if sampling.greedy and (rule is None or not rule.draws):
+def _generator(sampling: SamplingParams, seed: int, keyed: bool, rule: ReviewRule | None = None) -> torch.Generator:
+    """A call's generator; greedy drafting, keyed draws and a review that draws nothing share one
+    unseeded one rather than make a generator per call on the round's critical path."""
+    if keyed or (sampling.greedy and (rule is None or not rule.draws)):
         return _NO_DRAWS
     return seeded(seed)
 
@@ -74,12 +74,13 @@ class ModelTier:
             request.context,
             request.k,
             request.sampling,
-            _generator(request.sampling, request.seed),
+            _generator(request.sampling, request.seed, request.keyed),
             request.eos_ids,
             self.vocab_size,
             counters,
             stopper,
             self._grammar(request),
+            request.seed if request.keyed else None,
         )
         counters.tokens_processed = self.scorer.tokens_processed - before
         counters.tokens_cached = _cached(self.scorer) - cached
@@ -97,7 +98,11 @@ class ModelTier:
         counters = usage.tier(self.name)
         if request.hidden:
             self.scorer.keep_hidden = True  # type: ignore[attr-defined]  # HFScorer's option
-        rule = final_rule(request.sampling.greedy, request.verification)
+        rule = (
+            KeyedReview(request.seed, len(request.context))
+            if request.keyed and not request.sampling.greedy
+            else final_rule(request.sampling.greedy, request.verification)
+        )
         before, cached = self.scorer.tokens_processed, _cached(self.scorer)
         verdict = score_and_review(
             self.scorer,
@@ -106,7 +111,7 @@ class ModelTier:
             rule,
             request.leniency,
             request.sampling,
-            _generator(request.sampling, request.seed, rule),
+            _generator(request.sampling, request.seed, request.keyed, rule),
             counters,
             request.logprobs,
             request.allowed,
@@ -209,11 +214,15 @@ def draft_autoregressive(
     counters: TierCounters,
     stopper: DraftStopper | None = None,
     grammar: GrammarMask | None = None,
+    keyed_seed: int | None = None,
 ) -> Draft:
     """Up to k tokens from `scorer` alone, one forward pass each; stops after an EOS, or earlier when
     `stopper` (adaptive draft length) says so. Under a `grammar` each step's distribution is masked to
     what it allows (the rows are the masked distributions: what the tokens were drawn from); drafting
-    stops where nothing is allowed, or where the context already holds a draft it refuses."""
+    stops where nothing is allowed, or where the context already holds a draft it refuses. With a
+    `keyed_seed` a sampled token is the race winner under the request's noise at its position (the
+    token the target draws there when their races agree: core.sampling `race`), else a draw from
+    `generator`."""
     if k > 1 and stopper is None and grammar is None and chainable(sampling) and getattr(scorer, "chains", False):
         return _draft_chained(scorer, ctx, k, eos_ids, counters)
     tokens: list[int] = []
@@ -236,7 +245,7 @@ def draft_autoregressive(
             best, p_best, _ = host_reads(probs[None], [])
             token, p_token = best[0], p_best[0]
         else:
-            token = sample(probs, generator)
+            token = sample(probs, generator) if keyed_seed is None else race(probs[None], keyed_seed, len(scored))[0]
             p_token = float(probs[token])
         tokens.append(token)
         token_probs.append(p_token)

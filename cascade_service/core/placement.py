@@ -13,15 +13,21 @@ the reviewer one level up. The rule:
 2. Tensors made inside core take their device from the operands they meet (`device=like.device`).
    MaG's point masses are made on the CPU: MaG has no device, and its rows move with the block.
 3. Reading a review's decision on the host: once per review, every value it needs (`host_reads`).
-4. Randomness: the request's CPU generator is the source of truth (seeded once per request, so a
-   seeded request is reproducible). torch draws from a tensor only with a generator on the tensor's
-   device, so a draw for a tensor elsewhere uses the request's generator on that device: made the
-   first time the request draws there, seeded from the request's generator, and kept on it
-   (`RequestGenerator`, `generator_for`). On the CPU the request's generator is used as it is, so CPU outputs for a seed
-   do not depend on this rule.
+4. Randomness. A lossless sampled request draws by position (`keyed_exponentials`): the noise at
+   sequence position t is a function of (the request's seed, t) alone, drawn on the sampled tensor's
+   device with a generator seeded from that pair, so every tier and every round that looks at
+   position t sees the same noise (core.sampling `race`). Other draws (lossy final rules, the inner
+   reviews of a lossy request) come from the request's CPU generator (seeded once per request).
+   torch draws from a tensor only with a generator on the tensor's device, so a draw for a tensor
+   elsewhere uses the request's generator on that device: made the first time the request draws
+   there, seeded from the request's generator, and kept on it (`RequestGenerator`, `generator_for`).
+   On the CPU the request's generator is used as it is, so CPU outputs for a seed do not depend on
+   this rule.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -119,3 +125,55 @@ def host_reads(probs: torch.Tensor, tokens: list[int]) -> tuple[list[int], list[
         parts.append(probs[torch.arange(n, device=probs.device), torch.tensor(tokens, device=probs.device)])
     read = torch.cat(parts).tolist()
     return [int(t) for t in read[:rows]], read[rows : 2 * rows], read[2 * rows :]
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi, splitmix64's increment
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit words in which every input bit moves every output bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_key(seed: int, position: int) -> int:
+    """The seed of the draws at sequence `position` of a request seeded `seed` (63 bits, as torch's
+    manual_seed takes them): distinct (seed, position) pairs give unrelated streams, so the noise at
+    one position says nothing of another's, nor of another request's."""
+    return _mix64((_mix64(seed & _MASK64) + _GOLDEN * (position + 1)) & _MASK64) >> 1
+
+
+class _KeyedGenerators(threading.local):
+    """One generator per device and thread, re-seeded for every position (a seed is host state only:
+    setting it launches nothing and waits for nothing on a GPU)."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[torch.device, torch.Generator] = {}
+
+    def on(self, device: torch.device) -> torch.Generator:
+        found = self.by_device.get(device)
+        if found is None:
+            found = self.by_device[device] = torch.Generator(device=device)
+        return found
+
+
+_KEYED = _KeyedGenerators()
+
+
+def keyed_exponentials(rows: int, like: torch.Tensor, seed: int, start: int) -> torch.Tensor:
+    """[rows, V] Exp(1) noise on `like`'s device (V = like's last dimension): row i is the noise of
+    sequence position start + i, a function of (seed, start + i) and the device's kind alone.
+
+    -log U with U ~ U[0, 1): U = 0 gives +inf (a token that then never wins), U < 1 gives a positive
+    finite value, so p / E is never NaN. Tiers on devices of different kinds (a CPU drafter, a CUDA
+    target) draw different noise for a position: the output stays exact, its drafts agree less.
+    """
+    vocab = like.shape[-1]
+    gen = _KEYED.on(like.device)
+    noise = torch.empty(rows, vocab, dtype=PROBS_DTYPE, device=like.device)
+    for i in range(rows):
+        gen.manual_seed(position_key(seed, start + i))
+        noise[i].uniform_(generator=gen)
+    return noise.log_().neg_()

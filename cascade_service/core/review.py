@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from .placement import host_reads, uniform
+from .placement import host_reads, keyed_exponentials, uniform
 from .sampling import residual, reviewed_proposal, sample
 from .types import Draft
 
@@ -131,6 +131,45 @@ class SamplingReview:
         tokens = block.tokens[:accepted] + [token]
         token_probs = dists[torch.arange(accepted + 1, device=dists.device), tokens].tolist()
         return Verdict(accepted, token, token_probs, dists)
+
+
+class KeyedReview:
+    """Temperature > 0, a lossless request: the review of draws keyed by position (core.sampling `race`).
+
+    The reviewer's token at block position i is its race winner under the request's noise at sequence
+    position start + i; a draft is kept when it is that token, so the emitted tokens are the reviewer's
+    own draws whatever the drafts were. At the target (l = 1) the output is then a function of the
+    seed and the target's distributions alone, distributed exactly as the target's (each position's
+    noise is independent of every earlier position's, which alone decided the prefix): the same seed
+    gives the same tokens under plain decoding, any schedule and any load. Acceptance is that of the
+    Gumbel coupling, P(race under q = race under p), at most the maximal coupling's 1 - TV(p, q)
+    speculative sampling reaches; a point-mass draft (MaG) is kept with probability p(x) under both.
+
+    An inner review (l > 1) also keeps a draft x whose score comes within a factor l of the winner's
+    (l * p(x) / E_x >= max_v p(v) / E_v): a looser guess at what the target will draw, which cannot
+    change the target's output. The verdict's rows are the reviewer's distributions at the emitted
+    positions (what its own tokens are drawn from); the target's review does not read them.
+    """
+
+    draws = False  # nothing from the call's generator: the noise comes from (seed, position)
+
+    def __init__(self, seed: int, start: int):
+        self.seed = seed
+        self.start = start  # the sequence position of the block's first token
+
+    def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
+        k = len(block)
+        scores = target_probs / keyed_exponentials(k + 1, target_probs, self.seed, self.start)
+        best, best_score, drafted = host_reads(scores, block.tokens)  # one read: each row's winner and score
+        accepted = 0
+        for i in range(k):
+            if block.tokens[i] != best[i] and not (leniency > 1.0 and leniency * drafted[i] >= best_score[i]):
+                break
+            accepted += 1
+        tokens = block.tokens[:accepted] + [best[accepted]]
+        dists = target_probs[: accepted + 1]
+        token_probs = dists[torch.arange(accepted + 1, device=dists.device), tokens].tolist()
+        return Verdict(accepted, tokens[-1], token_probs, dists)
 
 
 def rule_for(greedy: bool) -> ReviewRule:

@@ -23,7 +23,7 @@ from .limits import (
     check_top_k,
     check_top_p,
 )
-from .placement import PROBS_DTYPE, generator_for
+from .placement import PROBS_DTYPE, generator_for, host_reads, keyed_exponentials
 
 
 @dataclass(frozen=True)
@@ -176,3 +176,17 @@ def reviewed_proposal(target_probs: torch.Tensor, draft_probs: torch.Tensor, len
     kept = torch.minimum(draft_probs, leniency * target_probs)
     rejected_mass = (1.0 - kept.sum(dim=-1, keepdim=True)).clamp_min(0.0)
     return kept + rejected_mass * residual(target_probs, draft_probs)
+
+
+def race(probs: torch.Tensor, seed: int, start: int) -> list[int]:
+    """The token at each of `probs`' rows ([n, V], row i the distribution at sequence position
+    start + i) under the request's keyed noise: argmax_v p(v) / E_v with E ~ Exp(1) iid per token,
+    the exponential race (Gumbel-max in another form), whose winner is distributed as p.
+
+    Every tier draws a position's token this way from the same noise, so a drafter's token is the one
+    the target draws exactly when the race goes the same way under both distributions, and the
+    target's token at a position depends on (seed, position, its own distribution) alone: whatever
+    was drafted before, a seed fixes the output (`review.KeyedReview`).
+    """
+    scores = probs / keyed_exponentials(len(probs), probs, seed, start)
+    return host_reads(scores, [])[0]

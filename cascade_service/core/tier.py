@@ -57,6 +57,9 @@ class DraftRequest:
     # state in the coordinator's process; over the wire, its spec, which a tier server follows with a
     # state of its own (tierhost.group).
     grammar: GrammarMask | GrammarSpec | None = field(default=None, compare=False, repr=False)
+    # A lossless sampled request's draws are keyed by (seed, position) (core.sampling `race`): `seed` is
+    # then the request's own, the same in every call; otherwise each call's seed is drawn afresh.
+    keyed: bool = False
 
     @property
     def k(self) -> int:
@@ -94,6 +97,11 @@ class ReviewRequest:
     cache_salt: str = ""  # as DraftRequest's
     logprobs: int = -1  # >= 0: the verdict carries the emitted tokens' logprobs with this many alternatives
     allowed: torch.Tensor | None = None  # [len(block) + 1, V] bool: the tokens a response format allows
+    keyed: bool = False  # as DraftRequest's: the review is `core.review.KeyedReview` (exact verification only)
+
+    def __post_init__(self) -> None:
+        if self.keyed and self.verification.rule != "exact":
+            raise ValueError(f"keyed draws need exact verification; got verification.rule {self.verification.rule!r}")
 
 
 @dataclass

@@ -167,6 +167,8 @@ class TierGroup:
             make_stopper=self.heads.stopper,
             request_id=rid,
             cache_salt=request.cache_salt,
+            seed=request.seed,
+            keyed=request.keyed,
         )
         tiers: list[Tier] = [
             StatisticalTier(self._mag(rid), head.vocab_size)

@@ -71,6 +71,7 @@ def encode_draft_request(request: DraftRequest, tier: str, offset: int = 0) -> b
         min_match=request.min_match,
         cache_salt=request.cache_salt,
         grammar=grammar_out(request.grammar),
+        keyed=request.keyed,
         adaptive={
             name: pb.Adaptive(rule=a.rule, threshold=a.threshold, head=a.head or "")
             for name, a in request.adaptive.items()
@@ -94,6 +95,7 @@ def decode_draft_request(data: bytes) -> tuple[Address, DraftRequest]:
         m.min_match,
         m.cache_salt,
         grammar_in(m),
+        m.keyed,
     )
 
 
@@ -137,6 +139,7 @@ def encode_review_request(request: ReviewRequest, tier: str, offset: int = 0) ->
         verification=rule,
         cache_salt=request.cache_salt,
         logprobs=request.logprobs if request.logprobs >= 0 else None,
+        keyed=request.keyed,
         **_mask_out(request.allowed),
     ).SerializeToString()
 
@@ -159,6 +162,7 @@ def decode_review_request(data: bytes) -> tuple[Address, ReviewRequest]:
         cache_salt=m.cache_salt,
         logprobs=m.logprobs if m.HasField("logprobs") else -1,
         allowed=_mask_in(m),
+        keyed=m.keyed,
     )
 
 

@@ -42,12 +42,15 @@ def sample_cascade(
     prediction=None,
     grammar=False,
     policy=None,
+    keyed=True,
 ):
     """Counts of the cascade's 3-token continuations over `samples` requests, and the exact target
     distribution. wire: every tier behind the wire codec in this process; wrap(tier, request_id): any
     other transport (a tier server); prediction: token ids the request predicts (core.prediction);
     grammar: the request's output constrained by a ToyGrammar (and the exact distribution with it);
-    policy(): each request's block policy at the target (the K-matrix as configured when None)."""
+    policy(): each request's block policy at the target (the K-matrix as configured when None); keyed:
+    a sampled request draws by position, as a lossless served one does (core.sampling `race`), else
+    by speculative sampling from its generator, as the inner reviews of a lossy request do."""
     target, base, small = toy_tiers(*dtypes)
     models = {"base": base, "small": small}
     bigram = BigramTable.from_tokens([0, 1, 2, 3, 0, 2, 1, 3, 3, 1], VOCAB)
@@ -58,6 +61,7 @@ def sample_cascade(
             sampling, torch.Generator().manual_seed(seed * 1_000_003 + i), CascadeStats("target"), VOCAB
         )
         state.request_id = f"sample-{seed}-{i}"
+        state.seed, state.keyed = seed * 1_000_003 + i, keyed and not sampling.greedy
         if prediction is not None:
             state.prediction = StatisticalTier(PredictionProposer(prediction), VOCAB, PREDICTION)
         if grammar:

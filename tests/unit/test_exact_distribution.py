@@ -1,5 +1,8 @@
 """Sampling exactness: the cascade's output is distributed exactly as the target's (invariant 2).
 
+The cases run as a lossless served request does, its draws keyed by position (core.sampling `race`);
+speculative sampling from a call's generator, which a lossy request's inner reviews run, is checked apart.
+
 Toy models over 4 tokens; the target's distribution over 3-token continuations is enumerated and the
 cascade's samples are tested against it (chi-square, alpha ~ 0.001, fixed seeds). The same check is
 shown to reject a one-token bias and a cascade that reviews against the inner reviewer's distribution
@@ -38,6 +41,15 @@ from ..helpers.toy_cascade import CASES, LENGTH, PROMPT, SAMPLES, sample_cascade
 def test_cascade_output_distribution_equals_target_distribution(case, sampling):
     names, k, leniency, *lookup = CASES[case]
     counts, expected = sample_cascade(names, k, leniency, sampling, lookup=lookup[0] if lookup else None)
+    rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
+    assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
+
+
+@pytest.mark.parametrize("case", ["sd_small", "csd_base_small_mag_lenient"])
+def test_speculative_sampling_from_a_call_generator_is_exact_too(case):
+    # The draws of a lossy request's inner reviews (core.review.SamplingReview): per call, not by position.
+    names, k, leniency, *_ = CASES[case]
+    counts, expected = sample_cascade(names, k, leniency, SamplingParams(1.0), keyed=False)
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert not rejects, f"chi-square {stat:.1f} > critical {crit:.1f}: output is not the target's distribution"
 
@@ -173,9 +185,11 @@ def test_distribution_check_detects_a_one_token_bias():
 def test_reviewing_against_inner_reviewer_probs_is_detected(monkeypatch):
     # The pitfall the design warns about: with leniency > 1, passing the inner reviewer's own
     # distribution upward (instead of the reviewed mixture) biases the output. The check must see it.
+    # Speculative sampling (keyed=False) is where the rows matter: a lossy request's inner reviews run it;
+    # a lossless request's keyed review does not read them (test_keyed_draws.py).
     monkeypatch.setattr(review_module, "reviewed_proposal", lambda target_probs, draft_probs, leniency: target_probs)
     names, k, _ = CASES["csd_base_small_mag_lenient"]
-    counts, expected = sample_cascade(names, k, 3.0, SamplingParams(1.0))
+    counts, expected = sample_cascade(names, k, 3.0, SamplingParams(1.0), keyed=False)
     rejects, stat, crit = chi_square_rejects(counts, expected, SAMPLES)
     assert rejects, f"the biased cascade passed (chi-square {stat:.1f} <= {crit:.1f})"
 

@@ -122,9 +122,12 @@ def _same_rows(a: torch.Tensor | None, b: torch.Tensor | None) -> None:
     eos=st.frozensets(st.integers(0, 2**31 - 1), max_size=4),
     adaptive=st.dictionaries(NAMES, ADAPTIVE, max_size=3),
     min_match=st.integers(0, 256),
+    keyed=st.booleans(),
 )
-def test_a_draft_request_round_trips(request_id, tier, context, want, limit, sampling, seed, eos, adaptive, min_match):
-    request = DraftRequest(request_id, context, want, limit, sampling, seed, eos, adaptive, min_match)
+def test_a_draft_request_round_trips(
+    request_id, tier, context, want, limit, sampling, seed, eos, adaptive, min_match, keyed
+):
+    request = DraftRequest(request_id, context, want, limit, sampling, seed, eos, adaptive, min_match, keyed=keyed)
     assert codec.decode_draft_request(codec.encode_draft_request(request, tier)) == (codec.Address(tier), request)
 
 
@@ -146,20 +149,21 @@ def test_a_draft_reply_round_trips(draft, usage, stopped):
     sampling=samplings(),
     seed=st.integers(0, 2**62),
     verification=verifications(),
+    keyed=st.booleans(),
 )
-def test_a_review_request_round_trips(request_id, tier, context, block, leniency, sampling, seed, verification):
-    request = ReviewRequest(request_id, context, block, leniency, sampling, seed, verification)
+def test_a_review_request_round_trips(request_id, tier, context, block, leniency, sampling, seed, verification, keyed):
+    keyed = keyed and verification.rule == "exact"  # keyed draws go with the exact rule only
+    request = ReviewRequest(request_id, context, block, leniency, sampling, seed, verification, keyed=keyed)
     address, back = codec.decode_review_request(codec.encode_review_request(request, tier))
     assert address == codec.Address(tier)
     _same_draft(block, back.block)
-    assert (back.request_id, back.context, back.leniency, back.sampling, back.seed, back.verification) == (
-        request_id,
-        context,
-        leniency,
-        sampling,
-        seed,
-        verification,
-    )
+    got = (back.request_id, back.context, back.leniency, back.sampling, back.seed, back.verification, back.keyed)
+    assert got == (request_id, context, leniency, sampling, seed, verification, keyed)
+
+
+def test_keyed_draws_under_a_lossy_rule_are_refused_naming_the_rule():
+    with pytest.raises(ValueError, match="verification.rule"):
+        ReviewRequest("r", Context([1], 1), Draft(), verification=Verification("lossy", 0.3, None), keyed=True)
 
 
 @settings(max_examples=150, deadline=None)

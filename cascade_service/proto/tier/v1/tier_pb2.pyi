@@ -92,7 +92,7 @@ class FinalRule(_message.Message):
     def __init__(self, rule: _Optional[str] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "context", "want", "limit", "sampling", "seed", "eos_ids", "adaptive", "min_match", "cache_salt", "grammar")
+    __slots__ = ("request_id", "tier", "context", "want", "limit", "sampling", "seed", "eos_ids", "adaptive", "min_match", "cache_salt", "grammar", "keyed")
     class AdaptiveEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class DraftRequest(_message.Message):
     MIN_MATCH_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    KEYED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     context: Context
@@ -124,7 +125,8 @@ class DraftRequest(_message.Message):
     min_match: int
     cache_salt: str
     grammar: Grammar
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., want: _Optional[int] = ..., limit: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., adaptive: _Optional[_Mapping[str, Adaptive]] = ..., min_match: _Optional[int] = ..., cache_salt: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    keyed: bool
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., want: _Optional[int] = ..., limit: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., eos_ids: _Optional[_Iterable[int]] = ..., adaptive: _Optional[_Mapping[str, Adaptive]] = ..., min_match: _Optional[int] = ..., cache_salt: _Optional[str] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., keyed: _Optional[bool] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("kind", "text", "start", "at", "whitespace")
@@ -251,7 +253,7 @@ class DraftReply(_message.Message):
     def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stopped: _Optional[bool] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class ReviewRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification", "cache_salt", "logprobs", "allowed", "allowed_rows", "allowed_cols")
+    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification", "cache_salt", "logprobs", "allowed", "allowed_rows", "allowed_cols", "keyed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +267,7 @@ class ReviewRequest(_message.Message):
     ALLOWED_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_ROWS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_COLS_FIELD_NUMBER: _ClassVar[int]
+    KEYED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     context: Context
@@ -278,7 +281,8 @@ class ReviewRequest(_message.Message):
     allowed: bytes
     allowed_rows: int
     allowed_cols: int
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[int] = ..., allowed: _Optional[bytes] = ..., allowed_rows: _Optional[int] = ..., allowed_cols: _Optional[int] = ...) -> None: ...
+    keyed: bool
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[int] = ..., allowed: _Optional[bytes] = ..., allowed_rows: _Optional[int] = ..., allowed_cols: _Optional[int] = ..., keyed: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
