@@ -185,6 +185,11 @@ class Metrics:
         self.engine_wait_seconds = counter(
             "engine_wait_seconds", "Requests' time waiting (their turn, remote tiers, the session store)"
         )
+        self.graph_failures = counter(
+            "cuda_graph_failures",
+            "CUDA graph captures or replays that failed (that bucket's pass ran eagerly)",
+            ["tier"],
+        )
         self.tier_pass_seconds = histogram("tier_pass_seconds", "Seconds of one batched forward pass", ["tier"])
         self.tier_batch_size = histogram(
             "tier_batch_size", "Rows of one batched forward pass", ["tier"], buckets=BATCH_BUCKETS
@@ -265,6 +270,9 @@ class Metrics:
     def forward_pass(self, tier: str, rows: int, seconds: float) -> None:
         self.tier_batch_size.labels(tier).observe(rows)
         self.tier_pass_seconds.labels(tier).observe(seconds)
+
+    def graph_failure(self, tier: str) -> None:
+        self.graph_failures.labels(tier).inc()
 
     def kv_event(self, tier: str, event: str, amount: int) -> None:
         """A KV pool's event (models.kvpool.KVPool.report): a lookup's queries and hits, evictions,

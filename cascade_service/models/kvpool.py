@@ -235,8 +235,8 @@ class KVPool:
         cache.table[i] = new
         self._release(old)
 
-    def _grown(self, old: torch.Tensor) -> torch.Tensor:
-        size = max(self.blocks, FIRST_BLOCKS, int(old.shape[0] * self.growth))
+    def _grown(self, old: torch.Tensor, at_least: int = 0) -> torch.Tensor:
+        size = max(self.blocks, FIRST_BLOCKS, int(old.shape[0] * self.growth), at_least)
         if self.max_blocks is not None:
             size = min(size, self.max_blocks)
         grown = old.new_zeros((size, *old.shape[1:]))
@@ -336,16 +336,20 @@ class KVPool:
 
     # --- storage ------------------------------------------------------------------------------------
 
-    def reserve(self, layer: int, like: torch.Tensor) -> None:
-        """Make layer `layer` hold every block handed out so far, shaped like `like` ([rows, kv_heads,
-        new, head_dim]); growth keeps what is stored."""
-        if layer < len(self.keys) and self.keys[layer].shape[0] >= self.blocks:
+    def reserve(self, layer: int, like: torch.Tensor, at_least: int = 0) -> None:
+        """Make layer `layer` hold every block handed out so far, and `at_least` blocks (capped by the
+        budget), shaped like `like` ([rows, kv_heads, new, head_dim]); growth keeps what is stored."""
+        if layer < len(self.keys) and self.keys[layer].shape[0] >= max(self.blocks, at_least):
             return  # the common case, first
+        if self.max_blocks is not None:
+            at_least = min(at_least, self.max_blocks)
+            if layer < len(self.keys) and self.keys[layer].shape[0] >= max(self.blocks, at_least):
+                return
         while len(self.keys) <= layer:
             self.keys.append(like.new_zeros((0, BLOCK, like.shape[1], like.shape[3])))
             self.values.append(like.new_zeros((0, BLOCK, like.shape[1], like.shape[3])))
         for store in (self.keys, self.values):
-            store[layer] = self._grown(store[layer])
+            store[layer] = self._grown(store[layer], at_least)
 
 
 # The storages a model tier may name (config: `kv:`); config.base.KV_STORAGES is this one's keys.

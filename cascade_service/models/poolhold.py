@@ -10,14 +10,20 @@ from typing import Any, TypeVar
 
 import torch
 
-from .kvpool import PagedCache
+from .kvpool import BLOCK, PagedCache
 from .kvsize import kv_shape
 
 T = TypeVar("T")
 
 
 class CaptureFailed(RuntimeError):
-    """A pass could not be captured or replayed: the model runs every pass eagerly from then on."""
+    """A fixed-shape pass could not be captured or replayed (models.staticpass.drop_runner): `key`, the
+    bucket whose graph failed (None: the runner as a whole); `fresh`, False where the bucket had
+    already been refused and nothing new went wrong."""
+
+    def __init__(self, message: str, key: tuple[int, ...] | None = None, fresh: bool = True):
+        super().__init__(message)
+        self.key, self.fresh = key, fresh
 
 
 @contextlib.contextmanager
@@ -44,6 +50,8 @@ def replayed(run: Callable[..., T], *args: Any) -> T:
     runner: `drop_runner`)."""
     try:
         return run(*args)
+    except CaptureFailed:
+        raise
     except Exception as exc:
         raise CaptureFailed(str(exc)) from exc
 
@@ -68,10 +76,18 @@ def take_blocks(model: Any, caches: Sequence[PagedCache], more: Sequence[int]) -
     return starts
 
 
-def reserve_layers(model: Any) -> None:
-    """Every layer of `model`'s pool has its tensors, holding every block handed out (a capture needs
-    their addresses, a pass their room)."""
+def reserve_layers(model: Any, at_least: int = 0) -> None:
+    """Every layer of `model`'s pool has its tensors, holding every block handed out and `at_least`
+    blocks (capped by the pool's budget): a capture needs their addresses, a pass their room."""
     layers, kv_heads, head_dim = kv_shape(model.config)  # models.kvsize's reading of the config
     like = torch.empty(1, kv_heads, 1, head_dim, dtype=model.dtype, device=model.device)
     for layer in range(layers):
-        model.kv_pool.reserve(layer, like)
+        model.kv_pool.reserve(layer, like, at_least)
+
+
+def serving_blocks(model: Any, rows: int) -> int:
+    """The blocks `rows` requests at the model's longest context hold (NULL included): what a pool under
+    captured graphs is made with before the first capture (models.staticpass.start_graphs), so that
+    its tensors, whose addresses the graphs hold, seldom move."""
+    positions = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    return rows * -(-positions // BLOCK) + 1

@@ -11,7 +11,7 @@ a process-wide global, so a test may hold several, each with its own loop.
 
 from __future__ import annotations
 
-import functools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -71,8 +71,9 @@ class EngineCore:
         if not mine:
             return loading.result()
         try:
-            model = self.loop.run(functools.partial(HFModel.load, **fields))
-            model.enable_batching(self.loop, self.max_batch, self.prefill_chunk)
+            # Loaded and joined to the loop on the loop's thread: on cuda joining captures the first
+            # graphs, which must be the thread (and stream) that replays them.
+            model = self.loop.run(self._load, fields)
         except BaseException as exc:
             with self._lock:
                 del self._loading[key]
@@ -83,6 +84,12 @@ class EngineCore:
             self.loads += 1
             del self._loading[key]
         loading.set_result(model)
+        return model
+
+    def _load(self, fields: dict[str, Any]) -> HFModel:
+        """On the loop's thread: the model read from disk and its passes joined to this core's loop."""
+        model = HFModel.load(**fields)
+        model.enable_batching(self.loop, self.max_batch, self.prefill_chunk)
         return model
 
     def models(self) -> list[HFModel]:
@@ -113,6 +120,12 @@ class EngineCore:
             self._leaves = self._leaves or leaves
         return leaves
 
+    def thread_settings(self) -> str:
+        """torch's threads where this core's passes run: intra-op and inter-op, and OMP_NUM_THREADS.
+        Read on the loop's thread, because OpenMP's team size is a per-thread setting (a thread takes
+        torch's at its first parallel op) and Ray sets OMP_NUM_THREADS for its workers."""
+        return self.loop.run(_thread_settings)
+
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) as a task of this core's loop, waited for."""
         return self.loop.run(fn, *args)
@@ -123,3 +136,10 @@ class EngineCore:
             if model.batcher is not None:
                 model.batcher.close()
         self.loop.close()
+
+
+def _thread_settings() -> str:
+    return (
+        f"intra-op {torch.get_num_threads()}, inter-op {torch.get_num_interop_threads()}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+    )

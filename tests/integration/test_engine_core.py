@@ -185,3 +185,28 @@ def test_a_loop_task_asking_the_core_for_heads_while_a_model_loads_does_not_dead
     assert not caller.is_alive() and len(got) == 1
     assert core.model(ModelTierConfig("t", str(tiny_family["mid"]))) is got[0] and core.loads == 1
     core.close()
+
+
+def test_a_models_first_fixed_shape_passes_are_made_on_the_loops_thread(tiny_family, monkeypatch):
+    # The warm capture (CUDA graphs on cuda; the same fixed-shape passes uncaptured with graphs
+    # "eager", which a CPU runs) runs where the model's passes replay: the loop's thread, not the
+    # thread that asked for the model.
+    from cascade_service.config import ModelTierConfig
+    from cascade_service.models.staticpass import EagerPasses
+    from cascade_service.runtime.core import EngineCore
+
+    threads: list[str] = []
+    real_warm = EagerPasses.warm
+
+    def warm(self, max_rows):
+        threads.append(threading.current_thread().name)
+        return real_warm(self, max_rows)
+
+    monkeypatch.setattr(EagerPasses, "warm", warm)
+    core = EngineCore(name="warm-check")
+    try:
+        model = core.model(ModelTierConfig("t", str(tiny_family["mid"]), graphs="eager"))
+        assert isinstance(model.static, EagerPasses)
+        assert threads == [core.loop.name]
+    finally:
+        core.close()

@@ -152,3 +152,40 @@ def test_a_pool_that_grew_is_never_taken_for_the_one_a_graph_was_captured_over(t
     assert pool_identity(pool) != before
     pool.keys[:], pool.values[:] = keys, values
     assert pool_identity(pool) != before
+
+
+def test_a_pool_sized_for_its_rows_before_the_capture_does_not_move_while_they_fill_it(tiny_family):
+    # Under captured graphs the pool is made at what max_batch requests at the longest context hold
+    # (within its budget) before the first capture, so a growth (which moves the tensors and makes
+    # every graph stale) does not come while those requests run (issue 59, point 1). Sized here on
+    # the CPU through the same function (start_graphs calls it for CapturedPasses only, on cuda).
+    from cascade_service.models.poolhold import reserve_layers, serving_blocks
+
+    model = HFModel.load(tiny_family["mid"], kv_budget_mb=64)
+    rows = 2
+    want = serving_blocks(model, rows)
+    assert want == rows * -(-model.config.max_position_embeddings // BLOCK) + 1
+    with model.kv_pool.lock:
+        reserve_layers(model, want)
+    pool = model.kv_pool
+    assert pool.capacity == min(want, pool.max_blocks), (pool.capacity, want, pool.max_blocks)
+    identity = pool_identity(pool)
+    caches = [model.new_cache() for _ in range(rows)]
+    long = random_prompts(1, model.config.max_position_embeddings - 8, seed=3)[0]
+    with torch.inference_mode():
+        for cache in caches:
+            for start in range(0, len(long), 256):
+                forward_batch(model, [Pass(long[start : start + 256], cache, 1, False)])
+    assert pool_identity(pool) == identity  # the tensors never moved
+    # The negative control: the same fill over a pool made at its first size moves its tensors.
+    unsized = HFModel.load(tiny_family["mid"], kv_budget_mb=64)
+    with unsized.kv_pool.lock:
+        reserve_layers(unsized)
+    before = pool_identity(unsized.kv_pool)
+    with torch.inference_mode():
+        forward_batch(unsized, [Pass(long[:512], unsized.new_cache(), 1, False)])
+    assert pool_identity(unsized.kv_pool) != before
+    small = HFModel.load(tiny_family["mid"], kv_budget_mb=4)  # a budget below the want caps it
+    with small.kv_pool.lock:
+        reserve_layers(small, want)
+    assert small.kv_pool.capacity == small.kv_pool.max_blocks < want
