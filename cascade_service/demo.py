@@ -88,6 +88,8 @@ def decode_three_ways(
         CascadeClient(service.address, timeout_s=600) as client,
     ):
         say(f"service up at {service.address}")
+        # The two sides' torch threads where their passes run (an unequal setting would explain a gap)
+        say(f"torch threads: in-process {worker.thread_settings()}; service replica {service.thread_settings()}")
         runs = {
             "ar (large alone)": lambda ids: _local(worker, "ar", ids, max_new_tokens),
             "csd in-process": lambda ids: _local(worker, "csd", ids, max_new_tokens),

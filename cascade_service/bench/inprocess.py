@@ -5,7 +5,8 @@ Ray's core worker threads and the gRPC edge, and on a small machine the in-proce
 CPU to them (we saw plain decoding drop from ~60 to ~7 tok/s). Here the engine runs in a child process
 that is idle while the service is timed, and the service is idle while the child is timed.
 
-Protocol: one JSON object per line on stdin, `{"variant": name, "ids": [...], "max_new_tokens": n}`;
+Protocol: one JSON object per line on stdin, `{"variant": name, "ids": [...], "max_new_tokens": n}`
+(or `{"threads": true}`: torch's thread settings where the child's passes run);
 one JSON object per line on stdout, `{"tokens": [...], "seconds": s, "target_calls": n,
 "orchestration_s": s}` (seconds measured around `Engine.generate` only; orchestration: the engine
 loop's time outside model passes) or `{"error": message}`.
@@ -42,6 +43,12 @@ class InProcessWorker:
         if "error" in reply:
             raise RuntimeError(f"in-process worker: {reply['error']}")
         return reply
+
+    def thread_settings(self) -> str:
+        """torch's threads where the child's passes run (runtime.core.EngineCore.thread_settings)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"threads": True}) + "\n")
+        return str(self._read()["threads"])
 
     def _read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -84,6 +91,10 @@ def _serve(config_path: str, torch_threads: int | None) -> int:
     for line in sys.stdin:
         try:
             request = json.loads(line)
+            if request.get("threads"):
+                out.write(json.dumps({"threads": cascade.core.thread_settings()}) + "\n")
+                out.flush()
+                continue
             engine = variants[request["variant"]]
             gen = GenerationConfig(max_new_tokens=int(request["max_new_tokens"]))
             start = time.perf_counter()

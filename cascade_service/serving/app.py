@@ -293,6 +293,10 @@ class CoordinatorDeployment:
         cancelled, _ = await asyncio.gather(self._calls.drain(grace_s), self.http.drain(grace_s))
         return cancelled
 
+    def thread_settings(self) -> str:
+        """torch's threads where this replica's passes run (runtime.core.EngineCore.thread_settings)."""
+        return self.core.thread_settings()
+
     def metrics_text(self) -> str:
         """This replica's metrics (the edge's `/metrics` merges them with its own and the tiers')."""
         return default_metrics().exposition().decode()

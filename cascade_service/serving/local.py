@@ -306,6 +306,10 @@ class LocalService:
         groups = tier_groups(models, config.serving.colocate, config.serving.groups)
         return {tier: deployment_name(group) for group in groups for tier in group}
 
+    def thread_settings(self) -> str:
+        """torch's threads where the coordinator replica's passes run."""
+        return self._handle().thread_settings.remote().result()
+
     def _handle(self) -> DeploymentHandle:
         # Always the current app's ingress: after a restart the old handle's deployment is gone.
         return serve.get_app_handle(APP_NAME)
