@@ -36,10 +36,18 @@ def test_lean_pass_on_cuda_matches_transformers(tiny_family, dtype):
     # the weight; rotary in float32, rounded; the same SDPA call), so what is left is the fused q/k/v
     # and gate/up matmuls summing in another order: about one bf16 spacing of a logit, 2 with margin
     # (tests/integration/test_lean.py argues it and checks it on the CPU, where the two are equal).
-    # Unverified on a GPU since that change (issue 48): cuBLAS may pick other kernels for the fused
-    # shapes. Before it, an H200 measured up to 0.31 apart (79 of 1,280 logits beyond 0.05).
+    # Before that change an H200 measured up to 0.31 apart (79 of 1,280 logits beyond 0.05); after it,
+    # an H100 (torch 2.11 + CUDA 13, 2026-11-27) held the 2 spacings. What serving needs is the next
+    # check: a greedy decision is the target's own wherever its top two logits are further apart than
+    # the two forwards can differ (twice the bound: each may be off by it).
     off = bf16_ulps(outs[1], outs[0])
     assert off.max() <= 2, f"lean bf16 logits {off.max():.0f} spacings from transformers' ({(off > 2).sum()} beyond 2)"
+    top = outs[0].float().topk(2, dim=-1).values  # [n, 2]
+    spacing = 2.0 ** (torch.floor(torch.log2(top[:, 0].abs().clamp_min(1e-30))) - 7)  # one bf16 spacing there
+    decided = (top[:, 0] - top[:, 1]) > 2 * 2 * spacing
+    assert decided.any()  # the check has rows to judge
+    same = outs[1].float().argmax(-1) == outs[0].float().argmax(-1)
+    assert same[decided].all(), "a greedy decision the two bf16 forwards both clearly make differs"
 
 
 def test_greedy_cascade_with_lean_cuda_drafters_is_the_targets_path(tiny_family):
