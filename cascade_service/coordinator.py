@@ -201,7 +201,7 @@ class Coordinator:
             run.release()
         return run.output.whole(*run.finish())
 
-    def _decode(
+    def decode_rounds(
         self,
         request_id: str,
         salt: str,
@@ -286,7 +286,7 @@ class _Run:
 
     def rounds(self, cancelled: Callable[[], bool]) -> Iterator[list[int]]:
         """Each target round's committed tokens; Cancelled once `cancelled()` says so after a round."""
-        for new in self.coordinator._decode(
+        for new in self.coordinator.decode_rounds(
             self.request_id, self.salt, self.tiers, self.context, self.request, self.stats
         ):
             self.clock.tokens(len(new))

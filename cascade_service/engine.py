@@ -134,7 +134,7 @@ class Engine:
             adaptive,
             fill or self.cascade.schedule.fill.name,
         )
-        twin = copy.copy(self)
+        twin: Engine = copy.copy(self)
         twin.cascade = cascade
         twin.drafters = [by_name[n][1] for n in drafters]
         # its own requests only, MaG's table and any corpus as loaded once

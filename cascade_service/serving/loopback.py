@@ -35,7 +35,7 @@ def setup_worker() -> None:
 
     for module, name in ((replica, "add_port_to_grpc_server"), (default_impl, "add_grpc_address")):
         original = getattr(module, name)
-        if getattr(original, "_cascade_loopback", False):
+        if getattr(original, "cascade_loopback", False):
             continue
 
         def narrowed(server, address: str, _original=original):
@@ -43,5 +43,5 @@ def setup_worker() -> None:
                 address = "127.0.0.1:" + address[len("[::]:") :]
             return _original(server, address)
 
-        setattr(narrowed, "_cascade_loopback", True)  # noqa: B010 - a mark on a function object
+        setattr(narrowed, "cascade_loopback", True)  # noqa: B010 - a mark on a function object
         setattr(module, name, narrowed)

@@ -53,7 +53,7 @@ def _lost_replicas_are_unavailable() -> None:
     from ray.serve._private.proxy_request_response import ResponseStatus
 
     original = proxy.get_grpc_response_status
-    if getattr(original, "_cascade", False):
+    if getattr(original, "cascade_mapped", False):
         return
 
     def status(exc: BaseException, request_timeout_s: float | None, request_id: str) -> Any:
@@ -62,7 +62,7 @@ def _lost_replicas_are_unavailable() -> None:
             return ResponseStatus(code=grpc.StatusCode.UNAVAILABLE, is_error=True, message=REPLICA_LOST.format(why))
         return original(exc, request_timeout_s, request_id)
 
-    status._cascade = True  # type: ignore[attr-defined]
+    status.cascade_mapped = True  # type: ignore[attr-defined]  # a mark on a function object
     proxy.get_grpc_response_status = status
 
 

@@ -151,7 +151,7 @@ class TierGroup:
         with self._lock:
             self.calls += 1
 
-    def _system(self, name: str, request: DraftRequest) -> DraftReply:
+    def system_draft(self, name: str, request: DraftRequest) -> DraftReply:
         """Member `name`'s whole system for one draft, in this process."""
         sub, schedule = self.systems[name]
         rid = request.request_id
@@ -203,7 +203,7 @@ class TierGroup:
 
 
 class _System:
-    """A group member's whole sub-cascade as the tier a draft call routes to (`TierGroup._system`)."""
+    """A group member's whole sub-cascade as the tier a draft call routes to (`TierGroup.system_draft`)."""
 
     system = True
 
@@ -211,7 +211,7 @@ class _System:
         self.group, self.name = group, name
 
     def draft(self, request: DraftRequest) -> DraftReply:
-        return self.group._system(self.name, request)
+        return self.group.system_draft(self.name, request)
 
     def review(self, request: ReviewRequest) -> Any:
         raise TypeError("a sub-cascade reviews through its head tier")

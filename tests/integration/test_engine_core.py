@@ -108,16 +108,23 @@ def test_the_shipped_demo_config_loads_its_three_models_once(loads):
 
 
 def _calls(source: str) -> set[str]:
-    """`Owner.method` of each call in `source` (`HFModel.load(...)`: "HFModel.load"), and bare names."""
+    """What `source` calls or hands on to be called: `Owner.method` for every attribute read off a name
+    (`HFModel.load(...)`, `partial(HFModel.load, ...)`, `loader = HFModel.load` all give "HFModel.load"),
+    getattr(Owner, "method") the same, and bare names called or passed as an argument."""
     found = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            owner = node.value.id if isinstance(node.value, ast.Name) else "?"
+            found.add(f"{owner}.{node.attr}")
+        elif isinstance(node, ast.Call):
             func = node.func
-            if isinstance(func, ast.Attribute):
-                owner = func.value.id if isinstance(func.value, ast.Name) else "?"
-                found.add(f"{owner}.{func.attr}")
-            elif isinstance(func, ast.Name):
+            if isinstance(func, ast.Name):
                 found.add(func.id)
+                args = node.args
+                if func.id == "getattr" and len(args) >= 2 and isinstance(args[1], ast.Constant):
+                    owner = args[0].id if isinstance(args[0], ast.Name) else "?"
+                    found.add(f"{owner}.{args[1].value}")
+            found.update(arg.id for arg in node.args if isinstance(arg, ast.Name))
     return found
 
 
@@ -155,6 +162,11 @@ def test_only_the_engine_core_loads_models_batches_them_and_makes_a_loop():
         "def build(tier):\n    return Seq2SeqModel.load(tier.path)\n",
         "model.enable_batching(loop)\n",
         "loop = EngineLoop('mine')\n",
+        # not called where it is named: handed on, or reached by name
+        "import functools\nload = functools.partial(HFModel.load, path)\n",
+        "def build(tier):\n    return getattr(HFModel, 'load')(tier.path)\n",
+        "enable = model.enable_batching\nenable(loop)\n",
+        "import functools\nmake = functools.partial(EngineLoop, 'mine')\n",
     ],
 )
 def test_the_source_check_finds_a_second_loader(source):
