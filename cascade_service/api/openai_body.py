@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..core.limits import MAX_LOGIT_BIAS
+from ..core.limits import MAX_LOGIT_BIAS, is_integer, is_number
 from ..proto.v1 import cascade_pb2 as pb
 from .choices import MAX_CHOICES, choice_counts
 from .status import too_large
@@ -54,7 +54,7 @@ def put_prompt(value: Any, message: pb.GenerateRequest) -> str:
     if isinstance(value, str):
         message.prompt = value
         return value
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and value and all(is_integer(t) for t in value):
         if not all(-(2**31) <= t < 2**31 for t in value):
             raise HttpError(400, "prompt: a token id out of range", "prompt")
         message.prompt_token_ids.extend(value)
@@ -75,7 +75,7 @@ def put_verification(value: Any, message: pb.GenerateRequest) -> None:
     for field in ("alpha", "beta"):
         if value.get(field) is not None:
             number = value[field]
-            if isinstance(number, bool) or not isinstance(number, (int, float)):
+            if not is_number(number):
                 raise HttpError(400, f"verification.{field} must be a number", f"verification.{field}")
             setattr(v, field, float(number))
     if value.get("tune_beta") is not None:
@@ -97,7 +97,7 @@ def put_logit_bias(value: Any, message: pb.GenerateRequest) -> None:
         token = int(key) if isinstance(key, str) and key.isdigit() and len(key) <= 10 else None
         if token is None or token >= 2**32:
             raise HttpError(400, f"logit_bias: {key!r} is not a token id", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+        if not is_number(bias):
             raise HttpError(400, f"logit_bias: the bias of token {key} must be a number", "logit_bias")
         message.logit_bias[token] = float(bias)
 
@@ -132,7 +132,7 @@ def put_logprobs(body: Mapping[str, Any], chat: bool, message: pb.GenerateReques
         count = body.get("logprobs")
     if count is None:
         return
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 2**31:
+    if not is_integer(count) or not 0 <= count < 2**31:
         field = "top_logprobs" if chat else "logprobs"
         raise HttpError(400, f"{field} must be an integer in [0, 20], got {count!r}", field)
     message.logprobs = count
@@ -171,7 +171,7 @@ def choices_of(body: Mapping[str, Any], chat: bool, stream: bool, message: pb.Ge
     for field, value in given.items():
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        if not is_integer(value) or not 0 <= value < 2**32:
             raise HttpError(400, f"{field} must be an integer in [1, {MAX_CHOICES}], got {value!r}", field)
         setattr(message, field, value)
     try:
@@ -231,7 +231,7 @@ def put_speculation(value: Any, message: pb.GenerateRequest) -> None:
         message.speculation.mode = mode
     row = value.get("target_row")
     if row is not None:
-        if not isinstance(row, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in row):
+        if not isinstance(row, list) or not all(is_integer(k) for k in row):
             raise HttpError(400, "speculation.target_row must be a list of integers", "speculation.target_row")
         if len(row) > 64 or not all(0 <= k < 2**32 for k in row):
             raise HttpError(400, "speculation.target_row: entries out of range", "speculation.target_row")

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..core.limits import is_number
 from ..metrics import CONTENT_TYPE, Metrics, default_metrics
 from ..proto.v1 import cascade_pb2 as pb
 from .admission import CallHooks, Refused
@@ -191,7 +192,7 @@ class _Api:
         ):
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            if not is_number(value) or (kind is int and value != int(value)):
                 raise HttpError(400, f"{field} must be a number, got {value!r}", field)
             target = {"max_tokens": "max_new_tokens"}.get(field, field)
             try:

@@ -42,14 +42,15 @@ def add_tier_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_tier(args: argparse.Namespace) -> int:
+    from ..core.limits import unpaired
     from ..rpc.auth import TlsFiles, is_loopback, load_api_keys
     from ..tierhost.server import start_tier_server
 
     host, _, port_text = args.listen.rpartition(":")
     if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise UsageError(f"--listen must be HOST:PORT with a port in [0, 65535], got {args.listen!r}")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise UsageError("--tls-cert and --tls-key go together")
+    if error := unpaired(("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        raise UsageError(error)
     if args.tls_client_ca and not args.tls_cert:
         raise UsageError("--tls-client-ca needs --tls-cert and --tls-key")
     if not is_loopback(host) and (args.api_keys is None or args.tls_cert is None):

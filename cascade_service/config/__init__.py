@@ -15,6 +15,7 @@ import yaml
 
 from ..core.adaptive import AdaptiveLength
 from ..core.cascade import Lookup
+from ..core.limits import is_number
 from ..core.request import GenerationConfig
 from ..core.schedule import Schedule, ScheduleError
 from ..core.verify import Verification
@@ -159,7 +160,7 @@ def make_cascade(
     except ScheduleError as exc:
         field = "schedule.fill" if str(exc).startswith("fill ") else "schedule.k_matrix"
         raise ConfigError(f"{field}: {exc}") from None
-    if isinstance(leniency, bool) or not isinstance(leniency, (int, float)) or not leniency >= 1.0:
+    if not is_number(leniency) or not leniency >= 1.0:
         raise ConfigError(f"schedule.leniency must be a number >= 1, got {leniency!r}")
     if lookup is not None and not any(isinstance(d, StatisticalConfig) and d.name == lookup.tier for d in drafters):
         raise ConfigError(
@@ -283,7 +284,7 @@ def _suffix(item: dict, where: str, base_dir: Path) -> SuffixConfig:
     numbers = {}
     for key, default, lo, hi in (("factor", defaults.factor, 0.1, 64.0), ("min_prob", defaults.min_prob, 0.0, 1.0)):
         value = item.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        if not is_number(value) or not lo <= value <= hi:
             raise ConfigError(f"{where}.{key} must be a number in [{lo:g}, {hi:g}], got {value!r}")
         numbers[key] = float(value)
     corpus = item.get("corpus")
@@ -340,7 +341,7 @@ def _model_tier(item: Any, where: str, default_name: str | None, defaults: dict,
     if kv not in KV_STORAGES:
         raise ConfigError(f"{where}.kv must be one of {', '.join(KV_STORAGES)}, got {kv!r}")
     budget = item.get("kv_budget_mb", defaults.get("kv_budget_mb"))
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0):
+    if budget is not None and (not is_number(budget) or budget <= 0):
         raise ConfigError(f"{where}.kv_budget_mb must be a positive number of MiB, got {budget!r}")
     graphs = item.get("graphs", defaults.get("graphs", "auto"))
     if graphs not in GRAPH_MODES:

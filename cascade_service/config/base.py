@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..core.limits import is_integer
 from ..paths import expand
 
 MAG = "mag"
@@ -131,5 +132,5 @@ def only_keys(mapping: dict, prefix: str, allowed: set[str]) -> None:
 
 
 def check_int(value: Any, where: str, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_integer(value) or not lo <= value <= hi:
         raise ConfigError(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.limits import is_number, unpaired
 from ..scheduling.trial import ARMS
 from .base import ConfigError, ModelTierConfig, check_int, mapping_at, only_keys, resolve_path
 
@@ -155,7 +156,7 @@ def _admission(value: Any) -> dict[str, float]:
     raw = mapping_at(value, "serving.admission")
     only_keys(raw, "serving.admission.", set(ADMISSION_KEYS))
     for key, number in raw.items():
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
+        if not is_number(number):
             raise ConfigError(f"serving.admission.{key} must be a number, got {number!r}")
         if key != "body_timeout_s" and number != int(number):
             raise ConfigError(f"serving.admission.{key} must be a whole number, got {number!r}")
@@ -167,13 +168,13 @@ def _tier_client(value: Any, cascade: CascadeConfig, base_dir: Path) -> TierClie
     where = "serving.tier_client."
     only_keys(raw, where, {"tls", "ca_file", "cert_file", "key_file", "api_key", "timeout_s"})
     files = _paths(raw, ("ca_file", "cert_file", "key_file"), where, base_dir)
-    if (files["cert_file"] is None) != (files["key_file"] is None):
-        raise ConfigError(f"{where}cert_file and {where}key_file go together")
+    if error := unpaired((f"{where}cert_file", files["cert_file"]), (f"{where}key_file", files["key_file"])):
+        raise ConfigError(error)
     tls = raw.get("tls", False)
     if not isinstance(tls, bool):
         raise ConfigError(f"{where}tls must be true or false, got {tls!r}")
     timeout = raw.get("timeout_s", 30.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+    if not is_number(timeout) or not 0 < timeout <= 3600:
         raise ConfigError(f"{where}timeout_s must be a number of seconds in (0, 3600], got {timeout!r}")
     key = raw.get("api_key")
     if key is not None:
@@ -201,8 +202,10 @@ def _tier_server(value: Any, base_dir: Path) -> TierServerConfig:
     if not isinstance(host, str) or not host:
         raise ConfigError(f"{where}host must be a host name or address, got {host!r}")
     files = _paths(raw, ("api_keys_file", "tls_cert_file", "tls_key_file", "client_ca_file"), where, base_dir)
-    if (files["tls_cert_file"] is None) != (files["tls_key_file"] is None):
-        raise ConfigError(f"{where}tls_cert_file and {where}tls_key_file go together")
+    if error := unpaired(
+        (f"{where}tls_cert_file", files["tls_cert_file"]), (f"{where}tls_key_file", files["tls_key_file"])
+    ):
+        raise ConfigError(error)
     if files["client_ca_file"] and not files["tls_cert_file"]:
         raise ConfigError(f"{where}client_ca_file needs tls_cert_file and tls_key_file")
     if host not in LOOPBACK and (files["api_keys_file"] is None or files["tls_cert_file"] is None):
@@ -274,7 +277,7 @@ def parse_serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = 
     if serving.torch_threads is not None:
         check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
     grace = serving.shutdown_grace_s
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
+    if not is_number(grace) or not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
         raise ConfigError(
             f"serving.shutdown_grace_s must be a number of seconds in [0, {MAX_SHUTDOWN_GRACE_S}], got {grace!r}"
         )
@@ -296,8 +299,10 @@ def parse_serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = 
         "serving.",
         base_dir,
     )
-    if (files["tls_cert_file"] is None) != (files["tls_key_file"] is None):
-        raise ConfigError("serving.tls_cert_file and serving.tls_key_file go together")
+    if error := unpaired(
+        ("serving.tls_cert_file", files["tls_cert_file"]), ("serving.tls_key_file", files["tls_key_file"])
+    ):
+        raise ConfigError(error)
     # Tiers named by address are served elsewhere: no deployment, no colocation, no group here.
     model_tiers = [t.name for t in cascade.tiers if isinstance(t, ModelTierConfig) and not t.remote]
     colocate = raw.get("colocate", [])

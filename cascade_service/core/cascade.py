@@ -15,6 +15,7 @@ import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask
+from .limits import is_integer
 from .policy import FIXED, BlockPolicy
 from .prediction import MAX_BLOCK as PREDICTION_BLOCK
 from .sampling import SamplingParams
@@ -44,7 +45,7 @@ class Lookup:
         if not isinstance(self.tier, str) or not self.tier:
             raise ValueError(f"lookup.tier must name a drafter, got {self.tier!r}")
         for name, value in (("min_match", self.min_match), ("tokens", self.tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 256:
+            if not is_integer(value) or not 1 <= value <= 256:
                 raise ValueError(f"lookup.{name} must be an integer in [1, 256], got {value!r}")
 
 

@@ -28,38 +28,53 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An int or a float, not NaN, and not a bool (which Python counts as an int): what every numeric
+    field anywhere (a request, a config, a CLI flag) accepts before its range is checked."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
 
 
+def is_integer(value: Any) -> bool:
+    """An int and not a bool (True is 1 to Python, never a count to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def unpaired(first: tuple[str, Any], second: tuple[str, Any]) -> str | None:
+    """The error when exactly one of two settings that only work together is given (a TLS certificate
+    and its key), each a (name, value) pair; None when both or neither are."""
+    if (first[1] is None) != (second[1] is None):
+        return f"{first[0]} and {second[0]} go together"
+    return None
+
+
 def check_max_new_tokens(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NEW_TOKENS:
+    if not is_integer(value) or not 1 <= value <= MAX_NEW_TOKENS:
         raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {value!r}")
     return value
 
 
 def check_temperature(value: Any) -> float:
-    if not _number(value) or not 0.0 <= value <= MAX_TEMPERATURE:
+    if not is_number(value) or not 0.0 <= value <= MAX_TEMPERATURE:
         raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {value!r}")
     return float(value)
 
 
 def check_top_p(value: Any) -> float:
-    if not _number(value) or not 0.0 < value <= 1.0:
+    if not is_number(value) or not 0.0 < value <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {value!r}")
     return float(value)
 
 
 def check_top_k(value: Any) -> int:
     """Keep the k most likely tokens; 0 keeps them all."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_K:
+    if not is_integer(value) or not 0 <= value <= MAX_TOP_K:
         raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0: off), got {value!r}")
     return value
 
 
 def check_min_p(value: Any) -> float:
     """Keep the tokens at least min_p times as likely as the most likely one; 0 keeps them all."""
-    if not _number(value) or not 0.0 <= value < 1.0:
+    if not is_number(value) or not 0.0 <= value < 1.0:
         raise ValueError(f"min_p must be in [0, 1), got {value!r}")
     return float(value)
 
@@ -75,9 +90,9 @@ def check_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     out: dict[int, float] = {}
     for pair in pairs:
         token, bias = pair if isinstance(pair, tuple) and len(pair) == 2 else (pair, float("nan"))
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        if not is_integer(token) or token < 0:
             raise ValueError(f"logit_bias: token ids must be non-negative integers, got {token!r}")
-        if not _number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+        if not is_number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
             raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias!r}")
         out[token] = float(bias)
     return tuple(sorted(out.items()))
@@ -89,21 +104,21 @@ def check_prediction(value: Any) -> tuple[int, ...]:
         raise ValueError(f"prediction must be token ids, got {type(value).__name__}")
     if len(value) > MAX_PREDICTION_TOKENS:
         raise ValueError(f"prediction holds at most {MAX_PREDICTION_TOKENS} tokens, got {len(value)}")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+    if not all(is_integer(t) and t >= 0 for t in value):
         raise ValueError("prediction: token ids must be non-negative integers")
     return tuple(value)
 
 
 def check_penalty(name: str, value: Any) -> float:
     """OpenAI's presence_penalty and frequency_penalty: in [-2, 2], 0 off."""
-    if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+    if not is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
         raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
     return float(value)
 
 
 def check_repetition_penalty(value: Any) -> float:
     """transformers' repetition_penalty: in (0, 10], 1 off; above 1 discourages tokens already seen."""
-    if not _number(value) or not 0.0 < value <= MAX_REPETITION_PENALTY:
+    if not is_number(value) or not 0.0 < value <= MAX_REPETITION_PENALTY:
         raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {value!r}")
     return float(value)
 
@@ -115,7 +130,7 @@ def check_target_row(value: Any) -> tuple[int, ...] | None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) > MAX_DRAFTERS:
         raise ValueError(f"speculation.target_row must be a list of at most {MAX_DRAFTERS} integers, got {value!r}")
-    if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_ROW_ENTRY for k in value):
+    if not all(is_integer(k) and 0 <= k <= MAX_ROW_ENTRY for k in value):
         raise ValueError(
             f"speculation.target_row: each entry must be an integer in [0, {MAX_ROW_ENTRY}], got {value!r}"
         )
@@ -124,13 +139,13 @@ def check_target_row(value: Any) -> tuple[int, ...] | None:
 
 def check_logprobs(value: Any) -> int:
     """-1: no logprobs; 0..20: each output token's logprob with this many alternatives (OpenAI's bound)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= MAX_TOP_LOGPROBS:
+    if not is_integer(value) or not -1 <= value <= MAX_TOP_LOGPROBS:
         raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] alternatives (or -1: none), got {value!r}")
     return value
 
 
 def check_seed(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+    if not is_integer(value) or not 0 <= value < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, 2**63), got {value!r}")
     return value
 
@@ -139,7 +154,7 @@ def check_stop_threshold(value: Any) -> float | None:
     """SpecDec++'s stopping threshold h for one request; None keeps each tier's configured one."""
     if value is None:
         return None
-    if not _number(value) or not 0.0 < value < 1.0:
+    if not is_number(value) or not 0.0 < value < 1.0:
         raise ValueError(f"stop_threshold must be in (0, 1), got {value!r}")
     return float(value)
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import grpc
 
+from ..core.limits import unpaired
+
 OWNER_ATTR = "cascade_owner"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -182,8 +184,8 @@ class ChannelTls:
     key_file: str | None = None
 
     def credentials(self) -> grpc.ChannelCredentials:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("TLS: a client certificate needs its key, and a key its certificate")
+        if error := unpaired(("TLS cert_file", self.cert_file), ("key_file", self.key_file)):
+            raise ValueError(error)
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca_file) if self.ca_file else None,
             private_key=_read(self.key_file) if self.key_file else None,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..core.limits import is_integer
 from ..core.quote import quoted
 
 SESSION_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}"
@@ -68,7 +69,7 @@ class SessionQuotaExceeded(SessionError):
 
 
 def check_quota(limit: int | None) -> int | None:
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+    if limit is not None and (not is_integer(limit) or limit < 1):
         raise ValueError(f"max_sessions_per_owner must be an int >= 1 or None, got {quoted(limit)}")
     return limit
 
@@ -129,7 +130,7 @@ def check_token_ids(token_ids: Sequence[int]) -> tuple[int, ...]:
 
 
 def check_version(expected_version: int) -> int:
-    if isinstance(expected_version, bool) or not isinstance(expected_version, int) or expected_version < 0:
+    if not is_integer(expected_version) or expected_version < 0:
         raise ValueError(f"expected_version must be an int >= 0, got {quoted(expected_version)}")
     return expected_version
 

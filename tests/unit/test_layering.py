@@ -31,7 +31,7 @@ LAYERS: dict[str, set[str]] = {
     # One request, built once from any front end and validated once.
     "intake": {"config", "core", "scheduling"},
     # Wire helpers both ends share, the SDK, the tier wire and the coordinator's view of a remote tier.
-    "rpc": {"proto"},
+    "rpc": {"core", "proto"},  # core.limits: the checks every edge shares (stdlib only)
     "client": {"proto"},
     "transport": {"config", "core", "proto", "rpc", "scheduling"},
     "coordinator": {"config", "core", "intake", "metrics", "output", "scheduling", "sessions"},
