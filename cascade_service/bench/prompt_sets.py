@@ -1,13 +1,16 @@
 """Prompt sets that ship with the benchmarks, and how the one where drafts disagree was made.
 
 `disagree.jsonl`: long openings of Python modules from third-party packages the shipped family never
-trained on (its corpus is the standard library's sources and, for its long-context stage, seven other
-packages, none of these: zoo/lengthen.py) and that no benchmark or tuning prompt of the family comes
-from (those are click, jinja2, packaging and tqdm, and held-out stdlib modules). Each prompt is 400-700
-tokens, cut at a line boundary inside the module: the context lengths users send, on code in a style
-the family did not learn. The drafters of the family trained on 256-token windows parted from it there
-(first-position acceptance about 0.2 where it was 0.6 on its own prompts); that is what a floor under
-the speedup was first judged on.
+trained on (its corpus is the standard library's sources and, for its long-context stage, other
+installed packages, none of these: zoo/lengthen.py; the shipped weights' stage also read fastapi and
+jsonschema, which are written against starlette, anyio and attrs, and which zoo/judged.py now refuses)
+and that no benchmark or tuning prompt of the family comes from (those are click, jinja2, packaging
+and tqdm, and held-out stdlib modules). Every line names its package in "source": the builders read it
+(zoo.judged) to keep each package a prompt set is cut from, and every package depending on one, out
+of training. Each prompt is 400-700 tokens, cut at a line boundary inside the module: the context
+lengths users send, on code in a style the family did not learn. The drafters of the family trained
+on 256-token windows parted from it there (first-position acceptance about 0.2 where it was 0.6 on its
+own prompts); that is what a floor under the speedup was first judged on.
 Never used to tune anything.
 
 Rebuild (the same packages installed; the file is committed, so every machine benchmarks the same text):
@@ -65,6 +68,8 @@ def cut_prompt(source: str, count_tokens: Callable[[str], int], skip_lines: int,
 def build(count_tokens: Callable[[str], int], sources: Sequence[tuple[str, str]] = SOURCES) -> list[dict]:
     """One prompt per (package, module): the module's text after its first third (past the imports and
     the module docstring), cut by `cut_prompt` at lengths spread evenly over MIN_TOKENS..MAX_TOKENS."""
+    from ..zoo.judged import distribution_version
+
     prompts = []
     for i, (package, module) in enumerate(sources):
         most = MIN_TOKENS + (MAX_TOKENS - MIN_TOKENS) * (i % 4 + 1) // 4
@@ -74,13 +79,9 @@ def build(count_tokens: Callable[[str], int], sources: Sequence[tuple[str, str]]
         prompt = cut_prompt(text, count_tokens, skip, most)
         if prompt is None:
             raise ValueError(f"{package}/{module}: no run of {MIN_TOKENS}-{MAX_TOKENS} tokens")
-        version = importlib.metadata.version(_distribution(package))
+        version = distribution_version(package)  # its distribution's (yaml: PyYAML's)
         prompts.append({"prompt": prompt, "source": f"{package} {version}: {module}", "tokens": count_tokens(prompt)})
     return prompts
-
-
-def _distribution(package: str) -> str:
-    return {"yaml": "PyYAML", "attr": "attrs"}.get(package, package)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

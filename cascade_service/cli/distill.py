@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--report-prompts",
-        help="where the report's held-out prompts come from (a file or folder as --prompts; default: a "
-        "share of --prompts held out of training)",
+        help="where the report's held-out prompts come from (a file or folder as --prompts; default: whole "
+        "packages of --prompts held out of training, each folder directly under it a package)",
     )
     start = parser.add_mutually_exclusive_group(required=True)
     start.add_argument("--drafter", help="a model directory to start from (the target's vocabulary)")
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive(int), default=DEFAULTS.batch, help="sequences per step")
     parser.add_argument("--lr", type=_positive(float), default=DEFAULTS.lr, help="peak learning rate")
     parser.add_argument(
-        "--prompts-count", type=_positive(int), default=DEFAULTS.prompts, help="prompts to cut, held-out ones included"
+        "--prompts-count", type=_positive(int), default=DEFAULTS.prompts, help="training prompts to cut"
     )
     parser.add_argument(
         "--continuation", type=_positive(int), default=DEFAULTS.continuation, help="tokens the target adds to each"
@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-prompt-tokens", type=_positive(int), default=DEFAULTS.min_prompt_tokens)
     parser.add_argument("--max-prompt-tokens", type=_positive(int), default=DEFAULTS.max_prompt_tokens)
     parser.add_argument("--sampled", type=_share, default=DEFAULTS.sampled, help="share of sampled continuations")
-    parser.add_argument("--held-out", type=_share, default=DEFAULTS.held_out, help="share of prompts held out")
+    parser.add_argument(
+        "--held-out", type=_share, default=DEFAULTS.held_out, help="share of --prompts' texts held out, whole packages"
+    )
     parser.add_argument("--checkpoint-every", type=_positive(int), default=DEFAULTS.checkpoint_every)
     parser.add_argument("--threads", type=_positive(int), default=DEFAULTS.threads)
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)

@@ -11,7 +11,9 @@ prompt). Every `checkpoint_every` steps the drafter, its optimizer, the step and
 written, so `--resume` continues the same run: the batch of step s is drawn from a generator seeded
 with (seed, s), so a resumed run takes the steps an unstopped one would.
 
-The report (`distill.json` in the output directory) measures on held-out prompts, before and after:
+The report (`distill.json` in the output directory) measures on held-out prompts, before and after,
+cut from packages the training never read (by default whole packages of the source held out,
+zoo.distill_data.split_by_package; or another source, `report_source`):
 acceptance by draft position (the drafter drafts k tokens greedily from points along the target's
 greedy continuation; position j is accepted when its first j tokens are the target's) and agreement
 (the drafter's argmax equals the target's, teacher-forced) by context position: 0-256, 256-512,
@@ -35,7 +37,16 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ..models.hf import load_tokenizer
-from .distill_data import Corpus, Trajectory, continue_prompts, cut_prompts, held_out, source_texts
+from .distill_data import (
+    Corpus,
+    Trajectory,
+    continue_prompts,
+    cut_prompts,
+    cut_sourced_prompts,
+    source_texts,
+    source_units,
+    split_by_package,
+)
 from .train import cosine_lr, threads
 
 TOP_K = 32  # the report's measure of how much top-k compression of the target's distributions would lose
@@ -90,13 +101,13 @@ class Settings:
     batch: int = 8  # sequences per step
     lr: float = 1e-3  # measured against 3e-3 (docs/benchmarks.md "Distilling drafters")
     divergence: str = "kl"
-    prompts: int = 1600  # cut (or read), held-out ones included: 400 over-fit in 600 steps (measured)
+    prompts: int = 1600  # training prompts cut (or read): 400 over-fit in 600 steps (measured)
     min_prompt_tokens: int = 300
     max_prompt_tokens: int = 800
     continuation: int = 64  # tokens the target continues each prompt by
     sampled: float = 0.5  # share of continuations sampled at temperature 1 (the rest greedy)
     prompt_positions: int = 64  # the prompt's last positions the loss covers too
-    held_out: float = 0.05
+    held_out: float = 0.05  # at most this share of the source's texts, whole packages, held out for the report
     draft_k: int = 5  # draft positions the report measures
     checkpoint_every: int = 50
     seed: int = 0
@@ -142,7 +153,8 @@ def distill(
 ) -> dict:
     """Train a drafter for the target in `target_dir` (see the module doc); returns the report, also
     written to `out/distill.json`, the drafter to `out` as a model directory. The report's prompts are
-    `source`'s held-out share, or cut from `report_source` (code the training never saw) where given."""
+    cut from `source`'s held-out packages (`split_by_package`: the training never reads them), or from
+    `report_source` where given (then the training reads all of `source`)."""
     if (start is None) == (size is None):
         raise ValueError("give one of --drafter (a model directory to start from) and --size")
     if settings.divergence not in DIVERGENCES:
@@ -160,23 +172,24 @@ def distill(
         vocab, wanted = drafter.config.vocab_size, target.config.vocab_size
         if vocab != wanted:
             raise ValueError(f"--drafter {start}: a vocabulary of {vocab}, the target's is {wanted}")
-        prompts = cut_prompts(
-            source_texts(source),
-            tokenizer,
-            settings.prompts,
-            settings.min_prompt_tokens,
-            settings.max_prompt_tokens,
-            settings.seed,
-        )
-        train_prompts = [p for p in prompts if not held_out(p, settings.held_out)]
-        report_prompts = [p for p in prompts if held_out(p, settings.held_out)][:REPORT_PROMPTS]
-        if report_source is not None:
-            report_prompts = cut_report_prompts(report_source, tokenizer, settings)
-        if not train_prompts or not report_prompts:
-            raise ValueError(f"--prompts {source}: {len(prompts)} prompts leave none to train on or none held out")
+        texts, packages = source_units(source)
+        if report_source is None:
+            (texts, packages), (held_texts, held_packages) = split_by_package(
+                texts, packages, settings.held_out, str(source)
+            )
+            total = len(texts) + len(held_texts)
+            shown = f"packages of --prompts held out of training ({len(held_texts)} of its {total} texts)"
+        else:
+            held_texts, held_packages = source_units(report_source)
+            shown = str(report_source)
+        s, lo, hi = settings, settings.min_prompt_tokens, settings.max_prompt_tokens
+        train_prompts = [ids for ids, _ in cut_sourced_prompts(texts, packages, tokenizer, s.prompts, lo, hi, s.seed)]
+        # As cut_report_prompts cuts them (`acceptance` measures a drafter on the same prompts).
+        held = cut_sourced_prompts(held_texts, held_packages, tokenizer, REPORT_PROMPTS, lo, hi, s.seed + 1)
+        report_prompts = [ids for ids, _ in held]
         pad = pad_id(tokenizer)
         made = time.perf_counter()
-        s, made_at = settings, state / "sequences.jsonl"
+        made_at = state / "sequences.jsonl"
         generate = continue_prompts(target, train_prompts, made_at, s.continuation, s.sampled, pad, s.seed)
         sequences = list(tqdm(generate, total=len(train_prompts), desc="target continues", disable=not progress))
         reference = list(
@@ -198,7 +211,11 @@ def distill(
         "target": str(target_dir),
         "start": str(start) if start else None,
         "prompts": str(source),
-        "report_prompts": str(report_source) if report_source else f"{settings.held_out:.0%} of --prompts, held out",
+        "report_prompts": shown,
+        # The packages each side read: no report prompt comes from a package the training read.
+        "training_packages": sorted(set(packages)),
+        "report_packages": sorted(set(held_packages)),
+        "report_prompt_packages": [package for _, package in held],
         "size": size,
         "settings": asdict(settings),
         "sequences": len(sequences),

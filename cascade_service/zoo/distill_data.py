@@ -2,8 +2,13 @@
 
 Prompts come from a JSON-lines file ({"prompt": "..."}, as `bench` reads them) or a folder of text and
 code files cut into prompts at line starts, each a random length between two token counts (the context
-lengths the drafter will serve). A fixed share, chosen by a hash of the prompt's text (so it is the
-same share on every run and every resume), is held out for the report.
+lengths the drafter will serve). The report measures on code the drafter never trained on: whole
+packages are held out, never windows of the files it trains on (a window of a file trained on is not
+held out: the rest of the file, its names and its idioms were seen). A folder's package is each entry
+directly under it (a folder, with everything under it; a file directly under it counts alone); a
+JSON-lines prompt's is the package its "source" names ("<package> <version>: <module>", as the
+benchmarks' prompt sets say), else the prompt alone. Which packages are held out is chosen by a hash of
+their names, so it is the same on every run and every resume (`split_by_package`).
 
 The sequences are on-policy (DistillSpec, Zhou et al. 2024): the target continues each training prompt
 itself, greedily or by sampling at temperature 1, and the drafter learns the target's distribution
@@ -41,10 +46,12 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class Corpus:
-    """Texts already read, named for the report (a family's recipe gathers them from several places)."""
+    """Texts already read, named for the report (a family's recipe gathers them from several places),
+    with the package each comes from (`packages`, one per text; empty: each text is a package alone)."""
 
     name: str
     texts: tuple[str, ...]
+    packages: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.name
@@ -58,15 +65,68 @@ def source_texts(source: Path | Corpus) -> list[str]:
             raise ValueError(f"prompts from {source.name}: no texts")
         return list(source.texts)
     if source.is_dir():
-        files = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-        texts = [p.read_text(errors="replace") for p in files]
-        texts = [t for t in texts if t.strip()]
-        if not texts:
-            raise ValueError(f"--prompts {source}: no text or code files ({', '.join(sorted(TEXT_SUFFIXES))})")
-        return texts
+        return [text for _, text in _folder(source)]
     if not source.is_file():
         raise ValueError(f"--prompts {source}: no such file or folder")
     return read_prompts(str(source))
+
+
+def _folder(source: Path) -> list[tuple[Path, str]]:
+    """The text and code files under a folder that are not blank, sorted, with their texts."""
+    files = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    read = [(p, p.read_text(errors="replace")) for p in files]
+    read = [(p, t) for p, t in read if t.strip()]
+    if not read:
+        raise ValueError(f"--prompts {source}: no text or code files ({', '.join(sorted(TEXT_SUFFIXES))})")
+    return read
+
+
+def source_units(source: Path | Corpus) -> tuple[list[str], list[str]]:
+    """`source_texts(source)` and the package each text comes from (see the module doc)."""
+    if isinstance(source, Corpus):
+        texts = source_texts(source)
+        if source.packages and len(source.packages) != len(texts):
+            raise ValueError(f"{source.name}: {len(source.packages)} package names for {len(texts)} texts")
+        return texts, list(source.packages) or [f"{source.name}[{i}]" for i in range(len(texts))]
+    if source.is_dir():
+        read = _folder(source)
+        return [t for _, t in read], [p.relative_to(source).parts[0] for p, _ in read]
+    texts = source_texts(source)
+    packages = []
+    for number, line in enumerate(source.read_text().splitlines(), 1):
+        if line.strip():  # as read_prompts skips blank lines
+            named = json.loads(line).get("source")
+            word = named.split()[0].rstrip(":") if isinstance(named, str) and named.split() else ""
+            packages.append(word or f"line {number}")
+    return texts, packages
+
+
+def split_by_package(
+    texts: Sequence[str], packages: Sequence[str], fraction: float, name: str
+) -> tuple[tuple[list[str], list[str]], tuple[list[str], list[str]]]:
+    """(texts, packages) to train on and (texts, packages) held out: whole packages, taken in the order of
+    a hash of their names while the held-out texts stay within `fraction` of all (at least one package
+    held out, at least one trained on). `name` names the source in errors."""
+    sizes: dict[str, int] = {}
+    for package in packages:
+        sizes[package] = sizes.get(package, 0) + 1
+    order = sorted(sizes, key=lambda p: hashlib.sha256(p.encode()).digest())
+    held: set[str] = set()
+    count = 0
+    for package in order:
+        if count + sizes[package] <= fraction * len(texts):
+            held.add(package)
+            count += sizes[package]
+    if not held and fraction > 0:
+        held = {min(order, key=lambda p: sizes[p])}  # the smallest; the first by hash among equals
+    if not held or len(held) == len(sizes):
+        raise ValueError(
+            f"--prompts {name}: {len(sizes)} package(s) at --held-out {fraction}; the report holds whole "
+            "packages out of training, so it needs at least two and a share above 0 (or give --report-prompts)"
+        )
+    train = [(t, p) for t, p in zip(texts, packages) if p not in held]
+    out = [(t, p) for t, p in zip(texts, packages) if p in held]
+    return ([t for t, _ in train], [p for _, p in train]), ([t for t, _ in out], [p for _, p in out])
 
 
 def cut_prompts(
@@ -74,29 +134,37 @@ def cut_prompts(
 ) -> list[list[int]]:
     """`count` prompts of min_tokens..max_tokens tokens each, from line starts of `texts` chosen at
     random (seeded); a text shorter than min_tokens gives itself whole, cut to max_tokens."""
-    encoded = [tokenizer(t).input_ids for t in texts]
-    usable = [ids for ids in encoded if ids]
+    sourced = cut_sourced_prompts(texts, [""] * len(texts), tokenizer, count, min_tokens, max_tokens, seed)
+    return [ids for ids, _ in sourced]
+
+
+def cut_sourced_prompts(
+    texts: Sequence[str],
+    packages: Sequence[str],
+    tokenizer,
+    count: int,
+    min_tokens: int,
+    max_tokens: int,
+    seed: int,
+) -> list[tuple[list[int], str]]:
+    """`cut_prompts`, each prompt with the package of the text it was cut from."""
+    encoded = [(tokenizer(t).input_ids, p) for t, p in zip(texts, packages)]
+    usable = [(ids, p) for ids, p in encoded if ids]
     if not usable:
         raise ValueError("--prompts: every text encodes to no tokens")
     rng = random.Random(seed)
-    prompts: list[list[int]] = []
+    prompts: list[tuple[list[int], str]] = []
     newline = set(tokenizer("\n").input_ids)
     for _ in range(count):
-        ids = rng.choice(usable)
+        ids, package = rng.choice(usable)
         length = rng.randint(min_tokens, max_tokens)
         if len(ids) <= length:
-            prompts.append(ids[-max_tokens:])
+            prompts.append((ids[-max_tokens:], package))
             continue
         starts = [0] + [i + 1 for i in range(len(ids) - length) if ids[i] in newline]
         start = rng.choice(starts)
-        prompts.append(ids[start : start + length])
+        prompts.append((ids[start : start + length], package))
     return prompts
-
-
-def held_out(prompt: Sequence[int], fraction: float) -> bool:
-    """Whether a prompt is held out of training (for the report): by a hash of its tokens."""
-    digest = hashlib.sha256(json.dumps(list(prompt)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def read_sequences(path: Path) -> list[Trajectory]:

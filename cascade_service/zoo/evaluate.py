@@ -46,13 +46,12 @@ def eval_package_files(packages: Sequence[str] = EVAL_PACKAGES) -> dict[str, lis
 
 
 def eval_source_versions(packages: Sequence[str]) -> dict[str, str]:
-    versions = {}
-    for name in packages:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "unknown"
-    return versions
+    """Import name -> the version of the distribution that provides it (markdown_it: markdown-it-py's;
+    a distribution's name is not always its import name), "unknown" where no metadata names it."""
+    from cascade_service.zoo.judged import distribution_version
+
+    provided = importlib.metadata.packages_distributions()
+    return {name: distribution_version(name, provided) for name in packages}
 
 
 def ends_in_loop(tokens: Sequence[int]) -> bool:

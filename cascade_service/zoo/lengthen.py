@@ -5,7 +5,8 @@ with rotary positions then runs on positions it never saw as soon as a prompt is
 256 positions climbs (the shipped family's large: 3.2 nats/token at 0-256, 5.9 at 512-1,024 on code
 outside its corpus), and its drafters part from it there. Here the trained family's large model is
 trained further on windows of `window` tokens, from its own corpus and several installed packages
-(`packages`; the evaluation packages stay out), and declares `window` positions, so the service
+(`packages`; none that a benchmark judges on nor any that depends on one: zoo/judged.py refuses them
+before anything is trained), and declares `window` positions, so the service
 refuses longer contexts by name instead of serving them badly. Then its drafters are distilled in
 order with `cascade-service distill` (zoo/distill.py; on-policy, against full distributions): base
 against the new large, small against the new base, each starting from the source's own drafter, on
@@ -33,14 +34,17 @@ from cascade_service.zoo.evaluate import (
     eval_source_versions,
     evaluate_sources,
 )
+from cascade_service.zoo.judged import check_training_packages, judged_packages
 
 TIERS = ("large", "base", "small")
 # Packages every install of this project brings (through Ray Serve, transformers and rich): pure
-# Python, documented, unlike the standard library in style. Missing ones are skipped. Never the
-# evaluation packages (zoo.evaluate.EVAL_PACKAGES) nor those the benchmarks' disagree set is cut from
-# (bench.prompt_sets.SOURCES: starlette, uvicorn, yaml, h11, anyio, attr), so both stay code the
-# family never saw (tests/integration/test_lengthen.py checks).
-TRAIN_PACKAGES = ("fastapi", "jsonschema", "markdown_it", "pydantic", "requests", "rich", "urllib3")
+# Python, documented, unlike the standard library in style. A missing one stops the build (the training
+# text would depend on the machine). Never a package a benchmark judges on (zoo.judged: the evaluation
+# packages, those every shipped prompt set is cut from) nor one that depends on one: the build refuses
+# them. The shipped family's weights were trained with fastapi and jsonschema too, before that check
+# existed; fastapi depends on starlette and anyio, jsonschema on attrs (all three judged by
+# disagree.jsonl), so the recipe no longer has them.
+TRAIN_PACKAGES = ("markdown_it", "pydantic", "requests", "rich", "urllib3")
 
 
 @dataclass(frozen=True)
@@ -102,14 +106,22 @@ def build_long(preset: str, out_dir: str | Path, source: dict[str, Path], progre
 
     spec = LONG_PRESETS[preset]
     out = Path(out_dir).expanduser()
-    return derived(spec, source, out, lambda paths: _build(spec, source, paths, progress), progress)
+    # Before anything is read or reused: judged code, code depending on it, or a package missing here.
+    judged = judged_packages()
+    cleared = check_training_packages(spec.packages, judged, who=spec.name)
+    return derived(spec, source, out, lambda paths: _build(spec, source, paths, progress, judged, cleared), progress)
 
 
-def _build(spec: LongSpec, source: dict[str, Path], paths: dict[str, Path], progress: bool) -> dict:
+def _build(
+    spec: LongSpec,
+    source: dict[str, Path],
+    paths: dict[str, Path],
+    progress: bool,
+    judged: dict[str, list[str]],
+    cleared: dict[str, dict],
+) -> dict:
     from cascade_service.zoo.build import held_out_modules, read_text_file, training_texts
 
-    if overlap := sorted(set(spec.packages) & set(EVAL_PACKAGES)):
-        raise ValueError(f"{spec.name}: trains on evaluation packages {overlap}")
     lap = train.Laps()
     source_report = json.loads(source["report"].read_text())
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(source["large"]), local_files_only=True)
@@ -125,8 +137,10 @@ def _build(spec: LongSpec, source: dict[str, Path], paths: dict[str, Path], prog
     _save(_declaring(large, spec.window), tokenizer, paths["large"], source["large"])
     lap("large")
     names = ", ".join(package_files)
-    texts = Corpus(f"the source's corpus and packages {names}", tuple(corpus + packages))
-    held = Corpus(f"evaluation packages {', '.join(external_files)}", tuple(external))
+    labels = ("stdlib",) * len(corpus) + tuple(n for n, files in package_files.items() for _ in files)
+    texts = Corpus(f"the source's corpus and packages {names}", tuple(corpus + packages), labels)
+    held_labels = tuple(n for n, files in external_files.items() for _ in files)
+    held = Corpus(f"evaluation packages {', '.join(external_files)}", tuple(external), held_labels)
     reports = {}
     work = paths["large"].parent / ".distill"
     for drafter, reviewer in (("base", "large"), ("small", "base")):
@@ -162,12 +176,17 @@ def _build(spec: LongSpec, source: dict[str, Path], paths: dict[str, Path], prog
         "build_s": lap.total(),
         "corpus": {"files": len(corpus) + len(packages), "tokens": int(stream.numel())},
         "training_packages": eval_source_versions(list(package_files)),
+        # How training and judging were kept apart (zoo/judged.py): what each training package depends
+        # on, transitively, from installed metadata, and the judged packages none of it may be.
+        "training_dependencies": {name: found["depends_on"] for name, found in cleared.items()},
+        "judged_packages": judged,
         "vocab_size": len(tokenizer),
         "training": {"tokens": log.tokens, "tokens_per_s": round(log.tokens / max(1e-9, log.seconds), 1)},
         "distill": {name: _portable(report) for name, report in reports.items()},
         "evaluation": {
             "sources": ["heldout", "external"],
             "packages": eval_source_versions(list(external_files)),
+            "missing": [name for name in EVAL_PACKAGES if name not in external_files],
             "prompts": spec.eval_prompts,
             "greedy_steps": spec.eval_steps,
             "windows": spec.eval_windows,

@@ -16,6 +16,7 @@ from cascade_service.cli.main import main
 from cascade_service.config import ModelTierConfig, make_cascade
 from cascade_service.core.request import GenerationConfig
 from cascade_service.engine import Engine
+from cascade_service.models.hf import load_tokenizer
 from cascade_service.zoo import distill as distill_module
 from cascade_service.zoo.distill import Settings, distill
 from cascade_service.zoo.tiny import random_prompts
@@ -57,6 +58,44 @@ def test_agreement_rises_and_the_drafter_serves(tiny_family, tmp_path):
     # A cascade in order: a smaller drafter distilled against the one just made, the same command.
     second = distill(out, SOURCE, tmp_path / "smaller", size="16:1", settings=QUICK, progress=False)
     assert second["after"]["acceptance_by_position"][0] > second["before"]["acceptance_by_position"][0]
+
+
+def test_by_default_the_report_prompts_come_from_packages_the_training_never_read(tiny_family, tmp_path):
+    source = tmp_path / "packages"
+    files = {}  # file -> its package (the folder directly under `source`), every line unique to it
+    for p in range(6):
+        for m in range(2):
+            path = source / f"pkg{p}" / f"mod{m}.py"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(f"def f_{p}_{m}_{i}(x):\n    return x * {p} + {m * 100 + i}\n" for i in range(40)))
+            files[path] = f"pkg{p}"
+    quick = Settings(steps=2, batch=2, prompts=24, min_prompt_tokens=20, max_prompt_tokens=40, continuation=4)
+    out = tmp_path / "drafter"
+    report = distill(tiny_family["target"], source, out, size="16:1", settings=quick, progress=False)
+    tokenizer = load_tokenizer(tiny_family["target"])
+    encoded = {package: [] for package in files.values()}
+    for path, package in files.items():
+        encoded[package].append(_key(tokenizer(path.read_text()).input_ids))
+
+    def packages_of(name):  # the packages a run's prompts were cut from, found by their tokens
+        found = []
+        for line in (out / ".distill" / name).read_text().splitlines():
+            item = json.loads(line)
+            prompt = _key(item["ids"][: item["prompt"]])
+            found.append({package for package, texts in encoded.items() if any(prompt in t for t in texts)})
+        assert found and all(len(f) == 1 for f in found)  # each prompt found in exactly one package
+        return set().union(*found), found
+
+    trained, _ = packages_of("sequences.jsonl")
+    judged, each = packages_of("held_out.jsonl")
+    assert judged and trained and not judged & trained
+    assert set(report["report_packages"]) == judged and set(report["training_packages"]) == trained
+    assert [{p} for p in report["report_prompt_packages"]] == each
+    assert report["report_prompts"].startswith("packages of --prompts held out of training")
+
+
+def _key(ids):
+    return "," + ",".join(map(str, ids)) + ","
 
 
 def test_a_stopped_run_resumes_to_the_weights_of_an_unstopped_one(tiny_family, tmp_path, monkeypatch):

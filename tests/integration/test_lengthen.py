@@ -1,7 +1,8 @@
 """A lengthened family (zoo/lengthen.py, here `long-test` from the test zoo): its large model trained
 further at the spec's window and declaring it, so the service refuses longer contexts by name; its
-drafters distilled in order against it, each distillation's before/after in the report; the evaluation
-packages kept out of its training; its cascade exactly the large model's; reused, not rebuilt."""
+drafters distilled in order against it, each distillation's before/after in the report; every package a
+benchmark judges on, and every package depending on one, kept out of its training (zoo/judged.py);
+its cascade exactly the large model's; reused, not rebuilt."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cascade_service.engine import Engine
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.evaluate import EVAL_PACKAGES
 from cascade_service.zoo.families import family
+from cascade_service.zoo.judged import JudgedCodeError, check_training_packages, judged_packages
 from cascade_service.zoo.lengthen import LONG_PRESETS, LongSpec, build_long
 
 from ..helpers.oracle import oracle
@@ -54,11 +56,16 @@ def test_the_report_has_each_distillation_and_the_training_left_the_evaluation_p
     assert set(report["training_packages"]) == set(SPEC.packages) and not set(report["training_packages"]) & set(
         EVAL_PACKAGES
     )
+    assert "unknown" not in report["training_packages"].values()  # markdown_it: markdown-it-py's version
+    assert report["judged_packages"] == judged_packages()
+    assert set(report["training_dependencies"]) == set(SPEC.packages)
     for drafter in ("base", "small"):
         run = report["distill"][drafter]
         assert run["steps"] == SPEC.drafters.steps
         assert len(run["after"]["acceptance_by_position"]) == SPEC.drafters.draft_k
         assert run["report_prompts"].startswith("evaluation packages")
+        assert set(run["report_prompt_packages"]) <= set(run["report_packages"]) <= set(EVAL_PACKAGES)
+        assert not set(run["training_packages"]) & set(run["report_packages"])
         assert "target" not in run  # no path of the machine that built it
     assert not (paths["large"].parent / ".distill").exists()  # the runs' sequences are not kept
     assert report["tiers"]["large"]["train"]["steps"] == SPEC.steps
@@ -73,13 +80,15 @@ def test_its_cascade_is_the_large_models_output_and_a_second_build_reuses_it(len
     assert again["large"].stat().st_mtime == paths["large"].stat().st_mtime
 
 
-def test_a_spec_that_trains_on_the_evaluation_packages_is_refused(lengthened, tmp_path):
+def test_a_spec_that_trains_on_judged_code_or_on_code_depending_on_it_is_refused(lengthened, tmp_path):
     source, _ = lengthened
-    bad = LongSpec(name="bad", source="test", window=64, steps=1, batch=1, lr=1e-3, packages=("h11", "tqdm"))
+    packages = ("h11", "tqdm", "fastapi", "markdown_it")  # disagree.jsonl's; an evaluation package; on starlette
+    bad = LongSpec(name="bad", source="test", window=64, steps=1, batch=1, lr=1e-3, packages=packages)
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(LONG_PRESETS, "bad", bad)
-        with pytest.raises(ValueError, match="trains on evaluation packages \\['tqdm'\\]"):
+        with pytest.raises(JudgedCodeError, match=r"bad: refusing to train on h11, tqdm, fastapi:") as refused:
             build_long("bad", tmp_path / "bad", source, progress=False)
+    assert "fastapi -> starlette" in str(refused.value) and not (tmp_path / "bad").exists()
 
 
 def _cascade(paths):
@@ -96,4 +105,6 @@ def test_the_shipped_recipe_never_trains_on_code_the_benchmarks_judge_it_on():
     from cascade_service.zoo.lengthen import TRAIN_PACKAGES
 
     judged = set(EVAL_PACKAGES) | {package for package, _ in SOURCES}  # prompts.jsonl; disagree.jsonl
+    assert judged <= set(judged_packages())
     assert LONG_PRESETS["quality"].packages == TRAIN_PACKAGES and not judged & set(TRAIN_PACKAGES)
+    assert set(check_training_packages(TRAIN_PACKAGES)) == set(TRAIN_PACKAGES)  # nor code depending on it
