@@ -7,10 +7,11 @@ models, or `transport.remote.RemoteTier`s over Ray Serve), sessions from any `Se
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +24,7 @@ from .core.policy import OFF, PolicyFactory
 from .core.request import GenerationConfig
 from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
-from .core.verify import Verification
-from .intake import MAX_PROMPT_TOKENS, Intake, Request, decode_state
+from .intake import MAX_PROMPT_TOKENS, Asked, Intake, Request, decode_state
 from .metrics import Metrics, RequestTimes
 from .output import Chunk, Output
 from .scheduling.loop import EngineLoop
@@ -92,8 +92,10 @@ class Coordinator:
 
     # --- requests ----------------------------------------------------------------------------------
 
+    @functools.cached_property
     def intake(self) -> Intake:
-        """What this coordinator's requests are built for and checked against (intake.Intake)."""
+        """What this coordinator's requests are built for and checked against (intake.Intake), made once:
+        what it reads of the coordinator does not change after it is built."""
         return Intake(
             self.cascade,
             self.vocab_size,
@@ -106,67 +108,20 @@ class Coordinator:
             check_session_id,
         )
 
-    def params(
-        self,
-        *,
-        prompt: str = "",
-        prompt_ids: Sequence[int] = (),
-        session_id: str = "",
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        penalties: Mapping[str, float] | None = None,
-        prediction: str | Sequence[int] | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        verification: Verification | None = None,
-        stop_threshold: float | None = None,
-        speculation: str | None = None,
-        target_row: Sequence[int] | None = None,
-        logprobs: int | None = None,
-        response_format: Any = None,  # core.grammar.ResponseFormat
-        owner: str = "",
-    ) -> Request:
-        """A served request from its fields (ValueError names the field), the server's defaults filled
-        in: built and validated once (intake.Intake.served)."""
-        fields: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "min_p": min_p,
-            "logit_bias": logit_bias,
-            **(penalties or {}),  # repetition_penalty, presence_penalty, frequency_penalty: as given
-            "seed": seed,
-            "verification": verification,
-            "stop_threshold": stop_threshold,
-            "speculation": speculation,
-            "target_row": tuple(target_row) if target_row is not None else None,
-            "logprobs": logprobs,
-            "response_format": response_format,
-        }
-        return self.intake().served(
-            fields,
-            prompt=prompt,
-            prompt_ids=prompt_ids,
-            session_id=session_id,
-            stop=stop,
-            prediction=prediction,
-            owner=owner,
-        )
+    def params(self, **asked: Any) -> Request:
+        """A served request from its fields as a client sends them (intake.Asked's; ValueError names the
+        field), the server's defaults filled in: built and validated once (intake.Intake.served)."""
+        return self.intake.served(Asked(**asked))
 
     def request(self, prompt_ids: Sequence[int], gen: GenerationConfig, owner: str = "") -> Request:
         """A validated request from token ids and whole generation settings (in-process callers:
         `Engine.generate`, bench, tune), checked as `params` checks a served one."""
-        return self.intake().given(prompt_ids, gen, owner)
+        return self.intake.given(prompt_ids, gen, owner)
 
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt (or session) taken: one position must be left for a new token."""
-        return self.intake().max_prompt_tokens
+        return self.intake.max_prompt_tokens
 
     def stream(self, request: Request, cancelled: Callable[[], bool] = _never) -> Iterator[Chunk]:
         """Yield text/token chunks as target rounds finish; the last one has finish_reason and stats.
@@ -240,7 +195,7 @@ class Coordinator:
     def create_session(self, session_id: str = "", prompt: str = "", prompt_ids: Sequence[int] = (), owner: str = ""):
         check_request(self.decoder_start, (), session=True)
         # a session no request could continue is refused up front (the prompt's own checks)
-        ids = self.intake().prompt(prompt, prompt_ids, session=False)
+        ids = self.intake.prompt(prompt, prompt_ids, session=False)
         if session_id:
             check_session_id(session_id)
         return self.store.create(ids, session_id or None, owner)
@@ -272,7 +227,7 @@ class _Run:
             raise ValueError("prompt: empty (the session has no history yet)")
         self.context = decoder_context(context, c.decoder_start)  # an encoder-decoder target: + its start token
         if self.record is not None:
-            request = c.intake().fit(request, len(self.record.token_ids))  # before any work
+            request = c.intake.fit(request, len(self.record.token_ids))  # before any work
         self.request = request
         self.request_id = uuid.uuid4().hex
         self.stats = CascadeStats(c.cascade.target.name)

@@ -28,6 +28,7 @@ from .core.request import GenerationConfig, check_stop, check_stop_threshold
 from .core.sampling import SamplingParams
 from .core.schedule import Schedule, ScheduleError
 from .core.stats import CascadeStats
+from .core.verify import Verification
 
 MAX_PROMPT_TOKENS = 32_768
 
@@ -66,6 +67,64 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Asked:
+    """A served request as its client sent it, from any front end (gRPC, HTTP, a test): each setting
+    None where the client left it to the server's defaults. Built once at the edge (the front end's
+    one conversion) and turned into a `Request` by `Intake.served`, which checks every field."""
+
+    prompt: str = ""
+    prompt_ids: Sequence[int] = ()
+    session_id: str = ""
+    stop: Sequence[str] = ()
+    prediction: str | Sequence[int] | None = None
+    owner: str = ""
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    logit_bias: Mapping[int, float] | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    verification: Verification | None = None
+    stop_threshold: float | None = None
+    speculation: str | None = None
+    target_row: Sequence[int] | None = None
+    logprobs: int | None = None
+    response_format: Any = None  # core.grammar.ResponseFormat
+
+    def settings(self) -> dict[str, Any]:
+        """The generation settings the client set: GenerationConfig's fields over the server's defaults."""
+        given = {name: getattr(self, name) for name in SETTINGS}
+        if given["target_row"] is not None:
+            given["target_row"] = tuple(given["target_row"])
+        return {name: value for name, value in given.items() if value is not None}
+
+
+# Asked's fields that are GenerationConfig's (the rest say what to continue and for whom)
+SETTINGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "logit_bias",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "verification",
+    "stop_threshold",
+    "speculation",
+    "target_row",
+    "logprobs",
+    "response_format",
+)
+
+
+@dataclass(frozen=True)
 class Intake:
     """What requests are built for: the served cascade, its target's vocabulary and end-of-sequence
     ids, the tokenizer, the server's defaults and the positions every model tier holds."""
@@ -80,34 +139,23 @@ class Intake:
     decoder_start: int | None  # an encoder-decoder target's decoder start token; None: decoder-only
     check_session: Callable[[str], None]  # a session id's form (the session store's rule)
 
-    def served(
-        self,
-        fields: Mapping[str, Any],
-        *,
-        prompt: str = "",
-        prompt_ids: Sequence[int] = (),
-        session_id: str = "",
-        stop: Sequence[str] = (),
-        prediction: str | Sequence[int] | None = None,
-        owner: str = "",
-    ) -> Request:
-        """A served request from its fields (each None when the client left it to the server's
-        defaults; the penalties by name). The checks run in one order (the prompt, the session id, the
-        stop strings, each setting, then what the settings name here), so a request with several faults
-        is refused for the same one every time."""
-        ids = self.prompt(prompt, prompt_ids, session=bool(session_id))
-        if session_id:
-            self.check_session(session_id)
+    def served(self, asked: Asked) -> Request:
+        """A served request from what its client sent. The checks run in one order (the prompt, the
+        session id, the stop strings, each setting, then what the settings name here), so a request
+        with several faults is refused for the same one every time."""
+        ids = self.prompt(asked.prompt, asked.prompt_ids, session=bool(asked.session_id))
+        if asked.session_id:
+            self.check_session(asked.session_id)
         elif not ids:
             raise ValueError("prompt: empty (give prompt, prompt_token_ids or a session_id with history)")
-        stops = check_stop(stop)
-        overrides = {
-            **fields,
-            "prediction": prediction_ids(self.encode, prediction) if prediction is not None else None,
-        }
-        gen = replace(self.defaults, **{k: v for k, v in overrides.items() if v is not None})  # checks each field
-        request = self.build(ids, gen, stops, session_id or None, owner, fields.get("max_new_tokens") is not None)
-        return self.fit(request, 0) if not session_id else request  # a session's history is read at its decode
+        stops = check_stop(asked.stop)
+        settings = asked.settings()
+        if asked.prediction is not None:
+            settings["prediction"] = prediction_ids(self.encode, asked.prediction)
+        gen = replace(self.defaults, **settings)  # checks each field
+        explicit = asked.max_new_tokens is not None
+        request = self.build(ids, gen, stops, asked.session_id or None, asked.owner, explicit)
+        return self.fit(request, 0) if not asked.session_id else request  # a session's history is read at its decode
 
     def given(self, prompt_ids: Sequence[int], gen: GenerationConfig, owner: str = "") -> Request:
         """A request from token ids and whole generation settings (in-process callers: `Engine.generate`,

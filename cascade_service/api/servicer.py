@@ -22,6 +22,7 @@ from ..core.request import PENALTIES
 from ..core.stats import CascadeStats, TierCounters
 from ..core.tier import Overloaded, Unavailable
 from ..core.verify import Verification
+from ..intake import Asked, Request
 from ..metrics import default_metrics
 from ..output import Chunk
 from ..proto.v1 import cascade_pb2 as pb
@@ -36,6 +37,19 @@ from ..sessions import (
 )
 from .choices import choice_counts, choice_requests, mean_logprob, together
 from .status import set_status
+
+# GenerateRequest's optional scalars that are Asked's fields of the same name (unset: the server's default)
+OPTIONAL = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_threshold",
+    "logprobs",
+    *PENALTIES,
+)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "cascade.v1.CascadeService"
@@ -187,29 +201,25 @@ class CascadeServicer:
 
     # --- conversions -------------------------------------------------------------------------------
 
-    def _params(self, request: pb.GenerateRequest, context: Any):
-        return self.coordinator.params(
+    def _params(self, request: pb.GenerateRequest, context: Any) -> Request:
+        """The request as its client sent it, in one conversion (protobuf -> intake.Asked), built and
+        checked by the coordinator's intake."""
+        optional = {name: getattr(request, name) for name in OPTIONAL if request.HasField(name)}
+        asked = Asked(
             prompt=request.prompt,
             prompt_ids=list(request.prompt_token_ids),
             session_id=request.session_id,
-            max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
-            temperature=request.temperature if request.HasField("temperature") else None,
-            top_p=request.top_p if request.HasField("top_p") else None,
-            top_k=request.top_k if request.HasField("top_k") else None,
-            min_p=request.min_p if request.HasField("min_p") else None,
-            logit_bias=request.logit_bias or None,  # its size is checked before it is read
-            prediction=_prediction(request),
-            penalties={name: getattr(request, name) for name in PENALTIES if request.HasField(name)},
-            seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
+            prediction=_prediction(request),
+            owner=owner_of(context),
+            logit_bias=request.logit_bias or None,  # its size is checked before it is read
             verification=_verification(request),
-            stop_threshold=request.stop_threshold if request.HasField("stop_threshold") else None,
             speculation=request.speculation.mode or None,  # unset or empty: the server's "auto"
             target_row=list(request.speculation.target_row) or None,
-            logprobs=request.logprobs if request.HasField("logprobs") else None,
             response_format=_response_format(request),
-            owner=owner_of(context),
+            **optional,
         )
+        return self.coordinator.intake.served(asked)
 
     def chunk(self, chunk: Chunk) -> pb.GenerateChunk:
         return pb.GenerateChunk(

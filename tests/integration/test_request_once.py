@@ -199,3 +199,24 @@ def test_the_ray_edge_parses_once_and_forwards_the_clients_bytes(parses):
     assert deployment.sent == [request.SerializeToString()]  # as the client sent them: not made again
     # One parse here (the front end's: admission and the routing key); the replica parses its own copy.
     assert parses["GenerateRequest.FromString"] == 1
+
+
+def test_a_requests_fields_take_one_conversion_and_the_intake_is_built_once(served):
+    # Issue 59 point 8: protobuf -> intake.Asked in the servicer (one conversion), turned into a Request
+    # by the coordinator's one Intake; no field of GenerateRequest is left behind on the way.
+    import dataclasses
+
+    served_coordinator = served.coordinator
+    assert served_coordinator.intake is served_coordinator.intake  # made once, not per call
+    asked = {f.name for f in dataclasses.fields(intake.Asked)}
+    # GenerateRequest's fields Asked takes under another name, or that decide how many requests there are
+    elsewhere = {"prompt_token_ids": "prompt_ids", "n": "api.choices", "best_of": "api.choices"}
+    for name in (f.name for f in pb.GenerateRequest.DESCRIPTOR.fields):
+        assert name in asked or name in elsewhere, f"GenerateRequest.{name} reaches no field of intake.Asked"
+    request = pb.GenerateRequest(
+        prompt_token_ids=PROMPT, max_new_tokens=5, temperature=0.5, top_k=3, seed=9, repetition_penalty=1.5
+    )
+    built = CascadeServicer(served_coordinator)._params(request, None)
+    gen = built.gen
+    assert (gen.max_new_tokens, gen.temperature, gen.top_k, gen.seed, gen.repetition_penalty) == (5, 0.5, 3, 9, 1.5)
+    assert built.explicit_max_new_tokens and built.prompt_ids == tuple(PROMPT)
