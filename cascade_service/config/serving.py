@@ -96,7 +96,7 @@ class ServingConfig:
     # Speculation that adapts to load (scheduling.load): each round's drafting is chosen from measured
     # acceptance and what the load makes of each way of drafting, greedy and sampled requests apart;
     # on by default (the fixed K-matrix loses to plain decoding under load on a small host, and sampled
-    # at every load: docs/benchmarks.md "The default: speculation that adapts to load"). false: every
+    # at every load: docs/benchmarks.md "Under load: the default against plain decoding"). false: every
     # round runs the K-matrix as configured (as `serve --fixed-schedule` does).
     adapt_to_load: bool = True
     # The floor under the speedup (scheduling.floor): a request whose measured rounds say drafting does

@@ -3,7 +3,7 @@ or a Lark grammar) as a token mask on the target's distribution at the final rev
 
 The grammar engine is llguidance (a 3 MB wheel with no dependencies; JSON schema, regex and Lark natively;
 it computes a mask in tens of microseconds and validates a run of tokens in one call; against xgrammar and
-outlines-core: docs/benchmarks.md "Which grammar engine"). Per request, one
+outlines-core: docs/benchmarks.md "Structured output"). Per request, one
 matcher follows the committed output. Each round, the draft block ends at its first token the grammar
 refuses (that token stays only where the review must reject it: CascadeTier._masked), the matcher walks
 the rest to give the mask of every position of the review, and rolls back; the final review scores the

@@ -99,7 +99,7 @@ DIVERGENCES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 class Settings:
     steps: int = 600
     batch: int = 8  # sequences per step
-    lr: float = 1e-3  # measured against 3e-3 (docs/benchmarks.md "Distilling drafters")
+    lr: float = 1e-3  # measured against 3e-3 (CHANGELOG.md "Benchmark history", distilling drafters)
     divergence: str = "kl"
     prompts: int = 1600  # training prompts cut (or read): 400 over-fit in 600 steps (measured)
     min_prompt_tokens: int = 300
