@@ -19,7 +19,7 @@ BACKENDS = ("hf", "lean", "int8")
 # Where a model tier keeps its requests' KV caches (models.kvpool.STORAGES): slots of one pool that a
 # batched pass reads in place, or a DynamicCache per request packed into each batched pass.
 KV_STORAGES = ("pool", "dynamic")
-GRAPH_MODES = ("auto", "eager", "off")  # models.staticpass.GRAPH_MODES's keys
+GRAPH_MODES = ("auto", "eager", "off")  # models.graphs.GRAPH_MODES's keys
 DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?")  # whether such a device exists is checked where weights load
 
 
@@ -43,7 +43,7 @@ class ModelTierConfig:
     kv: str = "pool"  # KV_STORAGES
     # The most its paged KV pool holds, in MiB (models.kvsize); None: a share of the device's memory.
     kv_budget_mb: float | None = None
-    # How its passes run in fixed shapes (models.staticpass.GRAPH_MODES): "auto" captures CUDA graphs
+    # How its passes run in fixed shapes (models.graphs.GRAPH_MODES): "auto" captures CUDA graphs
     # on cuda and changes nothing elsewhere; "eager" the same shapes uncaptured; "off" neither.
     graphs: str = "auto"
 

@@ -24,13 +24,14 @@ from ..scheduling.loop import EngineLoop
 from .batching import default_prefill_chunk, executor, forward_batch
 from .cachearg import cache_kwargs
 from .cpukernels import packed_parameters, weight_major
+from .graphs import GRAPH_MODES, start_graphs
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
 from .lean import BACKENDS
 from .poolpass import PoolPass, ragged
 from .rows import last_rows
 from .scorer import HFScorer
-from .staticpass import GRAPH_MODES, StaticRunner, start_graphs
+from .staticpass import StaticRunner
 
 T = TypeVar("T")
 
@@ -180,8 +181,7 @@ class HFModel:
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
         self._step_times: dict[int, float] = {}
         self.batcher: LoopBatcher | None = None  # once enable_batching() ran: passes run in the engine loop
-        # How its passes run in fixed shapes (models.staticpass.GRAPH_MODES; `use_graphs`): None, as before.
-        self.static: StaticRunner | None = None
+        self.static: StaticRunner | None = None  # its fixed-shape passes (GRAPH_MODES, `use_graphs`); None: none
 
     def enable_batching(self, loop: EngineLoop, max_batch: int = 64, prefill_chunk: int | None = None) -> None:
         """From now on this model's forward passes run in the engine loop `loop` (scheduling.loop: its
@@ -205,7 +205,7 @@ class HFModel:
         start_graphs(self, max_batch)  # on cuda the graphs are captured now, not on a request's time
 
     def use_graphs(self, mode: str) -> None:
-        """Run this model's passes that fit a bucket in fixed shapes (models.staticpass.GRAPH_MODES:
+        """Run this model's passes that fit a bucket in fixed shapes (models.graphs.GRAPH_MODES:
         "auto" captures CUDA graphs on cuda, "eager" runs the same shapes uncaptured, "off" neither).
         Only a pool's passes have fixed-shape indices: other storages ignore it."""
         if mode not in GRAPH_MODES:
@@ -271,7 +271,7 @@ class HFModel:
         backend: the forward that runs it (models.lean.BACKENDS: "hf", or "lean" for a drafter);
         kv: where requests' KV caches live (models.kvpool.STORAGES: "pool" or "dynamic");
         kv_budget_mb: the most its pool holds (None: models.kvsize.DEFAULT_FRACTION of the device's memory);
-        graphs: how passes run in fixed shapes (models.staticpass.GRAPH_MODES: "auto", "eager", "off").
+        graphs: how passes run in fixed shapes (models.graphs.GRAPH_MODES: "auto", "eager", "off").
         Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
         """
         if backend not in BACKENDS:

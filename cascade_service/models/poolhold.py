@@ -87,7 +87,7 @@ def reserve_layers(model: Any, at_least: int = 0) -> None:
 
 def serving_blocks(model: Any, rows: int) -> int:
     """The blocks `rows` requests at the model's longest context hold (NULL included): what a pool under
-    captured graphs is made with before the first capture (models.staticpass.start_graphs), so that
+    captured graphs is made with before the first capture (models.graphs.start_graphs), so that
     its tensors, whose addresses the graphs hold, seldom move."""
     positions = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
     return rows * -(-positions // BLOCK) + 1

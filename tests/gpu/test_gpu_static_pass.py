@@ -14,8 +14,9 @@ from cascade_service.core.request import GenerationConfig
 from cascade_service.engine import Engine
 from cascade_service.models import chain
 from cascade_service.models.batching import forward_batch
+from cascade_service.models.graphs import CapturedPasses
 from cascade_service.models.hf import HFModel
-from cascade_service.models.staticpass import CapturedPasses, forward_static_rows, static_forward, static_inputs
+from cascade_service.models.staticpass import forward_static_rows, static_forward, static_inputs
 from cascade_service.scheduling.batcher import Pass
 from cascade_service.scheduling.loop import EngineLoop
 from cascade_service.zoo.tiny import random_prompts

@@ -1,4 +1,4 @@
-"""The captured graphs' bookkeeping (models.staticpass.GraphTable), which a CPU can run: a bounded
+"""The captured graphs' bookkeeping (models.graphs.GraphTable), which a CPU can run: a bounded
 number of graphs, the least recently replayed dropped first; a stale one captured again; a failure
 drops that bucket's graph, not the runner (issue 59, points 1 and 4). The capture itself is CUDA's and
 is exercised by tests/gpu."""
@@ -10,8 +10,9 @@ import types
 import torch
 
 from cascade_service.metrics import default_metrics
+from cascade_service.models.graphs import GraphTable, _Graph
 from cascade_service.models.poolhold import CaptureFailed
-from cascade_service.models.staticpass import GraphTable, _Graph, drop_runner, padding_inputs
+from cascade_service.models.staticpass import drop_runner, padding_inputs
 
 CPU = torch.device("cpu")
 
