@@ -22,34 +22,18 @@ from transformers import PreTrainedTokenizerFast
 
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo import train
+from cascade_service.zoo.judged import EVAL_PACKAGES, distribution_version, eval_package_files
 from cascade_service.zoo.tiny import greedy_tokens
 
-# Pure-Python, documented library code that an install of this project always brings along: click (for
-# uvicorn), jinja2 (for torch), packaging (for transformers), tqdm (ours). Missing ones are skipped.
-EVAL_PACKAGES = ("click", "jinja2", "packaging", "tqdm")
+__all__ = ["EVAL_PACKAGES", "eval_package_files"]  # defined with the rest of the judged code (zoo/judged.py)
+
 CONTEXT_WINDOW = 1024  # positions of the windows loss and agreement are counted by position in
 LOOP_WINDOW, LOOP_GRAM, LOOP_REPEATS = 32, 4, 4  # "ends in a loop": see ends_in_loop
-
-
-def eval_package_files(packages: Sequence[str] = EVAL_PACKAGES) -> dict[str, list[Path]]:
-    """Package name -> its *.py files, sorted, for the packages installed here (tests excluded)."""
-    found = {}
-    for name in packages:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        root = Path(next(iter(spec.submodule_search_locations)))
-        files = sorted(p for p in root.rglob("*.py") if not {"test", "tests"} & set(p.relative_to(root).parts))
-        if files:
-            found[name] = files
-    return found
 
 
 def eval_source_versions(packages: Sequence[str]) -> dict[str, str]:
     """Import name -> the version of the distribution that provides it (markdown_it: markdown-it-py's;
     a distribution's name is not always its import name), "unknown" where no metadata names it."""
-    from cascade_service.zoo.judged import distribution_version
-
     provided = importlib.metadata.packages_distributions()
     return {name: distribution_version(name, provided) for name in packages}
 

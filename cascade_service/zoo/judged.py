@@ -22,10 +22,53 @@ extra names PyYAML to build its documentation; its code does not use it).
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+# Pure-Python, documented library code that an install of this project always brings along: click (for
+# uvicorn), jinja2 (for torch), packaging (for transformers), tqdm (ours). Missing ones are skipped.
+EVAL_PACKAGES = ("click", "jinja2", "packaging", "tqdm")
+
+
+def eval_package_files(packages: Sequence[str] = EVAL_PACKAGES) -> dict[str, list[Path]]:
+    """Package name -> its *.py files, sorted, for the packages installed here (tests excluded)."""
+    found = {}
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(p for p in root.rglob("*.py") if not {"test", "tests"} & set(p.relative_to(root).parts))
+        if files:
+            found[name] = files
+    return found
+
+
+# The benchmarks' shipped prompt sets (package data of cascade_service.bench, read by path: the zoo's
+# layer does not import the bench's).
+PROMPTS_DIR = Path(__file__).resolve().parents[1] / "bench" / "prompts"
+
+# (package, module file inside it) that bench/prompts/disagree.jsonl is cut from (bench.prompt_sets
+# rebuilds it): permissively licensed (BSD-3 / MIT) code, installed with the service's own dependencies
+# (starlette and uvicorn with the HTTP API, anyio and h11 under them, PyYAML with the configs), two
+# modules each.
+SOURCES = (
+    ("starlette", "routing.py"),
+    ("starlette", "datastructures.py"),
+    ("uvicorn", "config.py"),
+    ("uvicorn", "protocols/http/h11_impl.py"),
+    ("yaml", "emitter.py"),
+    ("yaml", "constructor.py"),
+    ("h11", "_connection.py"),
+    ("h11", "_readers.py"),
+    ("anyio", "_core/_fileio.py"),
+    ("anyio", "streams/memory.py"),
+    ("attr", "_make.py"),
+    ("attr", "validators.py"),
+)
 
 # Distribution names of judged import names that differ from them, for a judged package not installed
 # here (an installed one's distribution is read from its metadata).
@@ -57,8 +100,6 @@ def distribution_version(package: str, provided: Mapping[str, Sequence[str]] | N
 def prompt_set_packages(directory: Path | None = None) -> dict[str, list[str]]:
     """Import name -> the prompt sets under `directory` (the benchmarks' shipped ones) cut from it, from
     each line's "source"; a line without one is an error, since what it was cut from is then unknown."""
-    from cascade_service.bench.prompt_sets import PROMPTS_DIR
-
     root = PROMPTS_DIR if directory is None else directory
     named: dict[str, list[str]] = {}
     for path in sorted(root.glob("*.jsonl")):
@@ -81,9 +122,6 @@ def prompt_set_packages(directory: Path | None = None) -> dict[str, list[str]]:
 
 def judged_packages() -> dict[str, list[str]]:
     """Import name -> where it is named as code a benchmark or report judges on."""
-    from cascade_service.bench.prompt_sets import SOURCES
-    from cascade_service.zoo.evaluate import EVAL_PACKAGES
-
     named: dict[str, list[str]] = {name: ["zoo.evaluate.EVAL_PACKAGES"] for name in EVAL_PACKAGES}
     for name, _ in SOURCES:
         if "bench.prompt_sets.SOURCES" not in named.setdefault(name, []):
@@ -100,8 +138,6 @@ def check_training_packages(
     distributions it depends on, transitively. Raises JudgedCodeError naming every package that is
     judged (`judged`, default `judged_packages()`), depends on a judged one (with the chain), cannot be
     cleared (unknown metadata) or is not installed here."""
-    from cascade_service.zoo.evaluate import eval_package_files
-
     judged = judged_packages() if judged is None else judged
     provided = importlib.metadata.packages_distributions()
     judged_by: dict[str, str] = {}  # canonical distribution name -> the judged import name
