@@ -91,7 +91,7 @@ class EventFormat:
             )
             choice.offset += sum(len(t.text) for t in chunk.logprobs)
         # The chunk's token count rides in `cascade` (with the stats on the last chunk): clients that time
-        # tokens (bench --load --protocols) need it, and OpenAI clients ignore it.
+        # tokens (bench load --protocols) need it, and OpenAI clients ignore it.
         stats = plain(chunk.stats) if chunk.HasField("stats") else {}
         if chunk.HasField("stats"):
             choice.last = chunk.stats

@@ -1,4 +1,4 @@
-"""`cascade-service bench --adaptive`: SpecDec++ stopping against the best fixed draft length.
+"""`cascade-service bench adaptive`: SpecDec++ stopping against the best fixed draft length.
 
 The drafter under test has K, its own K-matrix entry, swept or capped; greedy and exact. Three settings:
 - alone: it drafts for the target (speculative decoding, the paper's setting), K = [[k]];

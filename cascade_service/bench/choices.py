@@ -1,6 +1,6 @@
 """Several choices of one prompt: do they decode together, or one after another?
 
-    python -m cascade_service.bench.choices [--config configs/demo.yaml] [--prompts 4] [--n 4]
+    cascade-service bench choices [--config configs/demo.yaml] [--prompts 4] [--n 4]
         [--new-tokens 64] [--repeats 2]
 
 The standalone gRPC server in this process over the config's cascade, its SDK client on loopback,
@@ -15,23 +15,26 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 from ..api.server import start_server
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
 from ..engine import Engine
 from ..sessions import MemoryStore
+from . import tools
 from .prediction import encoded_prompts
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     engine = Engine(load_config(args.config).cascade)
     server, port = start_server(engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=args.new_tokens)))
     ratios = []
@@ -55,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         server.stop(0)
     print(f"median: {args.n} choices together take {statistics.median(ratios):.2f}x less time than one after another")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.choices`: the same as `cascade-service bench choices`."""
+    return tools.main("choices", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,19 @@
-"""`cascade-service bench`: our engine and transformers' decoders, measured side by side in one process."""
+"""`cascade-service bench`: one subcommand per benchmark.
+
+- `bench methods`, what `bench` with no subcommand runs: our engine and transformers' decoders,
+  measured side by side in one process (`run_methods` here);
+- the harness's other modes, `lossy`, `adaptive`, `load` and `idle` (bench/runs.py);
+- the benchmark tools, a module of this package each (bench/tools.py).
+
+Each subcommand takes only its own flags. The modes were once flags of one command (`bench --load
+...`): `shorthand` still reads that form as the subcommand it now is, and says so on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..extras import require
@@ -19,127 +29,90 @@ from .runs import (
     run_load,
     run_lossy,
 )
+from .tools import TOOLS, add_tools
 
 DEFAULT_SD_KS = "1,2,3,4,5,6,7,8"
+# The modes of the methods table's harness, each with its one line; `methods` first, the default.
+MODES = {
+    "methods": "our cascade and transformers' decoders side by side on the same prompts (the default)",
+    "lossy": "cost-quality curves of the final-verifier rules, each swept over its knob",
+    "adaptive": "SpecDec++ and confidence stopping against fixed draft lengths at one drafter",
+    "load": "concurrent clients against a running service, or servers it starts: latency, throughput",
+    "idle": "idle calls (headers, never a body): what they cost normal requests and health checks",
+}
+SUBCOMMANDS = (*MODES, *(tool.name for tool in TOOLS))
+OLD_FLAGS = {f"--{mode}": mode for mode in MODES if mode != "methods"}  # `bench --load ...` before the subcommands
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type[argparse.ArgumentParser]) -> None:
-    """Register `bench` on the CLI's subparsers.
+    """Register `bench` and its subcommands on the CLI's subparsers.
 
-    parser_class is the CLI's parser class, for nested subcommands (bench has none; `subparsers`
-    already builds parsers of that class).
+    parser_class is the CLI's parser class (cli.parser.Parser), for bench's own subcommands; bench uses
+    its two hooks, `shorthand` (the old mode flags) and `arguments` (a tool's flags, added when it runs).
     """
-    del parser_class
     p = subparsers.add_parser(
         "bench",
-        help="benchmark methods side by side in one process (greedy, exact); "
-        "--lossy: cost-quality curves of the final-verifier rules",
+        help="measure: methods side by side (bench methods, the default) and the other benchmarks, one "
+        "subcommand each (bench --help)",
+        description="Benchmarks, one subcommand each: the methods table and its other modes (methods, lossy, "
+        "adaptive, load, idle), then measurements of the service's parts. `cascade-service bench FLAGS` with "
+        "no subcommand is `bench methods FLAGS`.",
+        shorthand=shorthand,
     )
-    p.add_argument(
-        "--config",
-        help="YAML config naming the target and drafter tiers (with --load: start the "
-        "cascade and plain decoding standalone and compare them)",
+    sub = p.add_subparsers(
+        dest="bench_command", metavar="SUBCOMMAND", required=True, parser_class=parser_class, title="subcommands"
     )
-    p.add_argument("--prompts", help='JSON lines, one {"prompt": "..."} per line (--load: optional)')
+    adders = {"methods": _add_methods, "lossy": _add_lossy, "adaptive": _add_adaptive, "load": _add_load}
+    for mode, line in MODES.items():
+        (adders | {"idle": _add_idle})[mode](sub.add_parser(mode, help=line, description=line))
+    add_tools(sub)
+
+
+def shorthand(argv: list[str]) -> list[str]:
+    """`bench FLAGS` as it ran before the subcommands: `bench methods FLAGS`, or with one old mode flag
+    (`--load`) that mode's subcommand with the other flags (`bench load FLAGS`)."""
+    if not argv or not argv[0].startswith("-") or argv[0] in ("-h", "--help"):
+        return argv  # a subcommand (or a wrong word, which argparse names), or bench's own help
+    old = list(dict.fromkeys(arg for arg in argv if arg in OLD_FLAGS))
+    if len(old) > 1:
+        runs = " or ".join(f"`cascade-service bench {OLD_FLAGS[flag]}`" for flag in old)
+        raise ValueError(f"{' and '.join(old)} are separate benchmarks, now subcommands: run {runs}")
+    if not old:
+        return ["methods", *argv]
+    mode = OLD_FLAGS[old[0]]
+    print(f"cascade-service bench: {old[0]} is now `cascade-service bench {mode}`; running that", file=sys.stderr)
+    return [mode, *(arg for arg in argv if arg != old[0])]
+
+
+def _config_prompts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML config naming the target and drafter tiers")
+    p.add_argument("--prompts", required=True, help='JSON lines, one {"prompt": "..."} per line')
+
+
+def _max_new_tokens(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+
+
+def _out(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--out", required=True, help=f"output directory for {what}")
+
+
+def _add_methods(p: argparse.ArgumentParser) -> None:
+    _config_prompts(p)
     p.add_argument(
         "--methods",
-        help="comma-separated: hf-ar, ar, default, off, hf-assisted:<tier>, hf-prompt-lookup, sd:<tier>, "
+        required=True,
+        help="comma-separated: hf-ar, ar, default, off, hf-assisted:<tier>, hf-prompt-lookup, suffix, sd:<tier>, "
         "csd:<tier>+<tier>... (hf-ar, the reference, and ar, plain decoding through our engine, always run; "
-        "default: the config's cascade under the floor, as generate and serve run it); not with --lossy",
-    )
-    p.add_argument(
-        "--lossy",
-        action="store_true",
-        help="sweep every final-verifier rule over its knob with the config's cascade (writes "
-        "lossy.json and lossy_curves.png)",
-    )
-    p.add_argument(
-        "--rules", help="with --lossy: comma-separated rules (default: all; 'lossy-tuned' is lossy with beta tuned)"
+        "default: the config's cascade under the floor, as generate and serve run it)",
     )
     p.add_argument(
         "--temperature",
         type=float,
         default=None,
-        help="the methods table's sampling temperature (default 0: greedy, every output compared with hf-ar's); "
-        "with --lossy: sampling temperature (default 1.0); with --load: the requests' temperature "
-        "(default: the server's)",
+        help="sampling temperature (default 0: greedy, every output compared with hf-ar's)",
     )
-    p.add_argument("--seeds", default="0,1", help="with --lossy: sampling seeds per prompt")
-    p.add_argument(
-        "--load",
-        action="store_true",
-        help="concurrent clients against a running service (--target; reports server memory too) or "
-        "against the cascade and plain decoding started from --config: latency, throughput, "
-        "errors (writes load.json)",
-    )
-    p.add_argument(
-        "--idle",
-        action="store_true",
-        help="idle calls (headers, never a body) against a running service (--target) or the config's "
-        "cascade served standalone (--config): latency of normal requests and health checks beside "
-        "each --levels count of them (writes idle.json)",
-    )
-    p.add_argument("--levels", default="80,320,800", help="with --idle: comma-separated idle call counts")
-    p.add_argument("--requests", type=int, default=10, help="with --idle: timed requests per level")
-    p.add_argument("--workers", type=int, default=8, help="with --idle --config: calls the server runs at once")
-    p.add_argument("--target", help="with --load or --idle: HOST:PORT of a running service on this machine")
-    p.add_argument(
-        "--protocols",
-        help="with --load --config: 'grpc,http' drives one server through gRPC and through the OpenAI-compatible "
-        "HTTP API side by side, with TTFT and ITL percentiles",
-    )
-    p.add_argument("--concurrency", default="1,4,16", help="with --load: comma-separated client counts")
-    p.add_argument("--duration", type=float, default=20.0, help="with --load: seconds per concurrency level")
-    p.add_argument("--api-key", help="with --load: the API key to send")
-    p.add_argument(
-        "--blocks",
-        type=int,
-        default=1,
-        help="with --load --config: run the sweep this many times; ratios are medians of paired blocks",
-    )
-    p.add_argument(
-        "--modes",
-        default="default,plain",
-        help="with --load --config: what to serve and compare, each against plain at the same load: default "
-        "(what serve runs: the floor over load adaptation), cascade (the K-matrix as configured), "
-        "cascade-adaptive (load adaptation without the floor), off (the default server, every request with "
-        "speculation off), plain (the target alone)",
-    )
-    p.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="SpecDec++ and confidence stopping against fixed draft lengths at one drafter, alone or "
-        "reviewing --reviews (writes adaptive.json)",
-    )
-    p.add_argument("--drafter", help="with --adaptive: the drafter tier (default: the config's last model drafter)")
-    p.add_argument(
-        "--reviews",
-        metavar="TIER",
-        help="with --adaptive: the drafter reviews this smaller tier (SpecDec++ at a reviewing tier)",
-    )
-    p.add_argument(
-        "--under",
-        metavar="TIER",
-        help="with --adaptive: the drafter drafts under this bigger tier, which reviews it "
-        "(SpecDec++ at a tier drafting under a reviewer)",
-    )
-    p.add_argument(
-        "--other-k",
-        type=int,
-        default=2,
-        help="with --reviews: tokens the reviewed tier drafts a round; with --under: tokens the "
-        "reviewer adds to the target's block",
-    )
-    p.add_argument("--head", help="with --adaptive: acceptance head directory (`cascade-service train-head`)")
-    p.add_argument("--max-k", type=int, default=16, help="with --adaptive: the cap on adaptive blocks")
-    p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9", help="with --adaptive: SpecDec++ h values")
-    p.add_argument(
-        "--confidence",
-        default="0.2,0.4,0.6,0.8",
-        help="with --adaptive: confidence h values (not with --reviews: a reviewing tier has no proposal "
-        "distribution to read)",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    _max_new_tokens(p)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts; tokens/s is their median")
     p.add_argument("--sd-k-sweep", default=DEFAULT_SD_KS, help="k values tried for each sd: method")
     p.add_argument(
@@ -150,25 +123,101 @@ def add_bench_command(subparsers: argparse._SubParsersAction, parser_class: type
         help="a config (e.g. from `tune`) whose K-matrix and leniency a csd: method with exactly "
         "its drafters uses; repeatable",
     )
-    p.add_argument("--out", required=True, help="output directory for results.json, results.md and plots")
-    p.set_defaults(run=run_bench_command)
+    _out(p, "results.json, results.md and plots")
+    p.set_defaults(run=run_methods)
 
 
-def run_bench_command(args: argparse.Namespace) -> int:
-    if sum(map(bool, (args.lossy, args.adaptive, args.load, args.idle))) > 1:
-        raise ValueError("--lossy, --adaptive, --load and --idle are separate benchmarks: pick one")
-    if args.load:
-        return run_load(args)
-    if args.idle:
-        return run_idle(args)
-    if not args.config or not args.prompts:
-        raise ValueError("--config and --prompts are required (except with --load)")
-    if args.lossy:
-        return run_lossy(args)
-    if args.adaptive:
-        return run_adaptive(args)
-    if not args.methods:
-        raise ValueError("--methods is required (or --lossy, or --adaptive)")
+def _add_lossy(p: argparse.ArgumentParser) -> None:
+    _config_prompts(p)
+    p.add_argument("--rules", help="comma-separated rules (default: all; 'lossy-tuned' is lossy with beta tuned)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--seeds", default="0,1", help="sampling seeds per prompt")
+    _max_new_tokens(p)
+    _out(p, "lossy.json and lossy_curves.png")
+    p.set_defaults(run=run_lossy)
+
+
+def _add_adaptive(p: argparse.ArgumentParser) -> None:
+    _config_prompts(p)
+    p.add_argument("--drafter", help="the drafter tier (default: the config's last model drafter)")
+    p.add_argument(
+        "--reviews", metavar="TIER", help="the drafter reviews this smaller tier (SpecDec++ at a reviewing tier)"
+    )
+    p.add_argument(
+        "--under",
+        metavar="TIER",
+        help="the drafter drafts under this bigger tier, which reviews it (SpecDec++ at a tier drafting under a "
+        "reviewer)",
+    )
+    p.add_argument(
+        "--other-k",
+        type=int,
+        default=2,
+        help="with --reviews: tokens the reviewed tier drafts a round; with --under: tokens the "
+        "reviewer adds to the target's block",
+    )
+    p.add_argument("--head", help="acceptance head directory (`cascade-service train-head`)")
+    p.add_argument("--max-k", type=int, default=16, help="the cap on adaptive blocks")
+    p.add_argument("--sd-k-sweep", default=DEFAULT_SD_KS, help="the fixed draft lengths compared")
+    p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9", help="SpecDec++ h values")
+    p.add_argument(
+        "--confidence",
+        default="0.2,0.4,0.6,0.8",
+        help="confidence h values (not with --reviews: a reviewing tier has no proposal distribution to read)",
+    )
+    _max_new_tokens(p)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts; tokens/s is their median")
+    _out(p, "adaptive.json")
+    p.set_defaults(run=run_adaptive)
+
+
+def _service(p: argparse.ArgumentParser, config: str) -> None:
+    p.add_argument("--target", help="HOST:PORT of a running service on this machine")
+    p.add_argument("--config", help=f"or a YAML config: {config}")
+    p.add_argument("--api-key", help="with --target: the API key to send")
+
+
+def _add_load(p: argparse.ArgumentParser) -> None:
+    _service(p, "start the cascade and plain decoding standalone and compare them")
+    p.add_argument("--prompts", help='JSON lines, one {"prompt": "..."} per line (default: a built-in set)')
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per concurrency level")
+    p.add_argument("--temperature", type=float, default=None, help="the requests' temperature (default: the server's)")
+    _max_new_tokens(p)
+    p.add_argument(
+        "--modes",
+        default="default,plain",
+        help="with --config: what to serve and compare, each against plain at the same load: default "
+        "(what serve runs: the floor over load adaptation), cascade (the K-matrix as configured), "
+        "cascade-adaptive (load adaptation without the floor), off (the default server, every request with "
+        "speculation off), plain (the target alone)",
+    )
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=1,
+        help="with --config: run the sweep this many times; ratios are medians of paired blocks",
+    )
+    p.add_argument(
+        "--protocols",
+        help="with --config: 'grpc,http' drives one server through gRPC and through the OpenAI-compatible "
+        "HTTP API side by side, with TTFT and ITL percentiles",
+    )
+    _out(p, "load.json")
+    p.set_defaults(run=run_load)
+
+
+def _add_idle(p: argparse.ArgumentParser) -> None:
+    _service(p, "serve its cascade standalone")
+    p.add_argument("--workers", type=int, default=8, help="with --config: calls the server runs at once")
+    p.add_argument("--levels", default="80,320,800", help="comma-separated idle call counts")
+    p.add_argument("--requests", type=int, default=10, help="timed requests per level")
+    _max_new_tokens(p)
+    _out(p, "idle.json")
+    p.set_defaults(run=run_idle)
+
+
+def run_methods(args: argparse.Namespace) -> int:
     # Heavy imports (torch, transformers, matplotlib) only once the command actually runs.
     from ..config import load_config
     from .harness import run_bench, summarize

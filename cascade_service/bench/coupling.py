@@ -1,6 +1,6 @@
 """What keyed draws cost in acceptance: the Gumbel coupling against speculative sampling's maximal one.
 
-    python -m cascade_service.bench.coupling --config configs/demo.yaml \
+    cascade-service bench coupling --config configs/demo.yaml \
         --prompts cascade_service/bench/prompts/disagree.jsonl [--temperatures 0.7,1] [--positions 256] [--draws 128]
 
 A lossless sampled request draws each position's token as the race winner under noise keyed by (seed,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Sequence
 
 import torch
 
@@ -26,6 +27,7 @@ from ..core.sampling import SamplingParams
 from ..models.hf import HFModel, load_tokenizer
 from ..prompts import read_prompts
 from ..runtime.core import EngineCore
+from . import tools
 
 
 def agreement(p: torch.Tensor, q: torch.Tensor, draws: int, generator: torch.Generator) -> tuple[float, float]:
@@ -56,14 +58,15 @@ def measure(
     return sum(maximal) / total, sum(race) / total, total
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a cascade config (its target and model drafters)")
     parser.add_argument("--prompts", required=True, help='JSON lines of {"prompt": ...}, text the family never saw')
     parser.add_argument("--temperatures", default="0.7,1", help="comma-separated temperatures (> 0)")
     parser.add_argument("--positions", type=int, default=256, help="positions read from each prompt (its first)")
     parser.add_argument("--draws", type=int, default=128, help="noise draws a position for the race's agreement")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     config = load_config(args.config).cascade
     tokenizer = load_tokenizer(config.target.path)
@@ -90,7 +93,13 @@ def main(argv: list[str] | None = None) -> None:
                 )
     finally:
         core.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.coupling`: the same as `cascade-service bench coupling`."""
+    return tools.main("coupling", argv, add_arguments, run)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,11 +1,11 @@
-"""The floor's settings side by side: `python -m cascade_service.bench.floor_settings`.
+"""The floor's settings side by side: `cascade-service bench floor-settings`.
 
 Each variant of `FloorSettings` gets a coordinator of its own (its own evidence) over one engine, and
 every prompt runs under each in turn, beside `ar` (the target alone) and the K-matrix every round, in
 one process: tokens/s over `ar` as the median of the repeats' ratios, and the share of rounds that
 drafted. What docs/benchmarks.md "A floor under the speedup" chose the defaults by.
 
-    python -m cascade_service.bench.floor_settings --config configs/demo.yaml --prompts P \\
+    cascade-service bench floor-settings --config configs/demo.yaml --prompts P \\
         --variants '{"defaults": {}, "tight": {"epsilon": 0.01, "credit": 1.0}}' [--temperature 1]
 """
 
@@ -22,17 +22,19 @@ from ..engine import Engine
 from ..prompts import read_prompts
 from ..scheduling.floor import FloorSettings, floor_policies
 from ..sessions import MemoryStore
+from . import tools
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--variants", default='{"defaults": {}}', help="JSON: name -> FloorSettings fields")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     engine = Engine(load_config(args.config).cascade)
     prompts = [engine.encode(p) for p in read_prompts(args.prompts)]
     runs = {
@@ -72,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"rounds that drafted {drafted[name] / max(rounds[name], 1):.0%}"
         )
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.floor_settings`: the same as `cascade-service bench floor-settings`."""
+    return tools.main("floor_settings", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -254,22 +254,22 @@ def steps(device: str, s: Settings, root: Path, work: Path, out: Path) -> tuple[
     bench_config = with_device(root / "configs" / "bench-quality.yaml", device, work / "bench-quality.yaml")
     eager_config = with_device(root / "configs" / "bench-quality.yaml", device, work / "eager.yaml", graphs="off")
     load_config = with_device(root / "configs" / "demo.yaml", device, work / "demo.yaml")
+    methods = [*cli, "methods", "--prompts", str(prompts), "--max-new-tokens", str(s.max_new_tokens)]
+    methods += ["--repeats", str(s.repeats)]
     bench = Step(
         "bench",
-        [*cli, "--config", str(bench_config), "--tuned", "configs/demo.yaml", "--prompts", str(prompts)]
-        + ["--methods", ",".join(METHODS), "--max-new-tokens", str(s.max_new_tokens), "--repeats", str(s.repeats)]
+        [*methods, "--config", str(bench_config), "--tuned", "configs/demo.yaml", "--methods", ",".join(METHODS)]
         + ["--sd-k-sweep", s.sd_ks, "--out", str(work / "bench")],
         out / "bench.log",
     )
     eager = Step(
         "bench-eager",
-        [*cli, "--config", str(eager_config), "--prompts", str(prompts), "--methods", ",".join(EAGER_METHODS)]
-        + ["--max-new-tokens", str(s.max_new_tokens), "--repeats", str(s.repeats), "--out", str(work / "eager")],
+        [*methods, "--config", str(eager_config), "--methods", ",".join(EAGER_METHODS), "--out", str(work / "eager")],
         out / "eager.log",
     )
     load = Step(
         "load",
-        [*cli, "--load", "--config", str(load_config), "--modes", f"{LOAD_MODE},plain"]
+        [*cli, "load", "--config", str(load_config), "--modes", f"{LOAD_MODE},plain"]
         + ["--concurrency", ",".join(map(str, STREAMS)), "--duration", str(s.load_s)]
         + ["--max-new-tokens", str(s.max_new_tokens), "--out", str(work / "load")],
         out / "load.log",

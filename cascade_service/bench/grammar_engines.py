@@ -1,7 +1,7 @@
 """Which grammar engine: llguidance (the one core.grammar uses), xgrammar and outlines-core, side by side.
 
     pip install xgrammar apache-tvm-ffi outlines-core   # not dependencies: only this comparison needs them
-    python -m cascade_service.bench.grammar_engines [--config configs/demo.yaml] [--schemas 50]
+    cascade-service bench grammar-engines [--config configs/demo.yaml] [--schemas 50]
 
 On bench.structured's generated JSON schemas and the config's target tokenizer: each engine's time to
 compile a schema (to a matcher whose first mask is computed), and its time per token to compute a mask
@@ -17,16 +17,23 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..config import load_config
 from ..core.grammar import WHITESPACE
+from . import tools
 from .structured import schemas
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--schemas", type=int, default=50)
+
+
+def run(args: argparse.Namespace) -> int:
     import llguidance
     import llguidance.hf
     import xgrammar as xgr  # type: ignore[import-not-found]
@@ -34,10 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     from outlines_core.json_schema import build_regex_from_schema  # type: ignore[import-not-found]
     from transformers import AutoTokenizer
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/demo.yaml")
-    parser.add_argument("--schemas", type=int, default=50)
-    args = parser.parse_args(argv)
     tok: Any = AutoTokenizer.from_pretrained(load_config(args.config).cascade.target.path)
     size = len(tok)
     llg_tokenizer = llguidance.hf.from_tokenizer(tok)
@@ -108,6 +111,11 @@ def _per_token(walk: list[int], step: Any) -> float:
     for token in walk:
         step(token)
     return (time.perf_counter() - start) / max(1, len(walk))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.grammar_engines`: the same as `cascade-service bench grammar-engines`."""
+    return tools.main("grammar_engines", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

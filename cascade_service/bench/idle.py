@@ -1,4 +1,4 @@
-"""`cascade-service bench --idle`: how many idle calls a service holds while serving normal requests.
+"""`cascade-service bench idle`: how many idle calls a service holds while serving normal requests.
 
 An idle call sends its headers and never a body: a slow or hostile client. Per level of idle calls
 (opened first, over connections of 50 streams each, all still open when the level is measured), the

@@ -1,36 +1,39 @@
 """What a batched pass costs with each KV storage: a pool read in place against caches packed per pass.
 
-    python -m cascade_service.bench.kv [--config configs/demo.yaml] [--rows 1,4,16,64] [--context 64,256]
+    cascade-service bench kv [--config configs/demo.yaml] [--rows 1,4,16,64] [--context 64,256]
 
 For every model tier of the config, loads it once per storage (`kv: pool`, `kv: dynamic`,
 models.kvpool) and prints the median seconds of one pass that feeds one token to each of R requests
 with C cached positions (`models.hf.pass_time_s`), the two side by side with their ratio, and the
-pool's size afterwards. Throughput under concurrent clients is `cascade-service bench --load`, run once
+pool's size afterwards. Throughput under concurrent clients is `cascade-service bench load`, run once
 per storage (docs/benchmarks.md "KV storage").
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from ..config import ModelTierConfig, load_config
 from ..models.hf import pass_time_s
 from ..runtime.core import EngineCore
+from . import tools
 
 
 def _ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--rows", default="1,4,16,64", help="requests per pass")
     parser.add_argument("--context", default="64,256", help="cached positions per request")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the demo's serving runs 1)")
     parser.add_argument("--tokens", type=int, default=1, help="new tokens per row (a prompt's or a turn's prefill)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -52,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r:>6} {dyn * 1e3:>10.3f} {pool * 1e3:>10.3f} {dyn / pool:>7.2f}x {alone:>11.2f}x")
         print(f"pool of {tier.name}: {models['pool'].kv_pool.nbytes / 2**20:.1f} MiB after the largest pass")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.kv`: the same as `cascade-service bench kv`."""
+    return tools.main("kv", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

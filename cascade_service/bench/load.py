@@ -1,4 +1,4 @@
-"""`cascade-service bench --load`: concurrent clients against a running service on loopback.
+"""`cascade-service bench load`: concurrent clients against a running service on loopback.
 
 N client threads (one gRPC channel each) send Generate requests back to back for S seconds, per
 concurrency level. Per level: completed requests, tokens/s over the level's wall time, p50 / p99

@@ -1,6 +1,6 @@
 """Short requests beside one long one: what a long prompt and a long stream cost everybody else.
 
-    python -m cascade_service.bench.long_request [--model DIR] [--short 16] [--long-prompt 3500]
+    cascade-service bench long-request [--model DIR] [--short 16] [--long-prompt 3500]
         [--prefill-chunks 0,64] [--turns fair,oldest] [--repeats 3]
 
 Plain greedy decoding of one model with continuous batching, in this process. Three conditions,
@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -39,13 +40,13 @@ from ..engine import Engine
 from ..paths import zoo_dir
 from ..scheduling.batcher import PREFILL_CHUNK
 from ..zoo.tiny import build_family, random_prompts
+from . import tools
 
 CONDITIONS = ("alone", "prefill", "decode")
 TURNS = {"fair": True, "oldest": False}  # --turns: ForwardBatcher.FAIR
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         help="model directory (default: the demo zoo's large model if built, else the tiny random llama target)",
@@ -67,18 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared CPU)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     chunks = [int(c) for c in args.prefill_chunks.split(",")]
     turns = args.turns.split(",")
     if unknown := set(turns) - set(TURNS):
-        parser.error(f"--turns: unknown {sorted(unknown)}; choose from {sorted(TURNS)}")
+        raise ValueError(f"--turns: unknown {sorted(unknown)}; choose from {sorted(TURNS)}")
     torch.set_num_threads(args.threads)
     engine = _engine(args.model)
     batcher = engine.target.batcher
     assert batcher is not None
     limit = getattr(engine.local_target().config, "max_position_embeddings", None) or 2048
     if args.long_prompt + 16 > limit:
-        parser.error(f"--long-prompt must leave room to stream below the model's {limit} positions")
+        raise ValueError(f"--long-prompt must leave room to stream below the model's {limit} positions")
     vocab = engine.target.vocab_size
     shorts = random_prompts(args.short, args.short_prompt, vocab, seed=1)
     long_prompt = random_prompts(1, args.long_prompt, vocab, seed=2)[0]
@@ -246,6 +249,11 @@ class _PeakRss:
 def _rss() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident pages
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.long_request`: the same as `cascade-service bench long-request`."""
+    return tools.main("long_request", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`cascade-service bench --lossy`: cost-quality curves of the final-verifier rules over their knobs.
+"""`cascade-service bench lossy`: cost-quality curves of the final-verifier rules over their knobs.
 
 For every rule and knob value the same cascade decodes the same held-out prompts with the same seeds.
 Cost: target calls per token and tokens/s. Quality, from core.verify's exact per-position accounting

@@ -1,6 +1,6 @@
 """How much a verification row adds to a shared pass: one model's pool passes timed side by side.
 
-    python -m cascade_service.bench.mixedpass MODEL_DIR [--context 500] [--rows 16] [--k 6] [--repeats 5]
+    cascade-service bench mixedpass MODEL_DIR [--context 500] [--rows 16] [--k 6] [--repeats 5]
 
 Four ways to run `rows` requests' next step when one of them verifies k drafts (k + 1 tokens) and the
 others decode one token each, over caches of `context` positions: `plain` (every row one token: the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -23,6 +24,7 @@ from ..models.kvpool import PagedCache
 from ..models.poolpass import forward_rows
 from ..runtime.core import EngineCore
 from ..scheduling.batcher import Pass
+from . import tools
 
 WAYS = ("plain", "ragged-mixed", "padded-mixed", "split")
 
@@ -66,14 +68,15 @@ def measure(model: HFModel, context: int, rows: int, k: int, repeats: int) -> di
     return {way: statistics.median([timed(way) for _ in range(repeats + 1)][1:]) for way in WAYS}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a model folder (from_pretrained), e.g. a fetched family's 1.5b")
     parser.add_argument("--context", type=int, default=500, help="cached positions per row")
     parser.add_argument("--rows", type=int, default=16, help="rows in the pass, the verifying one included")
     parser.add_argument("--k", type=int, default=6, help="drafts the verifying row checks (k + 1 tokens)")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     # Loaded by an engine core and timed on its loop's thread, as a server runs its passes (the
     # loop's OpenMP team; another thread's would be a second team on the same cores).
     core = EngineCore()
@@ -86,7 +89,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.model}: context {args.context}, {args.rows} rows, a verification of {args.k + 1} tokens: "
         + ", ".join(f"{way} {seconds * 1e3:.1f} ms" for way, seconds in got.items())
     )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.mixedpass`: the same as `cascade-service bench mixedpass`."""
+    return tools.main("mixedpass", argv, add_arguments, run)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Predicted outputs: how much faster a request decodes when the client sends the output it expects.
 
-    python -m cascade_service.bench.prediction [--config configs/demo.yaml] [--prompts 6]
+    cascade-service bench prediction [--config configs/demo.yaml] [--prompts 6]
         [--prompt-tokens 200] [--new-tokens 256] [--edit-share 0.05] [--repeats 3]
 
 In process, greedy, on code the zoo never trained on (the installed click, jinja2, packaging and tqdm
@@ -19,25 +19,28 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import GenerationConfig, load_config
 from ..core.prediction import PREDICTION, prediction_ids
 from ..engine import Engine
 from ..zoo.evaluate import eval_package_files
+from . import tools
 
 CONDITIONS = ("none", "exact", "edited")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--edit-share", type=float, default=0.05, help="share of the output's lines changed")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     engine = Engine(load_config(args.config).cascade)
     plain = GenerationConfig(max_new_tokens=args.new_tokens)
     ratios: dict[str, list[float]] = {c: [] for c in CONDITIONS[1:]}
@@ -106,6 +109,11 @@ def _counts(stats) -> str:
     review = stats.reviews.get(stats.target)
     accepted, rejected = review.kept(PREDICTION) if review is not None else (0, 0)
     return f"{accepted}/{rejected}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.prediction`: the same as `cascade-service bench prediction`."""
+    return tools.main("prediction", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

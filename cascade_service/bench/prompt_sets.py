@@ -14,7 +14,7 @@ own prompts); that is what a floor under the speedup was first judged on.
 Never used to tune anything.
 
 Rebuild (the same packages installed; the file is committed, so every machine benchmarks the same text):
-    python -m cascade_service.bench.prompt_sets --out cascade_service/bench/prompts/disagree.jsonl
+    cascade-service bench prompt-sets --out cascade_service/bench/prompts/disagree.jsonl
 """
 
 from __future__ import annotations
@@ -25,26 +25,12 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-PROMPTS_DIR = Path(__file__).parent / "prompts"
-DISAGREE = PROMPTS_DIR / "disagree.jsonl"
+from ..zoo.judged import PROMPTS_DIR, SOURCES
+from . import tools
 
-# (package, module file inside it): permissively licensed (BSD-3 / MIT) code, installed with the
-# service's own dependencies (starlette and uvicorn with the HTTP API, anyio and h11 under them, PyYAML
-# with the configs), two modules each.
-SOURCES = (
-    ("starlette", "routing.py"),
-    ("starlette", "datastructures.py"),
-    ("uvicorn", "config.py"),
-    ("uvicorn", "protocols/http/h11_impl.py"),
-    ("yaml", "emitter.py"),
-    ("yaml", "constructor.py"),
-    ("h11", "_connection.py"),
-    ("h11", "_readers.py"),
-    ("anyio", "_core/_fileio.py"),
-    ("anyio", "streams/memory.py"),
-    ("attr", "_make.py"),
-    ("attr", "validators.py"),
-)
+# The shipped prompt sets' folder and the sources disagree.jsonl is cut from live with the list of judged
+# code (zoo/judged.py), which the zoo's builders check their training packages against.
+DISAGREE = PROMPTS_DIR / "disagree.jsonl"
 MIN_TOKENS, MAX_TOKENS = 400, 700
 
 
@@ -84,18 +70,24 @@ def build(count_tokens: Callable[[str], int], sources: Sequence[tuple[str, str]]
     return prompts
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=str(DISAGREE))
+
+
+def run(args: argparse.Namespace) -> int:
     from ..models.hf import load_tokenizer
     from ..zoo.shipped import shipped_zoo
 
-    parser = argparse.ArgumentParser(description="Rebuild the shipped prompt set where drafts disagree.")
-    parser.add_argument("--out", default=str(DISAGREE))
-    args = parser.parse_args(argv)
     tokenizer = load_tokenizer(shipped_zoo()["large"])
     prompts = build(lambda text: len(tokenizer(text).input_ids))
     Path(args.out).write_text("".join(json.dumps(p) + "\n" for p in prompts))
     print(f"{len(prompts)} prompts, {min(p['tokens'] for p in prompts)}-{max(p['tokens'] for p in prompts)} tokens")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.prompt_sets`: the same as `cascade-service bench prompt-sets`."""
+    return tools.main("prompt_sets", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`bench --load --config C --protocols grpc,http`: the same server under load through gRPC and through
+"""`bench load --config C --protocols grpc,http`: the same server under load through gRPC and through
 the OpenAI-compatible HTTP API, side by side, with time to first token and inter-token latency.
 
 One standalone server process (`serve --frontend standalone --http-port 0`) serves both; each level

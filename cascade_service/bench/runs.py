@@ -1,5 +1,5 @@
-"""`cascade-service bench` modes other than the methods table (--lossy, --load, --idle, --adaptive), and
-the helpers every mode shares: argument lists, ranges, the command line and the machine it ran on."""
+"""`cascade-service bench` modes other than the methods table (`bench lossy`, `load`, `idle`, `adaptive`),
+and the helpers every mode shares: argument lists, ranges, the command line and the machine it ran on."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ def run_lossy(args: argparse.Namespace) -> int:
     from ..prompts import read_prompts
     from . import lossy
 
-    if args.methods:
-        raise ValueError("--methods goes without --lossy")
     check_range(args.max_new_tokens, "--max-new-tokens", 1, 1_000_000)
     args.temperature = 1.0 if args.temperature is None else args.temperature
     check_temperature_arg(args.temperature)
@@ -35,7 +33,7 @@ def run_lossy(args: argparse.Namespace) -> int:
         [
             "cascade-service",
             "bench",
-            "--lossy",
+            "lossy",
             "--config",
             args.config,
             "--prompts",
@@ -62,7 +60,7 @@ def run_load(args: argparse.Namespace) -> int:
 
     if bool(args.target) == bool(args.config):
         raise ValueError(
-            "--load needs either --target HOST:PORT of a running service or --config PATH "
+            "bench load needs either --target HOST:PORT of a running service or --config PATH "
             "(then it starts the cascade and plain decoding itself and compares them)"
         )
     concurrencies = int_list(args.concurrency, "--concurrency")
@@ -78,7 +76,7 @@ def run_load(args: argparse.Namespace) -> int:
         [
             "cascade-service",
             "bench",
-            "--load",
+            "load",
             *source,
             "--concurrency",
             args.concurrency,
@@ -146,7 +144,7 @@ def run_idle(args: argparse.Namespace) -> int:
     from . import idle, load
 
     if bool(args.target) == bool(args.config):
-        raise ValueError("--idle needs either --target HOST:PORT of a running service or --config PATH")
+        raise ValueError("bench idle needs either --target HOST:PORT of a running service or --config PATH")
     levels = int_list(args.levels, "--levels", hi=10_000)
     check_range(args.requests, "--requests", 1, 10_000)
     check_range(args.workers, "--workers", 1, 1024)
@@ -157,7 +155,7 @@ def run_idle(args: argparse.Namespace) -> int:
         [
             "cascade-service",
             "bench",
-            "--idle",
+            "idle",
             *source,
             "--levels",
             args.levels,
@@ -189,8 +187,6 @@ def run_adaptive(args: argparse.Namespace) -> int:
     from ..prompts import read_prompts
     from . import adaptive
 
-    if args.methods:
-        raise ValueError("--methods goes without --adaptive")
     check_range(args.max_new_tokens, "--max-new-tokens", 1, 1_000_000)
     check_range(args.repeats, "--repeats", 1, 1000)
     check_range(args.max_k, "--max-k", 1, 256)
@@ -225,7 +221,7 @@ def run_adaptive(args: argparse.Namespace) -> int:
         [
             "cascade-service",
             "bench",
-            "--adaptive",
+            "adaptive",
             "--config",
             args.config,
             "--prompts",
@@ -286,6 +282,7 @@ def command_line(args: argparse.Namespace) -> str:
     argv = [
         "cascade-service",
         "bench",
+        "methods",
         "--config",
         args.config,
         "--prompts",

@@ -1,6 +1,6 @@
 """Where the service's time goes: per-tier time in-process vs through the service, per hop.
 
-    python -m cascade_service.bench.service_overhead [--layout embedded|separate|colocated] \
+    cascade-service bench service-overhead [--layout embedded|separate|colocated] \
         [--prompts 6] [--max-new-tokens 64]
 
 Runs the demo zoo's cascade in-process and through a local service (`serving.app.LocalService`),
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
@@ -21,10 +22,10 @@ from ..paths import zoo_dir
 from ..prompts import read_prompts
 from ..zoo.build import build_zoo
 from ..zoo.demo import demo_config
+from . import tools
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layout",
         default="separate",
@@ -33,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     from ..serving.local import LocalService
 
     path = demo_config("demo", args.layout)
@@ -93,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             f"p90 {1000 * floor[int(0.9 * len(floor))]:.1f} ms"
         )
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.service_overhead`: the same as `cascade-service bench service-overhead`."""
+    return tools.main("service_overhead", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

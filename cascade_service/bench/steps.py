@@ -2,7 +2,7 @@
 by side in one run: one row, 1 and 4 new tokens (a step and a review of 3 drafts), at two context
 lengths; medians of `repeats` passes after two warm-ups.
 
-    python -m cascade_service.bench.steps --config configs/demo.yaml [--modes off,eager] [--device cpu]
+    cascade-service bench steps --config configs/demo.yaml [--modes off,eager] [--device cpu]
 
 On the CPU this prices `graphs: eager` (the fixed shapes without capture) against the default; on cuda
 `auto` (CUDA graphs) against `off`.
@@ -20,6 +20,7 @@ from ..config import ModelTierConfig, load_config
 from ..models.hf import pass_time_s
 from ..models.staticpass import WARM_ROWS
 from ..runtime.core import EngineCore
+from . import tools
 
 CONTEXTS = (64, 512)
 TOKENS = (1, 4)
@@ -39,18 +40,24 @@ def step_table(tiers: Sequence[ModelTierConfig], modes: Sequence[str], device: s
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--modes", default="off,eager", help="graphs modes, comma-separated (auto, eager, off)")
     parser.add_argument("--device", default=None, help="every tier's device (default: the config's)")
     parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     config = load_config(args.config).cascade
     tiers = [t for t in (config.target, *config.drafters) if isinstance(t, ModelTierConfig) and not t.remote]
     with torch.inference_mode():
         print(step_table(tiers, args.modes.split(","), args.device or tiers[0].device, args.repeats), end="")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.steps`: the same as `cascade-service bench steps`."""
+    return tools.main("steps", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Structured output: does every output follow its JSON schema, and what does the grammar cost?
 
-    python -m cascade_service.bench.structured [--config configs/demo.yaml] [--schemas 50]
+    cascade-service bench structured [--config configs/demo.yaml] [--schemas 50]
         [--max-new-tokens 160] [--whitespace compact|spaced|free]
 
 In process, greedy. `--schemas` JSON schemas generated here (objects of 1 to 4 properties drawn from
@@ -20,6 +20,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import GenerationConfig, load_config
@@ -27,17 +28,19 @@ from ..core import grammar
 from ..core.grammar import ResponseFormat
 from ..engine import Engine
 from ..zoo.evaluate import eval_package_files
+from . import tools
 
 
-def main(argv: list[str] | None = None) -> int:
-    import jsonschema  # type: ignore[import-untyped]  # a checker for the benchmark, not the service's dependency
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--schemas", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--whitespace", choices=list(grammar.WHITESPACE), default=grammar.DEFAULT_WHITESPACE)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    import jsonschema  # type: ignore[import-untyped]  # a checker for the benchmark, not the service's dependency
+
     engine = Engine(load_config(args.config).cascade)
     spent = _time_the_grammar()
     prompts = _prompts(engine, args.schemas)
@@ -134,6 +137,11 @@ def _time_the_grammar() -> list[float]:
 
         setattr(grammar.GrammarMask, name, timed)
     return spent
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.structured`: the same as `cascade-service bench structured`."""
+    return tools.main("structured", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tier transports side by side on the demo config: in-process, Ray handles, gRPC between tiers.
 
-    python -m cascade_service.bench.transport [--prompts 6] [--max-new-tokens 64] [--calls 300]
+    cascade-service bench transport [--prompts 6] [--max-new-tokens 64] [--calls 300]
 
 1. Per call: a tier call that runs no forward pass (a draft of 0 tokens after a real context) to the
    target tier, `--calls` times each way, alternated in blocks: the Tier protocol in this process; the
@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -43,18 +43,19 @@ from ..transport.client import TierReplicas
 from ..transport.remote import RemoteTier
 from ..zoo.build import build_zoo
 from ..zoo.demo import demo_config
+from . import tools
 
 CALL_TIER = "large"  # the target: a plain model tier on every transport
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--calls", type=int, default=300, help="per-call timings per transport")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray app's two runs")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     path = demo_config("demo", "separate")
     config = load_config(path)
     model_tiers = [t.name for t in config.cascade.tiers if t.name != "mag"]
@@ -214,6 +215,11 @@ def _timed(engine: Engine, prompt: list[int], gen: GenerationConfig, rates: list
     result = engine.generate(prompt, gen)
     rates.append(len(result.token_ids) / (time.perf_counter() - start))
     return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.bench.transport`: the same as `cascade-service bench transport`."""
+    return tools.main("transport", argv, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from ..config import ConfigError
 from ..extras import MissingExtra
@@ -18,7 +20,7 @@ from .tier import add_tier_command
 
 
 def _add_zoo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("zoo", help="build the model zoo (offline)")
+    p = sub.add_parser("zoo", help="build, lengthen, measure and ship model families (offline)")
     zoo_sub = p.add_subparsers(dest="zoo_command", required=True, parser_class=Parser)
     build = zoo_sub.add_parser("build", help="build a model family into $CASCADE_SERVICE_HOME/zoo/<preset>")
     build.add_argument(
@@ -38,6 +40,29 @@ def _add_zoo(sub: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--prompts", help="JSON lines of prompts (default: the zoo's own prompts.jsonl)")
     evaluate.add_argument("--out", help="also write the report here as JSON")
     evaluate.set_defaults(run=_run_zoo_evaluate)
+    for name, (module, line) in ZOO_TOOLS.items():
+        zoo_sub.add_parser(name, help=line, description=line, arguments=partial(_zoo_tool, module))
+
+
+# zoo subcommands with a module of their own (add_arguments, run; `python -m cascade_service.zoo.<module>`
+# runs it too): name -> (module, its HELP). Imported when the subcommand parses: they import torch.
+ZOO_TOOLS = {
+    "lengthen": (
+        "lengthen",
+        "lengthen a built family into a directory: large trained on longer windows, its drafters distilled again",
+    ),
+    "acceptance": (
+        "acceptance",
+        "how well a drafter agrees with its target on prompts of your choosing, as distill reports it, no training",
+    ),
+    "ship": ("shipped", "ship a built zoo with the package: copy it into zoo/families/<name> and write its manifest"),
+}
+
+
+def _zoo_tool(module: str, parser: argparse.ArgumentParser) -> None:
+    tool = importlib.import_module(f"cascade_service.zoo.{module}")
+    tool.add_arguments(parser)
+    parser.set_defaults(run=tool.run)
 
 
 def _run_zoo_evaluate(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """A batched pass over requests that each keep a `DynamicCache` (`kv: dynamic`): pack, run, unpack.
 
 The storage before `models.kvpool` (`kv: pool`, the default), kept for models and setups the pool does
-not serve and to measure one against the other (`python -m cascade_service.bench.kv`).
+not serve and to measure one against the other (`cascade-service bench kv`).
 
 A batched pass over ragged requests: row i has L_i cached tokens and s_i new ones.
     past   left-padded to L = max L_i: [pad x (L - L_i)] [cache_i]   (pads masked out)

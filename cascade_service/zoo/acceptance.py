@@ -1,7 +1,7 @@
 """How well a drafter agrees with its target on given prompts, measured as `distill`'s report does
 (acceptance by draft position along the target's greedy continuations, agreement by context position),
-without training anything: `python -m cascade_service.zoo.acceptance --target DIR --drafter DIR
---prompts SRC [SRC ...]`, one JSON line per source.
+without training anything: `cascade-service zoo acceptance --target DIR --drafter DIR --prompts SRC
+[SRC ...]`, one JSON line per source.
 
 For a drafter already made (shipped, distilled, or a family's own), on text of the user's choosing:
 the check behind "the drafters agree where it matters" on code or prose a family never trained on.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..models.hf import load_tokenizer
@@ -38,18 +39,29 @@ def acceptance(target_dir: Path, drafter_dir: Path, source: Path, settings: Sett
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="a drafter's acceptance under its target, on given prompts")
+HELP = "how well a drafter agrees with its target on prompts of your choosing, as distill reports it, no training"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="the reviewing model's directory")
     parser.add_argument("--drafter", required=True, help="the drafter's directory")
     parser.add_argument("--prompts", required=True, nargs="+", help="JSON-lines files or folders, as distill's")
     parser.add_argument("--threads", type=int, default=Settings.threads)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     settings = Settings(threads=args.threads)
     for source in args.prompts:
         report = acceptance(Path(args.target), Path(args.drafter), Path(source), settings)
         print(json.dumps(report), flush=True)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.zoo.acceptance`: the same as `cascade-service zoo acceptance`."""
+    parser = argparse.ArgumentParser(prog="python -m cascade_service.zoo.acceptance", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ position on the held-out evaluation packages, before and after) goes into the fa
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -234,21 +236,30 @@ def _portable(report: dict) -> dict:
     return {k: v for k, v in report.items() if k not in ("target", "start", "prompts")}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m cascade_service.zoo.lengthen --source DIR --out OUT`: the second stage alone, on a
-    family already in DIR (`zoo build --preset quality` runs both stages, the first one's too)."""
-    import argparse
+HELP = "lengthen a built family into a directory: large trained on longer windows, its drafters distilled again"
 
-    from cascade_service.zoo.shipped import zoo_paths
 
-    parser = argparse.ArgumentParser(description="lengthen a family (zoo/lengthen.py) into a directory")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="quality", choices=sorted(LONG_PRESETS))
     parser.add_argument("--source", required=True, help="the source family's directory (a built or shipped zoo)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The second stage alone, on a family already in --source (`zoo build --preset quality` runs both
+    stages, the first one's too)."""
+    from cascade_service.zoo.shipped import zoo_paths
+
     paths = build_long(args.preset, args.out, zoo_paths(Path(args.source)))  # prints the report
     print(paths["report"])
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.zoo.lengthen`: the same as `cascade-service zoo lengthen`."""
+    parser = argparse.ArgumentParser(prog="python -m cascade_service.zoo.lengthen", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ A shipped family is a zoo as `zoo build` writes it (large/, base/, small/ as Hug
 in safetensors, float32, exactly as trained; bigram.json; prompts; report.json) plus `MANIFEST.json`:
 every file's size and SHA-256, and the recipe (preset and builder version) that made it. Loading
 checks the manifest, so a truncated checkout or a file changed by hand fails at once with the file's
-name, never as a strange model. `python -m cascade_service.zoo.shipped DIR` copies a built zoo in and
-writes the manifest.
+name, never as a strange model. `cascade-service zoo ship DIR` copies a built zoo in and writes the
+manifest.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import hashlib
 import json
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..paths import families
@@ -110,15 +111,26 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="ship a built zoo with the package (writes its manifest)")
+HELP = "ship a built zoo with the package: copy it into zoo/families/<name> and write its manifest"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("built", help="the built zoo's directory, e.g. $CASCADE_SERVICE_HOME/zoo/quality")
-    parser.add_argument("--name", default=SHIPPED)
-    args = parser.parse_args(argv)
+    parser.add_argument("--name", default=SHIPPED, help=f"the family's name in the package (default {SHIPPED})")
+
+
+def run(args: argparse.Namespace) -> int:
     root = ship(Path(args.built), args.name)
     size = sum(p.stat().st_size for p in _files(root))
     print(f"shipped {args.built} as {root} ({size / 1e6:.1f} MB)", file=sys.stderr)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cascade_service.zoo.shipped`: the same as `cascade-service zoo ship`."""
+    parser = argparse.ArgumentParser(prog="python -m cascade_service.zoo.shipped", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import yaml
 
 from cascade_service.bench.cli import add_bench_command
+from cascade_service.cli.parser import Parser
 
 PROMPTS = [
     "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
@@ -17,10 +17,16 @@ PROMPTS = [
 ]
 
 
+def bench_parser() -> Parser:
+    """`cascade-service` with `bench` alone: the CLI's parser class, whose hooks bench uses."""
+    parser = Parser(prog="cascade-service")
+    add_bench_command(parser.add_subparsers(dest="command", required=True, parser_class=Parser), Parser)
+    return parser
+
+
 def run_bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="cascade-service")
-    add_bench_command(parser.add_subparsers(dest="command", required=True), argparse.ArgumentParser)
-    args = parser.parse_args(["bench", *argv])
+    """`cascade-service bench ARGV`: a subcommand (`methods`, `load`, ...) first, or the old flags."""
+    args = bench_parser().parse_args(["bench", *argv])
     return args.run(args)
 
 

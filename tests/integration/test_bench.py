@@ -1,6 +1,6 @@
-"""`cascade-service bench`: every greedy method is exact and the outputs have the documented shape, every
-method beside plain decoding (`ar`) and the default (the floor); `--lossy` and `--adaptive` are in
-test_bench_modes.py.
+"""`cascade-service bench methods`: every greedy method is exact and the outputs have the documented shape,
+every method beside plain decoding (`ar`) and the default (the floor); `bench lossy` and `bench adaptive`
+are in test_bench_modes.py, the command tree and the old flags in tests/unit/test_bench_cli.py.
 
 One bench run over the tiny family (module fixture) feeds most tests; it runs in-process through the
 command's own argparse registration.
@@ -8,18 +8,17 @@ command's own argparse registration.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 
 import pytest
 
-from cascade_service.bench.cli import add_bench_command
 from cascade_service.bench.methods import parse_methods
+from cascade_service.cli.parser import UsageError
 from cascade_service.config import load_config, make_cascade
 
-from ..helpers.bench import bench_inputs, run_bench
+from ..helpers.bench import bench_inputs, bench_parser, run_bench
 
 METHODS = ["hf-ar", "ar", "default", "off", "hf-assisted:close", "hf-prompt-lookup", "sd:close", "csd:close+mag"]
 METHODS += ["csd:close+mid+mag"]
@@ -47,6 +46,7 @@ def bench_out(inputs):
     out, stdout = inputs / "out", io.StringIO()
     with contextlib.redirect_stdout(stdout):  # capsys is function-scoped; this run is shared
         code = run_bench(
+            "methods",
             "--config",
             str(inputs / "config.yaml"),
             "--prompts",
@@ -186,6 +186,7 @@ def test_csd_takes_its_schedule_from_the_tuned_config_with_exactly_its_drafters(
 def test_bad_method_names_raise_value_error_naming_the_method(inputs, tmp_path, method):
     with pytest.raises(ValueError, match=method.replace("+", r"\+")):
         run_bench(
+            "methods",
             "--config",
             str(inputs / "config.yaml"),
             "--prompts",
@@ -200,11 +201,10 @@ def test_bad_method_names_raise_value_error_naming_the_method(inputs, tmp_path, 
 def test_the_recorded_command_repeats_every_tuned_config():
     from cascade_service.bench.runs import command_line
 
-    parser = argparse.ArgumentParser(prog="cascade-service")
-    add_bench_command(parser.add_subparsers(dest="command", required=True), argparse.ArgumentParser)
-    args = parser.parse_args(
+    args = bench_parser().parse_args(
         [
             "bench",
+            "methods",
             "--config",
             "c.yaml",
             "--prompts",
@@ -219,20 +219,23 @@ def test_the_recorded_command_repeats_every_tuned_config():
             "o",
         ]
     )
+    assert command_line(args).startswith("cascade-service bench methods --config c.yaml")
     assert "--tuned a.yaml --tuned b.yaml" in command_line(args)
 
 
-def test_bench_modes_reject_mixed_flags(inputs):
+def test_bench_modes_reject_bad_flags(inputs):
     base = ["--config", str(inputs / "config.yaml"), "--prompts", str(inputs / "prompts.jsonl"), "--out", "/tmp/x"]
-    with pytest.raises(ValueError, match="pick one"):
+    with pytest.raises(UsageError, match="separate benchmarks"):
         run_bench("--lossy", "--adaptive", *base)
+    with pytest.raises(UsageError, match="unrecognized arguments: --methods"):
+        run_bench("lossy", "--methods", "ar", *base)
     with pytest.raises(ValueError, match="--rules"):
-        run_bench("--lossy", "--rules", "token-v9", *base)
-    with pytest.raises(ValueError, match="--methods is required"):
-        run_bench(*base)
+        run_bench("lossy", "--rules", "token-v9", *base)
+    with pytest.raises(UsageError, match="required: --methods"):
+        run_bench("methods", *base)
     with pytest.raises(ValueError, match="--drafter"):
-        run_bench("--adaptive", "--drafter", "mag", *base)
+        run_bench("adaptive", "--drafter", "mag", *base)
     with pytest.raises(ValueError, match="--reviews must be a drafter smaller than 'mid'"):
-        run_bench("--adaptive", "--drafter", "mid", "--reviews", "close", *base)
+        run_bench("adaptive", "--drafter", "mid", "--reviews", "close", *base)
     with pytest.raises(ValueError, match="--under must be a model drafter bigger than 'close'"):
-        run_bench("--adaptive", "--drafter", "close", "--under", "mid", *base)
+        run_bench("adaptive", "--drafter", "close", "--under", "mid", *base)

@@ -1,4 +1,4 @@
-"""`cascade-service bench --lossy` accounts each rule's deviation and `--adaptive` stays exact while it
+"""`cascade-service bench lossy` accounts each rule's deviation and `bench adaptive` stays exact while it
 changes block lengths, over the tiny family (tests/helpers/bench.py's config and prompts)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_bench_lossy_writes_curves_and_accounts_the_deviation(inputs, tmp_path, 
     out = tmp_path / "lossy"
     assert (
         run_bench(
-            "--lossy",
+            "lossy",
             "--config",
             str(inputs / "config.yaml"),
             "--prompts",
@@ -57,14 +57,14 @@ def test_bench_lossy_writes_curves_and_accounts_the_deviation(inputs, tmp_path, 
 
 
 def _adaptive(inputs, tiny_family, tmp_path, drafter: str, *flags: str) -> dict:
-    """`bench --adaptive` for `drafter` with a random depth-1 head of its width; adaptive.json."""
+    """`bench adaptive` for `drafter` with a random depth-1 head of its width; adaptive.json."""
     from cascade_service.models.hf import HFModel
 
     AcceptanceHead(HFModel.load(tiny_family[drafter]).config.hidden_size, depth=1).save(tmp_path / "head")
     out = tmp_path / "adaptive"
     assert (
         run_bench(
-            "--adaptive",
+            "adaptive",
             "--config",
             str(inputs / "config.yaml"),
             "--prompts",

@@ -1,4 +1,4 @@
-"""`cascade-service bench --load` against a real gRPC server on loopback (tiny models, in this process)."""
+"""`cascade-service bench load` against a real gRPC server on loopback (tiny models, in this process)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_load_levels_report_latency_throughput_errors_and_server_memory(address,
     out = tmp_path / "load"
     assert (
         run_bench(
-            "--load",
+            "load",
             "--target",
             address,
             "--concurrency",
@@ -58,13 +58,13 @@ def test_load_levels_report_latency_throughput_errors_and_server_memory(address,
 
 def test_load_refuses_non_loopback_targets_and_bad_values(tmp_path):
     with pytest.raises(ValueError, match="loopback"):
-        run_bench("--load", "--target", "10.0.0.1:9000", "--out", str(tmp_path))
+        run_bench("load", "--target", "10.0.0.1:9000", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--duration"):
-        run_bench("--load", "--target", "127.0.0.1:9000", "--duration", "0", "--out", str(tmp_path))
+        run_bench("load", "--target", "127.0.0.1:9000", "--duration", "0", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--target"):
-        run_bench("--load", "--out", str(tmp_path))
+        run_bench("load", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--temperature"):
-        run_bench("--load", "--target", "127.0.0.1:9000", "--temperature", "-1", "--out", str(tmp_path))
+        run_bench("load", "--target", "127.0.0.1:9000", "--temperature", "-1", "--out", str(tmp_path))
 
 
 def test_load_requests_carry_the_temperature_asked_for(address, tmp_path, monkeypatch):
@@ -81,7 +81,7 @@ def test_load_requests_carry_the_temperature_asked_for(address, tmp_path, monkey
     out = tmp_path / "load"
     assert (
         run_bench(
-            "--load",
+            "load",
             "--target",
             address,
             "--concurrency",
@@ -121,7 +121,7 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
     out = tmp_path / "load"
     assert (
         run_bench(
-            "--load",
+            "load",
             "--config",
             str(config),
             "--concurrency",
@@ -151,7 +151,7 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
 
 def test_load_takes_a_target_or_a_config_not_both(tmp_path):
     with pytest.raises(ValueError, match="either --target"):
-        run_bench("--load", "--target", "127.0.0.1:9000", "--config", "c.yaml", "--out", str(tmp_path))
+        run_bench("load", "--target", "127.0.0.1:9000", "--config", "c.yaml", "--out", str(tmp_path))
 
 
 def test_paired_blocks_give_the_median_of_the_ratios_within_each_block():

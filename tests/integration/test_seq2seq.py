@@ -236,7 +236,7 @@ def test_bench_runs_an_encoder_decoder_family_exactly(t5, tmp_path):
     prompts = ["def parse_args(argv):\n", "for i in range(10):\n    print(i)\n"]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     methods = ["hf-ar", "ar", "hf-assisted:close", "sd:close", "csd:close+mid+mag"]
-    args = ["--config", str(tmp_path / "t5.yaml"), "--prompts", str(tmp_path / "prompts.jsonl")]
+    args = ["methods", "--config", str(tmp_path / "t5.yaml"), "--prompts", str(tmp_path / "prompts.jsonl")]
     args += ["--max-new-tokens", "12", "--sd-k-sweep", "2", "--repeats", "1", "--out", str(tmp_path / "out")]
     assert run_bench(*args, "--methods", ",".join(methods)) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
