@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
                     runs.append(_conversation(client, turns, args.new_tokens))
                 _report(runs, args.turn_tokens, args.new_tokens)
                 if kv == "pool":  # the physical floor of the last turn's first token (issue 59 point 18)
-                    history = stream[: per_session - args.turn_tokens]  # as long as the last turn's history
-                    floor = _one_pass(server.engine, history, stream[len(history) : per_session + 1])
+                    # as long as the last turn's history: the session's tokens before its prompt and output
+                    before = runs[-1][2] - args.turn_tokens - args.new_tokens
+                    history = (stream * 2)[:before]
+                    floor = _one_pass(server.engine, history, stream[before : before + args.turn_tokens + 1])
                     last = statistics.median(firsts[-1] for firsts, _, _ in runs)
                     print(
                         f"  the last turn's time to first token {last:.3f} s against one target pass over its "
