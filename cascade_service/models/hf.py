@@ -270,7 +270,7 @@ class HFModel:
         dtype: "float32" | "float16" | "bfloat16" | "auto"; device: "cpu" | "cuda" | "cuda:N" | "auto";
         backend: the forward that runs it (models.lean.BACKENDS: "hf", or "lean" for a drafter);
         kv: where requests' KV caches live (models.kvpool.STORAGES: "pool" or "dynamic");
-        kv_budget_mb: the most its pool holds (None: models.kvsize.DEFAULT_FRACTION of the device's memory);
+        kv_budget_mb: the most its pool holds (None: models.kvsize.default_budget);
         graphs: how passes run in fixed shapes (models.graphs.GRAPH_MODES: "auto", "eager", "off").
         Raises ValueError for other values and FileNotFoundError when `path` is not a model directory.
         """

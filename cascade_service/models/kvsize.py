@@ -2,7 +2,8 @@
 
 `kv_budget_mb` (config: per tier, or `model.kv_budget_mb` for all) bounds a model's pool: its tensors
 never outgrow it; under it, blocks of finished requests stay cached for their prefixes, least recently
-used first to go. Unset, the budget is DEFAULT_FRACTION of the device's memory. A budget that cannot
+used first to go. Unset, the budget is DEFAULT_FRACTION of the device's memory (on a GPU, within half of
+what is free once the weights are in: `default_budget`). A budget that cannot
 hold one request of the model's whole context is refused when the model loads.
 """
 
@@ -16,6 +17,7 @@ import torch
 from .kvpool import BLOCK, KVPool
 
 DEFAULT_FRACTION = 0.1  # of the device's memory, per model, when the config names no budget
+FREE_FRACTION = 0.5  # on a GPU, also at most this share of what is free once the model's weights are in
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:
@@ -40,6 +42,18 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def default_budget(device: torch.device) -> int:
+    """A model's KV budget when its config names none: DEFAULT_FRACTION of the device's memory, and on a
+    GPU no more than FREE_FRACTION of its free memory now (the weights loaded; other models and other
+    processes hold the rest), as vLLM and SGLang size their KV caches from what is free. Under captured
+    graphs the pool is made at up to this size before the first capture (models.graphs.start_graphs)."""
+    budget = int(device_memory(device) * DEFAULT_FRACTION)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = min(budget, int(free * FREE_FRACTION))
+    return budget
+
+
 def kv_pool(config: Any, dtype: torch.dtype, device: torch.device, budget_mb: float | None, name: str) -> KVPool:
     """The paged pool of a model (its budget checked against its context); an encoder-decoder model
     keeps its own caches (models.seq2seq) and gets an unbounded, unused pool."""
@@ -51,7 +65,7 @@ def kv_pool(config: Any, dtype: torch.dtype, device: torch.device, budget_mb: fl
     # One request of the whole context, in whole blocks, and block 0 (never a request's).
     least = (-(-int(positions) // BLOCK) + 1) * BLOCK * per_token
     if budget_mb is None:
-        budget = max(int(device_memory(device) * DEFAULT_FRACTION), least)
+        budget = max(default_budget(device), least)
     else:
         budget = int(budget_mb * 2**20)
         if budget < least:
