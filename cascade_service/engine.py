@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CascadeConfig, GenerationConfig, StatisticalConfig, TierClientConfig, make_cascade
+from .config import CascadeConfig, GenerationConfig, ServingConfig, StatisticalConfig, TierClientConfig, make_cascade
 from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup
@@ -89,6 +89,19 @@ class Engine:
         if self._own is None:
             self._own = self.coordinator(MemoryStore(), leaves=self.leaves)
         return self._own
+
+    def serve_like(self, serving: ServingConfig) -> None:
+        """This engine's own requests (generate, stream) take the speculation policies a server with
+        `serving`'s settings runs: load adaptation and its arms, the floor. By default they run the floor
+        over the K-matrix; a comparison with a served config (the demo's in-process side) must run what
+        the server runs, or it compares two policies, not two paths."""
+        self._own = self.coordinator(
+            MemoryStore(),
+            adapt_to_load=serving.adapt_to_load,
+            arms=serving.load_arms,
+            leaves=self.leaves,
+            floor=serving.floor,
+        )
 
     def _check_heads(self, cascade: CascadeConfig) -> None:
         """Load every acceptance head now: a missing or mismatched head fails here, not mid-request."""

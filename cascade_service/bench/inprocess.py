@@ -84,6 +84,7 @@ def _serve(config_path: str, torch_threads: int | None) -> int:
         torch.set_num_threads(torch_threads)
     config = load_config(config_path)
     cascade = Engine(config.cascade, tier_client=config.serving.tier_client)
+    cascade.serve_like(config.serving)  # the service's policies (load adaptation, the floor), not the engine's default
     variants = {"csd": cascade, "ar": cascade.variant([])}
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")

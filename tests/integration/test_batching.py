@@ -238,3 +238,27 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
     assert len(made) == 8 and all(floor.inner.chosen for floor in made)
     narrowed = engine.coordinator(MemoryStore(), adapt_to_load=True, arms=("plain", "lookup"))  # serving.load_arms
     assert narrowed.policies(True, "").inner.model.trial.arms == ("plain", "lookup")
+
+
+def test_an_engine_serving_like_a_config_runs_the_servers_policies(tiny_family):
+    # The demo's in-process side compares paths, so it must run what the server runs: load adaptation
+    # under the floor (a server's default), not the engine's own default (the floor over the K-matrix).
+    from cascade_service.config.serving import ServingConfig
+    from cascade_service.scheduling.load import DraftBudget
+
+    cascade = make_cascade(
+        ModelTierConfig("target", str(tiny_family["target"])),
+        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
+        [[3, 1], [0, 3]],
+        1.5,
+    )
+    engine = Engine(cascade)
+    prompt = random_prompts(1, 8, seed=4)[0]
+    try:
+        assert not isinstance(engine._local.policies(True, "").inner, DraftBudget)  # the engine's default
+        engine.serve_like(ServingConfig())
+        assert isinstance(engine._local.policies(True, "").inner, DraftBudget)
+        out = engine.generate(prompt, GenerationConfig(max_new_tokens=12)).token_ids
+        assert out == oracle(tiny_family["target"], prompt, 12)
+    finally:
+        engine.core.close()
