@@ -15,7 +15,7 @@ import grpc
 
 from ..metrics import default_metrics
 from ..sessions.store import MAX_SESSION_TOKENS
-from .decode import decode
+from .parse import decode
 from .status import DETAILS_KEY, rich_status, set_status, too_large
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""api.decode: bytes that are no message name the field at fault, walked over the wire format."""
+"""api.parse: bytes that are no message name the field at fault, walked over the wire format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cascade_service.api.admission import Limits, limits_from
-from cascade_service.api.decode import blame, decode
+from cascade_service.api.parse import blame, decode
 from cascade_service.config import ConfigError, parse_config
 from cascade_service.proto.v1 import cascade_pb2 as pb
 
