@@ -19,6 +19,7 @@ OWN_LINES = (
     "loading the ",
     "starting the service (",
     "service up at ",
+    "torch threads: in-process ",
     "--- prompt (tail): ",
     "--- continuation: ",
     "method ",
@@ -55,6 +56,8 @@ def test_demo_decodes_held_out_prompts_and_shows_only_its_own_lines(tmp_path):
     accounting = next(line for line in lines if line.startswith("orchestration per target round"))
     assert " ms in-process, " in accounting and " ms in the service " in accounting, accounting
     assert "tier hops per round" in accounting
+    threads = next(line for line in lines if line.startswith("torch threads:"))  # both sides', where passes run
+    assert threads.count("intra-op ") == 2 and "service replica" in threads, threads
     assert out.count("x, ") == 1 and "per pass:" in out  # one ratio per pass, then the median
     # Quiet: the terminal holds the demo's own lines only (prompts and continuations are quoted code, which
     # may say INFO; the marks are looked for in the other lines).
