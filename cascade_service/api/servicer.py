@@ -8,6 +8,7 @@ exception would reach the client as INTERNAL.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Iterator
@@ -18,7 +19,6 @@ import grpc
 from ..coordinator import Cancelled, Coordinator
 from ..core.grammar import ResponseFormat
 from ..core.prediction import PREDICTION
-from ..core.request import PENALTIES
 from ..core.stats import CascadeStats, TierCounters
 from ..core.tier import Overloaded, Unavailable
 from ..core.verify import Verification
@@ -38,17 +38,12 @@ from ..sessions import (
 from .choices import choice_counts, choice_requests, mean_logprob, together
 from .status import set_status
 
-# GenerateRequest's optional scalars that are Asked's fields of the same name (unset: the server's default)
-OPTIONAL = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop_threshold",
-    "logprobs",
-    *PENALTIES,
+# GenerateRequest's proto3-optional scalars that are Asked's fields of the same name (unset: the server's
+# default), read off the message itself so that a new one is not left behind.
+OPTIONAL = tuple(
+    f.name
+    for f in pb.GenerateRequest.DESCRIPTOR.fields
+    if f.has_presence and f.message_type is None and f.name in {a.name for a in dataclasses.fields(Asked)}
 )
 
 log = logging.getLogger(__name__)

@@ -246,13 +246,9 @@ def test_an_engine_serving_like_a_config_runs_the_servers_policies(tiny_family):
     from cascade_service.config.serving import ServingConfig
     from cascade_service.scheduling.load import DraftBudget
 
-    cascade = make_cascade(
-        ModelTierConfig("target", str(tiny_family["target"])),
-        [ModelTierConfig("mid", str(tiny_family["mid"])), MaGConfig()],
-        [[3, 1], [0, 3]],
-        1.5,
-    )
-    engine = Engine(cascade)
+    from ..helpers.tier_servers import tiny_cascade
+
+    engine = Engine(tiny_cascade(tiny_family))
     prompt = random_prompts(1, 8, seed=4)[0]
     try:
         assert not isinstance(engine._local.policies(True, "").inner, DraftBudget)  # the engine's default
