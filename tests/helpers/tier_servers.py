@@ -82,3 +82,18 @@ class HostedTiers:
 
     def close(self) -> None:
         self.loop.close()
+
+
+@contextmanager
+def beside_plain(cascade: CascadeConfig, **options) -> Iterator[tuple]:
+    """A standalone server of `cascade` (start_standalone's `options`) and a plain one of the same models,
+    stopped on the way out: (served, plain), for side-by-side runs."""
+    from cascade_service.standalone import start_standalone
+
+    served = start_standalone(Config(cascade), **options)
+    plain = start_standalone(Config(cascade), plain=True)
+    try:
+        yield served, plain
+    finally:
+        served.stop(0.0)
+        plain.stop(0.0)

@@ -18,12 +18,12 @@ from collections.abc import Callable
 import pytest
 
 from cascade_service.client import CascadeClient
-from cascade_service.config import Config, GenerationConfig
+from cascade_service.config import GenerationConfig
 from cascade_service.core.cascade import Lookup
-from cascade_service.standalone import start_standalone
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import make_engine, oracle
+from ..helpers.tier_servers import beside_plain
 
 PROMPTS = random_prompts(6, 40, seed=46)
 NEW = 48
@@ -75,14 +75,8 @@ def test_in_process_the_default_stays_within_5_percent_of_plain_where_drafts_dis
 
 @pytest.fixture
 def servers(tiny_family):
-    cascade = _disagreeing(tiny_family).cascade
-    served = start_standalone(Config(cascade), adapt_to_load=False)  # the floor over the K-matrix
-    plain = start_standalone(Config(cascade), plain=True)
-    try:
-        yield served, plain
-    finally:
-        served.stop(0.0)
-        plain.stop(0.0)
+    with beside_plain(_disagreeing(tiny_family).cascade, adapt_to_load=False) as pair:  # the floor over the K-matrix
+        yield pair
 
 
 def test_served_the_default_stays_within_5_percent_of_plain_where_drafts_disagree(tiny_family, servers):

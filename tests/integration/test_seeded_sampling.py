@@ -14,12 +14,12 @@ import threading
 import pytest
 
 from cascade_service.client import CascadeClient
-from cascade_service.config import Config, MaGConfig, ModelTierConfig, make_cascade
+from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.cascade import Lookup
-from cascade_service.standalone import start_standalone
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.threads import concurrently
+from ..helpers.tier_servers import beside_plain
 
 PROMPTS = random_prompts(3, 24, seed=59)
 OTHERS = random_prompts(8, 30, seed=590)
@@ -40,13 +40,8 @@ def servers(tiny_family):
         1.5,
         lookup=Lookup(2, 8),
     )
-    served = start_standalone(Config(cascade))  # the default: the floor over load adaptation
-    plain = start_standalone(Config(cascade), plain=True)
-    try:
-        yield served, plain
-    finally:
-        served.stop(0.0)
-        plain.stop(0.0)
+    with beside_plain(cascade) as pair:  # the default: the floor over load adaptation
+        yield pair
 
 
 def _replies(client: CascadeClient, prompt: list[int], seed: int, sampling: dict) -> dict[str, list[int]]:
