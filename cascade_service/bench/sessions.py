@@ -1,6 +1,6 @@
 """Sessions and shared prefixes through the standalone server, with and without the prefix cache.
 
-    cascade-service bench sessions [--config configs/demo.yaml] [--turns 20]
+    cascade-service bench sessions [--config configs/demo.yaml] [--turns 10]
         [--turn-tokens 170] [--new-tokens 16] [--shared 16] [--prefix 1000]
 
 For each KV storage (`kv: pool`, the paged pool with its prefix cache; `kv: dynamic`, a cache per
@@ -43,7 +43,9 @@ STORAGES = ("pool", "dynamic")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="configs/demo.yaml")
-    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument(
+        "--turns", type=int, default=10, help="turns a session (each adds --turn-tokens + --new-tokens)"
+    )
     parser.add_argument("--sessions", type=int, default=3, help="conversations, each on its own text (medians)")
     parser.add_argument("--turn-tokens", type=int, default=170)
     parser.add_argument("--new-tokens", type=int, default=16)
