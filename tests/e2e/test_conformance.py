@@ -340,6 +340,13 @@ def test_a_node_js_client_sees_the_same_contract(served, tiny_family):
     assert seen["not_found"]["code"] == grpc.StatusCode.NOT_FOUND.value[0], seen["not_found"]
     assert seen["not_found"]["details"] == "session_id: session 'no-such-session' not found"
     assert seen["health"] == "SERVING"
+    # A seed fixes a sampled output (issue 59: "42" against 42 once differed on every front end)
+    first, *again = seen["seeded"]
+    assert isinstance(first, list) and len(first) == 8 and all(tokens == first for tokens in again), seen["seeded"]
+    ours = served.stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=8, temperature=1.0, seed=42), timeout=120
+    )
+    assert list(ours.token_ids) == first
 
 
 def test_sigterm_drains_calls_in_flight_and_exits_0_within_the_grace_period(served):

@@ -147,6 +147,21 @@ async function main() {
     }
   }
 
+  // seeded: one sampled request three times, its seed as a string (a uint64 as protobufjs takes it) and as a
+  // number: a seed fixes a sampled output, whatever the server drafted in between.
+  {
+    out.seeded = [];
+    for (const seed of ['42', '42', 42]) {
+      const r = await unary(client, 'Generate', {
+        prompt_token_ids: prompt,
+        max_new_tokens: maxNewTokens,
+        temperature: 1,
+        seed: seed,
+      });
+      out.seeded.push(r.error ? errorResult(r.error) : r.response.token_ids.map(Number));
+    }
+  }
+
   // bad_unary / bad_stream: max_new_tokens 0 is INVALID_ARGUMENT.
   {
     const r = await unary(client, 'Generate', badRequest);
