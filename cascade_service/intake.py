@@ -11,7 +11,7 @@ block policy, its grammar matcher) from the immutable request (`decode_state`). 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -103,24 +103,10 @@ class Asked:
         return {name: value for name, value in given.items() if value is not None}
 
 
-# Asked's fields that are GenerationConfig's (the rest say what to continue and for whom)
-SETTINGS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "logit_bias",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "verification",
-    "stop_threshold",
-    "speculation",
-    "target_row",
-    "logprobs",
-    "response_format",
+# Asked's fields that are GenerationConfig's of the same name, taken as sent (the prediction is turned
+# into token ids first; the rest say what to continue and for whom)
+SETTINGS = tuple(
+    f.name for f in fields(Asked) if f.name in {g.name for g in fields(GenerationConfig)} and f.name != "prediction"
 )
 
 

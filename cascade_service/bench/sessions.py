@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                 if kv == "pool":  # the physical floor of the last turn's first token (issue 59 point 18)
                     # as long as the last turn's history: the session's tokens before its prompt and output
                     before = runs[-1][2] - args.turn_tokens - args.new_tokens
-                    history = (stream * 2)[:before]
+                    history = stream[:before]  # the stream holds every session: longer than one
                     floor = _one_pass(server.engine, history, stream[before : before + args.turn_tokens + 1])
                     last = statistics.median(firsts[-1] for firsts, _, _ in runs)
                     print(

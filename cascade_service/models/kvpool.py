@@ -339,12 +339,10 @@ class KVPool:
     def reserve(self, layer: int, like: torch.Tensor, at_least: int = 0) -> None:
         """Make layer `layer` hold every block handed out so far, and `at_least` blocks (capped by the
         budget), shaped like `like` ([rows, kv_heads, new, head_dim]); growth keeps what is stored."""
+        if self.max_blocks is not None and at_least > self.max_blocks:
+            at_least = self.max_blocks  # the budget caps what is asked for
         if layer < len(self.keys) and self.keys[layer].shape[0] >= max(self.blocks, at_least):
-            return  # the common case, first
-        if self.max_blocks is not None:
-            at_least = min(at_least, self.max_blocks)
-            if layer < len(self.keys) and self.keys[layer].shape[0] >= max(self.blocks, at_least):
-                return
+            return  # the common case
         while len(self.keys) <= layer:
             self.keys.append(like.new_zeros((0, BLOCK, like.shape[1], like.shape[3])))
             self.values.append(like.new_zeros((0, BLOCK, like.shape[1], like.shape[3])))
