@@ -10,6 +10,11 @@ from transformers import AutoModelForCausalLM, LogitsProcessorList
 from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.engine import Engine
 
+# One position's float32 log-probability differs between target passes of different shapes (a plain step,
+# the review of a block of two or of four drafts, beside other rows): a CPU matmul's rounding depends on the
+# shape. Seen up to 5e-6 on the tiny family; tokens and their order are compared exactly, values to this.
+LOGPROB_TOLERANCE = 1e-4
+
 
 class OpenAIPenalties:
     """OpenAI's presence and frequency penalties as a transformers LogitsProcessor, written here from the
