@@ -24,11 +24,11 @@ from .core.policy import OFF, PolicyFactory
 from .core.request import GenerationConfig
 from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
+from .engine.clock import CURRENT_CLOCK
+from .engine.loop import TaskLoop
 from .intake import MAX_PROMPT_TOKENS, Asked, Intake, Request, decode_state
 from .metrics import Metrics, RequestTimes
 from .output import Chunk, Output
-from .scheduling.loop import EngineLoop
-from .scheduling.passes import CURRENT_CLOCK
 from .sessions import SessionNotFound, SessionStore, check_access, check_session_id
 
 __all__ = ["MAX_PROMPT_TOKENS", "Cancelled", "Chunk", "Coordinator", "Request", "Tokenizer", "cache_salt"]
@@ -36,7 +36,7 @@ __all__ = ["MAX_PROMPT_TOKENS", "Cancelled", "Chunk", "Coordinator", "Request", 
 # A request's scope (its id, prefix-cache salt, routing key) -> {model tier name: its Tier for it}
 TierFactory = Callable[[Scope], "dict[str, Tier]"]
 # (API key's owner id ("" without keys), the request's context) -> {statistical drafter name: its Tier
-# for one request}: the wiring's MaG and suffix decoding that run in this process (runtime.leaves.Leaves).
+# for one request}: the wiring's MaG and suffix decoding that run in this process (engine.leaves.Leaves).
 LeafFactory = Callable[[str, Sequence[int]], "dict[str, Tier]"]
 
 
@@ -77,7 +77,7 @@ class Coordinator:
     param_costs: dict[str, float] = field(default_factory=dict)  # drafter params / target params (SWI)
     make_stopper: StopperFactory | None = None  # SpecDec++ at a reviewing tier local to this process
     # The target's block policy per request, given whether it is greedy and its scope (its API key's salt):
-    # the floor (scheduling.floor) over load adaptation (scheduling.load) or the K-matrix; None: the K-matrix.
+    # the floor (engine.policies.floor) over load adaptation (engine.policies.load) or the K-matrix; None: the K-matrix.
     policies: PolicyFactory | None = None
     # Positions the smallest model tier holds (its max_position_embeddings); None: no limit known. A
     # request's context (session history + prompt) plus its new tokens must fit.
@@ -86,9 +86,9 @@ class Coordinator:
     metrics: Metrics | None = None
     # An encoder-decoder target's decoder start token (core.encdec); None: decoder-only.
     decoder_start: int | None = None
-    # The engine loop its requests run in (its wiring's engine core's, runtime.core), where front ends
+    # The engine loop its requests run in (its wiring's engine core's, engine.core), where front ends
     # submit them; None: a coordinator no front end serves (a test's, one called in a task directly).
-    loop: EngineLoop | None = None
+    loop: TaskLoop | None = None
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -115,7 +115,7 @@ class Coordinator:
 
     def request(self, prompt_ids: Sequence[int], gen: GenerationConfig, owner: str = "") -> Request:
         """A validated request from token ids and whole generation settings (in-process callers:
-        `Engine.generate`, bench, tune), checked as `params` checks a served one."""
+        `InProcess.generate`, bench, tune), checked as `params` checks a served one."""
         return self.intake.given(prompt_ids, gen, owner)
 
     @property

@@ -23,7 +23,7 @@ from .core.grammar import GrammarMask, grammar_tokenizer
 from .core.local import StatisticalTier
 from .core.placement import request_generator
 from .core.policy import OFF, SPECULATION, PolicyFactory
-from .core.prediction import PREDICTION, PredictionProposer, prediction_ids
+from .core.proposers.prediction import PREDICTION, PredictionProposer, prediction_ids
 from .core.request import GenerationConfig, check_stop, check_stop_threshold
 from .core.sampling import SamplingParams
 from .core.schedule import Schedule, ScheduleError
@@ -144,7 +144,7 @@ class Intake:
         return self.fit(request, 0) if not asked.session_id else request  # a session's history is read at its decode
 
     def given(self, prompt_ids: Sequence[int], gen: GenerationConfig, owner: str = "") -> Request:
-        """A request from token ids and whole generation settings (in-process callers: `Engine.generate`,
+        """A request from token ids and whole generation settings (in-process callers: `InProcess.generate`,
         bench, tune), checked as `served` checks a served one."""
         ids = self.prompt("", prompt_ids, session=False)
         if not ids:

@@ -151,7 +151,7 @@ class Metrics:
             return add(metric, "histogram", name, doc, labels, buckets)
 
         self.num_drafts = counter("spec_decode_num_drafts", "Draft blocks reviewed", ["tier"])
-        # Over num_drafts: the share of rounds that drafted (the others were plain steps: scheduling.floor).
+        # Over num_drafts: the share of rounds that drafted (the others were plain steps: engine.policies.floor).
         self.drafted_rounds = counter(
             "spec_decode_num_drafted_rounds", "Draft blocks reviewed that held at least one draft", ["tier"]
         )
@@ -177,7 +177,7 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token")
         self.queue = histogram("request_queue_time_seconds", "Arrival to start of work")
         self.tier_calls = counter("tier_calls", "Forward passes (MaG: proposals) per tier", ["tier"])
-        # The engine loop's accounting of finished requests (scheduling/loop.py): where their time went.
+        # The engine loop's accounting of finished requests (engine/loop.py): where their time went.
         self.engine_pass_seconds = counter(
             "engine_pass_seconds", "Requests' shares of batched forward passes, per tier", ["tier"]
         )

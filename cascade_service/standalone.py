@@ -1,7 +1,7 @@
 """One process, no Ray: the engine's models with continuous batching, the coordinator and a gRPC server.
 
 `cascade-service serve --frontend standalone` runs this: one machine (one GPU, or the CPU) serving many
-concurrent requests, every tier's forward passes batched in the process's engine core (runtime.core). The Ray Serve app
+concurrent requests, every tier's forward passes batched in the process's engine core (engine.core). The Ray Serve app
 (serving/) is the wiring for tiers on separate GPUs and independent scaling.
 """
 
@@ -15,10 +15,10 @@ from .api.openai_http import http_options
 from .api.server import MAX_QUEUED_RPCS, start_server
 from .config import Config, make_cascade
 from .coordinator import Coordinator
-from .engine import Engine
+from .engine.core import EngineCore
+from .inprocess import InProcess
 from .rpc.auth import ApiKeys, TlsFiles
 from .runtime.assemble import session_store
-from .runtime.core import EngineCore
 from .sessions import MemoryStore
 
 DEFAULT_MAX_STREAMS = 64  # requests decoding at once; more wait (up to MAX_QUEUED_RPCS), then RESOURCE_EXHAUSTED
@@ -28,7 +28,7 @@ DEFAULT_MAX_STREAMS = 64  # requests decoding at once; more wait (up to MAX_QUEU
 class Standalone:
     server: Any  # grpc.Server
     port: int
-    engine: Engine
+    engine: InProcess
     coordinator: Coordinator
 
     @property
@@ -60,9 +60,9 @@ def start_standalone(
     plain: serve the target alone, no speculation (the baseline a load test compares against).
     http_port: also serve the OpenAI-compatible HTTP API and /metrics there (0 picks a free port).
     adapt_to_load: each round's drafting follows measured acceptance and what the load makes of each way
-    of drafting (scheduling.load) instead of the fixed K-matrix; None: as the config's
+    of drafting (engine.policies.load) instead of the fixed K-matrix; None: as the config's
     serving.adapt_to_load says (on by default). floor: a request falls back to plain decoding where its
-    drafts do not pay (scheduling.floor); None: as serving.floor says (on by default).
+    drafts do not pay (engine.policies.floor); None: as serving.floor says (on by default).
     """
     cascade = config.cascade
     if plain:
@@ -71,7 +71,7 @@ def start_standalone(
         import torch
 
         torch.set_num_threads(config.serving.torch_threads)
-    engine = Engine(cascade, tier_client=config.serving.tier_client, core=EngineCore(max_batch))
+    engine = InProcess(cascade, tier_client=config.serving.tier_client, core=EngineCore(max_batch))
     store = session_store(
         config.serving,
         lambda: MemoryStore(

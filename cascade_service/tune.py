@@ -22,7 +22,7 @@ from .config import MAG, SUFFIX, GenerationConfig, StatisticalConfig, load_confi
 from .core.cascade import Lookup
 from .core.ewif import best_k
 from .core.schedule import Schedule, ScheduleError
-from .engine import Engine
+from .inprocess import InProcess
 from .prompts import read_prompts
 
 OBJECTIVES = ("tokens_per_s", "swi_params", "swi_measured")
@@ -48,7 +48,7 @@ class Trial:
 
 
 def measure(
-    engine: Engine,
+    engine: InProcess,
     candidate: Candidate,
     prompts: Sequence[list[int]],
     max_new_tokens: int,
@@ -74,7 +74,7 @@ def measure(
 
 
 def lone_drafter_k(
-    engine: Engine, prompts: Sequence[list[int]], costs: dict[str, float], probe_k: int = 4
+    engine: InProcess, prompts: Sequence[list[int]], costs: dict[str, float], probe_k: int = 4
 ) -> dict[str, int]:
     """Each model drafter's acceptance as a lone drafter, turned into its EWIF-best k (Corollary 4.2)."""
     best = {}
@@ -145,7 +145,7 @@ def candidate_grid(
 
 
 def halving_search(
-    engine: Engine,
+    engine: InProcess,
     candidates: list[Candidate],
     prompts: Sequence[list[int]],
     max_new_tokens: int,
@@ -180,7 +180,7 @@ def tune(
     config = load_config(config_path)
     if not config.cascade.drafters:
         raise ValueError(f"{config_path}: no drafters to tune")
-    engine = Engine(config.cascade, tier_client=config.serving.tier_client)
+    engine = InProcess(config.cascade, tier_client=config.serving.tier_client)
     prompts = [engine.encode(p) for p in read_prompts(prompts_path)]
     costs = engine.swi_costs()
     _log("measuring lone-drafter acceptance (EWIF, Corollary 4.2):")

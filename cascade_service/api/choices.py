@@ -10,8 +10,8 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ..engine.loop import current_loop
 from ..proto.v1 import cascade_pb2 as pb
-from ..scheduling.loop import current_loop
 
 MAX_CHOICES = 16  # n and best_of: each candidate is a decode of its own
 T = TypeVar("T")

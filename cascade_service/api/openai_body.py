@@ -305,7 +305,7 @@ def completion_id(chat: bool) -> str:
 
 def usage(prompt: int, completion: int, stats: pb.GenerateStats | None = None) -> dict[str, Any]:
     """OpenAI's usage object, from the request's stats: prompt tokens the target's prefix cache held
-    (models.kvpool) and, with a prediction, its tokens kept and drafted in vain (core.prediction)."""
+    (models.kvpool) and, with a prediction, its tokens kept and drafted in vain (core.proposers.prediction)."""
     stats = stats or pb.GenerateStats()
     return {
         "prompt_tokens": prompt,

@@ -3,8 +3,8 @@
 The embedded wiring for one process; `serving.app` is the Ray Serve wiring of the same servicer. The
 front end (`api.frontend`) takes each call (keys, limits, the body, health, reflection), decodes its
 request once, and hands the message to `LocalBackend`, which runs the servicer as a task of the
-process's engine loop (scheduling.loop), where its decode shares every model's batched passes with the
-other requests. The front end awaits the task on its own event loop (`EngineLoop.arun`, `aiterate`):
+process's engine loop (engine.loop), where its decode shares every model's batched passes with the
+other requests. The front end awaits the task on its own event loop (`TaskLoop.arun`, `aiterate`):
 no thread waits between them, for the reply or for each streamed chunk.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, cast
 
 from ..coordinator import Coordinator
+from ..engine.loop import TaskLoop, task_cancelled
 from ..rpc.auth import ApiKeys, TlsFiles
-from ..scheduling.loop import EngineLoop, task_cancelled
 from .admission import Limits
 from .backend import Call, RecordingContext, Reply
 from .frontend_server import FrontendServer, HttpOptions, start_frontend
@@ -33,7 +33,7 @@ class LocalBackend:
     awaited on the front end's event loop; its decode stopped at the next round once the client is gone
     or past its deadline, or the server drains."""
 
-    def __init__(self, servicer: CascadeServicer, loop: EngineLoop):
+    def __init__(self, servicer: CascadeServicer, loop: TaskLoop):
         self.servicer = servicer
         self.loop = loop
 
@@ -52,7 +52,7 @@ class LocalBackend:
         gone, deadline = _gone(call), _deadline(call.timeout_s)
         context = RecordingContext(call.owner, _cancelled(gone, deadline))
         method = getattr(self.servicer, call.method)
-        # an async generator (EngineLoop.aiterate), closed below
+        # an async generator (TaskLoop.aiterate), closed below
         chunks = cast(
             AsyncGenerator[Any, None], self.loop.aiterate(lambda: method(call.request, context, context.cancelled))
         )
@@ -82,7 +82,7 @@ def _deadline(timeout_s: float | None) -> float | None:
 
 
 def _cancelled(gone: threading.Event, deadline: float | None) -> Callable[[], bool]:
-    # task_cancelled: the awaiting coroutine itself was cancelled (EngineLoop.arun, aiterate tell the task)
+    # task_cancelled: the awaiting coroutine itself was cancelled (TaskLoop.arun, aiterate tell the task)
     return lambda: gone.is_set() or task_cancelled() or (deadline is not None and time.monotonic() > deadline)
 
 

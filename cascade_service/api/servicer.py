@@ -18,7 +18,7 @@ import grpc
 
 from ..coordinator import Cancelled, Coordinator
 from ..core.grammar import ResponseFormat
-from ..core.prediction import PREDICTION
+from ..core.proposers.prediction import PREDICTION
 from ..core.stats import CascadeStats, TierCounters
 from ..core.tier import Overloaded, Unavailable
 from ..core.verify import Verification

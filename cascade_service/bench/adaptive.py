@@ -27,7 +27,7 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..core.adaptive import AdaptiveLength
-from ..engine import Engine
+from ..inprocess import InProcess
 
 
 def methods(
@@ -55,7 +55,7 @@ class Setting:
     other_k: int = 2  # the other tier's entry
 
     def tiers(self) -> list[str]:
-        """Largest first, as `Engine.variant` takes them."""
+        """Largest first, as `InProcess.variant` takes them."""
         if self.reviews:
             return [self.drafter, self.reviews]
         if self.under:
@@ -76,7 +76,7 @@ class Setting:
 
 
 def run(
-    engine: Engine,
+    engine: InProcess,
     setting: Setting,
     prompts: Sequence[list[int]],
     table: dict[str, tuple[int, AdaptiveLength | None]],

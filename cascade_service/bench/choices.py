@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from ..api.server import start_server
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
-from ..engine import Engine
+from ..inprocess import InProcess
 from ..sessions import MemoryStore
 from . import tools
 from .prediction import encoded_prompts
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = Engine(load_config(args.config).cascade)
+    engine = InProcess(load_config(args.config).cascade)
     server, port = start_server(engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=args.new_tokens)))
     ratios = []
     print("prompt | repeat | n together (s) | one after another (s) | ratio")

@@ -224,8 +224,8 @@ def run_methods(args: argparse.Namespace) -> int:
     from .methods import parse_methods
 
     require("matplotlib", "bench (its plots)")
+    from ..engine.core import EngineCore
     from ..prompts import read_prompts
-    from ..runtime.core import EngineCore
     from .report import markdown, plot_acceptance, plot_speedup
     from .zoo import Zoo
 
@@ -253,7 +253,7 @@ def run_methods(args: argparse.Namespace) -> int:
         return prompts, logs, zoo.swi_costs(), zoo.tier_costs()
 
     # Every method, ours and transformers' baselines, and every timing on one thread: the engine
-    # loop's, where our passes run (models.hf.on_loop_thread says why one thread).
+    # loop's, where our passes run (engine.loop.on_loop_thread says why one thread).
     prompts, logs, costs, tiers = core.run(measure)
     results = {
         "command": command_line(args),

@@ -24,9 +24,9 @@ import torch
 
 from ..config import ModelTierConfig, load_config
 from ..core.sampling import SamplingParams
+from ..engine.core import EngineCore
 from ..models.hf import HFModel, load_tokenizer
 from ..prompts import read_prompts
-from ..runtime.core import EngineCore
 from . import tools
 
 

@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 
 from ..config import GenerationConfig, load_config
-from ..engine import Engine
+from ..engine.policies.floor import FloorSettings, floor_policies
+from ..inprocess import InProcess
 from ..prompts import read_prompts
-from ..scheduling.floor import FloorSettings, floor_policies
 from ..sessions import MemoryStore
 from . import tools
 
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = Engine(load_config(args.config).cascade)
+    engine = InProcess(load_config(args.config).cascade)
     prompts = [engine.encode(p) for p in read_prompts(args.prompts)]
     runs = {
         "ar": (engine.variant([]).coordinator(MemoryStore()), "fixed"),

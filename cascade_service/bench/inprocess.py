@@ -8,7 +8,7 @@ that is idle while the service is timed, and the service is idle while the child
 Protocol: one JSON object per line on stdin, `{"variant": name, "ids": [...], "max_new_tokens": n}`
 (or `{"threads": true}`: torch's thread settings where the child's passes run);
 one JSON object per line on stdout, `{"tokens": [...], "seconds": s, "target_calls": n,
-"orchestration_s": s}` (seconds measured around `Engine.generate` only; orchestration: the engine
+"orchestration_s": s}` (seconds measured around `InProcess.generate` only; orchestration: the engine
 loop's time outside model passes) or `{"error": message}`.
 """
 
@@ -24,7 +24,7 @@ CHILD_MODULE = "cascade_service.bench.inprocess"
 
 
 class InProcessWorker:
-    """A child process holding an `Engine` for a config, with named variants:
+    """A child process holding an `InProcess` for a config, with named variants:
     "csd" is the config's cascade, "ar" the target alone."""
 
     def __init__(self, config_path: str, torch_threads: int | None = None):
@@ -45,7 +45,7 @@ class InProcessWorker:
         return reply
 
     def thread_settings(self) -> str:
-        """torch's threads where the child's passes run (runtime.core.EngineCore.thread_settings)."""
+        """torch's threads where the child's passes run (engine.core.EngineCore.thread_settings)."""
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps({"threads": True}) + "\n")
         return str(self._read()["threads"])
@@ -78,12 +78,12 @@ def _serve(config_path: str, torch_threads: int | None) -> int:
     import torch
 
     from ..config import GenerationConfig, load_config
-    from ..engine import Engine
+    from ..inprocess import InProcess
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
     config = load_config(config_path)
-    cascade = Engine(config.cascade, tier_client=config.serving.tier_client)
+    cascade = InProcess(config.cascade, tier_client=config.serving.tier_client)
     cascade.serve_like(config.serving)  # the service's policies (load adaptation, the floor), not the engine's default
     variants = {"csd": cascade, "ar": cascade.variant([])}
     out = sys.stdout

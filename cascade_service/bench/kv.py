@@ -15,8 +15,8 @@ import argparse
 from collections.abc import Sequence
 
 from ..config import ModelTierConfig, load_config
+from ..engine.core import EngineCore
 from ..models.hf import pass_time_s
-from ..runtime.core import EngineCore
 from . import tools
 
 

@@ -36,9 +36,10 @@ from typing import Self
 import torch
 
 from ..config import GenerationConfig, ModelTierConfig, make_cascade
-from ..engine import Engine
+from ..engine.core import queue_of
+from ..inprocess import InProcess
+from ..models.batching import PREFILL_CHUNK
 from ..paths import zoo_dir
-from ..scheduling.batcher import PREFILL_CHUNK
 from ..zoo.tiny import build_family, random_prompts
 from . import tools
 
@@ -77,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--turns: unknown {sorted(unknown)}; choose from {sorted(TURNS)}")
     torch.set_num_threads(args.threads)
     engine = _engine(args.model)
-    batcher = engine.target.batcher
-    assert batcher is not None
+    batcher = queue_of(engine.local_target())
     limit = getattr(engine.local_target().config, "max_position_embeddings", None) or 2048
     if args.long_prompt + 16 > limit:
         raise ValueError(f"--long-prompt must leave room to stream below the model's {limit} positions")
@@ -139,12 +139,12 @@ class _Variant:
             )
 
 
-def _engine(path: str | None) -> Engine:
+def _engine(path: str | None) -> InProcess:
     if path is None:
         large = zoo_dir("demo") / "large"
         # The tiny family is built in seconds; its target allows 4096 positions like the zoo's.
         path = str(large if large.is_dir() else build_family(Path(tempfile.mkdtemp()) / "tiny")["target"])
-    engine = Engine(make_cascade(ModelTierConfig("target", path), [], [], 1.0))
+    engine = InProcess(make_cascade(ModelTierConfig("target", path), [], [], 1.0))
     engine.eos_ids = frozenset()  # every request decodes its whole budget: equal work per run
     return engine
 
@@ -158,7 +158,7 @@ class _Bench:
     PACE_S = 0.5  # how long the long request streams alone before the short requests come
 
     def __init__(
-        self, engine: Engine, shorts: list[list[int]], short_tokens: int, long_prompt: list[int], long_tokens: int
+        self, engine: InProcess, shorts: list[list[int]], short_tokens: int, long_prompt: list[int], long_tokens: int
     ):
         self.engine = engine
         self.short_prompts = shorts

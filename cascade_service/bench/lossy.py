@@ -29,7 +29,7 @@ import torch
 from ..config import GenerationConfig
 from ..core.types import Context
 from ..core.verify import Verification
-from ..engine import Engine
+from ..inprocess import InProcess
 
 # Knob grids: from the strict end (exact output) towards the drafter. Ranges differ per rule (docs/lossy.md).
 GRIDS: dict[str, tuple[float, ...]] = {
@@ -87,7 +87,7 @@ class Point:
 
 
 def run_point(
-    engine: Engine,
+    engine: InProcess,
     rule: str,
     alpha: float,
     prompts: Sequence[list[int]],
@@ -121,7 +121,7 @@ def run_point(
     return Point(rule, alpha, tokens, seconds, calls, off, tv, ll_loss, agree / max(1, tokens), loglik / max(1, tokens))
 
 
-def _score(engine: Engine, prompt: list[int], out: list[int]) -> tuple[int, float]:
+def _score(engine: InProcess, prompt: list[int], out: list[int]) -> tuple[int, float]:
     """(tokens equal to the target's argmax, summed target log-probability) over `out`, one pass."""
     if not out:
         return 0, 0.0
@@ -202,7 +202,7 @@ def plot(points: dict[str, list[Point]], reference: Point, path: Path) -> None:
 
 
 def run(
-    engine: Engine,
+    engine: InProcess,
     prompts: Sequence[list[int]],
     rules: Sequence[str],
     max_new_tokens: int,

@@ -6,7 +6,7 @@ of an SD sweep, of which the fastest is reported). Every runner is exact: greedy
 only speeds and counters compare. `ar` (the target alone through our engine: plain decoding at the
 same load) runs beside every method, and each is reported against it as well as against `hf-ar`.
 `default` is the config's cascade as `generate` and the service run it: under the floor that turns
-drafting off where it does not pay (scheduling.floor); the other cascade methods run their K-matrix as
+drafting off where it does not pay (engine.policies.floor); the other cascade methods run their K-matrix as
 configured, every round (a fixed configuration).
 """
 

@@ -18,12 +18,11 @@ from collections.abc import Sequence
 import torch
 
 from ..config import ModelTierConfig
-from ..models.batching import forward_batch
+from ..engine.core import EngineCore
+from ..models.batching import Pass, forward_batch
 from ..models.hf import HFModel
 from ..models.kvpool import PagedCache
 from ..models.poolpass import forward_rows
-from ..runtime.core import EngineCore
-from ..scheduling.batcher import Pass
 from . import tools
 
 WAYS = ("plain", "ragged-mixed", "padded-mixed", "split")

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import GenerationConfig, load_config
-from ..core.prediction import PREDICTION, prediction_ids
-from ..engine import Engine
+from ..core.proposers.prediction import PREDICTION, prediction_ids
+from ..inprocess import InProcess
 from ..zoo.evaluate import eval_package_files
 from . import tools
 
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = Engine(load_config(args.config).cascade)
+    engine = InProcess(load_config(args.config).cascade)
     plain = GenerationConfig(max_new_tokens=args.new_tokens)
     ratios: dict[str, list[float]] = {c: [] for c in CONDITIONS[1:]}
     print(
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def encoded_prompts(engine: Engine, count: int, tokens: int) -> list[list[int]]:
+def encoded_prompts(engine: InProcess, count: int, tokens: int) -> list[list[int]]:
     """`count` windows of `tokens` tokens, each from its own held-out file (its middle)."""
     out = []
     for paths in eval_package_files().values():

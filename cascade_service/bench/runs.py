@@ -15,7 +15,7 @@ from ..core.request import check_temperature
 
 def run_lossy(args: argparse.Namespace) -> int:
     from ..config import load_config
-    from ..engine import Engine
+    from ..inprocess import InProcess
     from ..prompts import read_prompts
     from . import lossy
 
@@ -27,7 +27,7 @@ def run_lossy(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--rules: unknown rule {unknown[0]!r} (known: {', '.join(lossy.GRIDS)})")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    engine = Engine(load_config(args.config).cascade)
+    engine = InProcess(load_config(args.config).cascade)
     prompts = [engine.encode(t) for t in read_prompts(args.prompts)]
     command = shlex.join(
         [
@@ -183,7 +183,7 @@ def run_idle(args: argparse.Namespace) -> int:
 
 def run_adaptive(args: argparse.Namespace) -> int:
     from ..config import MaGConfig, load_config
-    from ..engine import Engine
+    from ..inprocess import InProcess
     from ..prompts import read_prompts
     from . import adaptive
 
@@ -215,7 +215,7 @@ def run_adaptive(args: argparse.Namespace) -> int:
     # The confidence rule reads the drafter's distribution, which a reviewing tier does not sample from.
     confidence_hs = [] if args.reviews else float_list(args.confidence, "--confidence")
     table = adaptive.methods(drafter, ks, args.max_k, args.head, specdec_hs, confidence_hs)
-    engine = Engine(config.cascade, tier_client=config.serving.tier_client)
+    engine = InProcess(config.cascade, tier_client=config.serving.tier_client)
     prompts = [engine.encode(t) for t in read_prompts(args.prompts)]
     command = shlex.join(
         [

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import GenerationConfig, ModelTierConfig, load_config
-from ..engine import Engine
+from ..inprocess import InProcess
 from ..prompts import read_prompts
 from . import tools
 
 
-def engine_acceptance(engine: Engine, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> dict:
+def engine_acceptance(engine: InProcess, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> dict:
     """Tokens per target call and each reviewer's kept share per drafter, summed over `prompts`."""
     generated = calls = 0
     drafted: dict[str, Counter] = {}
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     if any(t < 0 for t in temperatures):
         raise ValueError(f"--temperatures must be >= 0, got {args.temperatures!r}")
-    engine = Engine(load_config(args.config).cascade)
+    engine = InProcess(load_config(args.config).cascade)
     try:
         prompts = [engine.encode(text) for text in read_prompts(args.prompts)]
         for temperature in temperatures:

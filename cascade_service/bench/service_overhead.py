@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from ..client import CascadeClient
 from ..config import GenerationConfig, load_config
-from ..engine import Engine
+from ..inprocess import InProcess
 from ..paths import zoo_dir
 from ..prompts import read_prompts
 from ..zoo.build import build_zoo
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serving.local import LocalService
 
     path = demo_config("demo", args.layout)
-    engine = Engine(load_config(path).cascade)
+    engine = InProcess(load_config(path).cascade)
     texts = read_prompts(str(build_zoo("demo", zoo_dir("demo"))["prompts"]))[: args.prompts]
     ids = [engine.encode(t) for t in texts]
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, speculation="fixed")  # the same rounds both ways

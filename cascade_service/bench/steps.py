@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 
 from ..config import ModelTierConfig, load_config
+from ..engine.core import EngineCore
 from ..models.hf import pass_time_s
 from ..models.staticpass import WARM_ROWS
-from ..runtime.core import EngineCore
 from . import tools
 
 CONTEXTS = (64, 512)

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..config import GenerationConfig, load_config
 from ..core import grammar
 from ..core.grammar import ResponseFormat
-from ..engine import Engine
+from ..inprocess import InProcess
 from ..zoo.evaluate import eval_package_files
 from . import tools
 
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import jsonschema  # type: ignore[import-untyped]  # a checker for the benchmark, not the service's dependency
 
-    engine = Engine(load_config(args.config).cascade)
+    engine = InProcess(load_config(args.config).cascade)
     spent = _time_the_grammar()
     prompts = _prompts(engine, args.schemas)
     valid, ended, ratios, overheads, lengths = 0, 0, [], [], []
@@ -110,7 +110,7 @@ def schemas(count: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def _prompts(engine: Engine, count: int) -> list[list[int]]:
+def _prompts(engine: InProcess, count: int) -> list[list[int]]:
     out = []
     for paths in eval_package_files().values():
         for path in paths:

@@ -35,7 +35,7 @@ import yaml
 from ..config import GenerationConfig, load_config
 from ..core.tier import DraftRequest, Scope
 from ..core.types import Context
-from ..engine import Engine
+from ..inprocess import InProcess
 from ..paths import zoo_dir
 from ..prompts import read_prompts
 from ..tierhost.loopback import loopback
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(path)
     model_tiers = [t.name for t in config.cascade.tiers if t.name != "mag"]
     texts = read_prompts(str(build_zoo("demo", zoo_dir("demo"))["prompts"]))[: args.prompts]
-    local = Engine(config.cascade)
+    local = InProcess(config.cascade)
     ids = [local.encode(t) for t in texts]
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, speculation="fixed")  # the same rounds both ways
     print(f"config {path} (each tier its own deployment); {len(ids)} zoo prompts, {args.max_new_tokens} tokens")
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         addresses = {name: stack.enter_context(tier_server(path, name)) for name in model_tiers}
         remote_path = _addressed(path, addresses)
-        remote = Engine(load_config(remote_path).cascade)
+        remote = InProcess(load_config(remote_path).cascade)
         recorded = _record_remote_tiers(remote)
 
         # 1. per call
@@ -181,7 +181,7 @@ def _addressed(path: Path, addresses: dict[str, str]) -> Path:
     return out
 
 
-def _record_remote_tiers(engine: Engine) -> list[RemoteTier]:
+def _record_remote_tiers(engine: InProcess) -> list[RemoteTier]:
     """Every RemoteTier the engine makes from now on (for their byte counts)."""
     made: list[RemoteTier] = []
     for model in engine.remote.values():
@@ -210,7 +210,7 @@ def _times(call: Callable[[Context], Any], n: int, context: Context) -> list[flo
     return seconds
 
 
-def _timed(engine: Engine, prompt: list[int], gen: GenerationConfig, rates: list[float]) -> Any:
+def _timed(engine: InProcess, prompt: list[int], gen: GenerationConfig, rates: list[float]) -> Any:
     start = time.perf_counter()
     result = engine.generate(prompt, gen)
     rates.append(len(result.token_ids) / (time.perf_counter() - start))

@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 from ..config import CascadeConfig, ModelTierConfig
-from ..engine import Engine
+from ..engine.core import EngineCore
+from ..inprocess import InProcess
 from ..models.hf import HFModel
-from ..runtime.core import EngineCore
 
 
 class Zoo:
     """The config's target and drafters, loaded once; engines over any subset of the drafters share them."""
 
     def __init__(self, cascade: CascadeConfig, core: EngineCore | None = None):
-        # One Engine over the whole config loads every tier (and MaG's bigram table) exactly once, by
+        # One InProcess over the whole config loads every tier (and MaG's bigram table) exactly once, by
         # `core` (the process's engine core: a new one when None).
-        self._full = Engine(cascade, core=core)
+        self._full = InProcess(cascade, core=core)
         self._cascade = cascade
         self._plain: dict[str, HFModel] = {}  # drafters on another backend, on transformers (transformers_model)
         self.target: HFModel = self._full.local_target()
         self.eos_ids: list[int] = sorted(self._full.eos_ids)
         self._drafters = {d.name: d for d in self._full.drafters}  # name -> HFModel | MaGConfig
-        self._engines: dict[CascadeConfig, Engine] = {}
+        self._engines: dict[CascadeConfig, InProcess] = {}
 
     def model(self, name: str) -> HFModel:
         tier = self._drafters[name]
@@ -28,8 +28,8 @@ class Zoo:
             raise ValueError(f"tier {name!r} is not a model")
         return tier
 
-    def engine(self, cascade: CascadeConfig) -> Engine:
-        """An Engine for `cascade` (a subset of the config's drafters) over the already-loaded tiers."""
+    def engine(self, cascade: CascadeConfig) -> InProcess:
+        """An InProcess for `cascade` (a subset of the config's drafters) over the already-loaded tiers."""
         if cascade not in self._engines:
             names = [d.name for d in cascade.drafters]
             self._engines[cascade] = self._full.variant(

@@ -198,13 +198,13 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from ..engine import Engine  # heavy (torch, transformers): only when needed
+    from ..inprocess import InProcess  # heavy (torch, transformers): only when needed
 
     config = _config_from_args(args)
     prompt = read_prompt(args)
     if not prompt:
         raise UsageError("the prompt is empty")
-    engine = Engine(config.cascade, tier_client=config.serving.tier_client)
+    engine = InProcess(config.cascade, tier_client=config.serving.tier_client)
     prompt_ids = engine.encode(prompt)
     result = engine.generate(prompt_ids, config.generation)
     text = engine.decode_text(result.token_ids)

@@ -87,8 +87,8 @@ def tier_group(config: Config, names: list[str], max_batch: int = 64):  # -> tie
     """The TierGroup serving `names` of the config: their weights from their `path`, loaded by this
     process's engine core (max_batch rows a pass); a member whose whole sub-cascade is among them runs
     it in one call; MaG with its bigram table where named or needed."""
+    from ..engine.core import EngineCore
     from ..models.hf import config_vocab_size
-    from ..runtime.core import EngineCore
 
     def models_of(cascade):  # type: ignore[no-untyped-def]
         return [t for t in cascade.tiers if isinstance(t, ModelTierConfig)]

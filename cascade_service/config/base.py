@@ -54,7 +54,7 @@ class ModelTierConfig:
 
 @dataclass(frozen=True)
 class MaGConfig:
-    """Max-Gram (core.mag): the longest earlier match of the sequence's suffix, then a bigram table."""
+    """Max-Gram (core.proposers.mag): the longest earlier match of the sequence's suffix, then a bigram table."""
 
     kind: ClassVar[str] = MAG
     name: str = MAG
@@ -69,13 +69,13 @@ class MaGConfig:
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    """Suffix decoding (core.suffix), named "suffix": the most frequent continuation in tries of this
+    """Suffix decoding (core.proposers.suffix), named "suffix": the most frequent continuation in tries of this
     request, of the same API key's recent requests and of an optional shared corpus. It runs where the
     coordinator runs (no address): its recent requests are the coordinator's."""
 
     kind: ClassVar[str] = SUFFIX
     name: str = SUFFIX
-    depth: int = 24  # core.suffix.SuffixSettings
+    depth: int = 24  # core.proposers.suffix.SuffixSettings
     factor: float = 1.0
     min_prob: float = 0.1
     cache_tokens: int = 32768  # recent requests' tokens held per API key (0: no cross-request trie)
@@ -93,7 +93,7 @@ class SuffixConfig:
 
 
 # The statistical drafters: leaves of the cascade that draft without a model and never review. They
-# are variants of one family (runtime.leaves.LEAVES builds each kind's per-request drafter); no
+# are variants of one family (engine.leaves.LEAVES builds each kind's per-request drafter); no
 # subclassing between them, each with its own settings and tables.
 StatisticalConfig = MaGConfig | SuffixConfig
 STATISTICAL_KINDS = (MAG, SUFFIX)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.limits import is_number, unpaired
-from ..scheduling.trial import ARMS
+from ..core.policy import ARMS
 from .base import ConfigError, ModelTierConfig, check_int, mapping_at, only_keys, resolve_path
 
 if TYPE_CHECKING:
@@ -93,17 +93,17 @@ class ServingConfig:
     api_keys_file: str | None = None  # one key per line (`KEY [name]`, `#` comments); None: no keys
     tls_cert_file: str | None = None  # PEM certificate chain; with tls_key_file: serve TLS
     tls_key_file: str | None = None  # PEM private key
-    # Speculation that adapts to load (scheduling.load): each round's drafting is chosen from measured
+    # Speculation that adapts to load (engine.policies.load): each round's drafting is chosen from measured
     # acceptance and what the load makes of each way of drafting, greedy and sampled requests apart;
     # on by default (the fixed K-matrix loses to plain decoding under load on a small host, and sampled
     # at every load: docs/benchmarks.md "Under load: the default against plain decoding"). false: every
     # round runs the K-matrix as configured (as `serve --fixed-schedule` does).
     adapt_to_load: bool = True
-    # The floor under the speedup (scheduling.floor): a request whose measured rounds say drafting does
+    # The floor under the speedup (engine.policies.floor): a request whose measured rounds say drafting does
     # not pay falls back to plain decoding, within a bounded loss (docs/algorithm.md "The floor"); on by
     # default. false: speculation "auto" runs the K-matrix or load adaptation as it is (a baseline).
     floor: bool = True
-    # The ways of drafting its trial chooses between, wherever speculation adapts to load (scheduling.trial.ARMS);
+    # The ways of drafting its trial chooses between, wherever speculation adapts to load (core.policy.ARMS);
     # None: every one the frontend can run. E.g. [full, budget] on a pool where drafting always pays, to
     # spare the trial its exploring; one arm alone: that arm, no trial.
     load_arms: tuple[str, ...] | None = None

@@ -17,7 +17,7 @@ from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask
 from .limits import is_integer
 from .policy import FIXED, BlockPolicy
-from .prediction import MAX_BLOCK as PREDICTION_BLOCK
+from .proposers.prediction import MAX_BLOCK as PREDICTION_BLOCK
 from .sampling import SamplingParams
 from .schedule import FILLS, Fill, Schedule
 from .stats import CascadeStats, Usage, absorb
@@ -67,7 +67,7 @@ class RequestState:
     policy: BlockPolicy = FIXED
     request_id: str = ""
     cache_salt: str = ""  # its API key's prefix-cache scope (models.kvpool), sent with every call
-    # The request's predicted output as a drafter (core.prediction, a StatisticalTier named
+    # The request's predicted output as a drafter (core.proposers.prediction, a StatisticalTier named
     # "prediction"): it drafts at the target before the lookup gate and the K-matrix.
     prediction: Tier | None = None
     logprobs: int = -1  # >= 0: the target's review reports each emitted token's logprob, this many alternatives

@@ -140,9 +140,9 @@ class ModelTier:
 
 @runtime_checkable
 class Proposer(Protocol):
-    """A statistical drafter's per-request state: MaG (core.mag.MaxGram), suffix decoding
-    (core.suffix.SuffixDecoder), a predicted output (core.prediction.PredictionProposer). Checkable at
-    run time: whatever proposes is a statistical tier, whichever kind it is."""
+    """A statistical drafter's per-request state (core.proposers): MaG (mag.MaxGram), suffix decoding
+    (suffix.SuffixDecoder), a predicted output (prediction.PredictionProposer). Checkable at run time:
+    whatever proposes is a statistical tier, whichever kind it is."""
 
     def propose(self, ctx: Context, k: int) -> list[int]: ...
 
@@ -189,7 +189,7 @@ class StatisticalTier:
 
     def release(self, request: Release) -> None:
         """The request is over: suffix decoding keeps its sequence for its key's later requests, MaG
-        its index of the final tokens for a request that continues them (runtime.leaves)."""
+        its index of the final tokens for a request that continues them (engine.leaves)."""
         self.proposer.finish(request.tokens)
 
     def _timed(self, name: str, sampling: SamplingParams, propose: Callable[[], list[int]]) -> DraftReply:

@@ -6,8 +6,8 @@ this round at all: asked before the lookup gate runs and before the model drafte
 source that may not draft costs nothing), `cap` (how far the block may grow: for the lookup gate's
 continuation, or for the model drafters' K-matrix row), `drafted` (drafting is over, the review
 follows) and `observe` (what the review kept). The fixed K-matrix is the policy that never caps
-(`FIXED`); load adaptation (`scheduling.load.DraftBudget`) caps by measured acceptance and the
-current batch; the floor under the speedup (`scheduling.floor.GoodputFloor`, the default) lets a
+(`FIXED`); load adaptation (`engine.policies.load.DraftBudget`) caps by measured acceptance and the
+current batch; the floor under the speedup (`engine.policies.floor.GoodputFloor`, the default) lets a
 source draft only while the request's measured rounds say drafting beats plain decoding. A drafter's own
 stopping rule (SpecDec++, adaptive draft length) ends its part of a block inside the tier and says
 so in its reply (`core.tier.DraftReply.stopped`).
@@ -19,6 +19,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 SOURCES = ("lookup", "model")  # what fills a target's block: MaG's lookup gate, or the model drafters
+ARMS = ("full", "budget", "lookup", "plain")
+"""How much a round may draft, tried against each other by engine.policies.trial.ArmTrial:
+- "full": all the schedule offers (the fixed K-matrix and lookup);
+- "budget": each request's DraftBudget cap from E(k) / cost(k);
+- "lookup": MaG lookups only (budgeted), no model drafts;
+- "plain": no drafts at all (plain decoding of the target)."""
 
 
 class BlockPolicy(Protocol):

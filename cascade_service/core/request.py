@@ -70,7 +70,7 @@ class GenerationConfig:
     presence_penalty: float = 0.0  # OpenAI's: over the request's output; 0 = off
     frequency_penalty: float = 0.0
     # The output the client expects (OpenAI's predicted outputs), as token ids: a drafter of this request
-    # (core.prediction). It changes the speed, never the output.
+    # (core.proposers.prediction). It changes the speed, never the output.
     prediction: tuple[int, ...] = ()
     seed: int = 0  # the request's sampling seed
     verification: Verification = field(default_factory=_exact)  # the final verifier's rule; exact by default

@@ -112,7 +112,7 @@ class Usage:
 
 @dataclass
 class EngineTime:
-    """Where a request's time went in the engine loop (scheduling.loop), in seconds: its share of each
+    """Where a request's time went in the engine loop (engine.loop), in seconds: its share of each
     tier's batched forward passes (`pass_s`), its Python on the loop around them (`run_s`: the
     cascade's bookkeeping, MaG, reviews, sampling, detokenization) and the rest of its wall time
     (`waited_s`: its turn among the loop's tasks, remote tiers' replies, the session store)."""

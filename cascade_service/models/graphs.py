@@ -164,7 +164,7 @@ GRAPH_MODES: dict[str, Callable[[Any, KVPool, torch.dtype, torch.device], Static
 
 
 def start_graphs(model: Any, max_batch: int) -> None:
-    """Before `model` serves (on the engine loop's thread: runtime.core): its pool's tensors made for
+    """Before `model` serves (on the engine loop's thread: engine.core): its pool's tensors made for
     every layer, and its runner's first buckets captured (CUDA graphs: a capture takes milliseconds a
     bucket, not to be paid by a request). Under captured graphs the pool is made first at what
     `max_batch` requests at the model's longest context hold, within its KV budget (a share of the

@@ -8,7 +8,7 @@ import json
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,16 +19,14 @@ from transformers.utils import logging as hf_logging
 
 from ..core.tier import TierFacts
 from ..metrics import Metrics, default_metrics
-from ..scheduling.batcher import LoopBatcher, Pass
-from ..scheduling.loop import EngineLoop
-from .batching import default_prefill_chunk, executor, forward_batch
+from .batching import Pass, PassQueue, forward_batch
 from .cachearg import cache_kwargs
 from .cpukernels import packed_parameters, weight_major
-from .graphs import GRAPH_MODES, start_graphs
+from .graphs import GRAPH_MODES
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
 from .lean import BACKENDS
-from .poolpass import PoolPass, ragged
+from .poolpass import PoolPass
 from .rows import last_rows
 from .scorer import HFScorer
 from .staticpass import StaticRunner
@@ -180,29 +178,9 @@ class HFModel:
         # A prefill of a long prompt would otherwise materialise [S, V] logits only to drop all but n.
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
         self._step_times: dict[int, float] = {}
-        self.batcher: LoopBatcher | None = None  # once enable_batching() ran: passes run in the engine loop
+        # Once the engine joins it (engine.core.join_loop): where its passes wait for the engine's batched step.
+        self.batcher: PassQueue | None = None
         self.static: StaticRunner | None = None  # its fixed-shape passes (GRAPH_MODES, `use_graphs`); None: none
-
-    def enable_batching(self, loop: EngineLoop, max_batch: int = 64, prefill_chunk: int | None = None) -> None:
-        """From now on this model's forward passes run in the engine loop `loop` (scheduling.loop: its
-        engine core's, runtime.core), batched with concurrent requests' (scheduling.batcher).
-
-        prefill_chunk: the most tokens one pass of a prompt feeds while other requests decode (0: a
-        prompt in one pass; None: this device's default, models.batching.default_prefill_chunk).
-        """
-        chunk = default_prefill_chunk(self.device) if prefill_chunk is None else prefill_chunk
-        if self.batcher is None:
-            self.batcher = loop.batcher(self.name, executor(self), max_batch, chunk)
-            metrics = default_metrics()
-            self.batcher.on_pass = lambda rows, seconds: self._on_pass(metrics, rows, seconds)
-            # Ragged passes where the pool's passes run as transformers' forward; fixed-shape passes
-            # (CUDA graphs) pad to their buckets instead.
-            self.batcher.ragged = self.prefix_caching and ragged(self) and not self.static
-        elif loop is not self.batcher.loop:
-            raise ValueError(f"{self.name}: its passes already run in the engine loop {self.batcher.loop.name}")
-        else:  # settings for the same loop (a test, a benchmark's variant): the last ones win
-            self.batcher.max_batch, self.batcher.prefill_chunk = max_batch, chunk
-        start_graphs(self, max_batch)  # on cuda the graphs are captured now, not on a request's time
 
     def use_graphs(self, mode: str) -> None:
         """Run this model's passes that fit a bucket in fixed shapes (models.graphs.GRAPH_MODES:
@@ -213,7 +191,8 @@ class HFModel:
         usable = self.prefix_caching
         self.static = GRAPH_MODES[mode](self.module, self.kv_pool, self.dtype, self.device) if usable else None
 
-    def _on_pass(self, metrics: Metrics, rows: int, seconds: float) -> None:
+    def record_pass(self, metrics: Metrics, rows: int, seconds: float) -> None:
+        """A batched pass of `rows` rows took `seconds`: the metrics of it and of the KV pool after it."""
         metrics.forward_pass(self.name, rows, seconds)
         if self.prefix_caching:
             pool = self.kv_pool
@@ -324,8 +303,8 @@ class HFModel:
             raise ValueError(f"need context_len >= 0 and repeats >= 1, got {context_len}, {repeats}")
         if context_len not in self._step_times:
             measure = functools.partial(self._measure_step, context_len, repeats)
-            # On the loop's thread once the model serves there (on_loop_thread says why).
-            self._step_times[context_len] = self.batcher.loop.run(measure) if self.batcher is not None else measure()
+            # On the engine loop's thread once the model serves there (engine.loop.on_loop_thread says why).
+            self._step_times[context_len] = self.batcher.call(measure) if self.batcher is not None else measure()
         return self._step_times[context_len]
 
     def _measure_step(self, context_len: int, repeats: int) -> float:
@@ -359,16 +338,6 @@ class HFModel:
             extra["output_hidden_states"] = True
         out = self.module(input_ids=ids, use_cache=cache is not None, **cache_kwargs(self.module, cache), **extra)
         return last_rows(out.logits, out.hidden_states[-1] if with_hidden else None, keep)
-
-
-def on_loop_thread(loop: EngineLoop, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """fn(*args, **kwargs) on the thread of `loop`, waited for.
-
-    Torch's CPU kernels run on an OpenMP team per calling thread. Once a second thread has run a
-    parallel op (a lean drafter packing its weights, a step timed), libgomp sees more threads than
-    cores and stops spinning between parallel regions: on 2 cores every pass in the loop took twice
-    as long (the quality target, 3 tokens: 5.6 ms, 11-13 ms). So serving models compute there."""
-    return loop.run(functools.partial(fn, *args, **kwargs))
 
 
 def pass_time_s(model: HFModel, rows: int, context_len: int = 64, repeats: int = 7, tokens: int = 1) -> float:

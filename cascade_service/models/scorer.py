@@ -11,7 +11,7 @@ import torch
 
 from cascade_service.core.types import Context
 
-from ..scheduling.loop import current_loop
+from .batching import PassQueue
 from .kvpool import KVCache, KVPool, PagedCache
 
 
@@ -21,6 +21,7 @@ class ScoredModel(Protocol):
 
     name: str
     kv_pool: KVPool
+    batcher: PassQueue | None  # where its passes wait for the engine's step, once it joined one
 
     def new_cache(self, salt: str = "") -> KVCache: ...
 
@@ -130,9 +131,9 @@ class HFScorer:
             theirs = pool.claim(cache, ctx.tokens, limit)
             if theirs is None:
                 break
-            loop = current_loop()
-            if loop is not None:
-                loop.wait(theirs)  # park this task; the claimant's pass runs meanwhile
+            queue = self._model.batcher
+            if queue is not None:
+                queue.wait(theirs)  # in an engine task it parks; the claimant's pass runs meanwhile
             else:
                 theirs.result()
             pool.truncate(cache, 0)  # and look again: the blocks are published now, or were given up

@@ -1,3 +1,3 @@
-"""The composition root: a process's engine core (`core.EngineCore`: the only place a model is loaded),
-and one way for every wiring (in-process engine, standalone server, Ray app, tier servers) to assemble
-a coordinator and its session store from the config (`assemble`)."""
+"""The composition root: one way for every wiring (the in-process engine, the standalone server, the Ray
+app, tier servers) to assemble a coordinator and its session store from the config over an engine
+core's tiers (`assemble`; the engine core itself is engine.core)."""

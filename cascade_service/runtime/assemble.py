@@ -18,12 +18,12 @@ from ..coordinator import Coordinator, LeafFactory, TierFactory, Tokenizer, smal
 from ..core.adaptive import StopperFactory
 from ..core.policy import PolicyFactory
 from ..core.tier import TierFacts
+from ..engine.leaves import Leaves
+from ..engine.loop import Blocking, TaskLoop
 from ..extras import require
 from ..metrics import default_metrics
-from ..scheduling.loop import Blocking, EngineLoop
 from ..sessions import SessionStore
 from ..startup import check_vocabularies
-from .leaves import Leaves
 
 
 def hf_tokenizer(tokenizer: Any) -> Tokenizer:
@@ -46,11 +46,11 @@ def assemble_coordinator(
     leaves: LeafFactory | None = None,
     make_stopper: StopperFactory | None = None,
     policies: PolicyFactory | None = None,
-    loop: EngineLoop | None = None,
+    loop: TaskLoop | None = None,
 ) -> Coordinator:
     """A coordinator over model tiers described by `facts` (tier name -> TierFacts, the target's
     included). A drafter whose vocabulary is not the target's fails here, before any request.
-    `leaves`: the wiring's statistical drafters (runtime.leaves), made from `cascade` when not given."""
+    `leaves`: the wiring's statistical drafters (engine.leaves), made from `cascade` when not given."""
     check_vocabularies(cascade, {name: f.vocab_size for name, f in facts.items()}, tokenizers=False)
     target = facts[cascade.target.name]
     if leaves is None:

@@ -48,6 +48,8 @@ from ..config import (
 )
 from ..core.local import ModelTier
 from ..core.tier import Scope, Tier
+from ..engine.core import EngineCore
+from ..engine.loop import Blocking, task_cancelled
 from ..metrics import default_metrics
 from ..models.hf import load_tokenizer
 from ..proto.tier.v1 import tier_pb2 as pb
@@ -57,8 +59,6 @@ from ..runtime.assemble import (
     hf_tokenizer,
     session_store,
 )
-from ..runtime.core import EngineCore
-from ..scheduling.loop import Blocking, task_cancelled
 from ..startup import check_vocabularies
 from ..tierhost.modeltier import replica_tier
 from ..tierhost.subcascade import check_adaptive_reviewers, system_heads
@@ -117,7 +117,7 @@ class CoordinatorDeployment:
         self.remote: dict[str, RemoteModel] = {}  # tiers named by address (transport.client)
         self._servicer: CascadeServicer | None = None
         self._ready = threading.Lock()
-        # The replica's engine core (runtime.core): calls run as tasks of its loop, where colocated
+        # The replica's engine core (engine.core): calls run as tasks of its loop, where colocated
         # tiers' passes batch; it loads those tiers. This pool runs what must not block Serve's event
         # loop: building the servicer, the tokenizer's load.
         self.core = EngineCore(name="coordinator")
@@ -294,7 +294,7 @@ class CoordinatorDeployment:
         return cancelled
 
     def thread_settings(self) -> str:
-        """torch's threads where this replica's passes run (runtime.core.EngineCore.thread_settings)."""
+        """torch's threads where this replica's passes run (engine.core.EngineCore.thread_settings)."""
         return self.core.thread_settings()
 
     def metrics_text(self) -> str:
@@ -337,7 +337,7 @@ def _serve(
     servicer: CascadeServicer, method: str, request: Any, context: Any, cancelled: Callable[[], bool] | None = None
 ) -> Any:
     """Call a servicer method (an engine loop task). A caller that hangs up or runs out of time has
-    Serve cancel this call: the task is told (scheduling.loop.task_cancelled) and its decode stops after
+    Serve cancel this call: the task is told (engine.loop.task_cancelled) and its decode stops after
     the round under way; its finally blocks free the tiers' KV caches, and the session is left as it
     was. `cancelled`: the caller's own word that it has gone (the replica's HTTP API); by default the
     gRPC context's."""

@@ -15,7 +15,7 @@ from .tier_deployment import DEFAULT_MAX_ONGOING
 # inline: each handoff between threads costs a context switch per hop, and the sync methods left
 # (info, counters, release) return at once; what blocks (a tier's block calls; on the coordinator, a
 # colocated tier's passes and the session store) goes to the replica's own thread pool, so the loop
-# stays free to take concurrent calls. The coordinator's decodes run in its engine loop (scheduling/loop.py).
+# stays free to take concurrent calls. The coordinator's decodes run in its engine loop (engine/loop.py).
 LOCAL_ACTOR_OPTIONS = {
     "num_cpus": 0.25,
     "runtime_env": {

@@ -5,33 +5,26 @@ Kept apart from the app's deployments (serving.app), which only ask for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..config import CascadeConfig, ConfigError, ServingConfig
 from ..core.policy import PolicyFactory
-from ..scheduling.floor import floor_policies
-from ..scheduling.load import DraftBudget, load_policies
-from ..scheduling.passes import PassTimer
+from ..engine.policies import build_policies
 
 RAY_ARMS = ("full", "lookup", "plain")
 
 
-def load_budgets(cascade: CascadeConfig, arms: Sequence[str] | None = None) -> Callable[..., DraftBudget]:
-    """Load-adaptive speculation for the coordinator's requests (scheduling.load), without the "budget" arm.
-
-    Its cost model needs the target's batched passes and each request's share of the drafters' ones,
-    which live in other replicas here; the trial of the other arms only needs each round's wall time,
-    which the coordinator sees (every tier's reply and queueing included).
-    arms: serving.load_arms (None: RAY_ARMS).
-    """
-    return load_policies(PassTimer(), cascade.max_block(), ray_arms(arms))
-
-
 def coordinator_policies(cascade: CascadeConfig, serving: ServingConfig) -> PolicyFactory | None:
-    """The coordinator's policy per request: load adaptation where serving.adapt_to_load says, under the
-    floor where serving.floor says (both on by default); None: the K-matrix as configured."""
-    policies: PolicyFactory | None = load_budgets(cascade, serving.load_arms) if serving.adapt_to_load else None
-    return floor_policies(policies) if serving.floor else policies
+    """The coordinator's policy per request (engine.policies.build_policies): load adaptation where
+    serving.adapt_to_load says, under the floor where serving.floor says (both on by default); None: the
+    K-matrix as configured.
+
+    Load adaptation here runs without the "budget" arm: its cost model needs the target's batched passes
+    and each request's share of the drafters' ones, which live in other replicas; the trial of the
+    other arms only needs each round's wall time, which the coordinator sees (every tier's reply and
+    queueing included)."""
+    arms = ray_arms(serving.load_arms) if serving.adapt_to_load else None
+    return build_policies(cascade.max_block(), serving.adapt_to_load, serving.floor, arms)
 
 
 def ray_arms(arms: Sequence[str] | None) -> tuple[str, ...]:

@@ -13,8 +13,8 @@ from ray.serve.handle import DeploymentHandle
 
 from ..config import MaGConfig, ModelTierConfig, TierServerConfig, deployment_name
 from ..core.tier import Overloaded, Unavailable
+from ..engine.core import EngineCore
 from ..metrics import default_metrics
-from ..runtime.core import EngineCore
 from ..tierhost.group import TierGroup
 from ..tierhost.modeltier import replica_tier
 from ..tierhost.subcascade import SubCascade
@@ -52,7 +52,7 @@ class TierDeployment:
     """A replica of one model tier, or of a group of tiers (serving.groups) with MaG beside them.
 
     Block calls (draft, review) carry the tier protocol's bytes (transport.codec); each runs as a task
-    of the replica's engine loop (scheduling.loop), which batches every waiting call's forward passes of
+    of the replica's engine loop (engine.loop), which batches every waiting call's forward passes of
     each model, so requests decoding at once share passes.
     """
 

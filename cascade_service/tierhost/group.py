@@ -19,13 +19,13 @@ from .. import __version__
 from ..config import MAG, ConfigError, ModelTierConfig
 from ..core.cascade import RequestState, build_cascade
 from ..core.local import StatisticalTier
-from ..core.mag import MaxGram
 from ..core.placement import request_generator
+from ..core.proposers.mag import MaxGram
 from ..core.stats import CascadeStats
 from ..core.tier import DraftReply, DraftRequest, ReviewRequest, Tier
+from ..engine.core import EngineCore, queue_of
 from ..models.hf import HFModel
 from ..proto.tier.v1 import tier_pb2 as pb
-from ..runtime.core import EngineCore
 from .host import TierHost, UnknownTier
 from .modeltier import MAX_BLOCK, MAX_CACHED_REQUESTS, TierServer, check_ids
 from .subcascade import SubCascade
@@ -34,7 +34,7 @@ from .subcascade import SubCascade
 def _batched_passes(model: HFModel) -> int:
     if model.batcher is None:
         return 0
-    sizes = dict(model.batcher.batch_sizes)  # a copy: the batcher's worker thread adds to it meanwhile
+    sizes = dict(queue_of(model).batch_sizes)  # a copy: the batcher's worker thread adds to it meanwhile
     return sum(passes for size, passes in sizes.items() if size > 1)
 
 

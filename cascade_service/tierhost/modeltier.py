@@ -15,9 +15,9 @@ from ..config import ConfigError, ModelTierConfig
 from ..core.adaptive import AdaptiveLength, DraftStopper
 from ..core.local import ModelTier
 from ..core.tier import DraftRequest, ReviewRequest
+from ..engine.core import EngineCore
 from ..models.hf import HFScorer
 from ..proto.tier.v1 import tier_pb2 as pb
-from ..runtime.core import EngineCore
 from ..startup import tier_device, where
 from .grammars import TierGrammars
 

@@ -1,7 +1,7 @@
 """A tier as a gRPC service of its own: cascade.tier.v1.Tier over a `TierGroup` (`cascade-service tier`).
 
 The server is a `grpc.aio` server on an event loop of its own. A call is checked there (its API key,
-its deadline, the queue) and only then handed to the process's engine loop (scheduling.loop) as a task,
+its deadline, the queue) and only then handed to the process's engine loop (engine.loop) as a task,
 so idle, unauthenticated or refused calls cost nothing there. Concurrent calls share forward passes:
 the engine loop batches every waiting call's passes of each model, as a Ray tier replica does.
 
@@ -24,10 +24,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
+from ..engine.loop import TaskLoop
 from ..proto.tier.v1 import tier_pb2 as pb
 from ..rpc.auth import ApiKeys, TlsFiles, bearer, bind
 from ..rpc.reflection import enable_reflection
-from ..scheduling.loop import EngineLoop
 from ..transport.wire import MAX_MESSAGE_BYTES, SERVICE
 from .host import UnknownTier
 
@@ -42,7 +42,7 @@ class Served(Protocol):
     """What a tier server serves: encoded calls in, encoded replies out (`tierhost.group.TierGroup`)."""
 
     mag_vocab: int | None
-    loop: EngineLoop  # where its calls run (its engine core's: runtime.core)
+    loop: TaskLoop  # where its calls run (its engine core's: engine.core)
 
     def draft(self, data: bytes) -> bytes: ...
 

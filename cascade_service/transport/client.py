@@ -158,7 +158,7 @@ class TierReplicas:
         return grpc.secure_channel(replica, self._credentials, options)
 
     def _call(self, address: str, method: str, data: bytes) -> bytes:
-        # Blocks: in an engine loop task, RemoteTier runs it on the loop's executor (scheduling.loop).
+        # Blocks: in an engine loop task, RemoteTier runs it on the loop's executor (engine.loop).
         return self._stubs[address][method](data, timeout=self.settings.timeout_s, metadata=self._metadata)
 
     def _release(self, address: str, data: bytes) -> None:

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from ..core.stats import Usage
 from ..core.tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest
-from ..scheduling.loop import run_blocking
+from ..engine.loop import run_blocking
 from .codec import (
     decode_draft_reply,
     decode_review_reply,
@@ -42,7 +42,7 @@ class RemoteTier:
     `system`: the replica runs this tier's whole sub-cascade for a draft (configured at deployment;
     `tierhost.group.TierGroup`); its reply's usage then covers every tier inside. `blocking`: `invoke`
     waits on another process, so in an engine loop task it runs on the loop's executor while the task
-    is parked (scheduling.loop.run_blocking) and the loop's other requests go on.
+    is parked (engine.loop.run_blocking) and the loop's other requests go on.
     """
 
     def __init__(self, name: str, request_id: str, invoke: Invoke, system: bool = False, blocking: bool = True):

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from cascade_service.core.mag import BigramTable
+from cascade_service.core.proposers.mag import BigramTable
 from cascade_service.zoo import train
 from cascade_service.zoo.evaluate import (
     encode_files,

@@ -21,7 +21,7 @@ from cascade_service import procfs
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.core.verify import Verification
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.serving.app import APP_NAME
 from cascade_service.serving.local import LocalService
 from cascade_service.serving.tier_deployment import tier_deployment_name
@@ -94,7 +94,7 @@ def client(service):
 
 
 def test_greedy_output_through_the_service_equals_the_oracle_and_in_process(tiny_family, config_path, client):
-    engine = Engine(load_config(config_path).cascade)
+    engine = InProcess(load_config(config_path).cascade)
     for prompt in PROMPTS:
         expected = oracle(tiny_family["target"], prompt, 24)
         result = client.generate(prompt_token_ids=prompt, max_new_tokens=24)  # the default: the floor decides
@@ -112,7 +112,7 @@ def test_greedy_output_through_the_service_equals_the_oracle_and_in_process(tiny
 def test_lossy_rules_through_the_service_equal_in_process(config_path, client):
     # The target is a deployment of its own here: its review applies the request's rule remotely, and
     # fuzzy rules make greedy drafts carry their rows across deployments.
-    engine = Engine(load_config(config_path).cascade)
+    engine = InProcess(load_config(config_path).cascade)
     # A lossy rule's output depends on what was drafted: every round as scheduled on both sides.
     for rule, alpha in (("token-v3", 0.5), ("fuzzy-tv", 0.6), ("lossy", 0.3)):
         gen = GenerationConfig(max_new_tokens=24, verification=Verification(rule, alpha), speculation="fixed")

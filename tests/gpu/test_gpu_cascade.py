@@ -27,12 +27,12 @@ from cascade_service.config import (
 from cascade_service.core.cascade import RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.local import local_tiers
-from cascade_service.core.mag import BigramTable, MaxGram
+from cascade_service.core.proposers.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
 from cascade_service.core.verify import Verification
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.toy import ToyScorer, chi_square_rejects, exact_distribution
@@ -52,10 +52,12 @@ PLACEMENTS = {
 }
 
 
-def _engine(family, placement: str, leniency: float = 1.5) -> Engine:
+def _engine(family, placement: str, leniency: float = 1.5) -> InProcess:
     t_dev, t_dtype, d_dev, d_dtype = PLACEMENTS[placement]
     drafters = [MaGConfig() if n == "mag" else ModelTierConfig(n, str(family[n]), d_dtype, d_dev) for n in NAMES]
-    return Engine(make_cascade(ModelTierConfig("target", str(family["target"]), t_dtype, t_dev), drafters, K, leniency))
+    return InProcess(
+        make_cascade(ModelTierConfig("target", str(family["target"]), t_dtype, t_dev), drafters, K, leniency)
+    )
 
 
 @pytest.mark.parametrize("leniency", [1.0, 3.0])

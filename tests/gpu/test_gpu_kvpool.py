@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
-from cascade_service.models.batching import forward_batch
+from cascade_service.inprocess import InProcess
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
-from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.threads import concurrently
@@ -56,7 +55,7 @@ def test_a_cached_prefix_on_cuda_gives_the_same_logits(tiny_family, dtype):
 
 def test_concurrent_greedy_requests_on_cuda_pools_are_the_targets_path(tiny_family):
     target = ModelTierConfig("target", str(tiny_family["target"]), device="cuda")
-    engine = Engine(
+    engine = InProcess(
         make_cascade(
             target, [ModelTierConfig("mid", str(tiny_family["mid"]), device="cuda"), MaGConfig()], [[3, 1], [0, 3]], 1.5
         )

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from cascade_service.config import GenerationConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
 
@@ -53,7 +53,7 @@ def test_lean_pass_on_cuda_matches_transformers(tiny_family, dtype):
 def test_greedy_cascade_with_lean_cuda_drafters_is_the_targets_path(tiny_family):
     drafters = [ModelTierConfig(n, str(tiny_family[n]), device="cuda", backend="lean") for n in ("close", "mid")]
     target = ModelTierConfig("target", str(tiny_family["target"]), device="cuda")
-    engine = Engine(make_cascade(target, drafters, [[3, 2], [0, 4]], 1.0))
+    engine = InProcess(make_cascade(target, drafters, [[3, 2], [0, 4]], 1.0))
     model = load(tiny_family["target"], "cuda", "float32")
     for prompt in random_prompts(2, 12, seed=9):
         got = engine.generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids

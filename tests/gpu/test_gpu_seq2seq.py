@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.tiny import random_prompts
 
 from .oracle import GPU
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs CUDA")]
 
 def test_an_encoder_decoder_cascade_on_cuda_is_the_targets_greedy_output(tiny_family_factory):
     t5 = tiny_family_factory("t5")
-    engine = Engine(
+    engine = InProcess(
         make_cascade(
             ModelTierConfig("target", str(t5["target"]), device="cuda"),
             [ModelTierConfig("close", str(t5["close"]), device="cuda"), MaGConfig()],

@@ -11,14 +11,14 @@ import torch
 
 from cascade_service.config import ModelTierConfig, make_cascade
 from cascade_service.core.request import GenerationConfig
-from cascade_service.engine import Engine
+from cascade_service.engine.core import join_loop
+from cascade_service.engine.loop import TaskLoop
+from cascade_service.inprocess import InProcess
 from cascade_service.models import chain
-from cascade_service.models.batching import forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.graphs import CapturedPasses
 from cascade_service.models.hf import HFModel
 from cascade_service.models.staticpass import forward_static_rows, static_forward, static_inputs
-from cascade_service.scheduling.batcher import Pass
-from cascade_service.scheduling.loop import EngineLoop
 from cascade_service.zoo.tiny import random_prompts
 
 from .oracle import assert_greedy, load
@@ -63,7 +63,7 @@ def test_a_replayed_pass_equals_the_eager_one(tiny_family, backend):
 
 def test_buckets_are_captured_at_start_and_again_after_the_pool_moved(tiny_family):
     model = HFModel.load(tiny_family["mid"], backend="lean", kv="pool", device="cuda")
-    model.enable_batching(EngineLoop("gpu-static-test"), max_batch=4)
+    join_loop(model, TaskLoop("gpu-static-test"), max_batch=4)
     runner = model.static
     assert isinstance(runner, CapturedPasses)
     assert runner.captures == 3 * 5  # rows 1, 2, 4 by tokens 1, 2, 4, 8, 16 at the first width
@@ -87,7 +87,7 @@ def test_a_cascade_replaying_graphs_is_the_targets_greedy_path(tiny_family, dtyp
         ModelTierConfig(n, str(tiny_family[n]), dtype=dtype, device="cuda", backend="lean") for n in ("close", "mid")
     ]
     target = ModelTierConfig("target", str(tiny_family["target"]), dtype=dtype, device="cuda")
-    engine = Engine(make_cascade(target, drafters, [[3, 2], [0, 4]], 1.0))
+    engine = InProcess(make_cascade(target, drafters, [[3, 2], [0, 4]], 1.0))
     model = load(tiny_family["target"], "cuda", dtype)
     for prompt in random_prompts(3, 12, seed=19):
         got = engine.generate(prompt, GenerationConfig(max_new_tokens=32)).token_ids
@@ -101,7 +101,7 @@ def test_a_cascade_replaying_graphs_is_the_targets_greedy_path(tiny_family, dtyp
 def test_sampled_output_on_graphs_is_reproducible_per_seed(tiny_family):
     drafters = [ModelTierConfig("mid", str(tiny_family["mid"]), device="cuda", backend="lean")]
     target = ModelTierConfig("target", str(tiny_family["target"]), device="cuda")
-    engine = Engine(make_cascade(target, drafters, [[4]], 1.0))
+    engine = InProcess(make_cascade(target, drafters, [[4]], 1.0))
     prompt = random_prompts(1, 10, seed=23)[0]
     runs = [
         engine.generate(prompt, GenerationConfig(max_new_tokens=32, temperature=1.0, seed=seed)).token_ids
@@ -116,7 +116,7 @@ def test_a_fixed_shape_pass_and_a_chains_steps_never_synchronize(tiny_family, ba
     # The CPU tests count Python-level reads only; here CUDA itself says whether anything between a
     # chain's first step and its one read at the end (or inside a fixed-shape pass) waits for the device.
     model = HFModel.load(tiny_family["mid"], backend=backend, kv="pool", device="cuda")
-    model.enable_batching(EngineLoop("gpu-sync-test"), max_batch=4)
+    join_loop(model, TaskLoop("gpu-sync-test"), max_batch=4)
     caches = _prefilled(model, 2, 20, seed=6)
     pool = model.kv_pool
     for cache in caches:

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 
 # One position's float32 log-probability differs between target passes of different shapes (a plain step,
 # the review of a block of two or of four drafts, beside other rows): a CPU matmul's rounding depends on the
@@ -59,4 +59,4 @@ def greedy_generate(target_dir, prompt, max_new_tokens, **options):
 def make_engine(family, names, k_matrix, leniency, bigram=None, lookup=None, loopback=False):
     drafters = [MaGConfig(bigram=bigram) if n == "mag" else ModelTierConfig(n, str(family[n])) for n in names]
     cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency, lookup)
-    return Engine(cascade, loopback=loopback)
+    return InProcess(cascade, loopback=loopback)

@@ -10,7 +10,7 @@ from pathlib import Path
 from cascade_service.cli.tier import tier_group
 from cascade_service.config import CascadeConfig, Config, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.tier import Tier
-from cascade_service.scheduling.loop import EngineLoop
+from cascade_service.engine.loop import TaskLoop
 from cascade_service.tierhost.host import TierHost
 from cascade_service.tierhost.server import TierServer, start_tier_server
 
@@ -60,7 +60,7 @@ class HostedTiers:
 
     def __init__(self, vocab: int):
         self.vocab = vocab
-        self.loop = EngineLoop("hosted-tiers")  # where a tier server runs its calls
+        self.loop = TaskLoop("hosted-tiers")  # where a tier server runs its calls
         self.tiers: dict[tuple[str, str], Tier] = {}
         self.host = TierHost(lambda name, request: self.tiers[(name, request.request_id)])
 

@@ -9,8 +9,8 @@ import torch
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.local import StatisticalTier, local_tiers
-from cascade_service.core.mag import BigramTable, MaxGram
-from cascade_service.core.prediction import PREDICTION, PredictionProposer
+from cascade_service.core.proposers.mag import BigramTable, MaxGram
+from cascade_service.core.proposers.prediction import PREDICTION, PredictionProposer
 from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats
 from cascade_service.tierhost.loopback import loopback
@@ -46,7 +46,7 @@ def sample_cascade(
 ):
     """Counts of the cascade's 3-token continuations over `samples` requests, and the exact target
     distribution. wire: every tier behind the wire codec in this process; wrap(tier, request_id): any
-    other transport (a tier server); prediction: token ids the request predicts (core.prediction);
+    other transport (a tier server); prediction: token ids the request predicts (core.proposers.prediction);
     grammar: the request's output constrained by a ToyGrammar (and the exact distribution with it);
     policy(): each request's block policy at the target (the K-matrix as configured when None); keyed:
     a sampled request draws by position, as a lossless served one does (core.sampling `race`), else

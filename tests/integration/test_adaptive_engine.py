@@ -20,7 +20,7 @@ import yaml
 from cascade_service.cli import main
 from cascade_service.config import ConfigError, GenerationConfig, MaGConfig, ModelTierConfig, load_config, make_cascade
 from cascade_service.core.adaptive import AdaptiveLength
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models.acceptance_head import AcceptanceHead
 from cascade_service.zoo.tiny import random_prompts
 
@@ -45,11 +45,11 @@ def _head(tmp_path, hidden: int, bias: float) -> str:
 def make_engine(family, k, adaptive=None):
     drafters = [ModelTierConfig("mid", str(family["mid"]))]
     cascade = make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k, 1.0, None, adaptive)
-    return Engine(cascade)
+    return InProcess(cascade)
 
 
 def test_adaptive_stopping_keeps_greedy_output_exact(tiny_family, tmp_path):
-    hidden = Engine(
+    hidden = InProcess(
         make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)
     ).target.config.hidden_size
     settings = {
@@ -65,7 +65,7 @@ def test_adaptive_stopping_keeps_greedy_output_exact(tiny_family, tmp_path):
 
 
 def test_the_stopping_rule_sets_the_block_length(tiny_family, tmp_path):
-    hidden = Engine(
+    hidden = InProcess(
         make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)
     ).target.config.hidden_size
     fixed = make_engine(tiny_family, [[8]])
@@ -83,7 +83,7 @@ def test_the_stopping_rule_sets_the_block_length(tiny_family, tmp_path):
 
 
 def _hidden(family, tier: str) -> int:
-    return Engine(make_cascade(ModelTierConfig("t", str(family[tier])), [], None, 1.0)).target.config.hidden_size
+    return InProcess(make_cascade(ModelTierConfig("t", str(family[tier])), [], None, 1.0)).target.config.hidden_size
 
 
 def _mean_block(result) -> float:
@@ -112,8 +112,8 @@ def test_specdec_stops_a_reviewing_tier_part_and_keeps_the_output_exact(tiny_fam
     drafters = [ModelTierConfig("close", str(tiny_family["close"])), ModelTierConfig("mid", str(tiny_family["mid"]))]
     target = ModelTierConfig("target", str(tiny_family["target"]))
     head = _head(tmp_path, _hidden(tiny_family, "close"), 0.0)
-    fixed = Engine(make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0))
-    adaptive = Engine(
+    fixed = InProcess(make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0))
+    adaptive = InProcess(
         make_cascade(target, drafters, [[4, 0], [0, 3]], 1.0, None, {"close": AdaptiveLength("specdec", 0.6, head)})
     )
     for prompt in PROMPTS:
@@ -133,7 +133,7 @@ def test_adaptive_through_the_service_equals_in_process(tiny_family, tmp_path):
     from cascade_service.client import CascadeClient
     from cascade_service.serving.local import LocalService
 
-    hidden = Engine(
+    hidden = InProcess(
         make_cascade(ModelTierConfig("t", str(tiny_family["mid"])), [], None, 1.0)
     ).target.config.hidden_size
     raw = {
@@ -149,7 +149,7 @@ def test_adaptive_through_the_service_equals_in_process(tiny_family, tmp_path):
     }
     path = tmp_path / "adaptive.yaml"
     path.write_text(yaml.safe_dump(raw))
-    engine = Engine(load_config(path).cascade)
+    engine = InProcess(load_config(path).cascade)
     with LocalService(str(path), num_cpus=4) as service, CascadeClient(service.address, timeout_s=120) as client:
         for prompt in PROMPTS:
             # every round as scheduled on both sides: the floor decides from timings, which differ

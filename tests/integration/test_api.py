@@ -16,7 +16,7 @@ from cascade_service.api.server import start_server
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.cascade import Lookup
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.proto.v1 import cascade_pb2_grpc
 from cascade_service.sessions import MemoryStore
@@ -42,7 +42,7 @@ def engine(tiny_family):
         1.5,
         Lookup(2, 10),
     )
-    return Engine(cascade)
+    return InProcess(cascade)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from cascade_service.api.server import start_server
 from cascade_service.api.status import DETAILS_KEY
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.verify import RULES
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.zoo.tiny import random_prompts
@@ -52,7 +52,7 @@ def stub(tiny_family):
         [[3, 1], [0, 3]],
         1.5,
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     assert engine.target.vocab_size == VOCAB
     from cascade_service.sessions import MemoryStore
 

@@ -25,7 +25,7 @@ from cascade_service.config import (
     make_cascade,
 )
 from cascade_service.core.cascade import Lookup
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.rpc.auth import TlsFiles, load_api_keys, owner_id
 from cascade_service.sessions import MemoryStore
@@ -42,7 +42,7 @@ def coordinator(tiny_family):
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"])), drafters, [[4, 0], [0, 6]], 1.5, Lookup(2, 10)
     )
-    return Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8))
+    return InProcess(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Batching in the engine loop (scheduling/loop.py, models/batching.py): which passes share a batch,
+"""Batching in the engine loop (engine/loop.py, models/batching.py): which passes share a batch,
 chunked prefills, every ready request in one pass, and fair turns.
 
 Each choice is checked for what it promises (padding within bounds, the oldest pass always goes, a
@@ -16,18 +16,18 @@ import torch
 from transformers import DynamicCache
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.engine.core import EngineCore
+from cascade_service.inprocess import InProcess
+from cascade_service.models.batching import Pass
 from cascade_service.models.hf import HFModel
-from cascade_service.runtime.core import EngineCore
-from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
 
 
 def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
-    from cascade_service.scheduling.batcher import take_batch
-    from cascade_service.scheduling.passes import PAD_WASTE
+    from cascade_service.engine.clock import PAD_WASTE
+    from cascade_service.engine.scheduler import take_batch
 
     def passes(*lengths):
         return [Pass([0] * n, DynamicCache(), 1, False) for n in lengths]
@@ -44,7 +44,7 @@ def test_a_batch_groups_passes_of_similar_length_and_always_takes_the_oldest():
 
 
 def test_a_ragged_models_batch_mixes_new_token_counts_and_is_bound_by_its_keys_alone():
-    from cascade_service.scheduling.batcher import take_batch
+    from cascade_service.engine.scheduler import take_batch
 
     # Fifteen decode steps and a 7-token verification: padded, 16 rows of 7 > 1.5 x 22 real queries, so
     # the verification waits; ragged, it joins (its extra tokens are all it adds).
@@ -59,7 +59,7 @@ def test_a_ragged_models_batch_mixes_new_token_counts_and_is_bound_by_its_keys_a
 
 
 def test_a_ragged_models_row_is_priced_by_its_own_tokens():
-    from cascade_service.scheduling.passes import PassTimer
+    from cascade_service.engine.clock import PassTimer
 
     padded, ragged = PassTimer(min_passes=4), PassTimer(min_passes=4)
     ragged.ragged = True
@@ -84,7 +84,7 @@ def _cached(past: int, new: int = 1) -> Pass:
 
 
 def _padding_within_bounds(batch: list[Pass]) -> bool:
-    from cascade_service.scheduling.passes import PAD_WASTE, ROW_POSITIONS
+    from cascade_service.engine.clock import PAD_WASTE, ROW_POSITIONS
 
     past = [p.cache.get_seq_length() for p in batch]
     news = [len(p.fed) for p in batch]
@@ -95,7 +95,7 @@ def _padding_within_bounds(batch: list[Pass]) -> bool:
 
 
 def test_a_long_cache_is_not_batched_with_short_ones_and_the_oldest_pass_always_goes():
-    from cascade_service.scheduling.batcher import take_batch
+    from cascade_service.engine.scheduler import take_batch
 
     shorts = [_cached(30 + 3 * i) for i in range(16)]  # ragged short caches: 30 to 75 positions
     long = _cached(4000)
@@ -114,7 +114,7 @@ def test_a_long_cache_is_not_batched_with_short_ones_and_the_oldest_pass_always_
 
 
 def test_short_caches_of_different_lengths_are_grouped_by_their_new_tokens_alone():
-    from cascade_service.scheduling.batcher import take_batch
+    from cascade_service.engine.scheduler import take_batch
 
     # Short caches count alike (a row costs ROW_POSITIONS whatever its cache): a prefill of 4 tokens
     # and steps of 1 to 3 over caches of 0 to 200 positions are grouped as with empty caches.
@@ -127,7 +127,7 @@ def test_short_caches_of_different_lengths_are_grouped_by_their_new_tokens_alone
 def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
     import itertools
 
-    from cascade_service.scheduling.batcher import chunk_end
+    from cascade_service.engine.scheduler import chunk_end
 
     def chunks(n, keep, size):
         bounds = [0]
@@ -142,10 +142,10 @@ def test_prefill_chunks_cover_the_tokens_once_with_every_kept_row_in_the_last():
 
 
 def _loop_with(model, **settings):
+    from cascade_service.engine.loop import TaskLoop
     from cascade_service.models.batching import executor
-    from cascade_service.scheduling.loop import EngineLoop
 
-    loop = EngineLoop("test-loop")
+    loop = TaskLoop("test-loop")
     batcher = loop.batcher(model.name, executor(model))
     for name, value in settings.items():
         setattr(batcher, name, value)
@@ -261,7 +261,7 @@ def test_a_request_that_has_ended_does_not_cut_the_next_prefill_small(monkeypatc
 
 
 def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_family, monkeypatch):
-    from cascade_service.scheduling.batcher import LoopBatcher
+    from cascade_service.engine.scheduler import ModelQueue
 
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"])),
@@ -269,8 +269,8 @@ def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_
         [[3, 1], [0, 3]],
         1.5,
     )
-    monkeypatch.setattr(LoopBatcher, "LONE_CHUNK", 40)  # chunks of 40 and of 16 as the traffic goes
-    engine = Engine(cascade, core=EngineCore(prefill_chunk=16))
+    monkeypatch.setattr(ModelQueue, "LONE_CHUNK", 40)  # chunks of 40 and of 16 as the traffic goes
+    engine = InProcess(cascade, core=EngineCore(prefill_chunk=16))
     prompts = random_prompts(6, 8, seed=22)
     prompts[0] = random_prompts(1, 200, seed=23)[0]  # 5 to 13 chunks at the target and at the drafter
     before = dict(engine.target.batcher.batch_sizes)

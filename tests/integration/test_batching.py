@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
-from cascade_service.models.batching import forward_batch
+from cascade_service.inprocess import InProcess
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
-from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
@@ -76,7 +75,7 @@ def test_concurrent_requests_of_different_lengths_match_the_oracle(tiny_family, 
         [[3, 1], [0, 3]],
         1.5,
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     prompts = random_prompts(10, 10, seed=21)
     prompts = [p[: 4 + i] for i, p in enumerate(prompts)]  # ragged prompts too
     budgets = [6 + 9 * i for i in range(10)]
@@ -99,7 +98,7 @@ def test_the_standalone_server_adapts_to_load_unless_told_to_fix_the_schedule(ti
 
     from cascade_service.config import Config
     from cascade_service.config.serving import ServingConfig
-    from cascade_service.scheduling.load import DraftBudget
+    from cascade_service.engine.policies.load import DraftBudget
     from cascade_service.standalone import start_standalone
 
     cascade = make_cascade(
@@ -197,7 +196,7 @@ def test_any_draft_budget_keeps_the_output_exact(tiny_family, lookup):
         1.5,
         Lookup(2, 6) if lookup else None,
     )
-    coordinator = Engine(cascade).coordinator(MemoryStore())
+    coordinator = InProcess(cascade).coordinator(MemoryStore())
     budgets: list[_CyclingBudget] = []
     coordinator.policies = lambda greedy, scope="": budgets.append(_CyclingBudget()) or budgets[-1]
     for prompt in random_prompts(3, 12, seed=44):
@@ -219,7 +218,7 @@ def test_load_adaptation_under_concurrency_keeps_the_output_exact(tiny_family):
         [[3, 1], [0, 3]],
         1.5,
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     coordinator = engine.coordinator(MemoryStore(), adapt_to_load=True)
     made = []
     make = coordinator.policies
@@ -244,11 +243,11 @@ def test_an_engine_serving_like_a_config_runs_the_servers_policies(tiny_family):
     # The demo's in-process side compares paths, so it must run what the server runs: load adaptation
     # under the floor (a server's default), not the engine's own default (the floor over the K-matrix).
     from cascade_service.config.serving import ServingConfig
-    from cascade_service.scheduling.load import DraftBudget
+    from cascade_service.engine.policies.load import DraftBudget
 
     from ..helpers.tier_servers import tiny_cascade
 
-    engine = Engine(tiny_cascade(tiny_family))
+    engine = InProcess(tiny_cascade(tiny_family))
     prompt = random_prompts(1, 8, seed=4)[0]
     try:
         assert not isinstance(engine._local.policies(True, "").inner, DraftBudget)  # the engine's default

@@ -16,7 +16,7 @@ import pytest
 
 from cascade_service.api.server import start_server
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.sessions import MemoryStore
@@ -36,7 +36,7 @@ def served(tiny_family):
         [[3, 1], [0, 3]],
         1.5,
     )
-    coordinator = Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=16))
+    coordinator = InProcess(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=16))
     requests = Requests(coordinator)
     server, port = start_server(coordinator)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

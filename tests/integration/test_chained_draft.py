@@ -11,10 +11,9 @@ import torch
 from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.types import Context
 from cascade_service.models import chain
-from cascade_service.models.batching import forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.models.staticpass import static_forward, static_inputs
-from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 

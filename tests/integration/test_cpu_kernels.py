@@ -12,7 +12,7 @@ from torch import nn
 
 from cascade_service.config import ConfigError, ModelTierConfig, make_cascade, parse_config
 from cascade_service.core.request import GenerationConfig
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models.cpukernels import WeightMajorLinear, quantize_int8, weight_major
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
@@ -57,7 +57,7 @@ def test_int8_drafts_and_the_output_stays_the_targets(tiny_family):
         [[4]],
         1.0,
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     drafter = engine.drafters[0]
     assert isinstance(drafter, HFModel) and drafter.backend == "int8"
     assert not any(type(m) in (nn.Linear, WeightMajorLinear) for m in drafter.module.modules())

@@ -116,7 +116,7 @@ def test_in_process_worker_decodes_in_a_child_process_and_reports_errors(tiny_fa
 
     from cascade_service.bench.inprocess import InProcessWorker
     from cascade_service.config import GenerationConfig, load_config
-    from cascade_service.engine import Engine
+    from cascade_service.inprocess import InProcess
 
     tiny_config = tmp_path / "tiny.yaml"
     tiny_config.write_text(
@@ -129,7 +129,7 @@ def test_in_process_worker_decodes_in_a_child_process_and_reports_errors(tiny_fa
             }
         )
     )
-    engine = Engine(load_config(tiny_config).cascade)
+    engine = InProcess(load_config(tiny_config).cascade)
     ids = [5, 9, 13, 2, 7]
     with InProcessWorker(str(tiny_config), torch_threads=1) as worker:
         assert worker.process.pid != os.getpid()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from cascade_service.cli.main import main
 from cascade_service.config import ModelTierConfig, make_cascade
 from cascade_service.core.request import GenerationConfig
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models.hf import load_tokenizer
 from cascade_service.zoo import distill as distill_module
 from cascade_service.zoo.distill import Settings, distill
@@ -50,7 +50,7 @@ def test_agreement_rises_and_the_drafter_serves(tiny_family, tmp_path):
         [[3]],
         1.0,
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     for prompt in random_prompts(2, 12, seed=3):
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == oracle(
             tiny_family["target"], prompt, 20
@@ -138,7 +138,7 @@ def test_bad_arguments_are_refused_naming_the_flag(tiny_family, tmp_path, capsys
 
 
 def test_the_command_distills_with_total_variation_and_reports_on_other_code(tiny_family, tmp_path, capsys):
-    out, other = tmp_path / "tv", SOURCE.parent / "scheduling"
+    out, other = tmp_path / "tv", SOURCE.parent / "engine"
     args = ["distill", "--target", str(tiny_family["target"]), "--prompts", str(SOURCE), "--size", "32:1"]
     args += ["--out", str(out), "--report-prompts", str(other), "--divergence", "tv", "--steps", "12"]
     args += ["--batch", "4", "--prompts-count", "30", "--min-prompt-tokens", "20", "--max-prompt-tokens", "60"]

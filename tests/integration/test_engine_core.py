@@ -13,9 +13,9 @@ import pytest
 
 from cascade_service.bench.zoo import Zoo
 from cascade_service.config import Config, GenerationConfig, load_config
-from cascade_service.engine import Engine
+from cascade_service.engine.loop import TaskLoop
+from cascade_service.inprocess import InProcess
 from cascade_service.models.hf import HFModel
-from cascade_service.scheduling.loop import EngineLoop
 from cascade_service.standalone import start_standalone
 from cascade_service.zoo.tiny import random_prompts
 
@@ -44,7 +44,7 @@ def _models(loads: list[tuple[str, str]]) -> Counter:
 
 
 def test_an_engine_and_its_variants_load_each_model_once_on_its_loop(tiny_family, loads):
-    engine = Engine(tiny_cascade(tiny_family))
+    engine = InProcess(tiny_cascade(tiny_family))
     try:
         assert _models(loads) == {"target": 1, "close": 1, "mid": 1}
         assert {thread for _, thread in loads} == {engine.loop.name}  # on the loop's thread (OpenMP's team)
@@ -60,7 +60,7 @@ def test_an_engine_and_its_variants_load_each_model_once_on_its_loop(tiny_family
 
 def test_two_engine_cores_share_nothing(tiny_family, loads):
     # No process-wide global: a second core (a test's, a benchmark's child) has its own loop and models.
-    first, second = Engine(tiny_cascade(tiny_family, mag=False)), Engine(tiny_cascade(tiny_family, mag=False))
+    first, second = InProcess(tiny_cascade(tiny_family, mag=False)), InProcess(tiny_cascade(tiny_family, mag=False))
     try:
         assert first.loop is not second.loop and first.target is not second.target
         assert _models(loads) == {"target": 2, "close": 2, "mid": 2}
@@ -70,7 +70,7 @@ def test_two_engine_cores_share_nothing(tiny_family, loads):
 
 
 def test_the_standalone_server_loads_each_model_once_and_builds_one_coordinator(tiny_family, loads, monkeypatch):
-    from cascade_service import engine as engine_module
+    from cascade_service import inprocess as engine_module
 
     made = []
     real = engine_module.assemble_coordinator
@@ -97,7 +97,7 @@ def test_a_tier_server_loads_its_models_once_in_its_own_core(tiny_family, loads)
 def test_the_shipped_demo_config_loads_its_three_models_once(loads):
     # The demo's cascade: large, base and small (MaG is a table), as configs/demo.yaml names them.
     config = load_config(PACKAGE.parent / "configs" / "demo.yaml")
-    engine = Engine(config.cascade)
+    engine = InProcess(config.cascade)
     try:
         assert sorted(_models(loads).values()) == [1, 1, 1]
     finally:
@@ -136,11 +136,11 @@ LOADERS = {"HFModel.load", "Seq2SeqModel.load", "kind.load"}
 def _violations(rel: str, source: str) -> list[str]:
     calls = _calls(source)
     found = []
-    if rel != "runtime/core.py" and not rel.startswith(OFFLINE) and calls & LOADERS:
+    if rel != "engine/core.py" and not rel.startswith(OFFLINE) and calls & LOADERS:
         found.append(f"{rel} loads a model ({sorted(calls & LOADERS)}); ask the engine core")
-    if rel != "runtime/core.py" and any(c.endswith(".enable_batching") for c in calls):
-        found.append(f"{rel} enables batching; the engine core does when it loads a model")
-    if rel != "runtime/core.py" and "EngineLoop" in calls:
+    if rel != "engine/core.py" and any(c == "join_loop" or c.endswith(".join_loop") for c in calls):
+        found.append(f"{rel} joins a model to a loop; the engine core does when it loads a model")
+    if rel != "engine/core.py" and "TaskLoop" in calls:
         found.append(f"{rel} makes an engine loop; a process's engine core owns its one")
     return found
 
@@ -152,7 +152,7 @@ def test_only_the_engine_core_loads_models_batches_them_and_makes_a_loop():
         for v in _violations(path.relative_to(PACKAGE).as_posix(), path.read_text())
     ]
     assert not found, found
-    assert not hasattr(EngineLoop, "shared")  # no process-wide loop to reach for
+    assert not hasattr(TaskLoop, "shared")  # no process-wide loop to reach for
 
 
 @pytest.mark.parametrize(
@@ -160,26 +160,26 @@ def test_only_the_engine_core_loads_models_batches_them_and_makes_a_loop():
     [
         "model = HFModel.load(path)\n",
         "def build(tier):\n    return Seq2SeqModel.load(tier.path)\n",
-        "model.enable_batching(loop)\n",
-        "loop = EngineLoop('mine')\n",
+        "join_loop(model, loop)\n",
+        "loop = TaskLoop('mine')\n",
         # not called where it is named: handed on, or reached by name
         "import functools\nload = functools.partial(HFModel.load, path)\n",
         "def build(tier):\n    return getattr(HFModel, 'load')(tier.path)\n",
-        "enable = model.enable_batching\nenable(loop)\n",
-        "import functools\nmake = functools.partial(EngineLoop, 'mine')\n",
+        "from cascade_service.engine import core\nenable = core.join_loop\nenable(model, loop)\n",
+        "import functools\nmake = functools.partial(TaskLoop, 'mine')\n",
     ],
 )
 def test_the_source_check_finds_a_second_loader(source):
     # The negative control: a serving replica that loaded, batched or looped on its own is caught.
     assert _violations("serving/app.py", source)
-    assert not _violations("runtime/core.py", source)
+    assert not _violations("engine/core.py", source)
 
 
 def test_a_loop_task_asking_the_core_for_heads_while_a_model_loads_does_not_deadlock(tiny_family, monkeypatch):
     # The load waits for the loop; a loop task that takes the core's lock meanwhile (here: the load
     # itself asks for the acceptance heads) used to wait for a lock held across the load, for ever.
     from cascade_service.config import ModelTierConfig
-    from cascade_service.runtime.core import EngineCore
+    from cascade_service.engine.core import EngineCore
 
     core = EngineCore()
     real_load = HFModel.load
@@ -204,8 +204,8 @@ def test_a_models_first_fixed_shape_passes_are_made_on_the_loops_thread(tiny_fam
     # "eager", which a CPU runs) runs where the model's passes replay: the loop's thread, not the
     # thread that asked for the model.
     from cascade_service.config import ModelTierConfig
+    from cascade_service.engine.core import EngineCore
     from cascade_service.models.staticpass import EagerPasses
-    from cascade_service.runtime.core import EngineCore
 
     threads: list[str] = []
     real_warm = EagerPasses.warm

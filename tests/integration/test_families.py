@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from cascade_service.config import GenerationConfig, load_config
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo import shipped
 from cascade_service.zoo.families import BUILDERS, family
 
@@ -29,7 +29,7 @@ def test_the_shipped_family_matches_its_manifest_and_names_its_recipe():
 
 def test_the_shipped_config_runs_the_shipped_family_exactly():
     cascade = load_config("configs/demo.yaml").cascade
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     assert engine.target.num_parameters > 1_000_000
     prompts = [json.loads(line)["prompt"] for line in family()["prompts"].read_text().splitlines()][:2]
     for prompt in prompts:
@@ -77,7 +77,7 @@ def test_the_grown_family_is_bigger_and_its_cascade_exact(test_zoo_home, monkeyp
         [[2, 1, 0], [0, 2, 4], [0, 0, 4]],
         1.5,
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     ids = engine.encode("def parse(argv):\n    ")
     assert engine.generate(ids, GenerationConfig(max_new_tokens=16)).token_ids == oracle(paths["large"], ids, 16)
     again = build_grown("grown-test", tmp_path / "grown", family("test"), progress=False)  # reused, not rebuilt

@@ -13,7 +13,7 @@ import pytest
 from cascade_service.api.server import start_server
 from cascade_service.client import CascadeClient, errors
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.sessions.redis_store import RedisStore
 from cascade_service.zoo.tiny import random_prompts
 
@@ -30,7 +30,7 @@ def test_redis_down_fails_session_calls_while_stateless_generation_stays_exact(t
         [[3, 1], [0, 3]],
         1.5,
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     with RedisServer() as redis:
         store = RedisStore(redis.url, namespace="faults", socket_timeout_s=1.0)
         server, port = start_server(engine.coordinator(store, GenerationConfig(max_new_tokens=12)))

@@ -26,7 +26,7 @@ from cascade_service.config import (
     ModelTierConfig,
     make_cascade,
 )
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.rpc.auth import ApiKeys
 from cascade_service.sessions import MemoryStore
@@ -58,7 +58,7 @@ def coordinator(tiny_family):
         [[3, 1], [0, 3]],
         1.5,
     )
-    return Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8))
+    return InProcess(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8))
 
 
 def _serve(coordinator: Any, **limits: Any) -> tuple[Any, str]:

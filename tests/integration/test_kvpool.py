@@ -18,11 +18,10 @@ import torch
 from cascade_service.config import KV_STORAGES, ConfigError, parse_config
 from cascade_service.core.types import Context
 from cascade_service.models import kvpool
-from cascade_service.models.batching import forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.models.kvpool import BLOCK
 from cascade_service.models.kvsize import kv_bytes_per_token
-from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 
@@ -225,12 +224,13 @@ def test_the_config_names_a_storage_per_tier_or_for_all(tmp_path):
 
 
 def test_requests_that_arrive_together_read_a_shared_header_once_and_exactly(tiny_family):
-    from cascade_service.scheduling.loop import EngineLoop
+    from cascade_service.engine.core import join_loop
+    from cascade_service.engine.loop import TaskLoop
 
     model = HFModel.load(tiny_family["target"])
-    loop = EngineLoop("kv-test")
+    loop = TaskLoop("kv-test")
     try:
-        model.enable_batching(loop)
+        join_loop(model, loop)
         header = random_prompts(1, 96, seed=8)[0]
         prompts = [header + tail for tail in random_prompts(4, 5, seed=9)]
 

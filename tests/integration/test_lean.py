@@ -11,11 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from cascade_service.config import BACKENDS, ConfigError, GenerationConfig, ModelTierConfig, make_cascade, parse_config
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models import lean
-from cascade_service.models.batching import forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
-from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.bf16 import bf16_ulps
@@ -91,7 +90,7 @@ def test_lean_batched_pass_over_ragged_caches_equals_each_row_alone(tiny_family)
 @pytest.mark.parametrize("k_matrix", [[[4, 2], [0, 6]], [[1, 3], [0, 2]]])
 def test_greedy_cascade_with_lean_drafters_equals_transformers_generate(tiny_family, k_matrix):
     drafters = [ModelTierConfig(n, str(tiny_family[n]), backend="lean") for n in ("close", "unrelated")]
-    engine = Engine(make_cascade(ModelTierConfig("target", str(tiny_family["target"])), drafters, k_matrix, 1.5))
+    engine = InProcess(make_cascade(ModelTierConfig("target", str(tiny_family["target"])), drafters, k_matrix, 1.5))
     assert all(isinstance(d.module, lean.LeanLlama) for d in engine.drafters)  # type: ignore[union-attr]
     for prompt in PROMPTS:
         got = engine.generate(prompt, GenerationConfig(max_new_tokens=30)).token_ids

@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.evaluate import EVAL_PACKAGES
 from cascade_service.zoo.families import family
@@ -44,7 +44,7 @@ def test_every_tier_declares_the_trained_window_and_the_service_refuses_past_it(
         for name in ("tokenizer.json", "tokenizer_config.json"):  # the source's tokenizer, byte for byte
             assert (paths[tier] / name).read_bytes() == (source[tier] / name).read_bytes()
     assert HFModel.load(paths["large"], name="large").max_positions == SPEC.window
-    engine = Engine(_cascade(paths))
+    engine = InProcess(_cascade(paths))
     with pytest.raises(ValueError, match=rf"prompt: \d+ tokens, more than the limit of {SPEC.window - 1}"):
         engine.generate(list(range(3, 3 + SPEC.window)), GenerationConfig(max_new_tokens=4))
 
@@ -73,7 +73,7 @@ def test_the_report_has_each_distillation_and_the_training_left_the_evaluation_p
 
 def test_its_cascade_is_the_large_models_output_and_a_second_build_reuses_it(lengthened):
     source, paths = lengthened
-    engine = Engine(_cascade(paths))
+    engine = InProcess(_cascade(paths))
     ids = engine.encode("def parse(argv):\n    ")
     assert engine.generate(ids, GenerationConfig(max_new_tokens=16)).token_ids == oracle(paths["large"], ids, 16)
     again = build_long("long-test", paths["large"].parent, source, progress=False)

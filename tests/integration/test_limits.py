@@ -15,7 +15,7 @@ import pytest
 
 from cascade_service.api.server import start_server
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.proto.v1 import cascade_pb2_grpc
 from cascade_service.sessions import MemoryStore
@@ -38,7 +38,7 @@ def coordinator(family):
         [[4, 2], [0, 6]],
         1.5,
     )
-    return Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=16))
+    return InProcess(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=16))
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -121,7 +121,7 @@ def test_over_grpc_the_limit_is_invalid_argument_naming_the_field(coordinator):
 def test_a_session_quota_is_resource_exhausted_and_leaves_nothing_stored(family):
     cascade = make_cascade(ModelTierConfig("target", str(family["target"])), [MaGConfig()], [[4]], 1.0)
     store = MemoryStore(max_sessions_per_owner=1)
-    server, port = start_server(Engine(cascade).coordinator(store))
+    server, port = start_server(InProcess(cascade).coordinator(store))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cascade_pb2_grpc.CascadeServiceStub(channel)

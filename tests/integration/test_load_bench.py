@@ -8,7 +8,7 @@ import pytest
 
 from cascade_service.api.server import start_server
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.sessions import MemoryStore
 
 from ..helpers.bench import run_bench
@@ -22,7 +22,7 @@ def address(tiny_family):
         [[3, 1], [0, 3]],
         1.5,
     )
-    server, port = start_server(Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8)))
+    server, port = start_server(InProcess(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=8)))
     yield f"127.0.0.1:{port}"
     server.stop(0)
 

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.cascade import Lookup
-from cascade_service.core.mag import BigramTable
-from cascade_service.engine import Engine
+from cascade_service.core.proposers.mag import BigramTable
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import make_engine, oracle
@@ -204,7 +204,9 @@ def _generate(target_dir, prompt, max_new_tokens, dtype):
 def _mixed_engine(family, target_dtype, drafter_dtype):
     names, k_matrix = SETUPS["csd_close_mid_mag"]
     drafters = [MaGConfig() if n == "mag" else ModelTierConfig(n, str(family[n]), drafter_dtype) for n in names]
-    return Engine(make_cascade(ModelTierConfig("target", str(family["target"]), target_dtype), drafters, k_matrix, 1.5))
+    return InProcess(
+        make_cascade(ModelTierConfig("target", str(family["target"]), target_dtype), drafters, k_matrix, 1.5)
+    )
 
 
 @pytest.mark.parametrize("drafter_dtype", ["bfloat16", "float16"])

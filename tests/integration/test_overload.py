@@ -13,7 +13,7 @@ import grpc
 
 from cascade_service.api.server import start_server
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.proto.v1 import cascade_pb2_grpc as pb_grpc
 from cascade_service.sessions import MemoryStore
@@ -34,7 +34,7 @@ def test_calls_beyond_the_bound_get_resource_exhausted_and_admitted_ones_stay_ex
         [[3, 1], [0, 3]],
         1.5,
     )
-    coordinator = Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=24))
+    coordinator = InProcess(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=24))
     Requests(coordinator)  # slowed target: each call takes a second or so
     server, port = start_server(coordinator, workers=2, max_queued=1)
     expected = oracle(tiny_family["target"], PROMPT, 24)

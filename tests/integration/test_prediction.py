@@ -1,4 +1,4 @@
-"""Predicted outputs (core.prediction): the client's expected output drafts at the target. The output is
+"""Predicted outputs (core.proposers.prediction): the client's expected output drafts at the target. The output is
 the oracle's whatever the prediction (exact, edited, unrelated, longer or shorter than the output), in
 every cascade shape and through the wire codec; a right prediction makes far fewer target passes, a
 wrong one costs few; the stats count the prediction's accepted and rejected tokens."""

@@ -13,7 +13,7 @@ import pytest
 
 from cascade_service.config import GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.cascade import Lookup
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models.kvpool import BLOCK
 from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
@@ -50,7 +50,7 @@ def _converse(coordinator, family, turns, owner: str = ""):
 
 def test_a_conversation_reads_only_its_new_tokens_in_every_model_tier(tiny_family):
     cascade = tiny_cascade(tiny_family)
-    coordinator = Engine(cascade).coordinator(MemoryStore())
+    coordinator = InProcess(cascade).coordinator(MemoryStore())
     for i, (stats, before) in enumerate(_converse(coordinator, tiny_family, _turns(4, 40, seed=1))):
         for name in ("target", "close", "mid"):
             tier = stats.tiers[name]
@@ -79,7 +79,7 @@ def test_every_shape_is_exact_with_the_cache_warm(tiny_family, shape):
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"])), [tiers[n] for n in names], k_matrix, 1.5, lookup
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     header = random_prompts(1, 3 * BLOCK, seed=5)[0]
     for tail in random_prompts(3, 7, seed=6):
         prompt = header + tail
@@ -90,7 +90,7 @@ def test_every_shape_is_exact_with_the_cache_warm(tiny_family, shape):
 
 
 def test_a_prefix_cached_for_one_key_is_never_found_for_another(tiny_family):
-    coordinator = Engine(tiny_cascade(tiny_family)).coordinator(MemoryStore())
+    coordinator = InProcess(tiny_cascade(tiny_family)).coordinator(MemoryStore())
     prompt = random_prompts(1, 50, seed=7)[0]
 
     def cached(owner: str) -> dict[str, int]:
@@ -108,7 +108,7 @@ def test_tier_replicas_serve_a_session_where_its_blocks_are_and_fail_over_exactl
     cascade = tiny_cascade(tiny_family)
     replicas = [serve_group(cascade, ["target"]) for _ in range(2)]
     with running(*replicas):
-        coordinator = Engine(addressed(cascade, {"target": replicas})).coordinator(MemoryStore())
+        coordinator = InProcess(addressed(cascade, {"target": replicas})).coordinator(MemoryStore())
         turns = _converse(coordinator, tiny_family, _turns(5, 40, seed=2))
 
         def hits() -> list[int]:

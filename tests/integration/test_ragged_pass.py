@@ -10,12 +10,12 @@ import torch
 
 from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.request import GenerationConfig
-from cascade_service.engine import Engine
-from cascade_service.models import hf, poolpass
-from cascade_service.models.batching import forward_batch
+from cascade_service.engine import core as engine_core
+from cascade_service.inprocess import InProcess
+from cascade_service.models import poolpass
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.models.poolpass import ragged
-from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 
 
@@ -89,8 +89,8 @@ def test_requests_verifying_beside_fourteen_plain_ones_cost_the_target_no_extra_
     # the fourteen one-token steps, and the target runs no more passes than for sixteen plain streams.
     # Padded (the negative control), it cannot join, and the passes grow.
     if not ragged_passes:
-        monkeypatch.setattr(hf, "ragged", lambda model: False)
-    engine = Engine(make_cascade(ModelTierConfig("target", str(tiny_family["target"])), [MaGConfig()], [[4]], 1.0))
+        monkeypatch.setattr(engine_core, "ragged", lambda model: False)
+    engine = InProcess(make_cascade(ModelTierConfig("target", str(tiny_family["target"])), [MaGConfig()], [[4]], 1.0))
     assert engine.target.batcher.ragged is ragged_passes
     prompts = [p * 3 for p in random_prompts(16, 6, seed=31)]  # repeats: MaG has something to draft
 

@@ -15,7 +15,7 @@ import pytest
 
 from cascade_service.config import MaGConfig, ModelTierConfig, load_config, make_cascade
 from cascade_service.core.request import GenerationConfig
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.packaged import FAMILIES, MANIFEST, fetch, model_dir
 from tests.helpers.oracle import oracle
 
@@ -48,10 +48,10 @@ def test_smollm2_greedy_output_is_generates_with_mag_and_int8_drafting(smollm2):
         [[4, 0], [0, 3]],
         1.0,
     )
-    _identical_to_generate(Engine(cascade), smollm2, 32, ["135m-int8", "mag"])
+    _identical_to_generate(InProcess(cascade), smollm2, 32, ["135m-int8", "mag"])
 
 
-def _identical_to_generate(engine: Engine, target, tokens: int, drafters: list[str]) -> None:
+def _identical_to_generate(engine: InProcess, target, tokens: int, drafters: list[str]) -> None:
     """Every CODE prompt's greedy output is generate()'s, and each of `drafters` drafted in them (the
     identity is not plain decoding's)."""
     drafted = dict.fromkeys(drafters, 0)
@@ -72,4 +72,4 @@ def _fetched(family: str) -> bool:
 @pytest.mark.skipif(not _fetched("qwen2.5-coder"), reason="run `cascade-service models fetch qwen2.5-coder` first")
 def test_qwen_greedy_output_is_generates_with_the_shipped_cascade():
     config = load_config(CONFIGS / "qwen2.5-coder.yaml")
-    _identical_to_generate(Engine(config.cascade), config.cascade.target.path, 24, ["0.5b", "mag"])
+    _identical_to_generate(InProcess(config.cascade), config.cascade.target.path, 24, ["0.5b", "mag"])

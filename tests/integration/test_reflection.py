@@ -29,7 +29,7 @@ from cascade_service.config import (
     make_cascade,
 )
 from cascade_service.core.cascade import Lookup
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.rpc import reflection
 from cascade_service.rpc.auth import ApiKeys
@@ -53,7 +53,7 @@ def coordinator(tiny_family):
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"])), [MaGConfig()], [[4]], 1.5, Lookup(2, 10)
     )
-    return Engine(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=4))
+    return InProcess(cascade).coordinator(MemoryStore(), GenerationConfig(max_new_tokens=4))
 
 
 @pytest.fixture(scope="module", params=["open", "keyed"])

@@ -14,8 +14,8 @@ import pytest
 from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.coordinator import Coordinator, Tokenizer
 from cascade_service.core.cascade import Lookup
+from cascade_service.engine.leaves import Leaves
 from cascade_service.models.hf import load_tokenizer
-from cascade_service.runtime.leaves import Leaves
 from cascade_service.sessions import MemoryStore
 from cascade_service.tierhost.group import TierGroup
 from cascade_service.tierhost.subcascade import SubCascade
@@ -103,7 +103,7 @@ def test_remote_sampling_is_reproducible_per_seed(tiny_family):
 
 def test_a_tier_group_runs_its_sub_cascade_in_one_call_and_stays_exact(tiny_family, tmp_path):
     from cascade_service.config import ServingConfig
-    from cascade_service.core.mag import BigramTable
+    from cascade_service.core.proposers.mag import BigramTable
     from cascade_service.tierhost.subcascade import system_heads
 
     tiers = {n: ModelTierConfig(n, str(tiny_family[n])) for n in ("target", "close", "mid")}

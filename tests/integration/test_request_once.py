@@ -1,7 +1,7 @@
 """A request is built once (issue 47). On the standalone server a unary Generate's body is parsed once
 and its settings checked once, and it decodes with no front-end thread waiting on it (the front end
 awaits the engine loop on its own event loop); the HTTP API hands the engine the message it built,
-never bytes; in process, `Engine.generate` checks once too; the Ray edge parses what it forwards once
+never bytes; in process, `InProcess.generate` checks once too; the Ray edge parses what it forwards once
 and sends the client's bytes on as they came.
 """
 

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, LogitsProcessorList
 from cascade_service.config import GenerationConfig
 from cascade_service.core.cascade import Lookup
 from cascade_service.core.grammar import ResponseFormat, grammar_tokenizer
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import greedy_generate, make_engine
@@ -114,7 +114,7 @@ def test_drafters_on_tier_servers_mask_with_a_grammar_state_of_their_own(tiny_fa
     cascade = tiny_cascade(tiny_family, k_matrix=[[3, 2, 0], [0, 3, 2], [0, 0, 0]])  # mid drafts alone
     servers = {name: serve_group(cascade, [name]) for name in ("close", "mid")}
     with running(*servers.values()):
-        engine = Engine(addressed(cascade, servers))
+        engine = InProcess(addressed(cascade, servers))
         for prompt in PROMPTS:
             for kind, response_format in FORMATS.items():
                 expected = _oracle(tiny_family["target"], prompt, response_format)

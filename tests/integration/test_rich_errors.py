@@ -19,9 +19,9 @@ from cascade_service.api.server import start_server
 from cascade_service.api.servicer import Overloaded, Unavailable
 from cascade_service.api.status import DETAILS_KEY, RETRY_DELAY_S, rich_status
 from cascade_service.client import CascadeClient, errors
+from cascade_service.engine.loop import TaskLoop
 from cascade_service.proto.v1 import cascade_pb2 as pb
 from cascade_service.proto.v1 import cascade_pb2_grpc
-from cascade_service.scheduling.loop import EngineLoop
 from cascade_service.sessions import StoreUnavailable
 
 BETA = "verification.beta: give beta or tune_beta, not both"
@@ -105,7 +105,7 @@ def test_the_sdk_reads_what_the_edge_sends(edge):
 class FailingCoordinator:
     """Enough of a Coordinator for the session calls; each raises what a busy or broken one does."""
 
-    loop = EngineLoop()  # where a served coordinator's calls run
+    loop = TaskLoop()  # where a served coordinator's calls run
 
     def create_session(self, session_id, prompt, prompt_token_ids, owner=""):
         raise Overloaded(BUSY)

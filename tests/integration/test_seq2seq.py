@@ -15,7 +15,7 @@ from transformers import AutoModelForSeq2SeqLM
 
 from cascade_service.config import ConfigError, GenerationConfig, MaGConfig, ModelTierConfig, make_cascade
 from cascade_service.core.encdec import decoder_context
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models.hf import HFModel
 from cascade_service.models.seq2seq import Seq2SeqCache
 from cascade_service.zoo.tiny import random_prompts
@@ -37,7 +37,7 @@ def seq2seq_oracle(target_dir, prompt, max_new_tokens):
 
 def engine(family, names, k_matrix, leniency=1.0):
     drafters = [MaGConfig() if n == "mag" else ModelTierConfig(n, str(family[n])) for n in names]
-    return Engine(make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency))
+    return InProcess(make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, leniency))
 
 
 @pytest.mark.parametrize(
@@ -103,7 +103,7 @@ def test_a_cascade_mixing_encoder_decoder_and_decoder_only_tiers_is_refused(t5, 
         1.0,
     )
     with pytest.raises(ConfigError, match=r"tiers\.drafters\[0\]\.path \(tier 'llama'\): a decoder-only model"):
-        Engine(mixed)
+        InProcess(mixed)
 
 
 def test_step_cost_of_an_encoder_decoder_tier_is_measured(t5):
@@ -192,7 +192,7 @@ def test_encoder_decoder_tiers_on_a_tier_server_stay_exact(t5):
     expected = seq2seq_oracle(t5["target"], prompt, 16)
     with running(server):
         for remote in ({"close": server}, {"close": server, "target": server}):
-            out = Engine(addressed(cascade, remote)).generate(prompt, GenerationConfig(max_new_tokens=16))
+            out = InProcess(addressed(cascade, remote)).generate(prompt, GenerationConfig(max_new_tokens=16))
             assert out.token_ids == expected, sorted(remote)
 
 
@@ -265,7 +265,7 @@ def test_the_t5_zoo_preset_builds_a_family_the_cascade_serves_exactly(tmp_path):
     tune = [json.loads(line)["prompt"] for line in (out / "tune_prompts.jsonl").read_text().splitlines()]
     assert len(tune) == 2 and not set(tune) & set(prompts)
     family = {name: out / name for name in ("large", "base", "small")}
-    cascade = Engine(
+    cascade = InProcess(
         make_cascade(
             ModelTierConfig("large", str(family["large"])),
             [ModelTierConfig("base", str(family["base"])), ModelTierConfig("small", str(family["small"])), MaGConfig()],
@@ -294,7 +294,7 @@ def test_specdec_and_confidence_stopping_on_an_encoder_decoder_drafter_stay_exac
     expected = seq2seq_oracle(t5["target"], prompt, 16)
     fixed = None
     for spec in (None, AdaptiveLength("specdec", 0.5, str(tmp_path / "head")), AdaptiveLength("confidence", 0.999)):
-        cascade = Engine(
+        cascade = InProcess(
             make_cascade(
                 ModelTierConfig("target", str(t5["target"])),
                 [ModelTierConfig("close", str(t5["close"]))],

@@ -21,7 +21,7 @@ import pytest
 
 from cascade_service.config import ModelTierConfig, StatisticalConfig, SuffixConfig, load_config
 from cascade_service.core.stats import Usage, absorb
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.tiny import build_family
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -100,7 +100,7 @@ def _at(tier, address: tuple[str, ...]):
 
 
 def _drafters_draft(home: Path, path: Path, cascade) -> None:
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     prompts = [json.loads(line)["prompt"] for line in (home / "zoo" / "test" / "prompts.jsonl").open()][:3]
     tiers: dict[str, dict[str, int]] = {}
     rows = Usage()

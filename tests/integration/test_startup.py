@@ -15,9 +15,9 @@ import torch
 
 from cascade_service.cli import main
 from cascade_service.config import ConfigError, ModelTierConfig, parse_config
-from cascade_service.engine import Engine
+from cascade_service.engine.core import EngineCore
+from cascade_service.inprocess import InProcess
 from cascade_service.models import hf
-from cascade_service.runtime.core import EngineCore
 from cascade_service.tierhost.modeltier import TierServer, replica_tier
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -50,7 +50,7 @@ def no_weights(monkeypatch):
 def test_a_device_this_machine_lacks_fails_before_any_weights_load(tiny_family, no_weights):
     config = parse_config(_raw(tiny_family, device=f"cuda:{GPUS + 5}"))
     with pytest.raises(ConfigError) as err:
-        Engine(config.cascade)
+        InProcess(config.cascade)
     plural = "" if GPUS == 1 else "s"
     assert str(err.value) == (
         f"tiers.drafters[1].device (tier 'small'): cuda:{GPUS + 5} does not exist "
@@ -67,7 +67,7 @@ def test_cuda_without_a_gpu_fails_naming_the_tier(tiny_family, no_weights):
         match=r"^tiers\.target\.device \(tier 'large'\): cuda does not exist "
         r"\(this machine has 0 CUDA devices\)$",
     ):
-        Engine(parse_config(raw).cascade)
+        InProcess(parse_config(raw).cascade)
 
 
 def test_a_tier_built_in_code_is_named_by_its_place_in_the_cascade(tiny_family, no_weights):
@@ -84,7 +84,7 @@ def test_a_tier_built_in_code_is_named_by_its_place_in_the_cascade(tiny_family, 
         1.0,
     )
     with pytest.raises(ConfigError, match=r"^tiers\.drafters\[1\]\.device \(tier 'c'\): cuda:99 does not exist"):
-        Engine(cascade)
+        InProcess(cascade)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +140,7 @@ def test_a_drafter_with_another_vocabulary_fails_before_any_weights_load(
 ):
     config = parse_config(_raw(tiny_family, _copy(tiny_family, tmp_path, edit)))
     with pytest.raises(ConfigError, match=r"^tiers\.drafters\[1\]\.path \(tier 'small'\): " + needle):
-        Engine(config.cascade)
+        InProcess(config.cascade)
 
 
 def test_the_ray_app_refuses_another_vocabulary_before_deploying(tiny_family, tmp_path):

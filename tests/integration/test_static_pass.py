@@ -13,9 +13,9 @@ import torch
 
 from cascade_service.config import ConfigError, ModelTierConfig, make_cascade, parse_config
 from cascade_service.core.request import GenerationConfig
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.models import chain
-from cascade_service.models.batching import forward_batch
+from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.models.kvpool import BLOCK
 from cascade_service.models.staticpass import (
@@ -25,7 +25,6 @@ from cascade_service.models.staticpass import (
     pool_identity,
     static_inputs,
 )
-from cascade_service.scheduling.batcher import Pass
 from cascade_service.zoo.tiny import random_prompts
 from tests.helpers.oracle import oracle
 from tests.helpers.threads import concurrently
@@ -103,7 +102,7 @@ def test_a_cascade_on_fixed_shape_passes_is_the_oracles_output(tiny_family, monk
         [[2, 2], [0, 3]],  # mid, the lowest tier, drafts alone: greedily, chained
         1.0,
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     prompts = [p[: 5 + 3 * i] for i, p in enumerate(random_prompts(6, 30, seed=44))]
     budgets = [10 + 7 * i for i in range(6)]
     outputs: list[list[int] | None] = [None] * 6

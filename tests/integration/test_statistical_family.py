@@ -12,8 +12,8 @@ import yaml
 
 from cascade_service.cli import main
 from cascade_service.config import GenerationConfig, load_config
-from cascade_service.core.mag import BigramTable
-from cascade_service.engine import Engine
+from cascade_service.core.proposers.mag import BigramTable
+from cascade_service.inprocess import InProcess
 
 from ..helpers.bench import run_bench
 from ..helpers.oracle import oracle
@@ -47,7 +47,7 @@ def mixed(tiny_family, tmp_path_factory):
 
 
 def test_generate_runs_a_config_mixing_mag_and_suffix_decoding(mixed, tiny_family, capsys):
-    engine = Engine(load_config(mixed / "config.yaml").cascade)
+    engine = InProcess(load_config(mixed / "config.yaml").cascade)
     assert engine.leaves.leaves["mag"].bigram is not None  # type: ignore[union-attr]  # MaG kept its table
     for prompt in PROMPTS:
         code = main(
@@ -89,7 +89,7 @@ def test_tune_runs_a_config_mixing_mag_and_suffix_decoding(mixed, tiny_family):
     tuned = load_config(out)
     assert [d.name for d in tuned.cascade.drafters] == ["close", "mag", "suffix"]
     assert tuned.cascade.schedule.fill.name == "entry"  # the semantics it was measured under, written out
-    engine = Engine(tuned.cascade)
+    engine = InProcess(tuned.cascade)
     for prompt in PROMPTS:
         ids = engine.encode(prompt)
         assert engine.generate(ids, GenerationConfig(speculation="fixed", max_new_tokens=16)).token_ids == oracle(

@@ -18,7 +18,7 @@ from cascade_service.config import (
     parse_config,
 )
 from cascade_service.core.cascade import Lookup
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
@@ -34,12 +34,12 @@ SETUPS = {
 }
 
 
-def _engine(family, names, k_matrix, lookup=None) -> Engine:
+def _engine(family, names, k_matrix, lookup=None) -> InProcess:
     drafters = [
         SuffixConfig() if n == "suffix" else MaGConfig() if n == "mag" else ModelTierConfig(n, str(family[n]))
         for n in names
     ]
-    return Engine(make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, 1.5, lookup))
+    return InProcess(make_cascade(ModelTierConfig("target", str(family["target"])), drafters, k_matrix, 1.5, lookup))
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))
@@ -100,7 +100,7 @@ def test_a_corpus_drafts_for_the_first_request(tiny_family, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(engine.decode_text(prompt + expected))
     cascade = make_cascade(engine.cascade.target, [SuffixConfig(corpus=str(corpus), corpus_tokens=4096)], [[16]], 1.0)
-    with_corpus = Engine(cascade)
+    with_corpus = InProcess(cascade)
     assert with_corpus.leaves.suffix("suffix").held_tokens == 0  # read-only: no key's space holds it
     fresh = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
     read = with_corpus.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
@@ -119,12 +119,12 @@ def test_a_corpus_longer_than_its_bound_is_refused(tiny_family, tmp_path):
         1.0,
     )
     with pytest.raises(ConfigError, match=r"corpus: .* holds \d+ tokens, more than corpus_tokens \(50\)"):
-        Engine(cascade)
+        InProcess(cascade)
 
 
 def test_mag_keeps_its_bigram_table_beside_suffix_decoding(tiny_family, tmp_path):
     # Issue 37: MaG listed before suffix decoding lost its bigram table. Each keeps its own.
-    from cascade_service.core.mag import BigramTable
+    from cascade_service.core.proposers.mag import BigramTable
     from cascade_service.core.types import Context
 
     bigram = tmp_path / "bigram.json"
@@ -132,7 +132,7 @@ def test_mag_keeps_its_bigram_table_beside_suffix_decoding(tiny_family, tmp_path
     for names in (["mag", "suffix"], ["suffix", "mag"]):
         drafters = [SuffixConfig() if n == "suffix" else MaGConfig(bigram=str(bigram)) for n in names]
         cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])), drafters, [[4, 4], [0, 0]], 1.0)
-        engine = Engine(cascade)
+        engine = InProcess(cascade)
         twin = engine.variant(names, [[4, 4], [0, 0]])  # reuses the table it loaded, not reloading it
         assert twin.leaves.leaves["mag"].bigram is engine.leaves.leaves["mag"].bigram is not None  # type: ignore[union-attr]
         tier = engine.leaves("")["mag"]
@@ -149,7 +149,7 @@ def _request(ctx, k):
 
 @pytest.mark.parametrize("order", [["close", "mag", "suffix"], ["close", "suffix", "mag"]])
 def test_a_config_mixing_mag_and_suffix_decoding_equals_transformers_generate(tiny_family, order, tmp_path):
-    from cascade_service.core.mag import BigramTable
+    from cascade_service.core.proposers.mag import BigramTable
 
     bigram = tmp_path / "bigram.json"
     BigramTable.from_tokens([t % 320 for t in range(2000)], 320).save(bigram)
@@ -168,7 +168,7 @@ def test_a_config_mixing_mag_and_suffix_decoding_equals_transformers_generate(ti
         1.5,
         Lookup(2, 12, "suffix"),
     )
-    engine = Engine(cascade)
+    engine = InProcess(cascade)
     for prompt in PROMPTS:
         result = engine.generate(prompt, GenerationConfig(speculation="fixed", max_new_tokens=30))
         assert result.token_ids == oracle(tiny_family["target"], prompt, 30), (order, prompt)

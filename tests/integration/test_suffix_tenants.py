@@ -18,7 +18,7 @@ import torch
 from cascade_service.api.server import start_server
 from cascade_service.client import CascadeClient
 from cascade_service.config import GenerationConfig, ModelTierConfig, SuffixConfig, make_cascade
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.rpc.auth import load_api_keys
 from cascade_service.sessions import MemoryStore
 from cascade_service.zoo.tiny import random_prompts
@@ -34,10 +34,10 @@ TOKEN_V3 = {"verification": "token-v3", "alpha": 0.5}
 @pytest.fixture(scope="module")
 def engine(tiny_family):
     cascade = make_cascade(ModelTierConfig("target", str(tiny_family["target"])), [SuffixConfig()], [[16]], 1.0)
-    return Engine(cascade)
+    return InProcess(cascade)
 
 
-def serve(engine: Engine, keys_file=None):
+def serve(engine: InProcess, keys_file=None):
     """A fresh server (its own suffix caches) over the engine's models: (server, address)."""
     coordinator = engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=NEW, speculation="fixed"))
     server, port = start_server(coordinator, api_keys=load_api_keys(keys_file) if keys_file else None)

@@ -13,7 +13,7 @@ import pytest
 from cascade_service.config import ConfigError, GenerationConfig, parse_config
 from cascade_service.config.serving import TierClientConfig
 from cascade_service.core.tier import Unavailable
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.access import KEY_A, self_signed_cert, write_keys
@@ -46,7 +46,7 @@ def test_a_replica_that_dies_mid_request_is_failed_over_and_the_tokens_stay_exac
     cascade = tiny_cascade(tiny_family, mag=False)
     replicas = [serve_group(cascade, ["target"]) for _ in range(2)]
     with running(*replicas):
-        engine = Engine(addressed(cascade, {"target": replicas}))
+        engine = InProcess(addressed(cascade, {"target": replicas}))
         stopped: list = []
         watcher = _kill_when_called(replicas, stopped)
         result = engine.generate(PROMPT, GenerationConfig(max_new_tokens=N))
@@ -61,7 +61,7 @@ def test_a_replica_that_dies_mid_request_is_failed_over_and_the_tokens_stay_exac
 def test_with_no_replica_left_the_call_fails_unavailable(tiny_family):
     cascade = tiny_cascade(tiny_family, mag=False)
     server = serve_group(cascade, ["target"])
-    engine = Engine(addressed(cascade, {"target": server}))
+    engine = InProcess(addressed(cascade, {"target": server}))
     stopped: list = []
     watcher = _kill_when_called([server], stopped)
     with pytest.raises(Unavailable, match="no replica answered"):
@@ -110,7 +110,7 @@ def test_tls_with_client_certificates_and_a_key(tiny_family, tmp_path):
     with running(server):
         remote = addressed(cascade, {"close": server})
         full = TierClientConfig(True, cert, client_cert, client_key, KEY_A, 10.0)
-        engine = Engine(remote, tier_client=full)
+        engine = InProcess(remote, tier_client=full)
         result = engine.generate(PROMPT, GenerationConfig(max_new_tokens=12))
         assert result.token_ids == oracle(tiny_family["target"], PROMPT, 12)
         for wrong in (
@@ -118,9 +118,9 @@ def test_tls_with_client_certificates_and_a_key(tiny_family, tmp_path):
             TierClientConfig(False, None, None, None, KEY_A, 5.0),  # plaintext to a TLS server
         ):
             with pytest.raises(ConfigError, match="unavailable"):
-                Engine(remote, tier_client=wrong)
+                InProcess(remote, tier_client=wrong)
         with pytest.raises(ConfigError, match="UNAUTHENTICATED"):  # the right channel, no key
-            Engine(remote, tier_client=TierClientConfig(True, cert, client_cert, client_key, None, 5.0))
+            InProcess(remote, tier_client=TierClientConfig(True, cert, client_cert, client_key, None, 5.0))
 
 
 def test_a_plaintext_tier_off_loopback_is_refused_by_the_config(tmp_path):

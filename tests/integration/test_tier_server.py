@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cascade_service.config import GenerationConfig
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.zoo.tiny import random_prompts
 
 from ..helpers.oracle import oracle
@@ -20,7 +20,7 @@ from ..helpers.tier_servers import addressed, running, serve_group, tiny_cascade
 PROMPTS = random_prompts(2, 10, seed=43)
 
 
-def _generate(engine: Engine, prompt, n=20, **gen):
+def _generate(engine: InProcess, prompt, n=20, **gen):
     return engine.generate(prompt, GenerationConfig(max_new_tokens=n, **{"speculation": "fixed", **gen}))
 
 
@@ -28,7 +28,7 @@ def test_every_tier_remote_is_exact(tiny_family):
     cascade = tiny_cascade(tiny_family)
     servers = {name: serve_group(cascade, [name]) for name in ("target", "close", "mid", "mag")}
     with running(*servers.values()):
-        engine = Engine(addressed(cascade, servers))
+        engine = InProcess(addressed(cascade, servers))
         assert engine.models() == []  # no weights here
         for prompt in PROMPTS:
             result = _generate(engine, prompt)
@@ -45,7 +45,7 @@ def test_a_sub_cascade_server_runs_in_one_call_per_block(tiny_family):
     below = serve_group(cascade, ["close", "mid", "mag"])  # close reviews mid and MaG in its server
     with running(below):
         assert set(below.service.group.systems) == {"close", "mid"}  # mid reviews MaG, close both
-        engine = Engine(addressed(cascade, {"close": below, "mid": below, "mag": below}))
+        engine = InProcess(addressed(cascade, {"close": below, "mid": below, "mag": below}))
         for prompt in PROMPTS:
             result = _generate(engine, prompt)
             assert result.token_ids == oracle(tiny_family["target"], prompt, 20)
@@ -55,10 +55,10 @@ def test_a_sub_cascade_server_runs_in_one_call_per_block(tiny_family):
 
 def test_sampled_tokens_are_the_same_remote_as_in_process(tiny_family):
     cascade = tiny_cascade(tiny_family)
-    local = Engine(cascade)
+    local = InProcess(cascade)
     servers = {name: serve_group(cascade, [name]) for name in ("target", "close")}
     with running(*servers.values()):
-        remote = Engine(addressed(cascade, servers))
+        remote = InProcess(addressed(cascade, servers))
         for seed in (3, 4):
             gen = {"temperature": 1.0, "seed": seed}
             assert (
@@ -82,7 +82,7 @@ def test_a_round_sends_the_new_tokens_not_the_whole_context(tiny_family, monkeyp
     cascade = tiny_cascade(tiny_family, mag=False)
     server = serve_group(cascade, ["target"])
     with running(server):
-        engine = Engine(addressed(cascade, {"target": server}))
+        engine = InProcess(addressed(cascade, {"target": server}))
         long_prompt = list(range(1, 200))
         _generate(engine, long_prompt, 24)
     reviews = [n for name, n in sent if name == "target"]
@@ -98,7 +98,7 @@ def test_a_tier_the_server_does_not_host_fails_at_start(tiny_family):
     cascade = tiny_cascade(tiny_family)
     server = serve_group(cascade, ["mid"])
     with running(server), pytest.raises(ConfigError, match="hosts mid, not 'close'"):
-        Engine(addressed(cascade, {"close": server}))
+        InProcess(addressed(cascade, {"close": server}))
 
 
 def test_the_distribution_is_exact_with_remote_tiers_over_grpc():

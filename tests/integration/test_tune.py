@@ -10,7 +10,7 @@ from cascade_service.cli import main
 from cascade_service.config import GenerationConfig, load_config
 from cascade_service.core.cascade import Lookup
 from cascade_service.core.schedule import Schedule
-from cascade_service.engine import Engine
+from cascade_service.inprocess import InProcess
 from cascade_service.tune import candidate_grid
 
 
@@ -49,7 +49,7 @@ def test_tune_writes_a_loadable_config_with_the_measured_best_schedule(tiny_fami
     tuned = load_config(out)
     assert [d.name for d in tuned.cascade.drafters] == ["close", "mag"]
     # whatever schedule won, the tuned cascade is still exact
-    engine = Engine(tuned.cascade)
+    engine = InProcess(tuned.cascade)
     ids = engine.encode("def f(x):\n")
     gen = GenerationConfig(max_new_tokens=16)
     assert engine.generate(ids, gen).token_ids == engine.variant([]).generate(ids, gen).token_ids

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from cascade_service.core.mag import BigramTable
+from cascade_service.core.proposers.mag import BigramTable
 from cascade_service.models.hf import HFModel, load_tokenizer
 from cascade_service.zoo.build import PRESETS, TIERS, build_zoo, corpus_files, held_out_modules
 from cascade_service.zoo.evaluate import eval_package_files

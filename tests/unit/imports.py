@@ -47,7 +47,7 @@ def sources() -> dict[str, str]:
 
 
 def layer(rel: str) -> str:
-    """A file's layer: its subpackage, or a top-level module's own name (`engine.py`: engine)."""
+    """A file's layer: its subpackage, or a top-level module's own name (`inprocess.py`: engine)."""
     return rel.split("/")[0].removesuffix(".py")
 
 

@@ -1,4 +1,4 @@
-"""The engine loop (scheduling/loop.py) on fake models: tasks interleave at their passes, a blocking call
+"""The engine loop (engine/loop.py) on fake models: tasks interleave at their passes, a blocking call
 parks only its own task, errors and cancellation reach the right task, a consumer that leaves early
 closes its task's generator, and each task's clock says where its time went."""
 
@@ -12,9 +12,9 @@ import types
 import pytest
 from transformers import DynamicCache
 
+from cascade_service.engine.clock import CURRENT_CLOCK, charged
+from cascade_service.engine.loop import TaskLoop, run_blocking, task_cancelled
 from cascade_service.models import batching
-from cascade_service.scheduling.loop import EngineLoop, run_blocking, task_cancelled
-from cascade_service.scheduling.passes import CURRENT_CLOCK, charged
 
 
 @pytest.fixture
@@ -27,18 +27,18 @@ def loop(monkeypatch):
         return [p.fed[0] + 100 for p in batch]
 
     monkeypatch.setattr(batching, "forward_batch", fake)
-    engine = EngineLoop("test-loop")
+    engine = TaskLoop("test-loop")
     engine.passes = passes  # type: ignore[attr-defined]
     yield engine
     engine.close()
 
 
-def _together(loop: EngineLoop, calls: list[tuple]) -> list:
+def _together(loop: TaskLoop, calls: list[tuple]) -> list:
     """Submit the calls from one task, so the loop takes them in its next iteration, all at once."""
     return loop.run(lambda: [loop.submit(*call) for call in calls])
 
 
-def _model(loop: EngineLoop, name: str = "m"):
+def _model(loop: TaskLoop, name: str = "m"):
     return loop.batcher(name, batching.executor(types.SimpleNamespace(name=name, sync=lambda: None)))
 
 
@@ -195,7 +195,7 @@ def test_a_model_called_from_another_thread_runs_its_pass_in_the_loop(loop):
 
 
 def test_a_model_loaded_inside_a_task_serves_that_task(loop):
-    # bench and the model builders run on the loop's thread (models.hf.on_loop_thread), so a task can
+    # bench and the model builders run on the loop's thread (engine.loop.on_loop_thread), so a task can
     # load a model and pass through it at once: its batcher is new to the iteration under way.
     def load_and_decode() -> int:
         model = _model(loop, "loaded-in-a-task")
@@ -205,9 +205,9 @@ def test_a_model_loaded_inside_a_task_serves_that_task(loop):
 
 
 def test_work_handed_to_the_loop_thread_runs_there():
-    from cascade_service.models.hf import on_loop_thread
+    from cascade_service.engine.loop import on_loop_thread
 
-    engine = EngineLoop("thread-check")
+    engine = TaskLoop("thread-check")
     try:
         assert on_loop_thread(engine, lambda: threading.current_thread().name) == "thread-check"
         # and inside one of its tasks it is simply called (no hand-off, no deadlock)
@@ -220,8 +220,8 @@ def test_the_floors_clock_counts_the_passes_a_drafting_round_waited_through(loop
     # A request drafting with a small model takes three of its passes while a plain request's target
     # pass runs in each of those loop iterations: its round waited through all of them. Shares of the
     # passes (charged) see only its own small ones; the floor's clock (waited) sees the wait.
-    from cascade_service.scheduling.floor import GoodputFloor
-    from cascade_service.scheduling.passes import waited
+    from cascade_service.engine.clock import waited
+    from cascade_service.engine.policies.floor import GoodputFloor
 
     target, drafter = _model(loop, "target"), _model(loop, "drafter")
 

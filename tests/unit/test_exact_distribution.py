@@ -19,7 +19,7 @@ import torch
 from cascade_service.core import review as review_module
 from cascade_service.core.policy import FIXED
 from cascade_service.core.sampling import SamplingParams
-from cascade_service.scheduling.floor import FloorModel, GoodputFloor
+from cascade_service.engine.policies.floor import FloorModel, GoodputFloor
 
 from ..helpers.toy import chi_square_rejects, exact_distribution
 from ..helpers.toy_cascade import CASES, LENGTH, PROMPT, SAMPLES, sample_cascade, toy_tiers
@@ -86,7 +86,7 @@ def test_under_a_grammar_the_output_is_distributed_as_the_masked_target(case, wi
 
 @pytest.mark.parametrize("case", ["sd_small", "csd_base_mag_lookup", "csd_base_small_mag_lenient"])
 def test_the_distribution_is_exact_under_the_floor(case):
-    # The floor (scheduling.floor) turns a source on and off from what earlier rounds kept, its own
+    # The floor (engine.policies.floor) turns a source on and off from what earlier rounds kept, its own
     # request's and every request's: each round's block then depends on earlier draws, never on its own
     # review's. A clock of its own makes a drafting round cost 1.8 plain steps, so the decision follows
     # the acceptance the draws gave (on, off and probing all happen here).

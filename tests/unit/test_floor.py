@@ -1,4 +1,4 @@
-"""The floor under the speedup (scheduling.floor), on simulated rounds with a clock of our own: a request
+"""The floor under the speedup (engine.policies.floor), on simulated rounds with a clock of our own: a request
 whose drafts do not pay falls back to plain decoding within a few rounds and loses no more than its
 bound; one whose drafts pay keeps drafting; probes come at a bounded rate; what catching up costs is
 the budget's, not the ratio's; the population's evidence starts a new request; load levels and sampling
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from cascade_service.core.policy import FIXED, OFF
-from cascade_service.scheduling import goodput as fl
-from cascade_service.scheduling.floor import CREDIT, EPSILON, FloorModel, GoodputFloor
+from cascade_service.engine.policies import goodput as fl
+from cascade_service.engine.policies.floor import CREDIT, EPSILON, FloorModel, GoodputFloor
 
 PLAIN_S = 1.0  # a plain round's cost, in the clock's units
 

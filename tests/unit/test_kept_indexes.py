@@ -1,4 +1,4 @@
-"""MaG's index of a finished request is kept for a request that continues it (runtime.leaves.KeptIndexes):
+"""MaG's index of a finished request is kept for a request that continues it (engine.leaves.KeptIndexes):
 the continuing request proposes exactly what a fresh index would, indexing only its new tokens; an
 index is found only under its own API key, and the store stays within its token bound."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 
 from cascade_service.config import MaGConfig
-from cascade_service.core.mag import MaxGram
+from cascade_service.core.proposers.mag import MaxGram
 from cascade_service.core.types import Context
-from cascade_service.runtime.leaves import KeptIndexes, MaGLeaf
+from cascade_service.engine.leaves import KeptIndexes, MaGLeaf
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -68,8 +68,8 @@ def test_the_store_keeps_the_most_recent_within_its_token_bound():
 
 def test_suffix_decoding_resumes_its_own_trie_and_proposes_as_a_fresh_one():
     from cascade_service.config import SuffixConfig
-    from cascade_service.core.suffix import SuffixDecoder
-    from cascade_service.runtime.leaves import SuffixLeaf
+    from cascade_service.core.proposers.suffix import SuffixDecoder
+    from cascade_service.engine.leaves import SuffixLeaf
 
     leaf = SuffixLeaf(SuffixConfig())
     history = _tokens(300, seed=4)

@@ -20,38 +20,40 @@ LAYERS: dict[str, set[str]] = {
     "procfs": set(),
     "quiet": {"paths"},
     "output": {"core"},
-    # The engine's scheduling: the loop, the batcher, pass costs, block policies (load, the floor).
-    "scheduling": {"core"},
     "sessions": {"core"},
     "metrics": {"core"},
-    "config": {"core", "paths", "scheduling"},
-    # Weights, KV pools, forward passes; their passes run in the engine loop.
-    "models": {"core", "metrics", "scheduling"},
+    "config": {"core", "paths"},
+    # The model runner: weights, KV pools, forward passes of a batch it is handed. Nothing of the engine.
+    "models": {"core", "metrics"},
+    # The engine: the loop and its step (schedule -> execute -> update), the scheduler, clocks, the
+    # speculation policies, the core that loads each model once and joins it to the loop.
+    "engine": {"config", "core", "metrics", "models"},
     "startup": {"config", "models"},
     # One request, built once from any front end and validated once.
-    "intake": {"config", "core", "scheduling"},
+    "intake": {"config", "core"},
     # Wire helpers both ends share, the SDK, the tier wire and the coordinator's view of a remote tier.
     "rpc": {"core", "proto"},  # core.limits: the checks every edge shares (stdlib only)
     "client": {"proto"},
-    "transport": {"config", "core", "proto", "rpc", "scheduling"},
-    "coordinator": {"config", "core", "intake", "metrics", "output", "scheduling", "sessions"},
+    "transport": {"config", "core", "engine", "proto", "rpc"},
+    "coordinator": {"config", "core", "engine", "intake", "metrics", "output", "sessions"},
     # The client edge: gRPC and HTTP front ends over a coordinator.
-    "api": {"coordinator", "core", "intake", "metrics", "output", "proto", "rpc", "scheduling", "sessions"},
-    # The composition root: the engine core (models loaded once), a coordinator assembled one way.
-    "runtime": {"config", "coordinator", "core", "extras", "metrics", "models", "scheduling", "sessions", "startup"},
+    "api": {"coordinator", "core", "engine", "intake", "metrics", "output", "proto", "rpc", "sessions"},
+    # The composition root: a coordinator assembled over an engine's tiers.
+    "runtime": {"config", "coordinator", "core", "engine", "extras", "metrics", "models", "sessions", "startup"},
     # What a tier server process runs.
-    "tierhost": {"__init__", "config", "core", "models", "proto", "rpc", "runtime", "scheduling", "startup"}
+    "tierhost": {"__init__", "config", "core", "engine", "models", "proto", "rpc", "runtime", "startup"}
     | {"transport"},
     # Wirings: in process, one process serving gRPC/HTTP, the Ray Serve app.
-    "engine": {"config", "coordinator", "core", "models", "runtime", "scheduling", "sessions", "startup"}
+    "inprocess": {"config", "coordinator", "core", "engine", "models", "runtime", "sessions", "startup"}
     | {"tierhost", "transport"},
-    "standalone": {"api", "config", "coordinator", "engine", "rpc", "runtime", "sessions"},
+    "standalone": {"api", "config", "coordinator", "engine", "inprocess", "rpc", "runtime", "sessions"},
     "serving": {
         "api",
         "client",
         "config",
         "coordinator",
         "core",
+        "engine",
         "intake",
         "metrics",
         "models",
@@ -59,15 +61,15 @@ LAYERS: dict[str, set[str]] = {
         "proto",
         "rpc",
     }
-    | {"runtime", "scheduling", "sessions", "startup", "tierhost", "transport"},
+    | {"runtime", "sessions", "startup", "tierhost", "transport"},
     # Offline tools and commands on top.
     "zoo": {"core", "models", "paths", "prompts"},
-    "tune": {"config", "core", "engine", "prompts"},
-    "bench": {"api", "client", "config", "core", "engine", "extras", "models", "paths", "procfs", "prompts", "proto"}
-    | {"runtime", "scheduling", "serving", "sessions", "standalone", "tierhost", "transport", "zoo"},
+    "tune": {"config", "core", "inprocess", "prompts"},
+    "bench": {"api", "client", "config", "core", "engine", "extras", "inprocess", "models", "paths", "procfs"}
+    | {"prompts", "proto", "runtime", "serving", "sessions", "standalone", "tierhost", "transport", "zoo"},
     "demo": {"bench", "client", "config", "core", "models", "paths", "prompts", "quiet", "serving", "zoo"},
-    "cli": {"api", "bench", "client", "config", "core", "demo", "engine", "extras", "intake", "models", "paths", "rpc"}
-    | {"runtime", "serving", "standalone", "tierhost", "tune", "zoo"},
+    "cli": {"api", "bench", "client", "config", "core", "demo", "engine", "extras", "inprocess", "intake", "models"}
+    | {"paths", "rpc", "runtime", "serving", "standalone", "tierhost", "tune", "zoo"},
 }
 
 # A heavy or process-wide dependency -> the only places that import it.
@@ -81,7 +83,7 @@ THIRD_PARTY = {
     "grpc_health": ("api/", "client/", "rpc/", "bench/idle.py", "tierhost/server.py"),
     "grpc_reflection": ("rpc/", "api/"),
     "redis": ("sessions/redis_store.py",),
-    "greenlet": ("scheduling/loop.py",),
+    "greenlet": ("engine/loop.py",),
     # bench/grammar_engines.py times transformers' own tokenizer-driven baselines beside ours.
     "transformers": ("models/", "zoo/", "bench/grammar_engines.py"),
 }
@@ -184,9 +186,9 @@ def test_the_cycle_check_finds_lazy_and_type_only_circles():
     files = sources()
     lazy = dict(files, **{"core/sampling.py": files["core/sampling.py"] + "\ndef f():\n    from . import decode\n"})
     assert cycle(module_graph(lazy)) is not None  # core.decode imports core.sampling's users
-    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .loop import EngineLoop\n"
-    batcher = dict(files, **{"scheduling/batcher.py": files["scheduling/batcher.py"] + typed})
-    assert cycle(module_graph(batcher)) is not None  # scheduling.loop imports the batcher
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .loop import TaskLoop\n"
+    batcher = dict(files, **{"engine/scheduler.py": files["engine/scheduler.py"] + typed})
+    assert cycle(module_graph(batcher)) is not None  # engine.loop imports the batcher
 
 
 # What a request runs with (its generator, its grammar state, its tiers): built by intake.py per request.

@@ -1,4 +1,4 @@
-"""Load-adaptive speculation (scheduling.load): the EWIF trade, measured terms, per-request acceptance."""
+"""Load-adaptive speculation (engine.policies.load): the EWIF trade, measured terms, per-request acceptance."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import random
 import pytest
 
 from cascade_service.config import ConfigError
-from cascade_service.scheduling.load import BySampling, DraftBudget, LoadModel, expected_tokens
-from cascade_service.scheduling.passes import PassTimer
-from cascade_service.scheduling.trial import ARMS, ArmTrial
+from cascade_service.engine.clock import PassTimer
+from cascade_service.engine.policies.load import BySampling, DraftBudget, LoadModel, expected_tokens
+from cascade_service.engine.policies.trial import ARMS, ArmTrial
 
 BUDGET = ("budget",)  # the cost model alone decides (no trial of arms)
 
@@ -161,7 +161,7 @@ def test_a_pass_is_charged_to_its_rows_by_the_fitted_cost():
 def test_the_compute_clock_is_the_current_tasks():
     import contextvars
 
-    from cascade_service.scheduling.passes import CURRENT_CLOCK, TaskClock, charged
+    from cascade_service.engine.clock import CURRENT_CLOCK, TaskClock, charged
 
     clock = TaskClock(run_s=0.5, pass_s={"large": 0.25, "small": 0.125})
 
@@ -331,9 +331,12 @@ def test_an_arm_caps_every_round_and_only_drafting_rounds_teach_the_budget():
 
 
 def test_the_ray_coordinator_tries_every_arm_but_the_cost_model():
-    from cascade_service.config import MaGConfig, ModelTierConfig, make_cascade
+    from cascade_service.config import MaGConfig, ModelTierConfig, ServingConfig, make_cascade
     from cascade_service.core.cascade import Lookup
-    from cascade_service.serving.policies import load_budgets
+    from cascade_service.serving.policies import coordinator_policies
+
+    def load_budgets(cascade, arms=None):
+        return coordinator_policies(cascade, ServingConfig(adapt_to_load=True, floor=False, load_arms=arms))
 
     cascade = make_cascade(
         ModelTierConfig("large", "/m/large"),

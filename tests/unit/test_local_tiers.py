@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from cascade_service.core.local import ModelTier, Proposer, StatisticalTier, local_tiers
-from cascade_service.core.mag import MaxGram
-from cascade_service.core.prediction import PredictionProposer
-from cascade_service.core.suffix import SuffixCache, SuffixDecoder, SuffixSettings
+from cascade_service.core.proposers.mag import MaxGram
+from cascade_service.core.proposers.prediction import PredictionProposer
+from cascade_service.core.proposers.suffix import SuffixCache, SuffixDecoder, SuffixSettings
 
 from ..helpers.toy import ToyScorer
 

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from cascade_service.core import mag
-from cascade_service.core.mag import BigramTable, MaxGram
+from cascade_service.core.proposers import mag
+from cascade_service.core.proposers.mag import BigramTable, MaxGram
 from cascade_service.core.types import Context
 
 

@@ -20,7 +20,7 @@ from cascade_service.core import sampling as sampling_module
 from cascade_service.core.cascade import Lookup, RequestState, build_cascade
 from cascade_service.core.decode import decode
 from cascade_service.core.local import local_tiers
-from cascade_service.core.mag import BigramTable, MaxGram
+from cascade_service.core.proposers.mag import BigramTable, MaxGram
 from cascade_service.core.sampling import SamplingParams
 from cascade_service.core.schedule import Schedule
 from cascade_service.core.stats import CascadeStats

@@ -1,10 +1,10 @@
-"""core.prediction.PredictionProposer on its own: it follows the output through the prediction, grows its
+"""core.proposers.prediction.PredictionProposer on its own: it follows the output through the prediction, grows its
 blocks while they are kept and shrinks them when not, waits when the output leaves the prediction, and
 takes it up again where the output's last tokens occur in it."""
 
 from __future__ import annotations
 
-from cascade_service.core.prediction import FIRST_BLOCK, MAX_BLOCK, PredictionProposer
+from cascade_service.core.proposers.prediction import FIRST_BLOCK, MAX_BLOCK, PredictionProposer
 from cascade_service.core.types import Context
 
 PROMPT = [900, 901, 902]

@@ -121,7 +121,7 @@ def test_no_module_uses_another_modules_private_names():
 )
 def test_the_check_finds_a_private_name_used_across_modules(source):
     # The negative control: the calls issue 47 found (loop._park, batcher._run, batcher._take).
-    assert private_uses("scheduling/loop.py", source)
+    assert private_uses("engine/loop.py", source)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Suffix decoding (core.suffix): counts, longest match, most frequent continuation, the confidence
+"""Suffix decoding (core.proposers.suffix): counts, longest match, most frequent continuation, the confidence
 and length rules, the request's own trie grown incrementally, the bounded global cache."""
 
 import random
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from cascade_service.core.suffix import (
+from cascade_service.core.proposers.suffix import (
     SuffixCache,
     SuffixDecoder,
     SuffixSettings,

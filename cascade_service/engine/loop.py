@@ -5,7 +5,7 @@ A task (a request's decode, a tier server's call, a benchmark's generation) runs
 own on the loop's thread, and the cascade in it stays the plain synchronous recursion of core/: where
 a model tier needs a forward pass (`HFModel.forward`), the task parks on that model's queue and the
 loop goes on with the others. Once every runnable task has parked, the loop runs each model's waiting
-passes as batched passes (grouped by `scheduling.batcher.take_batch`, the request with the least model
+passes as batched passes (grouped by `engine.scheduler.take_batch`, the request with the least model
 time first), hands each task its rows and resumes it. So there is no thread or event-loop hand-off per
 forward pass, a request joins or leaves between passes, and the batch is exactly the requests that
 were ready: nothing waits on a timer to gather them.
@@ -23,6 +23,7 @@ turn, a pass, a remote reply): the engine's own accounting of where a request's 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import threading
@@ -34,8 +35,8 @@ from typing import Any, TypeVar
 
 import greenlet
 
-from .batcher import LoopBatcher, Pass
-from .passes import CURRENT_CLOCK, TaskClock
+from .clock import CURRENT_CLOCK, TaskClock
+from .scheduler import ModelQueue, Pass
 
 T = TypeVar("T")
 
@@ -54,13 +55,13 @@ class _Task:
 
 
 class _TaskGreenlet(greenlet.greenlet):
-    def __init__(self, task: _Task, loop: EngineLoop):
+    def __init__(self, task: _Task, loop: TaskLoop):
         super().__init__(task.body, loop._main)
         self.task, self.loop = task, loop
 
 
-class EngineLoop:
-    """The loop (see the module's docstring). A process's engine core (runtime.core.EngineCore) owns
+class TaskLoop:
+    """The loop (see the module's docstring). A process's engine core (engine.core.EngineCore) owns
     one, and every model it serves joins it (`HFModel.enable_batching`)."""
 
     _names = itertools.count()
@@ -70,7 +71,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._arrived: deque[tuple[_Task, Any, BaseException | None]] = deque()  # from any thread
         self._ready: deque[tuple[_Task, Any, BaseException | None]] = deque()  # the loop's own
-        self._batchers: list[LoopBatcher] = []
+        self._batchers: list[ModelQueue] = []
         self._live = 0  # tasks submitted and not finished
         self._closed = False
         self._main: greenlet.greenlet | None = None
@@ -81,10 +82,10 @@ class EngineLoop:
 
     def batcher(
         self, name: str, execute: Callable[[list[Pass]], list[Any]], max_batch: int = 64, prefill_chunk: int = 16
-    ) -> LoopBatcher:
+    ) -> ModelQueue:
         """A model's place in this loop: its passes (`execute` runs a batch of them: models.batching)
-        batched with concurrent requests' (scheduling.batcher)."""
-        batcher = LoopBatcher(self, name, execute, max_batch, prefill_chunk)
+        batched with concurrent requests' (engine.scheduler)."""
+        batcher = ModelQueue(self, name, execute, max_batch, prefill_chunk)
         with self._cond:
             self._batchers.append(batcher)
         return batcher
@@ -176,8 +177,8 @@ class EngineLoop:
         """Park the current task until `future` (run elsewhere) is done; its result, or its exception."""
         return self.park(("future", future))
 
-    def leave(self, batcher: LoopBatcher) -> None:
-        """`batcher`'s model leaves this loop (LoopBatcher.close, which calls it as a task, so on the
+    def leave(self, batcher: ModelQueue) -> None:
+        """`batcher`'s model leaves this loop (ModelQueue.close, which calls it as a task, so on the
         loop's thread, where the waiting passes live): its waiting passes fail in their tasks."""
         with self._cond:
             if batcher in self._batchers:
@@ -209,35 +210,43 @@ class EngineLoop:
                 # batched with, and a long prompt's chunks are cut small as soon as it is here.
                 self._ready.extendleft(reversed(self._arrived))
                 self._arrived.clear()
-            waiting = self._iterate()
+            waiting = self.step()
 
-    def _iterate(self) -> bool:
-        """One iteration: every ready task runs until it parks, then each model runs one batched pass
-        of its waiting ones (the turn of the request with the least model time: LoopBatcher.take),
-        whose tasks are ready for the next iteration. Whether passes are still waiting."""
+    def step(self) -> bool:
+        """One step of the engine, on the loop's thread: update, schedule, execute.
+
+        update: every ready task runs until it parks (on a pass it wants, or a future) or ends; the tasks
+        the last step's passes resumed take their rows here. schedule: each model with waiting passes
+        takes its next batch (ModelQueue.take: the turn of the request with the least model time, and
+        the rows that share its pass). execute: each batch runs as one pass of its model
+        (ModelQueue.run, the model's side: models.batching), and its rows go back to their tasks, ready
+        for the next step. Whether passes are still waiting."""
         self.iterations += 1
-        while self._ready:
-            self._step(*self._ready.popleft())
-        with self._cond:  # read after the tasks ran: one of them may have loaded a model (its batcher)
-            batchers = list(self._batchers)
-        for batcher in batchers:
-            if batcher.pending:
-                name = batcher.name
-                began = time.perf_counter()
-                outcomes = batcher.run(batcher.take())
-                # The batcher's own work around the pass (choosing the batch, the timer, the metrics) is
-                # the rows' too: charged in proportion to their shares, a round of three passes costs
-                # its request three times that, which a round's cost must show (scheduling.floor).
-                elapsed, shares = time.perf_counter() - began, sum(share for *_, share in outcomes)
-                scale = elapsed / shares if shares > 0 else 0.0
-                for item, result, error, share in outcomes:
-                    task = item.task
-                    assert task is not None
-                    task.clock.pass_s[name] = task.clock.pass_s.get(name, 0.0) + share * scale
-                    self._ready.append((task, result, error))
-        return any(batcher.pending for batcher in batchers)
+        while self._ready:  # update
+            self._resume(*self._ready.popleft())
+        with self._cond:  # read after the tasks ran: one of them may have loaded a model (its queue)
+            models = list(self._batchers)
+        batches = [(model, model.take()) for model in models if model.pending]  # schedule
+        for model, batch in batches:  # execute
+            self._execute(model, batch)
+        return any(model.pending for model in models)
 
-    def _step(self, task: _Task, value: Any, error: BaseException | None) -> None:
+    def _execute(self, model: ModelQueue, batch: list[Pass]) -> None:
+        """One batched pass of `model`; each row's result (or error) readied for its task."""
+        began = time.perf_counter()
+        outcomes = model.run(batch)
+        # The queue's own work around the pass (the timer, the metrics) is the rows' too: charged in
+        # proportion to their shares, a round of three passes costs its request three times that,
+        # which a round's cost must show (engine.policies.floor).
+        elapsed, shares = time.perf_counter() - began, sum(share for *_, share in outcomes)
+        scale = elapsed / shares if shares > 0 else 0.0
+        for item, result, error, share in outcomes:
+            task = item.task
+            assert task is not None
+            task.clock.pass_s[model.name] = task.clock.pass_s.get(model.name, 0.0) + share * scale
+            self._ready.append((task, result, error))
+
+    def _resume(self, task: _Task, value: Any, error: BaseException | None) -> None:
         began = task.clock.stepping_since = time.perf_counter()
         try:
             if task.greenlet is None:  # its first step
@@ -291,7 +300,17 @@ def run_blocking(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-def current_loop() -> EngineLoop | None:
+def on_loop_thread(loop: TaskLoop, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on the thread of `loop`, waited for.
+
+    Torch's CPU kernels run on an OpenMP team per calling thread. Once a second thread has run a
+    parallel op (a lean drafter packing its weights, a step timed), libgomp sees more threads than
+    cores and stops spinning between parallel regions: on 2 cores every pass in the loop took twice
+    as long (the quality target, 3 tokens: 5.6 ms, 11-13 ms). So serving models compute there."""
+    return loop.run(functools.partial(fn, *args, **kwargs))
+
+
+def current_loop() -> TaskLoop | None:
     """The engine loop whose task is running now, if any."""
     current = greenlet.getcurrent()
     return current.loop if isinstance(current, _TaskGreenlet) else None

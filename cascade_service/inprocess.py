@@ -1,6 +1,6 @@
 """The in-process wiring: loaded tiers + the core cascade, one fresh cascade per request.
 
-Models are loaded once, by the process's engine core (runtime.core), and shared; each request gets
+Models are loaded once, by the process's engine core (engine.core), and shared; each request gets
 its own scorers (KV caches), MaG index, RNG and counters, so concurrent requests never see each
 other's state. A tier the config names by `address`
 is not loaded: it is reached on its tier server over gRPC (`transport.client`), and the cascade calls
@@ -19,16 +19,13 @@ from .coordinator import Coordinator, Tokenizer
 from .core.adaptive import AdaptiveLength, DraftStopper
 from .core.cascade import Lookup
 from .core.local import ModelTier
-from .core.policy import PolicyFactory
 from .core.stats import CascadeStats
 from .core.tier import Scope, Tier
+from .engine.core import EngineCore, queue_of
+from .engine.leaves import Leaves
+from .engine.policies import build_policies
 from .models.hf import HFModel, load_tokenizer
 from .runtime.assemble import assemble_coordinator
-from .runtime.core import EngineCore
-from .runtime.leaves import Leaves
-from .scheduling.floor import floor_policies
-from .scheduling.load import load_policies
-from .scheduling.trial import ARMS
 from .sessions import MemoryStore, SessionStore
 from .startup import check_tiers, check_vocabularies
 from .tierhost.loopback import loopback
@@ -43,8 +40,10 @@ class Generation:
     stats: CascadeStats
 
 
-class Engine:
-    """Target + drafters loaded from local directories, ready to generate."""
+class InProcess:
+    """The cascade service in this process, without a network: target + drafters loaded from local
+    directories (by an engine core), ready to generate. Tests, benchmarks, tuning and the standalone
+    server use it; `cascade-service serve` puts the same coordinator behind Ray Serve."""
 
     def __init__(
         self,
@@ -76,7 +75,7 @@ class Engine:
         # Again with the weights' own counts (the LM heads' rows), which config.json may not record.
         check_vocabularies(cascade, {m.name: m.vocab_size for m in self.tiers()}, tokenizers=False)
         self.tokenizer = load_tokenizer(t.path)
-        # MaG's bigram table, suffix decoding's recent requests and corpus (runtime.leaves)
+        # MaG's bigram table, suffix decoding's recent requests and corpus (engine.leaves)
         self.leaves = self.core.leaves(cascade.drafters, self.target.vocab_size, self.encode)
         self.heads = self.core.heads(self.target.device if isinstance(self.target, HFModel) else "cpu")
         self._check_heads(cascade)
@@ -129,7 +128,7 @@ class Engine:
         lookup: Lookup | None = None,
         adaptive: dict[str, AdaptiveLength] | None = None,
         fill: str | None = None,
-    ) -> Engine:
+    ) -> InProcess:
         """The same loaded models with another drafter subset (by tier name, largest first) and schedule.
 
         Benchmarks and tuning compare many schedules; reloading weights for each would dominate.
@@ -147,7 +146,7 @@ class Engine:
             adaptive,
             fill or self.cascade.schedule.fill.name,
         )
-        twin: Engine = copy.copy(self)
+        twin: InProcess = copy.copy(self)
         twin.cascade = cascade
         twin.drafters = [by_name[n][1] for n in drafters]
         # its own requests only, MaG's table and any corpus as loaded once
@@ -204,20 +203,19 @@ class Engine:
         requests); its requests run in the engine loop when their front end submits them there.
 
         adapt_to_load: choose each round's draft budget from measured acceptance and the target's
-        batched passes (scheduling.load). arms: the ways of drafting its trial chooses between
-        (scheduling.trial.ARMS, all of them when None). leaves: the statistical drafters' state to
+        batched passes (engine.policies.load). arms: the ways of drafting its trial chooses between
+        (engine.policies.trial.ARMS, all of them when None). leaves: the statistical drafters' state to
         share (this engine's own requests share the engine's); a fresh one when None. floor: a
         request's speculation "auto" drafts only while its measured rounds beat plain decoding
-        (scheduling.floor); False: "auto" runs the K-matrix (or load adaptation) as it is.
+        (engine.policies.floor); False: "auto" runs the K-matrix (or load adaptation) as it is.
         """
         models = {model.name: model for model in self.tiers()} | self.remote  # MaG's server too
-        policies: PolicyFactory | None = None
+        timer = None
         if adapt_to_load:
             if not isinstance(self.target, HFModel) or self.target.batcher is None:
                 raise ValueError("adapt_to_load needs the target's passes in this process")
-            policies = load_policies(self.target.batcher.timer, self.cascade.max_block(), arms or ARMS)
-        if floor:
-            policies = floor_policies(policies)
+            timer = queue_of(self.target).timer
+        policies = build_policies(self.cascade.max_block(), adapt_to_load, floor, arms, timer)
         leaves = leaves or self.core.leaves(self.cascade.drafters, self.target.vocab_size, self.encode)
         return assemble_coordinator(
             self.cascade,

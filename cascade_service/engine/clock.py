@@ -1,6 +1,6 @@
 """What a batched forward pass costs: a request's compute clock (`TaskClock`, `charged`: its share of
 each pass and its own work around them) and the timer that fits a pass's cost from recent passes
-(`PassTimer`). Load adaptation (`scheduling.load`) prices a round with them; the engine loop
+(`PassTimer`). Load adaptation (`engine.policies.load`) prices a round with them; the engine loop
 (`models.loop`) feeds them."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def charged() -> float:
 
 
 def waited() -> float:
-    """The wall clock a request's rounds are judged by (scheduling.floor): from the start of one target
+    """The wall clock a request's rounds are judged by (engine.policies.floor): from the start of one target
     round to the next, everything the request waited through, its own passes and Python, its turn,
     the other requests' passes in the loop iterations its drafting spanned, remote replies. A round
     whose drafter steps span k iterations of a loaded loop waits through k of everyone's target passes,
@@ -128,7 +128,7 @@ class PassTimer:
         # (at _recorded, cost, {n: a row of n tokens' expected seconds}, the passes fitted): replaced
         # whole, so the many readers per pass need no lock
         self._fitted: tuple[int, PassCost | None, dict[int, float], list] = (-1, None, {}, [])
-        self.ragged = False  # the model's passes are ragged (scheduling.batcher.take_batch): no padding
+        self.ragged = False  # the model's passes are ragged (engine.scheduler.take_batch): no padding
 
     def shares(self, tokens: Sequence[int], seconds: float) -> list[float]:
         """Split a pass's `seconds` among its rows by the fitted cost: fixed part evenly, the rest by

@@ -1,10 +1,10 @@
 """The engine core: one per process that serves models, and the only place a model is loaded.
 
-It owns what a process's requests share: the engine loop (scheduling.loop) where every request's work
+It owns what a process's requests share: the engine loop (engine.loop) where every request's work
 and every model's batched passes run, the models (each loaded once, on the loop's thread, batching
 from the start; their KV pools are theirs, models.kvpool), the acceptance heads, the statistical
-drafters' tables. Every wiring asks it for tiers: the in-process `Engine` and the standalone server
-(engine.py, standalone.py), a tier server's `TierGroup` (tierhost.group), the Ray app's coordinator
+drafters' tables. Every wiring asks it for tiers: the in-process `InProcess` and the standalone server
+(inprocess.py, standalone.py), a tier server's `TierGroup` (tierhost.group), the Ray app's coordinator
 and tier replicas (serving/). Each of those processes builds one (`EngineCore(...)`); nothing of it is
 a process-wide global, so a test may hold several, each with its own loop.
 """
@@ -20,11 +20,16 @@ from typing import Any, TypeVar
 import torch
 
 from ..config import ModelTierConfig, StatisticalConfig
-from ..core.mag import BigramTable
+from ..core.proposers.mag import BigramTable
+from ..metrics import default_metrics
 from ..models.acceptance_head import HeadCache
+from ..models.batching import default_prefill_chunk, executor
+from ..models.graphs import start_graphs
 from ..models.hf import HFModel
-from ..scheduling.loop import EngineLoop
+from ..models.poolpass import ragged
 from .leaves import Encode, Leaves
+from .loop import TaskLoop
+from .scheduler import ModelQueue
 
 T = TypeVar("T")
 # A tier's fields that say which weights, how they run and where their KV caches live: one model per value.
@@ -40,7 +45,7 @@ class EngineCore:
     """
 
     def __init__(self, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int | None = None, name: str | None = None):
-        self.loop = EngineLoop(name)
+        self.loop = TaskLoop(name)
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self._models: dict[tuple, HFModel] = {}
         self._heads: dict[str, HeadCache] = {}
@@ -54,7 +59,7 @@ class EngineCore:
         """The model a config's tier names (with `overrides` of its fields: a benchmark's other KV
         storage or backend), loaded the first time it is asked for, on the loop's thread: torch's CPU
         kernels run on an OpenMP team per calling thread, and a second team halves every pass on a
-        small machine (models.hf.on_loop_thread). Its passes batch in this core's loop."""
+        small machine (engine.loop.on_loop_thread). Its passes batch in this core's loop."""
         fields = {key: getattr(tier, key) for key in MODEL_FIELDS} | overrides
         key = tuple(sorted(fields.items()))
         # The load runs outside the lock: it waits for the loop, and a loop task that meanwhile asks
@@ -89,7 +94,7 @@ class EngineCore:
     def _load(self, fields: dict[str, Any]) -> HFModel:
         """On the loop's thread: the model read from disk and its passes joined to this core's loop."""
         model = HFModel.load(**fields)
-        model.enable_batching(self.loop, self.max_batch, self.prefill_chunk)
+        join_loop(model, self.loop, self.max_batch, self.prefill_chunk)
         return model
 
     def models(self) -> list[HFModel]:
@@ -111,7 +116,7 @@ class EngineCore:
             return table
 
     def leaves(self, drafters: Sequence[object], vocab_size: int, encode: Encode | None = None) -> Leaves:
-        """A wiring's statistical drafters (runtime.leaves): their tables loaded once per core, shared
+        """A wiring's statistical drafters (engine.leaves): their tables loaded once per core, shared
         by every wiring (and an engine's variants) that names the same; their requests their own."""
         with self._lock:
             like = self._leaves
@@ -136,6 +141,43 @@ class EngineCore:
             if model.batcher is not None:
                 model.batcher.close()
         self.loop.close()
+
+
+def join_loop(
+    model: HFModel, loop: TaskLoop, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int | None = None
+) -> None:
+    """From now on `model`'s forward passes wait in `loop` (its engine core's) for the loop's batched
+    step, beside concurrent requests' (engine.scheduler.ModelQueue: the model sees only its side,
+    models.batching.PassQueue). Joining the same loop again changes the settings (a test, a benchmark's
+    variant: the last ones win); another loop is refused.
+
+    prefill_chunk: the most tokens one pass of a prompt feeds while other requests decode (0: a prompt
+    in one pass; None: the device's default, models.batching.default_prefill_chunk).
+    """
+    chunk = default_prefill_chunk(model.device) if prefill_chunk is None else prefill_chunk
+    queue = model.batcher
+    if queue is None:
+        queue = model.batcher = loop.batcher(model.name, executor(model), max_batch, chunk)
+        metrics = default_metrics()
+        queue.on_pass = lambda rows, seconds: model.record_pass(metrics, rows, seconds)
+        # Ragged passes where the pool's passes run as transformers' forward; fixed-shape passes (CUDA
+        # graphs) pad to their buckets instead.
+        queue.ragged = model.prefix_caching and ragged(model) and not model.static
+    elif not isinstance(queue, ModelQueue) or queue.loop is not loop:
+        where = queue.loop.name if isinstance(queue, ModelQueue) else "another engine"
+        raise ValueError(f"{model.name}: its passes already run in the engine loop {where}")
+    else:
+        queue.max_batch, queue.prefill_chunk = max_batch, chunk
+    start_graphs(model, max_batch)  # on cuda the graphs are captured now, not on a request's time
+
+
+def queue_of(model: HFModel) -> ModelQueue:
+    """The engine's queue `model` joined (join_loop): its batch sizes and pass timer, for a caller of the
+    engine (load adaptation, a tier server's figures, a benchmark)."""
+    queue = model.batcher
+    if not isinstance(queue, ModelQueue):
+        raise ValueError(f"{model.name}: its passes do not run in an engine loop here")
+    return queue
 
 
 def _thread_settings() -> str:

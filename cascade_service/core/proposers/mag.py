@@ -218,7 +218,7 @@ class MaxGram:
         self._committed = _Trie(max_ngram)
         self._indexed = 0  # follower positions < _indexed are in the committed trie
         self._tail_ops = 0
-        # Where the index of a finished request's final tokens goes (runtime.leaves keeps it for a
+        # Where the index of a finished request's final tokens goes (engine.leaves keeps it for a
         # request that continues them, a session's next turn): None, it goes with the request.
         self.keep: Callable[[tuple[int, ...], MaxGram], None] | None = None
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from ..config import ConfigError, MaGConfig, StatisticalConfig, SuffixConfig
 from ..core.local import Proposer, StatisticalTier
-from ..core.mag import BigramTable, MaxGram
-from ..core.suffix import SuffixCache, SuffixDecoder, SuffixSettings, TenantCaches, corpus_cache
+from ..core.proposers.mag import BigramTable, MaxGram
+from ..core.proposers.suffix import SuffixCache, SuffixDecoder, SuffixSettings, TenantCaches, corpus_cache
 from ..core.tier import Tier
 
 Encode = Callable[[str], list[int]]
@@ -97,7 +97,7 @@ class MaGLeaf:
 
 
 class SuffixLeaf:
-    """Suffix decoding for a wiring: each API key's recent requests (core.suffix.TenantCaches) and the
+    """Suffix decoding for a wiring: each API key's recent requests (core.proposers.suffix.TenantCaches) and the
     operator's corpus, read and indexed once here (with `encode`, the target's tokenizer)."""
 
     def __init__(self, config: SuffixConfig, encode: Encode | None = None):

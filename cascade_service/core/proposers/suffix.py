@@ -17,7 +17,7 @@ of the continuation frequencies stays at least `min_prob`, for at most `factor` 
 tokens (a long match earns a long draft) and at most k. The trie whose path scores higher (the sum of
 those products, i.e. the expected number of accepted tokens) proposes.
 
-Unlike MaG (core.mag), which takes the earliest occurrence of the longest match, suffix decoding
+Unlike MaG (core.proposers.mag), which takes the earliest occurrence of the longest match, suffix decoding
 weighs every occurrence, so a continuation seen five times beats one seen once, and it drafts nothing
 rather than a guess when the evidence is thin (no bigram fill).
 """
@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .types import Context
+from ..types import Context
 
 
 class SuffixTrie:
@@ -281,7 +281,7 @@ class SuffixDecoder:
         self.own = _Growing(self.settings.depth)
         self._tokens: list[int] = []
         self.matched = 0  # the match length behind the last draft (what the lookup gate reads)
-        # Where the request's own trie goes at its end, with its final tokens (runtime.leaves keeps it
+        # Where the request's own trie goes at its end, with its final tokens (engine.leaves keeps it
         # for a request that continues them); None: it goes with the request.
         self.keep: Callable[[tuple[int, ...], SuffixDecoder], None] | None = None
 

@@ -1,4 +1,4 @@
-"""What every request's floor (scheduling.floor) learns from and is bounded by: its settings, and the
+"""What every request's floor (engine.policies.floor) learns from and is bounded by: its settings, and the
 evidence every request of an API key leaves at a load level and sampling kind: what a plain round
 costs, what each source's drafting rounds earned, what catching up costs per token, how often to probe;
 and the load itself (target rounds in flight, the machine's)."""
@@ -12,12 +12,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.policy import SOURCES
+from ...core.policy import SOURCES
 
 
 @dataclass(frozen=True)
 class FloorSettings:
-    """The floor's knobs (scheduling.floor and docs/algorithm.md say what each bounds)."""
+    """The floor's knobs (engine.policies.floor and docs/algorithm.md say what each bounds)."""
 
     # The share of plain decoding's time a request's drafting may lose, and the plain steps it may lose
     # before its drafting has earned anything. Both are what finding out costs: with 1% and one step, a
@@ -37,7 +37,7 @@ class FloorSettings:
 
 
 DEFAULTS = FloorSettings()
-EPSILON, CREDIT = DEFAULTS.epsilon, DEFAULTS.credit  # the bound's terms, as scheduling.floor names them
+EPSILON, CREDIT = DEFAULTS.epsilon, DEFAULTS.credit  # the bound's terms, as engine.policies.floor names them
 POPULATION_DECAY = 1.0 - 1.0 / 64  # per round of a source at a level, over every request
 SMOOTHING = 0.1  # EWMA of a plain round's cost, and of catching up per token
 BEHIND = 16  # tokens a source may trail the committed sequence by and still be running (a lookup round's)

@@ -1,5 +1,5 @@
 """One model's place in the engine loop: its waiting passes, which of them make the next batched pass,
-whose turn it is, and how a long prompt is cut into chunks. The loop (scheduling.loop) runs the
+whose turn it is, and how a long prompt is cut into chunks. The loop (engine.loop) runs the
 batches; the model's side of a pass (how a batch reads the requests' caches: models.batching) is
 handed in as `execute`, so this package never imports a model.
 """
@@ -9,10 +9,13 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
 
-from .passes import ROW_POSITIONS, PassTimer, pads_within
+from ..models.batching import Pass
+from .clock import ROW_POSITIONS, PassTimer, pads_within
+
+T = TypeVar("T")
 
 
 class Cache(Protocol):
@@ -24,7 +27,7 @@ class Cache(Protocol):
 
 
 class Parking(Protocol):
-    """What the batcher needs of the engine loop (scheduling.loop.EngineLoop): a task parks there on a
+    """What the batcher needs of the engine loop (engine.loop.TaskLoop): a task parks there on a
     pass until the loop has run it."""
 
     name: str
@@ -35,33 +38,9 @@ class Parking(Protocol):
 
     def park(self, why: tuple) -> Any: ...
 
-    def leave(self, batcher: LoopBatcher) -> None: ...
+    def wait(self, future: Future) -> Any: ...
 
-
-# Tokens per pass of a long prompt's prefill while other requests decode (models.loop.LoopBatcher):
-# between two chunks they get a pass, so a chunk's pass must cost well under theirs. Measured with
-# bench.long_request on the demo zoo's large model (CPU, 16 short requests beside a 3,500-token
-# prompt, docs/benchmarks.md): with 16 the short ones took 1.5-1.6x their time alone during the
-# prefill, with 32 1.8-2.1x, 64 2.6x, unchunked 3.7x.
-PREFILL_CHUNK = 16
-# On a GPU a pass of 16 tokens costs about what one of 256 does (its fixed part): larger chunks cost
-# the others nothing more and the long prompt far less. Not measured: no GPU was available.
-PREFILL_CHUNK_CUDA = 256
-
-
-@dataclass
-class Pass:
-    """One request's forward pass: the tokens it feeds, its cache, how many rows of logits it keeps,
-    whether it wants the hidden states too; `task`: the engine-loop task waiting for it (models.loop).
-    `chain` > 1: a greedy draft of that many tokens chained on the device after `fed` (models.chain),
-    whose result is (tokens, their probabilities) instead of logits."""
-
-    fed: list[int]
-    cache: Any  # a KV cache (Cache)
-    keep: int
-    with_hidden: bool
-    task: Any = None
-    chain: int = 1
+    def leave(self, batcher: ModelQueue) -> None: ...
 
 
 def chunk_end(n: int, start: int, keep: int, size: int) -> int:
@@ -85,7 +64,7 @@ def take_batch(pending: list[Pass], max_batch: int, ragged: bool = False) -> lis
     cache and attended to, so one 4,000-token conversation beside 16 short ones made every row copy and
     attend over 4,000 keys (on the demo zoo's large model, CPU: a 2 s pass instead of 35 ms, +1 GB).
     So a batch is grown from the first waiting pass with the passes closest to it while both stay
-    within PAD_WASTE of the real work (scheduling.passes.pads_within): queries rows x S against sum s_i; keys
+    within PAD_WASTE of the real work (engine.clock.pads_within): queries rows x S against sum s_i; keys
     rows x (L + S + ROW_POSITIONS) against sum (L_i + s_i + ROW_POSITIONS), where ROW_POSITIONS is what
     a row costs whatever its cache. The others wait for the next pass, which starts as soon as this one
     ends; the first waiting pass is always in this one.
@@ -111,7 +90,7 @@ def _past(item: Pass) -> int:
     return item.cache.get_seq_length()
 
 
-class LoopBatcher:
+class ModelQueue:
     """One model's place in the engine loop: its waiting passes, how they are batched, and what its
     passes were (`batch_sizes`, `timer`: a pass's cost fitted from recent ones, which load
     adaptation reads).
@@ -185,6 +164,14 @@ class LoopBatcher:
             if cache.get_seq_length() > cached:
                 cache.crop(cached - cache.get_seq_length())  # negative: positions to drop (4.x and 5.x)
             raise
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """fn() on the loop's thread, waited for (inside one of its tasks, simply called)."""
+        return self.loop.run(fn)
+
+    def wait(self, future: Future) -> Any:
+        """future's result: inside one of the loop's tasks the task parks meanwhile and the loop goes on."""
+        return self.loop.wait(future) if self.loop.in_task() else future.result()
 
     def close(self) -> None:
         """The model leaves the loop: the loop runs no more of its passes, a pass waiting for its turn

@@ -1,6 +1,6 @@
 """Which way of drafting the load rewards, found by experiment: a trial of arms.
 
-scheduling.load's cost model chooses each request's draft budget from what it can price. ArmTrial decides
+engine.policies.load's cost model chooses each request's draft budget from what it can price. ArmTrial decides
 between that and the blunter choices (the fixed K-matrix, MaG lookups only, no drafts) by measuring
 what each does to the requests' speed at the current load.
 """
@@ -15,12 +15,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-ARMS = ("full", "budget", "lookup", "plain")
-"""How much a round may draft, tried against each other by ArmTrial:
-- "full": all the schedule offers (the fixed K-matrix and lookup);
-- "budget": each request's DraftBudget cap from E(k) / cost(k);
-- "lookup": MaG lookups only (budgeted), no model drafts;
-- "plain": no drafts at all (plain decoding of the target)."""
+from ...core.policy import ARMS
 
 
 @dataclass

@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
+from ...core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
+from ..clock import waited
 from .goodput import (
     BEHIND,
     CREDIT,
@@ -40,7 +41,6 @@ from .goodput import (
     Level,
     ewma,
 )
-from .passes import waited
 
 __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
 

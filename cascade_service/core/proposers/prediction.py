@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .limits import MAX_PREDICTION_TOKENS, check_prediction
-from .types import Context
+from ..limits import MAX_PREDICTION_TOKENS, check_prediction
+from ..types import Context
 
 PREDICTION = "prediction"  # its tier's name in the stats (per-drafter acceptance: accepted_prediction_tokens)
 FIRST_BLOCK = 16  # tokens proposed in a round before anything is known

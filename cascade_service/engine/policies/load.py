@@ -30,7 +30,7 @@ cautious start would only ever learn about short blocks.
 
 That model is one of four arms (ARMS): the fixed K-matrix ("full"), the model's budget ("budget"),
 MaG lookups only ("lookup") and no drafts ("plain"). Which one runs is decided by experiment
-(scheduling.trial.ArmTrial): all requests use one arm at a time, and each load level keeps the arm under
+(engine.policies.trial.ArmTrial): all requests use one arm at a time, and each load level keeps the arm under
 which requests measured the most tokens per second of round time. The model prices only what it
 sees, and on a shared machine drafting costs the others more than that (see ArmTrial).
 """
@@ -41,8 +41,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ..core.policy import SOURCES
-from .passes import PassTimer, charged
+from ...core.policy import SOURCES
+from ..clock import PassTimer, charged
 from .trial import ARMS, ArmTrial, Round
 
 
