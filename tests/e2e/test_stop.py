@@ -3,10 +3,11 @@ streams decode drains within the grace period, ends every stream still running w
 retry hint, exits 0 within grace + 5 s, and leaves no process of its process group behind (Ray's own
 included, on the edge and behind Ray's proxy).
 
-The conformance suite stops each front end once with one call in flight; this repeats the stop (a hang
-or a lost status that shows one time in four is still there) with enough streams to keep the models
-busy. Behind Ray's proxy, 1 to 3 streams of 6 ended CANCELLED in each stop before issue 48: the drain
-cancelled Ray's own actor task while it sent a message to the proxy.
+The conformance suite stops each front end once with one call in flight; this stops it again (the
+standalone server three times: a hang or a lost status that shows one time in three is still there)
+with enough streams to keep the models busy. Behind Ray's proxy, 1 to 3 streams of 6 ended CANCELLED
+in each stop before issue 48: the drain cancelled Ray's own actor task while it sent a message to the
+proxy.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ STREAMS = 6  # concurrent streams: the 2-core CI machine's models stay busy thro
 BUSY_S = 1.0  # of the heavy run before the stop, every stream decoding
 
 
-@pytest.mark.parametrize("frontend, times", [("standalone", 5), ("edge", 2), ("ray", 2)])
+# Ray's front ends once here (the conformance suite stops each once more; before issue 48 behind Ray's
+# proxy every stop lost streams, so one shows it), the standalone server three times: about 2 minutes of CI less.
+@pytest.mark.parametrize("frontend, times", [("standalone", 3), ("edge", 1), ("ray", 1)])
 def test_a_stop_after_a_heavy_run_ends_each_stream_unavailable_and_leaves_nothing_of_its_group(
     frontend, times, tiny_family, tmp_path
 ):
