@@ -6,7 +6,7 @@ own on the loop's thread, and the cascade in it stays the plain synchronous recu
 a model tier needs a forward pass (`HFModel.forward`), the task parks on that model's queue and the
 loop goes on with the others. Once every runnable task has parked, the loop runs each model's waiting
 passes as batched passes (grouped by `engine.scheduler.take_batch`, the request with the least model
-time first), hands each task its rows and resumes it. So there is no thread or event-loop hand-off per
+time first), hands each task its rows and resumes it: `TaskLoop.step`, update -> schedule -> execute. So there is no thread or event-loop hand-off per
 forward pass, a request joins or leaves between passes, and the batch is exactly the requests that
 were ready: nothing waits on a timer to gather them.
 
@@ -62,7 +62,7 @@ class _TaskGreenlet(greenlet.greenlet):
 
 class TaskLoop:
     """The loop (see the module's docstring). A process's engine core (engine.core.EngineCore) owns
-    one, and every model it serves joins it (`HFModel.enable_batching`)."""
+    one, and every model it serves joins it (`engine.core.join_loop`)."""
 
     _names = itertools.count()
 
