@@ -6,9 +6,9 @@ own on the loop's thread, and the cascade in it stays the plain synchronous recu
 a model tier needs a forward pass (`HFModel.forward`), the task parks on that model's queue and the
 loop goes on with the others. Once every runnable task has parked, the loop runs each model's waiting
 passes as batched passes (grouped by `engine.scheduler.take_batch`, the request with the least model
-time first), hands each task its rows and resumes it: `TaskLoop.step`, update -> schedule -> execute. So there is no thread or event-loop hand-off per
-forward pass, a request joins or leaves between passes, and the batch is exactly the requests that
-were ready: nothing waits on a timer to gather them.
+time first), hands each task its rows and resumes it: `TaskLoop.step`, update -> schedule -> execute.
+So there is no thread or event-loop hand-off per forward pass, a request joins or leaves between
+passes, and the batch is exactly the requests that were ready: nothing waits on a timer to gather them.
 
 A task that must wait for something slow outside the loop (a remote tier's reply, Redis) parks on a
 future run by the loop's executor (`run_blocking`), so the loop's other tasks go on. Front ends

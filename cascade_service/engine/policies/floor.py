@@ -16,14 +16,14 @@ back pays a catch-up (reading the tokens committed meanwhile), which counts agai
 in its ratio, and it is let back only where the tokens the request has left can pay that back.
 
 The budget: L = sum over drafting rounds of (c - n p) stays within CREDIT p + EPSILON (plain time of
-the request's tokens), plus one round, plus the judged round after a catch-up that crossed it. The
-prompt's round (not judged) drafts only on evidence. A source not shown to pay (nothing measured at its
-level included) drafts only as a probe whose expected loss, its catch-up priced (CATCH_UP_PRIOR plain
-steps a token until a level has measured one), fits under the bound on its own; past the bound only a
-source the request's own rounds showed to pay drafts. Probes come one stint (its catch-up round, one
-judged round) every `interval` rounds off, the interval tuned by every request's probes within
-[probe_min, probe_max] and doubled for the request after each of its failed probes; a probe that paid
-decides on its own, so no past locks a source out; a round the inner policy vetoes ends a stint.
+the request's tokens), plus one round: a source not shown to pay drafts only as a probe whose expected
+loss fits under the bound on its own; past the bound only a source the request's own rounds showed to
+pay drafts. Probes come one stint (its catch-up round, one judged round) every `interval` rounds off,
+the interval tuned by every request's probes within [probe_min, probe_max] and doubled for the request
+after each of its failed probes; a probe that paid decides on its own, so no past locks a source out;
+a round the inner policy vetoes ends a stint. Outside the bound, on purpose (docs/algorithm.md says why):
+the prompt's round, which is not judged, and a level's catch-ups before any rate is measured, which are
+not priced; and the judged round after a catch-up that crossed it.
 """
 
 from __future__ import annotations
@@ -52,11 +52,6 @@ __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettin
 PROBE_ROUNDS = {"lookup": 8, "model": 3}
 PROBE_HOPE = 2.0  # a probe is worth its catch-up only if a source earning this ratio would pay it back
 OWN_PLAIN_SMOOTHING = 0.3  # EWMA of the request's own plain rounds: its context grows, its p with it
-# What catching up costs per token behind, in plain steps, until a level has measured it (its first
-# catch-up): 2-3x what was measured (the shipped family's drafters read a 700-token context in 4-6 plain
-# steps, 0.006-0.009 a token; Qwen2.5-Coder 0.5B under the 1.5B about 0.01), so an unmeasured catch-up is
-# priced, not free, and a probe that must make one fits under the bound on that price.
-CATCH_UP_PRIOR = 0.02
 
 
 class GoodputFloor:
@@ -119,7 +114,7 @@ class GoodputFloor:
         if source not in self._allowed:
             return False
         if not self.inner.allows(source):
-            self._vetoed.add(source)  # load adaptation said no: a probe or a stint of it ends (_decide)
+            self._vetoed.add(source)  # load adaptation said no: a probe or a catch-up's stint of it ends
             return False
         if source == "lookup":
             self._read_now.add(source)  # asked, MaG reads the committed tokens whether it finds a match or not
@@ -194,18 +189,11 @@ class GoodputFloor:
 
     def _decide(self, here: Level) -> frozenset[str]:
         """The sources that may draft this round."""
-        if self.rounds == 1:  # the prefill round: draft only where every request's rounds here showed it pays
-            # It is not judged (the target's prefill is in its cost), so nothing it loses counts in the
-            # budget: it drafts only on evidence, a measured ratio and a measured catch-up it pays back.
+        if self.rounds == 1:  # the prefill round: draft where every request's rounds here say it pays
             self._p = None
             p = self._plain(here)
             return frozenset(
-                s
-                for s in SOURCES
-                if p is not None
-                and _at_least_one(here.gains[s].ratio())
-                and (self._behind(s) <= BEHIND or here.catch_up_s[s] is not None)
-                and self._pays_back(here, s, p, None)
+                s for s in SOURCES if _at_least_one(here.gains[s].ratio()) and self._pays_back(here, s, p, None)
             )
         calibrate = self.model.calibrating(here)
         self._p = p = self._plain(here)
@@ -219,19 +207,16 @@ class GoodputFloor:
         over = self.loss > bound  # then only what its own rounds showed to pay drafts
         allowed = set()
         for source in SOURCES:
-            # A probe's stint goes on until it has a judged round, and a source that caught up has one
-            # judged round to show what it earns (past the bound too: the catch-up was the investment,
-            # and the guarantee allows that one round more); a round the inner policy vetoed ends them.
-            if source in self._vetoed:
+            if source in self._vetoed:  # the inner policy refused it last round: its stint ends there
                 self._probing.pop(source, None)
                 self._stint.discard(source)
-            if source in self._probing:
+            if source in self._probing:  # a probe's stint goes on until it has a judged round
                 self._probing[source] += 1
                 if self._probing[source] <= PROBE_ROUNDS[source]:
                     allowed.add(source)
                     continue
                 del self._probing[source]
-            if source in self._stint:
+            if source in self._stint:  # caught up: one judged round, to know what it earns
                 allowed.add(source)
                 continue
             # Within the bound the estimate decides (every request's prior in it); past it, only the
@@ -239,11 +224,7 @@ class GoodputFloor:
             ratio = (self._mine if over else self._own)[source].ratio()
             if over and ratio is None:
                 ratio = 0.0
-            # With no round of the source measured here, by any request, its estimate is the prior's "no
-            # opinion" (a ratio of 1): it has shown nothing, so it drafts only as a probe, priced below.
-            shown = here.gains[source].rounds > 0.0 or self._mine[source].rounds > 0.0
-            threshold = 1.0 + (-settings.margin if source in self._on else settings.margin)
-            if shown and (ratio is None or ratio >= threshold):
+            if ratio is None or ratio >= 1.0 + (-settings.margin if source in self._on else settings.margin):
                 if self._pays_back(here, source, p, ratio):  # a source running is never behind: it pays nothing
                     allowed.add(source)
                 continue
@@ -252,9 +233,8 @@ class GoodputFloor:
             self._waited[source] += 1
             # A probe must fit under the bound on its own: what the other source earned does not pay for it
             # (a model probe that must read a long context costs several plain steps, and rarely pays).
-            # The first probe of a source nothing has shown need not wait: the interval spaces re-probes.
             if (
-                (not shown or self._waited[source] >= self._interval[source])
+                self._waited[source] >= self._interval[source]
                 and max(self.loss, 0.0) + self._probe_loss(here, source, p) <= bound
                 and self._pays_back(here, source, p, PROBE_HOPE)
             ):
@@ -276,13 +256,12 @@ class GoodputFloor:
     def _pays_back(self, here: Level, source: str, p: float | None, ratio: float | None) -> bool:
         """Whether a source that must first catch up (read the tokens committed while it rested: the whole
         prompt if it never drafted) can earn that back in the tokens the request has left: at gain ratio
-        r a token saves p (1 - 1/r); catching up costs `_catch_up_s` a token behind. A ratio not known
-        (no request's rounds at this level yet) is given the benefit of the doubt: the round is judged,
-        and it counts in the budget."""
+        r a token saves p (1 - 1/r). The first catch-up at a level (no rate measured yet), and a ratio
+        or p not known, are given the benefit of the doubt."""
         behind = self._behind(source)
-        if behind <= BEHIND or p is None:
+        rate = here.catch_up_s[source]
+        if behind <= BEHIND or rate is None or p is None:
             return True
-        rate = self._catch_up_s(here, source, p)
         if ratio is None:
             ratio = here.gains[source].ratio()
         if ratio is None:
@@ -292,20 +271,13 @@ class GoodputFloor:
     def _probe_loss(self, here: Level, source: str, p: float) -> float:
         """What a probe of `source` loses if it earns no more than plain decoding: one running round's
         expected cost less p, twice where it is behind (its catch-up round, and one judged round), plus
-        catching up (`_catch_up_s` per token behind, times the tokens)."""
+        catching up (every request's rate per token behind, times the tokens)."""
         assert self._own is not None
         running = max(0.0, (self._own[source].mean_cost() or p) - p)
         behind = self._behind(source)
         if behind <= BEHIND:
             return running
-        return 2 * running + self._catch_up_s(here, source, p) * behind
-
-    @staticmethod
-    def _catch_up_s(here: Level, source: str, p: float) -> float:
-        """Seconds a token behind costs `source` to read: every request's measured rate at this level, or
-        CATCH_UP_PRIOR plain steps before any was measured."""
-        rate = here.catch_up_s[source]
-        return rate if rate is not None else CATCH_UP_PRIOR * p
+        return 2 * running + (here.catch_up_s[source] or 0.0) * behind
 
 
 def _prior(population: Gain, p: float, rounds: float) -> Gain:
@@ -318,7 +290,7 @@ def _prior(population: Gain, p: float, rounds: float) -> Gain:
 
 
 def _at_least_one(ratio: float | None) -> bool:
-    return ratio is not None and ratio >= 1.0
+    return ratio is None or ratio >= 1.0
 
 
 def floor_policies(inner: PolicyFactory | None, settings: FloorSettings = DEFAULTS) -> PolicyFactory:
