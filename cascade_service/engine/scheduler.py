@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from ..models.batching import Pass
+from ..core.passes import Pass
 from .clock import ROW_POSITIONS, PassTimer, pads_within
 
 T = TypeVar("T")

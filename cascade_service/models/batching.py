@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
 
+from cascade_service.core.passes import PREFILL_CHUNK, PREFILL_CHUNK_CUDA, Pass
 from cascade_service.models.chain import chain_eagerly, chained
 from cascade_service.models.kvpool import KVCache, PagedCache
 from cascade_service.models.packed import forward_packed
@@ -18,31 +18,6 @@ from cascade_service.models.poolpass import forward_rows
 from cascade_service.models.staticpass import static_rows
 
 T = TypeVar("T")
-
-# Tokens per pass of a long prompt's prefill while other requests decode (engine.scheduler.ModelQueue):
-# between two chunks they get a pass, so a chunk's pass must cost well under theirs. Measured with
-# bench.long_request on the demo zoo's large model (CPU, 16 short requests beside a 3,500-token
-# prompt, docs/benchmarks.md): with 16 the short ones took 1.5-1.6x their time alone during the
-# prefill, with 32 1.8-2.1x, 64 2.6x, unchunked 3.7x.
-PREFILL_CHUNK = 16
-# On a GPU a pass of 16 tokens costs about what one of 256 does (its fixed part): larger chunks cost
-# the others nothing more and the long prompt far less. Not measured: no GPU was available.
-PREFILL_CHUNK_CUDA = 256
-
-
-@dataclass
-class Pass:
-    """One request's forward pass: the tokens it feeds, its cache, how many rows of logits it keeps,
-    whether it wants the hidden states too; `task`: the engine loop's task waiting for it (engine.loop).
-    `chain` > 1: a greedy draft of that many tokens chained on the device after `fed` (models.chain),
-    whose result is (tokens, their probabilities) instead of logits."""
-
-    fed: list[int]
-    cache: Any  # a KV cache (Cache)
-    keep: int
-    with_hidden: bool
-    task: Any = None
-    chain: int = 1
 
 
 class PassQueue(Protocol):

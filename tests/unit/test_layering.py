@@ -207,3 +207,22 @@ def test_the_config_builds_no_runtime_state():
     assert not any(found.values()), found
     # The negative control: what config/__init__.py built before issue 47.
     assert runtime_state_in("config/__init__.py", "import torch\nfrom ..core.cascade import RequestState\n")
+
+
+# Imported by every front end (the edge, Ray's proxy, a tier server's gRPC side): none may load torch or
+# transformers for it. The loop once reached the `models` package (which imports transformers on import)
+# for a dataclass, and a stop behind Ray's proxy took 8-9 s instead of 4 (test_stop's bound is 7).
+LIGHT = ("cascade_service.engine.loop", "cascade_service.engine.scheduler", "cascade_service.engine.clock")
+
+
+def _heavy_after_import(*modules: str) -> list[str]:
+    import subprocess
+    import sys
+
+    code = f"import sys\nimport {', '.join(modules)}\nprint(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
+    return eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def test_the_engine_loop_imports_without_torch_or_transformers():
+    assert _heavy_after_import(*LIGHT) == []
+    assert _heavy_after_import("cascade_service.models.batching") == ["torch", "transformers"]  # the check sees them
