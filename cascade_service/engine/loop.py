@@ -174,7 +174,10 @@ class TaskLoop:
         return isinstance(current, _TaskGreenlet) and current.loop is self
 
     def wait(self, future: Future) -> Any:
-        """Park the current task until `future` (run elsewhere) is done; its result, or its exception."""
+        """`future`'s result (or its exception raised): inside a task of this loop the task parks until
+        it is done and the loop goes on; elsewhere the calling thread blocks, as `run` simply calls."""
+        if not self.in_task():
+            return future.result()
         return self.park(("future", future))
 
     def leave(self, batcher: ModelQueue) -> None:

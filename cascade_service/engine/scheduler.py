@@ -170,8 +170,8 @@ class ModelQueue:
         return self.loop.run(fn)
 
     def wait(self, future: Future) -> Any:
-        """future's result: inside one of the loop's tasks the task parks meanwhile and the loop goes on."""
-        return self.loop.wait(future) if self.loop.in_task() else future.result()
+        """future's result, waited for as the loop waits (TaskLoop.wait: a task of it parks)."""
+        return self.loop.wait(future)
 
     def close(self) -> None:
         """The model leaves the loop: the loop runs no more of its passes, a pass waiting for its turn
