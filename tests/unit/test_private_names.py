@@ -13,8 +13,21 @@ from tests.unit.imports import sources
 # Underscored names of other libraries that are their public API: namedtuple's methods, argparse's
 # subparsers type, os._exit (a child's exit without cleanup), prometheus_client's value holder, which
 # has no public reader, and transformers' config field naming the attention implementation a forward
-# dispatches to (what its own `set_attn_implementation` writes; models.poolpass swaps it for one pass).
-FOREIGN = {"_replace", "_asdict", "_fields", "_SubParsersAction", "_exit", "_value", "_attn_implementation"}
+# dispatches to (what its own `set_attn_implementation` writes; models.poolpass swaps it for one pass),
+# and torch's registered oneDNN operators for a packed linear layer, which have no public wrapper: the
+# ops inductor's generated code calls for CPU linear layers (models.cpukernels; `can_pack` checks they
+# run and falls back to weight-major products where they do not).
+FOREIGN = {
+    "_replace",
+    "_asdict",
+    "_fields",
+    "_SubParsersAction",
+    "_exit",
+    "_value",
+    "_attn_implementation",
+    "_reorder_linear_weight",
+    "_linear_pointwise",
+}
 
 
 def _own_classes(tree: ast.AST) -> dict[str, set[str]]:
