@@ -31,6 +31,7 @@ there).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -80,13 +81,17 @@ class PackedLinear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for {ROWS_HINT} rows"
 
 
+@functools.cache  # once a process: every model load asks
 def can_pack() -> bool:
-    """Whether this torch has oneDNN's packed inner product (x86 builds do; others run weight-major)."""
+    """Whether this torch has oneDNN's packed inner product (x86 builds do; others run weight-major):
+    a 2 x 2 layer of ones, packed, must give 2 for each output."""
     if not torch.backends.mkldnn.is_available():
         return False
+    layer = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), ROWS_HINT)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), packed, None, "none", [], "")
+        out = pack(layer)(torch.ones(1, 2))
     except (AttributeError, RuntimeError):
         return False
     return bool(torch.equal(out, torch.full((1, 2), 2.0)))
