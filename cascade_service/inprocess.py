@@ -122,7 +122,7 @@ class InProcess:
 
     def variant(
         self,
-        drafters: Sequence[str],
+        drafters: Sequence[str | StatisticalConfig],
         k_matrix: Any = None,
         leniency: float = 1.0,
         lookup: Lookup | None = None,
@@ -130,16 +130,21 @@ class InProcess:
         fill: str | None = None,
     ) -> InProcess:
         """The same loaded models with another drafter subset (by tier name, largest first) and schedule.
+        A statistical drafter the config lacks may be given as its settings: it loads nothing.
 
         Benchmarks and tuning compare many schedules; reloading weights for each would dominate.
         """
-        by_name = {d.name: (cfg, d) for cfg, d in zip(self.cascade.drafters, self.drafters)}
-        unknown = [n for n in drafters if n not in by_name]
+        by_name: dict[str, tuple[Any, Any]] = {d.name: (cfg, d) for cfg, d in zip(self.cascade.drafters, self.drafters)}
+        for extra in drafters:
+            if not isinstance(extra, str):
+                by_name.setdefault(extra.name, (extra, extra))
+        names = [n if isinstance(n, str) else n.name for n in drafters]
+        unknown = [n for n in names if n not in by_name]
         if unknown:
             raise ValueError(f"unknown drafter {unknown[0]!r}; this config has {sorted(by_name)}")
         cascade = make_cascade(
             self.cascade.target,
-            [by_name[n][0] for n in drafters],
+            [by_name[n][0] for n in names],
             k_matrix,
             leniency,
             lookup,
@@ -148,7 +153,7 @@ class InProcess:
         )
         twin: InProcess = copy.copy(self)
         twin.cascade = cascade
-        twin.drafters = [by_name[n][1] for n in drafters]
+        twin.drafters = [by_name[n][1] for n in names]
         # its own requests only, MaG's table and any corpus as loaded once
         twin.leaves = Leaves(cascade.drafters, self.target.vocab_size, self.encode, like=self.leaves)
         twin._check_heads(cascade)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from ..config import CascadeConfig, ConfigError, GenerationConfig, StatisticalConfig, make_cascade
+from ..config import CascadeConfig, ConfigError, GenerationConfig, StatisticalConfig, SuffixConfig, make_cascade
 from ..core.schedule import FILLS
 from ..core.stats import CascadeStats, ReviewCounters
 from ..zoo.baselines import HFRun, hf_assisted, hf_greedy, hf_prompt_lookup, hf_sampled
@@ -244,11 +244,10 @@ def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Se
     if name == "hf-prompt-lookup":
         return Method(name, (HFPromptLookup(),))
     if name == "suffix":
-        if not any(d.name == "suffix" for d in config.drafters):
-            raise ValueError(
-                "method 'suffix': the config has no suffix drafter (add `- kind: suffix` to tiers.drafters)"
-            )
-        tiers = _tiers(name, "suffix", config)
+        # The config's suffix drafter where it has one (its corpus and cache settings); else one at the
+        # defaults, as prompt lookup needs no tier: suffix decoding needs no model, so any config can
+        # be compared with it.
+        tiers = next(((d,) for d in config.drafters if isinstance(d, SuffixConfig)), (SuffixConfig(),))
         return Method(name, (EngineRunner(name, _cascade(name, config, tiers, [[SUFFIX_MAX_TOKENS]], 1.0)),))
     if kind == "hf-assisted" and arg:
         tier = _tiers(name, arg, config)[0]

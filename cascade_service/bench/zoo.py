@@ -31,9 +31,11 @@ class Zoo:
     def engine(self, cascade: CascadeConfig) -> InProcess:
         """An InProcess for `cascade` (a subset of the config's drafters) over the already-loaded tiers."""
         if cascade not in self._engines:
-            names = [d.name for d in cascade.drafters]
+            # a drafter the config lacks (bench methods' `suffix` at its defaults) goes as its settings
+            loaded = {d.name for d in self._cascade.drafters}
+            tiers = [d.name if d.name in loaded else d for d in cascade.drafters]
             self._engines[cascade] = self._full.variant(
-                names, cascade.schedule.to_lists(), cascade.leniency, cascade.lookup, fill=cascade.schedule.fill.name
+                tiers, cascade.schedule.to_lists(), cascade.leniency, cascade.lookup, fill=cascade.schedule.fill.name
             )
         return self._engines[cascade]
 

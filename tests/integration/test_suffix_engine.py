@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cascade_service.bench.methods import parse_methods
+from cascade_service.bench.zoo import Zoo
 from cascade_service.config import (
     ConfigError,
     GenerationConfig,
@@ -84,13 +85,25 @@ def test_suffix_config_fields_and_errors(tiny_family):
         parse_config({"tiers": tiers, "schedule": schedule})
 
 
-def test_bench_method_suffix_needs_the_drafter_in_the_config(tiny_family):
+def test_bench_method_suffix_uses_the_configs_drafter_or_one_at_the_defaults(tiny_family):
+    def suffix_tiers(config):
+        (method,) = [m for m in parse_methods("suffix", config, [2]) if m.name == "suffix"]
+        cascade = method.variants[0].cascade
+        assert cascade.schedule.to_lists() == [[32]]  # the target reviews suffix drafts directly
+        return cascade.drafters
+
+    # A config without one (the real family's) is compared with suffix decoding at its defaults, run
+    # over the config's loaded target: the target's own greedy tokens, drafted from its prompt...
     plain = make_cascade(ModelTierConfig("target", str(tiny_family["target"])), [MaGConfig()], [[4]], 1.0)
-    with pytest.raises(ValueError, match="method 'suffix': the config has no suffix drafter"):
-        parse_methods("suffix", plain, [2])
-    with_suffix = make_cascade(plain.target, [SuffixConfig()], [[4]], 1.0)
-    (method,) = [m for m in parse_methods("suffix", with_suffix, [2]) if m.name == "suffix"]
-    assert method.variants[0].cascade.schedule.to_lists() == [[32]]
+    assert suffix_tiers(plain) == (SuffixConfig(),)
+    (method,) = [m for m in parse_methods("suffix", plain, [2]) if m.name == "suffix"]
+    outcome = method.variants[0].run(Zoo(plain), REPEATING, 24)
+    assert outcome.token_ids == oracle(tiny_family["target"], REPEATING, 24)
+    assert outcome.tiers["suffix"]["drafted"] > 0  # it drafted (a random target rarely keeps a draft)
+    # ...and a config's own suffix drafter keeps its settings (the bench measures what it serves).
+    tuned = SuffixConfig(depth=12, min_prob=0.3)
+    with_suffix = make_cascade(plain.target, [MaGConfig(), tuned], [[4, 4], [0, 0]], 1.0)
+    assert suffix_tiers(with_suffix) == (tuned,)
 
 
 def test_a_corpus_drafts_for_the_first_request(tiny_family, tmp_path):
