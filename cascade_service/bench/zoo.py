@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import CascadeConfig, ModelTierConfig
+from ..config import CascadeConfig, ModelTierConfig, StatisticalConfig
 from ..engine.core import EngineCore
 from ..inprocess import InProcess
 from ..models.hf import HFModel
@@ -33,7 +33,9 @@ class Zoo:
         if cascade not in self._engines:
             # a drafter the config lacks (bench methods' `suffix` at its defaults) goes as its settings
             loaded = {d.name for d in self._cascade.drafters}
-            tiers = [d.name if d.name in loaded else d for d in cascade.drafters]
+            tiers: list[str | StatisticalConfig] = [
+                d if isinstance(d, StatisticalConfig) and d.name not in loaded else d.name for d in cascade.drafters
+            ]
             self._engines[cascade] = self._full.variant(
                 tiers, cascade.schedule.to_lists(), cascade.leniency, cascade.lookup, fill=cascade.schedule.fill.name
             )
