@@ -50,7 +50,7 @@ def test_load_levels_report_latency_throughput_errors_and_server_memory(address,
     for level in results["levels"]:
         assert level["requests"] > 0 and level["errors"] == 0
         assert 0 < level["p50_s"] <= level["p99_s"] and level["tokens_per_s"] > 0
-        assert level["tokens"] <= 6 * level["requests"]
+        assert level["drained_tokens_per_s"] > 0 and level["tokens"] <= 6 * level["requests"]
     memory = results["memory"]  # the listener is this test process: its RSS is found and positive
     assert memory["rss_after_warmup_mb"] > 0 and memory["rss_after_mb"] > 0
     assert "concurrency   3" in capsys.readouterr().out
@@ -71,13 +71,13 @@ def test_load_requests_carry_the_temperature_asked_for(address, tmp_path, monkey
     from cascade_service.client import CascadeClient
 
     sent = []
-    generate = CascadeClient.generate
+    stream = CascadeClient.stream  # the load's clients stream (each token counted when it arrives)
 
     def recording(self, prompt, **kwargs):
         sent.append(kwargs.get("temperature"))
-        return generate(self, prompt, **kwargs)
+        return stream(self, prompt, **kwargs)
 
-    monkeypatch.setattr(CascadeClient, "generate", recording)
+    monkeypatch.setattr(CascadeClient, "stream", recording)
     out = tmp_path / "load"
     assert (
         run_bench(
@@ -146,7 +146,42 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
         assert 0.0 <= run["drafted_round_share"] <= 1.0 and (run["mode"] != "plain" or run["drafted_round_share"] == 0)
     ratio = results["summary"]["default_over_plain"]["3"]
     assert ratio == round(runs[2]["tokens_per_s"] / runs[3]["tokens_per_s"], 3)
-    assert "default / plain at 3 streams" in capsys.readouterr().out
+    drained = results["summary"]["drained"]["default_over_plain"]["3"]
+    assert drained == round(runs[2]["drained_tokens_per_s"] / runs[3]["drained_tokens_per_s"], 3)
+    printed = capsys.readouterr().out
+    assert "default / plain at 3 streams: " in printed and "default / plain at 3 streams, drained figures" in printed
+
+
+def test_throughput_counts_the_tokens_that_arrived_within_the_window(monkeypatch):
+    # One stream, a 0.75 s window, a request whose first token comes at once and its other two 1.5 s
+    # later: within the window one token arrived (4 tok/s over the window); the drained figure counts
+    # all three over the window and the drain (~1.5 s), as the closed loop left the request to finish.
+    import time
+    import types
+
+    import cascade_service.client as client_module
+    from cascade_service.bench.load import run_level
+
+    class SlowClient:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def stream(self, prompt, **options):
+            yield types.SimpleNamespace(token_ids=[1], stats=None)
+            time.sleep(1.5)
+            yield types.SimpleNamespace(token_ids=[2, 3], stats={"target_calls": 3, "drafted_rounds": 0})
+
+    monkeypatch.setattr(client_module, "CascadeClient", SlowClient)
+    level = run_level("127.0.0.1:1", 1, 0.75, ["p"], 3, None, 10.0).summary()
+    assert level["requests"] == 1 and level["tokens"] == 3
+    assert level["tokens_per_s"] == round(1 / 0.75, 2)
+    assert 1.4 < 3 / level["drained_tokens_per_s"] < 3.0  # the window and the drain
 
 
 def test_load_takes_a_target_or_a_config_not_both(tmp_path):
