@@ -82,7 +82,7 @@ def run_level(
     """`concurrency` clients streaming requests back to back for `duration_s` seconds (see Level)."""
     from ..client import CascadeClient, errors
 
-    level = Level(concurrency)
+    level = Level(concurrency, window_s=duration_s)
     lock = threading.Lock()
     sampling: dict[str, Any] = {} if temperature is None else {"temperature": temperature}  # None: server default
     sampling.update(options or {})  # the mode's own request fields (MODE_REQUESTS)
@@ -122,7 +122,6 @@ def run_level(
     for t in threads:
         t.join()
     level.seconds = time.perf_counter() - start  # includes the requests in flight at the deadline
-    level.window_s = duration_s
     return level
 
 

@@ -32,9 +32,9 @@ class Zoo:
         """An InProcess for `cascade` (a subset of the config's drafters) over the already-loaded tiers."""
         if cascade not in self._engines:
             # a drafter the config lacks (bench methods' `suffix` at its defaults) goes as its settings
-            loaded = {d.name for d in self._cascade.drafters}
             tiers: list[str | StatisticalConfig] = [
-                d if isinstance(d, StatisticalConfig) and d.name not in loaded else d.name for d in cascade.drafters
+                d if isinstance(d, StatisticalConfig) and d.name not in self._drafters else d.name
+                for d in cascade.drafters
             ]
             self._engines[cascade] = self._full.variant(
                 tiers, cascade.schedule.to_lists(), cascade.leniency, cascade.lookup, fill=cascade.schedule.fill.name
