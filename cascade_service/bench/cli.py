@@ -120,8 +120,8 @@ def _add_methods(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="CONFIG",
-        help="a config (e.g. from `tune`) whose K-matrix and leniency a csd: method with exactly "
-        "its drafters uses; repeatable",
+        help="a config (e.g. from `tune`) whose K-matrix, leniency and lookup a csd: method with exactly "
+        "its drafters uses, before the config's own; repeatable",
     )
     _out(p, "results.json, results.md and plots")
     p.set_defaults(run=run_methods)

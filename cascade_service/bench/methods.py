@@ -269,8 +269,10 @@ def _parse_one(name: str, config: CascadeConfig, sd_ks: Sequence[int], tuned: Se
             config = replace(config, schedule=replace(config.schedule, fill=FILLS[fill]))
         tiers = _tiers(name, arg, config)
         names = [t.name for t in tiers]
-        # The first config with exactly these drafters lends its K-matrix and leniency; else the default.
-        source = next((c for c in (config, *tuned) if [d.name for d in c.drafters] == names), None)
+        # The first --tuned config with exactly these drafters lends its K-matrix, leniency and lookup, then
+        # the config itself; else the default schedule. A tuned config comes first: `tune` writes one with
+        # the drafters of the config it tuned, and the config's own schedule is what `default` runs.
+        source = next((c for c in (*tuned, config) if [d.name for d in c.drafters] == names), None)
         if source is not None:
             cascade = _cascade(name, config, tiers, source.schedule.to_lists(), source.leniency, source.lookup)
         else:

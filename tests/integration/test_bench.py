@@ -17,6 +17,7 @@ import pytest
 from cascade_service.bench.methods import parse_methods
 from cascade_service.cli.parser import UsageError
 from cascade_service.config import load_config, make_cascade
+from cascade_service.core.cascade import Lookup
 
 from ..helpers.bench import bench_inputs, bench_parser, run_bench
 
@@ -180,6 +181,19 @@ def test_csd_takes_its_schedule_from_the_tuned_config_with_exactly_its_drafters(
     assert runner.cascade.schedule.to_lists() == [[3, 1], [0, 7]] and runner.cascade.leniency == 2.0
     # the config's own drafter set keeps the config's schedule
     assert with_tuned["csd:close+mid+mag"].variants[0].cascade.schedule == config.schedule
+
+
+def test_a_tuned_config_with_the_configs_own_drafters_lends_csd_its_schedule(inputs):
+    # `tune` writes a config with the drafters of the one it tuned: given as --tuned, its schedule is the
+    # one csd runs, so the tuned and the config's own (`default`) run side by side.
+    config = load_config(inputs / "config.yaml").cascade
+    lookup = Lookup(2, 20, "mag")
+    tuned = make_cascade(config.target, list(config.drafters), [[3, 1, 0], [0, 2, 4], [0, 0, 6]], 2.0, lookup)
+    methods = {m.name: m for m in parse_methods("csd:close+mid+mag,default", config, [2], (tuned,))}
+    csd = methods["csd:close+mid+mag"].variants[0].cascade
+    assert csd.schedule.to_lists() == [[3, 1, 0], [0, 2, 4], [0, 0, 6]]
+    assert (csd.leniency, csd.lookup) == (2.0, lookup)
+    assert methods["default"].variants[0].cascade.schedule == config.schedule != csd.schedule
 
 
 @pytest.mark.parametrize("method", ["csd:nope", "frob", "hf-assisted:mag", "sd:close+mid", "csd:mag+close"])
