@@ -4,7 +4,7 @@ Drafters that disagree with the target (the tiny family's `unrelated` model, MaG
 make every drafting round a loss. By default (speculation "auto": the floor) a request falls back to
 plain decoding, so the cascade runs within 5% of plain decoding of the target, in process and served;
 with the floor off (speculation "fixed": the K-matrix every round) the same measurement falls far
-below, which shows it can fail. Speeds are medians over blocks in which the arms take turns, after a
+below, which shows it can fail. Speeds are medians over blocks in which the arms take turns prompt by prompt, after a
 warm-up in which the floor's evidence is gathered, as a running server has it. Greedy output equals
 the oracle's whatever the floor decides.
 """
@@ -37,18 +37,24 @@ def _disagreeing(tiny_family):
 
 
 def _speeds(arms: dict[str, Callable[[list[int]], list[int]]]) -> dict[str, float]:
-    """Each arm's tokens per second over all prompts, per block, arms in turn; the median per arm of its
-    speed over plain's in the same block."""
-    ratios: dict[str, list[float]] = {name: [] for name in arms if name != "plain"}
-    for _ in range(BLOCKS):
-        speed = {}
-        for name, generate in arms.items():
-            began, tokens = time.perf_counter(), 0
-            for prompt in PROMPTS:
-                tokens += len(generate(prompt))
-            speed[name] = tokens / (time.perf_counter() - began)
+    """Each arm's tokens per second over all prompts, per block; the median per arm of its speed over
+    plain's in the same block. The arms take turns prompt by prompt, in an order that rotates, so a burst
+    of load from elsewhere on a shared machine (a second or two of another process) falls on every arm
+    alike rather than on whichever arm's whole block it overlapped."""
+    names = list(arms)
+    ratios: dict[str, list[float]] = {name: [] for name in names if name != "plain"}
+    for block in range(BLOCKS):
+        seconds = dict.fromkeys(names, 0.0)
+        tokens = dict.fromkeys(names, 0)
+        for i, prompt in enumerate(PROMPTS):
+            shift = (block + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                began = time.perf_counter()
+                tokens[name] += len(arms[name](prompt))
+                seconds[name] += time.perf_counter() - began
+        plain = tokens["plain"] / seconds["plain"]
         for name in ratios:
-            ratios[name].append(speed[name] / speed["plain"])
+            ratios[name].append(tokens[name] / seconds[name] / plain)
     return {name: statistics.median(r) for name, r in ratios.items()}
 
 
