@@ -96,6 +96,34 @@ def test_a_tied_weight_stays_dense_and_a_loaded_models_size_counts_packed_weight
     assert sum(p.numel() for p in model.parameters()) + packed_parameters(model) == before
 
 
+def test_int8_layers_are_torchs_quantize_dynamic_to_the_bit():
+    """The oracle is torch's own conversion (`quantize_dynamic` with the per-channel config) of a copy."""
+    import warnings
+
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    torch.manual_seed(3)
+    ours = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Sequential(nn.Linear(96, 80, bias=False)), nn.LayerNorm(80))
+    theirs = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Sequential(nn.Linear(96, 80, bias=False)), nn.LayerNorm(80))
+    theirs.load_state_dict(ours.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_dynamic(theirs, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+    assert quantize_int8(ours) is ours
+    assert [type(m) for m in ours.modules()] == [type(m) for m in theirs.modules()]
+    for mine, reference in zip(ours.modules(), theirs.modules(), strict=True):
+        if isinstance(mine, Int8Linear):
+            (w, b), (w_ref, b_ref) = mine._weight_bias(), reference._weight_bias()
+            assert torch.equal(w.int_repr(), w_ref.int_repr())
+            assert torch.equal(w.q_per_channel_scales(), w_ref.q_per_channel_scales())
+            assert (b is None) == (b_ref is None) and (b is None or torch.equal(b, b_ref))
+            assert (mine.in_features, mine.out_features) == (reference.in_features, reference.out_features)
+    for rows in (1, 5):
+        x = torch.randn(rows, 48)
+        assert torch.equal(ours(x), theirs(x))
+
+
 def test_int8_drafts_and_the_output_stays_the_targets(tiny_family):
     cascade = make_cascade(
         ModelTierConfig("target", str(tiny_family["target"])),
