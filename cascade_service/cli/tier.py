@@ -7,7 +7,7 @@ import threading
 
 from ..config import MAG, SUFFIX, Config, ConfigError, MaGConfig, ModelTierConfig, ServingConfig, load_config
 from .parser import UsageError
-from .serve import stop_on_signals, stopping
+from .serve import exit_now, stop_on_signals, stopping, wait_for_stop
 
 
 def add_tier_command(sub: argparse._SubParsersAction) -> None:
@@ -76,11 +76,11 @@ def _run_tier(args: argparse.Namespace) -> int:
             f"{n}{' (sub-cascade)' if n in group.systems else ''}" for n in (t.name for t in group.info().tiers)
         )
         print(f"serving cascade.tier.v1.Tier [{hosted}] on {host}:{server.port} (Ctrl-C stops)", flush=True)
-        stop.wait()
+        wait_for_stop(stop)
     finally:
         stopping(config.serving.shutdown_grace_s)
         server.stop(config.serving.shutdown_grace_s)
-    return 0
+    exit_now(0)  # as `serve` does: not through the interpreter's teardown of torch's and gRPC's objects
 
 
 def tier_group(config: Config, names: list[str], max_batch: int = 64):  # -> tierhost.group.TierGroup (late: torch)
