@@ -108,7 +108,7 @@ def pack(layer: nn.Linear) -> PackedLinear:
     return layer  # type: ignore[return-value]  # its class was just set
 
 
-def weight_major(module: nn.Module, min_weights: int = WEIGHT_MAJOR_MIN, packing: bool | None = None) -> int:
+def fast_cpu_linears(module: nn.Module, min_weights: int = WEIGHT_MAJOR_MIN, packing: bool | None = None) -> int:
     """Run every plain float32 nn.Linear of a CPU model with at least `min_weights` weights on the faster
     product for few rows, in place: PackedLinear where oneDNN packs (`packing`; None: `can_pack()`) and
     the weight is its own, WeightMajorLinear otherwise; returns how many. Other devices and dtypes keep

@@ -21,7 +21,7 @@ from ..core.tier import TierFacts
 from ..metrics import Metrics, default_metrics
 from .batching import Pass, PassQueue, forward_batch
 from .cachearg import cache_kwargs
-from .cpukernels import packed_parameters, weight_major
+from .cpukernels import fast_cpu_linears, packed_parameters
 from .graphs import GRAPH_MODES
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
@@ -265,7 +265,7 @@ class HFModel:
         module = kind.auto.from_pretrained(local, local_files_only=True, **{DTYPE_KWARG: torch_dtype})
         module.eval().to(target)
         runs = BACKENDS[backend](module)
-        weight_major(runs)  # on the CPU, the faster product for few rows (models.cpukernels)
+        fast_cpu_linears(runs)  # on the CPU, the faster product for few rows (models.cpukernels)
         model = kind(runs, name or local.resolve().name, kv, kv_budget_mb)
         model.backend = backend
         model.use_graphs(graphs)

@@ -18,9 +18,9 @@ from cascade_service.models.cpukernels import (
     PackedLinear,
     WeightMajorLinear,
     can_pack,
+    fast_cpu_linears,
     packed_parameters,
     quantize_int8,
-    weight_major,
 )
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
@@ -33,7 +33,7 @@ def test_weight_major_is_the_same_function_and_one_row_the_same_bits(bias):
     layer = nn.Linear(96, 200, bias=bias)
     reference = nn.Linear(96, 200, bias=bias)
     reference.load_state_dict(layer.state_dict())
-    assert weight_major(layer, min_weights=0, packing=False) == 1 and type(layer) is WeightMajorLinear
+    assert fast_cpu_linears(layer, min_weights=0, packing=False) == 1 and type(layer) is WeightMajorLinear
     one = torch.randn(1, 1, 96)
     assert torch.equal(layer(one), reference(one))
     for shape in [(3, 96), (2, 5, 96), (1, 33, 96)]:
@@ -45,13 +45,13 @@ def test_weight_major_is_the_same_function_and_one_row_the_same_bits(bias):
 
 def test_weight_major_leaves_other_dtypes_and_subclasses_alone():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), nn.Embedding(4, 8))
-    assert weight_major(model, min_weights=0, packing=False) == 1
+    assert fast_cpu_linears(model, min_weights=0, packing=False) == 1
     assert [type(m) for m in model] == [WeightMajorLinear, nn.Linear, nn.Embedding]
 
 
 def test_weight_major_takes_large_weights_only(tiny_family):
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(256, 1536), nn.Linear(64, 64))
-    assert weight_major(model, packing=False) == 1  # 1,048,576 weights; 393,216 and 4,096 keep MKL's product
+    assert fast_cpu_linears(model, packing=False) == 1  # 1,048,576 weights; 393,216 and 4,096 keep MKL's product
     assert [type(m) for m in model] == [WeightMajorLinear, nn.Linear, nn.Linear]
     loaded = HFModel.load(tiny_family["target"])  # a tiny model: every layer small, none swapped
     linears = [m for m in loaded.module.modules() if isinstance(m, nn.Linear)]
@@ -67,7 +67,7 @@ def test_a_packed_layer_is_the_same_function_within_rounding_and_keeps_no_dense_
     torch.manual_seed(0)
     layer = nn.Linear(96, 200, bias=bias)
     weight, offset = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
-    assert weight_major(layer, min_weights=0) == 1 and type(layer) is PackedLinear
+    assert fast_cpu_linears(layer, min_weights=0) == 1 and type(layer) is PackedLinear
     assert "weight" not in dict(layer.named_parameters())  # the packed copy replaced it
     with pytest.raises(AttributeError):
         layer.weight  # noqa: B018  # a reader of the dense weight fails loudly, never reads packed bytes
@@ -90,7 +90,7 @@ def test_a_tied_weight_stays_dense_and_a_loaded_models_size_counts_packed_weight
     own = nn.Linear(64, 300)
     model = nn.ModuleDict({"embed": embedding, "head": head, "own": own})
     before = sum(p.numel() for p in model.parameters())
-    assert weight_major(model, min_weights=0) == 2
+    assert fast_cpu_linears(model, min_weights=0) == 2
     assert type(model["head"]) is WeightMajorLinear and model["head"].weight is embedding.weight
     assert type(model["own"]) is PackedLinear
     assert sum(p.numel() for p in model.parameters()) + packed_parameters(model) == before
