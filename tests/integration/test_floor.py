@@ -4,9 +4,9 @@ Drafters that disagree with the target (the tiny family's `unrelated` model, MaG
 make every drafting round a loss. By default (speculation "auto": the floor) a request falls back to
 plain decoding, so the cascade runs within 5% of plain decoding of the target, in process and served;
 with the floor off (speculation "fixed": the K-matrix every round) the same measurement falls far
-below, which shows it can fail. Speeds are medians over blocks in which the arms take turns prompt by prompt, after a
-warm-up in which the floor's evidence is gathered, as a running server has it. Greedy output equals
-the oracle's whatever the floor decides.
+below, which shows it can fail. Speeds are medians over blocks in which the arms take turns prompt by
+prompt, after a warm-up in which the floor's evidence is gathered, as a running server has it. Greedy
+output equals the oracle's whatever the floor decides.
 """
 
 from __future__ import annotations
