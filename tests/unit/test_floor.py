@@ -95,6 +95,40 @@ def test_drafts_that_pay_keep_drafting():
     assert request.floor.loss < 0  # it gained
 
 
+# A sampled request's model rounds: 1 to 7 tokens at the same cost (2.5 plain steps), 3.35 a round on average
+# (1.3x plain), its first judged rounds (the third on: the prompt's round and a plain one come first) a little
+# unlucky, 2 tokens each. The K-matrix offers 6 drafts a round.
+NOISY = [1, 1, 1, 5, 6, 1, 2, 4, 2, 0, 5, 1, 3, 0, 2, 6, 1, 0, 4, 2]
+
+
+@pytest.mark.parametrize("confidence", [fl.DEFAULTS.confidence, 0.0])
+def test_a_source_whose_rounds_pay_on_average_survives_its_unlucky_first_ones(confidence):
+    request = Request(FloorModel(fl.FloorSettings(confidence=confidence)), greedy=False)
+    for accepted in NOISY:
+        request.round({"model": 2.5}, {"model": accepted}, k=6)
+    share = request.sources.count("model") / len(request.sources)
+    if confidence:
+        assert share >= 0.9  # all but the round that measures p
+        assert request.clock.t < request.plain_time() / 1.3
+    else:  # the point estimate alone (the negative control): its first judged round turned it off
+        assert share < 0.7
+        assert request.clock.t > request.plain_time() / 1.25
+
+
+def test_a_gains_standard_error_is_the_spread_of_its_rounds_over_root_n():
+    gain = fl.Gain()
+    nets = [1.0, -2.0, 0.5, 3.0, -1.0]
+    for net in nets:
+        gain.add(2.0 + net, 2.0, decay=1.0)
+    mean = sum(nets) / len(nets)
+    spread = (sum((x - mean) ** 2 for x in nets) / len(nets)) ** 0.5
+    assert gain.standard_error() == pytest.approx(spread / len(nets) ** 0.5)
+    assert gain.ratio(1.0) == pytest.approx((gain.earned + len(nets) * spread / len(nets) ** 0.5) / gain.cost)
+    scaled = gain.scaled(2.0)  # two rounds' worth: the same mean and spread, over two rounds
+    assert scaled.ratio() == pytest.approx(gain.ratio())
+    assert scaled.standard_error() == pytest.approx(spread / 2**0.5)
+
+
 def test_a_request_that_starts_paying_is_found_by_a_probe_and_drafts_again():
     request = run(Request(FloorModel()), 40)
     assert request.sources[-8:].count("model") <= 1

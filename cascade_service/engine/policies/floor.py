@@ -10,7 +10,8 @@ measured lately, a calibration round drafts nothing). A drafting round
 earns n p; its gain ratio is n p / c. Per source ("lookup": the MaG lookup gate; "model": the K-matrix's
 drafters) a request keeps decayed sums of n p and c, started from every request's at its level (its own
 API key's, greedy and sampled apart) as `prior_rounds` rounds' worth, and a source drafts while its
-ratio is at least 1 (less `margin` once on, more once off). A round belongs to the source that filled
+ratio is at least 1 (less `margin` once on, more once off; within the bound a running source's ratio is
+taken `confidence` standard errors optimistic, since a sampled round's yield varies). A round belongs to the source that filled
 its block (a lookup that found nothing: a plain round). A source that rested is behind: its first round
 back pays a catch-up (reading the tokens committed meanwhile), which counts against the budget but not
 in its ratio, and it is let back only where the tokens the request has left can pay that back.
@@ -221,7 +222,11 @@ class GoodputFloor:
                 continue
             # Within the bound the estimate decides (every request's prior in it); past it, only the
             # request's own rounds: a source they show to pay earns the loss back.
-            ratio = (self._mine if over else self._own)[source].ratio()
+            # Within the bound a running source's estimate is taken optimistic (the bound pays for
+            # rounds that prove it wrong: a sampled request's yield per round varies widely); a source
+            # off comes back on its point estimate, so probes of a marginal one do not keep it running.
+            confidence = settings.confidence if source in self._on else 0.0
+            ratio = self._mine[source].ratio() if over else self._own[source].ratio(confidence)
             if over and ratio is None:
                 ratio = 0.0
             if ratio is None or ratio >= 1.0 + (-settings.margin if source in self._on else settings.margin):
@@ -282,11 +287,11 @@ class GoodputFloor:
 
 def _prior(population: Gain, p: float, rounds: float) -> Gain:
     """A request's start: every request's rounds at its level as `rounds` rounds' worth; where none were
-    measured, one round that earned what it cost (a ratio of 1: no opinion, but then a single round of
-    its own does not decide alone)."""
+    measured, one round that earned what it cost, give or take a plain step (a ratio of 1: no opinion,
+    but then a single round of its own does not decide alone)."""
     if population.rounds > 0.0:
         return population.scaled(rounds)
-    return Gain(p, p, 1.0)
+    return Gain(p, p, 1.0, p * p, 1.0)
 
 
 def _at_least_one(ratio: float | None) -> bool:
