@@ -94,7 +94,6 @@ class GoodputFloor:
         self._source: str | None = None
         self._read_now: set[str] = set()  # the sources asked this round (they read the committed tokens)
         self._began = 0.0
-        self._alone = True  # the round under way began with no other round in flight (load level 0)
         self._pending: tuple[str | None, int, int] | None = None  # (source, tokens, behind): judged next round
 
     # --- the block policy ------------------------------------------------------------------------
@@ -110,10 +109,9 @@ class GoodputFloor:
         self.rounds += 1
         level = self.model.level()
         self._level = self.model.at(self.greedy, level, self.scope)
-        self._alone = level == 0
         self._source = None
         self._read_now = set()
-        self._allowed = self._decide(self._level)
+        self._allowed = self._decide(self._level, alone=level == 0)
 
     def allows(self, source: str) -> bool:
         if source not in self._allowed:
@@ -192,8 +190,8 @@ class GoodputFloor:
 
     # --- the decision ----------------------------------------------------------------------------
 
-    def _decide(self, here: Level) -> frozenset[str]:
-        """The sources that may draft this round."""
+    def _decide(self, here: Level, alone: bool) -> frozenset[str]:
+        """The sources that may draft this round (`alone`: it began with no other round in flight)."""
         if self.rounds == 1:  # the prefill round: draft where every request's rounds here say it pays
             self._p = None
             p = self._plain(here)
@@ -231,7 +229,7 @@ class GoodputFloor:
             # widely). Not under load: there a round's clock misses what its verification adds to the
             # others' passes, and at 8 streams on the real family drafting rarely pays (the fixed
             # K-matrix ran 0.61x plain). A source off comes back on its point estimate.
-            confidence = settings.confidence if source in self._on and self._alone else 0.0
+            confidence = settings.confidence if source in self._on and alone else 0.0
             ratio = self._mine[source].ratio() if over else self._own[source].ratio(confidence)
             if over and ratio is None:
                 ratio = 0.0

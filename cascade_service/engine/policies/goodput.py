@@ -77,7 +77,8 @@ class Gain:
         unlucky ones say little; a greedy request's, much alike, say much)."""
         if self.cost <= 0.0:
             return None
-        return (self.earned + confidence * self.rounds * self.standard_error()) / self.cost
+        bonus = confidence * self.rounds * self.standard_error() if confidence else 0.0
+        return (self.earned + bonus) / self.cost
 
     def standard_error(self) -> float:
         """Of the mean net seconds per round, from the decayed sums (0 where there are none)."""
