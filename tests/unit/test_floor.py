@@ -29,13 +29,17 @@ class Request:
 
     def __init__(self, model: FloorModel, greedy: bool = True, inner=FIXED, prompt: int = 100, budget: int = 10_000):
         self.clock = Clock()
-        self.floor = GoodputFloor(model, greedy, inner, clock=self.clock)
+        self.work = Clock()  # its own work: its shares of the passes and its Python (engine.clock.charged)
+        self.floor = GoodputFloor(model, greedy, inner, clock=self.clock, compute=self.work)
         self.committed = prompt
         self.end = prompt + budget  # max_new_tokens
         self.sources: list[str | None] = []
         self.read = {"lookup": 0, "model": 0}
 
-    def round(self, cost: dict, accept: dict, k: int = 4, hit: bool = False, catch_up: float = 0.0) -> str | None:
+    def round(
+        self, cost: dict, accept: dict, k: int = 4, hit: bool = False, catch_up: float = 0.0, work: dict | None = None
+    ) -> str | None:
+        """`work[source]` (None: a plain round): its own work where that is not all of its wait."""
         floor = self.floor
         floor.begin(self.committed, self.end - self.committed)
         source, drafted = None, 0
@@ -51,6 +55,7 @@ class Request:
             spent += catch_up * max(0, self.committed - self.read[source] - 1)
             self.read[source] = self.committed + accepted + 1
         self.clock.t += spent
+        self.work.t += work[source] if work is not None else spent
         floor.observe(drafted, accepted)
         self.committed += accepted + 1
         self.sources.append(source)
@@ -127,6 +132,49 @@ def test_under_load_a_sources_estimate_is_not_taken_optimistic():
         request.round({"model": 2.5}, {"model": accepted}, k=6)
     assert model.level() == 3
     assert request.sources.count("model") / len(request.sources) < 0.7  # as the point estimate alone
+
+
+IN_FLIGHT: list[GoodputFloor] = []  # held here: the model keeps a round's floor weakly
+
+
+def at_load(rounds_in_flight: int) -> FloorModel:
+    """A model where `rounds_in_flight` - 1 other requests stay in a round (level log2 of it)."""
+    model = FloorModel()
+    IN_FLIGHT[:] = [GoodputFloor(model, True, FIXED, clock=Clock()) for _ in range(rounds_in_flight - 1)]
+    for other in IN_FLIGHT:
+        other.begin(10)
+    model._load = float(rounds_in_flight)
+    return model
+
+
+def test_under_load_a_round_is_charged_the_wait_its_extra_work_gives_the_others():
+    # GOOD's rounds: 4 tokens for 1.6 plain steps of the request's own wait, 2.5x for itself. At 8 streams a
+    # plain round's own work (its share of the pass, its Python) is a fraction of its wait; if 0.6 of a
+    # plain step is the drafting round's extra work (drafter steps, the verification's extra positions),
+    # each of the 8 requests in flight waits that long: 4 tokens for 1 + 8 x 0.6 plain steps, 0.69x.
+    loaded = Request(at_load(8))
+    for _ in range(60):
+        loaded.round(*GOOD, work={"model": 0.725, None: 0.125})
+    assert loaded.sources[-50:].count("model") <= 10  # probes only
+    # where its extra work was 0.1 (its wait mostly the others' passes): 4 tokens for 1.8, so it drafts on
+    shared = Request(at_load(8))
+    for _ in range(60):
+        shared.round(*GOOD, work={"model": 0.225, None: 0.125})
+    assert shared.sources[-50:].count("model") >= 48
+    alone = Request(FloorModel())  # alone its wait is the only one: the round's work does not decide
+    for _ in range(60):
+        alone.round(*GOOD, work={"model": 0.725, None: 0.125})
+    assert alone.sources[-50:].count("model") == 50
+
+
+def test_under_load_the_others_extra_work_in_a_rounds_wait_is_not_charged_twice():
+    # All 8 requests draft: a round waits 1 + 8 x 0.3 = 3.4 plain steps (every request's extra work, its
+    # own included) and yields 4 tokens: 1.18x, and so for the whole engine. Charging the others' wait
+    # for its 0.3 on top of a wait that holds theirs already would make it 5.5 steps, 0.73x.
+    request = Request(at_load(8))
+    for _ in range(60):
+        request.round({"model": 3.4}, {"model": 3}, work={"model": 0.425, None: 0.125})
+    assert request.sources[-50:].count("model") >= 48
 
 
 def test_a_gains_standard_error_is_the_spread_of_its_rounds_over_root_n():

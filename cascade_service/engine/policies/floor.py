@@ -6,16 +6,17 @@ A round's cost c is the wall time the request took from the start of one target 
 the next (`passes.waited`: its waits for other requests' passes included), its yield n the tokens it
 committed; plain decoding's cost per token p is measured the same way from rounds that drafted nothing
 (the request's own once it has had two, else every request's at this load level; where none was
-measured lately, a calibration round drafts nothing). A drafting round
-earns n p; its gain ratio is n p / c. Per source ("lookup": the MaG lookup gate; "model": the K-matrix's
-drafters) a request keeps decayed sums of n p and c, started from every request's at its level (its own
-API key's, greedy and sampled apart) as `prior_rounds` rounds' worth, and a source drafts while its
-ratio is at least 1 (less `margin` once on, more once off; within the bound, with no other round in
-flight, a running source's ratio is taken `confidence` standard errors optimistic, since a sampled
-round's yield varies). A round belongs to the source that filled
-its block (a lookup that found nothing: a plain round). A source that rested is behind: its first round
-back pays a catch-up (reading the tokens committed meanwhile), which counts against the budget but not
-in its ratio, and it is let back only where the tokens the request has left can pay that back.
+measured lately, a calibration round drafts nothing). A drafting round earns n p; its gain ratio is
+n p / c. Under load (N rounds in flight) c is at least p + N (w - w_p): every request in flight waits
+for its extra work (its work, `charged`, beyond a plain round's). Per source ("lookup": the MaG lookup
+gate; "model": the K-matrix's drafters) a request keeps decayed sums of n p and c, started from every
+request's at its level (its own API key's, greedy and sampled apart) as `prior_rounds` rounds' worth,
+and a source drafts while its ratio is at least 1 (less `margin` once on, more once off; within the
+bound, with no other round in flight, a running source's ratio is taken `confidence` standard errors
+optimistic, since a sampled round's yield varies). A round belongs to the source that filled its block
+(a lookup that found nothing: a plain round). A source that rested is behind: its first round back pays
+a catch-up (reading the tokens committed meanwhile), which counts against the budget but not in its
+ratio, and it is let back only where the tokens the request has left can pay that back.
 
 The budget: L = sum over drafting rounds of (c - n p) stays within CREDIT p + EPSILON (plain time of
 the request's tokens), plus one round: a source not shown to pay drafts only as a probe whose expected
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ...core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
-from ..clock import waited
+from ..clock import charged, waited
 from .goodput import (
     BEHIND,
     CREDIT,
@@ -67,8 +68,12 @@ class GoodputFloor:
         inner: BlockPolicy,
         clock: Callable[[], float] = waited,
         scope: str = "",
+        compute: Callable[[], float] | None = None,
     ):
         self.model, self.greedy, self.inner, self.clock, self.scope = model, greedy, inner, clock, scope
+        # The request's own work (engine.clock.charged: its shares of the passes and its Python); where a
+        # test gives a clock of its own, that clock is the work too (a request alone waits for nothing else).
+        self.compute = compute if compute is not None else (charged if clock is waited else clock)
         self.settings = model.settings
         self.rounds = 0  # target rounds begun
         self.drafting_rounds = 0  # of them, rounds whose block a source filled
@@ -77,6 +82,7 @@ class GoodputFloor:
         self._own: dict[str, Gain] | None = None  # from the prior, at its first judged round
         self._own_plain: float | None = None
         self._own_plain_rounds = 0
+        self._own_plain_work: float | None = None  # the work (compute clock) of its plain rounds, EWMA
         self._on = set(SOURCES)
         self._read = dict.fromkeys(SOURCES, 0)  # committed tokens each source has read
         self._waited = dict.fromkeys(SOURCES, 0)
@@ -94,20 +100,23 @@ class GoodputFloor:
         self._source: str | None = None
         self._read_now: set[str] = set()  # the sources asked this round (they read the committed tokens)
         self._began = 0.0
+        self._began_work = 0.0
+        self._in_flight = 1.0  # target rounds in flight as this one began, its own included (smoothed)
         self._pending: tuple[str | None, int, int] | None = None  # (source, tokens, behind): judged next round
 
     # --- the block policy ------------------------------------------------------------------------
 
     def begin(self, committed: int = 0, remaining: int = 0) -> None:
-        now = self.clock()
+        now, work = self.clock(), self.compute()
         if self._pending is not None:  # the last round ran from its begin to this one's
-            self._judge(*self._pending, now - self._began)
+            self._judge(*self._pending, now - self._began, work - self._began_work)
             self._pending = None
-        self._began, self._committed, self._remaining = now, committed, remaining
+        self._began, self._began_work, self._committed, self._remaining = now, work, committed, remaining
         self.inner.begin(committed, remaining)
         self.model.started(self)
         self.rounds += 1
         level = self.model.level()
+        self._in_flight = self.model.in_flight() if level > 0 else 1.0  # alone: its own wait is the test
         self._level = self.model.at(self.greedy, level, self.scope)
         self._source = None
         self._read_now = set()
@@ -153,18 +162,21 @@ class GoodputFloor:
 
     # --- what a round taught ---------------------------------------------------------------------
 
-    def _judge(self, source: str | None, tokens: int, behind: int, cost: float) -> None:
+    def _judge(self, source: str | None, tokens: int, behind: int, cost: float, work: float) -> None:
         here, p = self._level, self._p
         if self.rounds == 1 or here is None:  # the prompt's prefill is in it: no evidence of a round's cost
             return
         if source is None:
             self._own_plain = ewma(self._own_plain, cost, OWN_PLAIN_SMOOTHING)
+            self._own_plain_work = ewma(self._own_plain_work, work, OWN_PLAIN_SMOOTHING)
             self._own_plain_rounds += 1
-            self.model.plain(here, cost)
+            self.model.plain(here, cost, work)
             if p is not None:
                 self.plain_equivalent += tokens * p
             return
         assert p is not None and self._own is not None  # a source drafts only where p is known
+        if self._in_flight > 1.0:
+            cost = max(cost, p + self._in_flight * self._extra_work(here, work))
         earned = tokens * p
         self.loss += cost - earned
         self.plain_equivalent += earned
@@ -257,6 +269,13 @@ class GoodputFloor:
     def _plain(self, here: Level) -> float | None:
         """p: the request's own plain rounds once it has had two, else every request's at this level."""
         return self._own_plain if self._own_plain_rounds >= 2 else here.plain_s
+
+    def _extra_work(self, here: Level, work: float) -> float:
+        """What a round's work (its shares of the passes and its Python: drafter steps, the verification's
+        extra positions, reviews) came to beyond a plain round's, w - w_p (w_p the request's own plain
+        rounds' once it has had two, else every request's at the level)."""
+        plain = self._own_plain_work if self._own_plain_rounds >= 2 else here.plain_work_s
+        return max(0.0, work - plain) if plain is not None else 0.0
 
     def _behind(self, source: str) -> int:
         """Committed tokens `source` has not read (the whole context if it never drafted)."""

@@ -108,6 +108,7 @@ class Level:
     """Every request's evidence at one load level, for one sampling kind."""
 
     plain_s: float | None = None  # a round's cost when it drafted nothing (EWMA)
+    plain_work_s: float | None = None  # and its work: the request's share of passes and its Python (EWMA)
     since_plain: int = 0  # rounds here since the last plain one
     gains: dict[str, Gain] = field(default_factory=lambda: {s: Gain() for s in SOURCES})
     catch_up_s: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))  # per token behind
@@ -132,6 +133,10 @@ class FloorModel:
     def level(self) -> int:
         """The load level: log2 of the target rounds in flight (smoothed), rounded."""
         return max(0, round(math.log2(max(self._load, 1.0))))
+
+    def in_flight(self) -> float:
+        """Target rounds in flight (smoothed, at least 1): the requests a round's extra work delays."""
+        return max(1.0, self._load)
 
     def at(self, greedy: bool, level: int, scope: str = "") -> Level:
         with self._lock:
@@ -165,10 +170,11 @@ class FloorModel:
             here.since_plain = 0  # this round is the calibration: the others go on drafting meanwhile
             return True
 
-    def plain(self, here: Level, cost: float) -> None:
+    def plain(self, here: Level, cost: float, work: float) -> None:
         with self._lock:
             here.since_plain = 0
             here.plain_s = ewma(here.plain_s, cost)
+            here.plain_work_s = ewma(here.plain_work_s, work)
 
     def drafted(self, here: Level, source: str, earned: float, cost: float) -> None:
         with self._lock:
