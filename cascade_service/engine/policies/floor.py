@@ -7,8 +7,8 @@ the next (`passes.waited`: its waits for other requests' passes included), its y
 committed; plain decoding's cost per token p is measured the same way from rounds that drafted nothing
 (the request's own once it has had two, else every request's at this load level; where none was
 measured lately, a calibration round drafts nothing). A drafting round earns n p; its gain ratio is
-n p / c. Under load (N rounds in flight) c is at least p + N (w - w_p): every request in flight waits
-for its extra work (its work, `charged`, beyond a plain round's). Per source ("lookup": the MaG lookup
+n p / c. Under load (N rounds in flight) c also counts (N - 1)(w - w_p): each other request in flight
+waits for its extra work (its work, `charged`, beyond a plain round's). Per source ("lookup": the MaG lookup
 gate; "model": the K-matrix's drafters) a request keeps decayed sums of n p and c, started from every
 request's at its level (its own API key's, greedy and sampled apart) as `prior_rounds` rounds' worth,
 and a source drafts while its ratio is at least 1 (less `margin` once on, more once off; within the
@@ -175,8 +175,12 @@ class GoodputFloor:
                 self.plain_equivalent += tokens * p
             return
         assert p is not None and self._own is not None  # a source drafts only where p is known
-        if self._in_flight > 1.0:
-            cost = max(cost, p + self._in_flight * self._extra_work(here, work))
+        # Under load every other request in flight waits for this round's extra work as well. Where they
+        # draft too, its wait already holds theirs, and this counts it again: stricter than throughput
+        # needs, on purpose (the larger of its wait and p + N (w - w_p), exact there, drafted more at 4
+        # streams on the real family and ran 0.94 / 0.91x plain against 0.98 / 1.01x: shares miss part
+        # of what a drafting row adds to a pass).
+        cost += (self._in_flight - 1.0) * self._extra_work(here, work)
         earned = tokens * p
         self.loss += cost - earned
         self.plain_equivalent += earned
