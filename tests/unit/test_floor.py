@@ -120,20 +120,6 @@ def test_a_source_whose_rounds_pay_on_average_survives_its_unlucky_first_ones(co
         assert request.clock.t > request.plain_time() / 1.25
 
 
-def test_under_load_a_sources_estimate_is_not_taken_optimistic():
-    # Its clock misses what its verification adds to the others' passes: the point estimate decides there.
-    model = FloorModel()
-    others = [GoodputFloor(model, False, FIXED, clock=Clock()) for _ in range(7)]
-    for other in others:
-        other.begin(10)  # seven requests stay in a round: level 3
-    model._load = 8.0
-    request = Request(model, greedy=False)
-    for accepted in NOISY:
-        request.round({"model": 2.5}, {"model": accepted}, k=6)
-    assert model.level() == 3
-    assert request.sources.count("model") / len(request.sources) < 0.7  # as the point estimate alone
-
-
 IN_FLIGHT: list[GoodputFloor] = []  # held here: the model keeps a round's floor weakly
 
 
@@ -145,6 +131,16 @@ def at_load(rounds_in_flight: int) -> FloorModel:
         other.begin(10)
     model._load = float(rounds_in_flight)
     return model
+
+
+def test_under_load_a_sources_estimate_is_not_taken_optimistic():
+    # Its clock misses what its verification adds to the others' passes: the point estimate decides there.
+    model = at_load(8)  # seven other requests stay in a round: level 3
+    request = Request(model, greedy=False)
+    for accepted in NOISY:
+        request.round({"model": 2.5}, {"model": accepted}, k=6)
+    assert model.level() == 3
+    assert request.sources.count("model") / len(request.sources) < 0.7  # as the point estimate alone
 
 
 def test_under_load_a_round_is_charged_the_wait_its_extra_work_gives_the_others():
