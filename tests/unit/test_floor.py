@@ -137,8 +137,8 @@ def test_under_load_a_sources_estimate_is_not_taken_optimistic():
     # Its clock misses what its verification adds to the others' passes: the point estimate decides there.
     model = at_load(8)  # seven other requests stay in a round: level 3
     request = Request(model, greedy=False)
-    for accepted in NOISY:
-        request.round({"model": 2.5}, {"model": accepted}, k=6)
+    for accepted in NOISY:  # no extra work (the charge for the others' wait is nil): the optimism alone decides
+        request.round({"model": 2.5}, {"model": accepted}, k=6, work={"model": 0.125, None: 0.125})
     assert model.level() == 3
     assert request.sources.count("model") / len(request.sources) < 0.7  # as the point estimate alone
 
