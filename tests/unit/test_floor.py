@@ -6,11 +6,13 @@ kinds are judged apart; the inner policy's caps and vetoes stand."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from cascade_service.core.policy import FIXED, OFF
 from cascade_service.engine.policies import goodput as fl
-from cascade_service.engine.policies.floor import CREDIT, EPSILON, FloorModel, GoodputFloor
+from cascade_service.engine.policies.floor import CREDIT, EPSILON, REST_ROUNDS, FloorModel, GoodputFloor
 
 PLAIN_S = 1.0  # a plain round's cost, in the clock's units
 
@@ -335,3 +337,57 @@ def test_a_probe_the_inner_policy_vetoes_ends_and_waits_its_interval_again():
     inner.on = True
     after = [request.round(*BAD) for _ in range(fl.DEFAULTS.probe_min - 1)]
     assert after == [None] * (fl.DEFAULTS.probe_min - 1)  # not the rest of a stint: a new wait
+
+
+LOSING_BOTH = ({"model": 1.6, "lookup": 1.6}, {"model": 0, "lookup": 0})  # neither source keeps a draft
+
+
+def counting_decisions(request: Request) -> list[int]:
+    """The rounds (1-based) at which the request's floor decided; the rest it stayed plain as decided."""
+    decided: list[int] = []
+    decide = request.floor._decide
+
+    def counted(here, alone):
+        decided.append(request.floor.rounds)
+        return decide(here, alone)
+
+    request.floor._decide = counted  # type: ignore[method-assign]
+    return decided
+
+
+def test_a_request_kept_plain_decides_again_only_when_a_probe_falls_due_or_rest_rounds_pass():
+    model = FloorModel()
+    for _ in range(3):
+        run(Request(model), 40, LOSING_BOTH, hit=True)  # every request's rounds here: neither source pays
+    request = Request(model)
+    decided = counting_decisions(request)
+    run(request, 200, LOSING_BOTH, hit=True)
+    assert request.sources.count(None) > 180  # plain, but for probes
+    gaps = [b - a for a, b in itertools.pairwise(decided)]
+    assert max(gaps) <= REST_ROUNDS + 1  # every request's evidence reaches it this late at most
+    assert len(decided) < 200 / 2  # most rounds did not decide at all
+    # and it probed as often as a request that decides every round
+    eager = Request(model)
+    eager_decide = eager.floor._decide
+
+    def no_rest(here, alone):
+        allowed = eager_decide(here, alone)
+        eager.floor._rest = 0
+        return allowed
+
+    eager.floor._decide = no_rest  # type: ignore[method-assign]
+    run(eager, 200, LOSING_BOTH, hit=True)
+    probes = [i for i, s in enumerate(request.sources) if s is not None]
+    eager_probes = [i for i, s in enumerate(eager.sources) if s is not None]
+    assert abs(len(probes) - len(eager_probes)) <= 1
+
+
+def test_a_resting_request_decides_again_when_the_load_level_moves():
+    model = FloorModel()
+    for _ in range(3):
+        run(Request(model), 40, LOSING_BOTH, hit=True)
+    request = run(Request(model), 30, LOSING_BOTH, hit=True)
+    decided = counting_decisions(request)
+    model._load = 8.0  # seven more rounds in flight: level 3, evidence of its own
+    request.round(*LOSING_BOTH, hit=True)
+    assert decided == [request.floor.rounds]

@@ -53,6 +53,12 @@ __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettin
 # A probe's stint ends after its judged round, or after this many rounds: a lookup's round is judged only
 # where MaG found a match (a miss drafts nothing and costs almost nothing), so its stint waits longer.
 PROBE_ROUNDS = {"lookup": 8, "model": 3}
+# Rounds a request kept plain may stay plain without deciding again, while its load level holds and no
+# probe falls due: deciding costs every round a lock, the level's evidence and both sources' estimates.
+# At 16 streams on the shipped family at T = 1, nothing drafting, the default ran 0.92-0.93x plain where
+# the same server with speculation off ran 0.98-1.00x; resting, 0.94x (docs/benchmarks.md). Every
+# request's evidence reaches a resting request this many rounds late at most.
+REST_ROUNDS = 8
 PROBE_HOPE = 2.0  # a probe is worth its catch-up only if a source earning this ratio would pay it back
 OWN_PLAIN_SMOOTHING = 0.3  # EWMA of the request's own plain rounds: its context grows, its p with it
 
@@ -87,6 +93,9 @@ class GoodputFloor:
         self._read = dict.fromkeys(SOURCES, 0)  # committed tokens each source has read
         self._waited = dict.fromkeys(SOURCES, 0)
         self._interval: dict[str, int] = {}
+        self._rest = 0  # rounds it stays plain without deciding again (REST_ROUNDS)
+        self._resting: tuple[str, ...] = ()  # the sources whose wait for a probe goes on meanwhile
+        self._rest_level = -1  # the load level it decided at: another level decides again
         self._probing: dict[str, int] = {}  # source -> rounds of its probe's stint so far
         self._stint: set[str] = set()  # sources that caught up and have not had a judged round since
         self._vetoed: set[str] = set()  # sources the inner policy refused this round
@@ -117,10 +126,20 @@ class GoodputFloor:
         self.rounds += 1
         level = self.model.level()
         self._in_flight = self.model.in_flight() if level > 0 else 1.0  # alone: its own wait is the test
-        self._level = self.model.at(self.greedy, level, self.scope)
         self._source = None
+        if self._rest > 0 and level == self._rest_level and self._level is not None:
+            self._rest -= 1  # plain again, as decided (REST_ROUNDS); its probes' wait goes on
+            for source in self._resting:
+                self._waited[source] += 1
+            self._p = self._plain(self._level)
+            self._read_now = set()
+            self._allowed = frozenset()
+            return
+        self._rest = 0
+        self._level = self.model.at(self.greedy, level, self.scope)
         self._read_now = set()
         self._allowed = self._decide(self._level, alone=level == 0)
+        self._rest_level = level
 
     def allows(self, source: str) -> bool:
         if source not in self._allowed:
@@ -225,6 +244,7 @@ class GoodputFloor:
         bound = settings.credit * p + settings.epsilon * self.plain_equivalent
         over = self.loss > bound  # then only what its own rounds showed to pay drafts
         allowed = set()
+        waiting = []  # sources off, waiting for their next probe
         for source in SOURCES:
             if source in self._vetoed:  # the inner policy refused it last round: its stint ends there
                 self._probing.pop(source, None)
@@ -256,6 +276,7 @@ class GoodputFloor:
             if over:
                 continue
             self._waited[source] += 1
+            waiting.append(source)
             # A probe must fit under the bound on its own: what the other source earned does not pay for it
             # (a model probe that must read a long context costs several plain steps, and rarely pays).
             if (
@@ -268,6 +289,11 @@ class GoodputFloor:
                 self._waited[source] = 0
         self._on = {s for s in allowed if s not in self._probing}
         self._vetoed = set()
+        if not allowed and not self._probing and not self._stint:
+            # Plain until the first probe falls due (its wait ends), REST_ROUNDS at most.
+            due = min((self._interval[s] - self._waited[s] for s in waiting), default=REST_ROUNDS + 1)
+            self._rest = max(0, min(REST_ROUNDS, due - 1))
+            self._resting = tuple(waiting)
         return frozenset(allowed)
 
     def _plain(self, here: Level) -> float | None:
