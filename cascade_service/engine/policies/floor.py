@@ -127,17 +127,16 @@ class GoodputFloor:
         level = self.model.level()
         self._in_flight = self.model.in_flight() if level > 0 else 1.0  # alone: its own wait is the test
         self._source = None
+        self._read_now = set()
         if self._rest > 0 and level == self._rest_level and self._level is not None:
             self._rest -= 1  # plain again, as decided (REST_ROUNDS); its probes' wait goes on
             for source in self._resting:
                 self._waited[source] += 1
             self._p = self._plain(self._level)
-            self._read_now = set()
             self._allowed = frozenset()
             return
         self._rest = 0
         self._level = self.model.at(self.greedy, level, self.scope)
-        self._read_now = set()
         self._allowed = self._decide(self._level, alone=level == 0)
         self._rest_level = level
 
@@ -298,13 +297,17 @@ class GoodputFloor:
 
     def _plain(self, here: Level) -> float | None:
         """p: the request's own plain rounds once it has had two, else every request's at this level."""
-        return self._own_plain if self._own_plain_rounds >= 2 else here.plain_s
+        return self._own_plain if self._own_plain_known() else here.plain_s
+
+    def _own_plain_known(self) -> bool:
+        """Whether the request's own plain rounds (two at least) stand for plain decoding, its cost and work."""
+        return self._own_plain_rounds >= 2
 
     def _extra_work(self, here: Level, work: float) -> float:
         """What a round's work (its shares of the passes and its Python: drafter steps, the verification's
         extra positions, reviews) came to beyond a plain round's, w - w_p (w_p the request's own plain
         rounds' once it has had two, else every request's at the level)."""
-        plain = self._own_plain_work if self._own_plain_rounds >= 2 else here.plain_work_s
+        plain = self._own_plain_work if self._own_plain_known() else here.plain_work_s
         return max(0.0, work - plain) if plain is not None else 0.0
 
     def _behind(self, source: str) -> int:
