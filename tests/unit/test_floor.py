@@ -355,10 +355,16 @@ def counting_decisions(request: Request) -> list[int]:
     return decided
 
 
-def test_a_request_kept_plain_decides_again_only_when_a_probe_falls_due_or_rest_rounds_pass():
+def where_nothing_pays() -> FloorModel:
+    """A model whose level holds three requests' rounds in which neither source kept a draft."""
     model = FloorModel()
     for _ in range(3):
-        run(Request(model), 40, LOSING_BOTH, hit=True)  # every request's rounds here: neither source pays
+        run(Request(model), 40, LOSING_BOTH, hit=True)
+    return model
+
+
+def test_a_request_kept_plain_decides_again_only_when_a_probe_falls_due_or_rest_rounds_pass():
+    model = where_nothing_pays()
     request = Request(model)
     decided = counting_decisions(request)
     run(request, 200, LOSING_BOTH, hit=True)
@@ -377,15 +383,12 @@ def test_a_request_kept_plain_decides_again_only_when_a_probe_falls_due_or_rest_
 
     eager.floor._decide = no_rest  # type: ignore[method-assign]
     run(eager, 200, LOSING_BOTH, hit=True)
-    probes = [i for i, s in enumerate(request.sources) if s is not None]
-    eager_probes = [i for i, s in enumerate(eager.sources) if s is not None]
-    assert abs(len(probes) - len(eager_probes)) <= 1
+    probes = sum(s is not None for s in request.sources)
+    assert abs(probes - sum(s is not None for s in eager.sources)) <= 1
 
 
 def test_a_resting_request_decides_again_when_the_load_level_moves():
-    model = FloorModel()
-    for _ in range(3):
-        run(Request(model), 40, LOSING_BOTH, hit=True)
+    model = where_nothing_pays()
     request = run(Request(model), 30, LOSING_BOTH, hit=True)
     decided = counting_decisions(request)
     model._load = 8.0  # seven more rounds in flight: level 3, evidence of its own
