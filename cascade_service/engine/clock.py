@@ -89,11 +89,12 @@ def charged() -> float:
 def waited() -> float:
     """The wall clock a request's rounds are judged by (engine.policies.floor): from the start of one target
     round to the next, everything the request waited through, its own passes and Python, its turn,
-    the other requests' passes in the loop iterations its drafting spanned, remote replies. A round
-    whose drafter steps span k iterations of a loaded loop waits through k of everyone's target passes,
-    which its shares of the passes (`charged`) leave out: that is what made drafting look cheap under
-    load while the request ran slower than plain. Plain rounds are timed by the same clock, so the two
-    compare at the same load."""
+    the other requests' passes in the loop iterations its drafting spanned, remote replies. Drafter
+    steps go before the target's next pass (engine.loop.turns), but a drafter nearly as dear as its
+    target, or a long read past what the target lets go first, spans iterations: a round whose drafter
+    steps span k of them waits through k of everyone's target passes, which its shares of the passes
+    (`charged`) leave out, and which made drafting look cheap under load while the request ran slower
+    than plain. Plain rounds are timed by the same clock, so the two compare at the same load."""
     return time.perf_counter()
 
 

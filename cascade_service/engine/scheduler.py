@@ -16,6 +16,7 @@ from ..core.passes import Pass
 from .clock import ROW_POSITIONS, PassTimer, pads_within
 
 T = TypeVar("T")
+PASS_SMOOTHING = 0.1  # EWMA of a model's pass seconds (ModelQueue.pass_s)
 
 
 class Cache(Protocol):
@@ -121,6 +122,10 @@ class ModelQueue:
         self.timer = PassTimer()
         self.on_pass: Callable[[int, float], None] | None = None  # (rows, seconds) after each pass: metrics
         self.pending: list[Pass] = []
+        # What a pass of this model takes (EWMA, None before its first), and how long its waiting passes
+        # have waited for cheaper models' passes since its last (engine.loop.TaskLoop.turns).
+        self.pass_s: float | None = None
+        self.deferred_s = 0.0
         self.closed = False  # close() ran: no pass of this model runs again
         # Fair turns: the model seconds each request (its cache) has had, and the least of those when
         # the last batch was chosen, where a request that arrives (or comes back) starts.
@@ -224,6 +229,7 @@ class ModelQueue:
         except BaseException as exc:
             return [(item, None, exc, 0.0) for item in batch]
         seconds = time.perf_counter() - began
+        self.pass_s = seconds if self.pass_s is None else self.pass_s + PASS_SMOOTHING * (seconds - self.pass_s)
         tokens = [len(item.fed) + item.chain - 1 for item in batch]
         self._record(batch, seconds)
         if self.on_pass is not None:

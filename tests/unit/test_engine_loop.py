@@ -262,3 +262,81 @@ def test_a_model_that_leaves_the_loop_fails_its_waiting_pass_and_every_later_one
         loop.run(request)
     assert loop.passes == [] and model not in loop._batchers
     model.close()  # again: nothing more to do
+
+
+@pytest.fixture
+def priced(monkeypatch):
+    """A loop whose fake passes cost what their model's name says: "target" 10 ms, "drafter" 1 ms."""
+    passes: list[tuple[str, list[int]]] = []
+    seconds = {"target": 0.010, "drafter": 0.001}
+
+    took: dict[str, list[float]] = {"target": [], "drafter": []}
+
+    def fake(model, batch):
+        passes.append((model.name, [p.fed[0] for p in batch]))
+        began = time.perf_counter()
+        time.sleep(seconds[model.name])
+        took[model.name].append(time.perf_counter() - began)
+        return [p.fed[0] + 100 for p in batch]
+
+    monkeypatch.setattr(batching, "forward_batch", fake)
+    engine = TaskLoop("priced-loop")
+    engine.passes = passes  # type: ignore[attr-defined]
+    engine.took = took  # type: ignore[attr-defined]
+    target, drafter = _model(engine, "target"), _model(engine, "drafter")
+    engine.run(lambda: (target.forward([0], DynamicCache(), 1), drafter.forward([0], DynamicCache(), 1)))
+    passes.clear()  # each model's pass time is known from here
+    yield engine, target, drafter
+    engine.close()
+
+
+def test_a_drafting_rounds_steps_run_before_the_targets_next_pass_which_it_then_joins(priced):
+    # Stepped together, each of the drafting request's three drafter steps would wait for a target pass
+    # of the plain request's, and its verification would join the plain request's fourth pass. Cheaper
+    # models first (engine.loop.turns), its drafts are ready for the target's first pass.
+    loop, target, drafter = priced
+
+    def plain() -> None:
+        cache = DynamicCache()
+        for _ in range(4):
+            target.forward([1], cache, 1)
+
+    def drafting() -> None:
+        cache = DynamicCache()
+        for _ in range(3):
+            drafter.forward([2], cache, 1)
+        target.forward([3], cache, 1)
+
+    for future in _together(loop, [(plain,), (drafting,)]):
+        future.result(timeout=10)
+    assert loop.passes[:4] == [("drafter", [2])] * 3 + [("target", [1, 3])]
+    assert [name for name, _ in loop.passes].count("target") == 4  # the plain request's four, one shared
+
+
+def test_a_target_waits_for_its_drafters_at_most_its_own_pass_time(priced):
+    # A drafter reading a long context passes after pass; the target lets it go first only for about
+    # its own pass's time (DEFER), so the plain request keeps decoding meanwhile.
+    from cascade_service.engine.loop import DEFER
+
+    loop, target, drafter = priced
+
+    def plain() -> None:
+        cache = DynamicCache()
+        for _ in range(3):
+            target.forward([1], cache, 1)
+
+    def reading() -> None:
+        cache = DynamicCache()
+        for _ in range(60):
+            drafter.forward([2], cache, 1)
+
+    for future in _together(loop, [(plain,), (reading,)]):
+        future.result(timeout=10)
+    names = [name for name, _ in loop.passes]
+    targets = [i for i, name in enumerate(names) if name == "target"]
+    assert len(targets) == 3
+    gaps = [b - a - 1 for a, b in zip([-1] + targets, targets)]  # drafter passes before each target pass
+    assert all(gap >= 2 for gap in gaps)  # it let the drafter go first
+    # ~10 drafter passes of 1 ms fill one 10 ms target pass (as long as they took on this machine)
+    assert max(gaps) <= DEFER * max(loop.took["target"]) / min(loop.took["drafter"]) + 2  # the last one crosses it
+    assert targets[-1] < 50  # done decoding well before the drafter's 60 passes are
