@@ -90,7 +90,7 @@ def waited() -> float:
     """The wall clock a request's rounds are judged by (engine.policies.floor): from the start of one target
     round to the next, everything the request waited through, its own passes and Python, its turn,
     the other requests' passes in the loop iterations its drafting spanned, remote replies. Drafter
-    steps go before the target's next pass (engine.loop.turns), but a drafter nearly as dear as its
+    steps go before the target's next pass (engine.scheduler.turns), but a drafter nearly as dear as its
     target, or a long read past what the target lets go first, spans iterations: a round whose drafter
     steps span k of them waits through k of everyone's target passes, which its shares of the passes
     (`charged`) leave out, and which made drafting look cheap under load while the request ran slower

@@ -293,7 +293,7 @@ def priced(monkeypatch):
 def test_a_drafting_rounds_steps_run_before_the_targets_next_pass_which_it_then_joins(priced):
     # Stepped together, each of the drafting request's three drafter steps would wait for a target pass
     # of the plain request's, and its verification would join the plain request's fourth pass. Cheaper
-    # models first (engine.loop.turns), its drafts are ready for the target's first pass.
+    # models first (engine.scheduler.turns), its drafts are ready for the target's first pass.
     loop, target, drafter = priced
 
     def plain() -> None:
@@ -316,7 +316,7 @@ def test_a_drafting_rounds_steps_run_before_the_targets_next_pass_which_it_then_
 def test_a_target_waits_for_its_drafters_at_most_its_own_pass_time(priced):
     # A drafter reading a long context passes after pass; the target lets it go first only for about
     # its own pass's time (DEFER), so the plain request keeps decoding meanwhile.
-    from cascade_service.engine.loop import DEFER
+    from cascade_service.engine.scheduler import DEFER
 
     loop, target, drafter = priced
 
