@@ -229,14 +229,15 @@ class TaskLoop:
             self._resume(*self._ready.popleft())
         with self._cond:  # read after the tasks ran: one of them may have loaded a model (its queue)
             models = list(self._batchers)
-        batches = [(model, model.take()) for model in turns(models)]  # schedule
+        chosen = turns(models)
+        batches = [(model, model.take()) for model in chosen]  # schedule
         began = time.perf_counter()
         for model, batch in batches:  # execute
             self._execute(model, batch)
         elapsed = time.perf_counter() - began
-        ran = {id(model) for model, _ in batches}
-        for model in models:  # how long a model's waiting passes have let cheaper models go first (turns)
-            model.deferred_s = 0.0 if id(model) in ran else model.deferred_s + elapsed if model.pending else 0.0
+        for model in models:  # the models that let cheaper ones go first waited this long more (turns)
+            if model.pending and model not in chosen:
+                model.deferred_s += elapsed
         return any(model.pending for model in models)
 
     def _execute(self, model: ModelQueue, batch: list[Pass]) -> None:

@@ -123,7 +123,7 @@ class ModelQueue:
         self.on_pass: Callable[[int, float], None] | None = None  # (rows, seconds) after each pass: metrics
         self.pending: list[Pass] = []
         # What a pass of this model takes (EWMA, None before its first), and how long its waiting passes
-        # have waited for cheaper models' passes since its last (engine.loop.TaskLoop.turns).
+        # have waited for cheaper models' passes since its last (`turns`; the loop adds to it).
         self.pass_s: float | None = None
         self.deferred_s = 0.0
         self.closed = False  # close() ran: no pass of this model runs again
@@ -221,6 +221,7 @@ class ModelQueue:
     def run(self, batch: list[Pass]) -> list[tuple[Pass, Any, BaseException | None, float]]:
         """One batched pass: (pass, result, error, its share of the seconds) per row."""
         self.batch_sizes[len(batch)] = self.batch_sizes.get(len(batch), 0) + 1
+        self.deferred_s = 0.0  # its turn came
         for item in batch:  # not below the clock: time spent elsewhere is no credit to jump the queue
             self._used[item.cache] = max(self._used.get(item.cache, 0.0), self._clock)
         began = time.perf_counter()

@@ -269,7 +269,6 @@ def priced(monkeypatch):
     """A loop whose fake passes cost what their model's name says: "target" 10 ms, "drafter" 1 ms."""
     passes: list[tuple[str, list[int]]] = []
     seconds = {"target": 0.010, "drafter": 0.001}
-
     took: dict[str, list[float]] = {"target": [], "drafter": []}
 
     def fake(model, batch):
@@ -290,24 +289,21 @@ def priced(monkeypatch):
     engine.close()
 
 
+def _request(*steps: tuple) -> None:
+    """One request's passes over one cache: (model, token, how many) after another."""
+    cache = DynamicCache()
+    for model, token, count in steps:
+        for _ in range(count):
+            model.forward([token], cache, 1)
+
+
 def test_a_drafting_rounds_steps_run_before_the_targets_next_pass_which_it_then_joins(priced):
     # Stepped together, each of the drafting request's three drafter steps would wait for a target pass
     # of the plain request's, and its verification would join the plain request's fourth pass. Cheaper
     # models first (engine.scheduler.turns), its drafts are ready for the target's first pass.
     loop, target, drafter = priced
-
-    def plain() -> None:
-        cache = DynamicCache()
-        for _ in range(4):
-            target.forward([1], cache, 1)
-
-    def drafting() -> None:
-        cache = DynamicCache()
-        for _ in range(3):
-            drafter.forward([2], cache, 1)
-        target.forward([3], cache, 1)
-
-    for future in _together(loop, [(plain,), (drafting,)]):
+    plain, drafting = (_request, (target, 1, 4)), (_request, (drafter, 2, 3), (target, 3, 1))
+    for future in _together(loop, [plain, drafting]):
         future.result(timeout=10)
     assert loop.passes[:4] == [("drafter", [2])] * 3 + [("target", [1, 3])]
     assert [name for name, _ in loop.passes].count("target") == 4  # the plain request's four, one shared
@@ -319,18 +315,8 @@ def test_a_target_waits_for_its_drafters_at_most_its_own_pass_time(priced):
     from cascade_service.engine.scheduler import DEFER
 
     loop, target, drafter = priced
-
-    def plain() -> None:
-        cache = DynamicCache()
-        for _ in range(3):
-            target.forward([1], cache, 1)
-
-    def reading() -> None:
-        cache = DynamicCache()
-        for _ in range(60):
-            drafter.forward([2], cache, 1)
-
-    for future in _together(loop, [(plain,), (reading,)]):
+    plain, reading = (_request, (target, 1, 3)), (_request, (drafter, 2, 60))
+    for future in _together(loop, [plain, reading]):
         future.result(timeout=10)
     names = [name for name, _ in loop.passes]
     targets = [i for i, name in enumerate(names) if name == "target"]
