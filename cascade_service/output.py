@@ -88,6 +88,10 @@ class Output:
         return Chunk(self.tokens, "".join(self.texts), self.finish, stats, session_length, self.logprobs[:n])
 
 
+CONTEXT = 4  # tokens decoded before a round's new ones (TextStream._decoded)
+CHECK_FIRST = 64  # tokens at which a stream's text is first checked against a whole decode
+
+
 class TextStream:
     """Incremental detokenization with stop strings; emitted text is never taken back.
 
@@ -102,15 +106,21 @@ class TextStream:
         self.stop = tuple(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
-        self.text = ""
+        self.text = ""  # the text of self.tokens (the tokenizer's decode of them all; see `_decoded`)
         self.sent = 0  # characters of self.text already emitted
         self.stopped_at: int | None = None
+        # Incremental decoding: the text of tokens[:_read] is settled as self.text[:_settled], and a round
+        # decodes only tokens[_start:] (a few tokens before _read, whose text is _window) instead of every
+        # token: a whole decode each round made a request's detokenization quadratic in its length.
+        self._read = self._start = self._settled = 0
+        self._window = ""
+        self._check_at = CHECK_FIRST  # token count at which the next whole decode checks the window's text
 
     def feed(self, new: Sequence[int]) -> int | None:
         """Add a round's tokens; if a stop string completed, return how many of them to keep."""
         base = len(self.tokens)
         self.tokens += new
-        self.text = self.decode(self.tokens)
+        self.text = self._decoded()
         # A stop string cannot start before `sent`: at least len(stop) - 1 characters were held back.
         found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
         if not found:
@@ -129,6 +139,7 @@ class TextStream:
         if self.stopped_at is not None:
             end = self.stopped_at
         elif final:
+            self.text = self._settle(self.decode(self.tokens))  # the last text is the whole decode's, as ever
             end = len(self.text)
         else:
             end = len(self.text) - self.hold
@@ -137,3 +148,32 @@ class TextStream:
         end = max(end, self.sent)
         delta, self.sent = self.text[self.sent : end], end
         return delta
+
+    def _decoded(self) -> str:
+        """The text of self.tokens, decoding only the tokens since the text last settled (and CONTEXT
+        before them, so that a tokenizer which drops a leading space at a decode's start still gives the
+        new tokens theirs). Decoding a window equals decoding every token wherever the tokenizer's text of
+        a sequence is its text up to a token plus the window's new text, as byte-level BPE's is; where a
+        new token changes text before it (a decoder that cleans up spaces) the window's text no longer
+        starts as before, and the whole sequence is decoded instead. A whole decode at doubling lengths
+        (from CHECK_FIRST tokens) and at the end keeps any other difference from lasting: amortised, a
+        few tokens decoded per token."""
+        if len(self.tokens) >= self._check_at:
+            self._check_at = 2 * len(self.tokens)
+            return self._settle(self.decode(self.tokens))
+        window = self.decode(self.tokens[self._start :])
+        if not window.startswith(self._window):
+            return self._settle(self.decode(self.tokens))
+        return self._settle(self.text[: self._settled] + window[len(self._window) :], whole=False)
+
+    def _settle(self, text: str, whole: bool = True) -> str:
+        """`text`, the text of every token, settled where it ends on a whole character (a trailing U+FFFD
+        may be a character split across tokens: its bytes are decoded again with the next tokens)."""
+        if not text.endswith("\ufffd"):
+            self._read, self._settled = len(self.tokens), len(text)
+            self._start = max(0, self._read - CONTEXT)
+            self._window = self.decode(self.tokens[self._start : self._read])
+        elif whole:  # not even the text before the split character is known to be settled: start over
+            self._read = self._start = self._settled = 0
+            self._window = ""
+        return text

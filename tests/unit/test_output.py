@@ -83,3 +83,78 @@ def test_a_whole_reply_keeps_the_text_a_stream_sent_not_a_fresh_decode():
     # said, not what decoding every token at the end would say.
     whole = _whole(*CASES["cleaned up"])
     assert whole.text == "a ." and detokenize(whole.token_ids) == "a.."
+
+
+def _shipped_tokenizer():
+    from transformers import AutoTokenizer
+
+    from cascade_service.zoo.shipped import family_dir
+
+    return AutoTokenizer.from_pretrained(family_dir() / "large")
+
+
+def _rounds(ids, rng):
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 7)  # a round's committed tokens: one to a drafted block and its bonus
+        out.append(ids[i : i + n])
+        i += n
+    return out
+
+
+LINES = ["def f(x):\n", "    return x * 2  # é ü 中文\n", "\tif not x:\n", "'''ok'''\n"]
+
+
+@pytest.mark.parametrize("source", ["code", "random ids"])
+def test_a_stream_sends_the_tokenizers_own_text_of_every_token(source):
+    # The oracle is the tokenizer: one decode of every token. Random ids split multi-byte characters
+    # across tokens and rounds (U+FFFD held back and decoded again); code is what users stream.
+    import random
+
+    tokenizer = _shipped_tokenizer()
+    rng = random.Random(7)
+    for trial in range(20):
+        if source == "code":
+            text = "".join(rng.choice(LINES) for _ in range(60))
+            ids = tokenizer(text)["input_ids"]
+        else:
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 300))]
+        decode = lambda t: tokenizer.decode(list(t), skip_special_tokens=True)  # noqa: E731
+        output = Output(decode, (), frozenset(), [])
+        sent = "".join(c.text for c in map(output.feed, _rounds(ids, rng)) if c is not None)
+        assert sent + output.end(None, 0).text == decode(ids), (source, trial)
+
+
+def test_a_stream_decodes_each_token_a_bounded_number_of_times():
+    # A whole decode each round was quadratic: 2,000 tokens in rounds of 1-7 read ~570,000 tokens.
+    import random
+
+    read = [0]
+
+    def decode(ids):
+        read[0] += len(ids)
+        return "".join(WORDS[1 + t % 4] for t in ids)
+
+    rng = random.Random(3)
+    ids = [rng.randrange(1, 50) for _ in range(2000)]
+    output = Output(decode, ("zz",), frozenset({EOS}), [])
+    for new in _rounds(ids, rng):
+        output.feed(new)
+    output.end(None, 0)
+    assert read[0] <= 12 * len(ids), read[0]
+
+
+def test_a_decoder_that_drops_a_leading_space_keeps_the_new_tokens_spaces():
+    # SentencePiece drops the space that opens a decode; a round decoded alone would lose its first
+    # space. The window starts a few tokens back, so only the settled text's start is at stake.
+    import random
+
+    def decode(ids):
+        return "".join(WORDS[t] for t in ids if t != EOS).removeprefix(" ")
+
+    rng = random.Random(5)
+    for trial in range(50):
+        ids = [rng.choice([1, 2, 2, 4, 5]) for _ in range(rng.randint(1, 150))]
+        output = Output(decode, (), frozenset({EOS}), [])
+        sent = "".join(c.text for c in map(output.feed, _rounds(ids, rng)) if c is not None)
+        assert sent + output.end(None, 0).text == decode(ids), trial
