@@ -80,7 +80,8 @@ class Draft:
         dists = None
         if rows:
             dists = torch.zeros(len(tokens), vocab_size)
-            dists[torch.arange(len(tokens)), tokens] = 1.0
+            if tokens:  # a lookup that found nothing (most rounds at T = 1) skips the indexing's dispatch
+                dists[torch.arange(len(tokens)), tokens] = 1.0
         return cls(list(tokens), [1.0] * len(tokens), dists, [origin] * len(tokens))
 
     def head(self, n: int) -> Draft:
