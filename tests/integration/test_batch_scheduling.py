@@ -280,7 +280,10 @@ def test_concurrent_requests_beside_a_chunked_long_prompt_match_the_oracle(tiny_
     shared = {k: n - before.get(k, 0) for k, n in engine.target.batcher.batch_sizes.items()}
     assert sum(n for size, n in shared.items() if size > 1) >= 3
     fed = [longest for _, _, _, longest in list(engine.target.batcher.timer._passes)[-sum(shared.values()) :]]
-    assert max(fed) <= 40 and fed.count(16) + fed.count(40) >= 5  # the prompt went in chunks
+    # The prompt went in chunks: of 16 while others use the target, of 40 once it reads alone (drafters going
+    # first, engine.scheduler.turns, its drafter's read may end after the others have finished), the last
+    # one short by the rows it keeps.
+    assert max(fed) <= 40 and sum(1 for n in fed if n >= 16) >= 5
 
 
 def test_every_ready_request_shares_the_next_pass(monkeypatch):
