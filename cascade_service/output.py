@@ -109,10 +109,10 @@ class TextStream:
         self.text = ""  # the text of self.tokens (the tokenizer's decode of them all; see `_decoded`)
         self.sent = 0  # characters of self.text already emitted
         self.stopped_at: int | None = None
-        # Incremental decoding: the text of tokens[:_read] is settled as self.text[:_settled], and a round
-        # decodes only tokens[_start:] (a few tokens before _read, whose text is _window) instead of every
-        # token: a whole decode each round made a request's detokenization quadratic in its length.
-        self._read = self._start = self._settled = 0
+        # Incremental decoding: the text of the tokens up to the last settled round is self.text[:_settled],
+        # and a round decodes only tokens[_start:] (CONTEXT tokens before those, whose text is _window)
+        # instead of every token: a whole decode each round made detokenization quadratic in the length.
+        self._start = self._settled = 0
         self._window = ""
         self._check_at = CHECK_FIRST  # token count at which the next whole decode checks the window's text
 
@@ -170,10 +170,10 @@ class TextStream:
         """`text`, the text of every token, settled where it ends on a whole character (a trailing U+FFFD
         may be a character split across tokens: its bytes are decoded again with the next tokens)."""
         if not text.endswith("\ufffd"):
-            self._read, self._settled = len(self.tokens), len(text)
-            self._start = max(0, self._read - CONTEXT)
-            self._window = self.decode(self.tokens[self._start : self._read])
+            self._settled = len(text)
+            self._start = max(0, len(self.tokens) - CONTEXT)
+            self._window = self.decode(self.tokens[self._start :])
         elif whole:  # not even the text before the split character is known to be settled: start over
-            self._read = self._start = self._settled = 0
+            self._start = self._settled = 0
             self._window = ""
         return text
