@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import heapq
-import random
-
 import pytest
 
 from cascade_service.config import ConfigError
 from cascade_service.engine.clock import PassTimer
 from cascade_service.engine.policies.load import BySampling, DraftBudget, LoadModel, expected_tokens
-from cascade_service.engine.policies.trial import ARMS, ArmTrial
+from tests.helpers.trials import UNTIMED
 
 BUDGET = ("budget",)  # the cost model alone decides (no trial of arms)
 
@@ -47,14 +44,14 @@ def test_expected_tokens_is_the_geometric_sum():
 
 
 def test_speculate_fully_when_passes_cost_mostly_their_fixed_part():
-    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0001, batch=1), max_block=6, arms=BUDGET)
+    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0001, batch=1), max_block=6, arms=BUDGET, clock=UNTIMED)
     assert model.best_block(0.8, 6, draft_s_per_token=0.002) == 6
 
 
 def test_stop_speculating_when_the_batch_makes_passes_compute_bound():
     # 64 requests share the fixed part and step one token at a time: a row with drafts would be too
     # long to join their passes (the batcher's padding rule) and would pay a pass of its own.
-    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=6, arms=BUDGET)
+    model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=6, arms=BUDGET, clock=UNTIMED)
     assert model.best_block(0.5, 6, draft_s_per_token=0.0001) == 0
     assert model.best_block(0.95, 6, draft_s_per_token=0.0001) == 0
     # The same load, but the others verify 4-token rows: a plain step would be padded to 4 anyway, so
@@ -67,17 +64,19 @@ def test_stop_speculating_when_the_batch_makes_passes_compute_bound():
 
 
 def test_low_acceptance_or_dear_drafting_drafts_less_even_when_idle():
-    model = LoadModel(_timer(fixed_s=0.010, per_token_s=0.001, batch=1), max_block=8, arms=BUDGET)
+    model = LoadModel(_timer(fixed_s=0.010, per_token_s=0.001, batch=1), max_block=8, arms=BUDGET, clock=UNTIMED)
     assert model.best_block(0.2, 8, 0.003) < model.best_block(0.9, 8, 0.003)
     assert model.best_block(0.9, 8, draft_s_per_token=0.05) < model.best_block(0.9, 8, draft_s_per_token=0.0)
 
 
 def test_without_measurements_the_schedule_is_used_as_configured():
-    assert LoadModel(PassTimer(), max_block=5, arms=BUDGET).best_block(0.1, 5, draft_s_per_token=1.0) == 5
+    assert (
+        LoadModel(PassTimer(), max_block=5, arms=BUDGET, clock=UNTIMED).best_block(0.1, 5, draft_s_per_token=1.0) == 5
+    )
 
 
 def test_a_budget_learns_from_its_rounds_and_keeps_exploring_long_blocks():
-    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0001, batch=1), max_block=6, arms=BUDGET)
+    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0001, batch=1), max_block=6, arms=BUDGET, clock=UNTIMED)
     budget = idle.budget()
     assert budget.expected("lookup", 3) == pytest.approx(expected_tokens(DraftBudget.NEUTRAL, 3))
     for _ in range(20):
@@ -90,7 +89,9 @@ def test_a_budget_learns_from_its_rounds_and_keeps_exploring_long_blocks():
         budget.observe(drafted=k, accepted=0)
     assert budget.expected("lookup", 4) < 1.5
     assert budget.chosen[-1] == 6  # idle: a pass costs mostly its fixed part, so even rare hits pay
-    budget.model = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=6, arms=BUDGET)
+    budget.model = LoadModel(
+        _timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=6, arms=BUDGET, clock=UNTIMED
+    )
     budget.model.WARMUP = 0
     caps = [budget("lookup", 6) for _ in range(32)]
     assert caps.count(0) == 30 and caps.count(6) == 2  # plain decoding, one full block in 16 to re-check
@@ -107,10 +108,10 @@ def _traffic(model: LoadModel, source: str, offered: int, accepted: int, request
 def test_a_new_request_starts_from_what_every_request_measured():
     # The slowdown this fixes: each request began at a neutral prior (E(k) <= 2), drafted 1, 2, 3...
     # tokens while it learned, and a 64-token request ended before it drafted a whole lookup block.
-    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0004, batch=1), max_block=20, arms=BUDGET)
+    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0004, batch=1), max_block=20, arms=BUDGET, clock=UNTIMED)
     _traffic(idle, "lookup", 20, accepted=20)
     assert idle.budget()("lookup", 20) == 20  # a new request drafts the whole block at once
-    busy = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=20, arms=BUDGET)
+    busy = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=20, arms=BUDGET, clock=UNTIMED)
     _traffic(busy, "lookup", 20, accepted=0)
     assert busy.budget()("lookup", 20) == 0  # ... or none, where every request's lookups failed
 
@@ -118,7 +119,7 @@ def test_a_new_request_starts_from_what_every_request_measured():
 def test_greedy_and_sampled_traffic_keep_their_own_evidence_and_trial():
     # Sampled rounds whose lookups all fail must not stop greedy requests drafting theirs.
     timer = _timer(fixed_s=0.020, per_token_s=0.0004, batch=1)
-    both = BySampling(lambda: LoadModel(timer, max_block=20, arms=BUDGET))
+    both = BySampling(lambda: LoadModel(timer, max_block=20, arms=BUDGET, clock=UNTIMED))
     assert both.models[True] is not both.models[False] and both.models[True].trial is not both.models[False].trial
     _traffic(both.models[False], "lookup", 20, accepted=0)
     _traffic(both.models[True], "lookup", 20, accepted=20)
@@ -126,7 +127,7 @@ def test_greedy_and_sampled_traffic_keep_their_own_evidence_and_trial():
 
 
 def test_the_first_rounds_draft_as_configured_so_every_block_length_is_measured():
-    busy = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=8, arms=BUDGET)
+    busy = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0005, batch=64), max_block=8, arms=BUDGET, clock=UNTIMED)
     budget = busy.budget()
     caps = []
     for _ in range(busy.WARMUP):
@@ -138,7 +139,7 @@ def test_the_first_rounds_draft_as_configured_so_every_block_length_is_measured(
 
 
 def test_a_lookup_is_never_charged_drafting_cost_but_model_drafts_are():
-    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0004, batch=1), max_block=8, arms=BUDGET)
+    idle = LoadModel(_timer(fixed_s=0.020, per_token_s=0.0004, batch=1), max_block=8, arms=BUDGET, clock=UNTIMED)
     for _ in range(40):
         budget = idle.budget()
         for source in ("lookup", "model"):
@@ -198,114 +199,8 @@ def test_a_row_is_priced_as_the_batcher_would_treat_it():
     assert timer.row_seconds(21) - timer.row_seconds(1) == pytest.approx(5 * per_token)  # padding: nearly free
     mean_batch = (16 + 15 + 16 + 1) / 4
     assert timer.row_seconds(1) > 5 * (fixed / mean_batch + per_token)  # the mean batch's price was far off
-    model = LoadModel(timer, max_block=20, arms=BUDGET)
+    model = LoadModel(timer, max_block=20, arms=BUDGET, clock=UNTIMED)
     assert model.best_block(0.6, 20) >= 5  # drafting is nearly free: a plain step is padded to 21 anyway
-
-
-class _Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _closed_loop(
-    trial: ArmTrial, clock: _Clock, streams: int, speed: dict[str, tuple[int, float]], seconds: float
-) -> dict[str, int]:
-    """`streams` requests that start a round as soon as their last one ends; a round under arm a commits
-    speed[a][0] tokens in speed[a][1] seconds (+-30%, seeded). Returns the rounds run under each arm."""
-    rng = random.Random(7)
-    used: dict[str, int] = {}
-    heap: list = []
-
-    def start(i: int) -> None:
-        round_ = trial.start_round()
-        tokens, duration = speed[round_.arm]
-        heapq.heappush(heap, (clock.t + duration * rng.uniform(0.7, 1.3), i, round_, tokens))
-
-    for i in range(streams):
-        start(i)
-    end = clock.t + seconds
-    while clock.t < end:
-        clock.t, i, round_, tokens = heapq.heappop(heap)
-        trial.end_round(round_, tokens)
-        used[round_.arm] = used.get(round_.arm, 0) + 1
-        start(i)
-    return used
-
-
-# (tokens per round, seconds per round): idle, drafting pays; loaded (on a CPU), plain steps are faster
-IDLE = {"full": (6, 0.03), "budget": (5, 0.03), "lookup": (3, 0.02), "plain": (1, 0.015)}
-LOADED = {"full": (3, 0.30), "budget": (2, 0.22), "lookup": (1.2, 0.1), "plain": (1, 0.07)}
-
-
-def test_the_trial_measures_every_arm_then_keeps_the_fastest():
-    clock = _Clock()
-    trial = ArmTrial(clock=clock)
-    _closed_loop(trial, clock, 16, LOADED, 60)
-    assert trial.level() == 4  # 16 rounds in flight
-    assert set(trial.estimates[4]) == set(ARMS) and trial.best(4) == "plain"
-    assert trial.estimates[4]["plain"][0] == pytest.approx(1 / 0.07, rel=0.1)  # tokens per round-second
-    used = _closed_loop(trial, clock, 16, LOADED, 120)
-    assert used["plain"] > 0.8 * sum(used.values())  # the rest: re-measuring the others now and then
-    assert all(trial.estimates[4][arm][1] >= 2 for arm in ARMS)
-
-
-def test_at_one_stream_the_k_matrix_runs_and_nothing_is_explored():
-    clock = _Clock()
-    trial = ArmTrial(clock=clock)
-    used = _closed_loop(trial, clock, 1, IDLE, 120)
-    assert used == {"full": sum(used.values())}  # no round of another arm: the K-matrix's cost, no more
-    assert set(trial.estimates[0]) == {"full"}
-    # without the K-matrix among the arms, level 0 is a trial like any other
-    other = ArmTrial(("lookup", "plain"), clock=clock)
-    _closed_loop(other, clock, 1, IDLE, 60)
-    assert other.best(0) == "lookup"
-
-
-def test_load_levels_are_judged_apart_and_a_change_in_traffic_is_followed():
-    clock = _Clock()
-    trial = ArmTrial(clock=clock)
-    _closed_loop(trial, clock, 1, IDLE, 60)
-    _closed_loop(trial, clock, 16, LOADED, 120)
-    assert set(trial.estimates[0]) == {"full"} and trial.best(4) == "plain"
-    # The traffic changes (say, prompts the lookup copies whole): drafting pays again at 16 streams.
-    _closed_loop(trial, clock, 16, {**LOADED, "full": (12, 0.3)}, 240)
-    assert trial.best(4) == "full"
-
-
-def test_an_epoch_counts_only_rounds_that_share_passes_with_its_own_arm():
-    clock = _Clock()
-    trial = ArmTrial(("lookup", "plain"), clock=clock)
-    trial.EPOCH_S, trial.MIN_ROUNDS = 2.0, 2
-    slow = trial.start_round()  # a long "lookup" round, still running when its epoch closes
-    for _ in range(4):
-        round_ = trial.start_round()
-        clock.t += 0.5
-        trial.end_round(round_, 6)
-    early = trial.start_round()
-    assert early.arm == "plain"  # epoch 0 closed: 2 s, 4 rounds counted
-    clock.t += 1.0
-    trial.end_round(early, 100)  # began beside the "lookup" round: not plain's sample
-    clock.t += 1.0
-    trial.end_round(slow, 6)  # epoch 0 ends: its sample is in
-    assert trial.estimates[0]["lookup"][0] == pytest.approx(30 / 6.0)  # tokens per second of round time
-    for _ in range(4):  # plain's window opened when the "lookup" round ended
-        round_ = trial.start_round()
-        clock.t += 0.5
-        trial.end_round(round_, 1)
-    assert trial.estimates[0]["plain"] == (pytest.approx(2.0), 1, 1)  # 4 tokens in 2 s; 100 left out
-
-
-def test_a_round_that_never_ends_does_not_stall_the_trial():
-    clock = _Clock()
-    trial = ArmTrial(("lookup", "plain"), clock=clock)
-    for _ in range(8):
-        trial.start_round()  # requests that failed mid-round: never ended
-    _closed_loop(trial, clock, 1, IDLE, 60)
-    assert set(trial.estimates[0]) == {"lookup", "plain"}  # windows opened (SETTLE_S), the load forgot them
-    assert trial.best(0) == "lookup"
 
 
 def test_an_arm_caps_every_round_and_only_drafting_rounds_teach_the_budget():

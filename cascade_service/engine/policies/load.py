@@ -1,4 +1,4 @@
-"""Speculation that adapts to load: each round's draft budget at the target, per request (a block policy).
+"""Speculation that adapts to load: each round's draft budget at the target, at one price for the batch.
 
 Speculation buys tokens per target pass with extra verified positions. That pays while a pass costs
 mostly its fixed part (reading the weights, launching kernels, Python) and stops paying once the batch
@@ -8,15 +8,27 @@ here its terms are measured instead of assumed. For a round with at most k draft
 
     E(k)    = tokens the round yields: 1 + the mean of min(accepted, k) over recent rounds that
               offered at least k drafts (this request's, weighted against every request's)
-    cost(k) = row(k + 1) + g k
+    cost(k) = row(k + 1) - row(1) + g k: the seconds its k drafts add to the batch's passes
 
 where a target pass over B requests and T tokens takes F + q B + c T seconds (fitted from the target's
 recent batched passes), row(n) is what a row of n new tokens adds to the passes it would meet: joined
 to a recent pass where the batcher would join it (F / (B + 1) + q + c * padded length), alone where
 not (F + q + c n), averaged over recent passes (PassTimer.row_seconds); g is the measured drafting
-compute per drafted token. Only F is shared by batching: on a CPU the per-request part q (each row's
-cache and bookkeeping) is large, and then speculation keeps paying under load. The budget is the k in
-[0, offered] that maximizes E(k) / cost(k); k = 0 is plain decoding for that round.
+compute per drafted token. The budget is the k in [0, offered] that maximizes
+
+    E(k) - G cost(k)
+
+where G is the batch's goodput, measured: tokens committed per second over all requests in flight
+(ArmTrial.goodput). A second added to a pass, or spent drafting on the loop, delays every request in
+the batch, so it costs G tokens; a draft pays where the tokens it is expected to add exceed that.
+That is one price for the whole batch, so the batch's verification budget goes to the requests whose
+drafts are kept: a request whose drafts mostly fail stops drafting while the batch runs fast, one
+whose drafts are kept goes on at the same load (a per-request ratio E(k) / cost(k) judged each
+request by its own speed, so the worse its drafts, the cheaper its rounds' seconds looked to it).
+It is Dinkelbach's method for the batch's tokens per second, sum E_i / sum seconds_i: at a price
+equal to the best ratio the problem splits into one maximization per request, and each round's
+measured goodput is the next price. k = 0 is plain decoding for that round. Before a round has been
+measured, each request maximizes its own E(k) / (row(k + 1) + g k).
 
 A round's drafts come from one of two sources, judged apart since they behave apart:
 - "lookup": MaG's n-gram continuation (the target's lookup gate). It is found before the budget is
@@ -99,6 +111,7 @@ class LoadModel:
         self._draft_s_per_token = {s: 0.0 for s in SOURCES}  # 0 until measured: drafting looks free
         self._rounds = 0
         self._observed = {s: 0 for s in SOURCES}
+        self.peers: list[LoadModel] = [self]  # the models whose rounds share the target's passes
 
     def budget(self) -> DraftBudget:
         return DraftBudget(self)
@@ -126,23 +139,38 @@ class LoadModel:
                 old, new = self._draft_s_per_token[source], draft_s / drafted
                 self._draft_s_per_token[source] = new if old == 0.0 else old + self.DRAFT_SMOOTHING * (new - old)
 
-    def best_block(self, expected: Callable[[int], float] | float, offered: int, draft_s_per_token: float = 0.0) -> int:
-        """The k in [0, offered] with the most tokens per second; `expected(k)` is the tokens a round
-        with at most k drafts yields (a float: per-token acceptance, the geometric model)."""
+    def goodput(self) -> float | None:
+        """The batch's tokens per second (ArmTrial.goodput), greedy and sampled rounds together where
+        BySampling shares the target's passes between two models; None before any round ended."""
+        rates = [rate for rate in (model.trial.goodput() for model in self.peers) if rate is not None]
+        return sum(rates) if rates else None
+
+    def best_block(
+        self,
+        expected: Callable[[int], float] | float,
+        offered: int,
+        draft_s_per_token: float = 0.0,
+        goodput: float | None = None,
+    ) -> int:
+        """The k in [0, offered] that maximizes E(k) - goodput * cost(k) (the module's docstring);
+        without a goodput, the most tokens per second of its own row. `expected(k)` is the tokens a
+        round with at most k drafts yields (a float: per-token acceptance, the geometric model)."""
         if not callable(expected):
             acceptance = expected
             expected = lambda k: expected_tokens(acceptance, k)  # noqa: E731
-        cost = self.timer.cost()
-        if cost is None:  # nothing measured yet: speculate as configured
+        if self.timer.cost() is None:  # nothing measured yet: speculate as configured
             return offered
-        best, best_rate = 0, 0.0
-        for k in range(offered + 1):
-            row_s = self.timer.row_seconds(k + 1)
-            assert row_s is not None  # a cost was fitted: every row is priced
-            seconds = row_s + draft_s_per_token * k
-            rate = expected(k) / seconds if seconds > 0 else float("inf")
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = k, rate
+        rows = [self.timer.row_seconds(k + 1) for k in range(offered + 1)]
+        best, best_value = 0, 0.0
+        for k, row_s in enumerate(rows):
+            assert row_s is not None and rows[0] is not None  # a cost was fitted: every row is priced
+            if goodput is None:
+                seconds = row_s + draft_s_per_token * k
+                value = expected(k) / seconds if seconds > 0 else float("inf")
+            else:
+                value = expected(k) - goodput * (row_s - rows[0] + draft_s_per_token * k)
+            if k == 0 or value > best_value + 1e-9 * abs(best_value):
+                best, best_value = k, value
         return best
 
 
@@ -157,6 +185,8 @@ class BySampling:
 
     def __init__(self, make: Callable[[], LoadModel]):
         self.models = {True: make(), False: make()}
+        for model in self.models.values():
+            model.peers = list(self.models.values())
 
     def budget(self, greedy: bool) -> DraftBudget:
         return self.models[greedy].budget()
@@ -244,7 +274,8 @@ class DraftBudget:
             k = offered
         else:
             draft_cost = 0.0 if source == "lookup" else self.model.draft_cost(source)
-            k = self.model.best_block(lambda k: self.expected(source, k), offered, draft_cost)
+            expected = lambda k: self.expected(source, k)  # noqa: E731
+            k = self.model.best_block(expected, offered, draft_cost, self.model.goodput())
             if k < offered and self.model.explore_now():
                 k = offered
         self.chosen.append(k)

@@ -79,6 +79,7 @@ class ArmTrial:
     # new requests (their prefills hold the passes) reads far low, and a mean would follow it
     LOAD_SMOOTHING = 0.05  # EWMA of rounds in flight, per round started
     STALE = 8  # epochs after which an epoch's unfinished rounds are written off (no round lasts this long)
+    RATE_SMOOTHING = 0.05  # EWMA of a round's tokens per second, per round ended (~20 rounds' memory)
 
     def __init__(self, arms: Sequence[str] = ARMS, clock: Callable[[], float] = time.monotonic):
         if not arms:
@@ -90,6 +91,7 @@ class ArmTrial:
         self._epochs: dict[int, _Epoch] = {0: _Epoch(self.arms[0], 0)}  # current and still-pending ones
         self._started = clock()
         self._load = 1.0
+        self._rate = 0.0  # tokens per second of round time, over every arm's recent rounds (0: none yet)
         # level -> arm -> (median of its last RECENT samples, samples, index of the last sample)
         self.estimates: dict[int, dict[str, tuple[float, int, int]]] = {}
         self._recent: dict[tuple[int, str], deque[float]] = {}
@@ -100,6 +102,13 @@ class ArmTrial:
     def level(self) -> int:
         """The load level: log2 of the rounds in flight (smoothed), rounded."""
         return max(0, round(math.log2(max(self._load, 1.0))))
+
+    def goodput(self) -> float | None:
+        """The batch's measured goodput: tokens committed per second over all rounds in flight (a
+        round's tokens per second of its wall time, smoothed, times the rounds in flight); None before
+        a round has ended. The price of a second of anyone's passes (engine.policies.load)."""
+        rate = self._rate
+        return rate * self._load if rate > 0.0 else None
 
     def start_round(self) -> Round:
         with self._lock:
@@ -114,12 +123,16 @@ class ArmTrial:
         """`round_` committed `tokens` tokens."""
         with self._lock:
             now = self.clock()
+            seconds = now - round_.started
+            if seconds > 0.0:
+                rate = tokens / seconds
+                self._rate = rate if self._rate == 0.0 else self._rate + self.RATE_SMOOTHING * (rate - self._rate)
             epoch = self._epochs.get(round_.epoch)
             if epoch is not None:
                 epoch.pending -= 1
                 if epoch.window is not None and round_.started >= epoch.window:
                     epoch.tokens += tokens
-                    epoch.seconds += now - round_.started
+                    epoch.seconds += seconds
                     epoch.rounds += 1
                 if epoch.closed and epoch.pending <= 0:
                     self._finish(round_.epoch)
