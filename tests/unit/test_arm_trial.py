@@ -3,9 +3,11 @@ experiment."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from cascade_service.engine.policies.trial import ARMS, ArmTrial
+from cascade_service.engine.policies.trial import ARMS, ArmTrial, Goodput
 from tests.helpers.trials import Clock, closed_loop
 
 # (tokens per round, seconds per round): idle, drafting pays; loaded (on a CPU), plain steps are faster
@@ -79,3 +81,26 @@ def test_a_round_that_never_ends_does_not_stall_the_trial():
     closed_loop(trial, clock, 1, IDLE, 60)
     assert set(trial.estimates[0]) == {"lookup", "plain"}  # windows opened (SETTLE_S), the load forgot them
     assert trial.best(0) == "lookup"
+
+
+def test_the_batchs_goodput_is_its_tokens_over_its_busy_time():
+    clock = Clock()
+    trial = ArmTrial(("plain",), clock=clock)
+    first, second = trial.start_round(), trial.start_round()
+    assert trial.goodput() is None  # nothing has ended
+    clock.t = 1.0
+    trial.end_round(first, 3)
+    assert trial.goodput() == pytest.approx(3.0)  # 3 tokens in 1 busy second
+    clock.t = 2.0
+    trial.end_round(second, 5)
+    assert trial.goodput() is None  # nothing in flight: no batch to price
+    clock.t = 100.0  # idle: not counted
+    third = trial.start_round()
+    decay = math.exp(-1.0 / Goodput.WINDOW_S)  # the second second weighs the first down
+    assert trial.goodput() == pytest.approx((3 * decay + 5) / (decay + 1))
+    clock.t = 100.5
+    trial.end_round(third, 2)
+    half = math.exp(-0.5 / Goodput.WINDOW_S)
+    assert trial.goodput() is None and trial.goodput_meter.rate() is None
+    trial.start_round()
+    assert trial.goodput() == pytest.approx(((3 * decay + 5) * half + 2) / ((decay + 1) * half + 0.5))

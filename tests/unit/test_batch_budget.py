@@ -52,24 +52,26 @@ def test_one_price_for_the_batch_finds_the_batchs_best_verification_budget():
 
 def test_at_the_batchs_price_poor_drafts_stop_and_good_ones_go_on():
     clock = Clock()
-    model = LoadModel(ragged_timer(0.010, 0.001, 0.002, 8), max_block=6, arms=BUDGET, clock=clock)
+    model = LoadModel(ragged_timer(0.010, 0.001, 0.0015, 8), max_block=6, arms=BUDGET, clock=clock)
     model.WARMUP = 0
     good, poor = model.budget(), model.budget()
     assert model.goodput() is None  # no round has taken any time yet
-    for _ in range(30):  # rounds that take no time: evidence, no goodput
-        for budget, accepted in ((good, 6), (poor, 1)):
+    for i in range(30):  # rounds that take no time: evidence, no goodput
+        for budget, accepted in ((good, 6), (poor, 2 * (i % 2))):  # the poor one: 0, 2, 0, 2, ...
             budget("lookup", 6)
             budget.observe(drafted=6, accepted=accepted)
     # Without a measured goodput each judges by its own row's tokens per second: the poor one verifies
-    # part of its lookup too.
-    assert model.goodput() is None and good("lookup", 6) == 6 and poor("lookup", 6) >= 1
+    # two drafts, one kept in two rounds.
+    assert model.goodput() is None and good("lookup", 6) == 6 and poor("lookup", 6) == 2
     good.observe(6, 6)
-    poor.observe(6, 1)
+    poor.observe(6, 0)
     # 8 streams of rounds that commit 3 tokens in 50 ms each: ~480 tokens a second for the batch
     closed_loop(model.trial, clock, 8, {"budget": (3, 0.05)}, 60)
-    assert 0.85 * 480 <= model.goodput() <= 1.15 * 480
-    assert good("lookup", 6) == 6  # 6 more tokens cost the batch ~5.8 of its tokens; it keeps ~6
-    assert poor("lookup", 6) == 0  # ... where one draft in 6 is kept
+    assert 0.95 * 480 <= model.goodput() <= 1.05 * 480
+    # A drafted token costs the batch 1.5 ms of its pass, ~0.72 of its tokens: one always kept pays, one
+    # kept in two rounds does not.
+    assert good("lookup", 6) == 6
+    assert poor("lookup", 6) == 0
 
 
 def test_greedy_and_sampled_rounds_price_the_same_passes():
