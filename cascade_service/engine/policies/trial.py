@@ -33,13 +33,12 @@ class _Epoch:
 
 
 class Goodput:
-    """The batch's goodput: tokens committed per second of busy time (time with a round in flight),
-    over about the last WINDOW_S busy seconds: the whole batch's tokens over the time they took. Each
-    round's tokens per second of its own time, smoothed and times the rounds in flight, read a median
-    0.72 of the served throughput (16 streams, the demo's family) and swung between 0.32 and 2.7 of it
-    from one sample to the next. Idle time
-    is not counted, so the rate a burst leaves is the price the next one starts from. Not
-    thread-safe: ArmTrial calls it under its lock."""
+    """The batch's goodput: tokens committed per second of busy time (time with a round in flight), over about the
+    last WINDOW_S busy seconds: the whole batch's tokens over the time they took. Each round's tokens per second
+    of its own time, smoothed and times the rounds in flight, read a median 0.72 of the served throughput (16
+    streams, the demo's family) and swung between 0.32 and 2.7 of it from one sample to the next. Idle time is
+    not counted, so the rate a burst leaves is the price the next one starts from. ArmTrial updates it under its
+    lock; `rate` may be read from any thread."""
 
     WINDOW_S = 10.0
 
@@ -48,8 +47,7 @@ class Goodput:
         self._mark = now
         self._busy = 0.0  # busy seconds in all
         self._weighed = 0.0  # busy seconds already in the decayed sums
-        self._tokens = 0.0
-        self._seconds = 0.0
+        self._sums = (0.0, 0.0)  # decayed (tokens, busy seconds), replaced whole: readers take no lock
 
     def tick(self, now: float, in_flight: int, after: int) -> None:
         """`in_flight` rounds ran from the last tick to `now`; `after` run from now on."""
@@ -61,15 +59,16 @@ class Goodput:
         """A round ended, committing `tokens` (after its tick)."""
         elapsed, self._weighed = self._busy - self._weighed, self._busy
         decay = math.exp(-elapsed / self.WINDOW_S)
-        self._tokens = self._tokens * decay + tokens
-        self._seconds = self._seconds * decay + elapsed
+        old_tokens, old_seconds = self._sums
+        self._sums = (old_tokens * decay + tokens, old_seconds * decay + elapsed)
 
     def rate(self) -> float | None:
         """Tokens per busy second; None before any busy time, or with no round in flight (nothing of
         this batch to price)."""
-        if self._seconds <= 0.0 or self.in_flight <= 0:
+        tokens, seconds = self._sums
+        if seconds <= 0.0 or self.in_flight <= 0:
             return None
-        return self._tokens / self._seconds
+        return tokens / seconds
 
 
 @dataclass(frozen=True)
