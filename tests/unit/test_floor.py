@@ -13,68 +13,7 @@ import pytest
 from cascade_service.core.policy import FIXED, OFF
 from cascade_service.engine.policies import goodput as fl
 from cascade_service.engine.policies.floor import CREDIT, EPSILON, REST_ROUNDS, FloorModel, GoodputFloor
-
-PLAIN_S = 1.0  # a plain round's cost, in the clock's units
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Request:
-    """One request's rounds: each drafting source's round costs `cost[source]` (plus `catch_up` per token
-    it is behind) and keeps `accept[source]` of the `k` drafts it is capped at; a plain round costs PLAIN_S."""
-
-    def __init__(self, model: FloorModel, greedy: bool = True, inner=FIXED, prompt: int = 100, budget: int = 10_000):
-        self.clock = Clock()
-        self.work = Clock()  # its own work: its shares of the passes and its Python (engine.clock.charged)
-        self.floor = GoodputFloor(model, greedy, inner, clock=self.clock, compute=self.work)
-        self.committed = prompt
-        self.end = prompt + budget  # max_new_tokens
-        self.sources: list[str | None] = []
-        self.read = {"lookup": 0, "model": 0}
-
-    def round(
-        self, cost: dict, accept: dict, k: int = 4, hit: bool = False, catch_up: float = 0.0, work: dict | None = None
-    ) -> str | None:
-        """`work[source]` (None: a plain round): its own work where that is not all of its wait."""
-        floor = self.floor
-        floor.begin(self.committed, self.end - self.committed)
-        source, drafted = None, 0
-        if hit and floor.allows("lookup"):
-            drafted = floor.cap("lookup", k, k)
-            source = "lookup" if drafted else None
-        if source is None and floor.allows("model"):
-            drafted = floor.cap("model", k, 16)
-            source = "model" if drafted else None
-        accepted = min(accept.get(source, 0), drafted)
-        spent = PLAIN_S if source is None else cost[source]
-        if source is not None:
-            spent += catch_up * max(0, self.committed - self.read[source] - 1)
-            self.read[source] = self.committed + accepted + 1
-        self.clock.t += spent
-        self.work.t += work[source] if work is not None else spent
-        floor.observe(drafted, accepted)
-        self.committed += accepted + 1
-        self.sources.append(source)
-        return source
-
-    def plain_time(self) -> float:
-        return (self.committed - 100) * PLAIN_S
-
-
-BAD = ({"model": 1.6}, {"model": 0})  # a model round that keeps nothing: 1 token for 1.6 plain steps
-GOOD = ({"model": 1.6}, {"model": 3})  # 4 tokens for 1.6 plain steps: 2.5x
-
-
-def run(request: Request, rounds: int, shape=BAD, **kw) -> Request:
-    for _ in range(rounds):
-        request.round(*shape, **kw)
-    return request
+from tests.helpers.floors import BAD, GOOD, PLAIN_S, Clock, Request, run
 
 
 def test_drafts_that_do_not_pay_fall_back_to_plain_within_a_few_rounds():
@@ -337,6 +276,27 @@ def test_a_probe_the_inner_policy_vetoes_ends_and_waits_its_interval_again():
     inner.on = True
     after = [request.round(*BAD) for _ in range(fl.DEFAULTS.probe_min - 1)]
     assert after == [None] * (fl.DEFAULTS.probe_min - 1)  # not the rest of a stint: a new wait
+
+
+def test_a_round_the_inner_policy_keeps_plain_is_not_decided_and_a_probe_under_way_ends():
+    model = FloorModel()
+    for _ in range(3):
+        run(Request(model), 30)  # model drafting loses here: a new request drafts it only as probes
+    inner = Switch()
+    request = Request(model, inner=inner)
+    decided = counting_decisions(request)
+    request.round(*BAD)
+    while request.round(*BAD) != "model":  # a probe's first round
+        assert len(request.sources) < 40
+    inner.on = False  # load adaptation's "plain" arm: nothing may draft
+    before, waited = len(decided), dict(request.floor._waited)
+    assert [request.round(*BAD) for _ in range(3 * fl.DEFAULTS.probe_min)] == [None] * (3 * fl.DEFAULTS.probe_min)
+    assert len(decided) == before  # nothing was decided: there was nothing to decide
+    assert request.floor._waited == waited  # no probe fell due meanwhile, to be vetoed and its wait lost
+    assert request.floor._own_plain_rounds > 3 * fl.DEFAULTS.probe_min - 2  # but every round was timed
+    inner.on = True
+    after = [request.round(*BAD) for _ in range(fl.DEFAULTS.probe_min - 1)]
+    assert after == [None] * (fl.DEFAULTS.probe_min - 1)  # the probe's stint ended with the veto
 
 
 LOSING_BOTH = ({"model": 1.6, "lookup": 1.6}, {"model": 0, "lookup": 0})  # neither source keeps a draft

@@ -136,9 +136,19 @@ class GoodputFloor:
             self._allowed = frozenset()
             return
         self._rest = 0
-        self._level = self.model.at(self.greedy, level, self.scope)
-        self._allowed = self._decide(self._level, alone=level == 0)
+        if self._level is None or level != self._rest_level:
+            self._level = self.model.at(self.greedy, level, self.scope)
         self._rest_level = level
+        if self.rounds > 1 and not any(self.inner.allows(source) for source in SOURCES):
+            # The inner policy lets nothing draft this round (load adaptation's "plain" arm): there is
+            # nothing to decide, and deciding was 40% of the policy's time in such a round. A probe or
+            # a stint under way ends, as a veto ends it; the probes' waits do not run meanwhile (a
+            # probe falling due here would be vetoed and its wait lost).
+            self._vetoed.update(self._probing, self._stint)
+            self._p = self._plain(self._level)
+            self._allowed = frozenset()
+            return
+        self._allowed = self._decide(self._level, alone=level == 0)
 
     def allows(self, source: str) -> bool:
         if source not in self._allowed:

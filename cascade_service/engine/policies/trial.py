@@ -127,6 +127,7 @@ class ArmTrial:
         self._lock = threading.Lock()
         self._epoch = 0
         self._epochs: dict[int, _Epoch] = {0: _Epoch(self.arms[0], 0)}  # current and still-pending ones
+        self._in_flight = 0  # the epochs' pending rounds, summed (a written-off epoch's leave with it)
         self._started = clock()
         self._load = 1.0
         self.goodput_meter = Goodput(self._started)
@@ -149,11 +150,12 @@ class ArmTrial:
     def start_round(self) -> Round:
         with self._lock:
             now = self.clock()
-            in_flight = sum(e.pending for e in self._epochs.values())
+            in_flight = self._in_flight
             self.goodput_meter.tick(now, in_flight, in_flight + 1)
             self._load += self.LOAD_SMOOTHING * (in_flight + 1 - self._load)
             self._advance(now)
             self._epochs[self._epoch].pending += 1
+            self._in_flight += 1
             return Round(self._epoch, self._epochs[self._epoch].arm, now)
 
     def end_round(self, round_: Round, tokens: int) -> None:
@@ -162,11 +164,12 @@ class ArmTrial:
             now = self.clock()
             seconds = now - round_.started
             epoch = self._epochs.get(round_.epoch)
-            in_flight = sum(e.pending for e in self._epochs.values())
+            in_flight = self._in_flight
             self.goodput_meter.tick(now, in_flight, in_flight - (epoch is not None))
             self.goodput_meter.add(tokens)
             if epoch is not None:
                 epoch.pending -= 1
+                self._in_flight -= 1
                 if epoch.window is not None and round_.started >= epoch.window:
                     epoch.tokens += tokens
                     epoch.seconds += seconds
@@ -199,6 +202,7 @@ class ArmTrial:
 
     def _finish(self, index: int) -> None:
         epoch = self._epochs.pop(index)
+        self._in_flight -= epoch.pending
         if epoch.rounds == 0 or epoch.seconds <= 0.0 or epoch.level < 0:  # nothing counted, or no level
             return
         rate = epoch.tokens / epoch.seconds

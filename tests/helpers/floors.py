@@ -1,0 +1,70 @@
+"""Simulated rounds of one request under the floor (engine.policies.floor), on a clock of our own: each
+round's cost and acceptance per source are given, so a test states what drafting earns and reads
+what the floor made of it."""
+
+from __future__ import annotations
+
+from cascade_service.core.policy import FIXED
+from cascade_service.engine.policies.floor import FloorModel, GoodputFloor
+
+PLAIN_S = 1.0  # a plain round's cost, in the clock's units
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Request:
+    """One request's rounds: each drafting source's round costs `cost[source]` (plus `catch_up` per token
+    it is behind) and keeps `accept[source]` of the `k` drafts it is capped at; a plain round costs PLAIN_S."""
+
+    def __init__(self, model: FloorModel, greedy: bool = True, inner=FIXED, prompt: int = 100, budget: int = 10_000):
+        self.clock = Clock()
+        self.work = Clock()  # its own work: its shares of the passes and its Python (engine.clock.charged)
+        self.floor = GoodputFloor(model, greedy, inner, clock=self.clock, compute=self.work)
+        self.committed = prompt
+        self.end = prompt + budget  # max_new_tokens
+        self.sources: list[str | None] = []
+        self.read = {"lookup": 0, "model": 0}
+
+    def round(
+        self, cost: dict, accept: dict, k: int = 4, hit: bool = False, catch_up: float = 0.0, work: dict | None = None
+    ) -> str | None:
+        """`work[source]` (None: a plain round): its own work where that is not all of its wait."""
+        floor = self.floor
+        floor.begin(self.committed, self.end - self.committed)
+        source, drafted = None, 0
+        if hit and floor.allows("lookup"):
+            drafted = floor.cap("lookup", k, k)
+            source = "lookup" if drafted else None
+        if source is None and floor.allows("model"):
+            drafted = floor.cap("model", k, 16)
+            source = "model" if drafted else None
+        accepted = min(accept.get(source, 0), drafted)
+        spent = PLAIN_S if source is None else cost[source]
+        if source is not None:
+            spent += catch_up * max(0, self.committed - self.read[source] - 1)
+            self.read[source] = self.committed + accepted + 1
+        self.clock.t += spent
+        self.work.t += work[source] if work is not None else spent
+        floor.observe(drafted, accepted)
+        self.committed += accepted + 1
+        self.sources.append(source)
+        return source
+
+    def plain_time(self) -> float:
+        return (self.committed - 100) * PLAIN_S
+
+
+BAD = ({"model": 1.6}, {"model": 0})  # a model round that keeps nothing: 1 token for 1.6 plain steps
+GOOD = ({"model": 1.6}, {"model": 3})  # 4 tokens for 1.6 plain steps: 2.5x
+
+
+def run(request: Request, rounds: int, shape=BAD, **kw) -> Request:
+    for _ in range(rounds):
+        request.round(*shape, **kw)
+    return request
