@@ -83,6 +83,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     api_keys, tls = serve_access(args, config)
     from ..api.admission import limits_from
+    from ..engine.heap import freeze_startup_heap
 
     try:
         limits_from(config.serving.admission)  # out-of-range admission settings fail before anything starts
@@ -111,6 +112,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             http_port=args.http_port,
             floor=False if args.adapt_to_load is False else args.floor,
         )
+        if config.serving.freeze_heap:
+            freeze_startup_heap("serve")
         try:
             print(
                 f"serving cascade.v1.CascadeService on {args.host}:{standalone.port} "
@@ -147,6 +150,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     try:
         address = service.start()
+        if config.serving.freeze_heap:  # the driver's and the edge's (each replica freezes its own)
+            freeze_startup_heap("serve")
         # ray.init replaced our SIGTERM handler with its own, which exits at once without draining.
         stop_on_signals(stop)
         print(f"serving cascade.v1.CascadeService on {address} (Ctrl-C stops)", flush=True)

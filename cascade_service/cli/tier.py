@@ -71,6 +71,10 @@ def _run_tier(args: argparse.Namespace) -> int:
     stop = threading.Event()
     stop_on_signals(stop)
     server = start_tier_server(group, host, int(port_text), keys, tls, args.workers, args.max_queued)
+    if config.serving.freeze_heap:
+        from ..engine.heap import freeze_startup_heap
+
+        freeze_startup_heap("tier")
     try:
         hosted = ", ".join(
             f"{n}{' (sub-cascade)' if n in group.systems else ''}" for n in (t.name for t in group.info().tiers)

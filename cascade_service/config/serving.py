@@ -107,6 +107,9 @@ class ServingConfig:
     # None: every one the frontend can run. E.g. [full, budget] on a pool where drafting always pays, to
     # spare the trial its exploring; one arm alone: that arm, no trial.
     load_arms: tuple[str, ...] | None = None
+    # Once a server is ready (`serve`, `tier`, the Ray app's replicas), freeze its start-up heap out of the
+    # cyclic collector's walks (engine.heap). false: every full collection walks the models' objects.
+    freeze_heap: bool = True
     # On SIGTERM or Ctrl-C, `serve` stops taking calls and gives the calls in flight this long to finish
     # before it cancels them (each ends with a status, never silently); Ray Serve replicas get the same
     # graceful_shutdown_timeout_s unless serving.deployments sets one. Then Serve and Ray stop.
@@ -254,6 +257,7 @@ def parse_serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = 
             "tls_key_file",
             "adapt_to_load",
             "floor",
+            "freeze_heap",
             "load_arms",
             "shutdown_grace_s",
             "admission",
@@ -281,7 +285,7 @@ def parse_serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = 
         raise ConfigError(
             f"serving.shutdown_grace_s must be a number of seconds in [0, {MAX_SHUTDOWN_GRACE_S}], got {grace!r}"
         )
-    for flag in ("adapt_to_load", "floor"):
+    for flag in ("adapt_to_load", "floor", "freeze_heap"):
         if not isinstance(getattr(serving, flag), bool):
             raise ConfigError(f"serving.{flag} must be true or false, got {getattr(serving, flag)!r}")
     serving = replace(serving, redis_url=resolve_redis_url(serving.redis_url, "serving.redis_url"))

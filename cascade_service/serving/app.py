@@ -49,6 +49,7 @@ from ..config import (
 from ..core.local import ModelTier
 from ..core.tier import Scope, Tier
 from ..engine.core import EngineCore
+from ..engine.heap import freeze_startup_heap
 from ..engine.loop import Blocking, task_cancelled
 from ..metrics import default_metrics
 from ..models.hf import load_tokenizer
@@ -176,6 +177,8 @@ class CoordinatorDeployment:
                     loop=self.engine,
                 )
                 self._servicer = CascadeServicer(coordinator)
+                if serving.freeze_heap:  # built at its first call: what it loaded stays for the replica's life
+                    freeze_startup_heap(COORDINATOR)
             return self._servicer
 
     def _remote_tiers(self, scope: Scope) -> dict[str, Tier]:
@@ -382,6 +385,7 @@ def app_builder(args: dict[str, Any]):
             max_ongoing=options["max_ongoing_requests"],
             grpc=serving.tier_server,
             grpc_port=port,
+            freeze_heap=serving.freeze_heap,
         )
         # serve.deployment makes the classes Deployments; mypy sees the classes (attr-defined below).
         handle = TierDeployment.options(name=name, **options).bind(spec)  # type: ignore[attr-defined]

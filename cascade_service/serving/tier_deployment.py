@@ -14,6 +14,7 @@ from ray.serve.handle import DeploymentHandle
 from ..config import MaGConfig, ModelTierConfig, TierServerConfig, deployment_name
 from ..core.tier import Overloaded, Unavailable
 from ..engine.core import EngineCore
+from ..engine.heap import freeze_startup_heap
 from ..metrics import default_metrics
 from ..tierhost.group import TierGroup
 from ..tierhost.modeltier import replica_tier
@@ -45,6 +46,7 @@ class ReplicaSpec:
     max_ongoing: int = DEFAULT_MAX_ONGOING
     grpc: TierServerConfig = field(default_factory=TierServerConfig)
     grpc_port: int | None = None
+    freeze_heap: bool = True  # serving.freeze_heap: once loaded, its start-up heap leaves the collector's walks
 
 
 @serve.deployment
@@ -78,6 +80,8 @@ class TierDeployment:
         # this cluster reach the same group, and their calls batch with the handle calls.
         port = spec.grpc_port
         self.grpc_server = _tier_api(self.group, spec.grpc, port, spec.max_ongoing) if port else None
+        if spec.freeze_heap:
+            freeze_startup_heap(name)
 
     def grpc_port(self) -> int | None:
         return None if self.grpc_server is None else self.grpc_server.port

@@ -110,6 +110,7 @@ def test_the_openai_client_gets_the_grpc_text_unary_and_streamed(served, tiny_fa
         }
     assert samples[("cascade:generation_tokens_total", None)] >= 3 * 12  # the requests above
     assert samples[("cascade:spec_decode_num_drafts_total", "target")] > 0
+    assert samples[("cascade:heap_frozen_objects", None)] > 0  # its start-up heap left the collector's walks
     if served.frontend != "ray":
         assert samples[("cascade:tier_pass_seconds_count", "target")] > 0
 

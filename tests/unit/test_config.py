@@ -57,11 +57,13 @@ def test_serving_section_parses_and_names_bad_fields():
         "redis_url": "redis://127.0.0.1:6379/0",
         "torch_threads": 1,
         "adapt_to_load": False,
+        "freeze_heap": False,
         "load_arms": ["plain", "lookup"],
         "deployments": {"tier-large": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}},
     }
     serving = parse_config(raw).serving
     assert not serving.adapt_to_load and parse_config(_raw()).serving.adapt_to_load  # on by default
+    assert not serving.freeze_heap and parse_config(_raw()).serving.freeze_heap  # on by default
     assert serving.load_arms == ("plain", "lookup") and parse_config(_raw()).serving.load_arms is None
     grouped = parse_config({**raw, "serving": {"groups": [["large", "base"]], "deployments": {"tier-large-base": {}}}})
     assert grouped.serving.groups == (("large", "base"),)
@@ -80,6 +82,7 @@ def test_serving_section_parses_and_names_bad_fields():
         ({"session_namespace": "a:b"}, "serving.session_namespace"),
         ({"port": 1}, "serving.port"),
         ({"adapt_to_load": "yes"}, "serving.adapt_to_load"),
+        ({"freeze_heap": 1}, "serving.freeze_heap"),
         ({"load_arms": []}, "serving.load_arms"),
         ({"load_arms": "plain"}, "serving.load_arms"),
         ({"load_arms": ["plain", "plain"]}, "serving.load_arms"),
