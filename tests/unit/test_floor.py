@@ -262,15 +262,21 @@ class Switch(type(FIXED)):  # type: ignore[misc]
         return self.on
 
 
-def test_a_probe_the_inner_policy_vetoes_ends_and_waits_its_interval_again():
+def probing(inner: Switch) -> Request:
+    """A request under `inner` in the first round of a probe of model drafting, which loses at its level."""
     model = FloorModel()
     for _ in range(3):
         run(Request(model), 30)  # model drafting loses here: a new request drafts it only as probes
-    inner = Switch()
     request = Request(model, inner=inner)
     request.round(*BAD)  # the prompt's round: every request's rounds here say model drafting loses
     while request.round(*BAD) != "model":  # the probe's first round: catching up on the prompt
         assert len(request.sources) < 40
+    return request
+
+
+def test_a_probe_the_inner_policy_vetoes_ends_and_waits_its_interval_again():
+    inner = Switch()
+    request = probing(inner)
     inner.on = False
     assert request.round(*BAD) is None  # vetoed: the stint ends here
     inner.on = True
@@ -279,19 +285,13 @@ def test_a_probe_the_inner_policy_vetoes_ends_and_waits_its_interval_again():
 
 
 def test_a_round_the_inner_policy_keeps_plain_is_not_decided_and_a_probe_under_way_ends():
-    model = FloorModel()
-    for _ in range(3):
-        run(Request(model), 30)  # model drafting loses here: a new request drafts it only as probes
     inner = Switch()
-    request = Request(model, inner=inner)
+    request = probing(inner)
     decided = counting_decisions(request)
-    request.round(*BAD)
-    while request.round(*BAD) != "model":  # a probe's first round
-        assert len(request.sources) < 40
     inner.on = False  # load adaptation's "plain" arm: nothing may draft
-    before, waited = len(decided), dict(request.floor._waited)
+    waited = dict(request.floor._waited)
     assert [request.round(*BAD) for _ in range(3 * fl.DEFAULTS.probe_min)] == [None] * (3 * fl.DEFAULTS.probe_min)
-    assert len(decided) == before  # nothing was decided: there was nothing to decide
+    assert decided == []  # nothing was decided: there was nothing to decide
     assert request.floor._waited == waited  # no probe fell due meanwhile, to be vetoed and its wait lost
     assert request.floor._own_plain_rounds > 3 * fl.DEFAULTS.probe_min - 2  # but every round was timed
     inner.on = True
