@@ -289,10 +289,8 @@ def test_a_round_the_inner_policy_keeps_plain_is_not_decided_and_a_probe_under_w
     request = probing(inner)
     decided = counting_decisions(request)
     inner.on = False  # load adaptation's "plain" arm: nothing may draft
-    waited = dict(request.floor._waited)
     assert [request.round(*BAD) for _ in range(3 * fl.DEFAULTS.probe_min)] == [None] * (3 * fl.DEFAULTS.probe_min)
     assert decided == []  # nothing was decided: there was nothing to decide
-    assert request.floor._waited == waited  # no probe fell due meanwhile, to be vetoed and its wait lost
     assert request.floor._own_plain_rounds > 3 * fl.DEFAULTS.probe_min - 2  # but every round was timed
     inner.on = True
     after = [request.round(*BAD) for _ in range(fl.DEFAULTS.probe_min - 1)]
@@ -354,3 +352,19 @@ def test_a_resting_request_decides_again_when_the_load_level_moves():
     model._load = 8.0  # seven more rounds in flight: level 3, evidence of its own
     request.round(*LOSING_BOTH, hit=True)
     assert decided == [request.floor.rounds]
+
+
+def test_a_probe_falling_due_while_the_inner_policy_keeps_rounds_plain_is_skipped_and_waits_again():
+    inner = Switch()
+    request = run(Request(where_nothing_pays(), inner=inner), 30, LOSING_BOTH, hit=True)
+    floor = request.floor
+    inner.on = False
+    waits = []
+    for _ in range(3 * max(floor._interval.values())):
+        assert request.round(*LOSING_BOTH, hit=True) is None
+        waits.append(dict(floor._waited))
+    # Every source was off and waiting: its wait ran on, and where it reached the interval it started over,
+    # so no probe is owed when the arm changes (every request probing at once after a "plain" epoch).
+    for source in ("lookup", "model"):
+        ran = [w[source] for w in waits]
+        assert max(ran) < floor._interval[source] and any(b < a for a, b in itertools.pairwise(ran)), source

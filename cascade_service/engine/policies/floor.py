@@ -142,9 +142,17 @@ class GoodputFloor:
         if self.rounds > 1 and not any(self.inner.allows(source) for source in SOURCES):
             # The inner policy lets nothing draft this round (load adaptation's "plain" arm): there is
             # nothing to decide, and deciding was 40% of the policy's time in such a round. A probe or
-            # a stint under way ends, as a veto ends it; the probes' waits do not run meanwhile (a
-            # probe falling due here would be vetoed and its wait lost).
+            # a stint under way ends, as a veto ends it. The waits of sources off run on, and a probe
+            # falling due here is skipped and waits its interval again, as a vetoed one did: a wait
+            # held until the arm changed made every request probe at once after a "plain" epoch, and
+            # at T = 1 on the disagree set, 64 streams, that drafted 2.7-5.4% of rounds against
+            # 1.8-2.1% and ran 0.87x the code before it.
             self._vetoed.update(self._probing, self._stint)
+            for source in SOURCES:
+                if source not in self._on and source not in self._probing and source not in self._stint:
+                    self._waited[source] += 1
+                    if self._waited[source] >= self._interval[source]:
+                        self._waited[source] = 0
             self._p = self._plain(self._level)
             self._allowed = frozenset()
             return
