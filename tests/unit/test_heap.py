@@ -22,7 +22,8 @@ def test_what_was_alive_at_the_freeze_is_left_out_and_what_comes_after_is_collec
     before = Node()
     try:
         frozen = freeze_startup_heap("test")
-        assert frozen > 0 and frozen == gc.get_freeze_count()
+        # Frozen objects still die by reference counting (and leave the count): it can only fall since.
+        assert frozen > 0 and gc.get_freeze_count() <= frozen
         shown = [
             s.value
             for f in text_string_to_metric_families(default_metrics().exposition().decode())
