@@ -7,15 +7,9 @@ from __future__ import annotations
 from cascade_service.core.policy import FIXED
 from cascade_service.engine.policies.floor import FloorModel, GoodputFloor
 
+from .trials import Clock  # the fake clock the trial's tests share
+
 PLAIN_S = 1.0  # a plain round's cost, in the clock's units
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Request:
