@@ -14,6 +14,7 @@ per request. The serving entry points call it (`serve`, `tier`, the Ray app's re
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 
@@ -28,6 +29,11 @@ def freeze_startup_heap(what: str) -> int:
     total: a second call adds what came since the first)."""
     gc.collect()
     gc.freeze()
+    # Back to the collector before the interpreter's own shutdown tears modules down: C extensions'
+    # objects left frozen through finalization have crashed other projects' exits (a Cython/DuckDB
+    # service's tests aborted at exit until it unfroze on shutdown). Registered once, however many calls.
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
     frozen = gc.get_freeze_count()
     default_metrics().heap_frozen.set(frozen)
     log.info("%s: %d objects alive at start-up frozen out of the cyclic collector's walks", what, frozen)
