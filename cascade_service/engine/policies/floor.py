@@ -131,7 +131,7 @@ class GoodputFloor:
         if self._rest > 0 and level == self._rest_level and self._level is not None:
             self._rest -= 1  # plain again, as decided (REST_ROUNDS); its probes' wait goes on
             for source in self._resting:
-                self._waited[source] += 1
+                self._wait(source)  # never due meanwhile: the rest ends the round before the first is
             self._p = self._plain(self._level)
             self._allowed = frozenset()
             return
@@ -150,9 +150,8 @@ class GoodputFloor:
             self._vetoed.update(self._probing, self._stint)
             for source in SOURCES:
                 if source not in self._on and source not in self._probing and source not in self._stint:
-                    self._waited[source] += 1
-                    if self._waited[source] >= self._interval[source]:
-                        self._waited[source] = 0
+                    if self._wait(source):
+                        self._waited[source] = 0  # skipped: it waits its interval again
             self._p = self._plain(self._level)
             self._allowed = frozenset()
             return
@@ -292,12 +291,12 @@ class GoodputFloor:
                 continue
             if over:
                 continue
-            self._waited[source] += 1
+            probe_due = self._wait(source)
             waiting.append(source)
             # A probe must fit under the bound on its own: what the other source earned does not pay for it
             # (a model probe that must read a long context costs several plain steps, and rarely pays).
             if (
-                self._waited[source] >= self._interval[source]
+                probe_due
                 and max(self.loss, 0.0) + self._probe_loss(here, source, p) <= bound
                 and self._pays_back(here, source, p, PROBE_HOPE)
             ):
@@ -312,6 +311,11 @@ class GoodputFloor:
             self._rest = max(0, min(REST_ROUNDS, due - 1))
             self._resting = tuple(waiting)
         return frozenset(allowed)
+
+    def _wait(self, source: str) -> bool:
+        """A round with `source` off: its wait for a probe runs on. Whether that probe is due."""
+        self._waited[source] += 1
+        return self._waited[source] >= self._interval[source]
 
     def _plain(self, here: Level) -> float | None:
         """p: the request's own plain rounds once it has had two, else every request's at this level."""
