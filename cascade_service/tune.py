@@ -99,7 +99,7 @@ def lone_drafter_k(
     return best
 
 
-# MaG-first gate at the target (core.cascade.Lookup): off, prompt-lookup's own 10 tokens, or longer blocks
+# MaG-first gate at the target (core.schedule.Lookup): off, prompt-lookup's own 10 tokens, or longer blocks
 # for text that repeats for a long stretch.
 LOOKUPS = (None, Lookup(2, 10), Lookup(2, 20))
 

@@ -15,38 +15,16 @@ import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask
-from .limits import is_integer
 from .policy import FIXED, BlockPolicy
 from .proposers.prediction import MAX_BLOCK as PREDICTION_BLOCK
 from .sampling import SamplingParams
-from .schedule import FILLS, Fill, Schedule
+from .schedule import FILLS, Fill, Lookup, Schedule
 from .stats import CascadeStats, Usage, absorb
 from .tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier, call_seed
 from .types import Context, Draft
 from .verify import EXACT, Verification
 
-
-@dataclass(frozen=True)
-class Lookup:
-    """MaG-first drafting at the target (ours, not in the paper): the gate of a dynamic horizontal cascade.
-
-    When the sequence's last `min_match` or more tokens occurred earlier, MaG's continuation of that
-    occurrence (at most `tokens` of it) is the target's whole block and the model drafters rest; on
-    no such match the K-matrix schedule runs as usual. Text that repeats itself (code, quoting, edits,
-    a model stuck in a loop) is where a long n-gram match is right almost every time and a model
-    drafter's forward passes are wasted; prompt-lookup decoding is this gate without the fallback.
-    """
-
-    min_match: int = 2
-    tokens: int = 10
-    tier: str = "mag"  # the statistical drafter behind the gate: MaG, or suffix decoding ("suffix")
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.tier, str) or not self.tier:
-            raise ValueError(f"lookup.tier must name a drafter, got {self.tier!r}")
-        for name, value in (("min_match", self.min_match), ("tokens", self.tokens)):
-            if not is_integer(value) or not 1 <= value <= 256:
-                raise ValueError(f"lookup.{name} must be an integer in [1, 256], got {value!r}")
+__all__ = ["CascadeTier", "Lookup", "RequestState", "build_cascade"]  # Lookup lives in core.schedule
 
 
 @dataclass
@@ -135,6 +113,10 @@ class CascadeTier:
         self.lookup: tuple[Tier, Lookup] | None = None  # set by build_cascade on the target only
         # SpecDec++ at a reviewing tier (an inner one: the target never drafts): see `draft`.
         self.stopper = stopper
+        # Drafts are never changed in place (joining or cutting makes new ones), so one empty block serves
+        # every round that opens empty; and the row's drafters, for a round none of them may draft in.
+        self._none = self._empty()
+        self._drafter_names = tuple(drafter.name for drafter, _ in self.drafters)
 
     def draft(self, request: DraftRequest) -> DraftReply:
         """One review round; with a stopper, rounds until `want` tokens or the stopper ends the part.
@@ -186,7 +168,7 @@ class CascadeTier:
         whose state stands at the end of `ctx` (the committed sequence) for every tier of this round."""
         st = self.state
         if not self.final or st.grammar is None:
-            return self._empty()
+            return self._none
         st.grammar.anchor(len(ctx))
         return Draft.point(st.grammar.forced(ceiling), st.vocab_size, st.sampling.carries_rows, "grammar")
 
@@ -217,30 +199,7 @@ class CascadeTier:
         ceiling = limit - 1
         policy = self.policy
         policy.begin(len(ctx), limit)  # the round's time runs from here: the lookup and the drafting are in it
-        block = self._forced(ctx, ceiling)
-        gated = False
-        # The prediction first (the target's only), then the lookup gate: a block either fills it alone.
-        for source, want, min_match, ruled in self._gates():
-            if gated or len(block) >= ceiling:
-                break
-            if ruled and not policy.allows("lookup"):
-                continue
-            held = len(block)
-            asked = self._ask(request, ctx.extend(block.tokens), want, ceiling - held, min_match)
-            reply = source.draft(asked)
-            absorb(usage, reply.usage)
-            block = block + reply.draft
-            gated = len(block) > held
-            if gated and ruled:  # the lookup is already spent: the policy only trims it
-                block = block.head(policy.cap("lookup", len(block), len(block)))
-        ran: list[str] = []  # the row's drafters called in this block
-        ended: list[str] = []  # those whose turn came after the block had ended (budget, cap or EOS)
-        if not gated:
-            if len(block) < ceiling:
-                model = policy.allows("model")
-                ceiling = policy.cap("model", sum(quota for _, quota in self.drafters), ceiling) if model else 0
-            block = self._fill(request, ctx, block, ceiling, usage, ran, ended)
-        policy.drafted()
+        block, ran, ended, gated = self._block(request, ctx, ceiling, usage)
         st = self.state
         allowed = None
         if st.grammar is not None:
@@ -276,6 +235,53 @@ class CascadeTier:
             st.stats.logprobs.extend(verdict.logprobs)  # one per emitted token; decode trims the unused
         usage.tier(self.name).tokens_out += len(tokens)
         return Draft(tokens, verdict.token_probs, verdict.dists, [self.name] * len(tokens)), review.hidden
+
+    def _block(
+        self, request: DraftRequest, ctx: Context, ceiling: int, usage: Usage
+    ) -> tuple[Draft, list[str], list[str], bool]:
+        """The round's block (gates first, then the K-matrix row: `_fill`), the row's drafters called and
+        those whose turn came after the block had ended, and whether a gate filled it."""
+        policy = self.policy
+        if self._drafts_nothing(policy, ceiling):
+            # A round the policy keeps plain (most rounds at T = 1; every round of a request the floor
+            # rests): the block is empty and no drafter's turn comes, as the full path below finds at
+            # more cost, without calling `drafted` (no drafting to time).
+            return self._none, [], list(self._drafter_names), False
+        block = self._forced(ctx, ceiling)
+        gated = False
+        # The prediction first (the target's only), then the lookup gate: a block either fills it alone.
+        for source, want, min_match, ruled in self._gates():
+            if gated or len(block) >= ceiling:
+                break
+            if ruled and not policy.allows("lookup"):
+                continue
+            held = len(block)
+            asked = self._ask(request, ctx.extend(block.tokens), want, ceiling - held, min_match)
+            reply = source.draft(asked)
+            absorb(usage, reply.usage)
+            block = block + reply.draft
+            gated = len(block) > held
+            if gated and ruled:  # the lookup is already spent: the policy only trims it
+                block = block.head(policy.cap("lookup", len(block), len(block)))
+        ran: list[str] = []  # the row's drafters called in this block
+        ended: list[str] = []  # those whose turn came after the block had ended (budget, cap or EOS)
+        if not gated:
+            if len(block) < ceiling:
+                model = policy.allows("model")
+                ceiling = policy.cap("model", sum(quota for _, quota in self.drafters), ceiling) if model else 0
+            block = self._fill(request, ctx, block, ceiling, usage, ran, ended)
+        policy.drafted()
+        return block, ran, ended, gated
+
+    def _drafts_nothing(self, policy: BlockPolicy, ceiling: int) -> bool:
+        """Whether this round's block is sure to be empty: no forced tokens or prediction, and no room for
+        a draft (the request's last token: the full path asks the policy nothing then) or the policy lets
+        no gate nor the row draft (asked as the full path asks: the lookup only where there is one)."""
+        if self.final and (self.state.grammar is not None or self.state.prediction is not None):
+            return False
+        if ceiling < 1:
+            return True
+        return (self.lookup is None or not policy.allows("lookup")) and not policy.allows("model")
 
     def _masked(self, ctx: Context, block: Draft) -> tuple[Draft, torch.Tensor | None]:
         """The block for a review under the request's grammar, and each review position's mask (core.grammar).

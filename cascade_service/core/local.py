@@ -159,7 +159,7 @@ class StatisticalTier:
     """A statistical drafter (MaG, suffix decoding) as a tier, named after its config: a point mass on
     each proposed token (Algorithm 1, base case).
 
-    A request with `min_match` (the lookup gate, `core.cascade.Lookup`) is counted apart, as tier
+    A request with `min_match` (the lookup gate, `core.schedule.Lookup`) is counted apart, as tier
     `<name>_lookup` (`mag_lookup`), so the stats show whether the drafter drafted inside the K-matrix
     or only through the gate.
     """

@@ -48,6 +48,8 @@ import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from .limits import is_integer
+
 MAX_ENTRY = 256  # a block longer than this would never be accepted whole; it only wastes compute
 LEAF_ONLY = ("mag", "suffix")  # statistical drafters: they draft, never review
 
@@ -243,3 +245,26 @@ def _check_reachable(k: tuple[tuple[int, ...], ...], drafters: tuple[str, ...]) 
                 f"drafter {d!r} is never used: no reachable row gives it tokens "
                 f"(column {c} is 0 in every row that runs){dead}"
             )
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """MaG-first drafting at the target (ours, not in the paper): the gate of a dynamic horizontal cascade.
+
+    When the sequence's last `min_match` or more tokens occurred earlier, MaG's continuation of that
+    occurrence (at most `tokens` of it) is the target's whole block and the model drafters rest; on
+    no such match the K-matrix schedule runs as usual. Text that repeats itself (code, quoting, edits,
+    a model stuck in a loop) is where a long n-gram match is right almost every time and a model
+    drafter's forward passes are wasted; prompt-lookup decoding is this gate without the fallback.
+    """
+
+    min_match: int = 2
+    tokens: int = 10
+    tier: str = "mag"  # the statistical drafter behind the gate: MaG, or suffix decoding ("suffix")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tier, str) or not self.tier:
+            raise ValueError(f"lookup.tier must name a drafter, got {self.tier!r}")
+        for name, value in (("min_match", self.min_match), ("tokens", self.tokens)):
+            if not is_integer(value) or not 1 <= value <= 256:
+                raise ValueError(f"lookup.{name} must be an integer in [1, 256], got {value!r}")

@@ -38,7 +38,7 @@ class ReviewCounters:
     ran_by_drafter: dict[str, int] = field(default_factory=dict)  # blocks in which the row's drafter was called
     # Blocks that had ended (the token budget, the block policy's cap, an EOS) before the drafter's turn.
     ended_by_drafter: dict[str, int] = field(default_factory=dict)
-    gated: int = 0  # blocks the lookup gate filled (the row did not run: core.cascade.Lookup)
+    gated: int = 0  # blocks the lookup gate filled (the row did not run: core.schedule.Lookup)
 
     def record(
         self, origins: list[str], accepted: int, ran: Sequence[str] = (), ended: Sequence[str] = (), gated: bool = False

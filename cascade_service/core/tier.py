@@ -39,7 +39,7 @@ class DraftRequest:
     A tier drafting alone drafts min(want, limit); a reviewer over tiers drafts by its own K-matrix row
     and may overshoot `want` up to `limit`. `adaptive` holds the request's adaptive draft lengths by
     tier name: a tier applies its own, and a sub-cascade passes the rest down. `min_match` > 0 asks
-    only for an n-gram continuation of a match at least that long (MaG's lookup gate, `core.cascade.Lookup`);
+    only for an n-gram continuation of a match at least that long (MaG's lookup gate, `core.schedule.Lookup`);
     a tier with no such notion drafts nothing.
     """
 
