@@ -199,6 +199,12 @@ def _add_load(p: argparse.ArgumentParser) -> None:
         help="with --config: run the sweep this many times; ratios are medians of paired blocks",
     )
     p.add_argument(
+        "--from-start",
+        action="store_true",
+        help="count each level from its clients' start, their first requests' burst of prefills included "
+        "(by default its window opens once every client has finished a request: steady load)",
+    )
+    p.add_argument(
         "--protocols",
         help="with --config: 'grpc,http' drives one server through gRPC and through the OpenAI-compatible "
         "HTTP API side by side, with TTFT and ITL percentiles",

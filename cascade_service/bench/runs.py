@@ -86,6 +86,7 @@ def run_load(args: argparse.Namespace) -> int:
             str(args.max_new_tokens),
             *(["--prompts", args.prompts] if args.prompts else []),
             *(["--temperature", str(args.temperature)] if args.temperature is not None else []),
+            *(["--from-start"] if args.from_start else []),
             "--out",
             args.out,
         ]
@@ -119,6 +120,7 @@ def run_load(args: argparse.Namespace) -> int:
             modes=modes,
             temperature=args.temperature,
             blocks=args.blocks,
+            ramp=not args.from_start,
         )
         return 0
     if ":" not in args.target:
@@ -136,6 +138,7 @@ def run_load(args: argparse.Namespace) -> int:
         command,
         api_key=args.api_key,
         temperature=args.temperature,
+        ramp=not args.from_start,
     )
     return 0
 

@@ -178,10 +178,48 @@ def test_throughput_counts_the_tokens_that_arrived_within_the_window(monkeypatch
             yield types.SimpleNamespace(token_ids=[2, 3], stats={"target_calls": 3, "drafted_rounds": 0})
 
     monkeypatch.setattr(client_module, "CascadeClient", SlowClient)
-    level = run_level("127.0.0.1:1", 1, 0.75, ["p"], 3, None, 10.0).summary()
+    level = run_level("127.0.0.1:1", 1, 0.75, ["p"], 3, None, 10.0, ramp=False).summary()
     assert level["requests"] == 1 and level["tokens"] == 3
     assert level["tokens_per_s"] == round(1 / 0.75, 2)
     assert 1.4 < 3 / level["drained_tokens_per_s"] < 3.0  # the window and the drain
+
+
+def test_the_window_opens_once_every_client_has_finished_a_request(monkeypatch):
+    # Two clients whose first requests (the ramp: everyone arrived at once) take 0.3 and 0.9 s, then
+    # 0.05 s each. The window opens at ~0.9 s: none of the ramp's requests is in the figures; from the
+    # start (ramp=False) the 0.3 s one is.
+    import itertools
+    import time
+    import types
+
+    import cascade_service.client as client_module
+    from cascade_service.bench.load import run_level
+
+    firsts = itertools.count()
+
+    class RampClient:
+        def __init__(self, *args, **kwargs):
+            self.first = 0.3 + 0.6 * next(firsts)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def stream(self, prompt, **options):
+            time.sleep(self.first or 0.05)
+            self.first = 0.0
+            yield types.SimpleNamespace(token_ids=[1], stats={"target_calls": 1, "drafted_rounds": 0})
+
+    monkeypatch.setattr(client_module, "CascadeClient", RampClient)
+    level = run_level("127.0.0.1:1", 2, 0.5, ["p"], 1, None, 10.0)
+    assert 0.85 < level.ramp_s < 1.5
+    assert level.latencies and max(level.latencies) < 0.25  # only requests begun in the window
+    assert level.summary()["ramp_s"] == round(level.ramp_s, 2)
+    firsts = itertools.count()
+    from_start = run_level("127.0.0.1:1", 2, 0.5, ["p"], 1, None, 10.0, ramp=False)
+    assert from_start.ramp_s == 0.0 and max(from_start.latencies) >= 0.3
 
 
 def test_load_takes_a_target_or_a_config_not_both(tmp_path):
