@@ -1,17 +1,18 @@
 """The block-policy hook: how long the target's block may be each round, and what the round taught.
 
 The cascade asks its policy at fixed points of every target round and knows nothing else about it:
-`begin` (the round starts, after so many committed tokens, so many left), `allows` (whether a source may draft
-this round at all: asked before the lookup gate runs and before the model drafters' row does, so a
-source that may not draft costs nothing), `cap` (how far the block may grow: for the lookup gate's
-continuation, or for the model drafters' K-matrix row), `drafted` (drafting is over, the review
+`begin` (the round starts, after so many committed tokens, so many left), `allows` (whether a source
+may draft this round at all: asked before the lookup gate runs and before the model drafters' row
+does, so a source that may not draft costs nothing), `cap` (how far the block may grow: for the lookup
+gate's continuation, or for the model drafters' K-matrix row), `drafted` (drafting is over, the review
 follows; not called in a round whose block stayed empty because nothing was let draft, or the last
 token left no room: core.cascade.CascadeTier._block) and `observe` (what the review kept). The fixed
-K-matrix is the policy that never caps (`FIXED`); load adaptation (`engine.policies.load.DraftBudget`) caps by measured acceptance and the
-current batch; the floor under the speedup (`engine.policies.floor.GoodputFloor`, the default) lets a
-source draft only while the request's measured rounds say drafting beats plain decoding. A drafter's own
-stopping rule (SpecDec++, adaptive draft length) ends its part of a block inside the tier and says
-so in its reply (`core.tier.DraftReply.stopped`).
+K-matrix is the policy that never caps (`FIXED`); load adaptation (`engine.policies.load.DraftBudget`)
+caps by measured acceptance and the current batch; the floor under the speedup
+(`engine.policies.floor.GoodputFloor`, the default) lets a source draft only while the request's
+measured rounds say drafting beats plain decoding. A drafter's own stopping rule (SpecDec++, adaptive
+draft length) ends its part of a block inside the tier and says so in its reply
+(`core.tier.DraftReply.stopped`).
 """
 
 from __future__ import annotations
