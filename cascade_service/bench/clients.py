@@ -31,8 +31,8 @@ class Level:
     The window opens once every client has finished its first request (`ramp_s` after the start): the
     clients all arrive at once, a burst of prefills no steady load has, and a window that holds it
     measures the burst. At 64 streams on the shipped family (requests of 10-17 s) 8 s windows from the
-    start held one wave and read the default at 0.61-0.94x plain at T = 1; 30 s windows after the ramp
-    read 1.06 / 1.27x. Latencies and the drained figure are of the requests that began in the window.
+    start held one wave and read the default at 0.61-0.94x plain at T = 1. Latencies and the drained
+    figure are of the requests that began in the window.
     """
 
     concurrency: int

@@ -132,7 +132,7 @@ class CascadeTier:
         if self.stopper is None:
             return DraftReply(self._round(request, request.context, request.limit, usage)[0], usage)
         self.stopper.start()
-        part = self._empty()
+        part = self._none
         while len(part) < request.k and not self._ends_in_eos(part):
             piece, hidden = self._round(request, request.context.extend(part.tokens), request.limit - len(part), usage)
             assert hidden is not None  # asked for: [k + 1, H], row j before piece[j]
