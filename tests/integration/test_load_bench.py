@@ -248,3 +248,35 @@ def test_paired_blocks_give_the_median_of_the_ratios_within_each_block():
     assert summary["cascade_over_plain"]["4"] == 1.5  # median of 1.5, 1.2, 2.0
     assert summary["over_single_stream"]["cascade"]["4"] == 3.0  # median 150 over median 50
     assert "adaptive_over_plain" not in summary
+
+
+def test_each_block_turns_the_order_so_every_mode_runs_in_every_place(monkeypatch, tmp_path):
+    """On a noisy 2-core host the place in a block moved a mode's figure by up to 1.4x (bench/load.py
+    `rotated`); over as many blocks as modes each mode runs once in each place."""
+    from cascade_service.bench import load
+
+    class Server:
+        def __init__(self, config_path, mode):
+            self.mode = mode
+
+        def wait_ready(self):
+            return self.mode  # run_level below is handed the mode as its target
+
+        def stop(self):
+            pass
+
+    ran = []
+
+    def level(target, n, *args, **kwargs):
+        ran.append(target)
+        return load.Level(n, window_s=1.0, window_tokens=10, tokens=10, seconds=1.0, latencies=[0.1])
+
+    monkeypatch.setattr(load, "ServerProcess", Server)
+    monkeypatch.setattr(load, "run_level", level)
+    modes = ["default", "off", "plain"]
+    load.run_modes("c.yaml", [4], 1.0, ["p"], 8, tmp_path, "cmd", modes=modes, blocks=3)
+    measured = ran[len(modes) :]  # after one warm-up level a server
+    blocks = [measured[i : i + len(modes)] for i in range(0, len(measured), len(modes))]
+    assert blocks[0] == modes  # the first block runs them as asked
+    for place in range(len(modes)):
+        assert sorted(block[place] for block in blocks) == sorted(modes)
