@@ -108,9 +108,10 @@ RATIOS = {mode: f"{mode.replace('cascade-', '')}_over_plain" for mode in MODES i
 
 def rotated(modes: list[str], block: int) -> list[str]:
     """The order block `block` runs the modes in: the given order turned by one place a block, so over as
-    many blocks as modes each mode runs once in each place. A fixed order let the place decide: on this
-    2-core host, 16 streams, T = 1, nothing drafting, whichever server ran second in a block read highest
-    in seven of eight blocks (up to 1.42x the third), and "default" always ran before "plain"."""
+    many blocks as modes each mode runs once in each place. A fixed order confounds a mode with its place:
+    on this 2-core host, 16 streams, T = 1, whichever server ran second in a block read highest in six
+    blocks of seven (up to 1.42x the third; a later run, turned, did not repeat it), and "default" always
+    ran before "plain"."""
     turn = block % len(modes) if modes else 0
     return modes[turn:] + modes[:turn]
 

@@ -251,8 +251,8 @@ def test_paired_blocks_give_the_median_of_the_ratios_within_each_block():
 
 
 def test_each_block_turns_the_order_so_every_mode_runs_in_every_place(monkeypatch, tmp_path):
-    """On a noisy 2-core host the place in a block moved a mode's figure by up to 1.4x (bench/load.py
-    `rotated`); over as many blocks as modes each mode runs once in each place."""
+    """A fixed order confounds a mode with its place in the block (bench/load.py `rotated`): over as many
+    blocks as modes each mode runs once in each place."""
     from cascade_service.bench import load
 
     class Server:
