@@ -152,8 +152,9 @@ def run_modes(
                 target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s, temperature
             )
         for block in range(blocks):
+            order = rotated(list(targets), block)
             for n in concurrencies:
-                for mode in rotated(list(targets), block):
+                for mode in order:
                     target, options = targets[mode], MODE_REQUESTS.get(mode)
                     level = run_level(
                         target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature, options, ramp
