@@ -15,6 +15,7 @@ verification adds to a shared pass is its extra tokens.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,22 +93,20 @@ class PoolPass:
         positions = self._indices(device)[2]
         return positions.view(-1)[self.real(device)][None] if self.news is not None else positions
 
-    def groups(self, device: torch.device) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
-        """A ragged pass's rows grouped by new-token count s: (their row indices [n], s, their tokens'
-        indices into the [T] concatenation, [n * s], row by row)."""
+    def groups(self) -> list[tuple[slice, int, slice]]:
+        """A ragged pass's runs of consecutive rows with the same new-token count s: (their rows, s, their
+        tokens in the [T] concatenation). Slices, not index tensors: a run's queries, keys, values and
+        mask rows are views of the pass's, where indexing copied each layer's gathered keys and values
+        again (62% of a 60-row decode pass of the shipped target went to those copies). So that each
+        count is one run, `_forward_ragged` feeds the rows ordered by their counts."""
         assert self.news is not None
-        offsets = [sum(self.news[:i]) for i in range(len(self.news))]
-        by_steps: dict[int, list[int]] = {}
-        for i, n in enumerate(self.news):
-            by_steps.setdefault(n, []).append(i)
-        return [
-            (
-                torch.tensor(rows, device=device),
-                steps,
-                torch.tensor([offsets[i] + j for i in rows for j in range(steps)], device=device),
-            )
-            for steps, rows in by_steps.items()
-        ]
+        runs: list[tuple[slice, int, slice]] = []
+        row = token = 0
+        for steps, same in itertools.groupby(self.news):
+            n = len(list(same))
+            runs.append((slice(row, row + n), steps, slice(token, token + n * steps)))
+            row, token = row + n, token + n * steps
+        return runs
 
     def real(self, device: torch.device) -> torch.Tensor:
         """A ragged pass's real tokens as indices into its [rows * S] padded layout ([T], row order)."""
@@ -202,9 +201,9 @@ def ragged_attention(
     *args: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA for a ragged pass, one call per group of rows with the same new-token count: query
-    [1, heads, T] (the rows' real tokens) is cut into each group's [n, heads, s, dim], which attends to
-    its rows' keys (of [R, kv_heads, W, dim]) under their rows of the pass's [R, 1, S, W] mask; the
+    """SDPA for a ragged pass, one call per run of rows with the same new-token count (PoolPass.groups):
+    query [1, heads, T] (the rows' real tokens) is cut into each run's [n, heads, s, dim], which attends
+    to its rows' keys (of [R, kv_heads, W, dim]) under their rows of the pass's [R, 1, S, W] mask; the
     outputs come back as [1, T, heads, dim]. Grouped, not padded to S: on a small model attention is
     most of a pass, and a 7-token verification padding fifteen one-token rows to 7 queries tripled it
     (docs/benchmarks.md). Outside a ragged pass: SDPA itself."""
@@ -212,15 +211,15 @@ def ragged_attention(
     if groups is None or query.shape[0] == key.shape[0]:
         return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
     heads, dim = query.shape[1], query.shape[3]
-    out = query.new_empty((query.shape[2], heads, value.shape[3]))  # [T, heads, dim]
+    outs = []
     for rows, steps, tokens in groups:
-        n = rows.shape[0]
-        q = query[0][:, tokens].view(heads, n, steps, dim).transpose(0, 1)  # [n, heads, s, dim]
+        n = rows.stop - rows.start
+        q = query[0, :, tokens].view(heads, n, steps, dim).transpose(0, 1)  # [n, heads, s, dim]
         got, _ = sdpa_attention_forward(
             module, q, key[rows], value[rows], mask[rows, :, :steps], *args, **kwargs
         )  # [n, s, heads, dim]
-        out[tokens] = got.reshape(n * steps, heads, -1)
-    return out[None], None
+        outs.append(got.reshape(n * steps, heads, -1))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[None], None
 
 
 ALL_ATTENTION_FUNCTIONS.register(RAGGED, ragged_attention)
@@ -277,16 +276,20 @@ def _module_pass(model: Any, step: PoolPass, ids: torch.Tensor, wanted: list[int
 
 
 def _forward_ragged(model: Any, rows: Sequence[Any]) -> list[Any]:
+    # Rows with the same new-token count side by side, so that each count is one run of attention
+    # (PoolPass.groups); each row's result goes back to its own place.
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i].fed))
+    rows = [rows[i] for i in order]
     device, pool = model.device, model.kv_pool
     news = [len(row.fed) for row in rows]
     ids = torch.tensor([[t for row in rows for t in row.fed]], dtype=torch.long, device=device)  # [1, T]
-    ends = [sum(news[: i + 1]) for i in range(len(rows))]
+    ends = list(itertools.accumulate(news))
     kept = [list(range(end - row.keep, end)) for row, end in zip(rows, ends)]  # each row's rows, flat
     wanted = sorted({j for row_kept in kept for j in row_kept})
     config = model.module.config
     with pool.lock:
         step = PoolPass(pool, [row.cache for row in rows], max(news), news=news)
-        _layout.groups = step.groups(device)
+        _layout.groups = step.groups()
         previous, config._attn_implementation = config._attn_implementation, RAGGED
         try:
             out = _module_pass(model, step, ids, wanted, rows)
@@ -297,4 +300,8 @@ def _forward_ragged(model: Any, rows: Sequence[Any]) -> list[Any]:
             config._attn_implementation = previous
             _layout.groups = None
         step.commit(news)
-    return kept_outputs(out, rows, [(0, row_kept) for row_kept in kept], wanted)
+    results = kept_outputs(out, rows, [(0, row_kept) for row_kept in kept], wanted)
+    back: list[Any] = [None] * len(rows)
+    for place, result in zip(order, results):
+        back[place] = result
+    return back

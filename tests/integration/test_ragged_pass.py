@@ -56,6 +56,32 @@ def test_rows_of_1_3_and_11_new_tokens_share_one_ragged_pass(tiny_family_factory
         torch.testing.assert_close(rows, _reference(model, history[:n] + new + [4], 1), rtol=1e-4, atol=1e-4)
 
 
+def test_rows_in_any_order_attend_in_one_run_per_count_and_get_their_own_logits(tiny_family, monkeypatch):
+    # Rows whose counts interleave (3, 1, 11, 1, 3) are fed side by side by count: three runs of
+    # attention, not five, and each row's logits are still its own forward's, in the order asked.
+    model = HFModel.load(tiny_family["mid"], backend="hf", kv="pool", graphs="off")
+    runs = []
+    real_attention = poolpass.ragged_attention
+
+    def counted(*args, **kwargs):
+        runs.append(len(poolpass._layout.groups))
+        return real_attention(*args, **kwargs)
+
+    monkeypatch.setitem(poolpass.ALL_ATTENTION_FUNCTIONS._global_mapping, poolpass.RAGGED, counted)
+    histories = random_prompts(5, 40, seed=13)
+    cached = [9, 30, 17, 4, 25]
+    caches = [model.new_cache() for _ in histories]
+    for cache, history, n in zip(caches, histories, cached):
+        forward_batch(model, [Pass(history[:n], cache, 1, False)])
+    news = [[8, 9, 10], [7], list(range(20, 31)), [6], [3, 4, 5]]
+    keeps = [2, 1, 3, 1, 1]
+    got = forward_batch(model, [Pass(new, cache, keep, False) for new, cache, keep in zip(news, caches, keeps)])
+    assert runs and set(runs) == {3}
+    for rows, history, n, new, keep, cache in zip(got, histories, cached, news, keeps, caches):
+        torch.testing.assert_close(rows, _reference(model, history[:n] + new, keep), rtol=1e-4, atol=1e-4)
+        assert cache.length == n + len(new)
+
+
 def test_a_ragged_pass_that_fails_leaves_the_caches_and_the_model_as_they_were(tiny_family, monkeypatch):
     model = HFModel.load(tiny_family["mid"], backend="hf", kv="pool", graphs="off")
     caches = [model.new_cache() for _ in range(2)]
