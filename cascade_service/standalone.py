@@ -7,13 +7,14 @@ concurrent requests, every tier's forward passes batched in the process's engine
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from .api.admission import limits_from
 from .api.openai_http import http_options
 from .api.server import MAX_QUEUED_RPCS, start_server
-from .config import Config, make_cascade
+from .config import Config, ServingConfig, make_cascade
 from .coordinator import Coordinator
 from .engine.core import EngineCore
 from .inprocess import InProcess
@@ -67,10 +68,11 @@ def start_standalone(
     cascade = config.cascade
     if plain:
         cascade = make_cascade(cascade.target, [], None, 1.0)
-    if config.serving.torch_threads:
+    threads = standalone_threads(config.serving)
+    if threads:
         import torch
 
-        torch.set_num_threads(config.serving.torch_threads)
+        torch.set_num_threads(threads)
     engine = InProcess(cascade, tier_client=config.serving.tier_client, core=EngineCore(max_batch))
     store = session_store(
         config.serving,
@@ -95,3 +97,12 @@ def start_standalone(
     http = http_options(http_port, name, tokenizer) if http_port is not None else None
     server, bound = start_server(coordinator, host, port, api_keys=api_keys, tls=tls, limits=limits, http=http)
     return Standalone(server, bound, engine, coordinator)
+
+
+def standalone_threads(serving: ServingConfig) -> int | None:
+    """The torch threads the standalone server's passes run on: serving.standalone_torch_threads, every
+    core the process may run on where that is 0, torch_threads where it is unset (None: torch's default)."""
+    threads = serving.standalone_torch_threads
+    if threads is None:
+        return serving.torch_threads
+    return threads or len(os.sched_getaffinity(0))

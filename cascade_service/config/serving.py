@@ -86,6 +86,9 @@ class ServingConfig:
     # tiers below it in the K-matrix, MaG included) lies in its group runs it there in one call.
     groups: tuple[tuple[str, ...], ...] = ()
     torch_threads: int | None = None  # per tier replica; None: torch's default
+    # `serve --frontend standalone`'s: one process, nothing of Ray beside its passes, which may use every
+    # core (docs/service.md "Threads"). None: as torch_threads; 0: every core the process may run on.
+    standalone_torch_threads: int | None = None
     # deployment name ("coordinator", "tier-<name>") -> Ray Serve options: num_replicas,
     # ray_actor_options (num_cpus, num_gpus, accelerator_type, resources), autoscaling_config, ...
     deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -251,6 +254,7 @@ def parse_serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = 
             "colocate",
             "groups",
             "torch_threads",
+            "standalone_torch_threads",
             "deployments",
             "api_keys_file",
             "tls_cert_file",
@@ -280,6 +284,8 @@ def parse_serving(raw: dict[str, Any], cascade: CascadeConfig, base_dir: Path = 
         check_int(serving.max_sessions_per_key, "serving.max_sessions_per_key", 1, 10**9)
     if serving.torch_threads is not None:
         check_int(serving.torch_threads, "serving.torch_threads", 1, 1024)
+    if serving.standalone_torch_threads is not None:
+        check_int(serving.standalone_torch_threads, "serving.standalone_torch_threads", 0, 1024)
     grace = serving.shutdown_grace_s
     if not is_number(grace) or not 0 <= grace <= MAX_SHUTDOWN_GRACE_S:
         raise ConfigError(

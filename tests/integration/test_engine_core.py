@@ -84,6 +84,30 @@ def test_the_standalone_server_loads_each_model_once_and_builds_one_coordinator(
         served.stop(0)
 
 
+@pytest.mark.parametrize(
+    ("serving", "expected"),
+    [({"torch_threads": 1}, 1), ({"torch_threads": 1, "standalone_torch_threads": 0}, None)],
+    ids=["as-torch_threads", "every-core"],
+)
+def test_the_standalone_servers_passes_run_on_its_own_thread_setting(tiny_family, serving, expected):
+    # A Ray replica keeps serving.torch_threads; the standalone server, one process with nothing of Ray
+    # beside it, takes standalone_torch_threads where set (0: every core), on its loop's thread.
+    import os
+
+    import torch
+
+    from cascade_service.config import ServingConfig
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    served = start_standalone(Config(tiny_cascade(tiny_family), serving=ServingConfig(**serving)))
+    try:
+        assert served.engine.core.thread_settings().startswith(f"intra-op {expected or cores},")
+    finally:
+        served.stop(0)
+        torch.set_num_threads(before)  # the setting is the process's: the next test starts as it found it
+
+
 def test_a_tier_server_loads_its_models_once_in_its_own_core(tiny_family, loads):
     server = serve_group(tiny_cascade(tiny_family), ["close", "mid"])
     try:

@@ -93,6 +93,26 @@ def test_serving_section_parses_and_names_bad_fields():
             parse_config(raw)
 
 
+def test_the_standalone_servers_threads_default_to_torch_threads_and_0_means_every_core():
+    import os
+
+    from cascade_service.standalone import standalone_threads
+
+    def threads(**serving):
+        raw = _raw()
+        raw["serving"] = serving
+        return standalone_threads(parse_config(raw).serving)
+
+    assert threads() is None and threads(torch_threads=3) == 3  # unset: as the Ray replicas run
+    assert threads(torch_threads=1, standalone_torch_threads=2) == 2
+    assert threads(torch_threads=1, standalone_torch_threads=0) == len(os.sched_getaffinity(0))
+    for bad in (-1, 1.5, "all", 2000):
+        raw = _raw()
+        raw["serving"] = {"standalone_torch_threads": bad}
+        with pytest.raises(ConfigError, match=r"serving\.standalone_torch_threads"):
+            parse_config(raw)
+
+
 def test_serving_redis_url_reads_braced_environment_references(monkeypatch):
     # The deploy files name the session store as ${CASCADE_REDIS_URL}, set per pod or node.
     raw = _raw()
