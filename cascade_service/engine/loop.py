@@ -13,7 +13,8 @@ passes, and the batch is exactly the requests that were ready: nothing waits on 
 A task that must wait for something slow outside the loop (a remote tier's reply, Redis) parks on a
 future run by the loop's executor (`run_blocking`), so the loop's other tasks go on. Front ends
 (gRPC, HTTP, Ray replica methods) only submit tasks and take their results or streamed items
-(`submit`, `run`, `iterate`, `aiterate`): one hand-off per call or per streamed chunk.
+(`submit`, `run`, `iterate`, `aiterate`): one hand-off per call or per streamed chunk (an asyncio front
+end's chunks: one wake-up of its event loop for all that one step hands over, engine.handoff).
 
 Each task keeps a clock (`TaskClock`): the seconds it ran on the loop outside passes (the cascade's
 bookkeeping), its share of each model's passes, and what is left of its wall time, waiting (for a
@@ -36,6 +37,7 @@ from typing import Any, TypeVar
 import greenlet
 
 from .clock import CURRENT_CLOCK, TaskClock
+from .handoff import Mailbox, mailbox
 from .scheduler import ModelQueue, Pass, turns
 
 T = TypeVar("T")
@@ -72,6 +74,7 @@ class TaskLoop:
         self._arrived: deque[tuple[_Task, Any, BaseException | None]] = deque()  # from any thread
         self._ready: deque[tuple[_Task, Any, BaseException | None]] = deque()  # the loop's own
         self._batchers: list[ModelQueue] = []
+        self._posted: set[Mailbox] = set()  # mailboxes this step's updates posted to, not yet woken
         self._live = 0  # tasks submitted and not finished
         self._closed = False
         self._main: greenlet.greenlet | None = None
@@ -146,9 +149,9 @@ class TaskLoop:
 
     async def aiterate(self, make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
         """`iterate` for an asyncio consumer: items arrive on its event loop."""
-        aloop = asyncio.get_running_loop()
+        box = mailbox(asyncio.get_running_loop())
         items: asyncio.Queue = asyncio.Queue()
-        task = self._submit(_drain, (make, lambda item: aloop.call_soon_threadsafe(items.put_nowait, item)))
+        task = self._submit(_drain, (make, lambda item: self._post(box, items.put_nowait, item)))
         try:
             while True:
                 done, value = _handed(*await items.get())
@@ -227,6 +230,8 @@ class TaskLoop:
         self.iterations += 1
         while self._ready:  # update
             self._resume(*self._ready.popleft())
+        while self._posted:  # what the updates streamed goes out while the passes compute (engine.handoff)
+            self._posted.pop().wake()
         with self._cond:  # read after the tasks ran: one of them may have loaded a model (its queue)
             models = list(self._batchers)
         chosen = turns(models)
@@ -239,6 +244,14 @@ class TaskLoop:
             if model.pending and model not in chosen:
                 model.deferred_s += elapsed
         return any(model.pending for model in models)
+
+    def _post(self, box: Mailbox, deliver: Callable[[Any], None], item: Any) -> None:
+        """An item for an asyncio front end (`aiterate`): from this loop's thread the event loop is woken
+        once the step's updates are done, with everything they streamed; from another, now."""
+        mine = threading.current_thread() is self._thread
+        box.post(deliver, item, wake=not mine)
+        if mine:
+            self._posted.add(box)
 
     def _execute(self, model: ModelQueue, batch: list[Pass]) -> None:
         """One batched pass of `model`; each row's result (or error) readied for its task."""

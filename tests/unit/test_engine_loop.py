@@ -326,3 +326,32 @@ def test_a_target_waits_for_its_drafters_at_most_its_own_pass_time(priced):
     # ~10 drafter passes of 1 ms fill one 10 ms target pass (as long as they took on this machine)
     assert max(gaps) <= DEFER * max(loop.took["target"]) / min(loop.took["drafter"]) + 2  # the last one crosses it
     assert targets[-1] < 50  # done decoding well before the drafter's 60 passes are
+
+
+def test_streams_wake_their_event_loop_once_per_step_not_once_per_chunk(loop):
+    # 16 streams, each a task that parks on one model's passes between its chunks, as decoding does:
+    # each step's updates stream up to 16 chunks, and the front end's event loop is woken once for them
+    # as the step's passes begin (engine.handoff), not once per chunk.
+    from .test_handoff import CountingLoop
+
+    model = _model(loop)
+    aloop = CountingLoop()
+
+    def stream(i: int):
+        cache = DynamicCache()
+        for step in range(8):
+            model.forward([i], cache, 1)
+            yield (i, step)
+
+    async def consume(i: int) -> list:
+        return [item async for item in loop.aiterate(lambda: stream(i))]
+
+    async def streams() -> list:
+        return await asyncio.gather(*(consume(i) for i in range(16)))
+
+    try:
+        assert aloop.run_until_complete(streams()) == [[(i, step) for step in range(8)] for i in range(16)]
+        chunks = 16 * (8 + 1)  # each stream's items and its end
+        assert 0 < aloop.wakeups <= chunks // 4, aloop.wakeups  # 24 here: one a step, and one as each stream ends
+    finally:
+        aloop.close()
