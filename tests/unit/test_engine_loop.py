@@ -16,6 +16,8 @@ from cascade_service.engine.clock import CURRENT_CLOCK, charged
 from cascade_service.engine.loop import TaskLoop, run_blocking, task_cancelled
 from cascade_service.models import batching
 
+from ..helpers.counting_loop import CountingLoop
+
 
 @pytest.fixture
 def loop(monkeypatch):
@@ -332,8 +334,6 @@ def test_streams_wake_their_event_loop_once_per_step_not_once_per_chunk(loop):
     # 16 streams, each a task that parks on one model's passes between its chunks, as decoding does:
     # each step's updates stream up to 16 chunks, and the front end's event loop is woken once for them
     # as the step's passes begin (engine.handoff), not once per chunk.
-    from .test_handoff import CountingLoop
-
     model = _model(loop)
     aloop = CountingLoop()
 

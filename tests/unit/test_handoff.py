@@ -10,17 +10,7 @@ import pytest
 
 from cascade_service.engine.handoff import Mailbox, mailbox
 
-
-class CountingLoop(asyncio.SelectorEventLoop):
-    """An event loop that counts its cross-thread wake-ups."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wakeups = 0
-
-    def call_soon_threadsafe(self, callback, *args, context=None):  # type: ignore[override]
-        self.wakeups += 1
-        return super().call_soon_threadsafe(callback, *args, context=context)
+from ..helpers.counting_loop import CountingLoop
 
 
 def test_a_burst_from_another_thread_wakes_the_event_loop_once_and_arrives_in_order():
