@@ -8,7 +8,7 @@ loop's tasks post their chunks to the event loop's mailbox without waking it, an
 mailbox it posted to once its updates are done (`TaskLoop.step`), as its passes begin: the front end
 builds and sends the chunks while the passes compute, which they do without the GIL, instead of
 between the engine's own Python. The event loop delivers the items in the order they came, each to
-its consumer. A post from any other thread wakes the event loop itself.
+its consumer. A post from any other thread wakes the event loop itself (`Mailbox.post`).
 """
 
 from __future__ import annotations

@@ -246,12 +246,10 @@ class TaskLoop:
         return any(model.pending for model in models)
 
     def _post(self, box: Mailbox, deliver: Callable[[Any], None], item: Any) -> None:
-        """An item for an asyncio front end (`aiterate`): from this loop's thread the event loop is woken
-        once the step's updates are done, with everything they streamed; from another, now."""
-        mine = threading.current_thread() is self._thread
-        box.post(deliver, item, wake=not mine)
-        if mine:
-            self._posted.add(box)
+        """An item for an asyncio front end (`aiterate`), from its task (`_drain`, so on this loop's thread,
+        inside a step's updates): the event loop is woken once they are done, with everything they streamed."""
+        box.post(deliver, item, wake=False)
+        self._posted.add(box)
 
     def _execute(self, model: ModelQueue, batch: list[Pass]) -> None:
         """One batched pass of `model`; each row's result (or error) readied for its task."""
