@@ -37,6 +37,24 @@ def test_a_continuing_request_resumes_the_index_and_proposes_as_a_fresh_one():
     assert resumed.index_ops - before_resumed < (fresh.index_ops - before_fresh) / 4
 
 
+def test_a_lookup_only_index_is_kept_and_resumed_as_well():
+    # Lookups alone read MaG's light pair index (core.proposers.pairs), not the trie: that one is kept.
+    leaf = MaGLeaf(MaGConfig())
+    history = _tokens(400, seed=6)
+    first = leaf.proposer("alice", history[:300])
+    first.lookup(Context(history[:300], 300), 5, 2)
+    first.finish(history)
+    context = history + _tokens(30, seed=7)
+    resumed = leaf.proposer("alice", context)
+    assert resumed is first and resumed.indexed == len(history)
+    fresh = MaxGram()
+    before_resumed, before_fresh = resumed.index_ops, fresh.index_ops
+    for end in range(len(context) - 20, len(context) + 1, 5):
+        ctx = Context(context[:end], end - 3)
+        assert resumed.lookup(ctx, 6, 2) == fresh.lookup(ctx, 6, 2)
+    assert resumed.index_ops - before_resumed < (fresh.index_ops - before_fresh) / 4
+
+
 def test_an_index_is_found_only_under_its_key_and_for_a_context_that_continues_it():
     leaf = MaGLeaf(MaGConfig())
     history = _tokens(100, seed=3)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cascade_service.core.proposers import mag
+from cascade_service.core.proposers import pairs as mag_pairs
 from cascade_service.core.proposers.mag import BigramTable, MaxGram
 from cascade_service.core.types import Context
 
@@ -80,6 +81,67 @@ def test_lookup_continues_the_longest_match_like_propose():
     tokens = [4, 1, 2, 3, 1, 2]
     assert MaxGram().lookup(committed(tokens), 8, min_match=2) == MaxGram().propose(committed(tokens), 8)
     assert MaxGram().lookup(committed(tokens), 8, min_match=3) == []
+
+
+def naive_lookup(tokens, k, max_ngram, min_match):
+    """The lookup as plainly as possible: the longest earlier match, empty where it is under min_match."""
+    seq = list(tokens)
+    longest = next(
+        (
+            n
+            for n in range(min(max_ngram, len(seq) - 1), 0, -1)
+            if any(seq[i : i + n] == seq[-n:] for i in range(len(seq) - n))
+        ),
+        0,
+    )
+    return naive_propose(seq, k, max_ngram, None) if longest >= max(min_match, 1) else []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lookup_matches_brute_force_oracle_over_a_request(seed):
+    # The pre-check (the last two tokens seen before?) answers most lookups without the full index;
+    # either way the lookup must be the rule's.
+    rng = random.Random(1000 + seed)
+    vocab = rng.choice([3, 6, 20])
+    max_ngram = rng.choice([1, 2, 3, 16])
+    m = MaxGram(None, max_ngram)
+    tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
+    for _ in range(12):
+        tail = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        k, min_match = rng.randrange(0, 12), rng.choice([1, 2, 3])
+        got = m.lookup(committed(tokens, tail), k, min_match)
+        assert got == naive_lookup(tokens + tail, k, max_ngram, min_match)
+        tokens += [rng.randrange(vocab) for _ in range(rng.randrange(0, 5))]
+
+
+def test_a_lookup_that_cannot_match_builds_no_index():
+    prompt = list(range(2000))  # no pair recurs: no lookup of two tokens or more can match
+    m = MaxGram(max_ngram=16)
+    assert m.lookup(committed(prompt), 10, min_match=2) == []
+    assert m.index_ops <= 2 * len(prompt) + 1  # two dict operations a token, not max_ngram (16)
+    # A pair that recurs in the pending tail is found there; committed later, in the index.
+    tail = [3000, 3001, 5, 3000, 3001]
+    assert m.lookup(committed(prompt, tail), 7, min_match=2) == [5, 3000, 3001, 5, 3000, 3001, 5]
+    assert m.lookup(committed(prompt + tail), 3, min_match=2) == [5, 3000, 3001]
+    assert m.index_ops <= 2 * (len(prompt) + len(tail)) + 100  # not 16 a token
+
+
+@pytest.mark.parametrize("run", [mag_pairs.PAIR_CANDIDATES, mag_pairs.PAIR_CANDIDATES + 1, 500])
+def test_a_lookup_on_a_long_run_of_one_token_reads_the_trie_past_the_pair_bound(run):
+    # A pair with more earlier occurrences than PAIR_CANDIDATES is not compared one by one: the trie
+    # answers (16 dict operations a call, whatever the run); below the bound the pairs do. Both as the rule.
+    tokens = [1, 2] + [5] * run + [3, 5, 5]
+    m = MaxGram(max_ngram=4)
+    assert m.lookup(committed(tokens), 6, min_match=2) == naive_lookup(tokens, 6, 4, 2)
+    trie_built = m._indexed > 0  # the trie's own count (`indexed` is whichever index was read)
+    assert trie_built is (run - 1 > mag_pairs.PAIR_CANDIDATES)  # the pair (5, 5) has run - 1 followers
+
+
+def test_stable_shrinking_raises_in_a_lookup_too():
+    m = MaxGram()
+    assert m.lookup(committed([1, 2, 3, 4, 5]), 2, min_match=2) == []
+    with pytest.raises(ValueError, match="stable shrank from 5 to 2"):
+        m.lookup(Context([1, 2, 3, 4, 5], 2), 2, min_match=2)
 
 
 def test_bigram_fills_when_no_suffix_matches_and_stops_at_a_missing_entry():
