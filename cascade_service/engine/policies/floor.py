@@ -47,6 +47,7 @@ from .goodput import (
     Level,
     ewma,
 )
+from .rest import RestingFloor
 
 __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
 
@@ -376,13 +377,18 @@ def _at_least_one(ratio: float | None) -> bool:
     return ratio is None or ratio >= 1.0
 
 
-def floor_policies(inner: PolicyFactory | None, settings: FloorSettings = DEFAULTS) -> PolicyFactory:
+def floor_policies(
+    inner: PolicyFactory | None, settings: FloorSettings = DEFAULTS, model: FloorModel | None = None
+) -> PolicyFactory:
     """The coordinator's policy per request, given whether it is greedy and its scope (its API key's
     salt): the floor over `inner`'s policy (load adaptation), or over the K-matrix as configured where
-    `inner` is None."""
-    model = FloorModel(settings)
+    `inner` is None; plain from its first round where drafting loses at its load (`FloorModel.rests`).
+    `model`: the evidence they share (a new one where None)."""
+    model = model if model is not None else FloorModel(settings)
 
     def policy(greedy: bool, scope: str = "") -> BlockPolicy:
+        if model.rests(greedy, scope):
+            return RestingFloor(model)
         return GoodputFloor(model, greedy, inner(greedy, scope) if inner is not None else FIXED, scope=scope)
 
     return policy

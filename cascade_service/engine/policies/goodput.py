@@ -49,6 +49,7 @@ SMOOTHING = 0.1  # EWMA of a plain round's cost, and of catching up per token
 BEHIND = 16  # tokens a source may trail the committed sequence by and still be running (a lookup round's)
 CALIBRATE = 128  # rounds at a level without a plain one: the next round there drafts nothing
 LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
+EXPLORE = 4  # at a level where drafting loses, one request in this many still runs the floor (FloorModel.rests)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Level:
     gains: dict[str, Gain] = field(default_factory=lambda: {s: Gain() for s in SOURCES})
     catch_up_s: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))  # per token behind
     interval: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, DEFAULTS.probe_min))
+    admitted: int = 0  # requests admitted here while it was dry (FloorModel.rests)
 
 
 class FloorModel:
@@ -160,6 +162,24 @@ class FloorModel:
     def ended(self, floor: Any) -> None:
         with self._lock:
             self._in_round.discard(floor)
+
+    def rests(self, greedy: bool, scope: str = "") -> bool:
+        """Whether a request admitted now runs plain from its first round (a `RestingFloor`): at the load
+        level and sampling kind it starts in, every source loses (its ratio over every request's rounds
+        below 1) and has failed its probes until they come as seldom as they may (probe_max). There a
+        request's floor would draft nothing and only cost its rounds its bookkeeping, which at 16 and 64
+        streams at T = 1 was most of what the default lost against plain. One request in EXPLORE still
+        runs the floor, so its probes can find that drafting pays again."""
+        here = self.at(greedy, self.level(), scope)
+        with self._lock:
+            if here.plain_s is None:
+                return False
+            for source in SOURCES:
+                ratio = here.gains[source].ratio()
+                if ratio is None or ratio >= 1.0 or here.interval[source] < self.settings.probe_max:
+                    return False
+            here.admitted += 1
+            return here.admitted % EXPLORE != 0
 
     def calibrating(self, here: Level) -> bool:
         """Whether this round at `here` must draft nothing: no plain round measured there, or none lately."""

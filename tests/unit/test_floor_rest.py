@@ -1,0 +1,65 @@
+"""A request admitted where drafting loses at its load runs plain from its first round (engine.policies.rest,
+goodput.FloorModel.rests): only where every source's rounds lose and its probes failed until they come
+as seldom as they may; one request in EXPLORE still runs the floor; resting rounds count in the load."""
+
+from __future__ import annotations
+
+from cascade_service.engine.policies import goodput
+from cascade_service.engine.policies.floor import FloorModel, GoodputFloor, floor_policies
+from cascade_service.engine.policies.rest import RestingFloor
+from tests.helpers.floors import Request, run
+
+LOSING_BOTH = ({"model": 1.6, "lookup": 1.6}, {"model": 0, "lookup": 0})
+PAYING_LOOKUP = ({"model": 1.6, "lookup": 1.1}, {"model": 0, "lookup": 6})
+
+
+def dried(model: FloorModel, greedy: bool = True) -> FloorModel:
+    """Requests whose drafts never pay, until every source's probes come at probe_max."""
+    here = model.at(greedy, 0)
+    for _ in range(40):
+        if all(here.interval[s] >= model.settings.probe_max for s in here.interval):
+            return model
+        run(Request(model, greedy=greedy), 200, LOSING_BOTH, hit=True)
+    raise AssertionError(f"the probes never reached probe_max: {here.interval}")
+
+
+def test_where_every_source_loses_and_probes_failed_three_requests_in_four_rest():
+    model = dried(FloorModel())
+    policy = floor_policies(None, model=model)
+    admitted = [policy(True) for _ in range(4 * goodput.EXPLORE)]
+    resting = [isinstance(p, RestingFloor) for p in admitted]
+    assert sum(resting) == 3 * len(admitted) // 4
+    assert all(isinstance(p, GoodputFloor) for p, rests in zip(admitted, resting, strict=True) if not rests)
+
+
+def test_a_resting_request_drafts_nothing_and_counts_in_the_load():
+    model = dried(FloorModel())
+    resting = [RestingFloor(model) for _ in range(16)]
+    for floor in resting:
+        floor.begin(100, 64)
+    assert not any(floor.allows(s) for floor in resting for s in ("lookup", "model"))
+    assert all(floor.cap("model", 8, 8) == 0 for floor in resting)
+    for i in range(200):  # sixteen requests, each in a round but for the moment between two
+        resting[i % 16].observe(0, 0)
+        resting[i % 16].begin(100, 64)
+    assert model.level() == 4
+
+
+def test_nothing_rests_before_the_evidence_says_so():
+    fresh = FloorModel()
+    assert not any(fresh.rests(True) for _ in range(8))  # no plain round measured yet
+    model = FloorModel()
+    run(Request(model), 40, LOSING_BOTH, hit=True)  # losing, but its probes are still frequent
+    assert model.at(True, 0).interval["model"] < model.settings.probe_max
+    assert not any(model.rests(True) for _ in range(8))
+
+
+def test_a_paying_probe_ends_the_rest_and_each_kind_and_key_rests_apart():
+    model = dried(FloorModel())
+    assert not any(model.rests(False) for _ in range(8))  # sampled requests: no evidence of their own
+    assert not any(model.rests(True, "alice") for _ in range(8))  # another key's evidence is its own
+    assert sum(model.rests(True) for _ in range(8)) == 6
+    explorer = Request(model)
+    run(explorer, 400, PAYING_LOOKUP, hit=True)  # an explorer whose lookups now pay
+    assert explorer.sources.count("lookup") > 0
+    assert not any(model.rests(True) for _ in range(8))
