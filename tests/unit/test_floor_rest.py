@@ -1,6 +1,7 @@
 """A request admitted where drafting loses at its load runs plain from its first round (engine.policies.rest,
-goodput.FloorModel.rests): only where every source's rounds lose and its probes failed until they come
-as seldom as they may; one request in EXPLORE still runs the floor; resting rounds count in the load."""
+goodput.FloorModel.admit): only where every source's rounds lose and its probes failed until they come
+as seldom as they may; one request in EXPLORE_EVERY explores (the floor, probing soon); resting rounds
+count in the load."""
 
 from __future__ import annotations
 
@@ -26,10 +27,21 @@ def dried(model: FloorModel, greedy: bool = True) -> FloorModel:
 def test_where_every_source_loses_and_probes_failed_three_requests_in_four_rest():
     model = dried(FloorModel())
     policy = floor_policies(None, model=model)
-    admitted = [policy(True) for _ in range(4 * goodput.EXPLORE)]
+    admitted = [policy(True) for _ in range(4 * goodput.EXPLORE_EVERY)]
     resting = [isinstance(p, RestingFloor) for p in admitted]
-    assert sum(resting) == 3 * len(admitted) // 4
-    assert all(isinstance(p, GoodputFloor) for p, rests in zip(admitted, resting, strict=True) if not rests)
+    assert sum(resting) == len(admitted) - 4
+    explorers = [p for p in admitted if not isinstance(p, RestingFloor)]
+    assert all(isinstance(p, GoodputFloor) and p.explores for p in explorers)
+
+
+def test_an_explorer_probes_from_probe_min_where_a_plain_floor_waits_the_levels_interval():
+    model = dried(FloorModel())
+    explorer, ordinary = Request(model), Request(model)
+    explorer.floor.explores = True
+    run(explorer, 40, LOSING_BOTH, hit=True)
+    run(ordinary, 40, LOSING_BOTH, hit=True)
+    assert sum(s is not None for s in ordinary.sources) == 0  # the level's interval: 64 rounds off
+    assert sum(s is not None for s in explorer.sources) >= 2  # both sources probed within 40 rounds
 
 
 def test_a_resting_request_drafts_nothing_and_counts_in_the_load():
@@ -47,19 +59,19 @@ def test_a_resting_request_drafts_nothing_and_counts_in_the_load():
 
 def test_nothing_rests_before_the_evidence_says_so():
     fresh = FloorModel()
-    assert not any(fresh.rests(True) for _ in range(8))  # no plain round measured yet
+    assert not any(fresh.admit(True) != goodput.FLOOR for _ in range(8))  # no plain round measured yet
     model = FloorModel()
     run(Request(model), 40, LOSING_BOTH, hit=True)  # losing, but its probes are still frequent
     assert model.at(True, 0).interval["model"] < model.settings.probe_max
-    assert not any(model.rests(True) for _ in range(8))
+    assert not any(model.admit(True) != goodput.FLOOR for _ in range(8))
 
 
 def test_a_paying_probe_ends_the_rest_and_each_kind_and_key_rests_apart():
     model = dried(FloorModel())
-    assert not any(model.rests(False) for _ in range(8))  # sampled requests: no evidence of their own
-    assert not any(model.rests(True, "alice") for _ in range(8))  # another key's evidence is its own
-    assert sum(model.rests(True) for _ in range(8)) == 6
+    assert not any(model.admit(False) != goodput.FLOOR for _ in range(8))  # sampled requests: no evidence of their own
+    assert not any(model.admit(True, "alice") != goodput.FLOOR for _ in range(8))  # another key's evidence is its own
+    assert [model.admit(True) for _ in range(4)].count(goodput.REST) == 3
     explorer = Request(model)
     run(explorer, 400, PAYING_LOOKUP, hit=True)  # an explorer whose lookups now pay
     assert explorer.sources.count("lookup") > 0
-    assert not any(model.rests(True) for _ in range(8))
+    assert all(model.admit(True) == goodput.FLOOR for _ in range(8))

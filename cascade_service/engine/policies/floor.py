@@ -41,6 +41,8 @@ from .goodput import (
     CREDIT,
     DEFAULTS,
     EPSILON,
+    EXPLORE,
+    REST,
     FloorModel,
     FloorSettings,
     Gain,
@@ -51,14 +53,12 @@ from .rest import RestingFloor
 
 __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
 
-# A probe's stint ends after its judged round, or after this many rounds: a lookup's round is judged only
-# where MaG found a match (a miss drafts nothing and costs almost nothing), so its stint waits longer.
+# A probe's stint ends after its judged round, or after this many rounds: a lookup's is judged only where
+# MaG found a match (a miss drafts nothing), so it waits longer.
 PROBE_ROUNDS = {"lookup": 8, "model": 3}
 # Rounds a request kept plain may stay plain without deciding again, while its load level holds and no
-# probe falls due: deciding costs every round a lock, the level's evidence and both sources' estimates.
-# At 16 streams on the shipped family at T = 1, nothing drafting, the default ran 0.92-0.93x plain where
-# the same server with speculation off ran 0.98-1.00x; resting, 0.94x (docs/benchmarks.md). Every
-# request's evidence reaches a resting request this many rounds late at most.
+# probe falls due: deciding costs every round a lock, the level's evidence and both sources' estimates
+# (docs/algorithm.md). Every request's evidence reaches a resting request this many rounds late at most.
 REST_ROUNDS = 8
 PROBE_HOPE = 2.0  # a probe is worth its catch-up only if a source earning this ratio would pay it back
 OWN_PLAIN_SMOOTHING = 0.3  # EWMA of the request's own plain rounds: its context grows, its p with it
@@ -94,6 +94,7 @@ class GoodputFloor:
         self._read = dict.fromkeys(SOURCES, 0)  # committed tokens each source has read
         self._waited = dict.fromkeys(SOURCES, 0)
         self._interval: dict[str, int] = {}
+        self.explores = False  # admitted to explore where drafting loses (FloorModel.admit): probes soon
         self._rest = 0  # rounds it stays plain without deciding again (REST_ROUNDS)
         self._resting: tuple[str, ...] = ()  # the sources whose wait for a probe goes on meanwhile
         self._rest_level = -1  # the load level it decided at: another level decides again
@@ -257,6 +258,8 @@ class GoodputFloor:
         if self._own is None:
             self._own = {s: _prior(here.gains[s], p, self.settings.prior_rounds) for s in SOURCES}
             self._interval = dict(here.interval)
+            if self.explores:
+                self._interval = dict.fromkeys(SOURCES, self.settings.probe_min)
         settings = self.settings
         bound = settings.credit * p + settings.epsilon * self.plain_equivalent
         over = self.loss > bound  # then only what its own rounds showed to pay drafts
@@ -382,13 +385,16 @@ def floor_policies(
 ) -> PolicyFactory:
     """The coordinator's policy per request, given whether it is greedy and its scope (its API key's
     salt): the floor over `inner`'s policy (load adaptation), or over the K-matrix as configured where
-    `inner` is None; plain from its first round where drafting loses at its load (`FloorModel.rests`).
-    `model`: the evidence they share (a new one where None)."""
+    `inner` is None; plain from its first round where drafting loses at its load (`FloorModel.admit`), the
+    evidence they share (`model`; a new one where None)."""
     model = model if model is not None else FloorModel(settings)
 
     def policy(greedy: bool, scope: str = "") -> BlockPolicy:
-        if model.rests(greedy, scope):
+        start = model.admit(greedy, scope)
+        if start == REST:
             return RestingFloor(model)
-        return GoodputFloor(model, greedy, inner(greedy, scope) if inner is not None else FIXED, scope=scope)
+        floor = GoodputFloor(model, greedy, inner(greedy, scope) if inner is not None else FIXED, scope=scope)
+        floor.explores = start == EXPLORE
+        return floor
 
     return policy

@@ -49,7 +49,8 @@ SMOOTHING = 0.1  # EWMA of a plain round's cost, and of catching up per token
 BEHIND = 16  # tokens a source may trail the committed sequence by and still be running (a lookup round's)
 CALIBRATE = 128  # rounds at a level without a plain one: the next round there drafts nothing
 LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
-EXPLORE = 4  # at a level where drafting loses, one request in this many still runs the floor (FloorModel.rests)
+EXPLORE_EVERY = 4  # at a level where drafting loses, one request in this many explores (FloorModel.admit)
+FLOOR, REST, EXPLORE = "floor", "rest", "explore"  # how a request starts (FloorModel.admit)
 
 
 @dataclass
@@ -114,7 +115,7 @@ class Level:
     gains: dict[str, Gain] = field(default_factory=lambda: {s: Gain() for s in SOURCES})
     catch_up_s: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))  # per token behind
     interval: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, DEFAULTS.probe_min))
-    admitted: int = 0  # requests admitted here while it was dry (FloorModel.rests)
+    admitted: int = 0  # requests admitted here while it was dry (FloorModel.admit)
 
 
 class FloorModel:
@@ -163,23 +164,25 @@ class FloorModel:
         with self._lock:
             self._in_round.discard(floor)
 
-    def rests(self, greedy: bool, scope: str = "") -> bool:
-        """Whether a request admitted now runs plain from its first round (a `RestingFloor`): at the load
-        level and sampling kind it starts in, every source loses (its ratio over every request's rounds
-        below 1) and has failed its probes until they come as seldom as they may (probe_max). There a
-        request's floor would draft nothing and only cost its rounds its bookkeeping, which at 16 and 64
-        streams at T = 1 was most of what the default lost against plain. One request in EXPLORE still
-        runs the floor, so its probes can find that drafting pays again."""
+    def admit(self, greedy: bool, scope: str = "") -> str:
+        """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round
+        (a `RestingFloor`), where at the load level and sampling kind it starts in every source loses (its
+        ratio over every request's rounds below 1) and has failed its probes until they come as seldom as
+        they may (probe_max): there a request's floor would draft nothing and only cost its rounds its
+        bookkeeping, which at 16 and 64 streams at T = 1 was most of what the default lost against plain;
+        EXPLORE, one request in EXPLORE_EVERY there: the floor, its probes due from probe_min on rather than
+        the level's probe_max, so that a level where drafting pays again finds out (a probe that pays halves
+        the level's interval, and the rest ends)."""
         here = self.at(greedy, self.level(), scope)
         with self._lock:
             if here.plain_s is None:
-                return False
+                return FLOOR
             for source in SOURCES:
                 ratio = here.gains[source].ratio()
                 if ratio is None or ratio >= 1.0 or here.interval[source] < self.settings.probe_max:
-                    return False
+                    return FLOOR
             here.admitted += 1
-            return here.admitted % EXPLORE != 0
+            return EXPLORE if here.admitted % EXPLORE_EVERY == 0 else REST
 
     def calibrating(self, here: Level) -> bool:
         """Whether this round at `here` must draft nothing: no plain round measured there, or none lately."""

@@ -1,4 +1,4 @@
-"""The policy of a request admitted where drafting loses at its load (`goodput.FloorModel.rests`)."""
+"""The policy of a request admitted where drafting loses at its load (`goodput.FloorModel.admit`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from .goodput import FloorModel
 
 
 class RestingFloor:
-    """A request admitted where drafting loses (`FloorModel.rests`): every round plain, as speculation
+    """A request admitted where drafting loses (`FloorModel.admit`): every round plain, as speculation
     "off" runs, but counted in the load (its rounds are in flight like any other) so the level that
     decides the next requests stays the machine's."""
 
