@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ...core.policy import NoDrafts
 from .goodput import FloorModel
 
 
-class RestingFloor:
+class RestingFloor(NoDrafts):
     """A request admitted where drafting loses (`FloorModel.admit`): every round plain, as speculation
     "off" runs, but counted in the load (its rounds are in flight like any other) so the level that
     decides the next requests stays the machine's."""
@@ -15,15 +16,6 @@ class RestingFloor:
 
     def begin(self, committed: int = 0, remaining: int = 0) -> None:
         self.model.started(self)
-
-    def allows(self, source: str) -> bool:
-        return False
-
-    def cap(self, source: str, offered: int, ceiling: int) -> int:
-        return 0
-
-    def drafted(self) -> None:
-        pass
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.model.ended(self)
