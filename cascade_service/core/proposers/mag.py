@@ -14,7 +14,7 @@ Deviation (ours, on cost only): a call reads a lighter index first (`pairs.PairI
 token pair's followers and each token's first follower, four dict operations on ints a token against the
 trie's two per length, each match extended leftwards by comparing tokens. Under load at T = 1 the floor asks the
 lookup every round and drafts almost nothing, and indexing a 550-token prompt in the trie cost 2.6 ms of
-Python a request; with the pairs, 0.46 ms for the prompt and 64 lookups. Where a pair has more than
+Python a request; with the pairs, 0.57 ms for the prompt and 64 lookups. Where a pair has more than
 PAIR_CANDIDATES earlier occurrences (a long run of one token), the trie is built and answers from then
 on, so no call compares more than that many occurrences. Both find what the paper's rule finds.
 """
@@ -229,7 +229,7 @@ class MaxGram:
         self._committed = _Trie(max_ngram)
         self._indexed = 0  # follower positions < _indexed are in the committed trie
         self._tail_ops = 0
-        self._pairs = PairIndex(max_ngram)  # the lookup's, until it needs the trie
+        self._pairs = PairIndex(max_ngram)  # read first, until a pair recurs too often and the trie answers
         # Where the index of a finished request's final tokens goes (engine.leaves keeps it for a
         # request that continues them, a session's next turn): None, it goes with the request.
         self.keep: Callable[[tuple[int, ...], MaxGram], None] | None = None

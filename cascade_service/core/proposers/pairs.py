@@ -16,7 +16,7 @@ _KEY = 1 << 32  # a pair's key: first * _KEY + second (an int: dicts of ints alo
 
 
 class PairIndex:
-    """The lookup's light index of the committed tokens: each pair's followers, in order (a chain through
+    """MaG's light index of the committed tokens: each pair's followers, in order (a chain through
     one list: `head`, then `chain[j]`, 0 where it ends), and each token's first follower. Only ints:
     a dict or list of containers per pair made every collection of the GC walk them all. A match is the
     earliest of the longest: the pair's followers (the committed ones, then the tail's and the
