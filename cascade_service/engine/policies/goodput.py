@@ -10,6 +10,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from ...core.policy import SOURCES
@@ -50,7 +51,17 @@ BEHIND = 16  # tokens a source may trail the committed sequence by and still be 
 CALIBRATE = 128  # rounds at a level without a plain one: the next round there drafts nothing
 LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
 EXPLORE_EVERY = 4  # at a level where drafting loses, one request in this many explores (FloorModel.admit)
-FLOOR, REST, EXPLORE = "floor", "rest", "explore"  # how a request starts (FloorModel.admit)
+
+
+class Admission(Enum):
+    """How a request starts (FloorModel.admit)."""
+
+    FLOOR = "floor"
+    REST = "rest"
+    EXPLORE = "explore"
+
+
+FLOOR, REST, EXPLORE = Admission.FLOOR, Admission.REST, Admission.EXPLORE
 
 
 @dataclass
@@ -164,7 +175,7 @@ class FloorModel:
         with self._lock:
             self._in_round.discard(floor)
 
-    def admit(self, greedy: bool, scope: str = "") -> str:
+    def admit(self, greedy: bool, scope: str = "") -> Admission:
         """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round
         (a `RestingFloor`), where at the load level and sampling kind it starts in every source loses (its
         ratio over every request's rounds below 1) and has failed its probes until they come as seldom as
