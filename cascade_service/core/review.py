@@ -158,15 +158,25 @@ class KeyedReview:
         self.start = start  # the sequence position of the block's first token
 
     def review(self, block: Draft, target_probs: torch.Tensor, leniency: float, generator: torch.Generator) -> Verdict:
-        k = len(block)
-        scores = target_probs / keyed_exponentials(k + 1, target_probs, self.seed, self.start)
-        best, best_score, drafted = host_reads(scores, block.tokens)  # one read: each row's winner and score
-        accepted = 0
-        for i in range(k):
-            if block.tokens[i] != best[i] and not (leniency > 1.0 and leniency * drafted[i] >= best_score[i]):
-                break
-            accepted += 1
-        tokens = block.tokens[:accepted] + [best[accepted]]
+        k, drafts = len(block), block.tokens
+        # The rows' races in chunks: on a GPU all k + 1 at once (one read to the host); on the CPU one at a
+        # time up to the first rejection, since a row's noise is a re-seed and V draws (25 us at the shipped
+        # family's 2,048 tokens, 0.74 ms at Qwen2.5's 151,936 on this host) and where drafts disagree (a
+        # MaG copy of 10-20 tokens at T = 1) most rows are never reached. Either way each row is its
+        # position's race, so the verdict is the same.
+        chunk = 1 if target_probs.device.type == "cpu" else k + 1
+        accepted, winner, row = 0, -1, 0
+        while winner < 0:
+            end = min(k + 1, row + chunk)
+            noise = keyed_exponentials(end - row, target_probs, self.seed, self.start + row)
+            best, best_score, drafted = host_reads(target_probs[row:end] / noise, drafts[row:end])
+            for j, i in enumerate(range(row, end)):
+                if i == k or (drafts[i] != best[j] and not (leniency > 1.0 and leniency * drafted[j] >= best_score[j])):
+                    winner = best[j]
+                    break
+                accepted += 1
+            row = end
+        tokens = drafts[:accepted] + [winner]
         dists = target_probs[: accepted + 1]
         token_probs = dists[torch.arange(accepted + 1, device=dists.device), tokens].tolist()
         return Verdict(accepted, tokens[-1], token_probs, dists)

@@ -91,3 +91,49 @@ def test_the_noise_of_a_position_depends_on_the_seed_and_the_position_alone():
     assert torch.equal(placement.keyed_exponentials(2, like, seed=11, start=22), block[2:])  # another block's view
     assert not torch.equal(placement.keyed_exponentials(4, like, seed=12, start=20), block)
     assert (block > 0).all() and torch.isfinite(block).all()
+
+
+def _winners(probs: torch.Tensor, seed: int, start: int, leniency: float, drafts: list[int]) -> tuple[int, int]:
+    """The oracle: each row's race drawn on its own (a generator seeded with the position's key, V draws),
+    the first draft that is neither its row's winner nor within `leniency` of it. (accepted, token)."""
+    for i in range(len(probs)):
+        gen = torch.Generator().manual_seed(placement.position_key(seed, start + i))
+        scores = probs[i] / -torch.empty(probs.shape[1], dtype=probs.dtype).uniform_(generator=gen).log()
+        winner = int(scores.argmax())
+        if i == len(drafts) or (drafts[i] != winner and leniency * scores[drafts[i]] < scores[winner]):
+            return i, winner
+    raise AssertionError("unreachable: the last row has no draft")
+
+
+def test_a_keyed_review_on_the_cpu_draws_the_rows_up_to_its_first_rejection_only(monkeypatch):
+    # Each row's noise is a re-seed and V draws; where drafts disagree (a MaG copy at T = 1) most rows
+    # of a block are never reached, so the CPU review races them one at a time and stops.
+    from cascade_service.core import review
+    from cascade_service.core.types import Draft
+
+    drawn: list[int] = []
+    keyed = review.keyed_exponentials
+    monkeypatch.setattr(review, "keyed_exponentials", lambda rows, *a: drawn.append(rows) or keyed(rows, *a))
+    gen = torch.Generator().manual_seed(3)
+    checked = {True: 0, False: 0}
+    for case in range(60):
+        k, vocab, seed, start = 1 + case % 9, 300, 1000 + case, 5 * case
+        probs = torch.softmax(3.0 * torch.randn(k + 1, vocab, generator=gen), dim=-1)
+        leniency = 1.0 if case % 3 else 2.0
+        # drafts that follow the rows' winners for a while (up to `keep`), then a random guess
+        keep = case % (k + 1)
+        drafts = []
+        for i in range(k):
+            token = (
+                _winners(probs, seed, start, 1.0, drafts + [-1])[1]
+                if i < keep
+                else int(torch.randint(vocab, (1,), generator=gen))
+            )
+            drafts.append(token)
+        accepted, token = _winners(probs, seed, start, leniency, drafts)
+        drawn.clear()
+        verdict = review.KeyedReview(seed, start).review(Draft(tokens=drafts), probs, leniency, gen)
+        assert (verdict.accepted, verdict.token) == (accepted, token), case
+        assert sum(drawn) == accepted + 1, (case, drawn)
+        checked[accepted == k] += 1
+    assert checked[True] and checked[False]  # blocks kept whole and blocks cut short both ran
