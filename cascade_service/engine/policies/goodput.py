@@ -104,6 +104,19 @@ class Gain:
     def mean_cost(self) -> float | None:
         return self.cost / self.rounds if self.rounds > 0.0 else None
 
+    def prior(self, p: float, rounds: float) -> Gain:
+        """A request's start from these rounds (every request's at its level), as `rounds` rounds' worth;
+        where none were measured, one round that earned what it cost, give or take a plain step (a ratio of
+        1: no opinion, but then a single round of its own does not decide alone)."""
+        if self.rounds > 0.0:
+            return self.scaled(rounds)
+        return Gain(p, p, 1.0, p * p, 1.0)
+
+    def not_losing(self) -> bool:
+        """Whether these rounds earned at least what they cost (or there are none to say)."""
+        ratio = self.ratio()
+        return ratio is None or ratio >= 1.0
+
     def scaled(self, rounds: float) -> Gain:
         """The same means and spread, as `rounds` rounds' worth (of full weight each)."""
         if self.rounds <= 0.0:
