@@ -60,3 +60,18 @@ def test_what_drafting_loses_after_a_catch_up_stays_within_the_bound_plus_the_ju
     catch_up_round = 1.6 + CATCH_UP * PROMPT - PLAIN_S
     assert request.sources.count("model") >= 1 + judged  # it caught up and was judged
     assert floor.loss <= CREDIT * PLAIN_S + EPSILON * floor.plain_equivalent + catch_up_round + judged * 0.6
+
+
+def test_a_sampled_probes_catch_up_is_judged_on_one_round():
+    # A probe only asks whether the source pays again: where nothing pays, each probe of a source that
+    # fell behind is its catch-up and one judged round, as a greedy request's (not SAMPLED_STINT of them).
+    request = Request(FloorModel(), greedy=False)
+    _rounds(request, [0], 400)
+    runs, current = [], 0
+    for source in request.sources[10:] + [None]:
+        if source == "model":
+            current += 1
+        elif current:
+            runs, current = runs + [current], 0
+    assert len(runs) >= 3  # probes came
+    assert max(runs) <= 2, runs

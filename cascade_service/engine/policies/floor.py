@@ -26,7 +26,8 @@ the interval tuned by every request's probes within [probe_min, probe_max] and d
 after each of its failed probes; a probe that paid decides on its own, so no past locks a source out;
 a round the inner policy vetoes ends a stint. Outside the bound, on purpose (docs/algorithm.md says why):
 the prompt's round, which is not judged, and a level's catch-ups before any rate is measured, which are
-not priced; and the judged rounds after a catch-up that crossed it (one, three for a sampled request).
+not priced; and the judged rounds after a catch-up that crossed it (one; three for a sampled request, but
+after a probe's catch-up).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ PROBE_ROUNDS = {"lookup": 8, "model": 3}
 # probe falls due: deciding costs every round a lock, the level's evidence and both sources' estimates
 # (docs/algorithm.md). Every request's evidence reaches a resting request this many rounds late at most.
 REST_ROUNDS = 8
-# Judged rounds after a sampled request's catch-up, past the bound if need be (a greedy one's: 1). A sampled
+# Judged rounds after a sampled request's catch-up, past the bound if need be (a greedy request's, or a probe's,
+# which only asks whether the source pays again: 1), where the evidence let the source draft. A sampled
 # round's yield varies (1 to k + 1 tokens at one cost): on Qwen2.5-Coder at T = 1 a 0.5B paying 1.44x kept 1
 # token in its one judged round after reading a 315-token prompt and was off for that request and the next.
 SAMPLED_STINT = 3
@@ -230,7 +232,7 @@ class GoodputFloor:
             running = here.gains[source].mean_cost() or p  # what the round would have cost without it
             self.model.caught_up(here, source, max(0.0, cost - running) / behind)
             # Its next rounds are judged, whatever the budget says: it paid to get there (SAMPLED_STINT).
-            self._stint[source] = 1 if self.greedy else SAMPLED_STINT
+            self._stint[source] = 1 if self.greedy or source in self._probing else SAMPLED_STINT
             return
         if self._stint.get(source, 0) > 1:
             self._stint[source] -= 1
