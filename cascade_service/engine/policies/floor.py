@@ -26,8 +26,8 @@ the interval tuned by every request's probes within [probe_min, probe_max] and d
 after each of its failed probes; a probe that paid decides on its own, so no past locks a source out;
 a round the inner policy vetoes ends a stint. Outside the bound, on purpose (docs/algorithm.md says why):
 the prompt's round, which is not judged, and a level's catch-ups before any rate is measured, which are
-not priced; and the judged rounds after a catch-up that crossed it (one; three for a sampled request, but
-after a probe's catch-up).
+not priced; and the judged rounds after a catch-up that crossed it (one; three for a sampled request, a
+probe's catch-up aside).
 """
 
 from __future__ import annotations
