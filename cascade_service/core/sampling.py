@@ -136,12 +136,25 @@ def sharpen(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
 
 
+# On the CPU top-p first looks among each row's most likely tokens, this many, then a full sort: at Qwen2.5's
+# 151,936 tokens sorting a row took 13 ms (91 ms a 7-row review), its 1,024 most likely 1.3 ms.
+TOP_P_CANDIDATES = (64, 1024)
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    # Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one).
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [n, V]
+    # Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one). Where a
+    # row's k most likely tokens hold top_p, every token kept is among them: the token after them has
+    # at least top_p before it. On a GPU the full sort, with no read to the host to choose k.
+    vocab = probs.shape[-1]
+    tries = [k for k in TOP_P_CANDIDATES if k < vocab] if probs.device.type == "cpu" else []
+    for k in tries:
+        sorted_probs, order = probs.topk(k, dim=-1)  # [n, k], most likely first
+        if bool((sorted_probs.sum(dim=-1) >= top_p).all()):
+            break
+    else:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [n, V]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted = mass_before < top_p
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, mass_before < top_p)
     kept = probs * keep
     return kept / kept.sum(dim=-1, keepdim=True)
 

@@ -161,3 +161,27 @@ def test_temperature_one_gives_the_shifted_logits_probabilities_bit_for_bit():
             shifted = SamplingParams(1.0 + 1e-9, **controls)  # not 1: takes the shifted path
             assert shifted.temperature != 1.0
             assert torch.equal(ours > 0, shifted.probs(logits) > 0)
+
+
+@pytest.mark.parametrize("spread", ["peaked", "peaked and flat"])
+def test_top_p_over_a_large_vocabulary_equals_transformers_and_sorts_only_where_it_must(spread, monkeypatch):
+    # On the CPU top-p looks among each row's most likely tokens first (TOP_P_CANDIDATES): where they hold
+    # top_p no row is sorted whole; a flat row (its nucleus past them) sends the call to the full sort.
+    gen = torch.Generator().manual_seed(11)
+    vocab = 20_000
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    rows = [(-a * ranks.log())[torch.randperm(vocab, generator=gen)] for a in (1.5, 2.0, 3.0)]
+    if spread == "peaked and flat":
+        rows.append(torch.randn(vocab, generator=gen) * 0.3)  # the nucleus holds most of the vocabulary
+    logits = torch.stack(rows)
+    sorts: list[int] = []
+    sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: sorts.append(self.shape[-1]) or sort(self, *a, **k))
+    for top_p in (0.5, 0.9, 0.95):
+        sorts.clear()
+        ours = SamplingParams(1.0, top_p=top_p).probs(logits)
+        whole = vocab in sorts  # ours only: the oracle's sorts come after
+        theirs = _transformers(logits, 1.0, top_p=top_p)
+        assert torch.allclose(ours, theirs, atol=1e-6), (ours - theirs).abs().max()
+        assert ((ours > 0) == (theirs > 0)).all()
+        assert whole == (spread != "peaked"), (top_p, sorts)
