@@ -136,8 +136,8 @@ def sharpen(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
 
 
-# On the CPU top-p first looks among each row's most likely tokens, this many, then a full sort: at Qwen2.5's
-# 151,936 tokens sorting a row took 13 ms (91 ms a 7-row review), its 1,024 most likely 1.3 ms.
+# On the CPU top-p first looks among each row's most likely tokens, this many, then a full sort: on Qwen2.5-Coder
+# 0.5B's rows (151,936 tokens) a 7-row call took 63-82 ms sorting every row whole, 5.3-7.7 ms this way.
 TOP_P_CANDIDATES = (64, 1024)
 
 
