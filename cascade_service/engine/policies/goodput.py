@@ -202,8 +202,7 @@ class FloorModel:
             if here.plain_s is None:
                 return FLOOR
             for source in SOURCES:
-                ratio = here.gains[source].ratio()
-                if ratio is None or ratio >= 1.0 or here.interval[source] < self.settings.probe_max:
+                if here.gains[source].not_losing() or here.interval[source] < self.settings.probe_max:
                     return FLOOR
             here.admitted += 1
             return EXPLORE if here.admitted % EXPLORE_EVERY == 0 else REST
