@@ -25,6 +25,7 @@ from .core.tier import Scope, Tier
 from .engine.core import EngineCore, queue_of
 from .engine.leaves import Leaves
 from .engine.policies import build_policies
+from .models.detokenize import text_decoder
 from .models.hf import HFModel, load_tokenizer
 from .runtime.assemble import assemble_coordinator
 from .sessions import MemoryStore, SessionStore
@@ -80,6 +81,7 @@ class InProcess:
             # Again with the weights' own counts (the LM heads' rows), which config.json may not record.
             check_vocabularies(cascade, {m.name: m.vocab_size for m in self.tiers()}, tokenizers=False)
             self.tokenizer = tokenizer.result()
+            self._decode = text_decoder(self.tokenizer)
         # MaG's bigram table, suffix decoding's recent requests and corpus (engine.leaves)
         self.leaves = self.core.leaves(cascade.drafters, self.target.vocab_size, self.encode)
         self.heads = self.core.heads(self.target.device if isinstance(self.target, HFModel) else "cpu")
@@ -198,7 +200,7 @@ class InProcess:
         return list(self.tokenizer(text)["input_ids"])
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self._decode(token_ids)
 
     def coordinator(
         self,

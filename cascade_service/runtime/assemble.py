@@ -22,17 +22,14 @@ from ..engine.leaves import Leaves
 from ..engine.loop import Blocking, TaskLoop
 from ..extras import require
 from ..metrics import default_metrics
+from ..models.detokenize import text_decoder
 from ..sessions import SessionStore
 from ..startup import check_vocabularies
 
 
 def hf_tokenizer(tokenizer: Any) -> Tokenizer:
     """The coordinator's view of a `transformers` tokenizer."""
-    return Tokenizer(
-        lambda text: list(tokenizer(text)["input_ids"]),
-        lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-        tokenizer,
-    )
+    return Tokenizer(lambda text: list(tokenizer(text)["input_ids"]), text_decoder(tokenizer), tokenizer)
 
 
 def assemble_coordinator(
