@@ -16,7 +16,9 @@ from tests.unit.imports import sources
 # dispatches to (what its own `set_attn_implementation` writes; models.poolpass swaps it for one pass),
 # and torch's registered oneDNN operators for a packed linear layer, which have no public wrapper: the
 # ops inductor's generated code calls for CPU linear layers (models.cpukernels; `can_pack` checks they
-# run and falls back to weight-major products where they do not).
+# run and falls back to weight-major products where they do not), and transformers' tokenizers' `_decode`,
+# where `decode` ends and what a tokenizer class overrides to change its text (models.detokenize decodes
+# through Rust only where it is transformers' own).
 FOREIGN = {
     "_replace",
     "_asdict",
@@ -27,6 +29,7 @@ FOREIGN = {
     "_attn_implementation",
     "_reorder_linear_weight",
     "_linear_pointwise",
+    "_decode",
 }
 
 
