@@ -9,6 +9,7 @@ from cascade_service.engine.policies import goodput
 from cascade_service.engine.policies.floor import FloorModel, GoodputFloor, floor_policies
 from cascade_service.engine.policies.rest import RestingFloor
 from tests.helpers.floors import Request, run
+from tests.helpers.trials import Clock
 
 LOSING_BOTH = ({"model": 1.6, "lookup": 1.6}, {"model": 0, "lookup": 0})
 PAYING_LOOKUP = ({"model": 1.6, "lookup": 1.1}, {"model": 0, "lookup": 6})
@@ -75,3 +76,25 @@ def test_a_paying_probe_ends_the_rest_and_each_kind_and_key_rests_apart():
     run(explorer, 400, PAYING_LOOKUP, hit=True)  # an explorer whose lookups now pay
     assert explorer.sources.count("lookup") > 0
     assert all(model.admit(True) == goodput.FLOOR for _ in range(8))
+
+
+def test_resting_rounds_keep_the_levels_plain_cost_current():
+    """Where most requests rest, they are most of the level's plain rounds: their rounds are timed into
+    its plain cost (the prompt's round aside), so p does not stay at what plain rounds cost long ago."""
+    model = dried(FloorModel())
+    here = model.at(True, 0)
+    here.plain_s, here.plain_work_s = 3.0, 2.5  # measured when the machine was slower
+    resting = floor_policies(None, model=model)(True)
+    while not isinstance(resting, RestingFloor):  # one request in EXPLORE_EVERY explores instead
+        resting = floor_policies(None, model=model)(True)
+    clock, work = Clock(), Clock()
+    resting.clock, resting.compute = clock, work
+    for i in range(40):
+        resting.begin(100 + i, 64 - i)
+        clock.t += 50.0 if i == 0 else 1.0  # the prompt's round reads the prompt
+        work.t += 40.0 if i == 0 else 0.8
+        resting.observe(0, 0)
+        assert here.plain_s <= 3.0  # the prompt's round is no plain round's cost
+    assert abs(here.plain_s - 1.0) < 0.1 and abs(here.plain_work_s - 0.8) < 0.1
+    assert not model.calibrating(here)  # a plain round was measured lately: no calibration round due
+    assert model.at(False, 0).plain_s is None  # a greedy request's rounds are greedy evidence only

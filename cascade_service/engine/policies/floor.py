@@ -387,7 +387,7 @@ def floor_policies(
     def policy(greedy: bool, scope: str = "") -> BlockPolicy:
         start = model.admit(greedy, scope)
         if start == REST:
-            return RestingFloor(model)
+            return RestingFloor(model, greedy, scope)
         floor = GoodputFloor(model, greedy, inner(greedy, scope) if inner is not None else FIXED, scope=scope)
         floor.explores = start == EXPLORE
         return floor
