@@ -26,9 +26,17 @@ class Request:
         self.read = {"lookup": 0, "model": 0}
 
     def round(
-        self, cost: dict, accept: dict, k: int = 4, hit: bool = False, catch_up: float = 0.0, work: dict | None = None
+        self,
+        cost: dict,
+        accept: dict,
+        k: int = 4,
+        hit: bool = False,
+        catch_up: float = 0.0,
+        work: dict | None = None,
+        stall: float = 0.0,
     ) -> str | None:
-        """`work[source]` (None: a plain round): its own work where that is not all of its wait."""
+        """`work[source]` (None: a plain round): its own work where that is not all of its wait; `stall`:
+        seconds the round also lost (a garbage collection, the host's other work), in its wait and work."""
         floor = self.floor
         floor.begin(self.committed, self.end - self.committed)
         source, drafted = None, 0
@@ -39,12 +47,12 @@ class Request:
             drafted = floor.cap("model", k, 16)
             source = "model" if drafted else None
         accepted = min(accept.get(source, 0), drafted)
-        spent = PLAIN_S if source is None else cost[source]
+        spent = (PLAIN_S if source is None else cost[source]) + stall
         if source is not None:
             spent += catch_up * max(0, self.committed - self.read[source] - 1)
             self.read[source] = self.committed + accepted + 1
         self.clock.t += spent
-        self.work.t += work[source] if work is not None else spent
+        self.work.t += work[source] + stall if work is not None else spent
         floor.observe(drafted, accepted)
         self.committed += accepted + 1
         self.sources.append(source)

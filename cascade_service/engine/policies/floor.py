@@ -48,7 +48,7 @@ from .goodput import (
     FloorSettings,
     Gain,
     Level,
-    ewma,
+    plain_ewma,
 )
 from .rest import RestingFloor
 
@@ -210,8 +210,8 @@ class GoodputFloor:
         if self.rounds == 1 or here is None:  # the prompt's prefill is in it: no evidence of a round's cost
             return
         if source is None:
-            self._own_plain = ewma(self._own_plain, cost, OWN_PLAIN_SMOOTHING)
-            self._own_plain_work = ewma(self._own_plain_work, work, OWN_PLAIN_SMOOTHING)
+            self._own_plain = plain_ewma(self._own_plain, cost, OWN_PLAIN_SMOOTHING)
+            self._own_plain_work = plain_ewma(self._own_plain_work, work, OWN_PLAIN_SMOOTHING)
             self._own_plain_rounds += 1
             self.model.plain(here, cost, work)
             if p is not None:

@@ -47,8 +47,10 @@ DEFAULTS = FloorSettings()
 EPSILON, CREDIT = DEFAULTS.epsilon, DEFAULTS.credit  # the bound's terms, as engine.policies.floor names them
 POPULATION_DECAY = 1.0 - 1.0 / 64  # per round of a source at a level, over every request
 SMOOTHING = 0.1  # EWMA of a plain round's cost, and of catching up per token
+PLAIN_CEILING = 1.5  # a plain round counts in p at most this many times p (plain_ewma)
 BEHIND = 16  # tokens a source may trail the committed sequence by and still be running (a lookup round's)
 CALIBRATE = 128  # rounds at a level without a plain one: the next round there drafts nothing
+STALE_WEIGHT = 0.5  # a calibration's plain round below p, in p's EWMA (FloorModel.plain)
 LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
 EXPLORE_EVERY = 4  # at a level where drafting loses, one request in this many explores (FloorModel.admit)
 
@@ -129,6 +131,21 @@ def ewma(old: float | None, new: float, weight: float = SMOOTHING) -> float:
     return new if old is None else old + weight * (new - old)
 
 
+def plain_ewma(old: float | None, new: float, weight: float = SMOOTHING) -> float:
+    """`ewma` of plain rounds' costs (or work), each counted at most PLAIN_CEILING times the estimate.
+
+    p is what a drafting round's tokens earn, so a p too high makes drafting look paying. A stall
+    (a garbage collection, the host's other work) made one plain round 4-7x the others (19-32 ms
+    against 4.4), which moved a level's p from 4.3-5.4 to 6.2-8.0 ms in one round; at one stream, while
+    the requests then drafted every round, no plain round came to bring it down. At T = 1 on the
+    disagree set model rounds keeping 1.8 tokens in 9.0 ms (0.90x plain's 4.4 ms a token) read as
+    paying 1.28x, and 38% of rounds drafted. A cost rising for good (a longer context) is still
+    followed: a round may move p up by the weight times half of p."""
+    if old is not None:
+        new = min(new, PLAIN_CEILING * old)
+    return ewma(old, new, weight)
+
+
 @dataclass
 class Level:
     """Every request's evidence at one load level, for one sampling kind."""
@@ -136,6 +153,7 @@ class Level:
     plain_s: float | None = None  # a round's cost when it drafted nothing (EWMA)
     plain_work_s: float | None = None  # and its work: the request's share of passes and its Python (EWMA)
     since_plain: int = 0  # rounds here since the last plain one
+    stale: bool = False  # a calibration round is due or under way: p has not been measured for CALIBRATE rounds
     gains: dict[str, Gain] = field(default_factory=lambda: {s: Gain() for s in SOURCES})
     catch_up_s: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))  # per token behind
     interval: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, DEFAULTS.probe_min))
@@ -214,13 +232,22 @@ class FloorModel:
                 here.since_plain += 1
                 return False
             here.since_plain = 0  # this round is the calibration: the others go on drafting meanwhile
+            here.stale = here.plain_s is not None
             return True
 
     def plain(self, here: Level, cost: float, work: float) -> None:
+        """A plain round's cost and work at `here`. After CALIBRATE rounds without one (every request
+        drafting), a cost below p counts STALE_WEIGHT: p from before that stretch may be the
+        machine's of then (here, the server's first plain rounds). At one stream at T = 1 p stayed at the 6.5 ms
+        of the server's first plain rounds while plain rounds cost 4.3 ms, each calibration moving it a
+        tenth of the way (6.49, 6.27, 6.06, 5.91 over ~500 rounds), and model rounds losing (1.8 tokens
+        in 8.4 ms) read as paying. Only downwards: a p too low makes drafting look dearer, the safe side."""
         with self._lock:
             here.since_plain = 0
-            here.plain_s = ewma(here.plain_s, cost)
-            here.plain_work_s = ewma(here.plain_work_s, work)
+            stale, here.stale = here.stale, False
+            weight = STALE_WEIGHT if stale and here.plain_s is not None and cost < here.plain_s else SMOOTHING
+            here.plain_s = plain_ewma(here.plain_s, cost, weight)
+            here.plain_work_s = plain_ewma(here.plain_work_s, work, weight)
 
     def drafted(self, here: Level, source: str, earned: float, cost: float) -> None:
         with self._lock:
