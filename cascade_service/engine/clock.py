@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -96,6 +96,15 @@ def waited() -> float:
     (`charged`) leave out, and which made drafting look cheap under load while the request ran slower
     than plain. Plain rounds are timed by the same clock, so the two compare at the same load."""
     return time.perf_counter()
+
+
+def work_clock(clock: Callable[[], float], compute: Callable[[], float] | None = None) -> Callable[[], float]:
+    """The work clock beside a round's `clock` (engine.policies: the floor, a resting request): `compute`
+    where given; beside `waited`, the request's own work (`charged`: its shares of the passes and its
+    Python); beside a test's clock of its own, that clock (a request alone waits for nothing else)."""
+    if compute is not None:
+        return compute
+    return charged if clock is waited else clock
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ...core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
-from ..clock import charged, waited
+from ..clock import waited, work_clock
 from .goodput import (
     BEHIND,
     CREDIT,
@@ -84,9 +84,7 @@ class GoodputFloor:
         compute: Callable[[], float] | None = None,
     ):
         self.model, self.greedy, self.inner, self.clock, self.scope = model, greedy, inner, clock, scope
-        # The request's own work (engine.clock.charged: its shares of the passes and its Python); where a
-        # test gives a clock of its own, that clock is the work too (a request alone waits for nothing else).
-        self.compute = compute if compute is not None else (charged if clock is waited else clock)
+        self.compute = work_clock(clock, compute)
         self.settings = model.settings
         self.rounds = 0  # target rounds begun
         self.drafting_rounds = 0  # of them, rounds whose block a source filled

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...core.policy import NoDrafts
-from ..clock import charged, waited
+from ..clock import waited, work_clock
 from .goodput import FloorModel, Level
 
 
@@ -27,7 +27,7 @@ class RestingFloor(NoDrafts):
         compute: Callable[[], float] | None = None,
     ):
         self.model, self.greedy, self.scope, self.clock = model, greedy, scope, clock
-        self.compute = compute if compute is not None else (charged if clock is waited else clock)
+        self.compute = work_clock(clock, compute)
         self.rounds = 0
         self._began = self._began_work = 0.0
         self._here: tuple[int, Level] | None = None  # the level its round under way began at
