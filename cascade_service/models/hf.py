@@ -178,6 +178,7 @@ class HFModel:
         # A prefill of a long prompt would otherwise materialise [S, V] logits only to drop all but n.
         self._keeps_logits = "logits_to_keep" in inspect.signature(module.forward).parameters
         self._step_times: dict[int, float] = {}
+        self._blocks_seen: tuple[Metrics, tuple[int, int, int]] | None = None  # the KV gauges last set (record_pass)
         # Once the engine joins it (engine.core.join_loop): where its passes wait for the engine's batched step.
         self.batcher: PassQueue | None = None
         self.static: StaticRunner | None = None  # its fixed-shape passes (GRAPH_MODES, `use_graphs`); None: none
@@ -196,7 +197,11 @@ class HFModel:
         metrics.forward_pass(self.name, rows, seconds)
         if self.prefix_caching:
             pool = self.kv_pool
-            metrics.kv_blocks(self.name, pool.held, len(pool.cached), pool.free_blocks())
+            blocks = (pool.held, len(pool.cached), pool.free_blocks())
+            seen = self._blocks_seen  # most passes change none (a block holds 16 tokens): three gauges spared
+            if seen is None or seen[0] is not metrics or seen[1] != blocks:
+                self._blocks_seen = (metrics, blocks)
+                metrics.kv_blocks(self.name, *blocks)
 
     @property
     def encoder_decoder(self) -> bool:
@@ -222,8 +227,9 @@ class HFModel:
     def forward(self, tokens: Sequence[int], cache: KVCache, keep: int, with_hidden: bool = False, chain: int = 1):
         """A cached forward pass for one request: in the engine loop once batching is on. `chain` > 1:
         then that many greedy draft steps on the device, (tokens, probabilities) back (models.chain)."""
-        if self.batcher is None:  # a batch of one, now
-            return forward_batch(self, [Pass(list(tokens), cache, keep, with_hidden, chain=chain)])[0]
+        if self.batcher is None:  # a batch of one, now (in the loop, the executor enters inference mode)
+            with torch.inference_mode():
+                return forward_batch(self, [Pass(list(tokens), cache, keep, with_hidden, chain=chain)])[0]
         if not isinstance(cache, PagedCache):
             return self.batcher.forward(tokens, cache, keep, with_hidden, chain)
         cache.pinned += 1  # queued: the pool never preempts a cache a pending pass was planned on

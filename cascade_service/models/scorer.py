@@ -59,14 +59,13 @@ class HFScorer:
         if not 1 <= n <= len(ctx):
             raise ValueError(f"n must be in [1, {len(ctx)}] for a context of {len(ctx)} tokens, got {n}")
         fed = self._fed(ctx, n)
+        # No inference_mode here: the pass enters it where it runs (HFModel.forward); entering it around
+        # every call cost ~10 us a call on a round's critical path.
         try:
-            with torch.inference_mode():
-                if self.keep_hidden:
-                    rows, self.last_hidden = self._model.forward(
-                        fed, self._cache, n, with_hidden=True
-                    )  # [n, V], [n, H]
-                else:
-                    rows = self._model.forward(fed, self._cache, n)  # [n, V]
+            if self.keep_hidden:
+                rows, self.last_hidden = self._model.forward(fed, self._cache, n, with_hidden=True)  # [n, V], [n, H]
+            else:
+                rows = self._model.forward(fed, self._cache, n)  # [n, V]
         finally:
             self._settle()
         self._fed_done(ctx, fed)
@@ -87,8 +86,7 @@ class HFScorer:
             raise ValueError(f"k must be >= 1, got {k}")
         fed = self._fed(ctx, 1)
         try:
-            with torch.inference_mode():
-                tokens, probs = self._model.forward(fed, self._cache, 1, chain=k)
+            tokens, probs = self._model.forward(fed, self._cache, 1, chain=k)
         finally:
             self._settle()
         self._fed_done(ctx, fed + tokens[:-1])
