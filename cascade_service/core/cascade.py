@@ -1,15 +1,15 @@
 """The recursive cascade (CS Drafting, Algorithm 1) built by composition.
 
-A reviewer plus the drafters below it is itself a tier (`CascadeTier`), so the vertical cascade is
-nesting and the horizontal cascade is the ordered list of drafters inside one reviewer. The target's
-system is the outermost `CascadeTier`, reviewing strictly; there is no second copy of the recursion
-anywhere. Every tier is reached through `core.tier.Tier`, whether it runs here or in another process.
+A reviewer plus the drafters below it is itself a tier (`CascadeTier`), so the vertical cascade is nesting and the
+horizontal cascade is the ordered list of drafters inside one reviewer. The target's system is the outermost
+`CascadeTier`, reviewing strictly; there is no second copy of the recursion anywhere. Every tier is reached through
+`core.tier.Tier`, whether it runs here or in another process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -113,20 +113,20 @@ class CascadeTier:
         self.lookup: tuple[Tier, Lookup] | None = None  # set by build_cascade on the target only
         # SpecDec++ at a reviewing tier (an inner one: the target never drafts): see `draft`.
         self.stopper = stopper
-        # Drafts are never changed in place (joining or cutting makes new ones), so one empty block serves
-        # every round that opens empty; and the row's drafters, for a round none of them may draft in.
+        # Drafts are never changed in place (joining or cutting makes new ones), so one empty block serves every
+        # round that opens empty; and the row's drafters, for a round none of them may draft in.
         self._none = self._empty()
         self._drafter_names = tuple(drafter.name for drafter, _ in self.drafters)
 
     def draft(self, request: DraftRequest) -> DraftReply:
         """One review round; with a stopper, rounds until `want` tokens or the stopper ends the part.
 
-        SpecDec++ at a reviewing tier (ours; the paper stops an autoregressive drafter): the tier's
-        emitted tokens are its candidates for the level above, and its review pass computed the hidden
-        state at each of them, so the acceptance head prices them exactly as it prices a lone
-        drafter's tokens (core.adaptive.SpecDecPPStopper: token i is judged on the hidden state of
-        token i - 1). The part ends at the token where the predicted chance of a rejection passes h;
-        the tokens after it in that round are dropped, as a lone drafter would not have drafted them.
+        SpecDec++ at a reviewing tier (ours; the paper stops an autoregressive drafter): the tier's emitted tokens
+        are its candidates for the level above, and its review pass computed the hidden state at each of them, so
+        the acceptance head prices them exactly as it prices a lone drafter's tokens
+        (core.adaptive.SpecDecPPStopper: token i is judged on the hidden state of token i - 1). The part ends at the
+        token where the predicted chance of a rejection passes h; the tokens after it in that round are dropped, as
+        a lone drafter would not have drafted them.
         """
         usage = Usage()
         if self.stopper is None:
@@ -177,16 +177,7 @@ class CascadeTier:
 
     def _ask(self, request: DraftRequest, ctx: Context, want: int, limit: int, min_match: int = 0) -> DraftRequest:
         st = self.state  # a drafter in this process masks with the request's grammar (core.grammar)
-        return replace(
-            request,
-            context=ctx,
-            want=want,
-            limit=limit,
-            seed=st.tier_seed(),
-            min_match=min_match,
-            grammar=st.grammar,
-            keyed=st.keyed,
-        )
+        return request.asking(ctx, want, limit, st.tier_seed(), min_match, st.grammar, st.keyed)
 
     def _round(
         self, request: DraftRequest, ctx: Context, limit: int, usage: Usage
@@ -218,6 +209,7 @@ class CascadeTier:
                 logprobs=st.logprobs if self.final else -1,
                 allowed=allowed,
                 keyed=st.keyed,
+                probs_unread=self.final,  # the target's verdict goes to no reviewer
             )
         )
         absorb(usage, review.usage)
@@ -287,13 +279,12 @@ class CascadeTier:
         """The block for a review under the request's grammar, and each review position's mask (core.grammar).
 
         The block ends at its first draft the grammar refuses. That draft stays where the review must
-        reject it: sampled under the exact rule, its masked probability is 0, so the target rejects it and
-        samples the residual max(0, p - q); dropping it instead would sample p where the residual was due
-        and bias the output. An inner review rejects it the same way, leniency or not, and its rows stay
-        the true distributions of what it emits. Greedy at the target, or under a lossy rule (which might
-        keep it), it goes. Its bonus position is never reached, and takes the last mask so the rows stay
-        [k + 1, V]. An inner tier whose context already holds a refused draft reviews unmasked: the
-        target's review ends the block there."""
+        reject it: sampled under the exact rule, its masked probability is 0, so the target rejects it and samples the
+        residual max(0, p - q); dropping it instead would sample p where the residual was due and bias the output. An
+        inner review rejects it the same way, leniency or not, and its rows stay the true distributions of what it
+        emits. Greedy at the target, or under a lossy rule (which might keep it), it goes. Its bonus position is never
+        reached, and takes the last mask so the rows stay [k + 1, V]. An inner tier whose context already holds a
+        refused draft reviews unmasked: the target's review ends the block there."""
         st = self.state
         assert st.grammar is not None
         masked = st.grammar.masks(ctx.tokens, block.tokens)
@@ -316,9 +307,9 @@ class CascadeTier:
         ran: list[str],
         ended: list[str],
     ) -> Draft:
-        """Step 1, the horizontal cascade: the row's drafters in order, each until the block holds
-        its goal (`self.fill`), never past `ceiling`. Each drafter goes into `ran` if it was called,
-        into `ended` if the block had ended before its turn (neither: "total" used its quota up)."""
+        """Step 1, the horizontal cascade: the row's drafters in order, each until the block holds its goal
+        (`self.fill`), never past `ceiling`. Each drafter goes into `ran` if it was called, into `ended` if the block
+        had ended before its turn (neither: "total" used its quota up)."""
         goal = 0
         for drafter, quota in self.drafters:
             goal = min(self.fill.goal(len(block), goal, quota), ceiling)

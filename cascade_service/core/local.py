@@ -18,7 +18,7 @@ import torch
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask, GrammarSpec
 from .placement import host_reads, request_generator
-from .review import KeyedReview, ReviewRule, Verdict, token_logprobs
+from .review import GreedyReview, KeyedReview, ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, race, sample
 from .stats import TierCounters, Usage
 from .tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
@@ -115,6 +115,7 @@ class ModelTier:
             counters,
             request.logprobs,
             request.allowed,
+            request.probs_unread,
         )
         counters.tokens_processed = self.scorer.tokens_processed - before
         counters.tokens_cached = _cached(self.scorer) - cached
@@ -288,12 +289,17 @@ def score_and_review(
     counters: TierCounters,
     logprobs: int = -1,
     allowed: torch.Tensor | None = None,
+    probs_unread: bool = False,
 ) -> Verdict:
     """Score context + block in ONE forward pass (k + 1 distributions) and review the block; with
     `logprobs` >= 0, the emitted tokens' log-probabilities under these distributions, and as many
-    alternatives each."""
+    alternatives each. With `probs_unread` (ReviewRequest's), a greedy exact review at leniency 1
+    decides on the logits, with no probabilities."""
     scored = ctx.extend(block.tokens)
-    probs = sampling.probs(_score(scorer, scored, len(block) + 1, counters), scored.tokens, allowed)
+    logits = _score(scorer, scored, len(block) + 1, counters)
+    if probs_unread and isinstance(rule, GreedyReview) and leniency <= 1.0 and logprobs < 0 and block.dists is None:
+        return rule.decide(block, sampling.scores(logits, scored.tokens, allowed))
+    probs = sampling.probs(logits, scored.tokens, allowed)
     verdict = rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
     if logprobs < 0:
         return verdict

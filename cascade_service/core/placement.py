@@ -127,6 +127,14 @@ def host_reads(probs: torch.Tensor, tokens: list[int]) -> tuple[list[int], list[
     return [int(t) for t in read[:rows]], read[rows : 2 * rows], read[2 * rows :]
 
 
+def host_argmax(rows: torch.Tensor) -> list[int]:
+    """Each of `rows`' ([n, V]) argmax, read to the host (the first of equal maxima, as `host_reads`):
+    on the CPU through numpy's view of float32 rows, no copy; on a GPU, n ids in one copy."""
+    if rows.device.type == "cpu" and rows.dtype == PROBS_DTYPE:
+        return rows.numpy().argmax(-1).tolist()
+    return rows.argmax(dim=-1).tolist()
+
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi, splitmix64's increment
 

@@ -11,12 +11,13 @@ and what a rule makes or draws it makes there too (core.placement).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from .placement import host_reads, keyed_exponentials, uniform
+from .placement import host_argmax, host_reads, keyed_exponentials, uniform
 from .sampling import residual, reviewed_proposal, sample
 from .types import Draft
 
@@ -99,6 +100,21 @@ class GreedyReview:
         # Drafts that carry rows (SamplingParams.rows) get this reviewer's rows for the level above.
         dists = None if block.dists is None else target_probs[: accepted + 1]
         return Verdict(accepted, token, token_probs, dists)
+
+    @staticmethod
+    def decide(block: Draft, scores: torch.Tensor) -> Verdict:
+        """The review at leniency 1 whose verdict's probabilities no one reads (the target's: see
+        `ReviewRequest.probs_unread`), on `scores` ([len(block) + 1, V] logits after the request's bias,
+        penalties and mask: `SamplingParams.scores`) rather than probabilities: keep a draft while it is
+        their argmax, transformers' greedy rule itself, with no softmax (a round's dearest step in
+        Python on the CPU). The emitted tokens' probabilities are NaN: not computed."""
+        best = host_argmax(scores)
+        accepted = 0
+        for token in block.tokens:
+            if token != best[accepted]:
+                break
+            accepted += 1
+        return Verdict(accepted, best[accepted], [math.nan] * (accepted + 1), None)
 
 
 class SamplingReview:

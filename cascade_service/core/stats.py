@@ -8,8 +8,11 @@ MaG costs 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+C = TypeVar("C")
 
 
 @dataclass
@@ -104,10 +107,10 @@ class Usage:
     ll_loss: float = 0.0
 
     def tier(self, name: str) -> TierCounters:
-        return self.tiers.setdefault(name, TierCounters())
+        return _entry(self.tiers, name, TierCounters)
 
     def reviewer(self, name: str) -> ReviewCounters:
-        return self.reviews.setdefault(name, ReviewCounters())
+        return _entry(self.reviews, name, ReviewCounters)
 
 
 @dataclass
@@ -146,10 +149,10 @@ class CascadeStats:
     logprobs: list = field(default_factory=list)
 
     def tier(self, name: str) -> TierCounters:
-        return self.tiers.setdefault(name, TierCounters())
+        return _entry(self.tiers, name, TierCounters)
 
     def reviewer(self, name: str) -> ReviewCounters:
-        return self.reviews.setdefault(name, ReviewCounters())
+        return _entry(self.reviews, name, ReviewCounters)
 
     def orchestration_per_round_s(self) -> float | None:
         """The engine's own time per target round: wall time outside model passes over target calls."""
@@ -239,6 +242,15 @@ class CascadeStats:
                 "orchestration_per_round_ms": round(1e3 * (self.orchestration_per_round_s() or 0.0), 4),
             },
         }
+
+
+def _entry(table: dict[str, C], name: str, make: Callable[[], C]) -> C:
+    """table[name], made on its first use (setdefault built a throwaway one on every call: a round
+    asks for its tiers' counters a dozen times)."""
+    entry = table.get(name)
+    if entry is None:
+        entry = table[name] = make()
+    return entry
 
 
 def absorb(into: CascadeStats | Usage, usage: Usage) -> None:

@@ -66,6 +66,33 @@ class DraftRequest:
         """How many tokens a tier drafting alone drafts."""
         return max(0, min(self.want, self.limit))
 
+    def asking(
+        self,
+        context: Context,
+        want: int,
+        limit: int,
+        seed: int,
+        min_match: int,
+        grammar: GrammarMask | GrammarSpec | None,
+        keyed: bool,
+    ) -> DraftRequest:
+        """This request for a drafter below: its other fields as they are. Built field by field, not by
+        dataclasses.replace, which reads every field's metadata on each call (a round asks 2-3 times)."""
+        return DraftRequest(
+            self.request_id,
+            context,
+            want,
+            limit,
+            self.sampling,
+            seed,
+            self.eos_ids,
+            self.adaptive,
+            min_match,
+            self.cache_salt,
+            grammar,
+            keyed,
+        )
+
 
 @dataclass
 class DraftReply:
@@ -98,6 +125,9 @@ class ReviewRequest:
     logprobs: int = -1  # >= 0: the verdict carries the emitted tokens' logprobs with this many alternatives
     allowed: torch.Tensor | None = None  # [len(block) + 1, V] bool: the tokens a response format allows
     keyed: bool = False  # as DraftRequest's: the review is `core.review.KeyedReview` (exact verification only)
+    # No one reads the verdict's token_probs (the target's review: they would go to a reviewer above it).
+    # A greedy exact review at leniency 1 then decides on logits alone (core.review.GreedyReview.decide).
+    probs_unread: bool = False
 
     def __post_init__(self) -> None:
         if self.keyed and self.verification.rule != "exact":

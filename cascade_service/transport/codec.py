@@ -13,9 +13,8 @@ that. The server rebuilds the whole context from what it kept (`transport.contex
 context. So a round costs the new tokens on the wire, not the sequence, and a server that lost its
 state (a restart, a failover, an eviction) never computes on a wrong context.
 
-Decoding checks what the types check (a temperature out of range, an unknown rule, a negative
-count), so a malformed message fails as ValueError, naming what is wrong.
-"""
+Decoding checks what the types check (a temperature out of range, an unknown rule, a negative count),
+so a malformed message fails as ValueError, naming what is wrong."""
 
 from __future__ import annotations
 
@@ -140,6 +139,7 @@ def encode_review_request(request: ReviewRequest, tier: str, offset: int = 0) ->
         cache_salt=request.cache_salt,
         logprobs=request.logprobs if request.logprobs >= 0 else None,
         keyed=request.keyed,
+        probs_unread=request.probs_unread,
         **_mask_out(request.allowed),
     ).SerializeToString()
 
@@ -163,6 +163,7 @@ def decode_review_request(data: bytes) -> tuple[Address, ReviewRequest]:
         logprobs=m.logprobs if m.HasField("logprobs") else -1,
         allowed=_mask_in(m),
         keyed=m.keyed,
+        probs_unread=m.probs_unread,
     )
 
 

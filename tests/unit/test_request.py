@@ -66,3 +66,38 @@ def test_stop_strings_are_bounded_and_one_string_is_not_split():
     for bad in (["a"] * 17, [""], ["x" * 257], [3]):
         with pytest.raises(ValueError, match=r"^stop: at most 16 non-empty strings of at most 256 characters$"):
             check_stop(bad)
+
+
+def test_a_request_for_a_drafter_below_keeps_every_other_field():
+    # DraftRequest.asking builds the request field by field (dataclasses.replace is slow on a round's
+    # path): it must equal replace's result with every field set away from its default, and a field
+    # added to DraftRequest must be added there too.
+    from dataclasses import fields, replace
+
+    from cascade_service.core.adaptive import AdaptiveLength
+    from cascade_service.core.tier import DraftRequest
+    from cascade_service.core.types import Context
+
+    names = {f.name for f in fields(DraftRequest)}
+    assert names == {
+        *("request_id", "context", "want", "limit", "sampling", "seed", "eos_ids", "adaptive"),
+        *("min_match", "cache_salt", "grammar", "keyed"),
+    }, "a new DraftRequest field: carry it in DraftRequest.asking"
+    request = DraftRequest(
+        "r",
+        Context([1, 2, 3], 2),
+        4,
+        9,
+        SamplingParams(temperature=0.5),
+        11,
+        frozenset({7}),
+        {"small": AdaptiveLength("confidence", 0.4)},
+        2,
+        "salt",
+        None,
+        True,
+    )
+    grammar = object()  # the coordinator's GrammarMask, passed as is (it is not compared)
+    asked = request.asking(Context([1, 2, 3, 4], 3), 5, 6, 12, 3, grammar, False)  # type: ignore[arg-type]
+    expected = replace(request, context=Context([1, 2, 3, 4], 3), want=5, limit=6, seed=12, min_match=3, keyed=False)
+    assert asked == expected and asked.grammar is grammar

@@ -150,15 +150,21 @@ def test_a_draft_reply_round_trips(draft, usage, stopped):
     seed=st.integers(0, 2**62),
     verification=verifications(),
     keyed=st.booleans(),
+    unread=st.booleans(),
 )
-def test_a_review_request_round_trips(request_id, tier, context, block, leniency, sampling, seed, verification, keyed):
+def test_a_review_request_round_trips(
+    request_id, tier, context, block, leniency, sampling, seed, verification, keyed, unread
+):
     keyed = keyed and verification.rule == "exact"  # keyed draws go with the exact rule only
-    request = ReviewRequest(request_id, context, block, leniency, sampling, seed, verification, keyed=keyed)
+    request = ReviewRequest(
+        request_id, context, block, leniency, sampling, seed, verification, keyed=keyed, probs_unread=unread
+    )
     address, back = codec.decode_review_request(codec.encode_review_request(request, tier))
     assert address == codec.Address(tier)
     _same_draft(block, back.block)
     got = (back.request_id, back.context, back.leniency, back.sampling, back.seed, back.verification, back.keyed)
     assert got == (request_id, context, leniency, sampling, seed, verification, keyed)
+    assert back.probs_unread == unread
 
 
 def test_keyed_draws_under_a_lossy_rule_are_refused_naming_the_rule():

@@ -253,7 +253,7 @@ class DraftReply(_message.Message):
     def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stopped: _Optional[bool] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class ReviewRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification", "cache_salt", "logprobs", "allowed", "allowed_rows", "allowed_cols", "keyed")
+    __slots__ = ("request_id", "tier", "context", "block", "leniency", "sampling", "seed", "verification", "cache_salt", "logprobs", "allowed", "allowed_rows", "allowed_cols", "keyed", "probs_unread")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class ReviewRequest(_message.Message):
     ALLOWED_ROWS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_COLS_FIELD_NUMBER: _ClassVar[int]
     KEYED_FIELD_NUMBER: _ClassVar[int]
+    PROBS_UNREAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     context: Context
@@ -282,7 +283,8 @@ class ReviewRequest(_message.Message):
     allowed_rows: int
     allowed_cols: int
     keyed: bool
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[int] = ..., allowed: _Optional[bytes] = ..., allowed_rows: _Optional[int] = ..., allowed_cols: _Optional[int] = ..., keyed: _Optional[bool] = ...) -> None: ...
+    probs_unread: bool
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., context: _Optional[_Union[Context, _Mapping]] = ..., block: _Optional[_Union[Block, _Mapping]] = ..., leniency: _Optional[float] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seed: _Optional[int] = ..., verification: _Optional[_Union[FinalRule, _Mapping]] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[int] = ..., allowed: _Optional[bytes] = ..., allowed_rows: _Optional[int] = ..., allowed_cols: _Optional[int] = ..., keyed: _Optional[bool] = ..., probs_unread: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
