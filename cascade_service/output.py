@@ -89,6 +89,7 @@ class Output:
 
 
 CONTEXT = 4  # tokens decoded before a round's new ones (TextStream._decoded)
+SPAN = 32  # tokens a round's decoded window grows to before it starts again CONTEXT tokens back
 CHECK_FIRST = 64  # tokens at which a stream's text is first checked against a whole decode
 
 
@@ -164,16 +165,22 @@ class TextStream:
         window = self.decode(self.tokens[self._start :])
         if not window.startswith(self._window):
             return self._settle(self.decode(self.tokens))
-        return self._settle(self.text[: self._settled] + window[len(self._window) :], whole=False)
+        return self._settle(self.text[: self._settled] + window[len(self._window) :], window)
 
-    def _settle(self, text: str, whole: bool = True) -> str:
+    def _settle(self, text: str, window: str | None = None) -> str:
         """`text`, the text of every token, settled where it ends on a whole character (a trailing U+FFFD
-        may be a character split across tokens: its bytes are decoded again with the next tokens)."""
+        may be a character split across tokens: its bytes are decoded again with the next tokens).
+        `window`: the text of tokens[_start:] where `text` came from it (None: a whole decode). The
+        window then grows to SPAN tokens before it starts again CONTEXT tokens back, so a round
+        decodes once rather than twice (its window, then the next round's CONTEXT tokens)."""
         if not text.endswith("\ufffd"):
             self._settled = len(text)
-            self._start = max(0, len(self.tokens) - CONTEXT)
-            self._window = self.decode(self.tokens[self._start :])
-        elif whole:  # not even the text before the split character is known to be settled: start over
+            if window is not None and len(self.tokens) - self._start <= SPAN:
+                self._window = window
+            else:
+                self._start = max(0, len(self.tokens) - CONTEXT)
+                self._window = self.decode(self.tokens[self._start :])
+        elif window is None:  # not even the text before the split character is known to be settled: start over
             self._start = self._settled = 0
             self._window = ""
         return text
