@@ -89,7 +89,7 @@ class Output:
 
 
 CONTEXT = 4  # tokens decoded before a round's new ones (TextStream._decoded)
-SPAN = 32  # tokens a round's decoded window grows to before it starts again CONTEXT tokens back
+SPAN = 16  # tokens a round's decoded window grows to before it starts again CONTEXT tokens back
 CHECK_FIRST = 64  # tokens at which a stream's text is first checked against a whole decode
 
 
