@@ -23,7 +23,7 @@ from .limits import (
     check_top_k,
     check_top_p,
 )
-from .placement import PROBS_DTYPE, generator_for, host_reads, keyed_exponentials
+from .placement import PROBS_DTYPE, generator_for, host_argmax, keyed_exponentials
 
 
 @dataclass(frozen=True)
@@ -212,4 +212,4 @@ def race(probs: torch.Tensor, seed: int, start: int) -> list[int]:
     was drafted before, a seed fixes the output (`review.KeyedReview`).
     """
     scores = probs / keyed_exponentials(len(probs), probs, seed, start)
-    return host_reads(scores, [])[0]
+    return host_argmax(scores)
