@@ -110,11 +110,13 @@ class CascadeTier:
         self.state = state
         self.final = final  # the target's review: it applies the request's rule and its block policy
         self.policy = state.policy if final else FIXED
+        # No reviewer above reads this tier's verdict probabilities: the target's (there is none), and an
+        # inner tier's whose every reviewer is strict (build_cascade): its review then computes none.
+        self.unread = final
         self.lookup: tuple[Tier, Lookup] | None = None  # set by build_cascade on the target only
-        # SpecDec++ at a reviewing tier (an inner one: the target never drafts): see `draft`.
-        self.stopper = stopper
-        # Drafts are never changed in place (joining or cutting makes new ones), so one empty block serves every
-        # round that opens empty; and the row's drafters, for a round none of them may draft in.
+        self.stopper = stopper  # SpecDec++ at a reviewing tier (an inner one: the target never drafts): `draft`
+        # One empty block serves every round that opens empty (drafts are never changed in place); the row's
+        # drafters' names, for a round none of them may draft in.
         self._none = self._empty()
         self._drafter_names = tuple(drafter.name for drafter, _ in self.drafters)
 
@@ -141,6 +143,11 @@ class CascadeTier:
                     return DraftReply(part + piece.head(j + 1), usage, stopped=True)
             part = part + piece
         return DraftReply(part, usage, stopped=len(part) < request.want)
+
+    def reads_drafts(self) -> bool:
+        """Whether its review reads its drafts' probabilities: lenient, sampling (or rows), or a lossy rule."""
+        st = self.state
+        return self.leniency > 1.0 or st.sampling.carries_rows or (self.final and st.verification != EXACT)
 
     def review(self, request: ReviewRequest) -> ReviewReply:
         """A system reviews as its reviewing tier does."""
@@ -209,7 +216,7 @@ class CascadeTier:
                 logprobs=st.logprobs if self.final else -1,
                 allowed=allowed,
                 keyed=st.keyed,
-                probs_unread=self.final,  # the target's verdict goes to no reviewer
+                probs_unread=self.unread,
             )
         )
         absorb(usage, review.usage)
@@ -358,14 +365,14 @@ def build_cascade(
     for tier in tiers:
         state.stats.tier(tier.name)  # listed even if the schedule never calls it: the stats show that
     systems: dict[int, Tier] = {}
+    above: list[tuple[Tier, CascadeTier]] = []  # (a system, a reviewer whose row drafts with it)
     for r in range(len(tiers) - 1, -1, -1):  # bottom-up: a reviewer needs the systems below it
         tier = tiers[r]
         if r > 0 and (tier.system or schedule.is_leaf(r)):
             systems[r] = tier
             continue
         row = [(systems[c + 1], quota) for c, quota in schedule.row(r)] if drafters else []
-        # The target's review is always strict (Algorithm 1: "if isFirstCall then l <- 1"); a lossy
-        # final rule, if the request asked for one, is the only exception (core.verify).
+        # The target reviews strictly (Algorithm 1: "if isFirstCall then l <- 1") but for a lossy rule (core.verify)
         final = r == 0 and strict_top
         spec = state.adaptive.get(tier.name) if r > 0 else None
         stopper = None
@@ -376,8 +383,12 @@ def build_cascade(
                     "process (or its whole sub-cascade in its replica)"
                 )
             stopper = state.make_stopper(spec)
-        systems[r] = CascadeTier(tier, row, 1.0 if final else leniency, state, final, stopper, schedule.fill)
+        systems[r] = reviewer = CascadeTier(tier, row, 1.0 if final else leniency, state, final, stopper, schedule.fill)
+        above += [(child, reviewer) for child, _ in row]
         state.stats.reviewer(tier.name)
+    for r, system in systems.items():  # an inner tier's verdict probabilities: read by a reviewer above?
+        if r > 0 and isinstance(system, CascadeTier):
+            system.unread = not any(reader.reads_drafts() for child, reader in above if child is system)
     top = systems[0]
     assert isinstance(top, CascadeTier)
     if lookup is not None:

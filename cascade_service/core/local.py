@@ -297,8 +297,8 @@ def score_and_review(
     decides on the logits, with no probabilities."""
     scored = ctx.extend(block.tokens)
     logits = _score(scorer, scored, len(block) + 1, counters)
-    if probs_unread and isinstance(rule, GreedyReview) and leniency <= 1.0 and logprobs < 0 and block.dists is None:
-        return rule.decide(block, sampling.scores(logits, scored.tokens, allowed))
+    if isinstance(rule, GreedyReview) and logprobs < 0 and block.dists is None:
+        return rule.decide(block, sampling.scores(logits, scored.tokens, allowed), leniency, probs_unread)
     probs = sampling.probs(logits, scored.tokens, allowed)
     verdict = rule.review(block.for_reviewer(probs), probs, leniency, generator)  # the drafts' rows move here only
     if logprobs < 0:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from .placement import host_argmax, host_reads, keyed_exponentials, uniform
+from .placement import host_argmax, host_probs, host_reads, keyed_exponentials, uniform
 from .sampling import residual, reviewed_proposal, sample
 from .types import Draft
 
@@ -101,20 +101,37 @@ class GreedyReview:
         dists = None if block.dists is None else target_probs[: accepted + 1]
         return Verdict(accepted, token, token_probs, dists)
 
-    @staticmethod
-    def decide(block: Draft, scores: torch.Tensor) -> Verdict:
-        """The review at leniency 1 whose verdict's probabilities no one reads (the target's: see
-        `ReviewRequest.probs_unread`), on `scores` ([len(block) + 1, V] logits after the request's bias,
-        penalties and mask: `SamplingParams.scores`) rather than probabilities: keep a draft while it is
-        their argmax, transformers' greedy rule itself, with no softmax (a round's dearest step in
-        Python on the CPU). The emitted tokens' probabilities are NaN: not computed."""
+    def decide(self, block: Draft, scores: torch.Tensor, leniency: float = 1.0, probs_unread: bool = True) -> Verdict:
+        """`review` on `scores` ([len(block) + 1, V] logits after the request's bias, penalties and mask:
+        `SamplingParams.scores`) rather than probabilities, computing only the probabilities something
+        reads: a draft is kept while it is the scores' argmax (transformers' greedy rule itself); at
+        leniency l > 1 a draft that is not is kept when its probability passes its proposal's over l,
+        which needs its row's softmax alone; and the verdict's token_probs are its rows' probabilities,
+        or NaN with `probs_unread` (`ReviewRequest.probs_unread`: the target's verdict, and an inner
+        tier's whose every reviewer is strict). A softmax of the few rows that matter, not of all
+        k + 1: on the CPU a review's softmax and reads were a round's dearest Python steps.
+
+        On a GPU, where every read to the host is a sync, all rows' probabilities are read at once
+        (`review`) unless none is needed at all."""
+        if scores.device.type != "cpu" and not (probs_unread and leniency <= 1.0):
+            return self.review(block, torch.softmax(scores, dim=-1), leniency, _NO_DRAWS)
         best = host_argmax(scores)
         accepted = 0
-        for token in block.tokens:
-            if token != best[accepted]:
-                break
+        for i, x in enumerate(block.tokens):
+            if x != best[i]:
+                # leniency: the draft's probability at its row against its proposal's
+                if leniency <= 1.0 or not host_probs(scores[i : i + 1], [x])[0] > block.token_probs[i] / leniency:
+                    break
             accepted += 1
-        return Verdict(accepted, best[accepted], [math.nan] * (accepted + 1), None)
+        token = best[accepted]
+        if probs_unread:
+            token_probs = [math.nan] * (accepted + 1)
+        else:
+            token_probs = host_probs(scores[: accepted + 1], [*block.tokens[:accepted], token])
+        return Verdict(accepted, token, token_probs, None)
+
+
+_NO_DRAWS = torch.Generator()  # a greedy review draws nothing
 
 
 class SamplingReview:

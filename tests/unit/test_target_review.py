@@ -1,11 +1,13 @@
-"""The target's greedy review decides on logits, as transformers' greedy search does, and computes no
-probabilities that no one reads (`ReviewRequest.probs_unread`, `GreedyReview.decide`)."""
+"""A greedy review decides on logits, as transformers' greedy search does, and computes no probabilities
+that no one reads (`ReviewRequest.probs_unread`, `GreedyReview.decide`): the target's none, a lenient
+inner review those of the rows where a draft is not the argmax, and its verdict's only when read."""
 
 from __future__ import annotations
 
 import math
 import random
 
+import pytest
 import torch
 
 from cascade_service.core.local import ModelTier
@@ -29,7 +31,7 @@ def test_a_greedy_target_review_takes_the_argmax_of_the_logits_not_of_the_probab
     probs = torch.softmax(logits, dim=-1)
     assert probs[0, 2] == probs[0, 5]
     block = Draft([5], [1.0], None, ["d"])
-    verdict = GreedyReview.decide(block, logits)
+    verdict = GreedyReview().decide(block, logits)
     assert (verdict.accepted, verdict.token) == (1, int(torch.argmax(logits[1]))) == (1, 5)
     assert len(verdict.token_probs) == 2 and all(math.isnan(p) for p in verdict.token_probs)
     assert GreedyReview().review(block, probs, 1.0, torch.Generator()).accepted == 0  # what probabilities decide
@@ -79,17 +81,63 @@ def test_the_targets_review_decides_as_before_with_no_softmax(monkeypatch):
 
 
 def test_probabilities_someone_reads_are_still_computed(monkeypatch):
-    # Leniency (an inner review compares probabilities), logprobs, and sampling all need them.
+    # Logprobs and sampling need every row's; a lenient review's verdict, read by a reviewer above, its own.
     calls = _counting_softmax(monkeypatch)
     tier = ModelTier(ToyScorer("target", VOCAB, seed=1), VOCAB)
-    for options in ({"leniency": 2.0}, {"logprobs": 2}, {"sampling": SamplingParams(temperature=1.0)}):
+    for options in (
+        {"leniency": 2.0, "probs_unread": False},
+        {"logprobs": 2, "probs_unread": True},
+        {"sampling": SamplingParams(temperature=1.0), "probs_unread": True},
+    ):
         before = calls[0]
-        verdict = _review(tier, [1, 2, 3], [4, 5], probs_unread=True, **options).verdict
+        verdict = _review(tier, [1, 2, 3], [4, 5], **options).verdict
         assert calls[0] > before, options
         assert not any(math.isnan(p) for p in verdict.token_probs), options
 
 
-def test_the_cascade_marks_only_the_targets_review_unread():
+def _greedy_block(rng: random.Random, scores: torch.Tensor, agree: float) -> Draft:
+    """A block whose drafts are the rows' argmax with probability `agree`, else random; random proposal
+    probabilities (a lenient review compares them)."""
+    tokens = [int(row.argmax()) if rng.random() < agree else rng.randrange(VOCAB) for row in scores[:-1]]
+    return Draft(tokens, [rng.random() for _ in tokens], None, ["d"] * len(tokens))
+
+
+def test_a_lenient_review_on_logits_decides_as_the_review_of_every_rows_probabilities():
+    rng = random.Random(7)
+    for trial in range(400):
+        scores = torch.randn(rng.randint(1, 7), VOCAB, generator=torch.Generator().manual_seed(trial)) * 3
+        block = _greedy_block(rng, scores, agree=0.6)
+        leniency = rng.choice([1.0, 1.5, 2.0, 4.0])
+        full = GreedyReview().review(block, torch.softmax(scores, dim=-1), leniency, torch.Generator())
+        read = GreedyReview().decide(block, scores, leniency, probs_unread=False)
+        unread = GreedyReview().decide(block, scores, leniency, probs_unread=True)
+        assert (read.accepted, read.token) == (unread.accepted, unread.token) == (full.accepted, full.token), trial
+        assert read.token_probs == pytest.approx(full.token_probs, rel=1e-6, abs=1e-9), trial
+        assert len(unread.token_probs) == unread.accepted + 1 and all(math.isnan(p) for p in unread.token_probs)
+
+
+def test_an_unread_lenient_review_computes_only_the_rows_where_a_draft_is_not_the_argmax(monkeypatch):
+    rows: list[int] = []
+    softmax = torch.softmax
+
+    def counted(x, *args, **kwargs):
+        rows.append(len(x))
+        return softmax(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "softmax", counted)
+    scores = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    best = scores.argmax(dim=-1).tolist()
+    wrong = (best[2] + 1) % VOCAB
+    # drafts 0, 1 the argmax, draft 2 not but kept leniently (proposal probability 0: any p passes), 3, 4 the argmax
+    block = Draft([best[0], best[1], wrong, best[3], best[4]], [0.9, 0.9, 0.0, 0.9, 0.9], None, ["d"] * 5)
+    verdict = GreedyReview().decide(block, scores, 2.0, probs_unread=True)
+    assert (verdict.accepted, verdict.token, rows) == (5, best[5], [1])  # row 2's softmax alone
+    rows.clear()
+    verdict = GreedyReview().decide(block, scores, 2.0, probs_unread=False)
+    assert (verdict.accepted, rows) == (5, [1, 6])  # and the verdict's rows, read above
+
+
+def test_the_cascade_marks_unread_the_reviews_no_reviewer_above_reads():
     seen: dict[str, set[bool]] = {}
 
     class Recorder:
@@ -103,6 +151,11 @@ def test_the_cascade_marks_only_the_targets_review_unread():
             seen.setdefault(self.tier.name, set()).add(request.probs_unread)
             return self.tier.review(request)
 
+    # The target's verdict goes nowhere; base's to the strict target alone; small's also to base's lenient
+    # review, which reads a draft's probability where base's argmax differs.
     names, k_matrix, leniency = CASES["csd_base_small_mag_lenient"]
     sample_cascade(names, k_matrix, leniency, GREEDY, samples=3, wrap=Recorder)
-    assert seen == {"target": {True}, "base": {False}, "small": {False}}
+    assert seen == {"target": {True}, "base": {True}, "small": {False}}
+    seen.clear()  # sampled: the target's speculative sampling reads base's rows
+    sample_cascade(names, k_matrix, leniency, SamplingParams(temperature=1.0), samples=3, wrap=Recorder)
+    assert seen["base"] == seen["small"] == {False}
