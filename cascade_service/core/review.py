@@ -103,17 +103,15 @@ class GreedyReview:
 
     def decide(self, block: Draft, scores: torch.Tensor, leniency: float = 1.0, probs_unread: bool = True) -> Verdict:
         """`review` on `scores` ([len(block) + 1, V] logits after the request's bias, penalties and mask:
-        `SamplingParams.scores`) rather than probabilities, computing only the probabilities something
-        reads: a draft is kept while it is the scores' argmax (transformers' greedy rule itself); at
+        `SamplingParams.scores`), computing only the probabilities something reads. With `probs_unread`
+        (`ReviewRequest.probs_unread`: the target's verdict, and an inner tier's whose every reviewer is
+        strict) a draft is kept while it is the scores' argmax (transformers' greedy rule itself), and at
         leniency l > 1 a draft that is not is kept when its probability passes its proposal's over l,
-        which needs its row's softmax alone; and the verdict's token_probs are its rows' probabilities,
-        or NaN with `probs_unread` (`ReviewRequest.probs_unread`: the target's verdict, and an inner
-        tier's whose every reviewer is strict). A softmax of the few rows that matter, not of all
-        k + 1: on the CPU a review's softmax and reads were a round's dearest Python steps.
-
-        On a GPU, where every read to the host is a sync, all rows' probabilities are read at once
-        (`review`) unless none is needed at all."""
-        if scores.device.type != "cpu" and not (probs_unread and leniency <= 1.0):
+        which needs its row's softmax alone; the verdict's token_probs are NaN. Otherwise the verdict's
+        rows are read above, so every row's probabilities are computed once and reviewed (`review`).
+        On the CPU a review's softmax and reads are a round's dearest Python steps."""
+        if not probs_unread or (scores.device.type != "cpu" and leniency > 1.0):
+            # read above, or on a GPU, where every read to the host is a sync: every row's at once
             return self.review(block, torch.softmax(scores, dim=-1), leniency, _NO_DRAWS)
         best = host_argmax(scores)
         accepted = 0
@@ -123,12 +121,7 @@ class GreedyReview:
                 if leniency <= 1.0 or not host_probs(scores[i : i + 1], [x])[0] > block.token_probs[i] / leniency:
                     break
             accepted += 1
-        token = best[accepted]
-        if probs_unread:
-            token_probs = [math.nan] * (accepted + 1)
-        else:
-            token_probs = host_probs(scores[: accepted + 1], [*block.tokens[:accepted], token])
-        return Verdict(accepted, token, token_probs, None)
+        return Verdict(accepted, best[accepted], [math.nan] * (accepted + 1), None)
 
 
 _NO_DRAWS = torch.Generator()  # a greedy review draws nothing

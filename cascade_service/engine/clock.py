@@ -142,7 +142,10 @@ class PassTimer:
 
     def shares(self, tokens: Sequence[int], seconds: float) -> list[float]:
         """Split a pass's `seconds` among its rows by the fitted cost: fixed part evenly, the rest by
-        tokens (by tokens alone before a fit)."""
+        tokens (by tokens alone before a fit). A lone row's is the whole pass: no fit is read (a refit
+        every REFIT passes cost a one-stream round ~15 us a pass)."""
+        if len(tokens) == 1:
+            return [seconds]
         cost = self.cost()
         if cost is None:
             weights = [float(t) for t in tokens]

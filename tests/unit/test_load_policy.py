@@ -159,6 +159,20 @@ def test_a_pass_is_charged_to_its_rows_by_the_fitted_cost():
     assert PassTimer().shares([1, 3], 0.004) == pytest.approx([0.001, 0.003])  # no fit: by tokens
 
 
+def test_a_lone_rows_pass_is_all_its_own_and_reads_no_fit(monkeypatch):
+    import cascade_service.engine.clock as clock
+
+    timer = _timer(fixed_s=0.010, per_token_s=0.001, batch=4, per_request_s=0.0)
+    fits = []
+    monkeypatch.setattr(clock, "_least_squares", lambda *args: fits.append(args))
+    for _ in range(2 * PassTimer.REFIT):
+        timer.record(1, 5, 0.015)
+        assert timer.shares([5], 0.015) == [0.015]
+    assert not fits
+    timer.shares([1, 5], 0.02)  # a shared pass reads the fit: the timer refits when due
+    assert len(fits) == 1
+
+
 def test_the_compute_clock_is_the_current_tasks():
     import contextvars
 
