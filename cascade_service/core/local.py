@@ -18,7 +18,7 @@ import torch
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask, GrammarSpec
 from .placement import host_reads, request_generator
-from .review import GreedyReview, KeyedReview, ReviewRule, Verdict, token_logprobs
+from .review import NO_DRAWS, GreedyReview, KeyedReview, ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, race, sample
 from .stats import TierCounters, Usage
 from .tier import DraftReply, DraftRequest, Release, ReviewReply, ReviewRequest, Tier
@@ -32,14 +32,11 @@ def seeded(seed: int) -> torch.Generator:
 
 
 def _generator(sampling: SamplingParams, seed: int, keyed: bool, rule: ReviewRule | None = None) -> torch.Generator:
-    """A call's generator; greedy drafting, keyed draws and a review that draws nothing share one
-    unseeded one rather than make a generator per call on the round's critical path."""
+    """A call's generator; greedy drafting, keyed draws and a review that draws nothing share
+    `review.NO_DRAWS`."""
     if keyed or (sampling.greedy and (rule is None or not rule.draws)):
-        return _NO_DRAWS
+        return NO_DRAWS
     return seeded(seed)
-
-
-_NO_DRAWS = torch.Generator()
 
 
 class ModelTier:
@@ -293,8 +290,9 @@ def score_and_review(
 ) -> Verdict:
     """Score context + block in ONE forward pass (k + 1 distributions) and review the block; with
     `logprobs` >= 0, the emitted tokens' log-probabilities under these distributions, and as many
-    alternatives each. With `probs_unread` (ReviewRequest's), a greedy exact review at leniency 1
-    decides on the logits, with no probabilities."""
+    alternatives each. A greedy review with no logprobs and no draft rows decides on the logits
+    (`GreedyReview.decide`), computing only the probabilities read: none with `probs_unread`
+    (ReviewRequest's) but a lenient check's rows."""
     scored = ctx.extend(block.tokens)
     logits = _score(scorer, scored, len(block) + 1, counters)
     if isinstance(rule, GreedyReview) and logprobs < 0 and block.dists is None:

@@ -135,16 +135,6 @@ def host_argmax(rows: torch.Tensor) -> list[int]:
     return rows.argmax(dim=-1).tolist()
 
 
-def host_probs(scores: torch.Tensor, tokens: list[int]) -> list[float]:
-    """softmax(scores[i])[tokens[i]] for each of `tokens` (scores: [len(tokens), V] float32 logits), read
-    to the host: the probabilities a review reads of a few rows, without those of the rows it does not."""
-    probs = torch.softmax(scores, dim=-1)
-    if probs.device.type == "cpu" and probs.dtype == PROBS_DTYPE:
-        host = probs.numpy()
-        return [host.item(i, t) for i, t in enumerate(tokens)]
-    return probs[torch.arange(len(tokens), device=probs.device), torch.tensor(tokens, device=probs.device)].tolist()
-
-
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi, splitmix64's increment
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from .placement import host_argmax, host_probs, host_reads, keyed_exponentials, uniform
+from .placement import host_argmax, host_reads, keyed_exponentials, uniform
 from .sampling import residual, reviewed_proposal, sample
 from .types import Draft
 
@@ -112,19 +112,26 @@ class GreedyReview:
         On the CPU a review's softmax and reads are a round's dearest Python steps."""
         if not probs_unread or (scores.device.type != "cpu" and leniency > 1.0):
             # read above, or on a GPU, where every read to the host is a sync: every row's at once
-            return self.review(block, torch.softmax(scores, dim=-1), leniency, _NO_DRAWS)
+            return self.review(block, torch.softmax(scores, dim=-1), leniency, NO_DRAWS)
         best = host_argmax(scores)
         accepted = 0
         for i, x in enumerate(block.tokens):
             if x != best[i]:
-                # leniency: the draft's probability at its row against its proposal's
-                if leniency <= 1.0 or not host_probs(scores[i : i + 1], [x])[0] > block.token_probs[i] / leniency:
+                # leniency: the draft's probability at its row (that row's softmax alone) against its proposal's
+                if leniency <= 1.0 or not _drafted_prob(scores[i : i + 1], x) > block.token_probs[i] / leniency:
                     break
             accepted += 1
         return Verdict(accepted, best[accepted], [math.nan] * (accepted + 1), None)
 
 
-_NO_DRAWS = torch.Generator()  # a greedy review draws nothing
+def _drafted_prob(row: torch.Tensor, token: int) -> float:
+    """softmax(row)[token] for one [1, V] row of scores, read as `host_reads` reads a draft's probability."""
+    return host_reads(torch.softmax(row, dim=-1), [token])[2][0]
+
+
+# The generator of calls that draw nothing (a greedy review, greedy drafting, keyed draws): one unseeded one
+# shared, rather than a generator made per call on a round's critical path.
+NO_DRAWS = torch.Generator()
 
 
 class SamplingReview:

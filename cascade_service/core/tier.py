@@ -125,8 +125,9 @@ class ReviewRequest:
     logprobs: int = -1  # >= 0: the verdict carries the emitted tokens' logprobs with this many alternatives
     allowed: torch.Tensor | None = None  # [len(block) + 1, V] bool: the tokens a response format allows
     keyed: bool = False  # as DraftRequest's: the review is `core.review.KeyedReview` (exact verification only)
-    # No one reads the verdict's token_probs (the target's review: they would go to a reviewer above it).
-    # A greedy exact review at leniency 1 then decides on logits alone (core.review.GreedyReview.decide).
+    # No reviewer above reads the verdict's token_probs (the target's review; an inner tier's whose every
+    # reviewer is strict: core.cascade.build_cascade). A greedy review then decides on logits, computing at
+    # most a lenient check's rows (core.review.GreedyReview.decide).
     probs_unread: bool = False
 
     def __post_init__(self) -> None:
