@@ -190,13 +190,15 @@ def _add_load(p: argparse.ArgumentParser) -> None:
         help="with --config: what to serve and compare, each against plain at the same load: default "
         "(what serve runs: the floor over load adaptation), cascade (the K-matrix as configured), "
         "cascade-adaptive (load adaptation without the floor), off (the default server, every request with "
-        "speculation off), plain (the target alone)",
+        "speculation off), plain (the target alone), twin (a second plain server: the control, what the bench "
+        "reads between two identical servers)",
     )
     p.add_argument(
         "--blocks",
         type=int,
         default=1,
-        help="with --config: run the sweep this many times; ratios are medians of paired blocks",
+        help="with --config: run the sweep this many times, each on fresh server processes; ratios are medians "
+        "of paired blocks",
     )
     p.add_argument(
         "--from-start",

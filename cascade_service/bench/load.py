@@ -93,13 +93,15 @@ def _mb(value: int | None) -> float | None:
 
 # What `serve --frontend standalone` runs for each mode: the K-matrix as configured; the target alone; load
 # adaptation without the floor; the default (no flag: the floor over load adaptation); and the default
-# server asked for speculation "off" by every request (plain rounds through the cascade's machinery).
+# server asked for speculation "off" by every request (plain rounds through the cascade's machinery); and a
+# second plain server, the control: its ratio to plain is what the bench reads between two identical servers.
 MODE_FLAGS = {
     "cascade": ("--fixed-schedule",),
     "plain": ("--plain",),
     "cascade-adaptive": ("--adapt-to-load", "--no-floor"),
     "default": (),
     "off": (),
+    "twin": ("--plain",),
 }
 MODE_REQUESTS: dict[str, dict[str, Any]] = {"off": {"speculation": "off"}}
 MODES = tuple(MODE_FLAGS)
@@ -132,44 +134,22 @@ def run_modes(
 ) -> dict:
     """The cascade against plain decoding of its target, under load, in one run.
 
-    Starts two standalone servers (`serve --frontend standalone`, with and without `--plain`) on
+    Starts a standalone server per mode (`serve --frontend standalone`, with `--plain` for plain) on
     loopback, each in its own process, and alternates between them level by level (cascade, plain,
     next level...) so drift on a noisy machine hits both alike; the idle one waits on a condition.
-    `blocks` > 1 runs the whole sweep that many times, each block in the order turned by one place
-    (`rotated`): each ratio to plain is then the median of the ratios within each block (paired
-    blocks), and each mode's tokens/s the median of its blocks.
+    `blocks` > 1 runs the whole sweep that many times, each block on fresh server processes (`_block`
+    says why) and in the order turned by one place (`rotated`): each ratio to plain is then the median
+    of the ratios within each block (paired blocks), and each mode's tokens/s the median of its blocks.
     Writes load.json: {"runs": [{"mode", "block", "concurrency", "tokens_per_s", "p50_s", "p99_s",
     "errors", ...}], "summary": {...}}.
     """
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
-    servers = {mode: ServerProcess(config_path, mode) for mode in modes}
     runs = []
-    try:
-        targets = {mode: server.wait_ready() for mode, server in servers.items()}
-        for target in targets.values():  # warm-up: first passes, allocator, thread pools
-            run_level(
-                target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s, temperature
-            )
-        for block in range(blocks):
-            order = rotated(list(targets), block)
-            for n in concurrencies:
-                for mode in order:
-                    target, options = targets[mode], MODE_REQUESTS.get(mode)
-                    level = run_level(
-                        target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature, options, ramp
-                    ).summary()
-                    runs.append({"mode": mode, "block": block, **level})
-                    print(
-                        f"{mode:>16} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
-                        f"tok/s ({level['drained_tokens_per_s']:.1f} drained), p50 {level['p50_s']} s, "
-                        f"p99 {level['p99_s']} s, errors {level['errors']}, "
-                        f"rounds that drafted {level['drafted_round_share']:.0%}, ramp {level['ramp_s']} s",
-                        flush=True,
-                    )
-    finally:
-        for server in servers.values():
-            server.stop()
+    for block in range(blocks):
+        runs += _block(
+            config_path, concurrencies, duration_s, prompts, max_new_tokens, timeout_s, modes, temperature, block, ramp
+        )
     results: dict[str, Any] = {
         "command": command,
         "config": config_path,
@@ -184,6 +164,54 @@ def run_modes(
     for line in _scaling_lines(results["summary"]):
         print(line)
     return results
+
+
+def _block(
+    config_path: str,
+    concurrencies: Sequence[int],
+    duration_s: float,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    timeout_s: float,
+    modes: Sequence[str],
+    temperature: float | None,
+    block: int,
+    ramp: bool,
+) -> list[dict]:
+    """One block: a fresh server process per mode, warmed up, then each level in the block's order.
+
+    Fresh per block because a server process has a speed of its own: two identical plain servers
+    (`twin`) read 1.09x and 1.18x each other over three blocks at 64 streams, T = 1, the same one ahead
+    in every block (2026-12-01; whatever fixes it, memory placement or alignment, lasts the process's
+    life). Servers kept across blocks pair that difference in every block and the median keeps it;
+    fresh ones draw it anew, so the blocks' spread shows it and their median averages it out."""
+    servers = {mode: ServerProcess(config_path, mode) for mode in modes}
+    runs = []
+    try:
+        targets = {mode: server.wait_ready() for mode, server in servers.items()}
+        for target in targets.values():  # warm-up: first passes, allocator, thread pools
+            run_level(
+                target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s, temperature
+            )
+        order = rotated(list(targets), block)
+        for n in concurrencies:
+            for mode in order:
+                target, options = targets[mode], MODE_REQUESTS.get(mode)
+                level = run_level(
+                    target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature, options, ramp
+                ).summary()
+                runs.append({"mode": mode, "block": block, **level})
+                print(
+                    f"{mode:>16} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
+                    f"tok/s ({level['drained_tokens_per_s']:.1f} drained), p50 {level['p50_s']} s, "
+                    f"p99 {level['p99_s']} s, errors {level['errors']}, "
+                    f"rounds that drafted {level['drafted_round_share']:.0%}, ramp {level['ramp_s']} s",
+                    flush=True,
+                )
+    finally:
+        for server in servers.values():
+            server.stop()
+    return runs
 
 
 def _scaling(runs: list[dict], figure: str = "tokens_per_s") -> dict:
@@ -218,6 +246,7 @@ def _scaling_lines(summary: dict) -> list[str]:
         "cascade": "cascade (K-matrix as configured)",
         "cascade-adaptive": "cascade adapting to load, no floor",
         "off": "cascade with speculation off",
+        "twin": "a second plain server (the control)",
     }
     lines = [
         f"{names.get(mode, mode)} / plain at {n} streams: {r:.2f}x"

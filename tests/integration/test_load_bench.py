@@ -265,18 +265,52 @@ def test_each_block_turns_the_order_so_every_mode_runs_in_every_place(monkeypatc
         def stop(self):
             pass
 
-    ran = []
+    measured = []
 
     def level(target, n, *args, **kwargs):
-        ran.append(target)
+        if len(args) == 8:  # a measured level (a warm-up passes no options nor ramp)
+            measured.append(target)
         return load.Level(n, window_s=1.0, window_tokens=10, tokens=10, seconds=1.0, latencies=[0.1])
 
     monkeypatch.setattr(load, "ServerProcess", Server)
     monkeypatch.setattr(load, "run_level", level)
     modes = ["default", "off", "plain"]
     load.run_modes("c.yaml", [4], 1.0, ["p"], 8, tmp_path, "cmd", modes=modes, blocks=3)
-    measured = ran[len(modes) :]  # after one warm-up level a server
+    assert len(measured) == 3 * len(modes)
     blocks = [measured[i : i + len(modes)] for i in range(0, len(measured), len(modes))]
     assert blocks[0] == modes  # the first block runs them as asked
     for place in range(len(modes)):
         assert sorted(block[place] for block in blocks) == sorted(modes)
+
+
+def test_each_block_runs_on_fresh_server_processes(monkeypatch, tmp_path):
+    """A server process has a speed of its own (two identical plain servers read 1.09x and 1.18x each
+    other, the same one ahead in every block): each block starts its own, and stops them before the next."""
+    from cascade_service.bench import load
+
+    started, alive = [], set()
+
+    class Server:
+        def __init__(self, config_path, mode):
+            self.mode = mode
+            started.append(self)
+            alive.add(self)
+
+        def wait_ready(self):
+            return self
+
+        def stop(self):
+            alive.discard(self)
+
+    def level(target, n, *args, **kwargs):
+        assert target in alive  # measured on a server of this block, still running
+        assert len(alive) == 2  # the last block's are gone
+        return load.Level(n, window_s=1.0, window_tokens=10, tokens=10, seconds=1.0, latencies=[0.1])
+
+    monkeypatch.setattr(load, "ServerProcess", Server)
+    monkeypatch.setattr(load, "run_level", level)
+    load.run_modes("c.yaml", [4], 1.0, ["p"], 8, tmp_path, "cmd", modes=["twin", "plain"], blocks=3)
+    assert [s.mode for s in started] == ["twin", "plain"] * 3
+    assert not alive
+    summary = json.loads((tmp_path / "load.json").read_text())["summary"]
+    assert summary["twin_over_plain"]["4"] == 1.0  # the control is reported as any mode is
