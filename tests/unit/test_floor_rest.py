@@ -5,7 +5,7 @@ count in the load."""
 
 from __future__ import annotations
 
-from cascade_service.engine.policies import goodput
+from cascade_service.engine.policies import goodput, rest
 from cascade_service.engine.policies.floor import FloorModel, GoodputFloor, floor_policies
 from cascade_service.engine.policies.rest import RestingFloor
 from tests.helpers.floors import Request, run
@@ -88,13 +88,42 @@ def test_resting_rounds_keep_the_levels_plain_cost_current():
     while not isinstance(resting, RestingFloor):  # one request in EXPLORE_EVERY explores instead
         resting = floor_policies(None, model=model)(True)
     clock, work = Clock(), Clock()
-    resting.clock, resting.compute = clock, work
-    for i in range(40):
-        resting.begin(100 + i, 64 - i)
+    reads = []
+    resting.clock, resting.compute = lambda: reads.append(1) or clock(), work
+    for i in range(160):
+        resting.begin(100 + i, 200 - i)
         clock.t += 50.0 if i == 0 else 1.0  # the prompt's round reads the prompt
         work.t += 40.0 if i == 0 else 0.8
         resting.observe(0, 0)
         assert here.plain_s <= 3.0  # the prompt's round is no plain round's cost
     assert abs(here.plain_s - 1.0) < 0.1 and abs(here.plain_work_s - 0.8) < 0.1
+    # one round in PLAIN_SAMPLE is timed (its begin and the next's), the others read no clock; the last
+    # timed round waits for a next round that never came
+    assert len(reads) == 2 * (160 // rest.PLAIN_SAMPLE) - 1
     assert not model.calibrating(here)  # a plain round was measured lately: no calibration round due
     assert model.at(False, 0).plain_s is None  # a greedy request's rounds are greedy evidence only
+
+
+def test_a_level_whose_every_source_loses_rests_by_its_ratio_even_while_a_probe_paid_lately():
+    """A lookup probe that paid on a rare match halves the level's interval; the level's ratio over every
+    request's rounds still says the lookup loses there, so requests rest (they ran the floor, 46 + 16 us
+    a round against 11-13 + 4, while the interval climbed back)."""
+    model = FloorModel()
+    here = model.at(True, 0)
+    model.plain(here, 1.0, 0.8)
+    while here.gains["model"].rounds < goodput.REST_EVIDENCE:
+        for source in goodput.SOURCES:
+            model.drafted(here, source, 1.0, 1.5)  # each round earned two thirds of what it cost
+    model.probed(here, "lookup", paid=True)
+    assert here.interval["lookup"] < model.settings.probe_max
+    assert [model.admit(True) for _ in range(8)].count(goodput.REST) == 6  # and one in EXPLORE_EVERY explores
+    thin = FloorModel()
+    there = thin.at(True, 0)
+    thin.plain(there, 1.0, 0.8)
+    for source in goodput.SOURCES:
+        thin.drafted(there, source, 1.0, 1.5)  # losing, but one round of each: not evidence enough
+    assert all(thin.admit(True) == goodput.FLOOR for _ in range(8))
+    while there.gains["model"].rounds < goodput.REST_EVIDENCE:
+        thin.drafted(there, "lookup", 2.0, 1.0)  # the lookup pays at this level
+        thin.drafted(there, "model", 1.0, 1.5)
+    assert all(thin.admit(True) == goodput.FLOOR for _ in range(8))

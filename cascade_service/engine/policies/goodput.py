@@ -53,6 +53,7 @@ CALIBRATE = 128  # rounds at a level without a plain one: the next round there d
 STALE_WEIGHT = 0.5  # a calibration's plain round below p, in p's EWMA (FloorModel.plain)
 LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
 EXPLORE_EVERY = 4  # at a level where drafting loses, one request in this many explores (FloorModel.admit)
+REST_EVIDENCE = 8.0  # a source's rounds at a level (decayed) before its losing there lets requests rest
 
 
 class Admission(Enum):
@@ -208,19 +209,25 @@ class FloorModel:
 
     def admit(self, greedy: bool, scope: str = "") -> Admission:
         """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round
-        (a `RestingFloor`), where at the load level and sampling kind it starts in every source loses (its
-        ratio over every request's rounds below 1) and has failed its probes until they come as seldom as
-        they may (probe_max): there a request's floor would draft nothing and only cost its rounds its
-        bookkeeping, which at 16 and 64 streams at T = 1 was most of what the default lost against plain;
-        EXPLORE, one request in EXPLORE_EVERY there: the floor, its probes due from probe_min on rather than
-        the level's probe_max, so that a level where drafting pays again finds out (a probe that pays halves
-        the level's interval, and the rest ends)."""
+        (a `RestingFloor`), where at the load level and sampling kind it starts in every source loses: its
+        ratio over every request's rounds is below 1, with REST_EVIDENCE rounds of it behind that, or with
+        its probes failed until they come as seldom as they may (probe_max). There a request's floor would
+        draft nothing and only cost its rounds its bookkeeping: at 64 streams at T = 1 a floor's round took
+        46 + 16 us against a resting one's 11-13 + 4, of the ~690 us a token the server had (2-core host).
+        Its ratio, not its probes' interval: a lookup probe that paid on a rare match halved the interval,
+        and while it climbed back most requests were admitted to the floor (366 of 634 in one run) at a
+        level where the lookup lost. EXPLORE, one request in EXPLORE_EVERY there: the floor, its probes due
+        from probe_min on rather than the level's interval, so that a level where drafting pays again finds
+        out (its paying rounds raise the level's ratio, and the rest ends)."""
         here = self.at(greedy, self.level(), scope)
         with self._lock:
             if here.plain_s is None:
                 return FLOOR
             for source in SOURCES:
-                if here.gains[source].not_losing() or here.interval[source] < self.settings.probe_max:
+                gain = here.gains[source]
+                if gain.not_losing():
+                    return FLOOR
+                if gain.rounds < REST_EVIDENCE and here.interval[source] < self.settings.probe_max:
                     return FLOOR
             here.admitted += 1
             return EXPLORE if here.admitted % EXPLORE_EVERY == 0 else REST
