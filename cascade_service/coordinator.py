@@ -20,7 +20,7 @@ from .core.adaptive import StopperFactory
 from .core.cascade import build_cascade
 from .core.decode import decode
 from .core.encdec import check_request, decoder_context
-from .core.policy import OFF, PolicyFactory
+from .core.policy import NoDrafts, PolicyFactory
 from .core.request import GenerationConfig
 from .core.stats import CascadeStats, EngineTime
 from .core.tier import Release, Scope, Tier, affinity_key
@@ -179,14 +179,17 @@ class Coordinator:
         missing = [d.name for d in self.cascade.drafters if d.name not in tiers]
         if missing:  # a wiring fault, not the caller's: no tier (or no leaves) for a drafter of the config
             raise RuntimeError(f"no tier for drafter {missing[0]!r} in this coordinator")
-        drafters = [tiers[d.name] for d in self.cascade.drafters]
+        # A policy that never lets anything draft (speculation "off", a request the floor rests from its
+        # first round) gets the target alone: no drafter's system to build, no lookup to pay for.
+        plain = isinstance(state.policy, NoDrafts)
+        drafters = [] if plain else [tiers[d.name] for d in self.cascade.drafters]
         system = build_cascade(
             tiers[self.cascade.target.name],
             drafters,
             request.schedule,
             self.cascade.leniency,
             state,
-            None if state.policy is OFF else self.cascade.lookup,  # no drafts: no lookup to pay for either
+            None if plain else self.cascade.lookup,
         )
         return decode(system, context, request.gen.max_new_tokens, state)
 

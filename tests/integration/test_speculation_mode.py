@@ -103,3 +103,23 @@ def test_a_requests_own_target_row_runs_as_given_and_keeps_the_output(tiny_famil
         coordinator.params(prompt_ids=prompt, target_row=(4, 2))  # one entry per drafter
     with pytest.raises(ValueError, match=r"^speculation\.target_row"):
         GenerationConfig(target_row=(4, 2, 65))
+
+
+def test_a_request_the_floor_rests_runs_the_target_alone(tiny_family):
+    """A policy that never lets anything draft (a request the floor admits resting, as speculation "off")
+    gets a cascade of the target alone: the oracle's tokens, and no drafter's system or lookup built."""
+    from cascade_service.engine.policies.goodput import FloorModel
+    from cascade_service.engine.policies.rest import RestingFloor
+
+    names, k_matrix, lookup = SHAPES["horizontal+mag"]
+    engine = make_engine(tiny_family, names, k_matrix, 1.5, lookup=lookup)
+    coordinator = engine.coordinator(MemoryStore(), GenerationConfig(max_new_tokens=N))
+    model = FloorModel()
+    coordinator.policies = lambda greedy, scope="": RestingFloor(model, greedy, scope)
+    for prompt in PROMPTS:
+        chunk = coordinator.generate(coordinator.params(prompt_ids=prompt, temperature=0.0))
+        assert chunk.token_ids == oracle(tiny_family["target"], prompt, N)
+        stats = chunk.stats.to_dict()
+        assert stats["target_calls"] == N and _drafted(stats) == 0, stats
+        assert set(stats["tiers"]) == {"target"}, stats["tiers"]  # no drafter, no lookup in its cascade
+    assert model.level() == 0 and model.at(True, 0).plain_s is not None  # its rounds were timed into p
