@@ -81,3 +81,20 @@ def test_gauges_push_their_value_after_each_change():
     running = Recorder.made["cascade_num_requests_running"].calls
     assert running == [("set", 0, {}), ("set", 1, {}), ("set", 2, {}), ("set", 1, {})]
     assert Recorder.made["cascade_num_requests_waiting"].calls[-1] == ("set", 3, {})
+
+
+def test_a_request_that_drafted_nothing_touches_no_drafting_counter():
+    """Most requests at T = 1 under load draft nothing: their reviews' zero counts are not looked up by
+    label (7x plain's time at the request's end, 64 streams), and no zero series appears for them."""
+    metrics = Metrics()
+    stats = CascadeStats(target="target", generated=5)
+    review = stats.reviewer("target")
+    for _ in range(5):
+        review.record([], 0)  # five blocks, nothing drafted
+    review.drafted_by_drafter["mid"] = 0
+    metrics.request(stats, prompt_tokens=7, times=RequestTimes(0.0, 0.1, [(0.2, 2)], 0.5), finish_reason="length")
+    text = metrics.exposition().decode()
+    assert "cascade:spec_decode_num_drafts_total" in text  # its reviews are counted
+    families = ("num_draft_tokens", "num_accepted_tokens", "num_draft_tokens_per_pos", "num_accepted_tokens_per_pos")
+    for family in families:
+        assert f"cascade:spec_decode_{family}_total{{" not in text, family
