@@ -1,7 +1,7 @@
 """A request admitted where drafting loses at its load runs plain from its first round (engine.policies.rest,
 goodput.FloorModel.admit): only where every source's rounds lose and its probes failed until they come
-as seldom as they may; one request in EXPLORE_EVERY explores (the floor, probing soon); resting rounds
-count in the load."""
+as seldom as they may, or its ratio over enough rounds says so; one request in EXPLORE_EVERY explores (the
+floor, probing soon), fewer while probes fail there; resting rounds count in the load."""
 
 from __future__ import annotations
 
@@ -25,14 +25,38 @@ def dried(model: FloorModel, greedy: bool = True) -> FloorModel:
     raise AssertionError(f"the probes never reached probe_max: {here.interval}")
 
 
-def test_where_every_source_loses_and_probes_failed_three_requests_in_four_rest():
+def test_where_every_source_loses_and_probes_keep_failing_one_request_in_explore_rarely_explores():
     model = dried(FloorModel())
     policy = floor_policies(None, model=model)
-    admitted = [policy(True) for _ in range(4 * goodput.EXPLORE_EVERY)]
+    admitted = [policy(True) for _ in range(2 * goodput.EXPLORE_RARELY)]
     resting = [isinstance(p, RestingFloor) for p in admitted]
-    assert sum(resting) == len(admitted) - 4
+    assert sum(resting) == len(admitted) - 2
     explorers = [p for p in admitted if not isinstance(p, RestingFloor)]
     assert all(isinstance(p, GoodputFloor) and p.explores for p in explorers)
+
+
+def test_explorers_come_one_in_four_until_probes_fail_and_again_once_one_pays():
+    """An explorer runs the floor (46 + 16 us a round against a resting request's 11-13 + 4): where its
+    probes keep failing, fewer are sent; a probe that pays brings them back to one in EXPLORE_EVERY."""
+    model = FloorModel()
+    here = model.at(True, 0)
+    model.plain(here, 1.0, 0.8)
+    while here.gains["model"].rounds < goodput.REST_EVIDENCE:
+        for source in goodput.SOURCES:
+            model.drafted(here, source, 1.0, 1.5)
+
+    def explorers(n: int) -> int:
+        return [model.admit(True) for _ in range(n)].count(goodput.EXPLORE)
+
+    assert explorers(8 * goodput.EXPLORE_EVERY) == 8
+    model.probed(here, "lookup", paid=False)
+    model.probed(here, "lookup", paid=False)
+    assert explorers(8 * goodput.EXPLORE_EVERY) == 2  # one in 16
+    for _ in range(8):
+        model.probed(here, "lookup", paid=False)
+    assert explorers(4 * goodput.EXPLORE_RARELY) == 4  # at most one in EXPLORE_RARELY
+    model.probed(here, "lookup", paid=True)
+    assert explorers(8 * goodput.EXPLORE_EVERY) == 8
 
 
 def test_an_explorer_probes_from_probe_min_where_a_plain_floor_waits_the_levels_interval():
@@ -71,7 +95,7 @@ def test_a_paying_probe_ends_the_rest_and_each_kind_and_key_rests_apart():
     model = dried(FloorModel())
     assert not any(model.admit(False) != goodput.FLOOR for _ in range(8))  # sampled requests: no evidence of their own
     assert not any(model.admit(True, "alice") != goodput.FLOOR for _ in range(8))  # another key's evidence is its own
-    assert [model.admit(True) for _ in range(4)].count(goodput.REST) == 3
+    assert goodput.FLOOR not in [model.admit(True) for _ in range(4)]
     explorer = Request(model)
     run(explorer, 400, PAYING_LOOKUP, hit=True)  # an explorer whose lookups now pay
     assert explorer.sources.count("lookup") > 0
@@ -117,6 +141,7 @@ def test_a_level_whose_every_source_loses_rests_by_its_ratio_even_while_a_probe_
     model.probed(here, "lookup", paid=True)
     assert here.interval["lookup"] < model.settings.probe_max
     assert [model.admit(True) for _ in range(8)].count(goodput.REST) == 6  # and one in EXPLORE_EVERY explores
+    # (the paying probe above set that)
     thin = FloorModel()
     there = thin.at(True, 0)
     thin.plain(there, 1.0, 0.8)

@@ -52,7 +52,12 @@ BEHIND = 16  # tokens a source may trail the committed sequence by and still be 
 CALIBRATE = 128  # rounds at a level without a plain one: the next round there drafts nothing
 STALE_WEIGHT = 0.5  # a calibration's plain round below p, in p's EWMA (FloorModel.plain)
 LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
-EXPLORE_EVERY = 4  # at a level where drafting loses, one request in this many explores (FloorModel.admit)
+# At a level where drafting loses, one request in EXPLORE_EVERY explores (FloorModel.admit); each probe that
+# fails there doubles that gap, up to one in EXPLORE_RARELY, and one that pays brings it back. An explorer
+# runs the floor, 46 + 16 us a round at 64 streams against a resting request's 11-13 + 4, and at T = 1 on
+# the disagree set a quarter of the requests were explorers whose probes kept failing.
+EXPLORE_EVERY = 4
+EXPLORE_RARELY = 64
 REST_EVIDENCE = 8.0  # a source's rounds at a level (decayed) before its losing there lets requests rest
 
 
@@ -158,7 +163,8 @@ class Level:
     gains: dict[str, Gain] = field(default_factory=lambda: {s: Gain() for s in SOURCES})
     catch_up_s: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))  # per token behind
     interval: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, DEFAULTS.probe_min))
-    admitted: int = 0  # requests admitted here while it was dry (FloorModel.admit)
+    explore_every: int = EXPLORE_EVERY  # one request in this many admitted here while it is dry explores
+    until_explore: int = EXPLORE_EVERY  # dry admissions left before the next explorer
 
 
 class FloorModel:
@@ -216,9 +222,10 @@ class FloorModel:
         46 + 16 us against a resting one's 11-13 + 4, of the ~690 us a token the server had (2-core host).
         Its ratio, not its probes' interval: a lookup probe that paid on a rare match halved the interval,
         and while it climbed back most requests were admitted to the floor (366 of 634 in one run) at a
-        level where the lookup lost. EXPLORE, one request in EXPLORE_EVERY there: the floor, its probes due
-        from probe_min on rather than the level's interval, so that a level where drafting pays again finds
-        out (its paying rounds raise the level's ratio, and the rest ends)."""
+        level where the lookup lost. EXPLORE, one request in EXPLORE_EVERY there (fewer while probes fail
+        there: `probed`): the floor, its probes due from probe_min on rather than the level's interval, so
+        that a level where drafting pays again finds out (its paying rounds raise the level's ratio, and the
+        rest ends)."""
         here = self.at(greedy, self.level(), scope)
         with self._lock:
             if here.plain_s is None:
@@ -229,8 +236,11 @@ class FloorModel:
                     return FLOOR
                 if gain.rounds < REST_EVIDENCE and here.interval[source] < self.settings.probe_max:
                     return FLOOR
-            here.admitted += 1
-            return EXPLORE if here.admitted % EXPLORE_EVERY == 0 else REST
+            here.until_explore -= 1
+            if here.until_explore > 0:
+                return REST
+            here.until_explore = here.explore_every
+            return EXPLORE
 
     def calibrating(self, here: Level) -> bool:
         """Whether this round at `here` must draft nothing: no plain round measured there, or none lately."""
@@ -265,6 +275,10 @@ class FloorModel:
             here.catch_up_s[source] = ewma(here.catch_up_s[source], per_token)
 
     def probed(self, here: Level, source: str, paid: bool) -> None:
+        """A probe of `source` at `here` paid or did not: the level's probe interval and how often a request
+        admitted while it is dry explores (EXPLORE_EVERY, doubled a failed probe up to EXPLORE_RARELY)."""
         with self._lock:
             step = here.interval[source] // 2 if paid else here.interval[source] * 2
             here.interval[source] = min(self.settings.probe_max, max(self.settings.probe_min, step))
+            here.explore_every = EXPLORE_EVERY if paid else min(EXPLORE_RARELY, 2 * here.explore_every)
+            here.until_explore = min(here.until_explore, here.explore_every)
