@@ -14,10 +14,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # madvise(MADV_HUGEPAGE)) where this is set: the weights and the KV pools, which a pass streams through
 # (a batched pass gathers every row's blocks, each layer). Without it, a server process's pages fell
 # where they fell, and the process kept that luck for its life: two identical plain servers read 0.76-
-# 1.19x each other at 64 streams on a 2-core host; with it, 0.93-1.01x, and both ran ~20% faster
-# (docs/benchmarks.md, "Under load"). The allocator reads it once, at its first allocation, so it must
-# be set before torch allocates: here, before any module of this package imports torch. An operator's
-# own setting (0 turns it off) stands.
+# 1.19x each other at 64 streams on a 2-core host; with it, 0.93-1.01x, and a plain server ran a median
+# 1.09x faster than one without (7 paired fresh pairs; docs/benchmarks.md, "Under load"). The allocator
+# reads it once, at its first allocation, so it must be set before torch allocates: here, before any
+# module of this package imports torch. An operator's own setting (0 turns it off) stands.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"

@@ -180,8 +180,8 @@ def _block(
 ) -> list[dict]:
     """One block: a fresh server process per mode, warmed up, then each level in the block's order.
 
-    Fresh per block because a server process has a speed of its own: two identical plain servers
-    (`twin`) read 1.09x and 1.18x each other over three blocks at 64 streams, T = 1, the same one ahead
+    Fresh per block because a server process has a speed of its own: two identical plain servers kept
+    across blocks read 1.09x and 1.18x each other over three blocks at 64 streams, T = 1, the same one ahead
     in every block (2026-12-01; whatever fixes it, memory placement or alignment, lasts the process's
     life). Servers kept across blocks pair that difference in every block and the median keeps it;
     fresh ones draw it anew, so the blocks' spread shows it and their median averages it out."""
