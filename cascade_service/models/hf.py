@@ -26,7 +26,7 @@ from .graphs import GRAPH_MODES
 from .kvpool import STORAGES, KVCache, PagedCache
 from .kvsize import kv_pool
 from .lean import BACKENDS
-from .poolpass import PoolPass
+from .poolpass import PoolPass, pool_attention
 from .rows import last_rows
 from .scorer import HFScorer
 from .staticpass import StaticRunner
@@ -332,7 +332,8 @@ class HFModel:
             with self.kv_pool.lock:
                 step = PoolPass(self.kv_pool, [cache], len(tokens))
                 try:
-                    result = self.forward_now(tokens, step, keep, with_hidden)
+                    with pool_attention(self):
+                        result = self.forward_now(tokens, step, keep, with_hidden)
                 except BaseException:
                     step.abandon()
                     raise

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import grouped_sdpa
 from .cpukernels import quantize_int8
 
 _ROTARY_KINDS = ("default", None)
@@ -169,8 +170,10 @@ class LeanLlama(nn.Module):
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
         if cache is not None:
             k, v = cache.update(k, v, index)
-        causal = mask is None and steps > 1 and k.shape[2] == steps
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=heads != kv)
+        if mask is None and steps > 1:  # a prefill from an empty cache (`_mask`)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv)
+        else:  # grouped query heads packed over their KV head, not repeated (models.attention)
+            out = grouped_sdpa(q, k, v, mask, None)
         return F.linear(out.transpose(1, 2).reshape(batch, steps, heads * dim), layer.out)
 
 

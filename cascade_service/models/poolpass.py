@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention import grouped_sdpa
 from .cachearg import cache_kwargs
 from .kvpool import BLOCK, NULL, KVPool, PagedCache
 from .rows import kept_outputs, padded_inputs, split_outputs
@@ -201,24 +203,33 @@ def ragged_attention(
     *args: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA for a ragged pass, one call per run of rows with the same new-token count (PoolPass.groups):
-    query [1, heads, T] (the rows' real tokens) is cut into each run's [n, heads, s, dim], which attends
-    to its rows' keys (of [R, kv_heads, W, dim]) under their rows of the pass's [R, 1, S, W] mask; the
-    outputs come back as [1, T, heads, dim]. Grouped, not padded to S: on a small model attention is
-    most of a pass, and a 7-token verification padding fifteen one-token rows to 7 queries tripled it
-    (docs/benchmarks.md). Outside a ragged pass: SDPA itself."""
+    """A pool pass's attention (`pool_attention`), grouped-query heads packed, not repeated
+    (models.attention). Ragged, one call per run of rows with the same new-token count
+    (PoolPass.groups): query [1, heads, T] (the rows' real tokens) is cut into each run's
+    [n, heads, s, dim], which attends to its rows' keys (of [R, kv_heads, W, dim]) under their rows of
+    the pass's [R, 1, S, W] mask; the outputs come back as [1, T, heads, dim]. Grouped, not padded to
+    S: on a small model attention is most of a pass, and a 7-token verification padding fifteen
+    one-token rows to 7 queries tripled it. A lone row, or a padded pass: one call. Without a mask
+    shared by the heads (a causal lone row, a position bias): transformers' SDPA itself."""
+    if (
+        mask is None
+        or mask.shape[1] != 1
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+        or kwargs.get("dropout", 0.0)
+    ):
+        return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
+    scale = kwargs.get("scaling")
     groups = getattr(_layout, "groups", None)
     if groups is None or query.shape[0] == key.shape[0]:
-        return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
+        return grouped_sdpa(query, key, value, mask, scale).transpose(1, 2).contiguous(), None
     heads, dim = query.shape[1], query.shape[3]
     outs = []
     for rows, steps, tokens in groups:
         n = rows.stop - rows.start
         q = query[0, :, tokens].view(heads, n, steps, dim).transpose(0, 1)  # [n, heads, s, dim]
-        got, _ = sdpa_attention_forward(
-            module, q, key[rows], value[rows], mask[rows, :, :steps], *args, **kwargs
-        )  # [n, s, heads, dim]
-        outs.append(got.reshape(n * steps, heads, -1))
+        got = grouped_sdpa(q, key[rows], value[rows], mask[rows, :, :steps], scale)  # [n, heads, s, dim]
+        outs.append(got.transpose(1, 2).reshape(n * steps, heads, dim))
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[None], None
 
 
@@ -235,6 +246,24 @@ def ragged(model: Any) -> bool:
         and getattr(config, "_attn_implementation", None) == "sdpa"
         and not getattr(model, "encoder_decoder", False)
     )
+
+
+@contextmanager
+def pool_attention(model: Any, groups: list[tuple[slice, int, slice]] | None = None) -> Iterator[None]:
+    """While a pool pass of `model` runs (under its pool's lock): its attention layers call
+    `ragged_attention`, over `groups` (a ragged pass's runs) or as one call (a lone row). A model that
+    is not `ragged` (the lean forward, eager attention) runs as it is."""
+    if not ragged(model):
+        yield
+        return
+    config = model.module.config
+    _layout.groups = groups
+    previous, config._attn_implementation = config._attn_implementation, RAGGED
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _layout.groups = None
 
 
 def forward_rows(model: Any, rows: Sequence[Any], allow_ragged: bool = True) -> list[Any]:
@@ -286,19 +315,14 @@ def _forward_ragged(model: Any, rows: Sequence[Any]) -> list[Any]:
     ends = list(itertools.accumulate(news))
     kept = [list(range(end - row.keep, end)) for row, end in zip(rows, ends)]  # each row's rows, flat
     wanted = sorted({j for row_kept in kept for j in row_kept})
-    config = model.module.config
     with pool.lock:
         step = PoolPass(pool, [row.cache for row in rows], max(news), news=news)
-        _layout.groups = step.groups()
-        previous, config._attn_implementation = config._attn_implementation, RAGGED
         try:
-            out = _module_pass(model, step, ids, wanted, rows)
+            with pool_attention(model, step.groups()):
+                out = _module_pass(model, step, ids, wanted, rows)
         except BaseException:
             step.abandon()
             raise
-        finally:
-            config._attn_implementation = previous
-            _layout.groups = None
         step.commit(news)
     results = kept_outputs(out, rows, [(0, row_kept) for row_kept in kept], wanted)
     back: list[Any] = [None] * len(rows)

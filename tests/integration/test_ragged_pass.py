@@ -41,6 +41,7 @@ def test_rows_of_1_3_and_11_new_tokens_share_one_ragged_pass(tiny_family_factory
     caches = [model.new_cache() for _ in histories]
     for cache, history, n in zip(caches, histories, cached):
         forward_batch(model, [Pass(history[:n], cache, 1, False)])
+    spread.clear()  # the lone prefills above attend through it too, one call a layer
     news = [[7], [8, 9, 10], list(range(20, 31))]
     keeps = [1, 3, 2]
     got = forward_batch(model, [Pass(new, cache, keep, False) for new, cache, keep in zip(news, caches, keeps)])
@@ -64,7 +65,7 @@ def test_rows_in_any_order_attend_in_one_run_per_count_and_get_their_own_logits(
     real_attention = poolpass.ragged_attention
 
     def counted(*args, **kwargs):
-        runs.append(len(poolpass._layout.groups))
+        runs.append(poolpass._layout.groups)
         return real_attention(*args, **kwargs)
 
     monkeypatch.setitem(poolpass.ALL_ATTENTION_FUNCTIONS._global_mapping, poolpass.RAGGED, counted)
@@ -73,10 +74,12 @@ def test_rows_in_any_order_attend_in_one_run_per_count_and_get_their_own_logits(
     caches = [model.new_cache() for _ in histories]
     for cache, history, n in zip(caches, histories, cached):
         forward_batch(model, [Pass(history[:n], cache, 1, False)])
+    assert runs and set(map(type, runs)) == {type(None)}  # a lone row's pass: one call, no runs
+    runs.clear()
     news = [[8, 9, 10], [7], list(range(20, 31)), [6], [3, 4, 5]]
     keeps = [2, 1, 3, 1, 1]
     got = forward_batch(model, [Pass(new, cache, keep, False) for new, cache, keep in zip(news, caches, keeps)])
-    assert runs and set(runs) == {3}
+    assert runs and {len(groups) for groups in runs} == {3}
     for rows, history, n, new, keep, cache in zip(got, histories, cached, news, keeps, caches):
         torch.testing.assert_close(rows, _reference(model, history[:n] + new, keep), rtol=1e-4, atol=1e-4)
         assert cache.length == n + len(new)
@@ -145,3 +148,26 @@ def test_the_mixed_pass_bench_times_every_way_and_leaves_the_caches(tiny_family,
     mixedpass.main([str(tiny_family["target"]), "--context", "40", "--rows", "4", "--k", "3", "--repeats", "1"])
     printed = capsys.readouterr().out
     assert all(f"{way} " in printed for way in mixedpass.WAYS) and "verification of 4 tokens" in printed
+
+
+def test_pool_passes_attend_over_uncopied_key_heads_and_match_the_models_forward(tiny_family, monkeypatch):
+    # The tiny family has half as many KV heads as query heads. A lone verification row and a ragged
+    # pass read each KV head once (models.attention): transformers' repeat_kv, which copies every
+    # row's keys and values per query head, is never called, and each row still gets its own logits.
+    model = HFModel.load(tiny_family["mid"], backend="hf", kv="pool", graphs="off")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    histories = random_prompts(3, 30, seed=21)
+    caches = [model.new_cache() for _ in histories]
+    for cache, history in zip(caches, histories):
+        forward_batch(model, [Pass(history[:20], cache, 1, False)])
+    references = [_reference(model, history[:20] + [5, 6, 7, 8], 4) for history in histories]
+
+    def copied(*args, **kwargs):
+        raise AssertionError("a pool pass repeated the KV heads")
+
+    monkeypatch.setattr("transformers.integrations.sdpa_attention.repeat_kv", copied)
+    lone = forward_batch(model, [Pass([5, 6, 7, 8], caches[0], 4, False)])[0]  # a 3-draft verification
+    torch.testing.assert_close(lone, references[0], rtol=1e-4, atol=1e-4)
+    rows = forward_batch(model, [Pass([5, 6, 7, 8], caches[1], 4, False), Pass([5], caches[2], 1, False)])
+    torch.testing.assert_close(rows[0], references[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rows[1], references[2][:1], rtol=1e-4, atol=1e-4)
