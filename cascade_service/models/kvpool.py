@@ -127,6 +127,8 @@ class KVPool:
         # `empty_cache()` a new tensor can take an old one's address with another capacity, so the
         # addresses alone cannot tell a stale graph (models.staticpass `pool_identity`).
         self.generation = 0
+        # Where a batched pass gathers its rows' keys and values, layer after layer (`window`).
+        self._windows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- what it holds ------------------------------------------------------------------------------
 
@@ -337,6 +339,22 @@ class KVPool:
                 cache.chain.append(digest)  # another request's copy may be the published one
 
     # --- storage ------------------------------------------------------------------------------------
+
+    def window(self, blocks: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for one layer's gathered keys and values, `blocks` blocks each ([blocks, BLOCK,
+        kv_heads, head_dim], `like`'s dtype and device), reused by every layer of every pass (a pass
+        holds `lock`, and a layer is done with them before the next gathers). A fresh tensor each
+        layer cost its allocation each time: with torch's huge pages on (cascade_service/__init__.py)
+        a 2 MB one is new pages, 548 us against 36 us to fill one kept (16 rows of 512 positions of
+        the shipped family; docs/benchmarks.md "The target's pass by shape"). Grows by half again at
+        a time, never shrinks: the most a pass of this model has needed (not counted in `nbytes`,
+        which is the cache's)."""
+        have = self._windows
+        if have is None or have[0].shape[0] < blocks or have[0].dtype != like.dtype or have[0].device != like.device:
+            size = max(blocks, int(have[0].shape[0] * 1.5) if have is not None else 0)
+            shape = (size, *like.shape[1:])
+            have = self._windows = (like.new_empty(shape), like.new_empty(shape))
+        return have[0][:blocks], have[1][:blocks]
 
     def reserve(self, layer: int, like: torch.Tensor, at_least: int = 0) -> None:
         """Make layer `layer` hold every block handed out so far, and `at_least` blocks (capped by the

@@ -130,6 +130,10 @@ class PoolPass:
             :, None
         ]
 
+    # Never under autograd, whoever calls: a pool written under it would chain every pass's graph
+    # to its tensors (memory grew ~90 MB a pass in a script that forgot inference_mode), and the
+    # gather into the pool's scratch (`out=`) refuses tensors that need grad.
+    @torch.no_grad()
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,10 +159,14 @@ class PoolPass:
             values.view(-1, heads, dim)[written] = value_states.transpose(1, 2)
         # Whole blocks, each one contiguous copy: [rows, W, heads, dim] -> [rows, heads, W, dim] (a lone
         # row's W is its length, not whole blocks: the model made its mask for exactly that).
+        # Gathered into the pool's scratch (KVPool.window), not a fresh tensor a layer.
         rows = len(self.caches)
+        key_window, value_window = pool.window(read.shape[0], keys)
+        torch.index_select(keys, 0, read, out=key_window)
+        torch.index_select(values, 0, read, out=value_window)
         return (
-            keys.index_select(0, read).view(rows, -1, heads, dim)[:, : self.width].transpose(1, 2),
-            values.index_select(0, read).view(rows, -1, heads, dim)[:, : self.width].transpose(1, 2),
+            key_window.view(rows, -1, heads, dim)[:, : self.width].transpose(1, 2),
+            value_window.view(rows, -1, heads, dim)[:, : self.width].transpose(1, 2),
         )
 
     # A lone row's pass gives no mask and no positions: the model makes them as for its own cache,

@@ -264,3 +264,30 @@ def test_a_pass_whose_own_rows_outgrow_the_budget_is_overloaded_and_changes_noth
         forward_batch(model, [Pass(p, c, 1, False) for p, c in zip(prompts, caches)])
     assert isinstance(caught.value, Overloaded)  # RESOURCE_EXHAUSTED at the edge
     assert [c.get_seq_length() for c in caches] == [0] * rows and model.kv_pool.used_blocks() == 0
+
+
+def test_batched_passes_gather_into_one_kept_scratch_and_never_under_autograd(tiny_family):
+    # Every layer of every batched pass gathers its rows' keys into the pool's scratch (KVPool.window),
+    # grown when a pass needs more and kept; the pool never holds autograd history, even for a caller
+    # outside inference mode (this test runs with grad enabled), and the passes stay exact.
+    model = HFModel.load(tiny_family["mid"], backend="hf", kv="pool", graphs="off")
+    pool = model.kv_pool
+    assert torch.is_grad_enabled()
+    histories = random_prompts(4, 60, seed=31)
+    caches = [model.new_cache() for _ in histories]
+    for cache, history in zip(caches, histories):
+        forward_batch(model, [Pass(history[:40], cache, 1, False)])
+    forward_batch(model, [Pass(history[40:41], cache, 1, False) for history, cache in zip(histories[:2], caches)])
+    small = pool._windows[0].data_ptr(), pool._windows[0].shape[0]
+    verifying = [Pass(history[41:45], cache, 4, False) for history, cache in zip(histories, caches[:2])]
+    decoding = [Pass(history[40:41], cache, 1, False) for history, cache in zip(histories[2:], caches[2:])]
+    got = forward_batch(model, verifying + decoding)
+    assert pool._windows[0].shape[0] > small[1]  # four rows need more than two: grown once
+    grown = pool._windows[0].data_ptr()
+    forward_batch(model, [Pass(history[45:46], cache, 1, False) for history, cache in zip(histories[:2], caches)])
+    assert pool._windows[0].data_ptr() == grown  # fewer rows: the same scratch
+    assert not any(t.requires_grad for t in pool.keys + pool.values + list(pool._windows))
+    with torch.inference_mode():
+        for rows, history in zip(got[:2], histories):
+            want = model.module(input_ids=torch.tensor([history[:45]])).logits[0, -4:]
+            torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-4)
