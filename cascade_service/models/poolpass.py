@@ -289,7 +289,8 @@ def forward_rows(model: Any, rows: Sequence[Any], allow_ragged: bool = True) -> 
     with pool.lock:
         step = PoolPass(pool, [row.cache for row in rows], ids.shape[1])
         try:
-            out = _module_pass(model, step, ids, wanted, rows)
+            with pool_attention(model):  # one call a layer (a padded pass's rows share S)
+                out = _module_pass(model, step, ids, wanted, rows)
         except BaseException:
             step.abandon()
             raise
