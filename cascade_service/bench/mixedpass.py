@@ -1,12 +1,13 @@
 """How much a verification row adds to a shared pass: one model's pool passes timed side by side.
 
-    cascade-service bench mixedpass MODEL_DIR [--context 500] [--rows 16] [--k 6] [--repeats 5]
+    cascade-service bench mixedpass MODEL_DIR [--context 500] [--rows 16] [--verifying 1] [--k 6] [--repeats 5]
 
-Four ways to run `rows` requests' next step when one of them verifies k drafts (k + 1 tokens) and the
-others decode one token each, over caches of `context` positions: `plain` (every row one token: the
-pass without the verification), `ragged-mixed` (one pass, the model's ragged pass: models.poolpass),
-`padded-mixed` (one pass, every row padded to k + 1 tokens) and `split` (the one-token rows, then the
-verification alone). Prints the median seconds of each (the first repeat is a warm-up)."""
+Four ways to run `rows` requests' next step when `verifying` of them verify k drafts each (k + 1 tokens)
+and the others decode one token each, over caches of `context` positions: `plain` (every row one
+token: the pass without the verifications), `ragged-mixed` (one pass, the model's ragged pass:
+models.poolpass), `padded-mixed` (one pass, every row padded to k + 1 tokens) and `split` (the
+one-token rows, then the verifications). Prints the median seconds of each (the first repeat is a
+warm-up)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from . import tools
 WAYS = ("plain", "ragged-mixed", "padded-mixed", "split")
 
 
-def measure(model: HFModel, context: int, rows: int, k: int, repeats: int) -> dict[str, float]:
+def measure(model: HFModel, context: int, rows: int, k: int, repeats: int, verifying: int = 1) -> dict[str, float]:
     """Median seconds of each way (WAYS) over `repeats` runs after one warm-up."""
     caches = [model.new_cache() for _ in range(rows)]
     assert all(isinstance(cache, PagedCache) for cache in caches), "a pool model (kv: pool)"
@@ -40,13 +41,13 @@ def measure(model: HFModel, context: int, rows: int, k: int, repeats: int) -> di
                 forward_batch(model, [Pass(prompt[start : start + 256], cache, 1, False)])
 
     def batches(way: str) -> list[list[Pass]]:
-        ones = [Pass([5], cache, 1, False) for cache in caches[1:]]
-        verify = Pass(list(range(11, 12 + k)), caches[0], k + 1, False)
+        ones = [Pass([5], cache, 1, False) for cache in caches[verifying:]]
+        verify = [Pass(list(range(11, 12 + k)), cache, k + 1, False) for cache in caches[:verifying]]
         return {
-            "plain": [[Pass([5], caches[0], 1, False), *ones]],
-            "ragged-mixed": [[verify, *ones]],
-            "padded-mixed": [[verify, *ones]],
-            "split": [ones, [verify]],
+            "plain": [[Pass([5], cache, 1, False) for cache in caches]],
+            "ragged-mixed": [[*verify, *ones]],
+            "padded-mixed": [[*verify, *ones]],
+            "split": [ones, verify] if ones else [verify],
         }[way]
 
     def timed(way: str) -> float:
@@ -71,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a model folder (from_pretrained), e.g. a fetched family's 1.5b")
     parser.add_argument("--context", type=int, default=500, help="cached positions per row")
     parser.add_argument("--rows", type=int, default=16, help="rows in the pass, the verifying one included")
-    parser.add_argument("--k", type=int, default=6, help="drafts the verifying row checks (k + 1 tokens)")
+    parser.add_argument("--verifying", type=int, default=1, help="rows that verify (the rest decode one token)")
+    parser.add_argument("--k", type=int, default=6, help="drafts each verifying row checks (k + 1 tokens)")
     parser.add_argument("--repeats", type=int, default=5)
 
 
@@ -81,11 +83,13 @@ def run(args: argparse.Namespace) -> int:
     core = EngineCore()
     try:
         model = core.model(ModelTierConfig("model", args.model, kv="pool", graphs="off"))
-        got = core.loop.run(measure, model, args.context, args.rows, args.k, args.repeats)
+        if not 1 <= args.verifying <= args.rows:
+            raise ValueError(f"--verifying must be 1 to --rows ({args.rows}), got {args.verifying}")
+        got = core.loop.run(measure, model, args.context, args.rows, args.k, args.repeats, args.verifying)
     finally:
         core.close()
     print(
-        f"{args.model}: context {args.context}, {args.rows} rows, a verification of {args.k + 1} tokens: "
+        f"{args.model}: context {args.context}, {args.rows} rows, {args.verifying} verifying {args.k + 1} tokens: "
         + ", ".join(f"{way} {seconds * 1e3:.1f} ms" for way, seconds in got.items())
     )
     return 0

@@ -15,7 +15,7 @@ from cascade_service.inprocess import InProcess
 from cascade_service.models import poolpass
 from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
-from cascade_service.models.poolpass import ragged
+from cascade_service.models.poolpass import forward_rows, ragged
 from cascade_service.zoo.tiny import random_prompts
 
 
@@ -145,9 +145,14 @@ def test_requests_verifying_beside_fourteen_plain_ones_cost_the_target_no_extra_
 def test_the_mixed_pass_bench_times_every_way_and_leaves_the_caches(tiny_family, capsys):
     from cascade_service.bench import mixedpass
 
-    mixedpass.main([str(tiny_family["target"]), "--context", "40", "--rows", "4", "--k", "3", "--repeats", "1"])
-    printed = capsys.readouterr().out
-    assert all(f"{way} " in printed for way in mixedpass.WAYS) and "verification of 4 tokens" in printed
+    for verifying in ("1", "4"):  # one row verifying beside one-token rows; every row verifying
+        args = ["--context", "40", "--rows", "4", "--verifying", verifying, "--k", "3", "--repeats", "1"]
+        mixedpass.main([str(tiny_family["target"]), *args])
+        printed = capsys.readouterr().out
+        assert all(f"{way} " in printed for way in mixedpass.WAYS) and f"{verifying} verifying 4 tokens" in printed
+    with pytest.raises(SystemExit) as exited:  # more verifying rows than rows: argparse's error, by name
+        mixedpass.main([str(tiny_family["target"]), "--rows", "2", "--verifying", "3"])
+    assert exited.value.code == 2 and "--verifying" in capsys.readouterr().err
 
 
 def test_pool_passes_attend_over_uncopied_key_heads_and_match_the_models_forward(tiny_family, monkeypatch):
@@ -171,3 +176,8 @@ def test_pool_passes_attend_over_uncopied_key_heads_and_match_the_models_forward
     rows = forward_batch(model, [Pass([5, 6, 7, 8], caches[1], 4, False), Pass([5], caches[2], 1, False)])
     torch.testing.assert_close(rows[0], references[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rows[1], references[2][:1], rtol=1e-4, atol=1e-4)
+    for cache in caches[1:]:
+        cache.crop(-(cache.length - 20))
+    padded = forward_rows(model, [Pass([5, 6, 7, 8], caches[1], 4, False), Pass([5], caches[2], 1, False)], False)
+    torch.testing.assert_close(padded[0], references[1], rtol=1e-4, atol=1e-4)  # a padded pass's too
+    torch.testing.assert_close(padded[1], references[2][:1], rtol=1e-4, atol=1e-4)
