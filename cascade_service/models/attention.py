@@ -5,8 +5,8 @@ query heads over 2, Qwen2.5-Coder 1.5B 12 over 2) pairs each KV head with a grou
 transformers' SDPA path copies every KV head once per query head of its group (`repeat_kv`) whenever
 more than one query token attends under a mask, which is every verification, every prefill chunk and
 every multi-token row of a ragged pass: a copy of every row's whole keys and values, per layer, per
-pass. On the 2-core host it made a 16-row pass of 2-token rows 31 ms against 10 ms for the same 32
-tokens with 12 of the rows at one token (docs/benchmarks.md "The target's pass by shape").
+pass. On the 2-core host a 16-row pass of 5-token verifications took 41.7 ms against 7.4 for one-token
+rows; packed, 10.0 (`bench mixedpass`, docs/benchmarks.md "KV storage").
 
 Here a group's query heads become extra query rows of their KV head instead ([B, H, s, d] ->
 [B, KV, (H / KV) * s, d]), each row under its own token's mask row, so one SDPA call over the

@@ -346,11 +346,17 @@ class KVPool:
         holds `lock`, and a layer is done with them before the next gathers). A fresh tensor each
         layer cost its allocation each time: with torch's huge pages on (cascade_service/__init__.py)
         a 2 MB one is new pages, 548 us against 36 us to fill one kept (16 rows of 512 positions of
-        the shipped family; docs/benchmarks.md "The target's pass by shape"). Grows by half again at
+        the shipped family; docs/benchmarks.md "KV storage"). Grows by half again at
         a time, never shrinks: the most a pass of this model has needed (not counted in `nbytes`,
         which is the cache's)."""
         have = self._windows
-        if have is None or have[0].shape[0] < blocks or have[0].dtype != like.dtype or have[0].device != like.device:
+        if (
+            have is None
+            or have[0].shape[0] < blocks
+            or have[0].shape[1:] != like.shape[1:]  # a model whose layers differ in KV heads
+            or have[0].dtype != like.dtype
+            or have[0].device != like.device
+        ):
             size = max(blocks, int(have[0].shape[0] * 1.5) if have is not None else 0)
             shape = (size, *like.shape[1:])
             have = self._windows = (like.new_empty(shape), like.new_empty(shape))
