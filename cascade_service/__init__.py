@@ -17,7 +17,9 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # 1.19x each other at 64 streams on a 2-core host; with it, 0.93-1.01x, and a plain server ran a median
 # 1.09x faster than one without (7 paired fresh pairs; docs/benchmarks.md, "Under load"). The allocator
 # reads it once, at its first allocation, so it must be set before torch allocates: here, before any
-# module of this package imports torch. An operator's own setting (0 turns it off) stands.
+# module of this package imports torch. An operator's own setting (0 turns it off) stands. The other side:
+# a tensor of 2 MB or more allocated afresh is new pages every time (548 us against 36 us to refill a kept
+# one), so a hot path keeps its large buffers (models.kvpool KVPool.window) rather than allocating them.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"
