@@ -101,3 +101,37 @@ def test_suffix_decoding_resumes_its_own_trie_and_proposes_as_a_fresh_one():
     for end in range(len(context) - 10, len(context) + 1, 5):
         ctx = Context(context[:end], end - 2)
         assert resumed.propose(ctx, 6) == fresh.propose(ctx, 6)
+
+
+def test_the_longest_continued_sequence_is_found_among_many_that_open_alike():
+    # Every request asks the store (engine.leaves.KeptIndexes files sequences by their opening): under
+    # one shared opening (a system prompt) it still returns the longest sequence the context starts
+    # with, whatever its length, and none that the context only shares the opening with.
+    kept = KeptIndexes()
+    system = tuple(_tokens(40, seed=20))
+    histories = [system + tuple(_tokens(30 + i, seed=30 + i)) for i in range(20)]
+    for i, history in enumerate(histories):
+        kept.put("", history, f"h{i}")
+    kept.put("", system, "system")
+    short = tuple(_tokens(3, seed=50))
+    kept.put("", short, "short")  # shorter than an opening
+    kept.put("", short + (7, 7, 7, 7, 7, 7, 7), "longer")
+    assert kept.take("", list(histories[7]) + [1, 2]) == "h7"
+    assert kept.take("", list(system) + [99]) == "system"  # only the opening in common with the others
+    assert kept.take("", list(histories[7])) is None  # both taken: one request at a time
+    assert kept.take("", list(short) + [7] * 7 + [1]) == "longer"
+    assert kept.take("", list(short) + [7] * 6) == "short"
+    assert kept.take("", list(short[:2])) is None
+    assert kept.take("x", list(histories[3]) + [1]) is None  # another key's
+    assert len(kept) == 19
+
+
+def test_a_sequence_put_again_is_kept_once_with_its_new_index():
+    kept = KeptIndexes(max_tokens=250)
+    tokens = tuple(_tokens(100, seed=60))
+    kept.put("", tokens, "old")
+    kept.put("", tuple(_tokens(100, seed=61)), "other")
+    kept.put("", tokens, "new")  # now the most recent: the next to go is "other"
+    kept.put("", tuple(_tokens(100, seed=62)), "third")
+    assert len(kept) == 2
+    assert kept.take("", list(tokens) + [1]) == "new"
