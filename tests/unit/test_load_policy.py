@@ -274,3 +274,24 @@ def test_a_full_budget_leaves_the_ceiling_as_the_fixed_schedule_does():
     plain.begin()
     assert plain.cap("model", 1, 9) == 0  # an arm that drafts nothing still caps at nothing
     plain.observe(0, 0)
+
+
+def test_a_round_its_arm_keeps_plain_never_reads_the_compute_clock(monkeypatch):
+    # The compute clock is read where a source is first let draft: at 64 streams under the "plain" arm every
+    # round asks both sources and drafts nothing, and reading it there was part of the policies' cost.
+    from cascade_service.engine.policies import load
+
+    reads = []
+    monkeypatch.setattr(load, "charged", lambda: reads.append(1) or 10.0 * len(reads))
+    busy = _timer(fixed_s=0.020, per_token_s=0.0005, batch=64)
+    budget = LoadModel(busy, max_block=8, arms=("plain",)).budget()
+    budget.begin()
+    assert not budget.allows("lookup") and not budget.allows("model")
+    budget.observe(drafted=0, accepted=0)
+    assert reads == []
+    full = LoadModel(busy, max_block=8, arms=("full",)).budget()
+    full.begin()
+    assert full.allows("lookup") and full.allows("model")  # read once, at the first
+    assert full("model", 4) == 4
+    full.drafted()
+    assert len(reads) == 2 and full._draft_s == 10.0  # from the first allows to drafted: 20 - 10

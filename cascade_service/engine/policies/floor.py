@@ -2,32 +2,28 @@
 plain decoding, and what it may lose finding that out is bounded (docs/algorithm.md "The floor under the
 speedup" states the rules and the guarantee; this is their code).
 
-A round's cost c is the wall time the request took from the start of one target round to the start of
-the next (`passes.waited`: its waits for other requests' passes included), its yield n the tokens it
-committed; plain decoding's cost per token p is measured the same way from rounds that drafted nothing
-(the request's own once it has had two, else every request's at this load level; where none was
-measured lately, a calibration round drafts nothing). A drafting round earns n p; its gain ratio is
-n p / c. Under load (N rounds in flight) c also counts (N - 1)(w - w_p): each other request in flight
-waits for its extra work (its work, `charged`, beyond a plain round's). Per source ("lookup": the MaG lookup
-gate; "model": the K-matrix's drafters) a request keeps decayed sums of n p and c, started from every
-request's at its level (its own API key's, greedy and sampled apart) as `prior_rounds` rounds' worth,
-and a source drafts while its ratio is at least 1 (less `margin` once on, more once off; within the
-bound, with no other round in flight, a running source's ratio is taken `confidence` standard errors
-optimistic, since a sampled round's yield varies). A round belongs to the source that filled its block
-(a lookup that found nothing: a plain round). A source that rested is behind: its first round back pays
-a catch-up (reading the tokens committed meanwhile), which counts against the budget but not in its
-ratio, and it is let back only where the tokens the request has left can pay that back.
+A round's cost c is the wall time the request took from the start of one target round to the next
+(`clock.waited`: its waits for others' passes included), its yield n the tokens it committed; plain
+decoding's cost per token p is measured the same way from rounds that drafted nothing (the request's
+own once it has had two, else every request's at this load level; none measured lately: a calibration
+round drafts nothing). A drafting round earns n p, its gain ratio n p / c; under load (N rounds in
+flight) c also counts (N - 1)(w - w_p), the others' wait for its work beyond a plain round's (`charged`).
+Per source ("lookup": the MaG lookup gate; "model": the K-matrix's drafters) a request keeps decayed sums
+of n p and c, started from every request's at its level (its key's, greedy and sampled apart) as
+`prior_rounds` rounds' worth; a source drafts while its ratio is at least 1 (`margin` of hysteresis;
+alone and within the bound, a running source's ratio is taken `confidence` standard errors optimistic).
+A round belongs to the source that filled its block. A source that rested is behind: its first round
+back pays a catch-up (reading the tokens committed meanwhile), counted in the budget but not its ratio,
+and is let back only where the tokens the request has left can pay that back.
 
 The budget: L = sum over drafting rounds of (c - n p) stays within CREDIT p + EPSILON (plain time of
-the request's tokens), plus one round: a source not shown to pay drafts only as a probe whose expected
-loss fits under the bound on its own; past the bound only a source the request's own rounds showed to
-pay drafts. Probes come one stint (its catch-up round, one judged round) every `interval` rounds off,
-the interval tuned by every request's probes within [probe_min, probe_max] and doubled for the request
-after each of its failed probes; a probe that paid decides on its own, so no past locks a source out;
-a round the inner policy vetoes ends a stint. Outside the bound, on purpose (docs/algorithm.md says why):
-the prompt's round, which is not judged, and a level's catch-ups before any rate is measured, which are
-not priced; and the judged rounds after a catch-up that crossed it (one; three for a sampled request, a
-probe's catch-up aside).
+its tokens), plus one round: a source not shown to pay drafts only as a probe whose expected loss fits
+under the bound; past it only a source the request's own rounds showed to pay drafts. A probe is one
+stint (its catch-up round, one judged round) every `interval` rounds off, tuned by every request's
+probes within [probe_min, probe_max], doubled for the request at each failed one; one that paid decides
+alone (no past locks a source out); a veto of the inner policy ends a stint. Outside the bound, on
+purpose (docs/algorithm.md): the prompt's round, not judged; a level's catch-ups before a rate is
+measured, not priced; the judged rounds after a catch-up that crossed it (one; a sampled request three).
 """
 
 from __future__ import annotations
@@ -37,20 +33,9 @@ from dataclasses import replace
 
 from ...core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
 from ..clock import waited, work_clock
-from .goodput import (
-    BEHIND,
-    CREDIT,
-    DEFAULTS,
-    EPSILON,
-    EXPLORE,
-    REST,
-    FloorModel,
-    FloorSettings,
-    Gain,
-    Level,
-    plain_ewma,
-)
-from .rest import RestingFloor
+from . import goodput
+from .goodput import BEHIND, CREDIT, DEFAULTS, EPSILON, EXPLORE, REST, FloorModel, FloorSettings, Gain, Level
+from .rest import PLAIN_SAMPLE, RestingFloor
 
 __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
 
@@ -116,20 +101,23 @@ class GoodputFloor:
         self._read_now: set[str] = set()  # the sources asked this round (they read the committed tokens)
         self._began = 0.0
         self._began_work = 0.0
+        self._timed = True  # the round under way is judged at the next one's begin (`_quiet`)
         self._in_flight = 1.0  # target rounds in flight as this one began, its own included (smoothed)
         self._pending: tuple[str | None, int, int] | None = None  # (source, tokens, behind): judged next round
 
     # --- the block policy ------------------------------------------------------------------------
 
     def begin(self, committed: int = 0, remaining: int = 0) -> None:
-        now, work = self.clock(), self.compute()
+        now, work = self.clock(), None
         if self._pending is not None:  # the last round ran from its begin to this one's
+            work = self.compute()
             self._judge(*self._pending, now - self._began, work - self._began_work)
             self._pending = None
-        self._began, self._began_work, self._committed, self._remaining = now, work, committed, remaining
+        self._committed, self._remaining = committed, remaining
         self.inner.begin(committed, remaining)
         self.model.started(self)
         self.rounds += 1
+        self._timed = True
         level = self.model.level()
         self._in_flight = self.model.in_flight() if level > 0 else 1.0  # alone: its own wait is the test
         self._source = None
@@ -138,30 +126,39 @@ class GoodputFloor:
             self._rest -= 1  # plain again, as decided (REST_ROUNDS); its probes' wait goes on
             for source in self._resting:
                 self._wait(source)  # never due meanwhile: the rest ends the round before the first is
-            self._p = self._plain(self._level)
-            self._allowed = frozenset()
+            self._quiet(now, work)
             return
         self._rest = 0
         if self._level is None or level != self._rest_level:
             self._level = self.model.at(self.greedy, level, self.scope)
         self._rest_level = level
-        if self.rounds > 1 and not any(self.inner.allows(source) for source in SOURCES):
-            # The inner policy lets nothing draft this round (load adaptation's "plain" arm): there is
-            # nothing to decide, and deciding was 40% of the policy's time in such a round. A probe or
-            # a stint under way ends, as a veto ends it. The waits of sources off run on, and a probe
-            # falling due here is skipped and waits its interval again, as a vetoed one did: a wait
-            # held until the arm changed made every request probe at once after a "plain" epoch, and
-            # at T = 1 on the disagree set, 64 streams, that drafted 2.7-5.4% of rounds against
-            # 1.8-2.1% and ran 0.87x the code before it.
-            self._vetoed.update(self._probing, self._stint)
+        inner = self.inner
+        if self.rounds > 1 and not (inner.allows("lookup") or inner.allows("model")):
+            # The inner policy lets nothing draft (load adaptation's "plain" arm): nothing to decide. A probe
+            # or stint under way ends, as a veto ends it; a probe falling due is skipped and waits its interval
+            # again (a wait held until the arm changed made every request probe at once after a "plain" epoch:
+            # at T = 1 on the disagree set, 64 streams, 2.7-5.4% of rounds drafted, 0.87x the code before).
+            if self._probing or self._stint:
+                self._vetoed.update(self._probing, self._stint)
             for source in SOURCES:
                 if source not in self._on and source not in self._probing and source not in self._stint:
                     if self._wait(source):
                         self._waited[source] = 0  # skipped: it waits its interval again
-            self._p = self._plain(self._level)
-            self._allowed = frozenset()
+            self._quiet(now, work)
             return
+        self._began, self._began_work = now, work if work is not None else self.compute()
         self._allowed = self._decide(self._level, alone=level == 0)
+
+    def _quiet(self, now: float, work: float | None) -> None:
+        """A round plain with nothing to decide (a rest, or the "plain" arm): timed into p one round in
+        PLAIN_SAMPLE, as a resting request's are (judging every one was a third of the policies' 38 us a
+        round at 64 streams at T = 1, where every request ran the floor under the "plain" arm)."""
+        assert self._level is not None
+        self._p = self._plain(self._level)
+        self._allowed = frozenset()
+        self._timed = self.rounds % PLAIN_SAMPLE == 0
+        if self._timed:
+            self._began, self._began_work = now, work if work is not None else self.compute()
 
     def allows(self, source: str) -> bool:
         if source not in self._allowed:
@@ -199,6 +196,10 @@ class GoodputFloor:
             return  # the request's prediction or its grammar's forced tokens filled it: not the floor's to judge
         if source is not None:
             self.drafting_rounds += 1
+        elif not self._timed:  # a quiet round not timed (`_quiet`): its tokens count in plain time all the same
+            if self._p is not None and self.rounds > 1:
+                self.plain_equivalent += (accepted + 1) * self._p
+            return
         self._pending = (source, accepted + 1, behind)
 
     # --- what a round taught ---------------------------------------------------------------------
@@ -208,8 +209,8 @@ class GoodputFloor:
         if self.rounds == 1 or here is None:  # the prompt's prefill is in it: no evidence of a round's cost
             return
         if source is None:
-            self._own_plain = plain_ewma(self._own_plain, cost, OWN_PLAIN_SMOOTHING)
-            self._own_plain_work = plain_ewma(self._own_plain_work, work, OWN_PLAIN_SMOOTHING)
+            self._own_plain = goodput.plain_ewma(self._own_plain, cost, OWN_PLAIN_SMOOTHING)
+            self._own_plain_work = goodput.plain_ewma(self._own_plain_work, work, OWN_PLAIN_SMOOTHING)
             self._own_plain_rounds += 1
             self.model.plain(here, cost, work)
             if p is not None:

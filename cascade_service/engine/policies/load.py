@@ -217,13 +217,16 @@ class DraftBudget:
         self.chosen: list[int] = []  # the cap of each round (what a benchmark reads)
         self._source: str | None = None  # of the round asked for and not yet observed
         self._round: Round | None = None  # the trial's round under way
-        self._start = self._draft_s = 0.0
+        self._start: float | None = None  # the request's compute clock when its round was first let draft
+        self._draft_s = 0.0
 
     def begin(self, committed: int = 0, remaining: int = 0) -> None:
-        """A round starts (the target's draft is asked for): its arm is fixed and its time runs."""
+        """A round starts (the target's draft is asked for): its arm is fixed. Its drafting time runs from
+        the first source let draft (`allows`): nothing of the request's runs between, and a round its
+        arm keeps plain (most rounds at high load) then never reads the clock."""
         self._round = self.model.trial.start_round()
         self._source = None
-        self._start = charged()  # this thread's clock: the lookup and the drafting are part of the round
+        self._start = None
 
     def allows(self, source: str) -> bool:
         """Whether this round's arm lets `source` draft at all ("plain" lets nothing, "lookup" only the
@@ -231,7 +234,11 @@ class DraftBudget:
         if self._round is None:
             self.begin()
         assert self._round is not None
-        return _drafts(self._round.arm, source)
+        if not _drafts(self._round.arm, source):
+            return False
+        if self._start is None:
+            self._start = charged()  # this thread's clock: the lookup and the drafting are part of the round
+        return True
 
     def cap(self, source: str, offered: int, ceiling: int) -> int:
         """The block policy's cap (core.policy.BlockPolicy): this round's budget for `offered` drafts.
@@ -247,7 +254,7 @@ class DraftBudget:
         """Drafting is over: its cost is this request's share of the drafters' batched passes and its
         thread's own CPU (`charged`). Remote drafters' work is not in it: load adaptation is for
         in-process tiers."""
-        self._draft_s = charged() - self._start
+        self._draft_s = charged() - self._start if self._start is not None else 0.0
 
     def expected(self, source: str, k: int) -> float:
         weight, mean = self.own[source].at(k)
@@ -266,6 +273,8 @@ class DraftBudget:
         if self._round is None:
             self.begin()
         assert self._round is not None
+        if self._start is None:  # asked without `allows` first (a caller of the budget alone)
+            self._start = charged()
         arm = self._round.arm
         self._source = source
         if not _drafts(arm, source):
