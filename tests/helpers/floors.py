@@ -24,7 +24,6 @@ class Request:
         self.end = prompt + budget  # max_new_tokens
         self.sources: list[str | None] = []
         self.read = {"lookup": 0, "model": 0}
-        self.asked = 0  # rounds whose lookup was asked and found nothing (`round`'s `miss`)
 
     def round(
         self,
@@ -35,18 +34,13 @@ class Request:
         catch_up: float = 0.0,
         work: dict | None = None,
         stall: float = 0.0,
-        miss: float | None = None,
     ) -> str | None:
         """`work[source]` (None: a plain round): its own work where that is not all of its wait; `stall`:
-        seconds the round also lost (a garbage collection, the host's other work), in its wait and work;
-        `miss`: the lookup, where let, is asked and finds nothing, which costs the round that much more."""
+        seconds the round also lost (a garbage collection, the host's other work), in its wait and work."""
         floor = self.floor
         floor.begin(self.committed, self.end - self.committed)
         source, drafted = None, 0
-        if miss is not None and floor.allows("lookup"):
-            self.asked += 1
-            stall += miss
-        elif hit and floor.allows("lookup"):
+        if hit and floor.allows("lookup"):
             drafted = floor.cap("lookup", k, k)
             source = "lookup" if drafted else None
         if source is None and floor.allows("model"):

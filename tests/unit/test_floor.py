@@ -226,8 +226,7 @@ class LookupsOnly(type(FIXED)):  # type: ignore[misc]
         return source == "lookup"
 
 
-def test_a_lookup_that_finds_nothing_is_the_lookups_round_of_one_token():
-    # Not a plain round (tests/unit/test_floor_lookup_misses.py says why): what asking cost is the lookup's.
+def test_a_lookup_that_finds_nothing_is_a_plain_round():
     request = Request(FloorModel(), inner=LookupsOnly())
     request.round({}, {}, hit=False)
     request.round({}, {}, hit=False)
@@ -235,19 +234,10 @@ def test_a_lookup_that_finds_nothing_is_the_lookups_round_of_one_token():
     floor.begin(request.committed)
     assert floor.allows("lookup")
     request.clock.t += 1.05
-    request.work.t += 1.05
     floor.observe(0, 0)  # it drafted nothing
     floor.begin(request.committed + 1)
-    assert floor.drafting_rounds == 0 and floor.loss == pytest.approx(0.05)  # 1 token of plain time for 1.05
-    assert floor._own_plain_rounds == 1  # the calibration round only
-    assert floor._mine["lookup"].rounds == 0  # that one read the prompt first: a catch-up, the budget's alone
-    assert floor.allows("lookup")
-    request.clock.t += 1.05
-    request.work.t += 1.05
-    floor.observe(0, 0)
-    floor.begin(request.committed + 2)
-    assert floor._mine["lookup"].rounds == 1 and floor._mine["lookup"].earned == pytest.approx(PLAIN_S)
-    assert floor.drafting_rounds == 0 and floor._own_plain_rounds == 1
+    assert floor.drafting_rounds == 0 and floor.loss == 0.0
+    assert floor._own_plain_rounds == 2  # the calibration round and the lookup's miss
 
 
 def test_the_inner_policys_veto_and_caps_stand():

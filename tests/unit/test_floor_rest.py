@@ -5,8 +5,8 @@ floor, probing soon), fewer while probes fail there; resting rounds count in the
 
 from __future__ import annotations
 
-from cascade_service.engine.policies import floor_policies, goodput, rest
-from cascade_service.engine.policies.floor import FloorModel, GoodputFloor
+from cascade_service.engine.policies import goodput, rest
+from cascade_service.engine.policies.floor import FloorModel, GoodputFloor, floor_policies
 from cascade_service.engine.policies.rest import RestingFloor
 from tests.helpers.floors import Request, run
 from tests.helpers.trials import Clock

@@ -12,20 +12,18 @@ Per source ("lookup": the MaG lookup gate; "model": the K-matrix's drafters) a r
 of n p and c, started from every request's at its level (its key's, greedy and sampled apart) as
 `prior_rounds` rounds' worth; a source drafts while its ratio is at least 1 (`margin` of hysteresis;
 alone and within the bound, a running source's ratio is taken `confidence` standard errors optimistic).
-A round belongs to the source that filled its block (a lookup that found nothing: the lookup's, one
-token). A source that rested is behind: its first round back pays a catch-up (reading the tokens
-committed meanwhile), counted in the budget but not its ratio, and is let back only where the tokens
-the request has left can pay that back.
+A round belongs to the source that filled its block. A source that rested is behind: its first round
+back pays a catch-up (reading the tokens committed meanwhile), counted in the budget but not its ratio,
+and is let back only where the tokens the request has left can pay that back.
 
 The budget: L = sum over drafting rounds of (c - n p) stays within CREDIT p + EPSILON (plain time of
 its tokens), plus one round: a source not shown to pay drafts only as a probe whose expected loss fits
 under the bound; past it only a source the request's own rounds showed to pay drafts. A probe is one
-stint (its catch-up round and one judged round; a lookup's misses up to its first match) every
-`interval` rounds off, tuned by every request's probes within [probe_min, probe_max], doubled for the
-request at each failed one; one that paid decides alone (no past locks a source out); a veto of the
-inner policy ends a stint. Outside the bound, on purpose (docs/algorithm.md): the prompt's round, not
-judged; a level's catch-ups before a rate is measured, not priced; the judged rounds after a catch-up
-that crossed it (one; a sampled request three).
+stint (its catch-up round, one judged round) every `interval` rounds off, tuned by every request's
+probes within [probe_min, probe_max], doubled for the request at each failed one; one that paid decides
+alone (no past locks a source out); a veto of the inner policy ends a stint. Outside the bound, on
+purpose (docs/algorithm.md): the prompt's round, not judged; a level's catch-ups before a rate is
+measured, not priced; the judged rounds after a catch-up that crossed it (one; a sampled request three).
 """
 
 from __future__ import annotations
@@ -33,16 +31,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from ...core.policy import SOURCES, BlockPolicy
+from ...core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
 from ..clock import waited, work_clock
 from . import goodput
-from .goodput import BEHIND, CREDIT, DEFAULTS, EPSILON, FloorModel, FloorSettings, Gain, Level
-from .rest import PLAIN_SAMPLE
+from .goodput import BEHIND, CREDIT, DEFAULTS, EPSILON, EXPLORE, REST, FloorModel, FloorSettings, Gain, Level
+from .rest import PLAIN_SAMPLE, RestingFloor
 
-__all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor"]
+__all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
 
-# A probe's stint ends after its judged round, or after this many rounds: a lookup's at its first match,
-# judged on its misses before it too, so it waits longer.
+# A probe's stint ends after its judged round, or after this many rounds: a lookup's is judged only where
+# MaG found a match (a miss drafts nothing), so it waits longer.
 PROBE_ROUNDS = {"lookup": 8, "model": 3}
 # Rounds a request kept plain may stay plain without deciding again, while its load level holds and no
 # probe falls due: deciding costs every round a lock, the level's evidence and both sources' estimates
@@ -90,7 +88,6 @@ class GoodputFloor:
         self._resting: tuple[str, ...] = ()  # the sources whose wait for a probe goes on meanwhile
         self._rest_level = -1  # the load level it decided at: another level decides again
         self._probing: dict[str, int] = {}  # source -> rounds of its probe's stint so far
-        self._probe_sums: dict[str, list[float]] = {}  # source -> its probe's judged rounds' (earned, cost)
         self._stint: dict[str, int] = {}  # sources that caught up -> judged rounds they may still run past the bound
         self._vetoed: set[str] = set()  # sources the inner policy refused this round
         self._mine = {s: Gain() for s in SOURCES}  # its own judged rounds per source, the prior aside
@@ -106,7 +103,7 @@ class GoodputFloor:
         self._began_work = 0.0
         self._timed = True  # the round under way is judged at the next one's begin (`_quiet`)
         self._in_flight = 1.0  # target rounds in flight as this one began, its own included (smoothed)
-        self._pending: tuple[str | None, int, int, bool] | None = None  # (source, tokens, behind, missed): next round
+        self._pending: tuple[str | None, int, int] | None = None  # (source, tokens, behind): judged next round
 
     # --- the block policy ------------------------------------------------------------------------
 
@@ -192,28 +189,22 @@ class GoodputFloor:
         self.model.ended(self)
         self.inner.observe(drafted, accepted)
         source = self._source if drafted > 0 else None
-        # A lookup that found nothing: the lookup's round, one token for its cost. As a plain round its cost
-        # (the lookup, the decision; the others wait for both) went into p, and hits looked paying: at T = 0.7,
-        # 16 streams, the family's prompts, lookups read 1.36x by the floor's clock, the server 0.90-0.92x plain.
-        missed = source is None and drafted == 0 and "lookup" in self._read_now
-        if missed:
-            source = "lookup"
         behind = self._behind(source) if source is not None else 0
         for asked in self._read_now:
             self._read[asked] = self._committed + accepted + 1  # it read up to the block it drafted
         if source is None and drafted > 0:
             return  # the request's prediction or its grammar's forced tokens filled it: not the floor's to judge
         if source is not None:
-            self.drafting_rounds += not missed
+            self.drafting_rounds += 1
         elif not self._timed:  # a quiet round not timed (`_quiet`): its tokens count in plain time all the same
             if self._p is not None and self.rounds > 1:
                 self.plain_equivalent += (accepted + 1) * self._p
             return
-        self._pending = (source, accepted + 1, behind, missed)
+        self._pending = (source, accepted + 1, behind)
 
     # --- what a round taught ---------------------------------------------------------------------
 
-    def _judge(self, source: str | None, tokens: int, behind: int, missed: bool, cost: float, work: float) -> None:
+    def _judge(self, source: str | None, tokens: int, behind: int, cost: float, work: float) -> None:
         here, p = self._level, self._p
         if self.rounds == 1 or here is None:  # the prompt's prefill is in it: no evidence of a round's cost
             return
@@ -250,24 +241,14 @@ class GoodputFloor:
         self._mine[source].add(earned, cost, decay)
         own.add(earned, cost, decay)
         self.model.drafted(here, source, earned, cost)
-        if source in self._probing:  # a probe is judged on its rounds up to its first match (a lookup's misses)
-            sums = self._probe_sums.setdefault(source, [0.0, 0.0])
-            sums[0] += earned
-            sums[1] += cost
-            if not missed:
-                self._probed(here, source)
-
-    def _probed(self, here: Level, source: str) -> None:
-        """A probe's stint is over: it paid if its judged rounds earned what they cost."""
-        del self._probing[source]
-        earned, cost = self._probe_sums.pop(source, (0.0, 0.0))
-        paid = earned >= cost
-        if paid:  # its own rounds paid: that, not every request's past, decides now (a prior cannot lock it out)
-            assert self._own is not None  # set where a source first drafts
-            self._own[source] = replace(self._mine[source])
-        settings = self.settings
-        self._interval[source] = settings.probe_min if paid else min(settings.probe_max, 2 * self._interval[source])
-        self.model.probed(here, source, paid)
+        if source in self._probing:
+            del self._probing[source]
+            paid = earned >= cost
+            if paid:  # its own round paid: that, not every request's past, decides now (a prior cannot lock it out)
+                self._own[source] = replace(self._mine[source])
+            settings = self.settings
+            self._interval[source] = settings.probe_min if paid else min(settings.probe_max, 2 * self._interval[source])
+            self.model.probed(here, source, paid)
 
     # --- the decision ----------------------------------------------------------------------------
 
@@ -294,17 +275,13 @@ class GoodputFloor:
         for source in SOURCES:
             if source in self._vetoed:  # the inner policy refused it last round: its stint ends there
                 self._probing.pop(source, None)
-                self._probe_sums.pop(source, None)
                 self._stint.pop(source, None)
             if source in self._probing:  # a probe's stint goes on until it has a judged round
                 self._probing[source] += 1
                 if self._probing[source] <= PROBE_ROUNDS[source]:
                     allowed.add(source)
                     continue
-                if source in self._probe_sums:  # a lookup's stint of misses: judged on them
-                    self._probed(here, source)
-                else:
-                    del self._probing[source]
+                del self._probing[source]
             if source in self._stint:  # caught up: judged rounds, to know what it earns
                 allowed.add(source)
                 continue
@@ -336,7 +313,6 @@ class GoodputFloor:
             ):
                 allowed.add(source)
                 self._probing[source] = 1
-                self._probe_sums.pop(source, None)
                 self._waited[source] = 0
         self._on = {s for s in allowed if s not in self._probing}
         self._vetoed = set()
@@ -396,3 +372,23 @@ class GoodputFloor:
         if behind <= BEHIND:
             return running
         return 2 * running + (here.catch_up_s[source] or 0.0) * behind
+
+
+def floor_policies(
+    inner: PolicyFactory | None, settings: FloorSettings = DEFAULTS, model: FloorModel | None = None
+) -> PolicyFactory:
+    """The coordinator's policy per request, given whether it is greedy and its scope (its API key's
+    salt): the floor over `inner`'s policy (load adaptation), or over the K-matrix as configured where
+    `inner` is None; plain from its first round where drafting loses at its load (`FloorModel.admit`), the
+    evidence they share (`model`; a new one where None)."""
+    model = model if model is not None else FloorModel(settings)
+
+    def policy(greedy: bool, scope: str = "") -> BlockPolicy:
+        start = model.admit(greedy, scope)
+        if start == REST:
+            return RestingFloor(model, greedy, scope)
+        floor = GoodputFloor(model, greedy, inner(greedy, scope) if inner is not None else FIXED, scope=scope)
+        floor.explores = start == EXPLORE
+        return floor
+
+    return policy
