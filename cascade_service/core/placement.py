@@ -28,6 +28,7 @@ the reviewer one level up. The rule:
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -125,6 +126,16 @@ def host_reads(probs: torch.Tensor, tokens: list[int]) -> tuple[list[int], list[
         parts.append(probs[torch.arange(n, device=probs.device), torch.tensor(tokens, device=probs.device)])
     read = torch.cat(parts).tolist()
     return [int(t) for t in read[:rows]], read[rows : 2 * rows], read[2 * rows :]
+
+
+def host_at(rows: torch.Tensor, tokens: Sequence[int]) -> list[float]:
+    """rows[i, tokens[i]] for each of `tokens` (at most len(rows)), read to the host: on the CPU (float32)
+    by element reads of numpy's view, as `host_reads` does, where an index tensor and a gather took ~10 us
+    on every sampled round for a few floats; elsewhere one gather and one copy. The same floats either way."""
+    if rows.device.type == "cpu" and rows.dtype == PROBS_DTYPE:
+        host = rows.numpy()
+        return [host.item(i, t) for i, t in enumerate(tokens)]
+    return rows[torch.arange(len(tokens), device=rows.device), list(tokens)].tolist()
 
 
 def host_argmax(rows: torch.Tensor) -> list[int]:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from .placement import host_argmax, host_reads, keyed_exponentials, uniform
+from .placement import host_argmax, host_at, host_reads, keyed_exponentials, uniform
 from .sampling import residual, reviewed_proposal, sample
 from .types import Draft
 
@@ -162,7 +162,7 @@ class SamplingReview:
         if accepted == k:
             dists = torch.cat([dists, target_probs[k : k + 1]])
         tokens = block.tokens[:accepted] + [token]
-        token_probs = dists[torch.arange(accepted + 1, device=dists.device), tokens].tolist()
+        token_probs = host_at(dists, tokens)
         return Verdict(accepted, token, token_probs, dists)
 
 
@@ -211,7 +211,7 @@ class KeyedReview:
             row = end
         tokens = drafts[:accepted] + [winner]
         dists = target_probs[: accepted + 1]
-        token_probs = dists[torch.arange(accepted + 1, device=dists.device), tokens].tolist()
+        token_probs = host_at(dists, tokens)
         return Verdict(accepted, tokens[-1], token_probs, dists)
 
 

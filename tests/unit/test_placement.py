@@ -195,3 +195,16 @@ def test_draws_on_another_device_need_no_weak_reference_to_a_generator(monkeypat
         assert placement.generator_for(plain, torch.device("cuda:0")) is not placement.generator_for(
             plain, torch.device("cuda:0")
         )
+
+
+def test_host_at_reads_the_same_floats_as_a_gather_on_either_path():
+    # A review's token_probs (core.review): element reads of numpy's view on the CPU in float32, a gather
+    # elsewhere (float64 here stands for a tensor numpy's path does not take).
+    rows = torch.softmax(torch.randn(5, 2048, generator=torch.Generator().manual_seed(3)), dim=-1)
+    tokens = [7, 2047, 0, 7]
+    gathered = rows[torch.arange(4), tokens].tolist()
+    assert placement.host_at(rows, tokens) == gathered
+    assert placement.host_at(rows[1:], tokens[:2]) == rows[1:][torch.arange(2), tokens[:2]].tolist()  # a view
+    wide = rows.double()
+    assert placement.host_at(wide, tokens) == wide[torch.arange(4), tokens].tolist()
+    assert placement.host_at(rows, []) == []
