@@ -151,6 +151,30 @@ def test_a_lookup_is_never_charged_drafting_cost_but_model_drafts_are():
     assert budget("model", 8) == 0  # drafting costs more than the tokens it wins
 
 
+def test_a_term_the_fit_would_make_negative_is_dropped_and_the_rest_refitted():
+    # Passes as at 16 streams: 14-16 rows, mostly one token each, the odd verification row of 11. The rows
+    # barely vary, so their term is all but unidentifiable: these passes (measured on the demo family, T =
+    # 0.7) fit exactly to 12 ms - 0.43 ms a row + 0.13 ms a token. Clipping the row's term to 0 left 12 ms
+    # fixed for passes of 7-9 ms, and a pass's shares then charged a verification row a fifth of what its
+    # tokens added.
+    timer = PassTimer(min_passes=4)
+    passes = [(16, 16), (15, 15), (14, 14), (16, 26), (15, 25), (16, 16), (14, 24), (16, 36)]
+    for rows, tokens in passes:
+        timer.record(rows, tokens, 0.012 - 0.00043 * rows + 0.00013 * tokens, tokens - rows + 1)
+    cost = timer.cost()
+    assert min(cost.fixed_s, cost.per_request_s, cost.per_token_s) >= 0.0
+    predicted = [cost.fixed_s + cost.per_request_s * r + cost.per_token_s * t for r, t in passes]
+    observed = [0.012 - 0.00043 * r + 0.00013 * t for r, t in passes]
+    # Refitted with what is left, the fit is a least-squares fit again: it predicts the mean pass.
+    assert sum(predicted) / len(passes) == pytest.approx(sum(observed) / len(passes), rel=1e-6)
+    assert cost.per_token_s == pytest.approx(0.00013, rel=0.25)
+    # So a verification row of 11 among 15 one-token rows is charged about its 10 extra tokens' time.
+    seconds = observed[3]
+    shares = timer.shares([1] * 15 + [11], seconds)
+    assert shares[-1] - shares[0] == pytest.approx(10 * cost.per_token_s, rel=0.05)
+    assert shares[-1] - shares[0] > 0.7 * 10 * 0.00013
+
+
 def test_a_pass_is_charged_to_its_rows_by_the_fitted_cost():
     timer = _timer(fixed_s=0.010, per_token_s=0.001, batch=4, per_request_s=0.0)
     shares = timer.shares([1, 9], 0.030)
