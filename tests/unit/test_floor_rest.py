@@ -152,3 +152,28 @@ def test_a_level_whose_every_source_loses_rests_by_its_ratio_even_while_a_probe_
         thin.drafted(there, "lookup", 2.0, 1.0)  # the lookup pays at this level
         thin.drafted(there, "model", 1.0, 1.5)
     assert all(thin.admit(True) == goodput.FLOOR for _ in range(8))
+
+
+def test_while_load_adaptation_runs_its_plain_arm_a_request_rests_and_still_counts_in_the_trial():
+    """Under the trial's "plain" arm a floor's rounds decide nothing (nothing may draft) yet ran its
+    bookkeeping: at 64 streams, T = 1, in process, every request ran the floor (no drafting round ever
+    gave the evidence to rest by), 21 + 7 us a round. A request admitted then rests from its first round;
+    its rounds still begin and end in the trial, so the trial's load and epochs count them."""
+    from cascade_service.engine.clock import PassTimer
+    from cascade_service.engine.policies.load import DraftBudget, load_policies
+
+    inner = load_policies(PassTimer(), 8, arms=("plain",))
+    policy = floor_policies(inner, model=FloorModel())
+    resting = [policy(True) for _ in range(16)]  # a fresh FloorModel: admit() alone would say FLOOR
+    assert all(isinstance(p, RestingFloor) and isinstance(p.inner, DraftBudget) for p in resting)
+    trial = resting[0].inner.model.trial
+    for p in resting:
+        p.begin(100, 64)
+    assert trial._in_flight == 16  # every resting round is in flight in the trial
+    assert not any(p.allows(s) for p in resting for s in ("lookup", "model"))
+    for p in resting:
+        p.observe(0, 0)
+    assert trial._in_flight == 0
+    # Where the trial's arm lets a source draft, the admission is the floor's as before.
+    drafting = floor_policies(load_policies(PassTimer(), 8, arms=("budget",)), model=FloorModel())
+    assert isinstance(drafting(True), GoodputFloor)

@@ -35,6 +35,7 @@ from ...core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
 from ..clock import waited, work_clock
 from . import goodput
 from .goodput import BEHIND, CREDIT, DEFAULTS, EPSILON, EXPLORE, REST, FloorModel, FloorSettings, Gain, Level
+from .load import DraftBudget
 from .rest import PLAIN_SAMPLE, RestingFloor
 
 __all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
@@ -379,15 +380,19 @@ def floor_policies(
 ) -> PolicyFactory:
     """The coordinator's policy per request, given whether it is greedy and its scope (its API key's
     salt): the floor over `inner`'s policy (load adaptation), or over the K-matrix as configured where
-    `inner` is None; plain from its first round where drafting loses at its load (`FloorModel.admit`), the
+    `inner` is None; plain from its first round where drafting loses at its load (`FloorModel.admit`) or
+    where load adaptation's trial runs its "plain" arm (its rounds still counted in the trial), the
     evidence they share (`model`; a new one where None)."""
     model = model if model is not None else FloorModel(settings)
 
     def policy(greedy: bool, scope: str = "") -> BlockPolicy:
+        below = inner(greedy, scope) if inner is not None else FIXED
+        if isinstance(below, DraftBudget) and below.keeps_plain():  # nothing would draft: no floor to run
+            return RestingFloor(model, greedy, scope, inner=below)
         start = model.admit(greedy, scope)
         if start == REST:
             return RestingFloor(model, greedy, scope)
-        floor = GoodputFloor(model, greedy, inner(greedy, scope) if inner is not None else FIXED, scope=scope)
+        floor = GoodputFloor(model, greedy, below, scope=scope)
         floor.explores = start == EXPLORE
         return floor
 

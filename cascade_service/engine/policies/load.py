@@ -228,6 +228,11 @@ class DraftBudget:
         self._source = None
         self._start = None
 
+    def keeps_plain(self) -> bool:
+        """Whether a round begun now would draft nothing: the trial's epoch under way runs the "plain" arm
+        (engine.policies.floor admits a request then as a resting one that still counts in the trial)."""
+        return self.model.trial.arm == "plain"
+
     def allows(self, source: str) -> bool:
         """Whether this round's arm lets `source` draft at all ("plain" lets nothing, "lookup" only the
         lookup): an arm that keeps a source from drafting keeps it from costing anything too."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...core.policy import NoDrafts
+from ...core.policy import BlockPolicy, NoDrafts
 from ..clock import waited, work_clock
 from .goodput import FloorModel, Level
 
@@ -22,7 +22,11 @@ class RestingFloor(NoDrafts):
     its plain rounds (from the round's begin to the next's; never the prompt's round) into the level's
     plain cost p: where most requests rest (at 16 and 64 streams at T = 1), they are most of the level's
     plain rounds, and p is then theirs too rather than only the few floors' (speculation "off" costs
-    less a round than a floor's plain round, which carries the floor's bookkeeping)."""
+    less a round than a floor's plain round, which carries the floor's bookkeeping).
+
+    `inner`: load adaptation's policy where the request was admitted while its trial runs the "plain" arm
+    (engine.policies.floor); its rounds begin and end there too, so the trial's load and its epochs count
+    them as the rounds they are, and nothing else of it runs (no source is ever asked)."""
 
     def __init__(
         self,
@@ -31,8 +35,9 @@ class RestingFloor(NoDrafts):
         scope: str = "",
         clock: Callable[[], float] = waited,
         compute: Callable[[], float] | None = None,
+        inner: BlockPolicy | None = None,
     ):
-        self.model, self.greedy, self.scope, self.clock = model, greedy, scope, clock
+        self.model, self.greedy, self.scope, self.clock, self.inner = model, greedy, scope, clock, inner
         self.compute = work_clock(clock, compute)
         self.rounds = 0
         self._began = self._began_work = 0.0
@@ -47,6 +52,10 @@ class RestingFloor(NoDrafts):
             self._timed = self.model.at(self.greedy, self.model.level(), self.scope)
             self._began, self._began_work = self.clock(), self.compute()
         self.model.started(self)
+        if self.inner is not None:
+            self.inner.begin(committed, remaining)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.model.ended(self)
+        if self.inner is not None:
+            self.inner.observe(drafted, accepted)

@@ -127,6 +127,7 @@ class ArmTrial:
         self._lock = threading.Lock()
         self._epoch = 0
         self._epochs: dict[int, _Epoch] = {0: _Epoch(self.arms[0], 0)}  # current and still-pending ones
+        self.arm = self.arms[0]  # the arm of the epoch under way (a round started now uses it); read lock-free
         self._in_flight = 0  # the epochs' pending rounds, summed (a written-off epoch's leave with it)
         self._started = clock()
         self._load = 1.0
@@ -198,6 +199,7 @@ class ArmTrial:
             self._finish(stale)  # its unfinished rounds never will: what finished is its sample
         self._epoch += 1
         self._epochs[self._epoch] = _Epoch(self._choose(level), level)
+        self.arm = self._epochs[self._epoch].arm
         self._started = now
 
     def _finish(self, index: int) -> None:
