@@ -5,7 +5,6 @@ floor, probing soon), fewer while probes fail there; resting rounds count in the
 
 from __future__ import annotations
 
-from cascade_service.core.policy import FIXED
 from cascade_service.engine.policies import goodput, rest
 from cascade_service.engine.policies.floor import FloorModel, GoodputFloor, floor_policies
 from cascade_service.engine.policies.rest import RestingFloor
@@ -178,24 +177,3 @@ def test_while_load_adaptation_runs_its_plain_arm_a_request_rests_and_still_coun
     # Where the trial's arm lets a source draft, the admission is the floor's as before.
     drafting = floor_policies(load_policies(PassTimer(), 8, arms=("budget",)), model=FloorModel())
     assert isinstance(drafting(True), GoodputFloor)
-
-
-def test_a_burst_of_arrivals_is_admitted_at_the_level_of_the_rounds_in_flight_now():
-    """The load level is smoothed; a burst outruns it. At 64 streams, T = 1, the first of a burst were
-    admitted at the levels of one to four streams, where drafting pays, and read their prompts into the
-    drafters while the others queued. Admission (and a request's prompt's round) count the rounds in
-    flight this moment, itself included."""
-    model = FloorModel()
-    here = model.at(True, 4)  # 16 streams: every source loses there, on evidence enough
-    model.plain(here, 1.0, 0.8)
-    while here.gains["model"].rounds < goodput.REST_EVIDENCE:
-        for source in goodput.SOURCES:
-            model.drafted(here, source, 1.0, 1.5)
-    burst = [RestingFloor(model) for _ in range(15)]
-    for floor in burst:  # fifteen requests arrive at once and begin their prompts' rounds
-        floor.begin(0, 64)
-    assert [model.admit(True) for _ in range(4)].count(goodput.FLOOR) == 0  # at 16 streams: rest (or explore)
-    first = GoodputFloor(model, True, FIXED)
-    first.begin(0, 64)  # its prompt's round, at the level of the sixteen now in flight
-    assert first._level is model.at(True, 4)
-    assert model.level() < 4  # the smoothed count still lags behind

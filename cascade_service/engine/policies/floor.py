@@ -119,7 +119,7 @@ class GoodputFloor:
         self.model.started(self)
         self.rounds += 1
         self._timed = True
-        level = self.model.level(self.model.rounds_now() if self.rounds == 1 else 0)  # arriving: the count now
+        level = self.model.level()
         self._in_flight = self.model.in_flight() if level > 0 else 1.0  # alone: its own wait is the test
         self._source = None
         self._read_now = set()

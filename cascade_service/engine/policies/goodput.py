@@ -182,17 +182,9 @@ class FloorModel:
         self._in_round: weakref.WeakSet[Any] = weakref.WeakSet()  # a request that dies mid-round leaves
         self._load = 1.0
 
-    def level(self, now: int = 0) -> int:
-        """The load level: log2 of the target rounds in flight (smoothed), rounded; of `now` where more (a
-        request's admission and its prompt's round count the rounds in flight this moment, itself included:
-        a burst of arrivals outruns the smoothing, and at 64 streams, T = 1, the first of a burst were
-        admitted at the levels of one to four streams, where drafting pays, and read their prompts into
-        the drafters while the others queued: 0.4-0.5 s more ramp than a plain server's)."""
-        return max(0, round(math.log2(max(self._load, now, 1.0))))
-
-    def rounds_now(self) -> int:
-        """Target rounds in flight this moment (unsmoothed)."""
-        return len(self._in_round)
+    def level(self) -> int:
+        """The load level: log2 of the target rounds in flight (smoothed), rounded."""
+        return max(0, round(math.log2(max(self._load, 1.0))))
 
     def in_flight(self) -> float:
         """Target rounds in flight (smoothed, at least 1): the requests a round's extra work delays."""
@@ -234,7 +226,7 @@ class FloorModel:
         there: `probed`): the floor, its probes due from probe_min on rather than the level's interval, so
         that a level where drafting pays again finds out (its paying rounds raise the level's ratio, and the
         rest ends)."""
-        here = self.at(greedy, self.level(self.rounds_now() + 1), scope)  # with this request's round
+        here = self.at(greedy, self.level(), scope)
         with self._lock:
             if here.plain_s is None:
                 return FLOOR
