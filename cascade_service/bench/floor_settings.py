@@ -18,7 +18,8 @@ import time
 from collections.abc import Sequence
 
 from ..config import GenerationConfig, load_config
-from ..engine.policies.floor import FloorSettings, floor_policies
+from ..engine.policies import floor_policies
+from ..engine.policies.floor import FloorSettings
 from ..inprocess import InProcess
 from ..prompts import read_prompts
 from ..sessions import MemoryStore

@@ -16,10 +16,19 @@ class Request:
     """One request's rounds: each drafting source's round costs `cost[source]` (plus `catch_up` per token
     it is behind) and keeps `accept[source]` of the `k` drafts it is capped at; a plain round costs PLAIN_S."""
 
-    def __init__(self, model: FloorModel, greedy: bool = True, inner=FIXED, prompt: int = 100, budget: int = 10_000):
+    def __init__(
+        self,
+        model: FloorModel,
+        greedy: bool = True,
+        inner=FIXED,
+        prompt: int = 100,
+        budget: int = 10_000,
+        explores: bool = False,
+    ):
         self.clock = Clock()
         self.work = Clock()  # its own work: its shares of the passes and its Python (engine.clock.charged)
         self.floor = GoodputFloor(model, greedy, inner, clock=self.clock, compute=self.work)
+        self.floor.explores = explores  # as FloorModel.admit admits one request in EXPLORE_EVERY
         self.committed = prompt
         self.end = prompt + budget  # max_new_tokens
         self.sources: list[str | None] = []
@@ -70,3 +79,16 @@ def run(request: Request, rounds: int, shape=BAD, **kw) -> Request:
     for _ in range(rounds):
         request.round(*shape, **kw)
     return request
+
+
+IN_FLIGHT: list[GoodputFloor] = []  # held here: the model keeps a round's floor weakly
+
+
+def at_load(rounds_in_flight: int) -> FloorModel:
+    """A model where `rounds_in_flight` - 1 other requests stay in a round (level log2 of it)."""
+    model = FloorModel()
+    IN_FLIGHT[:] = [GoodputFloor(model, True, FIXED, clock=Clock()) for _ in range(rounds_in_flight - 1)]
+    for other in IN_FLIGHT:
+        other.begin(10)
+    model._load = float(rounds_in_flight)
+    return model

@@ -13,7 +13,7 @@ import pytest
 from cascade_service.core.policy import FIXED, OFF
 from cascade_service.engine.policies import goodput as fl
 from cascade_service.engine.policies.floor import CREDIT, EPSILON, PLAIN_SAMPLE, REST_ROUNDS, FloorModel, GoodputFloor
-from tests.helpers.floors import BAD, GOOD, PLAIN_S, Clock, Request, run
+from tests.helpers.floors import BAD, GOOD, PLAIN_S, Clock, Request, at_load, run
 
 
 def test_drafts_that_do_not_pay_fall_back_to_plain_within_a_few_rounds():
@@ -61,19 +61,6 @@ def test_a_source_whose_rounds_pay_on_average_survives_its_unlucky_first_ones(co
         assert request.clock.t > request.plain_time() / 1.25
 
 
-IN_FLIGHT: list[GoodputFloor] = []  # held here: the model keeps a round's floor weakly
-
-
-def at_load(rounds_in_flight: int) -> FloorModel:
-    """A model where `rounds_in_flight` - 1 other requests stay in a round (level log2 of it)."""
-    model = FloorModel()
-    IN_FLIGHT[:] = [GoodputFloor(model, True, FIXED, clock=Clock()) for _ in range(rounds_in_flight - 1)]
-    for other in IN_FLIGHT:
-        other.begin(10)
-    model._load = float(rounds_in_flight)
-    return model
-
-
 def test_under_load_a_sources_estimate_is_not_taken_optimistic():
     # Its clock misses what its verification adds to the others' passes: the point estimate decides there.
     model = at_load(8)  # seven other requests stay in a round: level 3
@@ -88,13 +75,14 @@ def test_under_load_a_round_is_charged_the_wait_its_extra_work_gives_the_others(
     # GOOD's rounds: 4 tokens for 1.6 plain steps of the request's own wait, 2.5x for itself. At 8 streams a
     # plain round's own work (its share of the pass, its Python) is a fraction of its wait; if 0.6 of a
     # plain step is the drafting round's extra work (drafter steps, the verification's extra positions),
-    # each of the 7 others waits that long too: 4 tokens for 1.6 + 7 x 0.6 plain steps, 0.69x.
-    loaded = Request(at_load(8))
+    # each of the 7 others waits that long too: 4 tokens for 1.6 + 7 x 0.6 plain steps, 0.69x. (Explorers: at a
+    # level nothing has measured, only they try a source.)
+    loaded = Request(at_load(8), explores=True)
     for _ in range(60):
         loaded.round(*GOOD, work={"model": 0.725, None: 0.125})
     assert loaded.sources[-50:].count("model") <= 10  # probes only
     # where its extra work was 0.1 (its wait mostly the others' passes): 4 tokens for 2.3, so it drafts on
-    shared = Request(at_load(8))
+    shared = Request(at_load(8), explores=True)
     for _ in range(60):
         shared.round(*GOOD, work={"model": 0.225, None: 0.125})
     assert shared.sources[-50:].count("model") >= 48

@@ -1,14 +1,16 @@
 """A request admitted where drafting loses at its load runs plain from its first round (engine.policies.rest,
 goodput.FloorModel.admit): only where every source's rounds lose and its probes failed until they come
 as seldom as they may, or its ratio over enough rounds says so; one request in EXPLORE_EVERY explores (the
-floor, probing soon), fewer while probes fail there; resting rounds count in the load."""
+floor, probing soon), fewer while probes fail there; resting rounds count in the load. Under load, where no
+round has measured a source at the level, only explorers let it read their context."""
 
 from __future__ import annotations
 
-from cascade_service.engine.policies import goodput, rest
-from cascade_service.engine.policies.floor import FloorModel, GoodputFloor, floor_policies
+from cascade_service.core.policy import FIXED
+from cascade_service.engine.policies import floor_policies, goodput, rest
+from cascade_service.engine.policies.floor import FloorModel, GoodputFloor
 from cascade_service.engine.policies.rest import RestingFloor
-from tests.helpers.floors import Request, run
+from tests.helpers.floors import GOOD, Request, at_load, run
 from tests.helpers.trials import Clock
 
 LOSING_BOTH = ({"model": 1.6, "lookup": 1.6}, {"model": 0, "lookup": 0})
@@ -177,3 +179,64 @@ def test_while_load_adaptation_runs_its_plain_arm_a_request_rests_and_still_coun
     # Where the trial's arm lets a source draft, the admission is the floor's as before.
     drafting = floor_policies(load_policies(PassTimer(), 8, arms=("budget",)), model=FloorModel())
     assert isinstance(drafting(True), GoodputFloor)
+
+
+# GOOD's model rounds keep 3 of 4 drafts for 1.6 plain steps of the request's wait, of which 0.1 more of its own
+# work than a plain round's: they pay at 8 rounds in flight too (test_floor's charge for the others' wait).
+SHARED = {"model": 0.225, None: 0.125}
+
+
+def test_under_load_only_explorers_let_a_source_nothing_measured_read_their_context():
+    # At 8 rounds in flight (level 3) no round has measured either source. A request's first drafting round
+    # would read its whole context (100 tokens) into the drafters: only an explorer's does; in a burst the
+    # others had all read their prompts into drafters that then lost (64 streams at T = 1).
+    cautious = run(Request(at_load(8)), 30, GOOD, work=SHARED)
+    assert cautious.sources == [None] * 30
+    explorer = run(Request(at_load(8), explores=True), 30, GOOD, work=SHARED)
+    assert explorer.sources[0] == "model" and explorer.sources.count("model") >= 28  # all but the calibration
+    alone = run(Request(FloorModel()), 30, GOOD)  # alone (level 0): the benefit of the doubt, as before
+    assert alone.sources[0] == "model"
+
+
+def test_once_an_explorers_rounds_measured_a_source_that_pays_the_cautious_requests_draft_it():
+    model = at_load(8)
+    cautious = run(Request(model), 5, GOOD, work=SHARED)
+    assert cautious.sources == [None] * 5
+    run(Request(model, explores=True), 10, GOOD, work=SHARED)
+    assert model.at(True, 3).gains["model"].ratio() > 1.0
+    run(cautious, 20, GOOD, work=SHARED)
+    assert cautious.sources[-10:] == ["model"] * 10  # caught up, and drafting on
+    assert run(Request(model), 5, GOOD, work=SHARED).sources[0] == "model"  # a new request's prompt round
+
+
+def test_beside_other_rounds_where_nothing_was_measured_explorers_come_at_gaps_that_double():
+    # A burst into a new server: the first explores, then one after 4, 8, 16, 32 more (EXPLORE_EVERY, doubling).
+    model = at_load(8)
+    admitted = [model.admit(True) for _ in range(64)]
+    explorers = [i for i, start in enumerate(admitted) if start == goodput.EXPLORE]
+    assert explorers == [0, 4, 12, 28, 60] and set(admitted) == {goodput.EXPLORE, goodput.FLOOR}
+    assert [model.admit(False) for _ in range(2)] == [goodput.EXPLORE, goodput.FLOOR]  # each kind its own
+    assert {FloorModel().admit(True) for _ in range(8)} == {goodput.FLOOR}  # alone: every request tries
+
+
+def test_a_level_nothing_measured_takes_the_nearest_measured_levels_evidence():
+    # Level 3 has no rounds; level 2's say the model pays (or loses): a request at level 3 drafts in its prompt's
+    # round (or does not), as it would on its own level's evidence, without an explorer having to find out.
+    for earned, drafts in ((2.5, True), (0.5, False)):
+        model = at_load(8)
+        for _ in range(3):
+            model.drafted(model.at(True, 2), "model", earned, 1.0)
+        request = run(Request(model), 1, GOOD, work=SHARED)
+        assert (request.sources[0] == "model") is drafts
+        assert model.at(True, 4).gains["model"].rounds == 0  # borrowed, not copied
+
+
+def test_beside_another_round_at_level_0_a_request_is_as_cautious_as_under_load():
+    # The level lags a burst (4 of a 64-stream burst were admitted at level 0): another round in flight is enough.
+    model = FloorModel()
+    other = GoodputFloor(model, True, FIXED, clock=Clock())
+    other.begin(10)
+    assert model.level() == 0
+    assert run(Request(model), 1, GOOD).sources == [None]
+    other.observe(0, 0)  # it ended: alone again
+    assert run(Request(model), 1, GOOD).sources == ["model"]

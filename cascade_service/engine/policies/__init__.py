@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...core.policy import ARMS, PolicyFactory
+from ...core.policy import ARMS, FIXED, BlockPolicy, PolicyFactory
 from ..clock import PassTimer
-from .floor import floor_policies
-from .load import load_policies
+from .floor import GoodputFloor
+from .goodput import DEFAULTS, EXPLORE, REST, FloorModel, FloorSettings
+from .load import DraftBudget, load_policies
+from .rest import RestingFloor
 
 
 def build_policies(
@@ -27,3 +29,27 @@ def build_policies(
     configured."""
     policies = load_policies(timer or PassTimer(), max_block, arms or ARMS) if adapt_to_load else None
     return floor_policies(policies) if floor else policies
+
+
+def floor_policies(
+    inner: PolicyFactory | None, settings: FloorSettings = DEFAULTS, model: FloorModel | None = None
+) -> PolicyFactory:
+    """The coordinator's policy per request, given whether it is greedy and its scope (its API key's
+    salt): the floor over `inner`'s policy (load adaptation), or over the K-matrix as configured where
+    `inner` is None; plain from its first round where drafting loses at its load (`FloorModel.admit`) or
+    where load adaptation's trial runs its "plain" arm (its rounds still counted in the trial), the
+    evidence they share (`model`; a new one where None)."""
+    model = model if model is not None else FloorModel(settings)
+
+    def policy(greedy: bool, scope: str = "") -> BlockPolicy:
+        below = inner(greedy, scope) if inner is not None else FIXED
+        if isinstance(below, DraftBudget) and below.keeps_plain():  # nothing would draft: no floor to run
+            return RestingFloor(model, greedy, scope, inner=below)
+        start = model.admit(greedy, scope)
+        if start == REST:
+            return RestingFloor(model, greedy, scope)
+        floor = GoodputFloor(model, greedy, below, scope=scope)
+        floor.explores = start == EXPLORE
+        return floor
+
+    return policy

@@ -31,14 +31,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from ...core.policy import FIXED, SOURCES, BlockPolicy, PolicyFactory
+from ...core.policy import SOURCES, BlockPolicy
 from ..clock import waited, work_clock
 from . import goodput
-from .goodput import BEHIND, CREDIT, DEFAULTS, EPSILON, EXPLORE, REST, FloorModel, FloorSettings, Gain, Level
-from .load import DraftBudget
-from .rest import PLAIN_SAMPLE, RestingFloor
+from .goodput import BEHIND, CREDIT, DEFAULTS, EPSILON, FloorModel, FloorSettings, Gain, Level
+from .rest import PLAIN_SAMPLE
 
-__all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor", "floor_policies"]
+__all__ = ["BEHIND", "CREDIT", "DEFAULTS", "EPSILON", "FloorModel", "FloorSettings", "GoodputFloor"]
 
 # A probe's stint ends after its judged round, or after this many rounds: a lookup's is judged only where
 # MaG found a match (a miss drafts nothing), so it waits longer.
@@ -77,6 +76,7 @@ class GoodputFloor:
         self.loss = 0.0  # L: seconds its drafting rounds lost against plain decoding
         self.plain_equivalent = 0.0  # plain decoding's time for the tokens of its judged rounds
         self._own: dict[str, Gain] | None = None  # from the prior, at its first judged round
+        self._unpriced: set[str] = set()  # sources whose prior had no rounds behind it (`_decide`)
         self._own_plain: float | None = None
         self._own_plain_rounds = 0
         self._own_plain_work: float | None = None  # the work (compute clock) of its plain rounds, EWMA
@@ -254,17 +254,19 @@ class GoodputFloor:
     # --- the decision ----------------------------------------------------------------------------
 
     def _decide(self, here: Level, alone: bool) -> frozenset[str]:
-        """The sources that may draft this round (`alone`: it began with no other round in flight)."""
+        """The sources that may draft this round (`alone`: it began at load level 0)."""
         if self.rounds == 1:  # the prefill round: draft where every request's rounds here say it pays
             self._p = None
             p = self._plain(here)
-            return frozenset(s for s in SOURCES if here.gains[s].not_losing() and self._pays_back(here, s, p, None))
+            tried = [s for s in SOURCES if not self._untried(here, s)]
+            return frozenset(s for s in tried if self._gains(here, s).not_losing() and self._pays_back(here, s, p))
         calibrate = self.model.calibrating(here)
         self._p = p = self._plain(here)
         if p is None or calibrate:
             return frozenset()
         if self._own is None:
-            self._own = {s: here.gains[s].prior(p, self.settings.prior_rounds) for s in SOURCES}
+            self._own = {s: self._gains(here, s).prior(p, self.settings.prior_rounds) for s in SOURCES}
+            self._unpriced = {s for s in SOURCES if here.gains[s].rounds <= 0.0}
             self._interval = dict(here.interval)
             if self.explores:
                 self._interval = dict.fromkeys(SOURCES, self.settings.probe_min)
@@ -286,6 +288,12 @@ class GoodputFloor:
             if source in self._stint:  # caught up: judged rounds, to know what it earns
                 allowed.add(source)
                 continue
+            if source in self._unpriced and here.gains[source].rounds > 0.0:  # evidence came: the prior it lacked
+                self._unpriced.discard(source)
+                if self._mine[source].rounds <= 0.0:
+                    self._own[source] = here.gains[source].prior(p, settings.prior_rounds)
+            if self._untried(here, source):
+                continue  # off, and not waiting for a probe: the explorers' rounds will say
             # Within the bound the estimate decides (every request's prior in it); past it, only the
             # request's own rounds: a source they show to pay earns the loss back.
             # Within the bound a running source's estimate is taken optimistic where the request runs
@@ -344,11 +352,26 @@ class GoodputFloor:
         plain = self._own_plain_work if self._own_plain_known() else here.plain_work_s
         return max(0.0, work - plain) if plain is not None else 0.0
 
+    def _gains(self, here: Level, source: str) -> Gain:
+        """Every request's rounds of `source` at its level, else at the nearest level that has some."""
+        if here.gains[source].rounds > 0.0:
+            return here.gains[source]
+        return self.model.evidence(self.greedy, self._rest_level, source, self.scope) or here.gains[source]
+
+    def _untried(self, here: Level, source: str) -> bool:
+        """Whether `source` stays off for now: beside other rounds, behind (its first round would read the
+        whole context), where no round at any level has measured it, in a request not admitted to explore.
+        At 64 streams at T = 1 the first 45 requests of a burst, admitted at levels nothing had measured,
+        read their prompts into the drafters; the explorers (FloorModel.admit) find out for the rest."""
+        if self.explores or self._behind(source) <= BEHIND or self._gains(here, source).rounds > 0.0:
+            return False
+        return self.model.crowded()
+
     def _behind(self, source: str) -> int:
         """Committed tokens `source` has not read (the whole context if it never drafted)."""
         return self._committed - self._read[source]
 
-    def _pays_back(self, here: Level, source: str, p: float | None, ratio: float | None) -> bool:
+    def _pays_back(self, here: Level, source: str, p: float | None, ratio: float | None = None) -> bool:
         """Whether a source that must first catch up (read the tokens committed while it rested: the whole
         prompt if it never drafted) can earn that back in the tokens the request has left: at gain ratio
         r a token saves p (1 - 1/r). The first catch-up at a level (no rate measured yet), and a ratio
@@ -373,27 +396,3 @@ class GoodputFloor:
         if behind <= BEHIND:
             return running
         return 2 * running + (here.catch_up_s[source] or 0.0) * behind
-
-
-def floor_policies(
-    inner: PolicyFactory | None, settings: FloorSettings = DEFAULTS, model: FloorModel | None = None
-) -> PolicyFactory:
-    """The coordinator's policy per request, given whether it is greedy and its scope (its API key's
-    salt): the floor over `inner`'s policy (load adaptation), or over the K-matrix as configured where
-    `inner` is None; plain from its first round where drafting loses at its load (`FloorModel.admit`) or
-    where load adaptation's trial runs its "plain" arm (its rounds still counted in the trial), the
-    evidence they share (`model`; a new one where None)."""
-    model = model if model is not None else FloorModel(settings)
-
-    def policy(greedy: bool, scope: str = "") -> BlockPolicy:
-        below = inner(greedy, scope) if inner is not None else FIXED
-        if isinstance(below, DraftBudget) and below.keeps_plain():  # nothing would draft: no floor to run
-            return RestingFloor(model, greedy, scope, inner=below)
-        start = model.admit(greedy, scope)
-        if start == REST:
-            return RestingFloor(model, greedy, scope)
-        floor = GoodputFloor(model, greedy, below, scope=scope)
-        floor.explores = start == EXPLORE
-        return floor
-
-    return policy

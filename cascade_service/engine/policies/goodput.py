@@ -181,6 +181,9 @@ class FloorModel:
         self._levels: OrderedDict[str, dict[tuple[bool, int], Level]] = OrderedDict()
         self._in_round: weakref.WeakSet[Any] = weakref.WeakSet()  # a request that dies mid-round leaves
         self._load = 1.0
+        # per key and sampling kind while some source has no round at any level: [admissions crowded by
+        # other rounds left before the next explorer, the gap after it] (`admit`)
+        self._dark: dict[tuple[str, bool], list[int]] = {}
 
     def level(self) -> int:
         """The load level: log2 of the target rounds in flight (smoothed), rounded."""
@@ -196,7 +199,9 @@ class FloorModel:
             if levels is None:
                 levels = self._levels[scope] = {}
                 while len(self._levels) > self.SCOPES:
-                    self._levels.popitem(last=False)
+                    gone, _ = self._levels.popitem(last=False)
+                    self._dark.pop((gone, True), None)
+                    self._dark.pop((gone, False), None)
             else:
                 self._levels.move_to_end(scope)
             found = levels.get((greedy, level))
@@ -213,6 +218,25 @@ class FloorModel:
         with self._lock:
             self._in_round.discard(floor)
 
+    def crowded(self) -> bool:
+        """Whether a round begun now shares the machine: a load level above 0, or another round in flight
+        (the level lags a burst: 4 of a 64-stream burst were admitted at level 0)."""
+        with self._lock:
+            return self.level() > 0 or len(self._in_round) > 1
+
+    def evidence(self, greedy: bool, level: int, source: str, scope: str = "") -> Gain | None:
+        """Every request's rounds of `source` at `level`, or where none were measured there the nearest level's
+        that has some (the lower where two are as near); None where no level has any."""
+        with self._lock:
+            return self._nearest(self._levels.get(scope, {}), greedy, level, source)
+
+    @staticmethod
+    def _nearest(levels: dict[tuple[bool, int], Level], greedy: bool, level: int, source: str) -> Gain | None:
+        measured = [
+            (abs(n - level), n) for (g, n), here in levels.items() if g == greedy and here.gains[source].rounds > 0
+        ]
+        return levels[(greedy, min(measured)[1])].gains[source] if measured else None
+
     def admit(self, greedy: bool, scope: str = "") -> Admission:
         """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round
         (a `RestingFloor`), where at the load level and sampling kind it starts in every source loses: its
@@ -225,9 +249,22 @@ class FloorModel:
         level where the lookup lost. EXPLORE, one request in EXPLORE_EVERY there (fewer while probes fail
         there: `probed`): the floor, its probes due from probe_min on rather than the level's interval, so
         that a level where drafting pays again finds out (its paying rounds raise the level's ratio, and the
-        rest ends)."""
-        here = self.at(greedy, self.level(), scope)
+        rest ends). Beside other rounds, where a source has no round measured at any level (a burst into a
+        new server): FLOOR, but EXPLORE for the first such admission and then after gaps doubling from
+        EXPLORE_EVERY to EXPLORE_RARELY (explorers alone let such a source read their context:
+        GoodputFloor._untried; with one in four at each level, 14 of a 64-stream burst read their prompts)."""
+        level = self.level()
+        here = self.at(greedy, level, scope)
         with self._lock:
+            crowded = level > 0 or len(self._in_round) > 0
+            levels = self._levels[scope]
+            if crowded and any(self._nearest(levels, greedy, level, source) is None for source in SOURCES):
+                dark = self._dark.setdefault((scope, greedy), [1, EXPLORE_EVERY])
+                dark[0] -= 1
+                if dark[0] > 0:
+                    return FLOOR
+                dark[0], dark[1] = dark[1], min(EXPLORE_RARELY, 2 * dark[1])
+                return EXPLORE
             if here.plain_s is None:
                 return FLOOR
             for source in SOURCES:
@@ -236,11 +273,16 @@ class FloorModel:
                     return FLOOR
                 if gain.rounds < REST_EVIDENCE and here.interval[source] < self.settings.probe_max:
                     return FLOOR
-            here.until_explore -= 1
-            if here.until_explore > 0:
-                return REST
-            here.until_explore = here.explore_every
-            return EXPLORE
+            return self._explorer(here, REST)
+
+    @staticmethod
+    def _explorer(here: Level, otherwise: Admission) -> Admission:
+        """EXPLORE for one admission in `here.explore_every`, else `otherwise` (under the lock)."""
+        here.until_explore -= 1
+        if here.until_explore > 0:
+            return otherwise
+        here.until_explore = here.explore_every
+        return EXPLORE
 
     def calibrating(self, here: Level) -> bool:
         """Whether this round at `here` must draft nothing: no plain round measured there, or none lately."""
