@@ -43,7 +43,7 @@ def test_explorers_come_one_in_four_until_probes_fail_and_again_once_one_pays():
     model = FloorModel()
     here = model.at(True, 0)
     model.plain(here, 1.0, 0.8)
-    while here.gains["model"].rounds < goodput.REST_EVIDENCE:
+    while here.gains["model"].rounds < goodput.REST_EVIDENCE_ALONE:
         for source in goodput.SOURCES:
             model.drafted(here, source, 1.0, 1.5)
 
@@ -137,7 +137,7 @@ def test_a_level_whose_every_source_loses_rests_by_its_ratio_even_while_a_probe_
     model = FloorModel()
     here = model.at(True, 0)
     model.plain(here, 1.0, 0.8)
-    while here.gains["model"].rounds < goodput.REST_EVIDENCE:
+    while here.gains["model"].rounds < goodput.REST_EVIDENCE_ALONE:
         for source in goodput.SOURCES:
             model.drafted(here, source, 1.0, 1.5)  # each round earned two thirds of what it cost
     model.probed(here, "lookup", paid=True)
@@ -150,7 +150,7 @@ def test_a_level_whose_every_source_loses_rests_by_its_ratio_even_while_a_probe_
     for source in goodput.SOURCES:
         thin.drafted(there, source, 1.0, 1.5)  # losing, but one round of each: not evidence enough
     assert all(thin.admit(True) == goodput.FLOOR for _ in range(8))
-    while there.gains["model"].rounds < goodput.REST_EVIDENCE:
+    while there.gains["model"].rounds < goodput.REST_EVIDENCE_ALONE:
         thin.drafted(there, "lookup", 2.0, 1.0)  # the lookup pays at this level
         thin.drafted(there, "model", 1.0, 1.5)
     assert all(thin.admit(True) == goodput.FLOOR for _ in range(8))
@@ -240,3 +240,18 @@ def test_beside_another_round_at_level_0_a_request_is_as_cautious_as_under_load(
     assert run(Request(model), 1, GOOD).sources == [None]
     other.observe(0, 0)  # it ended: alone again
     assert run(Request(model), 1, GOOD).sources == ["model"]
+
+
+def test_under_load_fewer_losing_rounds_let_requests_rest_than_alone():
+    # Under load a floor's round costs every request its bookkeeping and only probes measure a source that is
+    # off: REST_EVIDENCE rounds of losing evidence rest a request. Alone, where drafting gains most, it takes
+    # REST_EVIDENCE_ALONE.
+    for model, level in ((at_load(8), 3), (FloorModel(), 0)):
+        here = model.at(True, level)
+        model.plain(here, 1.0, 0.8)
+        while here.gains["model"].rounds < goodput.REST_EVIDENCE:
+            for source in goodput.SOURCES:
+                model.drafted(here, source, 1.0, 1.5)
+        assert here.gains["model"].rounds < goodput.REST_EVIDENCE_ALONE
+        admitted = [model.admit(True) for _ in range(8)]
+        assert (goodput.REST in admitted) is (level > 0)

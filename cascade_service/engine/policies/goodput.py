@@ -58,11 +58,14 @@ LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
 # the disagree set a quarter of the requests were explorers whose probes kept failing.
 EXPLORE_EVERY = 4
 EXPLORE_RARELY = 64
-# A source's rounds at a level (decayed) before its losing there lets requests rest (`admit`). Only probes
-# measure a source that is off, so with 8, at 16 streams at T = 1 the model had 5.8 rounds at its level
-# after 100 requests, and requests ran the floor (45 us a round more than a resting one) for most of a 20 s
-# window; with 4 they rested from the 8th second.
+# A source's rounds at a level (decayed) before its losing there lets requests rest (`admit`): under load,
+# and alone (level 0). Only probes measure a source that is off, so with 8, at 16 streams at T = 1 the model
+# had 5.8 rounds at its level after 100 requests, and requests ran the floor (45 us a round more than a
+# resting one, ~5% of a token there) for most of a 20 s window; with 4 they rested from the 8th second.
+# Alone a floor's round is ~1% of a token and drafting gains most: at one stream at T = 0.7 (the family's
+# prompts) 4 unlucky rounds rested a whole block's requests (0.95x plain where the others ran 1.04-1.11x).
 REST_EVIDENCE = 4.0
+REST_EVIDENCE_ALONE = 8.0
 
 
 class Admission(Enum):
@@ -242,21 +245,20 @@ class FloorModel:
         return levels[(greedy, min(measured)[1])].gains[source] if measured else None
 
     def admit(self, greedy: bool, scope: str = "") -> Admission:
-        """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round
-        (a `RestingFloor`), where at the load level and sampling kind it starts in every source loses: its
-        ratio over every request's rounds is below 1, with REST_EVIDENCE rounds of it behind that, or with
-        its probes failed until they come as seldom as they may (probe_max). There a request's floor would
-        draft nothing and only cost its rounds its bookkeeping: at 64 streams at T = 1 a floor's round took
-        46 + 16 us against a resting one's 11-13 + 4, of the ~690 us a token the server had (2-core host).
-        Its ratio, not its probes' interval: a lookup probe that paid on a rare match halved the interval,
-        and while it climbed back most requests were admitted to the floor (366 of 634 in one run) at a
-        level where the lookup lost. EXPLORE, one request in EXPLORE_EVERY there (fewer while probes fail
-        there: `probed`): the floor, its probes due from probe_min on rather than the level's interval, so
-        that a level where drafting pays again finds out (its paying rounds raise the level's ratio, and the
-        rest ends). Beside other rounds, where a source has no round measured at any level (a burst into a
-        new server): FLOOR, but EXPLORE for the first such admission and then after gaps doubling from
-        EXPLORE_EVERY to EXPLORE_RARELY (explorers alone let such a source read their context:
-        GoodputFloor._untried; with one in four at each level, 14 of a 64-stream burst read their prompts)."""
+        """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round (a
+        `RestingFloor`), where at the load level and sampling kind it starts in every source loses: its ratio over every
+        request's rounds is below 1, with REST_EVIDENCE rounds of it behind that (alone REST_EVIDENCE_ALONE), or with
+        its probes failed until they come as seldom as they may (probe_max). There a request's floor would draft nothing
+        and only cost its rounds its bookkeeping: at 64 streams at T = 1 a floor's round took 46 + 16 us against a
+        resting one's 11-13 + 4, of the ~690 us a token the server had (2-core host). Its ratio, not its probes'
+        interval: a lookup probe that paid on a rare match halved the interval, and while it climbed back most requests
+        were admitted to the floor (366 of 634 in one run) at a level where the lookup lost. EXPLORE, one request in
+        EXPLORE_EVERY there (fewer while probes fail there: `probed`): the floor, its probes due from probe_min on
+        rather than the level's interval, so that a level where drafting pays again finds out (its paying rounds raise
+        the level's ratio, and the rest ends). Beside other rounds, where a source has no round measured at any level (a
+        burst into a new server): FLOOR, but EXPLORE for the first such admission and then after gaps doubling from
+        EXPLORE_EVERY to EXPLORE_RARELY (explorers alone let such a source read their context: GoodputFloor._untried;
+        with one in four at each level, 14 of a 64-stream burst read their prompts)."""
         level = self.level()
         here = self.at(greedy, level, scope)
         with self._lock:
@@ -271,11 +273,12 @@ class FloorModel:
                 return EXPLORE
             if here.plain_s is None:
                 return FLOOR
+            evidence = REST_EVIDENCE if level > 0 else REST_EVIDENCE_ALONE
             for source in SOURCES:
                 gain = here.gains[source]
                 if gain.not_losing():
                     return FLOOR
-                if gain.rounds < REST_EVIDENCE and here.interval[source] < self.settings.probe_max:
+                if gain.rounds < evidence and here.interval[source] < self.settings.probe_max:
                     return FLOOR
             return self._explorer(here, REST)
 
