@@ -255,3 +255,21 @@ def test_under_load_fewer_losing_rounds_let_requests_rest_than_alone():
         assert here.gains["model"].rounds < goodput.REST_EVIDENCE_ALONE
         admitted = [model.admit(True) for _ in range(8)]
         assert (goodput.REST in admitted) is (level > 0)
+
+
+def test_under_load_one_sources_full_evidence_carries_the_others_thin_evidence_to_a_rest():
+    # At 64 streams at T = 1 the lookup lost on 62 rounds while the model, off, never had 4 rounds at the level
+    # (only probes measure it): every request ran the floor. Under load that now rests, unless the thin source
+    # pays (and alone, where drafting gains most, both need full evidence).
+    for model, level, model_earned, rests in (
+        (at_load(8), 3, 0.5, True),
+        (at_load(8), 3, 2.0, False),
+        (FloorModel(), 0, 0.5, False),
+    ):
+        here = model.at(True, level)
+        model.plain(here, 1.0, 0.8)
+        while here.gains["lookup"].rounds < goodput.REST_EVIDENCE_ALONE:
+            model.drafted(here, "lookup", 1.0, 1.5)
+        model.drafted(here, "model", model_earned, 1.0)  # one round
+        admitted = [model.admit(True) for _ in range(8)]
+        assert (goodput.REST in admitted) is rests, (level, model_earned)
