@@ -247,7 +247,8 @@ class FloorModel:
     def admit(self, greedy: bool, scope: str = "") -> Admission:
         """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round (a
         `RestingFloor`), where at the load level and sampling kind it starts in every source loses: its ratio over every
-        request's rounds is below 1, with REST_EVIDENCE rounds of it behind that (alone REST_EVIDENCE_ALONE), or with
+        request's rounds is below 1, with REST_EVIDENCE rounds of it behind that (alone REST_EVIDENCE_ALONE; under load
+        one source's carries the other's thinner or borrowed evidence), or with
         its probes failed until they come as seldom as they may (probe_max). There a request's floor would draft nothing
         and only cost its rounds its bookkeeping: at 64 streams at T = 1 a floor's round took 46 + 16 us against a
         resting one's 11-13 + 4, of the ~690 us a token the server had (2-core host). Its ratio, not its probes'
