@@ -229,7 +229,11 @@ class FloorModel:
         """Whether a round begun now shares the machine: a load level above 0, or another round in flight
         (the level lags a burst: 4 of a 64-stream burst were admitted at level 0)."""
         with self._lock:
-            return self.level() > 0 or len(self._in_round) > 1
+            return self._crowded(self.level(), len(self._in_round) - 1)
+
+    @staticmethod
+    def _crowded(level: int, others: int) -> bool:
+        return level > 0 or others > 0
 
     def evidence(self, greedy: bool, level: int, source: str, scope: str = "") -> Gain | None:
         """Every request's rounds of `source` at `level`, or where none were measured there the nearest level's
@@ -246,26 +250,27 @@ class FloorModel:
 
     def admit(self, greedy: bool, scope: str = "") -> Admission:
         """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round (a
-        `RestingFloor`), where at the load level and sampling kind it starts in every source loses: its ratio over every
-        request's rounds is below 1, with REST_EVIDENCE rounds of it behind that (alone REST_EVIDENCE_ALONE; under load
-        one source's carries the other's thinner or borrowed evidence), or with
-        its probes failed until they come as seldom as they may (probe_max). There a request's floor would draft nothing
-        and only cost its rounds its bookkeeping: at 64 streams at T = 1 a floor's round took 46 + 16 us against a
-        resting one's 11-13 + 4, of the ~690 us a token the server had (2-core host). Its ratio, not its probes'
-        interval: a lookup probe that paid on a rare match halved the interval, and while it climbed back most requests
-        were admitted to the floor (366 of 634 in one run) at a level where the lookup lost. EXPLORE, one request in
-        EXPLORE_EVERY there (fewer while probes fail there: `probed`): the floor, its probes due from probe_min on
-        rather than the level's interval, so that a level where drafting pays again finds out (its paying rounds raise
-        the level's ratio, and the rest ends). Beside other rounds, where a source has no round measured at any level (a
-        burst into a new server): FLOOR, but EXPLORE for the first such admission and then after gaps doubling from
-        EXPLORE_EVERY to EXPLORE_RARELY (explorers alone let such a source read their context: GoodputFloor._untried;
-        with one in four at each level, 14 of a 64-stream burst read their prompts)."""
+        `RestingFloor`), where at the load level and sampling kind it starts in every source loses: its ratio
+        over every request's rounds is below 1, with REST_EVIDENCE rounds of it behind that (alone
+        REST_EVIDENCE_ALONE; under load one source's carries the other's thinner or borrowed evidence), or with
+        its probes failed until they come as seldom as they may (probe_max). There a request's floor would draft
+        nothing and only cost its rounds its bookkeeping: at 64 streams at T = 1 a floor's round took 46 + 16 us
+        against a resting one's 11-13 + 4, of the ~690 us a token the server had (2-core host). Its ratio, not
+        its probes' interval: a lookup probe that paid on a rare match halved the interval, and while it climbed
+        back most requests were admitted to the floor (366 of 634 in one run) at a level where the lookup lost.
+        EXPLORE, one request in EXPLORE_EVERY there (fewer while probes fail there: `probed`): the floor, its
+        probes due from probe_min on rather than the level's interval, so that a level where drafting pays again
+        finds out (its paying rounds raise the level's ratio, and the rest ends). Beside other rounds, where a
+        source has no round measured at any level (a burst into a new server): FLOOR, but EXPLORE for the first
+        such admission and then after gaps doubling from EXPLORE_EVERY to EXPLORE_RARELY (explorers alone let
+        such a source read their context: GoodputFloor._untried; with one in four at each level, 14 of a
+        64-stream burst read their prompts)."""
         level = self.level()
         here = self.at(greedy, level, scope)
         with self._lock:
-            crowded = level > 0 or len(self._in_round) > 0
-            levels = self._levels[scope]
-            if crowded and any(self._nearest(levels, greedy, level, source) is None for source in SOURCES):
+            # every request's rounds of each source here, else at the nearest level that has some
+            gains = {source: self._nearest(self._levels[scope], greedy, level, source) for source in SOURCES}
+            if self._crowded(level, len(self._in_round)) and None in gains.values():
                 dark = self._dark.setdefault((scope, greedy), [1, EXPLORE_EVERY])
                 dark[0] -= 1
                 if dark[0] > 0:
@@ -276,12 +281,7 @@ class FloorModel:
                 return FLOOR
             evidence = REST_EVIDENCE if level > 0 else REST_EVIDENCE_ALONE
             thin = 0  # sources losing on fewer rounds than that (or on the nearest level's)
-            for source in SOURCES:
-                gain = (
-                    here.gains[source]
-                    if here.gains[source].rounds > 0
-                    else self._nearest(levels, greedy, level, source)
-                )
+            for source, gain in gains.items():
                 if gain is None or gain.not_losing():
                     return FLOOR
                 if gain.rounds < evidence and here.interval[source] < self.settings.probe_max:
@@ -291,16 +291,11 @@ class FloorModel:
             # request there ran the floor (~45 us a round more than resting) while the lookup lost on 62 rounds.
             if thin and (level == 0 or thin == len(SOURCES)):
                 return FLOOR
-            return self._explorer(here, REST)
-
-    @staticmethod
-    def _explorer(here: Level, otherwise: Admission) -> Admission:
-        """EXPLORE for one admission in `here.explore_every`, else `otherwise` (under the lock)."""
-        here.until_explore -= 1
-        if here.until_explore > 0:
-            return otherwise
-        here.until_explore = here.explore_every
-        return EXPLORE
+            here.until_explore -= 1
+            if here.until_explore > 0:
+                return REST
+            here.until_explore = here.explore_every
+            return EXPLORE
 
     def calibrating(self, here: Level) -> bool:
         """Whether this round at `here` must draft nothing: no plain round measured there, or none lately."""
