@@ -58,14 +58,13 @@ LOAD_SMOOTHING = 0.1  # EWMA of the target rounds in flight
 # the disagree set a quarter of the requests were explorers whose probes kept failing.
 EXPLORE_EVERY = 4
 EXPLORE_RARELY = 64
-# Alone (level 0), a source's rounds at the level (decayed) before its losing there lets requests rest
-# (`admit`): a floor's round is ~1% of a token there and drafting gains most; at one stream at T = 0.7 (the
-# family's prompts) 4 unlucky rounds rested a whole block's requests (0.95x plain where the others ran
-# 1.04-1.11x). Under load any losing evidence rests requests, however thin (the nearest level's where this
-# one has none), with one in `explore_every` exploring: only probes measure a source that is off, and a
-# floor's probe must fit under its bound, so at 16 streams at T = 0.7 (the family's prompts) requests ran
-# the floor (~45 us a round more than resting, ~5% of a token there) for the first 141 admissions at
-# their level, waiting for 4 rounds of evidence that came from 3 judged rounds in as many seconds.
+# A source's rounds at a level (decayed) before its losing there lets requests rest (`admit`): under load,
+# and alone (level 0). Only probes measure a source that is off, so with 8, at 16 streams at T = 1 the model
+# had 5.8 rounds at its level after 100 requests, and requests ran the floor (45 us a round more than a
+# resting one, ~5% of a token there) for most of a 20 s window; with 4 they rested from the 8th second.
+# Alone a floor's round is ~1% of a token and drafting gains most: at one stream at T = 0.7 (the family's
+# prompts) 4 unlucky rounds rested a whole block's requests (0.95x plain where the others ran 1.04-1.11x).
+REST_EVIDENCE = 4.0
 REST_EVIDENCE_ALONE = 8.0
 
 
@@ -252,12 +251,11 @@ class FloorModel:
     def admit(self, greedy: bool, scope: str = "") -> Admission:
         """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round (a
         `RestingFloor`), where at the load level and sampling kind it starts in every source loses: its ratio
-        over every request's rounds is below 1 (the nearest level's where this one has none); alone with
-        REST_EVIDENCE_ALONE rounds of it behind that, or with its probes failed until they come as seldom as
-        they may (probe_max); under load however few rounds, the explorers finding out for the rest. There a
-        request's floor would draft nothing and only cost its rounds its bookkeeping: at 64 streams at T = 1 a
-        floor's round took 46 + 16 us against a resting one's 11-13 + 4, of the ~690 us a token the server had
-        (2-core host). Its ratio, not
+        over every request's rounds is below 1, with REST_EVIDENCE rounds of it behind that (alone
+        REST_EVIDENCE_ALONE; under load one source's carries the other's thinner or borrowed evidence), or with
+        its probes failed until they come as seldom as they may (probe_max). There a request's floor would draft
+        nothing and only cost its rounds its bookkeeping: at 64 streams at T = 1 a floor's round took 46 + 16 us
+        against a resting one's 11-13 + 4, of the ~690 us a token the server had (2-core host). Its ratio, not
         its probes' interval: a lookup probe that paid on a rare match halved the interval, and while it climbed
         back most requests were admitted to the floor (366 of 634 in one run) at a level where the lookup lost.
         EXPLORE, one request in EXPLORE_EVERY there (fewer while probes fail there: `probed`): the floor, its
@@ -281,12 +279,18 @@ class FloorModel:
                 return EXPLORE
             if here.plain_s is None:
                 return FLOOR
+            evidence = REST_EVIDENCE if level > 0 else REST_EVIDENCE_ALONE
+            thin = 0  # sources losing on fewer rounds than that (or on the nearest level's)
             for source, gain in gains.items():
                 if gain is None or gain.not_losing():
                     return FLOOR
-                thin = gain.rounds < REST_EVIDENCE_ALONE and here.interval[source] < self.settings.probe_max
-                if thin and level == 0:  # under load any losing evidence rests (REST_EVIDENCE_ALONE)
-                    return FLOOR
+                if gain.rounds < evidence and here.interval[source] < self.settings.probe_max:
+                    thin += 1
+            # Under load one source's full evidence may carry the other's thin one: a source that is off gains
+            # rounds only from probes, and at 64 streams at T = 1 the model never had 4 at its level, so every
+            # request there ran the floor (~45 us a round more than resting) while the lookup lost on 62 rounds.
+            if thin and (level == 0 or thin == len(SOURCES)):
+                return FLOOR
             here.until_explore -= 1
             if here.until_explore > 0:
                 return REST
