@@ -273,3 +273,24 @@ def test_under_load_one_sources_full_evidence_carries_the_others_thin_evidence_t
         model.drafted(here, "model", model_earned, 1.0)  # one round
         admitted = [model.admit(True) for _ in range(8)]
         assert (goodput.REST in admitted) is rests, (level, model_earned)
+
+
+def test_alone_the_levels_under_load_lend_no_evidence():
+    # After a burst, level 0 may have no rounds of its own, and the levels under load lose. Borrowed, their
+    # rounds rested lone requests or kept their floors from drafting (the family's prompts at T = 0.7, one
+    # stream after 16: 0-14% of rounds drafted, 1.00x plain). Alone a request starts as on a new server.
+    model = FloorModel()
+    model.plain(model.at(True, 0), 1.0, 0.8)
+    busy = model.at(True, 4)
+    while busy.gains["model"].rounds < 2 * goodput.REST_EVIDENCE_ALONE:
+        for source in goodput.SOURCES:
+            model.drafted(busy, source, 1.0, 1.5)
+    assert model.level() == 0
+    assert model.evidence(True, 0, "model") is None and model.evidence(True, 2, "model") is busy.gains["model"]
+    assert all(model.admit(True) == goodput.FLOOR for _ in range(8))
+    assert run(Request(model), 1, GOOD).sources == ["model"]  # its prompt's round drafts, as on a new server
+    here = model.at(True, 0)
+    while here.gains["model"].rounds < goodput.REST_EVIDENCE_ALONE:  # its own rounds lose as well: it rests
+        for source in goodput.SOURCES:
+            model.drafted(here, source, 1.0, 1.5)
+    assert goodput.REST in [model.admit(True) for _ in range(8)]
