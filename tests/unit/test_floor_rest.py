@@ -275,10 +275,14 @@ def test_under_load_one_sources_full_evidence_carries_the_others_thin_evidence_t
         assert (goodput.REST in admitted) is rests, (level, model_earned)
 
 
-def test_alone_the_levels_under_load_lend_no_evidence():
+def test_level_0_and_the_levels_under_load_lend_each_other_no_evidence():
     # After a burst, level 0 may have no rounds of its own, and the levels under load lose. Borrowed, their
     # rounds rested lone requests or kept their floors from drafting (the family's prompts at T = 0.7, one
-    # stream after 16: 0-14% of rounds drafted, 1.00x plain). Alone a request starts as on a new server.
+    # stream after 16: 0-14% of rounds drafted, 1.00x plain). Alone a request starts as on a new server; and
+    # a level under load takes nothing from level 0's, where drafting gains most.
+    lone = FloorModel()
+    lone.drafted(lone.at(True, 0), "model", 2.0, 1.0)
+    assert lone.evidence(True, 0, "model") is not None and lone.evidence(True, 2, "model") is None
     model = FloorModel()
     model.plain(model.at(True, 0), 1.0, 0.8)
     busy = model.at(True, 4)

@@ -238,9 +238,10 @@ class FloorModel:
     def evidence(self, greedy: bool, level: int, source: str, scope: str = "") -> Gain | None:
         """Every request's rounds of `source` at `level`, or where none were measured there the nearest level's
         that has some (the lower where two are as near); None where no level has any. Level 0 (a request
-        alone) borrows from none: drafting gains most there, and after a burst the levels under load, where
-        it loses, rested lone requests or kept their floors from drafting (the family's prompts at T = 0.7,
-        one stream after 16: 0-14% of rounds drafted and 1.00x plain, against 38% and 1.06x)."""
+        alone) and the levels under load lend each other nothing: drafting gains most alone and loses most
+        under load. After a burst the levels under load kept lone requests from drafting (the family's
+        prompts at T = 0.7, one stream after 16: 0-14% of rounds drafted and 1.00x plain, against 33-37% and
+        1.09x); as load rose after a lone stretch, level 0's lent drafting to the levels up to 16 streams."""
         with self._lock:
             return self._nearest(self._levels.get(scope, {}), greedy, level, source)
 
@@ -249,7 +250,7 @@ class FloorModel:
         measured = [
             (abs(n - level), n)
             for (g, n), here in levels.items()
-            if g == greedy and here.gains[source].rounds > 0 and (level > 0 or n == 0)
+            if g == greedy and here.gains[source].rounds > 0 and (level > 0) == (n > 0)
         ]
         return levels[(greedy, min(measured)[1])].gains[source] if measured else None
 
