@@ -360,7 +360,7 @@ class GoodputFloor:
 
     def _untried(self, here: Level, source: str) -> bool:
         """Whether `source` stays off for now: beside other rounds, behind (its first round would read the
-        whole context), where no round at any level has measured it, in a request not admitted to explore.
+        whole context), where no round it may borrow (`FloorModel.evidence`) measured it, unless it explores.
         At 64 streams at T = 1 the first 45 requests of a burst, admitted at levels nothing had measured,
         read their prompts into the drafters; the explorers (FloorModel.admit) find out for the rest."""
         if self.explores or self._behind(source) <= BEHIND or self._gains(here, source).rounds > 0.0:
