@@ -17,7 +17,7 @@ import torch
 
 from .adaptive import AdaptiveLength, DraftStopper, StopperFactory
 from .grammar import GrammarMask, GrammarSpec
-from .placement import host_reads, request_generator
+from .placement import host_at, host_reads, request_generator
 from .review import NO_DRAWS, GreedyReview, KeyedReview, ReviewRule, Verdict, token_logprobs
 from .sampling import SamplingParams, race, sample
 from .stats import TierCounters, Usage
@@ -238,13 +238,16 @@ def draft_autoregressive(
             if mask is None or not bool(mask.any()):
                 break
             allowed = mask[None]
-        probs = sampling.probs(_score(scorer, scored, 1, counters), scored.tokens, allowed)[0]  # [V]
-        if sampling.greedy:  # the token and its probability in one read (core.placement)
-            best, p_best, _ = host_reads(probs[None], [])
+        row = sampling.probs(_score(scorer, scored, 1, counters), scored.tokens, allowed)  # [1, V]
+        probs = row[0]
+        # Reads go through numpy's view on the CPU (core.placement): after a pass every torch op runs
+        # cold, so the token and its probability take none.
+        if sampling.greedy:
+            best, p_best, _ = host_reads(row, [])
             token, p_token = best[0], p_best[0]
         else:
-            token = sample(probs, generator) if keyed_seed is None else race(probs[None], keyed_seed, len(scored))[0]
-            p_token = float(probs[token])
+            token = sample(probs, generator) if keyed_seed is None else race(row, keyed_seed, len(scored))[0]
+            p_token = host_at(row, [token])[0]
         tokens.append(token)
         token_probs.append(p_token)
         rows.append(probs)

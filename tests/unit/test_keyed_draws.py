@@ -93,6 +93,38 @@ def test_the_noise_of_a_position_depends_on_the_seed_and_the_position_alone():
     assert (block > 0).all() and torch.isfinite(block).all()
 
 
+def _oracle_noise(vocab: int, seed: int, position: int) -> torch.Tensor:
+    """A position's noise drawn afresh: a generator seeded with the position's key, V draws, -log."""
+    gen = torch.Generator().manual_seed(placement.position_key(seed, position))
+    return -torch.empty(vocab).uniform_(generator=gen).log()
+
+
+def test_a_noise_row_handed_out_again_is_the_row_its_position_draws_and_the_rows_kept_are_bounded(monkeypatch):
+    # A drafter races position t, then its reviewer races t again: the row drawn first is kept and handed
+    # out again (core.placement `_KeyedGenerators`). It must stay the position's own noise after every
+    # use, and what a thread keeps must stay within its bound.
+    from cascade_service.core import review
+    from cascade_service.core.types import Draft
+
+    monkeypatch.setattr(placement, "_KEYED", placement._KeyedGenerators())
+    monkeypatch.setattr(placement, "NOISE_CACHE_BYTES", 0)
+    monkeypatch.setattr(placement, "NOISE_CACHE_MIN_ROWS", 3)
+    vocab, seed = 64, 29
+    like = torch.zeros(1, vocab)
+    first = placement.keyed_exponentials(1, like, seed, 40)
+    probs = torch.softmax(torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)), dim=-1)
+    review.KeyedReview(seed, 40).review(Draft(tokens=[int(first[0].argmin()), 0]), probs, 2.0, torch.Generator())
+    again = placement.keyed_exponentials(3, like, seed, 40)  # rows 40 (kept) and 41, 42
+    for i in range(3):
+        assert torch.equal(again[i], _oracle_noise(vocab, seed, 40 + i)), i
+    assert torch.equal(first[0], _oracle_noise(vocab, seed, 40))  # no use changed the kept row
+    for position in range(100, 110):
+        placement.keyed_exponentials(1, like, seed, position)
+    assert len(placement._KEYED.rows) == 3  # the oldest dropped first
+    assert torch.equal(placement.keyed_exponentials(1, like, seed, 40)[0], _oracle_noise(vocab, seed, 40))
+    assert placement.keyed_exponentials(1, torch.zeros(1, vocab + 1), seed, 40).shape == (1, vocab + 1)  # its own row
+
+
 def _winners(probs: torch.Tensor, seed: int, start: int, leniency: float, drafts: list[int]) -> tuple[int, int]:
     """The oracle: each row's race drawn on its own (a generator seeded with the position's key, V draws),
     the first draft that is neither its row's winner nor within `leniency` of it. (accepted, token)."""

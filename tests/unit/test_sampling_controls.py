@@ -158,7 +158,7 @@ def test_temperature_one_gives_the_shifted_logits_probabilities_bit_for_bit():
         assert torch.equal(SamplingParams(1.0).probs(logits), torch.softmax(sharpen(logits, 1.0), dim=-1))
         for controls in (dict(top_k=20), dict(top_p=0.9), dict(min_p=0.05)):
             ours = SamplingParams(1.0, **controls).probs(logits)
-            shifted = SamplingParams(1.0 + 1e-9, **controls)  # not 1: takes the shifted path
+            shifted = SamplingParams(1.0 + 1e-9, **controls)  # not 1: takes sharpen's division
             assert shifted.temperature != 1.0
             assert torch.equal(ours > 0, shifted.probs(logits) > 0)
 
