@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention import grouped_sdpa
+from .attention import grouped_sdpa, pack_mask
 from .cachearg import cache_kwargs
 from .kvpool import BLOCK, NULL, KVPool, PagedCache
 from .rows import kept_outputs, padded_inputs, split_outputs
@@ -229,16 +229,38 @@ def ragged_attention(
         return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
     scale = kwargs.get("scaling")
     groups = getattr(_layout, "groups", None)
+    group = query.shape[1] // key.shape[1]
     if groups is None or query.shape[0] == key.shape[0]:
-        return grouped_sdpa(query, key, value, mask, scale).transpose(1, 2).contiguous(), None
+        packed = _packed(mask, None, group, query.dtype)
+        return grouped_sdpa(query, key, value, mask, scale, packed).transpose(1, 2).contiguous(), None
     heads, dim = query.shape[1], query.shape[3]
     outs = []
     for rows, steps, tokens in groups:
         n = rows.stop - rows.start
         q = query[0, :, tokens].view(heads, n, steps, dim).transpose(0, 1)  # [n, heads, s, dim]
-        got = grouped_sdpa(q, key[rows], value[rows], mask[rows, :, :steps], scale)  # [n, heads, s, dim]
+        packed = _packed(mask, (rows.start, rows.stop, steps), group, query.dtype)
+        got = grouped_sdpa(q, key[rows], value[rows], None, scale, packed)  # [n, heads, s, dim]
         outs.append(got.transpose(1, 2).reshape(n * steps, heads, dim))
     return (outs[0] if len(outs) == 1 else torch.cat(outs))[None], None
+
+
+def _packed(mask: torch.Tensor, run: tuple[int, int, int] | None, group: int, dtype: torch.dtype) -> Any:
+    """The pass's mask for a run of rows (start, stop, new tokens; None: every row), packed for
+    grouped attention and made additive (models.attention `pack_mask`): made by the first layer, read
+    by the others. Every layer of a pass gets the same mask tensor, so the memo (this pass's:
+    `pool_attention`) is keyed by it and the run."""
+    memo = getattr(_layout, "masks", None)
+    if memo is None:
+        return pack_mask(_run_rows(mask, run), group, dtype)
+    key = (id(mask), run, group, dtype)  # the pass holds `mask` alive: its id stays its own while the memo lives
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = pack_mask(_run_rows(mask, run), group, dtype)
+    return found
+
+
+def _run_rows(mask: torch.Tensor, run: tuple[int, int, int] | None) -> torch.Tensor:
+    return mask if run is None else mask[run[0] : run[1], :, : run[2]]
 
 
 ALL_ATTENTION_FUNCTIONS.register(RAGGED, ragged_attention)
@@ -266,12 +288,14 @@ def pool_attention(model: Any, groups: list[tuple[slice, int, slice]] | None = N
         return
     config = model.module.config
     _layout.groups = groups
+    _layout.masks = {}
     previous, config._attn_implementation = config._attn_implementation, RAGGED
     try:
         yield
     finally:
         config._attn_implementation = previous
         _layout.groups = None
+        _layout.masks = None
 
 
 def forward_rows(model: Any, rows: Sequence[Any], allow_ragged: bool = True) -> list[Any]:

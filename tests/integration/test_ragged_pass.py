@@ -85,6 +85,36 @@ def test_rows_in_any_order_attend_in_one_run_per_count_and_get_their_own_logits(
         assert cache.length == n + len(new)
 
 
+def test_a_pass_packs_its_mask_once_a_run_not_once_a_layer(tiny_family, monkeypatch):
+    # Every layer of a pass gets the same mask: packed for grouped attention (models.attention
+    # `pack_mask`, a copy) by the first layer of each run of rows and read by the others.
+    model = HFModel.load(tiny_family["mid"], backend="hf", kv="pool", graphs="off")
+    layers = model.config.num_hidden_layers
+    assert layers > 1 and model.config.num_key_value_heads < model.config.num_attention_heads
+    packs, calls = [], []
+    real_pack, real_attention = poolpass.pack_mask, poolpass.ragged_attention
+    monkeypatch.setattr(poolpass, "pack_mask", lambda *a: packs.append(a[0].shape) or real_pack(*a))
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real_attention(*args, **kwargs)
+
+    monkeypatch.setitem(poolpass.ALL_ATTENTION_FUNCTIONS._global_mapping, poolpass.RAGGED, counted)
+    histories = random_prompts(3, 30, seed=5)
+    caches = [model.new_cache() for _ in histories]
+    for cache, history in zip(caches, histories):
+        forward_batch(model, [Pass(history[:20], cache, 1, False)])
+    packs.clear()
+    calls.clear()
+    forward_batch(model, [Pass([5, 6, 7], caches[0], 3, False)])  # a lone verification: one run
+    assert len(calls) == layers and len(packs) == 1
+    packs.clear()
+    calls.clear()
+    got = forward_batch(model, [Pass([5, 6, 7], caches[1], 3, False), Pass([5], caches[2], 1, False)])
+    assert len(calls) == layers and len(packs) == 2  # two runs (3 tokens, 1 token), each packed once
+    torch.testing.assert_close(got[0], _reference(model, histories[1][:20] + [5, 6, 7], 3), rtol=1e-4, atol=1e-4)
+
+
 def test_a_ragged_pass_that_fails_leaves_the_caches_and_the_model_as_they_were(tiny_family, monkeypatch):
     model = HFModel.load(tiny_family["mid"], backend="hf", kv="pool", graphs="off")
     caches = [model.new_cache() for _ in range(2)]

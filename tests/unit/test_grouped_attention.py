@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from cascade_service.models.attention import grouped_sdpa
+from cascade_service.models.attention import grouped_sdpa, pack_mask
 
 
 def _mask(batch: int, steps: int, width: int, seed: int, boolean: bool) -> torch.Tensor:
@@ -53,3 +53,23 @@ def test_a_mask_per_head_is_refused_by_name():
     query, key = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 5, 8)
     with pytest.raises(ValueError, match="shared by the heads"):
         grouped_sdpa(query, key, key, torch.zeros(1, 4, 2, 5), None)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 7])
+@pytest.mark.parametrize("heads,kv", [(6, 2), (3, 3)])
+def test_a_packed_additive_mask_gives_the_boolean_masks_outputs_bit_for_bit(steps, heads, kv):
+    # A pool pass packs its mask once and hands SDPA the additive form (pack_mask with a dtype), where
+    # SDPA made it of the boolean one on every call: the outputs must be the same floats, a row with
+    # no visible key included.
+    gen = torch.Generator().manual_seed(steps * 10 + heads)
+    batch, width, dim = 3, 40, 8
+    query = torch.randn(batch, steps, heads, dim, generator=gen).transpose(1, 2)
+    key = torch.randn(batch, kv, width, dim, generator=gen)
+    value = torch.randn(batch, kv, width, dim, generator=gen)
+    mask = _mask(batch, steps, width, seed=steps, boolean=True)
+    mask[1, 0, 0] = False  # a row that sees nothing
+    want = grouped_sdpa(query, key, value, mask, 0.3)
+    packed = pack_mask(mask, heads // kv, torch.float32)
+    assert packed is not None and packed.dtype == torch.float32
+    got = grouped_sdpa(query, key, value, None, 0.3, packed)
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
