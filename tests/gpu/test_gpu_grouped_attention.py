@@ -1,7 +1,7 @@
 """models.attention.grouped_sdpa on cuda: grouped-query heads packed over their KV head attend as SDPA over the
 heads repeated (transformers' `repeat_kv`), in float32 and bfloat16, under an additive mask (the pool passes')
-and a boolean one (the lean forward's), and a pool pass on the GPU (ragged, then a lone verification row)
-never repeats the KV heads and gives the model's own logits."""
+and a boolean one (the lean forward's), each also packed once as a pool pass packs it, and a pool pass on the GPU
+(ragged, then a lone verification row) never repeats the KV heads and gives the model's own logits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from cascade_service.models.attention import grouped_sdpa
+from cascade_service.models.attention import grouped_sdpa, pack_mask
 from cascade_service.models.batching import Pass, forward_batch
 from cascade_service.models.hf import HFModel
 from cascade_service.zoo.tiny import random_prompts
@@ -43,6 +43,9 @@ def test_packed_heads_attend_as_repeated_heads_on_cuda(dtype, steps, boolean):
     got = grouped_sdpa(query, key, value, mask, None)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    # as a pool pass runs it: the mask packed once (additive, in the query's dtype) and handed to every layer
+    packed = grouped_sdpa(query, key, value, None, None, pack_mask(mask, heads // kv, dtype))
+    torch.testing.assert_close(packed, want, rtol=tolerance, atol=tolerance)
 
 
 def test_a_cuda_pool_pass_never_repeats_key_heads_and_matches_the_model(tiny_family, monkeypatch):
