@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from .placement import host_argmax, host_at, host_reads, keyed_exponentials, uniform
+from .placement import host_argmax, host_at, host_race, host_reads, keyed_exponentials, uniform
 from .sampling import residual, reviewed_proposal, sample
 from .types import Draft
 
@@ -202,7 +202,7 @@ class KeyedReview:
         while winner < 0:
             end = min(k + 1, row + chunk)
             noise = keyed_exponentials(end - row, target_probs, self.seed, self.start + row)
-            best, best_score, drafted = host_reads(target_probs[row:end] / noise, drafts[row:end])
+            best, best_score, drafted = host_race(target_probs[row:end], noise, drafts[row:end])
             for j, i in enumerate(range(row, end)):
                 if i == k or (drafts[i] != best[j] and not (leniency > 1.0 and leniency * drafted[j] >= best_score[j])):
                     winner = best[j]

@@ -23,7 +23,7 @@ from .limits import (
     check_top_k,
     check_top_p,
 )
-from .placement import PROBS_DTYPE, generator_for, host_argmax, keyed_exponentials
+from .placement import PROBS_DTYPE, generator_for, host_race, keyed_exponentials
 
 
 @dataclass(frozen=True)
@@ -219,5 +219,4 @@ def race(probs: torch.Tensor, seed: int, start: int) -> list[int]:
     target's token at a position depends on (seed, position, its own distribution) alone: whatever
     was drafted before, a seed fixes the output (`review.KeyedReview`).
     """
-    scores = probs / keyed_exponentials(len(probs), probs, seed, start)
-    return host_argmax(scores)
+    return host_race(probs, keyed_exponentials(len(probs), probs, seed, start), ())[0]

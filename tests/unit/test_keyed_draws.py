@@ -169,3 +169,19 @@ def test_a_keyed_review_on_the_cpu_draws_the_rows_up_to_its_first_rejection_only
         assert sum(drawn) == accepted + 1, (case, drawn)
         checked[accepted == k] += 1
     assert checked[True] and checked[False]  # blocks kept whole and blocks cut short both ran
+
+
+def test_the_race_read_on_the_host_is_torchs_division_bit_for_bit():
+    # On the CPU the race's scores are divided in numpy over the tensors' memory (placement.host_race);
+    # a seed fixes the output only if they are the very floats torch's division gives.
+    gen = torch.Generator().manual_seed(17)
+    for rows, vocab in ((1, 2048), (3, 300), (5, 50)):
+        probs = torch.softmax(4.0 * torch.randn(rows, vocab, generator=gen), dim=-1)
+        noise = placement.keyed_exponentials(rows, probs, seed=rows, start=vocab)
+        tokens = torch.randint(vocab, (rows,), generator=gen).tolist()
+        scores = probs / noise
+        best = scores.argmax(-1).tolist()
+        got = placement.host_race(probs, noise, tokens)
+        assert got[0] == best
+        assert got[1] == [float(scores[i, t]) for i, t in enumerate(best)]
+        assert got[2] == [float(scores[i, t]) for i, t in enumerate(tokens)]
