@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -116,10 +117,7 @@ def host_reads(probs: torch.Tensor, tokens: list[int]) -> tuple[list[int], list[
     """
     n, rows = len(tokens), len(probs)
     if probs.device.type == "cpu" and probs.dtype == PROBS_DTYPE:
-        host = probs.numpy()
-        best = host.argmax(-1).tolist()
-        # element reads of a handful of entries: cheaper than building index arrays for them
-        return best, [host.item(i, t) for i, t in enumerate(best)], [host.item(i, t) for i, t in enumerate(tokens)]
+        return _numpy_reads(probs.numpy(), tokens)
     top = probs.max(dim=-1)
     parts = [top.indices.to(PROBS_DTYPE), top.values.to(PROBS_DTYPE)]  # token ids are exact in float32
     if n:
@@ -136,10 +134,15 @@ def host_race(
     tensors' own memory: the same IEEE quotients as torch's, without a slice and a division op that
     run cold after a forward pass (core.sampling `race`, review.KeyedReview)."""
     if probs.device.type == "cpu" and probs.dtype == PROBS_DTYPE and noise.dtype == PROBS_DTYPE:
-        scores = probs.numpy() / noise.numpy()
-        best = scores.argmax(-1).tolist()
-        return best, [scores.item(i, t) for i, t in enumerate(best)], [scores.item(i, t) for i, t in enumerate(tokens)]
+        return _numpy_reads(probs.numpy() / noise.numpy(), tokens)
     return host_reads(probs / noise, list(tokens))
+
+
+def _numpy_reads(host: Any, tokens: Sequence[int]) -> tuple[list[int], list[float], list[float]]:
+    """`host_reads` of a CPU array [n, V]: each row's argmax (the first of equal maxima, as torch's), its
+    value, and host[i, tokens[i]], by element reads (cheaper than index arrays for a handful)."""
+    best = host.argmax(-1).tolist()
+    return best, [host.item(i, t) for i, t in enumerate(best)], [host.item(i, t) for i, t in enumerate(tokens)]
 
 
 def host_at(rows: torch.Tensor, tokens: Sequence[int]) -> list[float]:
@@ -185,7 +188,7 @@ class _KeyedGenerators(threading.local):
     A position's noise is drawn again and again: a drafter races position t, then its reviewer races
     the same t, and a block cut short is drafted again from its first rejected position. The noise is a
     function of (seed, position, device, V) alone, so a row drawn once is kept (`NOISE_CACHE_BYTES` of
-    them a thread and device, the oldest dropped first) and handed out again: on this host a row drawn
+    them a thread, every device's together, the oldest dropped first) and handed out again: on this host a row drawn
     cold after a forward pass cost ~50 us at 2,048 tokens and ~0.5-0.7 ms at Qwen2.5's 151,936."""
 
     def __init__(self) -> None:
@@ -215,7 +218,7 @@ class _KeyedGenerators(threading.local):
         return found
 
 
-# What each thread keeps of the noise rows it drew, per device (`_KeyedGenerators`): a block's rows
+# What each thread keeps of the noise rows it drew, every device's together (`_KeyedGenerators`): a block's rows
 # and its reviewer's, a few rounds back, at any vocabulary (16 MiB is 27 rows of Qwen2.5's).
 NOISE_CACHE_BYTES = 16 << 20
 NOISE_CACHE_MIN_ROWS = 16

@@ -232,7 +232,7 @@ def ragged_attention(
     group = query.shape[1] // key.shape[1]
     if groups is None or query.shape[0] == key.shape[0]:
         packed = _packed(mask, None, group, query.dtype)
-        return grouped_sdpa(query, key, value, mask, scale, packed).transpose(1, 2).contiguous(), None
+        return grouped_sdpa(query, key, value, None, scale, packed).transpose(1, 2).contiguous(), None
     heads, dim = query.shape[1], query.shape[3]
     outs = []
     for rows, steps, tokens in groups:
