@@ -15,10 +15,13 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import procfs
+from ..config import load_config
+from ..metrics import PREFIX
 from .clients import Level, run_level
 
 __all__ = ["DEFAULT_PROMPTS", "MODES", "RATIOS", "Level", "ServerProcess", "run", "run_level", "run_modes"]
@@ -185,10 +188,12 @@ def _block(
     in every block (2026-12-01; whatever fixes it, memory placement or alignment, lasts the process's
     life). Servers kept across blocks pair that difference in every block and the median keeps it;
     fresh ones draw it anew, so the blocks' spread shows it and their median averages it out."""
-    servers = {mode: ServerProcess(config_path, mode) for mode in modes}
+    servers = {mode: ServerProcess(config_path, mode, ("--http-port", "0")) for mode in modes}
     runs = []
     try:
         targets = {mode: server.wait_ready() for mode, server in servers.items()}
+        scrapes = {mode: server.wait_http() for mode, server in servers.items()}  # /metrics: the target's passes
+        target_tier = load_config(config_path).cascade.target.name
         for target in targets.values():  # warm-up: first passes, allocator, thread pools
             run_level(
                 target, max(concurrencies), min(5.0, duration_s), prompts, max_new_tokens, None, timeout_s, temperature
@@ -197,15 +202,19 @@ def _block(
         for n in concurrencies:
             for mode in order:
                 target, options = targets[mode], MODE_REQUESTS.get(mode)
+                before = EngineCounts.scrape(scrapes[mode], target_tier)
                 level = run_level(
                     target, n, duration_s, prompts, max_new_tokens, None, timeout_s, temperature, options, ramp
                 ).summary()
+                level |= EngineCounts.scrape(scrapes[mode], target_tier).since(before)
                 runs.append({"mode": mode, "block": block, **level})
                 print(
                     f"{mode:>16} concurrency {n:>3}: {level['requests']} requests, {level['tokens_per_s']:.1f} "
                     f"tok/s ({level['drained_tokens_per_s']:.1f} drained), p50 {level['p50_s']} s, "
                     f"p99 {level['p99_s']} s, errors {level['errors']}, "
-                    f"rounds that drafted {level['drafted_round_share']:.0%}, ramp {level['ramp_s']} s",
+                    f"rounds that drafted {level['drafted_round_share']:.0%}, ramp {level['ramp_s']} s, "
+                    f"target passes a token {level['target_passes_per_token']} "
+                    f"({level['target_pass_ms']} ms a pass)",
                     flush=True,
                 )
     finally:
@@ -262,6 +271,44 @@ def _scaling_lines(summary: dict) -> list[str]:
     for mode, ratios in summary["over_single_stream"].items():
         lines.append(f"{mode}: throughput / single stream: " + ", ".join(f"{n}: {r:.2f}x" for n, r in ratios.items()))
     return lines
+
+
+@dataclass(frozen=True)
+class EngineCounts:
+    """What a server's /metrics says of its work so far: the target's forward passes and their seconds
+    (`tier_pass_seconds`, every batched pass), and the tokens its finished requests generated."""
+
+    passes: float
+    pass_s: float
+    tokens: float
+
+    @classmethod
+    def scrape(cls, http_port: int, target: str) -> EngineCounts:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as page:
+            text = page.read().decode()
+        found = {"count": 0.0, "sum": 0.0, "tokens": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == f"{PREFIX}generation_tokens_total":
+                    found["tokens"] += sample.value
+                elif sample.labels.get("tier") == target and sample.name.startswith(f"{PREFIX}tier_pass_seconds_"):
+                    found[sample.name.rsplit("_", 1)[1]] = sample.value  # _count, _sum (and _bucket, _created)
+        return cls(found["count"], found["sum"], found["tokens"])
+
+    def since(self, before: EngineCounts) -> dict[str, float | None]:
+        """A level's figures: its requests' tokens (its ramp and drain included, as the passes are)
+        against the target passes run meanwhile. A plain server at N streams runs about 1 / N a token
+        (prefill chunks add some); drafting that pays runs fewer."""
+        passes, tokens = self.passes - before.passes, self.tokens - before.tokens
+        return {
+            "target_passes_per_token": round(passes / tokens, 4) if tokens else None,
+            "target_pass_ms": round((self.pass_s - before.pass_s) / passes * 1e3, 3) if passes else None,
+            "target_pass_ms_per_token": round((self.pass_s - before.pass_s) / tokens * 1e3, 4) if tokens else None,
+        }
 
 
 class ServerProcess:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -144,12 +145,17 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
         assert run["requests"] > 0 and run["errors"] == 0 and run["tokens_per_s"] > 0
         assert 0 < run["p50_s"] <= run["p99_s"]
         assert 0.0 <= run["drafted_round_share"] <= 1.0 and (run["mode"] != "plain" or run["drafted_round_share"] == 0)
+        # the servers' own count of target passes (their /metrics) against the tokens of the level: one
+        # stream of plain decoding needs a pass a token at least (its prompt's pass makes the first)
+        assert run["target_passes_per_token"] >= (1.0 if run["mode"] == "plain" else 1.0 / 6) / run["concurrency"]
+        assert run["target_pass_ms"] > 0 and run["target_pass_ms_per_token"] > 0
     ratio = results["summary"]["default_over_plain"]["3"]
     assert ratio == round(runs[2]["tokens_per_s"] / runs[3]["tokens_per_s"], 3)
     drained = results["summary"]["drained"]["default_over_plain"]["3"]
     assert drained == round(runs[2]["drained_tokens_per_s"] / runs[3]["drained_tokens_per_s"], 3)
     printed = capsys.readouterr().out
     assert "default / plain at 3 streams: " in printed and "default / plain at 3 streams, drained figures" in printed
+    assert "target passes a token " in printed
 
 
 def test_throughput_counts_the_tokens_that_arrived_within_the_window(monkeypatch):
@@ -157,7 +163,6 @@ def test_throughput_counts_the_tokens_that_arrived_within_the_window(monkeypatch
     # later: within the window one token arrived (4 tok/s over the window); the drained figure counts
     # all three over the window and the drain (~1.5 s), as the closed loop left the request to finish.
     import time
-    import types
 
     import cascade_service.client as client_module
     from cascade_service.bench.load import run_level
@@ -190,7 +195,6 @@ def test_the_window_opens_once_every_client_has_finished_a_request(monkeypatch):
     # start (ramp=False) the 0.3 s one is.
     import itertools
     import time
-    import types
 
     import cascade_service.client as client_module
     from cascade_service.bench.load import run_level
@@ -256,15 +260,19 @@ def test_each_block_turns_the_order_so_every_mode_runs_in_every_place(monkeypatc
     from cascade_service.bench import load
 
     class Server:
-        def __init__(self, config_path, mode):
+        def __init__(self, config_path, mode, extra=()):
             self.mode = mode
 
         def wait_ready(self):
             return self.mode  # run_level below is handed the mode as its target
 
+        def wait_http(self):
+            return 0
+
         def stop(self):
             pass
 
+    _no_metrics(monkeypatch, load)
     measured = []
 
     def level(target, n, *args, **kwargs):
@@ -291,7 +299,7 @@ def test_each_block_runs_on_fresh_server_processes(monkeypatch, tmp_path):
     started, alive = [], set()
 
     class Server:
-        def __init__(self, config_path, mode):
+        def __init__(self, config_path, mode, extra=()):
             self.mode = mode
             started.append(self)
             alive.add(self)
@@ -299,8 +307,13 @@ def test_each_block_runs_on_fresh_server_processes(monkeypatch, tmp_path):
         def wait_ready(self):
             return self
 
+        def wait_http(self):
+            return 0
+
         def stop(self):
             alive.discard(self)
+
+    _no_metrics(monkeypatch, load)
 
     def level(target, n, *args, **kwargs):
         assert target in alive  # measured on a server of this block, still running
@@ -314,3 +327,10 @@ def test_each_block_runs_on_fresh_server_processes(monkeypatch, tmp_path):
     assert not alive
     summary = json.loads((tmp_path / "load.json").read_text())["summary"]
     assert summary["twin_over_plain"]["4"] == 1.0  # the control is reported as any mode is
+
+
+def _no_metrics(monkeypatch, load):
+    """For a run_modes over fake servers: no config to read the target's name from, no /metrics."""
+    config = types.SimpleNamespace(cascade=types.SimpleNamespace(target=types.SimpleNamespace(name="t")))
+    monkeypatch.setattr(load, "load_config", lambda path: config)
+    monkeypatch.setattr(load.EngineCounts, "scrape", classmethod(lambda cls, port, tier: cls(0.0, 0.0, 0.0)))
