@@ -21,11 +21,13 @@ from typing import Any
 
 from .. import procfs
 from ..config import load_config
-from ..metrics import PREFIX
 from .clients import Level, run_level
 
 __all__ = ["DEFAULT_PROMPTS", "MODES", "RATIOS", "Level", "ServerProcess", "run", "run_level", "run_modes"]
 
+# The service's metric names start so (cascade_service.metrics.PREFIX, tested equal): the bench reads a server's
+# /metrics as any scraper would, and imports nothing of the service's own layers.
+METRICS_PREFIX = "cascade:"
 DEFAULT_PROMPTS = ("def main():\n", "import os\n\n\nclass Config:\n", "for i in range(10):\n    print(i)\n")
 
 
@@ -291,11 +293,12 @@ class EngineCounts:
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as page:
             text = page.read().decode()
         found = {"count": 0.0, "sum": 0.0, "tokens": 0.0}
+        passes = f"{METRICS_PREFIX}tier_pass_seconds_"
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == f"{PREFIX}generation_tokens_total":
+                if sample.name == f"{METRICS_PREFIX}generation_tokens_total":
                     found["tokens"] += sample.value
-                elif sample.labels.get("tier") == target and sample.name.startswith(f"{PREFIX}tier_pass_seconds_"):
+                elif sample.labels.get("tier") == target and sample.name.startswith(passes):
                     found[sample.name.rsplit("_", 1)[1]] = sample.value  # _count, _sum (and _bucket, _created)
         return cls(found["count"], found["sum"], found["tokens"])
 

@@ -158,6 +158,13 @@ def test_load_from_a_config_compares_the_cascade_with_plain_decoding(tiny_family
     assert "target passes a token " in printed
 
 
+def test_the_bench_reads_the_services_metric_names():
+    from cascade_service.bench import load
+    from cascade_service.metrics import PREFIX
+
+    assert load.METRICS_PREFIX == PREFIX
+
+
 def test_throughput_counts_the_tokens_that_arrived_within_the_window(monkeypatch):
     # One stream, a 0.75 s window, a request whose first token comes at once and its other two 1.5 s
     # later: within the window one token arrived (4 tok/s over the window); the drained figure counts
