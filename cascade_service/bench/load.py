@@ -292,15 +292,19 @@ class EngineCounts:
 
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30) as page:
             text = page.read().decode()
-        found = {"count": 0.0, "sum": 0.0, "tokens": 0.0}
-        passes = f"{METRICS_PREFIX}tier_pass_seconds_"
+        # the target's pass histogram (its count and sum), and the tokens of every finished request
+        wanted = {
+            (f"{METRICS_PREFIX}tier_pass_seconds_count", target): "passes",
+            (f"{METRICS_PREFIX}tier_pass_seconds_sum", target): "pass_s",
+            (f"{METRICS_PREFIX}generation_tokens_total", None): "tokens",
+        }
+        found = dict.fromkeys(wanted.values(), 0.0)
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == f"{METRICS_PREFIX}generation_tokens_total":
-                    found["tokens"] += sample.value
-                elif sample.labels.get("tier") == target and sample.name.startswith(passes):
-                    found[sample.name.rsplit("_", 1)[1]] = sample.value  # _count, _sum (and _bucket, _created)
-        return cls(found["count"], found["sum"], found["tokens"])
+                field = wanted.get((sample.name, sample.labels.get("tier")))
+                if field is not None:
+                    found[field] += sample.value
+        return cls(**found)
 
     def since(self, before: EngineCounts) -> dict[str, float | None]:
         """A level's figures: its requests' tokens (its ramp and drain included, as the passes are)
