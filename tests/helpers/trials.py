@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Callable
 
 from cascade_service.engine.clock import PassTimer
 from cascade_service.engine.policies.trial import ArmTrial
@@ -24,29 +25,44 @@ class Clock:
         return self.t
 
 
-def closed_loop(
-    trial: ArmTrial, clock: Clock, streams: int, speed: dict[str, tuple[int, float]], seconds: float
-) -> dict[str, int]:
+Speeds = dict[str, tuple[float, float]]
+
+
+class ClosedLoop:
     """`streams` requests that start a round as soon as their last one ends; a round under arm a commits
-    speed[a][0] tokens in speed[a][1] seconds (+-30%, seeded). Returns the rounds run under each arm."""
-    rng = random.Random(7)
-    used: dict[str, int] = {}
-    heap: list = []
+    speed[a][0] tokens in speed[a][1] seconds (+-30%, seeded); `speed` may be a function of the time the
+    round starts. `run` goes on from where the last run stopped, the same requests' rounds in flight."""
 
-    def start(i: int) -> None:
-        round_ = trial.start_round()
+    def __init__(self, trial: ArmTrial, clock: Clock, streams: int, speed: Speeds | Callable[[float], Speeds]):
+        self.trial, self.clock, self.speed = trial, clock, speed
+        self.rng = random.Random(7)
+        self.heap: list = []
+        for i in range(streams):
+            self._start(i)
+
+    def _start(self, i: int) -> None:
+        round_ = self.trial.start_round()
+        speed = self.speed(self.clock.t) if callable(self.speed) else self.speed
         tokens, duration = speed[round_.arm]
-        heapq.heappush(heap, (clock.t + duration * rng.uniform(0.7, 1.3), i, round_, tokens))
+        heapq.heappush(self.heap, (self.clock.t + duration * self.rng.uniform(0.7, 1.3), i, round_, tokens))
 
-    for i in range(streams):
-        start(i)
-    end = clock.t + seconds
-    while clock.t < end:
-        clock.t, i, round_, tokens = heapq.heappop(heap)
-        trial.end_round(round_, tokens)
-        used[round_.arm] = used.get(round_.arm, 0) + 1
-        start(i)
-    return used
+    def run(self, seconds: float) -> dict[str, int]:
+        """The rounds that ended in the next `seconds`, by arm."""
+        used: dict[str, int] = {}
+        end = self.clock.t + seconds
+        while self.clock.t < end:
+            self.clock.t, i, round_, tokens = heapq.heappop(self.heap)
+            self.trial.end_round(round_, tokens)
+            used[round_.arm] = used.get(round_.arm, 0) + 1
+            self._start(i)
+        return used
+
+
+def closed_loop(
+    trial: ArmTrial, clock: Clock, streams: int, speed: Speeds | Callable[[float], Speeds], seconds: float
+) -> dict[str, int]:
+    """`seconds` of a fresh ClosedLoop: the rounds run under each arm."""
+    return ClosedLoop(trial, clock, streams, speed).run(seconds)
 
 
 def ragged_timer(fixed_s: float, per_request_s: float, per_token_s: float, batch: int) -> PassTimer:

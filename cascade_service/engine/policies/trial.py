@@ -102,8 +102,13 @@ class ArmTrial:
     when a wave of new requests is being prefilled.
 
     At level 0 (one round in flight) the K-matrix runs ("full"), with no trial: a lone request's passes
-    cost what they cost when `tune` chose it. Each other level tries every arm once, then uses the
-    best (the median of its last RECENT samples); one
+    cost what they cost when `tune` chose it. Each other level tries every arm once, then measures
+    again each arm that came within NEAR of the best on a single sample (CONFIRM), then uses the best
+    (the median of its last RECENT samples). A first sample can fall on a server still cold (its first
+    batched passes, its allocator) or on a wave of new requests' prefills: in `bench load`, a fresh
+    server's warm-up measured "full" and "budget" at 16 streams before its level began (62-75 tokens a
+    round-second), and "lookup", measured warm (67-77), was kept for the rest of the level over both,
+    never measured again. One
     epoch in EXPLORE re-measures another arm, the least recently measured, except that one measured at
     under half the best is re-measured only every FAR_EXPLORE-th time, so that a change in traffic is
     noticed.
@@ -114,6 +119,8 @@ class ArmTrial:
     MIN_ROUNDS = 8
     EXPLORE = 8
     FAR_EXPLORE = 4
+    NEAR = 0.85  # an arm within this fraction of the best, measured once, is measured again (CONFIRM)
+    CONFIRM = 2
     RECENT = 5  # an arm's estimate is the median of its last samples: an epoch that fell on a wave of
     # new requests (their prefills hold the passes) reads far low, and a mean would follow it
     LOAD_SMOOTHING = 0.05  # EWMA of rounds in flight, per round started
@@ -230,6 +237,9 @@ class ArmTrial:
         if not measured:  # every arm is in flight, none measured yet
             return self.arms[0]
         best = max(measured, key=lambda a: arms[a][0])
+        unconfirmed = self._unconfirmed(arms, best, pending) if len(measured) == len(self.arms) else []
+        if unconfirmed:  # every arm has a sample: the near ones get a second before the best is kept
+            return min(unconfirmed, key=lambda a: arms[a][2])  # the least recently measured
         choice = self._choices[level] = self._choices.get(level, 0) + 1
         if choice % self.EXPLORE != 0 or len(measured) == 1:
             return best
@@ -239,6 +249,15 @@ class ArmTrial:
         if not near or explorations % self.FAR_EXPLORE == 0:
             near = others
         return min(near, key=lambda a: arms[a][2])  # the least recently measured
+
+    def _unconfirmed(self, arms: dict[str, tuple[float, int, int]], best: str, pending: set[str]) -> list[str]:
+        """The arms other than `best`, not in flight, within NEAR of it on fewer than CONFIRM samples."""
+        near = self.NEAR * arms[best][0]
+        return [
+            a
+            for a, (rate, samples, _) in arms.items()
+            if a != best and a not in pending and samples < self.CONFIRM and rate >= near
+        ]
 
     def best(self, level: int) -> str | None:
         """The arm in use at `level`; None until every arm was measured there."""
