@@ -275,6 +275,26 @@ def test_under_load_one_sources_full_evidence_carries_the_others_thin_evidence_t
         assert (goodput.REST in admitted) is rests, (level, model_earned)
 
 
+def test_a_higher_levels_evidence_is_not_lent_to_a_lower_one():
+    # Drafting gains less the more rounds share the passes: a loss at 64 streams says nothing at 16. Lent down,
+    # a 64-stream warm-up's losing rounds rested every request at 4 and 16 streams for the whole level (the
+    # family's prompts, greedy: 0% of rounds drafted, 0.95x plain), and resting rounds measure nothing: the level
+    # starts as a new server's does. A loss at a lower level is one here.
+    for losing, rests in ((6, False), (2, True)):
+        model = at_load(16)  # level 4
+        assert model.level() == 4
+        model.plain(model.at(True, 4), 1.0, 0.8)
+        there = model.at(True, losing)
+        while there.gains["model"].rounds < 2 * goodput.REST_EVIDENCE_ALONE:
+            for source in goodput.SOURCES:
+                model.drafted(there, source, 1.0, 1.5)
+        assert (model.evidence(True, 4, "model") is there.gains["model"]) is rests
+        admitted = [model.admit(True) for _ in range(8)]
+        assert (goodput.REST in admitted) is rests, losing
+        if not rests:  # nothing known at or below level 4: as on a new server, the first admitted explores
+            assert admitted[0] == goodput.EXPLORE
+
+
 def test_level_0_and_the_levels_under_load_lend_each_other_no_evidence():
     # After a burst, level 0 may have no rounds of its own, and the levels under load lose. Borrowed, their
     # rounds rested lone requests or kept their floors from drafting (the family's prompts at T = 0.7, one
@@ -290,7 +310,7 @@ def test_level_0_and_the_levels_under_load_lend_each_other_no_evidence():
         for source in goodput.SOURCES:
             model.drafted(busy, source, 1.0, 1.5)
     assert model.level() == 0
-    assert model.evidence(True, 0, "model") is None and model.evidence(True, 2, "model") is busy.gains["model"]
+    assert model.evidence(True, 0, "model") is None and model.evidence(True, 6, "model") is busy.gains["model"]
     assert all(model.admit(True) == goodput.FLOOR for _ in range(8))
     assert run(Request(model), 1, GOOD).sources == ["model"]  # its prompt's round drafts, as on a new server
     here = model.at(True, 0)

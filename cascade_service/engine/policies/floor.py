@@ -353,7 +353,7 @@ class GoodputFloor:
         return max(0.0, work - plain) if plain is not None else 0.0
 
     def _gains(self, here: Level, source: str) -> Gain:
-        """Every request's rounds of `source` at its level, else at the nearest level that has some."""
+        """Every request's rounds of `source` at its level, else at the nearest lower level that has some."""
         if here.gains[source].rounds > 0.0:
             return here.gains[source]
         return self.model.evidence(self.greedy, self._rest_level, source, self.scope) or here.gains[source]

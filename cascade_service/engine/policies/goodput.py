@@ -236,24 +236,28 @@ class FloorModel:
         return level > 0 or others > 0
 
     def evidence(self, greedy: bool, level: int, source: str, scope: str = "") -> Gain | None:
-        """Every request's rounds of `source` at `level`, or where none were measured there the nearest level's
-        that has some (the lower where two are as near); None where no level has any. Level 0 (a request
-        alone) and the levels under load lend each other nothing: drafting gains most alone and loses most
-        under load. After a burst the levels under load kept lone requests from drafting (the family's
-        prompts at T = 0.7, one stream after 16: 0-14% of rounds drafted and 1.00x plain, against 33-37% and
-        1.09x); the family's greedy prompts ran 1.51 / 1.00x plain at 1 / 16 streams with level 0 lending to
-        the levels under load, 1.57 / 1.02x without."""
+        """Every request's rounds of `source` at `level`, or where none were measured there the nearest lower
+        level's that has some; None where none has any. Drafting gains less the more rounds share the passes,
+        so a loss at a lower load is a loss here, and a higher level's says nothing about this one: lent down,
+        the 64-stream warm-up's losing rounds rested every request at 4 and 16 streams for the whole level
+        (`bench load --concurrency 1,4,16,64`, the family's prompts, greedy: 0% of rounds drafted, 0.97 /
+        0.95x plain, where with the warm-up at 16 streams 19% drafted, 1.08x), and resting rounds measure
+        nothing that would end it. Level 0 (a request alone) and the levels under load lend each other
+        nothing: drafting gains most alone and loses most under load. After a burst the levels under load kept
+        lone requests from drafting (the family's prompts at T = 0.7, one stream after 16: 0-14% of rounds
+        drafted and 1.00x plain, against 33-37% and 1.09x); the family's greedy prompts ran 1.51 / 1.00x plain
+        at 1 / 16 streams with level 0 lending to the levels under load, 1.57 / 1.02x without."""
         with self._lock:
             return self._nearest(self._levels.get(scope, {}), greedy, level, source)
 
     @staticmethod
     def _nearest(levels: dict[tuple[bool, int], Level], greedy: bool, level: int, source: str) -> Gain | None:
         measured = [
-            (abs(n - level), n)
+            n
             for (g, n), here in levels.items()
-            if g == greedy and here.gains[source].rounds > 0 and (level > 0) == (n > 0)
+            if g == greedy and here.gains[source].rounds > 0 and (level > 0) == (n > 0) and n <= level
         ]
-        return levels[(greedy, min(measured)[1])].gains[source] if measured else None
+        return levels[(greedy, max(measured))].gains[source] if measured else None
 
     def admit(self, greedy: bool, scope: str = "") -> Admission:
         """How a request admitted now starts: FLOOR, as every request did; REST, plain from its first round (a
@@ -275,7 +279,7 @@ class FloorModel:
         level = self.level()
         here = self.at(greedy, level, scope)
         with self._lock:
-            # every request's rounds of each source here, else at the nearest level that has some
+            # every request's rounds of each source here, else at the nearest lower level that has some
             gains = {source: self._nearest(self._levels[scope], greedy, level, source) for source in SOURCES}
             if self._crowded(level, len(self._in_round)) and None in gains.values():
                 dark = self._dark.setdefault((scope, greedy), [1, EXPLORE_EVERY])
@@ -287,7 +291,7 @@ class FloorModel:
             if here.plain_s is None:
                 return FLOOR
             evidence = REST_EVIDENCE if level > 0 else REST_EVIDENCE_ALONE
-            thin = 0  # sources losing on fewer rounds than that (or on the nearest level's)
+            thin = 0  # sources losing on fewer rounds than that (or on a lower level's)
             for source, gain in gains.items():
                 if gain is None or gain.not_losing():
                     return FLOOR
